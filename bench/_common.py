@@ -1,0 +1,54 @@
+"""Shared helpers for benchmark scripts: machine description and the results JSON."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    """One line naming the machine: CPU count, platform, torch device if any."""
+    desc = f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()} {platform.release()}, python {platform.python_version()}"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            desc += f", {torch.cuda.get_device_name(0)}"
+        desc += f", torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    return desc
+
+
+def row(case: str, value: float, unit: str, baseline: float | None) -> dict:
+    """One result row; ratio = value / baseline (None when there is no baseline)."""
+    ratio = (value / baseline) if baseline not in (None, 0) else None
+    return {"case": case, "value": value, "unit": unit, "baseline": baseline, "ratio": ratio}
+
+
+def write_results(name: str, rows: list[dict], command: str | None = None) -> Path:
+    """Print a table and write bench/results/NAME.json in the project's shape."""
+    command = command or " ".join([Path(sys.executable).name] + sys.argv)
+    out = {
+        "name": name,
+        "rows": rows,
+        "machine": machine(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    width = max([len(r["case"]) for r in rows] + [4])
+    print(f"{'case':<{width}}  {'value':>12}  {'unit':<10}  {'baseline':>12}  {'ratio':>7}")
+    for r in rows:
+        base = "-" if r["baseline"] is None else f"{r['baseline']:.4g}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        print(f"{r['case']:<{width}}  {r['value']:>12.4g}  {r['unit']:<10}  {base:>12}  {ratio:>7}")
+    print(f"wrote {path}")
+    return path
