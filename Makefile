@@ -1,0 +1,50 @@
+# softsearch: two set-up commands — `make demo` and `make test` — both work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+RUN    ?= runs/demo
+PORT   ?= 8000
+# pytest options, e.g. `make test PYTEST_ARGS="-m 'not slow'"`
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast venv system-deps bench lint clean
+
+# The environment is rebuilt only when pyproject.toml changes.
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(BIN)/.installed
+
+# Debian packages the tests use: Fashion-MNIST IDX files and headless Chromium for the web-page test.
+# Installed only when missing and only where apt-get is usable (root); otherwise those tests skip with a reason.
+system-deps:
+	@if { [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } \
+	    && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	  echo "installing Debian packages: dataset-fashion-mnist chromium chromium-driver"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium chromium-driver >/dev/null; \
+	fi
+
+# Train on the built-in synthetic dataset, build the index, evaluate (before/after training), then serve.
+demo: venv
+	$(BIN)/softsearch train --config configs/synthetic.toml --set out_dir=$(RUN)/train
+	$(BIN)/softsearch index build --root $(RUN)/index --checkpoint $(RUN)/train/checkpoint.safetensors \
+	    --dataset synthetic --split train
+	$(BIN)/softsearch eval --index $(RUN)/index --queries-dataset synthetic --queries-split test \
+	    --compare $(RUN)/train/init.safetensors --out $(RUN)/eval
+	@echo "serving http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
+	$(BIN)/softsearch serve --index $(RUN)/index --host 127.0.0.1 --port $(PORT) --report $(RUN)/eval/report.html
+
+test: venv system-deps
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	for script in bench/[a-z]*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,91 @@
+"""The `softsearch` command: one entry point dispatching to each package's `main(argv)`.
+
+Each sub-command lives with the package that owns it (training, index, search, api); this
+module only routes and turns user mistakes into a one-line message with exit code 2.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Callable
+
+USAGE = """usage: softsearch <command> [options]
+
+commands:
+  train               train an encoder (InfoNCE / WEINCE / annealed InfoNCE) from a TOML config
+  index SUBCOMMAND    build | rebuild | add | list | activate | rollback | verify
+  eval                evaluate an index or checkpoint: retrieval metrics, cross-entropy gap, report
+  serve               serve the HTTP API and web page
+  experiment anneal   Langevin temperature-annealing experiment on free unit embeddings
+
+`softsearch <command> --help` describes each command.
+"""
+
+
+def _train(argv: list[str]) -> int:
+    from training.trainer import main as train_main
+
+    return train_main(argv)
+
+
+def _index(argv: list[str]) -> int:
+    from index.cli import main as index_main
+    from search.quality import evaluate_version
+
+    return index_main(argv, evaluator=evaluate_version)
+
+
+def _eval(argv: list[str]) -> int:
+    from search.evaluate import main as eval_main
+
+    return eval_main(argv)
+
+
+def _serve(argv: list[str]) -> int:
+    from api.server import main as serve_main
+
+    return serve_main(argv)
+
+
+def _experiment(argv: list[str]) -> int:
+    if not argv or argv[0] != "anneal":
+        raise ValueError("unknown experiment; available: 'softsearch experiment anneal'")
+    from training.anneal_experiment import main as anneal_main
+
+    return anneal_main(argv[1:])
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train,
+    "index": _index,
+    "eval": _eval,
+    "serve": _serve,
+    "experiment": _experiment,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `softsearch ARGV`; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(COMMANDS[command](rest) or 0)
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
+        # User mistakes (bad paths, bad values) get one line, never a traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
