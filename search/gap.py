@@ -1,0 +1,260 @@
+"""Exact, streaming cross-entropy gap between the ideal and the learned softmax search.
+
+Per query x over a database D = {y_1..y_N} (papers.md section 1):
+
+    ideal    q(j|x) = r(x, y_j) / sum_l r(x, y_l)           (from the generator's log r)
+    learned  p(j|x) = exp(s_j / tau) / sum_l exp(s_l / tau)   (s = z_x . z_y)
+    H(q, p) = log Z_p - E_q[s / tau],   H(q) = log Z_q - E_q[log r],   KL = H(q, p) - H(q)
+
+with log Z_p = logsumexp_j s_j / tau and log Z_q = logsumexp_j log r_j. `softmax_gap` never
+holds a Q x N matrix: it walks (block_q, block_n) tiles with an online log-sum-exp and
+carries the q-weighted sums rescaled whenever the running max moves. Matmuls run in fp32,
+the running sums in float64. `softmax_gap_dense` is the obviously-correct reference.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.special import i0e
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GapResult:
+    """Per-query H(q,p), H(q) and KL(q||p) = H(q,p) - H(q), all (Q,) float64 in nats."""
+
+    cross_entropy: np.ndarray
+    ideal_entropy: np.ndarray
+    kl: np.ndarray
+    temperature: float | None = None
+    generator: str | None = None
+
+    def __len__(self) -> int:
+        return int(self.kl.shape[0])
+
+    def summary(self) -> dict:
+        """Means and standard errors (std / sqrt(Q)) of the three per-query quantities."""
+        out: dict = {"n_queries": len(self), "temperature": self.temperature, "generator": self.generator}
+        for name, v in (("cross_entropy", self.cross_entropy), ("ideal_entropy", self.ideal_entropy), ("kl", self.kl)):
+            n = v.shape[0]
+            out[name] = float(v.mean()) if n else float("nan")
+            out[f"{name}_se"] = float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+        out["gap"], out["gap_se"] = out["kl"], out["kl_se"]
+        return out
+
+
+def _device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature):
+    query_emb = np.asarray(query_emb)
+    db_emb = np.asarray(db_emb)
+    if query_emb.ndim != 2 or db_emb.ndim != 2 or query_emb.shape[1] != db_emb.shape[1]:
+        raise ValueError(f"embedding shapes {query_emb.shape} and {db_emb.shape} are not (Q, D) and (N, D)")
+    if len(query_meta) != query_emb.shape[0]:
+        raise ValueError(f"query_meta has {len(query_meta)} rows for {query_emb.shape[0]} queries")
+    if len(db_meta) != db_emb.shape[0]:
+        raise ValueError(f"db_meta has {len(db_meta)} rows for {db_emb.shape[0]} database items")
+    if db_emb.shape[0] == 0:
+        raise ValueError("empty database")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    return query_emb, db_emb
+
+
+def _log_i0(kappa: float) -> float:
+    # log I0(k) = log(i0e(k)) + |k|, stable for large kappa
+    return float(np.log(i0e(kappa)) + abs(kappa))
+
+
+def _oracle(latents: np.ndarray) -> np.ndarray:
+    # u = m^{-1/2} (cos t1, sin t1, ..., cos tm, sin tm); u_x . u_y = (1/m) sum_i cos(dt_i)
+    latents = np.asarray(latents, dtype=np.float64)
+    m = latents.shape[1]
+    u = np.empty((latents.shape[0], 2 * m), dtype=np.float64)
+    u[:, 0::2] = np.cos(latents)
+    u[:, 1::2] = np.sin(latents)
+    return u / math.sqrt(m)
+
+
+def _latent_kappa(generator) -> float | None:
+    """kappa when `generator` is the scalar-kappa von Mises latent generator (device fast path)."""
+    if getattr(generator, "name", None) != "latent":
+        return None
+    kappa = getattr(generator, "kappa", None)
+    if isinstance(kappa, (int, float, np.floating)) and math.isfinite(float(kappa)):
+        return float(kappa)
+    return None
+
+
+def _rows_without_support(log_z_q: np.ndarray, offset: int) -> None:
+    bad = np.flatnonzero(~np.isfinite(log_z_q))
+    if bad.size:
+        raise ValueError(
+            f"queries {(bad[:5] + offset).tolist()} have r = 0 for every database item "
+            "(e.g. their class is absent from the database): the ideal search is undefined"
+        )
+
+
+def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev) -> tuple[np.ndarray, np.ndarray]:
+    """Label fast path in O(QN) without an ideal matrix: q is uniform over the n_c same-class
+    items, so E_q[s] = z_q . mean_{c(q)} z and H(q) = log n_c."""
+    qlab = np.asarray(qlab).astype(np.int64).ravel()
+    nlab = np.asarray(nlab).astype(np.int64).ravel()
+    classes, inv = np.unique(nlab, return_inverse=True)
+    counts = np.bincount(inv, minlength=classes.size).astype(np.float64)
+    # class means of the database embeddings, accumulated in float64: (C, D)
+    sums = np.zeros((classes.size, zn.shape[1]), dtype=np.float64)
+    np.add.at(sums, inv, zn.astype(np.float64))
+    means = sums / counts[:, None]
+    pos = np.searchsorted(classes, qlab)
+    pos_c = np.clip(pos, 0, classes.size - 1)
+    missing = classes[pos_c] != qlab
+    if missing.any():
+        bad = np.flatnonzero(missing)
+        raise ValueError(
+            f"query classes {sorted(set(qlab[bad].tolist()))[:5]} are absent from the database "
+            "(r = 0 for every item): the ideal search is undefined"
+        )
+    e_s = np.einsum("qd,qd->q", zq.astype(np.float64), means[pos_c])  # E_q[s] per query
+    log_zp = _log_partition(zq, zn, temperature, block_q, block_n, dev)
+    ce = log_zp - e_s / temperature
+    h = np.log(counts[pos_c])
+    return ce, h
+
+
+def _log_partition(zq, zn, temperature, block_q, block_n, dev) -> np.ndarray:
+    """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles."""
+    out = np.empty(zq.shape[0], dtype=np.float64)
+    inv_tau = 1.0 / temperature
+    for q0 in range(0, zq.shape[0], block_q):
+        xq = torch.as_tensor(zq[q0 : q0 + block_q], dtype=torch.float32, device=dev)
+        m = torch.full((xq.shape[0],), -math.inf, dtype=torch.float64, device=dev)
+        acc = torch.zeros(xq.shape[0], dtype=torch.float64, device=dev)
+        for n0 in range(0, zn.shape[0], block_n):
+            xn = torch.as_tensor(zn[n0 : n0 + block_n], dtype=torch.float32, device=dev)
+            lp = (xq @ xn.T) * inv_tau  # (bq, bn) fp32 logits
+            bm = lp.amax(dim=1).double()
+            new_m = torch.maximum(m, bm)
+            acc = acc * torch.exp(m - new_m) + torch.exp(lp - new_m.float()[:, None]).sum(1, dtype=torch.float64)
+            m = new_m
+        out[q0 : q0 + xq.shape[0]] = (m + torch.log(acc)).cpu().numpy()
+    return out
+
+
+def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: float,
+                block_q: int = 1024, block_n: int = 16384, device=None) -> GapResult:
+    """Exact per-query H(q,p), H(q) and KL for unit embeddings, streamed in tiles.
+
+    `query_meta`/`db_meta` are what `generator.log_ratio` takes (latents, labels, indices).
+    The label generator takes an O(QN) fast path with no ideal matrix; the von Mises latent
+    generator computes log r on the device as m kappa (u_q . u_n) - m log I0(kappa) with u the
+    oracle embedding; any other generator is called per tile through `log_ratio`.
+    """
+    zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
+    if block_q < 1 or block_n < 1:
+        raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_n={block_n}")
+    temperature = float(temperature)
+    dev = _device(device)
+    gname = getattr(generator, "name", type(generator).__name__)
+    if gname == "label":
+        ce, h = _label_gap(zq, zn, query_meta, db_meta, temperature, block_q, block_n, dev)
+        return GapResult(ce, h, ce - h, temperature, gname)
+
+    kappa = _latent_kappa(generator)
+    if kappa is not None:
+        uq_all, un_all = _oracle(query_meta), _oracle(db_meta)
+        m_lat = np.asarray(query_meta).shape[1]
+        lr_scale, lr_shift = m_lat * kappa, -m_lat * _log_i0(kappa)
+
+    inv_tau = 1.0 / temperature
+    nq = zq.shape[0]
+    ce = np.empty(nq, dtype=np.float64)
+    h = np.empty(nq, dtype=np.float64)
+    for q0 in range(0, nq, block_q):
+        q1 = min(q0 + block_q, nq)
+        bq = q1 - q0
+        xq = torch.as_tensor(zq[q0:q1], dtype=torch.float32, device=dev)
+        f64 = dict(dtype=torch.float64, device=dev)
+        mp = torch.full((bq,), -math.inf, **f64)  # running max of s/tau
+        sp = torch.zeros(bq, **f64)               # sum exp(s/tau - mp)
+        mq = torch.full((bq,), -math.inf, **f64)  # running max of log r
+        sq = torch.zeros(bq, **f64)               # S = sum exp(log r - mq)
+        a = torch.zeros(bq, **f64)                # A = sum exp(log r - mq) * s/tau
+        b = torch.zeros(bq, **f64)                # B = sum exp(log r - mq) * log r
+        if kappa is not None:
+            uq = torch.as_tensor(uq_all[q0:q1], dtype=torch.float32, device=dev)
+        for n0 in range(0, zn.shape[0], block_n):
+            n1 = min(n0 + block_n, zn.shape[0])
+            xn = torch.as_tensor(zn[n0:n1], dtype=torch.float32, device=dev)
+            lp = (xq @ xn.T) * inv_tau  # (bq, bn) fp32 logits s/tau
+            # learned side: online logsumexp
+            new = torch.maximum(mp, lp.amax(dim=1).double())
+            sp = sp * torch.exp(mp - new) + torch.exp(lp - new.float()[:, None]).sum(1, dtype=torch.float64)
+            mp = new
+            # ideal side: log r tile (bq, bn)
+            if kappa is not None:
+                un = torch.as_tensor(un_all[n0:n1], dtype=torch.float32, device=dev)
+                lr = (uq @ un.T) * lr_scale + lr_shift
+            else:
+                lr_np = np.asarray(generator.log_ratio(query_meta[q0:q1], db_meta[n0:n1]), dtype=np.float64)
+                assert lr_np.shape == (bq, n1 - n0), f"log_ratio returned {lr_np.shape}, expected {(bq, n1 - n0)}"
+                lr = torch.as_tensor(lr_np, dtype=torch.float64, device=dev)
+            new = torch.maximum(mq, lr.amax(dim=1).double())
+            safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+            scale = torch.exp(mq - safe)  # 0 while the old max is -inf
+            w = torch.exp(lr - safe.to(lr.dtype)[:, None])  # q-weights up to 1/S; exp(-inf) = 0
+            # 0 * -inf = 0: items with r = 0 contribute nothing to E_q[log r]
+            wlr = torch.where(w > 0, w * lr, torch.zeros_like(w))
+            sq = sq * scale + w.sum(1, dtype=torch.float64)
+            a = a * scale + (w.to(lp.dtype) * lp).sum(1, dtype=torch.float64)
+            b = b * scale + wlr.sum(1, dtype=torch.float64)
+            mq = new
+        log_zp = mp + torch.log(sp)
+        log_zq = mq + torch.log(sq)
+        _rows_without_support(log_zq.cpu().numpy(), q0)
+        ce[q0:q1] = (log_zp - a / sq).cpu().numpy()  # H(q,p) = log Z_p - E_q[s/tau]
+        h[q0:q1] = (log_zq - b / sq).cpu().numpy()   # H(q)   = log Z_q - E_q[log r]
+    return GapResult(ce, h, ce - h, temperature, gname)
+
+
+def softmax_gap_dense(query_emb, db_emb, query_meta, db_meta, generator, temperature: float) -> GapResult:
+    """Reference: full (Q, N) float64 matrices of log p and log q from `generator.log_ratio`."""
+    zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
+    s = zq.astype(np.float64) @ zn.astype(np.float64).T / float(temperature)
+    log_p = s - _lse(s)[:, None]
+    lr = np.asarray(generator.log_ratio(query_meta, db_meta), dtype=np.float64)
+    log_zq = _lse(lr)
+    _rows_without_support(log_zq, 0)
+    log_q = lr - log_zq[:, None]
+    q = np.exp(log_q)
+    with np.errstate(invalid="ignore"):  # 0 * -inf = 0 via the mask
+        ce = -np.sum(np.where(q > 0, q * log_p, 0.0), axis=1)
+        h = -np.sum(np.where(q > 0, q * log_q, 0.0), axis=1)
+    return GapResult(ce, h, ce - h, float(temperature), getattr(generator, "name", None))
+
+
+def ideal_and_learned(query_emb, db_emb, query_meta, db_meta, generator, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(q, p) as dense (Q, N) rows, for plotting a few sample queries in reports."""
+    zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
+    s = zq.astype(np.float64) @ zn.astype(np.float64).T / float(temperature)
+    p = np.exp(s - _lse(s)[:, None])
+    lr = np.asarray(generator.log_ratio(query_meta, db_meta), dtype=np.float64)
+    log_zq = _lse(lr)
+    _rows_without_support(log_zq, 0)
+    return np.exp(lr - log_zq[:, None]), p
+
+
+def _lse(x: np.ndarray) -> np.ndarray:
+    m = np.max(x, axis=1)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        return m_safe + np.log(np.sum(np.exp(x - m_safe[:, None]), axis=1))

@@ -1,0 +1,89 @@
+import numpy as np
+import pytest
+
+from search.gap import softmax_gap, softmax_gap_dense, ideal_and_learned
+from search_refs import VonMises, GenericLatent, Labels, Instance, oracle, unit
+
+RNG = np.random.default_rng(0)
+
+
+def _rel(a, b):
+    return np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-3))
+
+
+def _assert_close(res, ref, tol=1e-5):
+    for f in ("cross_entropy", "ideal_entropy", "kl"):
+        a, b = getattr(res, f), getattr(ref, f)
+        if f == "kl":  # KL can be tiny: compare against the scale of H(q,p)
+            assert np.max(np.abs(a - b)) < tol * max(1.0, np.max(np.abs(ref.cross_entropy))), f
+        else:
+            assert _rel(a, b) < tol, (f, _rel(a, b))
+
+
+@pytest.mark.parametrize("gen", [VonMises(4.0), GenericLatent(4.0)])
+def test_latent_streaming_matches_dense(gen):
+    qlat = RNG.uniform(0, 2 * np.pi, (37, 3))
+    dlat = RNG.uniform(0, 2 * np.pi, (211, 3))
+    zq, zd = unit(RNG.normal(size=(37, 16))), unit(RNG.normal(size=(211, 16)))
+    ref = softmax_gap_dense(zq, zd, qlat, dlat, gen, 0.1)
+    res = softmax_gap(zq, zd, qlat, dlat, gen, 0.1, block_q=8, block_n=50)
+    _assert_close(res, ref)
+    assert np.all(ref.kl > 0)
+
+
+def test_label_fast_path_matches_dense():
+    qlab, dlab = RNG.integers(0, 5, 40), RNG.integers(0, 5, 300)
+    zq, zd = unit(RNG.normal(size=(40, 8))), unit(RNG.normal(size=(300, 8)))
+    ref = softmax_gap_dense(zq, zd, qlab, dlab, Labels(), 0.07)
+    res = softmax_gap(zq, zd, qlab, dlab, Labels(), 0.07, block_q=16, block_n=64)
+    _assert_close(res, ref)
+    # H(q) = log n_c in closed form
+    counts = np.bincount(dlab, minlength=5)
+    np.testing.assert_allclose(res.ideal_entropy, np.log(counts[qlab]), rtol=1e-12)
+
+
+def test_instance_point_mass():
+    zd = unit(RNG.normal(size=(120, 8)))
+    idx = RNG.choice(120, 30, replace=False)
+    zq = unit(zd[idx] + 0.1 * RNG.normal(size=(30, 8)))
+    ref = softmax_gap_dense(zq, zd, idx, np.arange(120), Instance(), 0.2)
+    res = softmax_gap(zq, zd, idx, np.arange(120), Instance(), 0.2, block_q=7, block_n=33)
+    _assert_close(res, ref)
+    # q is a point mass: H(q) = 0 and H(q,p) = -log p(source | x)
+    np.testing.assert_allclose(res.ideal_entropy, 0.0, atol=1e-12)
+    s = zq @ zd.T / 0.2
+    logp = s - np.log(np.exp(s).sum(1))[:, None]
+    np.testing.assert_allclose(res.cross_entropy, -logp[np.arange(30), idx], rtol=1e-5)
+
+
+def test_oracle_embedding_gap_vanishes_and_random_does_not():
+    m, kappa = 3, 5.0
+    qlat, dlat = RNG.uniform(0, 2 * np.pi, (50, m)), RNG.uniform(0, 2 * np.pi, (400, m))
+    gen = VonMises(kappa)
+    tau = 1.0 / (m * kappa)
+    res = softmax_gap(oracle(qlat), oracle(dlat), qlat, dlat, gen, tau, block_q=16, block_n=128)
+    assert abs(res.summary()["gap"]) < 1e-4
+    rnd = softmax_gap(unit(RNG.normal(size=(50, 6))), unit(RNG.normal(size=(400, 6))), qlat, dlat, gen, tau)
+    assert rnd.summary()["gap"] > 1e3 * max(abs(res.summary()["gap"]), 1e-6)
+    assert rnd.summary()["gap"] > 0.1
+
+
+def test_q_and_p_are_distributions():
+    qlat, dlat = RNG.uniform(0, 2 * np.pi, (5, 2)), RNG.uniform(0, 2 * np.pi, (60, 2))
+    q, p = ideal_and_learned(oracle(qlat), oracle(dlat), qlat, dlat, VonMises(2.0), 0.3)
+    np.testing.assert_allclose(q.sum(1), 1.0, rtol=1e-12)
+    np.testing.assert_allclose(p.sum(1), 1.0, rtol=1e-12)
+    q, _ = ideal_and_learned(oracle(qlat), oracle(dlat), np.array([0, 1, 2, 3, 4]) % 2, np.arange(60) % 3, Labels(), 0.3)
+    np.testing.assert_allclose(q.sum(1), 1.0, rtol=1e-12)
+
+
+def test_bad_inputs():
+    z = unit(RNG.normal(size=(4, 3)))
+    with pytest.raises(ValueError, match="temperature"):
+        softmax_gap(z, z, np.arange(4), np.arange(4), Instance(), -1.0)
+    with pytest.raises(ValueError, match="absent"):
+        softmax_gap(z, z, np.array([9, 0, 0, 0]), np.zeros(4, int), Labels(), 0.1)
+    with pytest.raises(ValueError, match="r = 0"):
+        softmax_gap(z, z, np.array([9, 0, 1, 2]), np.arange(4), Instance(), 0.1)
+    with pytest.raises(ValueError, match="shapes"):
+        softmax_gap(z, z[:, :2], np.arange(4), np.arange(4), Instance(), 0.1)
