@@ -1,0 +1,91 @@
+"""Encoder: shapes, unit norm, ViT / ModifiedResNet towers, input validation, embed()."""
+
+import numpy as np
+import pytest
+import torch
+
+from training.encoder import EncoderConfig, create_encoder, embed
+
+TINY_VIT = EncoderConfig(width=16, layers=1, heads=2, patch_size=8, mlp_ratio=1.0, embed_dim=8)
+TINY_RN = EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, image_size=32)
+
+
+@pytest.mark.parametrize("config", [TINY_VIT, TINY_RN], ids=["vit", "resnet"])
+def test_shapes_and_unit_norm(config):
+    torch.manual_seed(0)
+    enc = create_encoder(config)
+    x = torch.randn(3, 3, 32, 32)
+    h = enc.features(x)
+    z = enc(x)
+    assert h.shape == (3, 8) and z.shape == (3, 8)
+    assert torch.allclose(z.norm(dim=1), torch.ones(3), atol=1e-6)
+    # forward is exactly the normalised features
+    assert torch.allclose(z, h / h.norm(dim=1, keepdim=True), atol=1e-6)
+
+
+def test_tower_types():
+    from open_clip.modified_resnet import ModifiedResNet
+    from open_clip.transformer import VisionTransformer
+
+    assert isinstance(create_encoder(TINY_VIT).tower, VisionTransformer)
+    assert isinstance(create_encoder(TINY_RN).tower, ModifiedResNet)
+
+
+def test_default_is_small_vit():
+    enc = create_encoder(None)
+    assert enc.embed_dim == 64 and enc.image_size == 32
+    assert 50_000 < enc.num_parameters() < 120_000
+
+
+def test_config_from_dict_and_list_layers():
+    enc = create_encoder({"width": 8, "layers": [1, 1, 1, 1], "heads": 2, "embed_dim": 4})
+    assert enc.config.layers == (1, 1, 1, 1) and enc.config.is_resnet
+    with pytest.raises(ValueError, match="bogus"):
+        create_encoder({"bogus": 1})
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(layers=(1, 1, 1, 1), image_size=48), "image_size=48"),
+        (dict(layers=(1, 1, 1), image_size=32), "4 positive ints"),
+        (dict(patch_size=5), "patch_size=5"),
+        (dict(width=10, heads=4), "heads=4"),
+        (dict(pretrained="/nonexistent/w.pt"), "model_name"),
+    ],
+)
+def test_invalid_configs(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        create_encoder(EncoderConfig(**kwargs))
+
+
+def test_missing_pretrained_file():
+    with pytest.raises(FileNotFoundError, match="nonexistent"):
+        create_encoder(EncoderConfig(model_name="RN50", pretrained="/nonexistent/w.pt"))
+
+
+def test_wrong_input_shape():
+    enc = create_encoder(TINY_VIT)
+    with pytest.raises(ValueError, match="16, 16"):
+        enc(torch.randn(2, 3, 16, 16))
+
+
+def test_embed_matches_forward_all_input_kinds():
+    torch.manual_seed(1)
+    enc = create_encoder(TINY_VIT)
+    x = torch.randn(7, 3, 32, 32)
+    with torch.no_grad():
+        ref = enc.eval()(x).numpy()
+    enc.train()
+    out = embed(enc, x, batch_size=3, progress=False)
+    assert out.dtype == np.float32 and out.shape == (7, 8)
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+    assert enc.training  # mode restored
+    np.testing.assert_allclose(embed(enc, x.numpy(), batch_size=4, progress=False), ref, atol=1e-6)
+    loader = [(x[:4], None), (x[4:], None)]
+    np.testing.assert_allclose(embed(enc, loader, progress=False), ref, atol=1e-6)
+    ds = torch.utils.data.TensorDataset(x)
+    np.testing.assert_allclose(embed(enc, ds, batch_size=5, progress=False), ref, atol=1e-6)
+    assert embed(enc, x[:0], progress=False).shape == (0, 8)
+    with pytest.raises(ValueError, match="batch_size"):
+        embed(enc, x, batch_size=0)
