@@ -1,0 +1,304 @@
+"""Positive generators and augmentations, checked against brute-force and closed-form references."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import stats
+from scipy.special import i0, i1, logsumexp
+
+from training.augment import AugmentConfig, apply_params, random_augment, sample_params
+from training.datasets import create_dataset
+from training.generators import (
+    GENERATORS,
+    InstanceGenerator,
+    LabelGenerator,
+    LatentGenerator,
+    PositiveGenerator,
+    create_generator,
+    log_i0,
+)
+from training.synthetic import M, oracle_embedding, render, sample_latents
+from training.transforms import preprocess
+
+
+def _softmax_rows(logits):
+    return np.exp(logits - logsumexp(logits, axis=1, keepdims=True))
+
+
+class _LabelledArrayDataset:
+    """Minimal labelled dataset (duck-typed like ImageDataset) built from random uint8 images."""
+
+    name = "toy"
+    latents = None
+
+    def __init__(self, labels, seed=0):
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.images = np.random.default_rng(seed).integers(0, 256, size=(len(labels), 12, 12, 3), dtype=np.uint8)
+        self.image_size = 12
+
+    def __len__(self):
+        return len(self.labels)
+
+    def tensors(self, idx):
+        return preprocess(self.images[np.asarray(idx)], self.image_size)
+
+
+# --- registry -----------------------------------------------------------------------------
+
+def _dataset_for(name, tiny_synthetic):
+    return tiny_synthetic if name == "latent" else _LabelledArrayDataset(np.arange(20) % 4)
+
+
+def _meta_for(name, ds):
+    return ds.latents if name == "latent" else (ds.labels if name == "label" else np.arange(len(ds)))
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_every_registered_generator(name, tiny_synthetic, rng):
+    gen = create_generator(name)
+    assert isinstance(gen, PositiveGenerator) and gen.name == name
+    assert gen.description and name in gen.description
+    assert gen.exact == (name != "instance")
+    ds = _dataset_for(name, tiny_synthetic)
+    meta = _meta_for(name, ds)
+    lr = gen.log_ratio(meta[:5], meta)
+    assert lr.shape == (5, len(ds)) and lr.dtype == np.float64
+    # the source item always has positive ratio (r(x, x) > 0)
+    assert np.all(np.isfinite(lr[np.arange(5), np.arange(5)]))
+    a, b = gen.sample_pairs(ds, np.arange(6), rng)
+    assert a.shape == b.shape == (6, 3, ds.image_size, ds.image_size)
+    assert a.dtype == b.dtype == torch.float32
+    assert a.min() >= -1 and a.max() <= 1 and b.min() >= -1 and b.max() <= 1
+    assert not torch.equal(a, b)
+    # options() round-trips through create_generator
+    assert repr(create_generator(name, **gen.options())) == repr(gen)
+
+
+def test_create_generator_errors():
+    with pytest.raises(ValueError, match="nope"):
+        create_generator("nope")
+    with pytest.raises(ValueError, match="bad options"):
+        create_generator("latent", kapa=3)
+    with pytest.raises(ValueError, match="kappa"):
+        create_generator("latent", kappa=-1.0)
+
+
+# --- latent -------------------------------------------------------------------------------
+
+def test_log_i0_matches_scipy():
+    for k in (0.1, 1.0, 8.0, 50.0):
+        assert log_i0(k) == pytest.approx(math.log(i0(k)), rel=1e-12)
+    assert np.isfinite(log_i0(2000.0))  # i0 itself overflows here
+
+
+@pytest.mark.parametrize("kappa", [0.5, 8.0])
+def test_latent_log_ratio_and_q_match_brute_force(kappa):
+    gen = LatentGenerator(kappa=kappa)
+    q_lat, d_lat = sample_latents(4, seed=1, split="test"), sample_latents(30, seed=1)
+    lr = gen.log_ratio(q_lat, d_lat)
+    brute = np.empty((4, 30))
+    for a in range(4):
+        for b in range(30):
+            # log of prod_i exp(kappa cos(dtheta_i)) / I0(kappa): von Mises density over uniform 1/(2pi)
+            brute[a, b] = sum(math.log(math.exp(kappa * math.cos(d_lat[b, i] - q_lat[a, i])) / i0(kappa))
+                              for i in range(M))
+    np.testing.assert_allclose(lr, brute, rtol=1e-10, atol=1e-10)
+    q = _softmax_rows(lr)
+    np.testing.assert_allclose(q.sum(axis=1), 1.0, atol=1e-12)
+    r = np.exp(brute)
+    np.testing.assert_allclose(q, r / r.sum(axis=1, keepdims=True), rtol=1e-9)
+
+
+def test_latent_ratio_integrates_to_one():
+    """E_{y ~ uniform}[r(x, y)] = 1: Monte Carlo over the uniform torus marginal."""
+    gen = LatentGenerator(kappa=2.0)
+    y = np.random.default_rng(0).uniform(0, 2 * np.pi, size=(200_000, M))
+    r = np.exp(gen.log_ratio(np.zeros((1, M)), y))[0]
+    assert r.mean() == pytest.approx(1.0, abs=4 * r.std() / math.sqrt(r.size))
+
+
+def test_latent_perturbation_is_von_mises(rng):
+    kappa = 8.0
+    gen = LatentGenerator(kappa=kappa)
+    lat = sample_latents(4000, seed=2)
+    moved = gen.perturb(lat, rng)
+    assert moved.min() >= 0 and moved.max() < 2 * np.pi
+    d = np.angle(np.exp(1j * (moved - lat))).ravel()            # wrapped to (-pi, pi]
+    mean_cos = np.cos(d).mean()
+    expected = i1(kappa) / i0(kappa)                            # E cos(X), X ~ vM(0, kappa)
+    stderr = np.cos(d).std() / math.sqrt(d.size)
+    assert abs(mean_cos - expected) < 4 * stderr
+    assert abs(np.sin(d).mean()) < 4 * np.sin(d).std() / math.sqrt(d.size)
+    assert stats.kstest(d, stats.vonmises(kappa).cdf).pvalue > 1e-3
+    # each angle independently: the per-axis correlation of the noise is ~0
+    dd = np.angle(np.exp(1j * (moved - lat)))
+    c = np.corrcoef(dd.T)
+    assert np.abs(c[np.triu_indices(M, 1)]).max() < 0.06
+
+
+def test_latent_sample_pairs_renders_perturbed_latents(tiny_synthetic):
+    gen = LatentGenerator(kappa=4.0)
+    idx = np.array([3, 0, 17, 17])
+    a, b = gen.sample_pairs(tiny_synthetic, idx, np.random.default_rng(5))
+    expected_lat = gen.perturb(tiny_synthetic.latents[idx], np.random.default_rng(5))
+    torch.testing.assert_close(a, preprocess(render(tiny_synthetic.latents[idx]), 32), rtol=0, atol=0)
+    torch.testing.assert_close(b, preprocess(render(expected_lat), 32), rtol=0, atol=0)
+    assert not torch.equal(b[2], b[3])  # the same anchor gets fresh noise
+
+
+def test_latent_needs_latents(rng):
+    with pytest.raises(ValueError, match="latents"):
+        LatentGenerator().sample_pairs(_LabelledArrayDataset([0, 1]), np.arange(2), rng)
+    with pytest.raises(ValueError, match="metadata"):
+        LatentGenerator().log_ratio(np.zeros((2, 3)), np.zeros((4, 2)))
+
+
+@pytest.mark.parametrize("kappa", [2.0, 8.0])
+def test_oracle_embedding_is_the_ideal_search(kappa):
+    """At tau = 1/(m kappa), s/tau = log r + const per row, so p(j|x) = q(j|x): gap 0."""
+    gen = LatentGenerator(kappa=kappa)
+    q_lat, d_lat = sample_latents(8, seed=3, split="test"), sample_latents(50, seed=3)
+    s = oracle_embedding(q_lat) @ oracle_embedding(d_lat).T
+    tau = 1.0 / (M * kappa)
+    diff = s / tau - gen.log_ratio(q_lat, d_lat)
+    np.testing.assert_allclose(diff, diff[:, :1].repeat(50, axis=1), atol=1e-9)
+    np.testing.assert_allclose(diff[:, 0], M * log_i0(kappa), rtol=1e-12)
+    p, q = _softmax_rows(s / tau), _softmax_rows(gen.log_ratio(q_lat, d_lat))
+    np.testing.assert_allclose(p, q, atol=1e-12)
+    kl = (q * (np.log(q) - np.log(p))).sum(axis=1)
+    assert np.abs(kl).max() < 1e-10
+    # a different temperature gives a strictly positive gap
+    p2 = _softmax_rows(s / (2 * tau))
+    assert (q * (np.log(q) - np.log(p2))).sum(axis=1).min() > 1e-3
+
+
+# --- label --------------------------------------------------------------------------------
+
+def test_label_log_ratio_brute_force():
+    gen = LabelGenerator()
+    db = np.array([0, 0, 1, 2, 2, 2, 0, 1, 2, 2])
+    queries = np.array([2, 0, 1, 5])
+    lr = gen.log_ratio(queries, db)
+    n = len(db)
+    for a, c in enumerate(queries):
+        pi_c = np.mean(db == c)
+        for b in range(n):
+            if db[b] == c:
+                assert lr[a, b] == pytest.approx(math.log(1.0 / pi_c))
+            else:
+                assert lr[a, b] == -np.inf
+    q = _softmax_rows(lr[:3])
+    for a, c in enumerate(queries[:3]):
+        same = db == c
+        np.testing.assert_allclose(q[a, same], 1.0 / same.sum())   # uniform over same-class items
+        assert np.all(q[a, ~same] == 0)
+    # sum over the database of r / N = 1 (r is a density ratio under the empirical marginal)
+    assert np.exp(lr[:3]).sum(axis=1) / n == pytest.approx(np.ones(3))
+
+
+def test_label_positive_indices_uniform_other_same_class():
+    labels = np.array([0, 1, 0, 2, 0, 1, 0, 3])        # classes 2 and 3 are singletons
+    gen = LabelGenerator()
+    r = np.random.default_rng(0)
+    anchors = np.repeat(np.arange(len(labels)), 3000)
+    pos = gen.positive_indices(labels, anchors, r)
+    assert np.all(labels[pos] == labels[anchors])
+    alone = np.isin(anchors, [3, 7])
+    assert np.all(pos[alone] == anchors[alone])          # alone in its class -> itself
+    assert np.all(pos[~alone] != anchors[~alone])
+    for a in (0, 1, 2):
+        others = np.flatnonzero((labels == labels[a]) & (np.arange(len(labels)) != a))
+        counts = np.array([(pos[anchors == a] == o).sum() for o in others])
+        if len(others) > 1:
+            assert stats.chisquare(counts).pvalue > 1e-3, counts
+        assert counts.sum() == 3000
+
+
+def test_label_sample_pairs(rng):
+    ds = _LabelledArrayDataset(np.array([0, 1, 0, 1, 2, 2]))
+    gen = LabelGenerator(augment=False)
+    a, b = gen.sample_pairs(ds, np.array([0, 1, 4]), np.random.default_rng(9))
+    torch.testing.assert_close(a, ds.tensors([0, 1, 4]))
+    torch.testing.assert_close(b, ds.tensors([2, 3, 5]))   # the only other item of each class
+    with pytest.raises(ValueError, match="labelled"):
+        gen.sample_pairs(create_dataset("synthetic", size=4), np.arange(2), rng)
+
+
+# --- instance -----------------------------------------------------------------------------
+
+def test_instance_log_ratio_and_views(rng):
+    gen = InstanceGenerator()
+    assert not gen.exact and "approximation" in gen.description
+    lr = gen.log_ratio(np.array([2, 0]), np.arange(4))
+    expected = np.full((2, 4), -np.inf)
+    expected[0, 2] = expected[1, 0] = 0.0
+    np.testing.assert_array_equal(lr, expected)
+    ds = _LabelledArrayDataset(np.zeros(5))
+    a1, b1 = gen.sample_pairs(ds, np.arange(5), np.random.default_rng(3))
+    a2, b2 = gen.sample_pairs(ds, np.arange(5), np.random.default_rng(3))
+    torch.testing.assert_close(a1, a2)
+    torch.testing.assert_close(b1, b2)
+    assert not torch.allclose(a1, b1)
+
+
+# --- augmentations ------------------------------------------------------------------------
+
+def _params(n, **kw):
+    base = {"w": 1.0, "h": 1.0, "cx": 0.0, "cy": 0.0, "flip": 0.0, "brightness": 1.0, "contrast": 1.0}
+    base.update(kw)
+    return {k: np.full(n, v, dtype=np.float64) for k, v in base.items()}
+
+
+def _batch(n=3, s=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 3, s, s, generator=g) * 2 - 1
+
+
+def test_augment_identity_and_flip():
+    x = _batch()
+    torch.testing.assert_close(apply_params(x, _params(3)), x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(apply_params(x, _params(3, flip=1.0)), torch.flip(x, dims=[-1]), atol=1e-5, rtol=0)
+
+
+def test_augment_centre_crop_matches_interpolate():
+    """A centred half-size crop equals bilinear upsampling (x2) of the central 8x8 block."""
+    x = _batch(s=16)
+    y = apply_params(x, _params(3, w=0.5, h=0.5))
+    ref = F.interpolate(x[:, :, 4:12, 4:12], size=(16, 16), mode="bilinear", align_corners=False)
+    # the outermost output pixels sample just outside the block; compare the interior
+    torch.testing.assert_close(y[..., 1:-1, 1:-1], ref[..., 1:-1, 1:-1], atol=1e-5, rtol=0)
+
+
+def test_augment_translation_shifts_pixels():
+    x = _batch(s=16)
+    # centre shifted by 2 px to the right (grid units: 2 px * 2/16)
+    y = apply_params(x, _params(3, cx=0.25))
+    torch.testing.assert_close(y[..., :-2], x[..., 2:], atol=1e-5, rtol=0)
+
+
+def test_augment_photometric():
+    x = _batch()
+    p = (x + 1) / 2                                               # [0, 1] pixels
+    y = apply_params(x, _params(3, brightness=0.8))
+    torch.testing.assert_close((y + 1) / 2, (0.8 * p).clamp(0, 1), atol=1e-5, rtol=0)
+    y = apply_params(x, _params(3, contrast=0.5))
+    m = p.mean(dim=(1, 2, 3), keepdim=True)
+    torch.testing.assert_close((y + 1) / 2, (m + 0.5 * (p - m)).clamp(0, 1), atol=1e-5, rtol=0)
+
+
+def test_augment_random_params_in_range():
+    cfg = AugmentConfig(crop_scale=(0.4, 0.9), flip_p=0.3)
+    p = sample_params(5000, np.random.default_rng(0), cfg)
+    area = p["w"] * p["h"]
+    assert area.min() >= 0.4 - 1e-9 and area.max() <= 0.9 + 1e-9
+    assert abs(p["flip"].mean() - 0.3) < 0.03
+    x = _batch(n=4)
+    y1 = random_augment(x, np.random.default_rng(1), cfg)
+    y2 = random_augment(x, np.random.default_rng(1), cfg)
+    torch.testing.assert_close(y1, y2)
+    assert y1.shape == x.shape and y1.min() >= -1 and y1.max() <= 1
+    with pytest.raises(ValueError, match="crop_scale"):
+        AugmentConfig(crop_scale=(0.0, 1.0))
