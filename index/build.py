@@ -1,0 +1,430 @@
+"""Build, rebuild and extend index versions: embed -> FAISS -> staging -> commit -> gate -> activate.
+
+A version is written completely into `staging/<version>/` (index, embeddings, ids, manifest
+with checksums) and only then renamed into `versions/`; activation is a separate atomic
+pointer switch. A process killed at any point therefore leaves `current` and every listed
+version loadable; a rerun resumes from the embedding shards already on disk.
+
+Quality gate: `evaluator(candidate, serving)` is injected by the caller (the search package;
+index/ cannot import search/). It gets two loaded `IndexVersion`s and returns a dict with at
+least ``"candidate"`` and ``"serving"``: scores where higher is better (plus anything else,
+e.g. ``"metric"``, stored verbatim). Activation is refused (QualityGateError) when
+``candidate < serving - margin`` unless `force`; the version is still committed, so it can
+be inspected or activated later with ``index activate --force``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import faiss
+import numpy as np
+
+from index import faiss_index
+from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
+                         prepare_cache)
+from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, IndexStore, IndexVersion,
+                         new_version_name)
+
+logger = logging.getLogger(__name__)
+
+Evaluator = Callable[[IndexVersion, IndexVersion], dict]
+DEFAULT_TEMPERATURE = 0.1   # used only when a checkpoint records no training temperature
+TUNE_QUERIES = 1000
+TUNE_K = 10
+
+
+class QualityGateError(RuntimeError):
+    """The candidate version scored worse than the serving one; it was committed, not activated."""
+
+    def __init__(self, version: str, comparison: dict):
+        self.version, self.comparison = version, comparison
+        super().__init__(f"quality gate refused activation of {version}: candidate {comparison.get('candidate'):.4g} "
+                         f"< serving {comparison.get('serving'):.4g} - margin {comparison.get('margin'):.4g} "
+                         f"({comparison.get('metric', 'score')}); use --force to activate anyway")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def training_temperature(info: dict) -> tuple[float, str]:
+    """(temperature, where it came from) recorded by training, for the manifest's search_temperature.
+
+    Looks at metrics.temperature (the last one logged), lineage.temperature /
+    final_temperature, then the schedule options of the train config.
+    """
+    metrics = info.get("metrics") or {}
+    lineage = info.get("lineage") or {}
+    for where, source in (("metrics", metrics), ("lineage", lineage)):
+        for key in ("temperature", "final_temperature", "tau"):
+            value = source.get(key)
+            if isinstance(value, (int, float)) and value > 0:
+                return float(value), f"checkpoint {where}.{key}"
+    options = (info.get("train_config") or {}).get("schedule_options") or {}
+    for key in ("temperature", "tau", "tau_min", "final"):
+        value = options.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value), f"checkpoint train_config.schedule_options.{key}"
+    return DEFAULT_TEMPERATURE, "default (checkpoint records no temperature)"
+
+
+def _as_list(datasets) -> list:
+    if isinstance(datasets, (list, tuple)):
+        out = list(datasets)
+    else:
+        out = [datasets]
+    if not out:
+        raise ValueError("no dataset given to index")
+    for ds in out:
+        if not hasattr(ds, "item_id") or not hasattr(ds, "spec"):
+            raise ValueError(f"expected an ImageDataset, got {type(ds).__name__}")
+        if len(ds) == 0:
+            raise ValueError(f"dataset {ds!r} is empty")
+    return out
+
+
+def _resolve_device(device):
+    import torch
+
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *, indices: list | None = None,
+                   shard_size: int, batch_size: int, num_workers: int, device, rank: int, world: int,
+                   progress: bool) -> tuple[list[EmbedResult], list[Path]] | None:
+    """Embed every source into its own resumable cache; rank 0 gets the results, others None."""
+    results, caches = [], []
+    for s, ds in enumerate(datasets):
+        idx = np.arange(len(ds), dtype=np.int64) if indices is None or indices[s] is None else np.asarray(indices[s], np.int64)
+        key = cache_key(ckpt_sha, ds.fingerprint(), idx, shard_size)
+        cache = store.staging_dir / f"embed-{key}"
+        if rank == 0:
+            store.ensure()
+            prepare_cache(cache, key, idx, shard_size)
+        barrier()
+        t0 = time.perf_counter()
+        if len(idx):
+            embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=batch_size,
+                         num_workers=num_workers, device=device, rank=rank, world_size=world, progress=progress)
+        barrier()
+        if rank == 0:
+            res = collect_shards(cache, idx, shard_size, encoder.embed_dim)
+            res.seconds = time.perf_counter() - t0
+            results.append(res)
+            caches.append(cache)
+    return (results, caches) if rank == 0 else None
+
+
+def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: float, seed: int = 0) -> dict:
+    """Tune the search knob on a sample of stored rows used as queries; returns the recall record."""
+    if kind == "flat":
+        return {"k": TUNE_K, "recall": 1.0, "exact": True, "target": target_recall}
+    n = embeddings.shape[0]
+    rows = np.random.default_rng(seed).choice(n, size=min(TUNE_QUERIES, n), replace=False)
+    queries = embeddings[np.sort(rows)]
+    # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows)
+    _, exact = faiss.knn(queries, embeddings, min(TUNE_K, n), metric=faiss.METRIC_INNER_PRODUCT)
+    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=TUNE_K, kind=kind)
+    return {"k": TUNE_K, "recall": result.recall, "exact": False, "target": target_recall,
+            "param": result.param, "value": result.value, "reached": result.reached,
+            "latency_ms": result.latency_ms, "sample": int(len(rows)), "queries": "stored rows",
+            "history": result.history}
+
+
+def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str], *, kind: str = "flat",
+                  params: dict | None = None, index: faiss.Index | None = None, memory_budget: int | None = None,
+                  target_recall: float = 0.95, fields: dict | None = None, version: str | None = None,
+                  timings: dict | None = None) -> tuple[str, Path]:
+    """Build (or take) the FAISS index, tune it, and write a complete version into staging.
+
+    `embeddings` must be unit rows; `kind="auto"` applies `choose_kind`. Pass a filled `index`
+    (with `params`) to skip building (used by `add_items`). Returns (version, staging dir);
+    nothing is visible in versions/ until `IndexStore.commit`.
+    """
+    timings = dict(timings or {})
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if embeddings.ndim != 2 or embeddings.shape[0] == 0:
+        raise ValueError(f"need a non-empty (N, D) embedding matrix, got shape {embeddings.shape}")
+    ids = [str(i) for i in ids]
+    if len(ids) != embeddings.shape[0]:
+        raise ValueError(f"{len(ids)} ids for {embeddings.shape[0]} embeddings")
+    if len(set(ids)) != len(ids):
+        raise ValueError("item ids are not unique")
+    norms = np.linalg.norm(embeddings, axis=1)
+    if not np.allclose(norms, 1.0, atol=1e-3):
+        raise ValueError(f"embeddings must be unit rows (norms range {norms.min():.4f}..{norms.max():.4f})")
+    n, dim = embeddings.shape
+    params = dict(params or {})
+    if kind == "auto":
+        kind, auto_params = faiss_index.choose_kind(n, dim, memory_budget)
+        params = {**auto_params, **params}
+        logger.info("--kind auto chose %s %s for %d x %d", kind, params, n, dim)
+    faiss_index._check_kind(kind)
+    t0 = time.perf_counter()
+    if index is None:
+        index, params = faiss_index.build(kind, embeddings, **params)
+    timings["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    recall = _tune(index, kind, embeddings, target_recall)
+    if recall.get("param"):
+        params[recall["param"]] = recall["value"]
+    timings["tune_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    version = version or new_version_name(salt=f"{n}:{dim}:{kind}")
+    staging = store.staging_path(version)
+    faiss.write_index(index, str(staging / INDEX_FILE))
+    with open(staging / EMBEDDINGS_FILE, "wb") as fh:
+        np.save(fh, embeddings, allow_pickle=False)
+    (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
+    for name in VERSION_FILES:
+        with open(staging / name, "rb") as fh:
+            os.fsync(fh.fileno())
+    timings["write_s"] = time.perf_counter() - t0
+    extra = dict(fields or {})
+    extra.setdefault("recall", recall)
+    manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
+                               faiss_version=faiss.__version__, files=describe_files(staging, list(VERSION_FILES)),
+                               timings=timings, **extra)
+    write_manifest(staging, manifest)
+    fsync_dir(staging)
+    return version, staging
+
+
+def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
+                       margin: float, force: bool, activate: bool, keep: int | None) -> str:
+    """Quality gate (on the staged copy), commit into versions/, activate, apply retention."""
+    serving_name = store.current_version()
+    comparison = None
+    if evaluator is not None and serving_name is not None:
+        candidate = IndexVersion.load(staging, verify=False, gpu=False)
+        serving = store.load(serving_name, verify=False, gpu=False)
+        t0 = time.perf_counter()
+        result = evaluator(candidate, serving)
+        if not isinstance(result, dict) or not {"candidate", "serving"} <= set(result):
+            raise ValueError(f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}")
+        comparison = {k: v for k, v in result.items()}
+        comparison.update(serving_version=serving_name, margin=float(margin), forced=bool(force),
+                          seconds=time.perf_counter() - t0,
+                          passed=bool(float(result["candidate"]) >= float(result["serving"]) - margin))
+        manifest = read_manifest(staging)
+        manifest["quality_gate"] = comparison
+        write_manifest(staging, manifest)
+        logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
+                    "passed" if comparison["passed"] else "FAILED", result["candidate"], result["serving"], margin)
+    store.commit(staging, version)
+    if comparison is not None and not comparison["passed"] and not force:
+        raise QualityGateError(version, comparison)
+    if activate:
+        store.activate(version)
+        if keep is not None:
+            store.prune(keep)
+    return version
+
+
+def _source_record(ds, res: EmbedResult, source: int) -> dict:
+    return {"spec": ds.spec(), "fingerprint": ds.fingerprint(), "count": int(len(res.rows)),
+            "skipped": len(res.skipped), "source": source}
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict | None = None,
+                evaluator: Evaluator | None = None, margin: float = 0.0, force: bool = False,
+                activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
+                target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
+                shard_size: int = 8192, device=None, fields: dict | None = None, progress: bool = True,
+                _parent: str | None = None) -> str:
+    """Embed `dataset` (one ImageDataset or a list) with `checkpoint` and write a new version.
+
+    Returns the version name (activated unless `activate=False`; QualityGateError when the
+    evaluator refuses it). `fields` adds manifest fields, e.g. a calibrated
+    ``search_temperature``; otherwise it defaults to the checkpoint's training temperature.
+    Under torchrun every rank embeds its shards; rank 0 builds, and all ranks return the version.
+    """
+    from training.checkpoint import checkpoint_sha256, load_checkpoint
+
+    t_start = time.perf_counter()
+    datasets = _as_list(dataset)
+    checkpoint = Path(checkpoint)
+    if not checkpoint.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    if kind != "auto":
+        faiss_index._check_kind(kind)
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+    store = IndexStore(root)
+    with distributed() as (rank, world, dist_device):
+        device = _resolve_device(device if device is not None else dist_device)
+        encoder, info = load_checkpoint(checkpoint, device=device)
+        for ds in datasets:
+            if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
+                raise ValueError(f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}")
+        ckpt_sha = checkpoint_sha256(checkpoint)
+        t0 = time.perf_counter()
+        embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=shard_size, batch_size=batch_size,
+                                  num_workers=num_workers, device=device, rank=rank, world=world, progress=progress)
+        embed_s = time.perf_counter() - t0
+        outcome: tuple[str | None, BaseException | None] = (None, None)
+        if rank == 0:
+            try:
+                version = _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, kind=kind,
+                                        params=params, evaluator=evaluator, margin=margin, force=force,
+                                        activate=activate, keep=keep, memory_budget=memory_budget,
+                                        target_recall=target_recall, fields=fields, embed_s=embed_s,
+                                        t_start=t_start, world=world, parent=_parent)
+                outcome = (version, None)
+            except BaseException as err:  # noqa: BLE001 - re-raised below after telling the other ranks
+                outcome = (None, err)
+        shared = broadcast((outcome[0], None if outcome[1] is None else repr(outcome[1])))
+        if outcome[1] is not None:
+            raise outcome[1]
+        if shared[1] is not None:
+            raise RuntimeError(f"rank 0 failed to build the index: {shared[1]}")
+        return shared[0]
+
+
+def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, margin, force,
+                  activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent) -> str:
+    results, caches = embedded
+    embeddings, ids, skipped, sources = [], [], [], []
+    for s, (ds, res) in enumerate(zip(datasets, results)):
+        all_ids = ds.item_ids()
+        embeddings.append(res.embeddings)
+        ids.extend(all_ids[int(i)] for i in res.rows)
+        skipped.extend({"source": s, **item} for item in res.skipped)
+        sources.append(_source_record(ds, res, s))
+    emb = np.concatenate(embeddings, axis=0)
+    if emb.shape[0] == 0:
+        raise ValueError(f"no readable items to index ({len(skipped)} skipped)")
+    temperature, temp_source = training_temperature(info)
+    manifest_fields = {
+        "checkpoint": {"path": str(checkpoint.resolve()), "sha256": ckpt_sha, "step": info.get("step")},
+        "encoder": info.get("encoder"),
+        "dataset": {"spec": sources[0]["spec"], "fingerprint": sources[0]["fingerprint"]},
+        "sources": sources,
+        "lineage": dict(info.get("lineage") or {}),
+        "search_temperature": temperature,
+        "search_temperature_source": temp_source,
+        "skipped": skipped,
+        "skipped_count": len(skipped),
+        "world_size": world,
+        "parent": parent,
+    }
+    manifest_fields.update(fields or {})
+    timings = {"embed_s": embed_s}
+    version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
+                                     target_recall=target_recall, fields=manifest_fields, timings=timings)
+    _stamp_total(staging, t_start)
+    version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                                 activate=activate, keep=keep)
+    for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
+        shutil.rmtree(cache, ignore_errors=True)
+    return version
+
+
+def _stamp_total(staging: Path, t_start: float) -> None:
+    manifest = read_manifest(staging)
+    manifest["timings"]["total_s"] = time.perf_counter() - t_start
+    write_manifest(staging, manifest)
+
+
+def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
+    """Re-embed the current version's corpus (its manifest's dataset specs) with a new checkpoint."""
+    from training.datasets import create_dataset
+
+    store = IndexStore(root)
+    current = store.current_version()
+    if current is None:
+        raise FileNotFoundError(f"no current index version under {root} to rebuild")
+    manifest = store.manifest(current)
+    datasets = []
+    for src in manifest.get("sources") or [manifest["dataset"]]:
+        ds = create_dataset(**src["spec"])
+        if ds.fingerprint() != src["fingerprint"]:
+            logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
+                           src["spec"], current)
+        datasets.append(ds)
+    return build_index(checkpoint, datasets, root, kind=kind or manifest["kind"], _parent=current, **opts)
+
+
+def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
+              margin: float = 0.0, force: bool = False, activate: bool = True, keep: int | None = None,
+              target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0, shard_size: int = 8192,
+              device=None, progress: bool = True) -> str:
+    """New version = `base` (default current) + the items of `dataset`, without re-embedding old rows.
+
+    Uses the base's checkpoint (its sha256 must still match; a different `checkpoint` would mix
+    embedding spaces, so that needs `rebuild`). Items whose id is already indexed are skipped.
+    """
+    from training.checkpoint import checkpoint_sha256, load_checkpoint
+
+    t_start = time.perf_counter()
+    store = IndexStore(root)
+    base_version = store.load(base, verify=True, gpu=False)
+    kind = base_version.kind
+    if kind not in faiss_index.ADDABLE_KINDS:
+        raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
+    recorded = base_version.manifest.get("checkpoint") or {}
+    ckpt = Path(checkpoint or recorded.get("path", ""))
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt} (pass --checkpoint)")
+    sha = checkpoint_sha256(ckpt)
+    if recorded.get("sha256") and sha != recorded["sha256"]:
+        raise ValueError(f"checkpoint {ckpt} (sha256 {sha[:12]}) is not the one {base_version.version} was built with "
+                         f"({recorded['sha256'][:12]}); use 'index rebuild' to change the encoder")
+    ds = _as_list(dataset)[0]
+    known = set(base_version.ids)
+    new_ids = ds.item_ids()
+    todo = np.array([i for i, item in enumerate(new_ids) if item not in known], dtype=np.int64)
+    duplicates = len(new_ids) - len(todo)
+    if len(todo) == 0:
+        raise ValueError(f"all {len(new_ids)} items of {ds!r} are already in {base_version.version}")
+    device = _resolve_device(device)
+    encoder, info = load_checkpoint(ckpt, device=device)
+    if encoder.embed_dim != base_version.dim:
+        raise ValueError(f"checkpoint embeds to {encoder.embed_dim} dims, index has {base_version.dim}")
+    t0 = time.perf_counter()
+    results, caches = _embed_sources(encoder, sha, [ds], store, indices=[todo], shard_size=shard_size,
+                                     batch_size=batch_size, num_workers=num_workers, device=device, rank=0,
+                                     world=1, progress=progress)
+    res = results[0]
+    embed_s = time.perf_counter() - t0
+    if len(res.rows) == 0:
+        raise ValueError(f"none of the {len(todo)} new items could be read ({len(res.skipped)} skipped)")
+    # Always extend a fresh CPU copy from disk: the loaded one may live on a GPU.
+    index = faiss.read_index(str(base_version.path / INDEX_FILE))
+    base_train = base_version.manifest.get("trained_on", base_version.manifest["count"])
+    index.add(res.embeddings)
+    if kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
+        logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
+                       kind, index.ntotal, base_train)
+    embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
+    ids = list(base_version.ids) + [new_ids[int(i)] for i in res.rows]
+    m = base_version.manifest
+    source_index = len(m.get("sources") or [m["dataset"]])
+    sources = list(m.get("sources") or [m["dataset"]]) + [_source_record(ds, res, source_index)]
+    skipped = list(m.get("skipped", [])) + [{"source": source_index, **item} for item in res.skipped]
+    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "lineage",
+                                                  "search_temperature", "search_temperature_source", "world_size")}
+    fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
+                  trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
+                                                "skipped": len(res.skipped)})
+    params = dict(m["params"])
+    version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
+                                     target_recall=target_recall, fields=fields, timings={"embed_s": embed_s})
+    _stamp_total(staging, t_start)
+    version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                                 activate=activate, keep=keep)
+    for cache in caches:
+        shutil.rmtree(cache, ignore_errors=True)
+    return version

@@ -1,0 +1,321 @@
+"""Resumable, optionally distributed embedding of a dataset into shards on disk.
+
+The items to embed (dataset indices) are cut into shards of `shard_size`. Shard s is written
+as `shard_{s:05d}.npy` (float32 unit rows) and then `shard_{s:05d}.json` (the dataset indices
+embedded and the items skipped); the JSON is the completion marker, so a build interrupted at
+any point re-embeds only unfinished shards. Unreadable items (the dataset raises, or returns
+a tensor of the wrong shape / with NaN) are skipped, counted and listed, never fatal.
+
+Distributed: under torchrun (RANK / WORLD_SIZE set) rank r embeds the shards s with
+s % WORLD_SIZE == r into the same cache directory (a shared filesystem); after a barrier rank
+0 reads every shard in order, so the result is identical to a single-process run.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from index.manifest import atomic_write_text
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class EmbedResult:
+    """Embeddings of the items that could be read, in dataset-index order."""
+    embeddings: np.ndarray                 # (M, D) float32 unit rows
+    rows: np.ndarray                       # (M,) int64 dataset indices of those rows
+    skipped: list[dict] = field(default_factory=list)   # {"index", "id", "error"}
+    seconds: float = 0.0
+    resumed_shards: int = 0                # shards found complete on disk and reused
+
+
+def cache_key(checkpoint_sha256: str, fingerprint: str, indices: np.ndarray, shard_size: int) -> str:
+    """Identifies one embedding job: same weights, same data, same items, same sharding."""
+    h = hashlib.sha256()
+    h.update(f"{checkpoint_sha256}:{fingerprint}:{shard_size}:".encode())
+    h.update(np.ascontiguousarray(indices, dtype=np.int64).tobytes())
+    return h.hexdigest()[:20]
+
+
+def _shard_name(s: int) -> str:
+    return f"shard_{s:05d}"
+
+
+def shard_count(n: int, shard_size: int) -> int:
+    return (n + shard_size - 1) // shard_size
+
+
+def prepare_cache(cache_dir: str | os.PathLike, key: str, indices: np.ndarray, shard_size: int) -> int:
+    """Create (or validate and keep) the shard directory; returns the number of complete shards.
+
+    A directory left by a different job (config mismatch) is wiped. Call on one process only.
+    """
+    cache_dir = Path(cache_dir)
+    config = {"key": key, "count": int(len(indices)), "shard_size": int(shard_size)}
+    cfg_path = cache_dir / CONFIG_FILE
+    if cache_dir.is_dir():
+        try:
+            old = json.loads(cfg_path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            old = None
+        if old != config:
+            logger.warning("embedding cache %s belongs to another job; starting over", cache_dir)
+            shutil.rmtree(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg_path.exists():
+        atomic_write_text(cfg_path, json.dumps(config) + "\n")
+        np.save(cache_dir / "indices.npy", np.asarray(indices, dtype=np.int64))
+    done = sum(_shard_done(cache_dir, s) for s in range(shard_count(len(indices), shard_size)))
+    if done:
+        logger.info("embedding cache %s: resuming, %d shard(s) already complete", cache_dir, done)
+    return done
+
+
+def _shard_done(cache_dir: Path, s: int) -> bool:
+    meta = cache_dir / f"{_shard_name(s)}.json"
+    return meta.is_file() and (cache_dir / f"{_shard_name(s)}.npy").is_file()
+
+
+def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.save(fh, array, allow_pickle=False)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class _SafeItems(Dataset):
+    """Wraps a dataset so that an unreadable item becomes (index, None, error) instead of raising."""
+
+    def __init__(self, dataset, indices: np.ndarray, image_size: int):
+        self.dataset, self.indices, self.image_size = dataset, indices, image_size
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitems__(self, positions: list[int]):
+        """Batched fetch (DataLoader uses it when present): one vectorised `tensors` call when
+        the dataset has one and every item reads, else item by item so one bad file skips alone."""
+        tensors = getattr(self.dataset, "tensors", None)
+        if tensors is not None:
+            idx = [int(self.indices[p]) for p in positions]
+            try:
+                batch = tensors(idx)
+                size = (len(idx), 3, self.image_size, self.image_size)
+                if tuple(batch.shape) == size and torch.isfinite(batch).all():
+                    return [(i, x, "") for i, x in zip(idx, batch.to(torch.float32))]
+            except Exception:  # noqa: BLE001 - fall back to per-item reads to find the bad one
+                pass
+        return [self[p] for p in positions]
+
+    def __getitem__(self, pos: int):
+        i = int(self.indices[pos])
+        try:
+            x = self.dataset[i]
+            if not isinstance(x, torch.Tensor):
+                x = torch.as_tensor(np.asarray(x))
+            if tuple(x.shape) != (3, self.image_size, self.image_size):
+                raise ValueError(f"expected a (3, {self.image_size}, {self.image_size}) tensor, got {tuple(x.shape)}")
+            if not torch.isfinite(x).all():
+                raise ValueError("image tensor contains NaN or inf")
+            return i, x.to(torch.float32), ""
+        except Exception as err:  # noqa: BLE001 - any decode failure means "skip this item"
+            return i, None, f"{type(err).__name__}: {err}"
+
+
+def _collate(batch):
+    idx = [b[0] for b in batch]
+    good = [b[1] for b in batch if b[1] is not None]
+    tensors = torch.stack(good) if good else None
+    return idx, tensors, [b[2] for b in batch]
+
+
+def _item_id(dataset, i: int) -> str:
+    try:
+        return str(dataset.item_id(i))
+    except Exception:  # noqa: BLE001 - an id is only for the report
+        return str(i)
+
+
+def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.ndarray, *, shard_size: int = 8192,
+                 batch_size: int = 256, num_workers: int = 0, device=None, rank: int = 0, world_size: int = 1,
+                 progress: bool = True) -> int:
+    """Embed this rank's unfinished shards into `cache_dir`; returns how many it wrote."""
+    cache_dir = Path(cache_dir)
+    indices = np.asarray(indices, dtype=np.int64)
+    n_shards = shard_count(len(indices), shard_size)
+    mine = [s for s in range(n_shards) if s % world_size == rank and not _shard_done(cache_dir, s)]
+    if not mine:
+        return 0
+    device = torch.device(device) if device is not None else next(encoder.parameters()).device
+    positions = np.concatenate([np.arange(s * shard_size, min((s + 1) * shard_size, len(indices))) for s in mine])
+    loader = DataLoader(_SafeItems(dataset, indices[positions], encoder.image_size), batch_size=batch_size,
+                        shuffle=False, num_workers=num_workers, collate_fn=_collate,
+                        persistent_workers=False, pin_memory=device.type == "cuda")
+    was_training = encoder.training
+    encoder.eval()
+    shard_iter = iter(mine)
+    current = next(shard_iter)
+    expected = min((current + 1) * shard_size, len(indices)) - current * shard_size
+    buf_rows: list[int] = []
+    buf_emb: list[np.ndarray] = []
+    buf_skip: list[dict] = []
+    seen = 0
+    written = 0
+
+    def flush() -> None:
+        nonlocal written
+        emb = np.concatenate(buf_emb, axis=0) if buf_emb else np.zeros((0, encoder.embed_dim), np.float32)
+        name = _shard_name(current)
+        _atomic_save_npy(cache_dir / f"{name}.npy", np.ascontiguousarray(emb, dtype=np.float32))
+        atomic_write_text(cache_dir / f"{name}.json", json.dumps({"rows": buf_rows, "skipped": buf_skip}) + "\n")
+        written += 1
+
+    try:
+        with torch.inference_mode(), tqdm(total=len(positions), desc=f"embed[{rank}]", unit="img",
+                                          disable=not progress, leave=False) as bar:
+            for idx, tensors, errors in loader:
+                if tensors is not None:
+                    z = encoder(tensors.to(device, non_blocking=True))             # (B', D) unit rows
+                    z = z.float().cpu().numpy()
+                    z /= np.linalg.norm(z, axis=1, keepdims=True)                  # exact unit rows in float32
+                good = [i for i, e in zip(idx, errors) if not e]
+                # Split the batch over shard boundaries (batches need not align with shards).
+                g = 0
+                for i, err in zip(idx, errors):
+                    if err:
+                        buf_skip.append({"index": i, "id": _item_id(dataset, i), "error": err})
+                        logger.warning("skipping item %d (%s): %s", i, _item_id(dataset, i), err)
+                    else:
+                        buf_rows.append(i)
+                        buf_emb.append(z[g:g + 1])
+                        g += 1
+                    seen += 1
+                    if seen == expected:
+                        flush()
+                        buf_rows, buf_emb, buf_skip, seen = [], [], [], 0
+                        current = next(shard_iter, None)
+                        if current is not None:
+                            expected = min((current + 1) * shard_size, len(indices)) - current * shard_size
+                assert g == len(good), "embedding rows out of step with batch items"
+                bar.update(len(idx))
+    finally:
+        encoder.train(was_training)
+    assert current is None, f"shard {current} was not completed"
+    return written
+
+
+def collect_shards(cache_dir: str | os.PathLike, indices: np.ndarray, shard_size: int, dim: int) -> EmbedResult:
+    """Read every complete shard in order into one EmbedResult (rank 0 after the barrier)."""
+    cache_dir = Path(cache_dir)
+    embs, rows, skipped = [], [], []
+    for s in range(shard_count(len(indices), shard_size)):
+        name = _shard_name(s)
+        if not _shard_done(cache_dir, s):
+            raise RuntimeError(f"embedding shard {cache_dir / name} is missing; a rank did not finish")
+        meta = json.loads((cache_dir / f"{name}.json").read_text())
+        emb = np.load(cache_dir / f"{name}.npy", allow_pickle=False)
+        if emb.shape != (len(meta["rows"]), dim):
+            raise RuntimeError(f"{cache_dir / name}.npy has shape {emb.shape}, expected ({len(meta['rows'])}, {dim})")
+        embs.append(emb)
+        rows.extend(meta["rows"])
+        skipped.extend(meta["skipped"])
+    embeddings = np.concatenate(embs, axis=0) if embs else np.zeros((0, dim), np.float32)
+    return EmbedResult(np.ascontiguousarray(embeddings, np.float32), np.asarray(rows, np.int64), skipped)
+
+
+def embed_dataset(encoder, dataset, cache_dir: str | os.PathLike, *, key: str = "", indices: np.ndarray | None = None,
+                  shard_size: int = 8192, batch_size: int = 256, num_workers: int = 0, device=None,
+                  progress: bool = True) -> EmbedResult:
+    """Single-process, resumable embedding of `dataset[indices]` (all items by default)."""
+    if shard_size < 1 or batch_size < 1 or num_workers < 0:
+        raise ValueError(f"need shard_size >= 1, batch_size >= 1, num_workers >= 0; got "
+                         f"{shard_size}, {batch_size}, {num_workers}")
+    t0 = time.perf_counter()
+    indices = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, np.int64)
+    resumed = prepare_cache(cache_dir, key, indices, shard_size)
+    embed_shards(encoder, dataset, cache_dir, indices, shard_size=shard_size, batch_size=batch_size,
+                 num_workers=num_workers, device=device, progress=progress)
+    result = collect_shards(cache_dir, indices, shard_size, encoder.embed_dim)
+    result.seconds = time.perf_counter() - t0
+    result.resumed_shards = resumed
+    return result
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment; (0, 1, 0) otherwise."""
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    except ValueError as err:
+        raise ValueError(f"bad RANK/WORLD_SIZE/LOCAL_RANK environment: {err}") from err
+
+
+@contextlib.contextmanager
+def distributed():
+    """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on GPU).
+
+    Yields (rank, world_size, device); tears the group down only if it created it.
+    """
+    rank, world, local = dist_env()
+    if world <= 1:
+        yield 0, 1, None
+        return
+    import torch.distributed as dist
+
+    created = False
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        created = True
+    try:
+        yield dist.get_rank(), dist.get_world_size(), device
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def barrier() -> None:
+    """torch.distributed barrier when a group is up; no-op otherwise."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast(obj, src: int = 0):
+    """Broadcast a picklable object from `src` to every rank (identity without a group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,373 @@
+"""FAISS index kinds for unit embeddings: create, train+add, choose, tune, search.
+
+Every kind uses inner product on L2-normalised rows, so scores are cosine similarities
+`s = z_q . z_y` (see papers.md). Kinds:
+
+- ``flat``     IndexFlatIP, exact brute force.
+- ``ivf-flat`` inverted lists over a flat-IP coarse quantizer, full vectors in the lists;
+               search knob ``nprobe``.
+- ``ivf-pq``   inverted lists with product-quantised codes (``m`` bytes per vector at
+               8 bits); search knob ``nprobe``. Compact but lossy: recall can plateau.
+- ``hnsw``     IndexHNSWFlat with METRIC_INNER_PRODUCT; search knob ``efSearch``.
+
+GPU: one code path. When ``faiss.get_num_gpus() > 0`` training and adding run on
+``faiss.index_cpu_to_all_gpus`` (sharded over every visible GPU) and the result is brought
+back with ``index_gpu_to_cpu`` so what is written to disk is always a CPU index. HNSW has no
+GPU implementation in FAISS and always stays on the CPU.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import faiss
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("flat", "ivf-flat", "ivf-pq", "hnsw")
+# Kinds whose stored index accepts ``add`` without retraining. IVF kinds keep their trained
+# coarse quantizer (and PQ codebook); adding far more than they were trained on degrades the
+# partition, so ``index.build.add_items`` logs a warning suggesting a rebuild then.
+ADDABLE_KINDS = frozenset(KINDS)
+SEARCH_PARAM = {"flat": None, "ivf-flat": "nprobe", "ivf-pq": "nprobe", "hnsw": "efSearch"}
+
+# choose_kind thresholds (documented in choose_kind).
+SMALL_COUNT = 100_000
+IVF_MIN_COUNT = 1_000   # below this an IVF partition is pointless
+ID_BYTES = 8            # IVF lists store an int64 id next to every code
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown index kind {kind!r}; expected one of {', '.join(KINDS)} (or 'auto')")
+    return kind
+
+
+def default_nlist(count: int) -> int:
+    """nlist ~ 4 sqrt(N), capped so every list gets >= 39 training points (FAISS's own minimum)."""
+    nlist = int(round(4 * math.sqrt(max(count, 1))))
+    return max(1, min(nlist, count // 39 if count >= 39 else 1))
+
+
+def default_pq_m(dim: int, bytes_per_vector: int | None = None) -> int:
+    """Largest divisor of dim that is <= the byte budget per vector (default dim // 4)."""
+    target = bytes_per_vector if bytes_per_vector is not None else max(1, dim // 4)
+    divisors = [m for m in range(1, dim + 1) if dim % m == 0 and m <= target]
+    if not divisors:
+        raise ValueError(f"no PQ sub-quantizer count fits {bytes_per_vector} bytes per vector (dim {dim})")
+    return max(divisors)
+
+
+def default_params(kind: str, dim: int, count: int, **params) -> dict:
+    """Fill in the build and search parameters of a kind from N and D; given ones win."""
+    _check_kind(kind)
+    out: dict = {}
+    if kind in ("ivf-flat", "ivf-pq"):
+        out["nlist"] = int(params.pop("nlist", default_nlist(count)))
+        out["nprobe"] = int(params.pop("nprobe", min(out["nlist"], 8)))
+        if kind == "ivf-pq":
+            out["m"] = int(params.pop("m", default_pq_m(dim)))
+            # 2^nbits centroids per sub-quantizer need enough training points.
+            nbits_default = 8 if count >= 256 * 39 else max(1, min(8, int(math.log2(max(count // 39, 2)))))
+            out["nbits"] = int(params.pop("nbits", nbits_default))
+            if dim % out["m"] != 0:
+                raise ValueError(f"ivf-pq m={out['m']} must divide the dimension {dim}")
+            if not 1 <= out["nbits"] <= 16:
+                raise ValueError(f"ivf-pq nbits={out['nbits']} must be in 1..16")
+        if out["nlist"] < 1 or out["nlist"] > max(count, 1):
+            raise ValueError(f"nlist={out['nlist']} must be in 1..{max(count, 1)} for {count} vectors")
+        if not 1 <= out["nprobe"]:
+            raise ValueError(f"nprobe={out['nprobe']} must be >= 1")
+        out["nprobe"] = min(out["nprobe"], out["nlist"])
+    elif kind == "hnsw":
+        out["M"] = int(params.pop("M", 32))
+        out["efConstruction"] = int(params.pop("efConstruction", 80))
+        out["efSearch"] = int(params.pop("efSearch", 64))
+        if out["M"] < 2 or out["efConstruction"] < 1 or out["efSearch"] < 1:
+            raise ValueError(f"hnsw parameters must be positive (M >= 2): {out}")
+    if params:
+        raise ValueError(f"unknown parameters for index kind {kind!r}: {sorted(params)}")
+    return out
+
+
+def factory_string(kind: str, params: dict) -> str:
+    """The faiss.index_factory description equivalent to (kind, params)."""
+    _check_kind(kind)
+    if kind == "flat":
+        return "Flat"
+    if kind == "ivf-flat":
+        return f"IVF{params['nlist']},Flat"
+    if kind == "ivf-pq":
+        return f"IVF{params['nlist']},PQ{params['m']}x{params['nbits']}"
+    return f"HNSW{params['M']},Flat"
+
+
+def create_index(kind: str, dim: int, count: int, **params) -> tuple[faiss.Index, dict]:
+    """An empty (untrained) CPU index of `kind` for about `count` vectors of `dim`, and its params."""
+    if dim < 1:
+        raise ValueError(f"dimension must be >= 1, got {dim}")
+    params = default_params(kind, dim, count, **params)
+    index = faiss.index_factory(dim, factory_string(kind, params), faiss.METRIC_INNER_PRODUCT)
+    if kind == "hnsw":
+        index.hnsw.efConstruction = params["efConstruction"]
+    set_search_params(index, kind, params)
+    return index, params
+
+
+def set_search_params(index: faiss.Index, kind: str, params: dict) -> None:
+    """Apply the runtime knob (nprobe / efSearch) stored in params to a CPU or GPU index."""
+    name = SEARCH_PARAM[_check_kind(kind)]
+    if name is None or name not in params:
+        return
+    if _is_cpu(index):
+        if name == "nprobe":
+            faiss.extract_index_ivf(index).nprobe = int(params[name])
+        else:
+            faiss.downcast_index(index).hnsw.efSearch = int(params[name])
+    else:  # GPU / sharded: ParameterSpace reaches every shard
+        faiss.GpuParameterSpace().set_index_parameter(index, name, int(params[name]))
+
+
+def _is_cpu(index: faiss.Index) -> bool:
+    return not type(faiss.downcast_index(index)).__name__.startswith(("Gpu", "IndexShards", "IndexReplicas"))
+
+
+def use_gpu(kind: str) -> bool:
+    """True when GPUs are visible and FAISS has a GPU version of this kind (not HNSW)."""
+    return faiss.get_num_gpus() > 0 and kind != "hnsw"
+
+
+def to_gpu(index: faiss.Index) -> faiss.Index:
+    """Shard a CPU index over all visible GPUs (the standard FAISS call)."""
+    co = faiss.GpuMultipleClonerOptions()
+    co.shard = True
+    co.useFloat16LookupTables = True  # lets IVF-PQ with many sub-quantizers fit in shared memory
+    return faiss.index_cpu_to_all_gpus(index, co=co)
+
+
+def _as_float32(x: np.ndarray, dim: int | None, what: str) -> np.ndarray:
+    x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"{what} must be a 2-D (N, D) array, got shape {x.shape}")
+    if dim is not None and x.shape[1] != dim:
+        raise ValueError(f"{what} have dimension {x.shape[1]}, the index has {dim}")
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{what} contain NaN or inf")
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def normalise(x: np.ndarray) -> np.ndarray:
+    """L2-normalise rows (float32); zero rows are rejected because they have no direction."""
+    x = _as_float32(x, None, "vectors")
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    if np.any(norms == 0):
+        raise ValueError(f"{int(np.sum(norms == 0))} zero vectors cannot be normalised")
+    return x / norms
+
+
+def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed: int = 0,
+          **params) -> tuple[faiss.Index, dict]:
+    """Create, train and fill an index of `kind` with unit `vectors`; returns a CPU index and params.
+
+    Training uses at most `train_sample` rows (default: min(N, 256 * nlist)), drawn with `seed`.
+    """
+    vectors = _as_float32(vectors, None, "vectors")
+    n, dim = vectors.shape
+    if n == 0:
+        raise ValueError("cannot build an index from 0 vectors")
+    index, params = create_index(kind, dim, n, **params)
+    gpu = use_gpu(kind)
+    work = to_gpu(index) if gpu else index
+    if not work.is_trained:
+        wanted = 256 * params["nlist"]
+        if kind == "ivf-pq":
+            wanted = max(wanted, 64 * 2 ** params["nbits"])  # PQ codebooks need their own points
+        limit = min(n, train_sample or wanted)
+        sample = vectors
+        if limit < n:
+            rows = np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
+            sample = vectors[rows]
+        work.train(sample)
+    work.add(vectors)
+    if gpu:
+        index = faiss.index_gpu_to_cpu(work)
+    set_search_params(index, kind, params)
+    assert index.ntotal == n, f"index holds {index.ntotal} vectors, expected {n}"
+    return index, params
+
+
+def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k inner-product search: (scores (Q, k'), rows (Q, k')) with k' = min(k, ntotal).
+
+    Columns where no query found a result are dropped; a remaining missing result (only
+    possible with approximate kinds probing fewer than k items) has row -1 and score -inf,
+    so callers skip rows < 0.
+    """
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    queries = _as_float32(queries, index.d, "queries")
+    k = int(min(k, index.ntotal))
+    if k == 0 or queries.shape[0] == 0:
+        return np.zeros((queries.shape[0], 0), np.float32), np.zeros((queries.shape[0], 0), np.int64)
+    scores, rows = index.search(queries, k)
+    missing = rows < 0
+    if missing.any():
+        scores = scores.copy()
+        scores[missing] = -np.inf
+        keep = ~missing.all(axis=0)
+        scores, rows = scores[:, keep], rows[:, keep]
+    return scores, rows.astype(np.int64, copy=False)
+
+
+def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block: int = 4096) -> np.ndarray:
+    """Exact top-k rows by inner product with blocked numpy (the reference for recall)."""
+    database = _as_float32(database, None, "database")
+    queries = _as_float32(queries, database.shape[1], "queries")
+    k = min(k, database.shape[0])
+    best_s = np.full((queries.shape[0], 0), -np.inf, np.float32)
+    best_i = np.zeros((queries.shape[0], 0), np.int64)
+    for start in range(0, database.shape[0], block):
+        s = queries @ database[start:start + block].T                     # (Q, B)
+        cat_s = np.concatenate([best_s, s], axis=1)
+        cat_i = np.concatenate([best_i, np.broadcast_to(np.arange(start, start + s.shape[1]), s.shape)], axis=1)
+        top = np.argpartition(-cat_s, min(k, cat_s.shape[1]) - 1, axis=1)[:, :k]
+        best_s = np.take_along_axis(cat_s, top, axis=1)
+        best_i = np.take_along_axis(cat_i, top, axis=1)
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return np.take_along_axis(best_i, order, axis=1)
+
+
+def recall_at_k(found: np.ndarray, exact: np.ndarray, k: int = 10) -> float:
+    """Mean over queries of |found[:k] & exact[:k]| / k (FAISS's "k-recall@k")."""
+    k = min(k, exact.shape[1])
+    hits = [len(set(f[:k][f[:k] >= 0].tolist()) & set(e[:k].tolist())) for f, e in zip(found, exact)]
+    return float(np.mean(hits) / k) if hits else 1.0
+
+
+@dataclass
+class TuneResult:
+    """Outcome of `tune`: the knob value chosen and what it measured."""
+    param: str | None
+    value: int | None
+    recall: float
+    latency_ms: float           # mean per query at batch = len(sample)
+    reached: bool
+    history: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
+         k: int = 10, kind: str | None = None) -> TuneResult:
+    """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
+
+    `exact` holds the exact top-k rows of each sample query (see `exact_neighbours`).
+    The knob ends at the smallest tried value that reaches the target, or at its maximum
+    (nlist for IVF, 2048 for HNSW) with `reached=False` when it never does (IVF-PQ can
+    plateau below the target because its codes are lossy).
+    """
+    if not 0 < target_recall <= 1:
+        raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
+    kind = kind or kind_of(index)
+    param = SEARCH_PARAM[_check_kind(kind)]
+    queries = _as_float32(sample_queries, index.d, "sample queries")
+
+    def measure() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        _, rows = search(index, queries, k)
+        dt = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
+        return recall_at_k(rows, exact, k), dt
+
+    if param is None:
+        recall, ms = measure()
+        return TuneResult(None, None, recall, ms, recall >= target_recall, [{"recall": recall, "latency_ms": ms}])
+    if param == "nprobe":
+        limit = faiss.extract_index_ivf(index).nlist
+        value = 1
+    else:
+        limit = max(2048, k)
+        value = max(k, 16)
+    history = []
+    while True:
+        set_search_params(index, kind, {param: value})
+        recall, ms = measure()
+        history.append({param: value, "recall": recall, "latency_ms": ms})
+        logger.debug("tune %s=%d recall@%d=%.4f %.3f ms/query", param, value, k, recall, ms)
+        if recall >= target_recall or value >= limit:
+            break
+        value = min(value * 2, limit)
+    reached = recall >= target_recall
+    if not reached:
+        logger.warning("%s: recall@%d %.3f below target %.3f even at %s=%d", kind, k, recall, target_recall, param, value)
+    return TuneResult(param, value, recall, ms, reached, history)
+
+
+def kind_of(index: faiss.Index) -> str:
+    """Recover the kind name from a CPU index object."""
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexFlat):
+        return "flat"
+    if isinstance(index, faiss.IndexHNSW):
+        return "hnsw"
+    if isinstance(index, faiss.IndexIVFPQ):
+        return "ivf-pq"
+    if isinstance(index, faiss.IndexIVFFlat):
+        return "ivf-flat"
+    raise ValueError(f"unsupported index type {type(index).__name__}")
+
+
+def index_bytes(kind: str, dim: int, count: int, params: dict | None = None) -> int:
+    """Approximate resident bytes of an index of `kind` (for choose_kind and the benchmark)."""
+    params = default_params(kind, dim, count, **(params or {}))
+    if kind == "flat":
+        return count * dim * 4
+    if kind == "ivf-flat":
+        return count * (dim * 4 + ID_BYTES) + params["nlist"] * dim * 4
+    if kind == "ivf-pq":
+        code = math.ceil(params["m"] * params["nbits"] / 8)
+        return count * (code + ID_BYTES) + params["nlist"] * dim * 4 + params["m"] * (2 ** params["nbits"]) * (dim // params["m"]) * 4
+    # HNSW: vectors + ~2*M neighbour ids (int32) on level 0, levels above are ~1/M of that.
+    return count * (dim * 4 + params["M"] * 2 * 4 + 16)
+
+
+def default_memory_budget() -> int:
+    """A quarter of physical memory: the default budget for `choose_kind`."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 4 << 30
+
+
+def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) -> tuple[str, dict]:
+    """Pick (kind, params) for `--kind auto`, in the spirit of autofaiss.
+
+    Rules, first match wins (budget defaults to a quarter of RAM):
+    1. N < 1,000, or N <= 100,000 and the flat index fits the budget -> ``flat``
+       (exact; brute force over <= 1e5 rows costs a few ms per query).
+    2. The full vectors (IVF-Flat size) fit the budget -> ``ivf-flat`` with nlist ~ 4 sqrt(N).
+    3. Otherwise memory is tight -> ``ivf-pq`` with nlist ~ 4 sqrt(N) and the largest
+       sub-quantizer count m (bytes per vector, a divisor of D) whose codes fit the budget.
+    HNSW is never chosen automatically (it costs more memory than IVF-Flat for a latency win
+    at batch 1); ask for it with ``--kind hnsw``.
+    """
+    if count < 1 or dim < 1:
+        raise ValueError(f"choose_kind needs count >= 1 and dim >= 1, got count={count}, dim={dim}")
+    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    if budget <= 0:
+        raise ValueError(f"memory budget must be positive, got {memory_budget_bytes}")
+    if count < IVF_MIN_COUNT or (count <= SMALL_COUNT and index_bytes("flat", dim, count) <= budget):
+        return "flat", default_params("flat", dim, count)
+    if index_bytes("ivf-flat", dim, count) <= budget:
+        return "ivf-flat", default_params("ivf-flat", dim, count)
+    nlist = default_nlist(count)
+    fixed = nlist * dim * 4 + 256 * dim * 4            # coarse centroids + PQ codebooks (8 bits)
+    per_vector = (budget - fixed) // count - ID_BYTES
+    if per_vector < 1:
+        raise ValueError(f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes")
+    m = default_pq_m(dim, min(per_vector, dim))
+    return "ivf-pq", default_params("ivf-pq", dim, count, nlist=nlist, m=m)

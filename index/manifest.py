@@ -1,0 +1,162 @@
+"""The self-describing `manifest.json` of an index version: create, read, write, verify.
+
+A version directory holds `index.faiss`, `embeddings.npy`, `ids.json` and `manifest.json`.
+The manifest lists the sha256 of every other file; loading recomputes them so a corrupt or
+truncated file is refused (IndexCorruptError) and the caller can keep the previous version.
+The manifest itself is validated by parsing and by its required fields.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "softsearch-index"
+FORMAT_VERSION = 1
+REQUIRED_FIELDS = ("format", "format_version", "version", "created", "count", "dim", "metric",
+                   "normalised", "kind", "params", "faiss_version", "files")
+# Fields that `update_manifest_fields` may never change: they describe the stored bytes.
+FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder"}
+
+
+class IndexCorruptError(ValueError):
+    """A version directory whose files do not match its manifest (or no valid manifest)."""
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex of a file's bytes, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def utc_now() -> str:
+    """ISO-8601 UTC timestamp with seconds."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so a rename inside it survives a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write text to a temp file beside `path`, fsync, os.replace, fsync the directory."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def create_manifest(*, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str,
+                    files: dict, **fields) -> dict:
+    """A manifest dict with the required fields first, then any extra `fields`.
+
+    Extra fields used by index.build: checkpoint {path, sha256}, encoder (config dict), dataset
+    {spec, fingerprint}, sources (every dataset that contributed rows), lineage {objective,
+    temperature_schedule, train_config_hash, ...}, search_temperature, skipped, timings,
+    recall, quality_gate, parent.
+    """
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "version": version,
+        "created": utc_now(),
+        "count": int(count),
+        "dim": int(dim),
+        "metric": "inner_product",
+        "normalised": True,
+        "kind": kind,
+        "params": dict(params),
+        "faiss_version": faiss_version,
+        "files": files,
+    }
+    manifest.update(fields)
+    return manifest
+
+
+def describe_files(directory: str | os.PathLike, names: list[str]) -> dict:
+    """{name: {"sha256", "bytes"}} for files in `directory` (what the manifest records)."""
+    directory = Path(directory)
+    return {n: {"sha256": file_sha256(directory / n), "bytes": (directory / n).stat().st_size} for n in names}
+
+
+def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
+    """Atomically write `directory/manifest.json`."""
+    path = Path(directory) / MANIFEST_NAME
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=False, default=_json_default) + "\n")
+    return path
+
+
+def _json_default(obj):
+    # numpy scalars and paths end up in timings / params; store them as plain JSON.
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """Parse and validate `directory/manifest.json`; IndexCorruptError when unusable."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise IndexCorruptError(f"{path} is missing")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise IndexCorruptError(f"{path} is not valid JSON ({err})") from err
+    if not isinstance(manifest, dict):
+        raise IndexCorruptError(f"{path} does not hold a JSON object")
+    missing = [f for f in REQUIRED_FIELDS if f not in manifest]
+    if missing:
+        raise IndexCorruptError(f"{path} lacks required fields {missing}")
+    if manifest["format"] != FORMAT:
+        raise IndexCorruptError(f"{path} has format {manifest['format']!r}, expected {FORMAT!r}")
+    if manifest["format_version"] > FORMAT_VERSION:
+        raise IndexCorruptError(f"{path} has format_version {manifest['format_version']}, newer than {FORMAT_VERSION}")
+    if manifest["metric"] != "inner_product" or manifest["normalised"] is not True:
+        raise IndexCorruptError(f"{path}: only normalised inner-product indexes are supported")
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
+    """Recompute size and sha256 of every file the manifest lists; IndexCorruptError on mismatch."""
+    directory = Path(directory)
+    for name, info in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise IndexCorruptError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != info["bytes"]:
+            raise IndexCorruptError(f"{path} has {size} bytes, the manifest says {info['bytes']} (truncated?)")
+        digest = file_sha256(path)
+        if digest != info["sha256"]:
+            raise IndexCorruptError(f"{path} sha256 {digest[:12]}... does not match the manifest {info['sha256'][:12]}...")
