@@ -1,0 +1,176 @@
+"""create_app(): the FastAPI application (routes, error handlers, middleware, static page).
+
+Every error is JSON `{"error": code, "detail": message}`: HTTP errors, validation errors
+(422; malformed JSON is 400), not-ready (503), and the catch-all 500 (logged).
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from api.batching import MicroBatcher
+from api.config import Settings
+from api.deps import ApiError
+from api.metrics import MetricsMiddleware, Registry
+from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
+from api.routes import admin, health, index, items, search, web
+from search.searcher import NotReadyError, Searcher
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+#: Room for multipart boundaries and form fields on top of the image itself.
+BODY_OVERHEAD_BYTES = 64 * 1024
+
+_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
+                 415: "unsupported_media_type", 422: "validation_error", 429: "rate_limited",
+                 503: "not_ready"}
+
+
+def _error(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+class BodySizeLimitMiddleware:
+    """413 for request bodies over the limit: early from Content-Length, else while streaming."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None:
+            try:
+                too_big = int(declared) > self.limit
+            except ValueError:
+                too_big = False
+            if too_big:
+                await _error(413, "upload_too_large",
+                             f"request body is {int(declared)} bytes, limit is {self.limit} bytes")(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, "upload_too_large", f"request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _validation_detail(errors: list[dict]) -> str:
+    parts = []
+    for e in errors:
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "header"))
+        parts.append(f"{loc or 'request'}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = getattr(exc, "code", None) or _STATUS_CODES.get(exc.status_code, "error")
+        return _error(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+        if bad_json:
+            ctx = bad_json[0].get("ctx") or {}
+            pos = bad_json[0].get("loc", ("body", "?"))[-1]
+            return _error(400, "malformed_json", f"malformed JSON body: {ctx.get('error', 'decode error')} "
+                                                 f"at position {pos}")
+        slim = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
+                for e in errors]
+        return JSONResponse({"error": "validation_error", "detail": _validation_detail(errors), "errors": slim},
+                            status_code=422)
+
+    @app.exception_handler(NotReadyError)
+    async def not_ready(request: Request, exc: NotReadyError) -> JSONResponse:
+        return _error(503, "not_ready", str(exc))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal_error", f"internal error ({type(exc).__name__})")
+
+
+def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
+    """Build the service. With no `searcher`, one is opened on settings.index_root and the
+    current version loaded if there is one; otherwise /readyz says 503 until an admin reload."""
+    metrics = Registry()
+
+    def make_searcher() -> Searcher:
+        if settings.index_root is None:
+            raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
+        return Searcher(settings.index_root, device=settings.device)
+
+    if searcher is None and settings.index_root is not None:
+        try:
+            searcher = make_searcher()
+            searcher.load()
+        except (FileNotFoundError, ValueError, KeyError, OSError) as err:
+            logger.warning("no index loaded at start-up (%s); /readyz is 503 until POST /v1/admin/reload", err)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await app.state.batcher.aclose()
+        app.state.batcher.shutdown()
+
+    app = FastAPI(
+        title="softsearch",
+        version="1",
+        summary="Image similarity search with exact softmax probabilities over the whole index.",
+        description="Upload an image (or send an embedding) and get the top-k indexed items with their cosine "
+                    "similarity and the learned softmax-search probability p(j|x) over the whole index. "
+                    "Errors are JSON {error, detail}.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.searcher = searcher
+    app.state.make_searcher = make_searcher
+
+    app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
+                                     settings.batch_max_wait_ms, metrics)
+
+    def index_info() -> tuple[str | None, int]:
+        s = app.state.searcher
+        if s is None or not s.ready:
+            return None, 0
+        snap = s.snapshot()
+        return snap.version, snap.count
+
+    metrics.bind_index(index_info)
+
+    _install_error_handlers(app)
+    for module in (search, items, index, health, admin, web):
+        app.include_router(module.router)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    # outermost first at request time: metrics sees every request, including 413 and 429
+    app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
+    if settings.rate_limit_enabled:
+        limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc())
+    app.add_middleware(MetricsMiddleware, registry=metrics)
+    return app
+

@@ -1,0 +1,205 @@
+"""Micro-batching: concurrent queries share one encoder forward and one index search.
+
+Requests go into an asyncio queue; one worker task takes the first waiting request, waits up
+to `max_wait_ms` for up to `max_batch_size - 1` more, and runs the batch in a dedicated
+thread (so the event loop stays free): one snapshot of the searcher, one `encode` of all
+images, one `search` with the largest k, then each request gets its own top-k prefix.
+While a batch runs, new requests queue up, so under load batches fill by themselves.
+`max_batch_size == 1` disables batching: each query runs directly in the thread pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio.to_thread
+import numpy as np
+from PIL import Image
+
+from api.metrics import Registry
+from search.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """One query's answer and the index version that produced it."""
+
+    hits: list[Hit]
+    version: str
+    temperature: float
+    log_normalizer: float
+    batch_size: int
+    count: int  # items in the version that answered
+
+
+@dataclass
+class _Pending:
+    image: Image.Image | None
+    vector: np.ndarray | None
+    k: int
+    temperature: float | None
+    future: asyncio.Future
+
+
+def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryResult | Exception]:
+    """Answer a batch on ONE snapshot: one encoder forward for all images, one index search."""
+    n = len(batch)
+    out: list[QueryResult | Exception | None] = [None] * n
+    vecs = np.zeros((n, snapshot.dim), dtype=np.float32)  # (B, D)
+    img_rows = [i for i, p in enumerate(batch) if p.image is not None]
+    if img_rows:
+        vecs[img_rows] = snapshot.encode([batch[i].image for i in img_rows])
+    for i, p in enumerate(batch):
+        if p.vector is None:
+            continue
+        v = np.asarray(p.vector, dtype=np.float32).reshape(-1)
+        if v.shape[0] != snapshot.dim:
+            out[i] = ValueError(f"vector has {v.shape[0]} values; index version {snapshot.version} "
+                                f"has dimension {snapshot.dim}")
+        elif not np.all(np.isfinite(v)):
+            out[i] = ValueError("vector contains NaN or inf")
+        elif not np.any(v):
+            out[i] = ValueError("vector has zero norm")
+        else:
+            vecs[i] = v
+    valid = [i for i in range(n) if out[i] is None]
+    if valid:
+        k_max = max(batch[i].k for i in valid)
+        answer = snapshot.search(vecs[valid], k_max, [batch[i].temperature for i in valid])
+        for j, i in enumerate(valid):
+            out[i] = QueryResult(answer[j][: batch[i].k], answer.version, answer.temperatures[j],
+                                 answer.log_normalizers[j], len(valid), snapshot.count)
+    return out  # type: ignore[return-value]
+
+
+class MicroBatcher:
+    """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
+
+    def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
+                 max_wait_ms: float = 2.0, metrics: Registry | None = None):
+        """`searcher` may be a callable returning the current Searcher (the app swaps it on reload)."""
+        assert max_batch_size >= 1 and max_wait_ms >= 0, "bad batching settings"
+        self._source = searcher
+        self.max_batch_size = int(max_batch_size)
+        self.max_wait = float(max_wait_ms) / 1000.0
+        self.metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="softsearch-batch")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+        self._worker: asyncio.Task | None = None
+
+    def snapshot(self) -> SearchSnapshot:
+        """The current searcher's snapshot; NotReadyError if none is loaded."""
+        searcher = self._source() if callable(self._source) else self._source
+        if searcher is None:
+            raise NotReadyError("no index loaded yet")
+        return searcher.snapshot()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_batch_size > 1
+
+    async def search_image(self, image: Image.Image, k: int, temperature: float | None = None) -> QueryResult:
+        return await self._submit(_Pending(image, None, k, temperature, None))  # type: ignore[arg-type]
+
+    async def search_vector(self, vector: np.ndarray, k: int, temperature: float | None = None) -> QueryResult:
+        return await self._submit(_Pending(None, vector, k, temperature, None))  # type: ignore[arg-type]
+
+    async def _submit(self, pending: _Pending) -> QueryResult:
+        snapshot = self.snapshot()  # NotReadyError early, before queueing
+        if not self.enabled:
+            result = (await anyio.to_thread.run_sync(_run_batch, snapshot, [pending]))[0]
+            self._observe(1)
+            if isinstance(result, Exception):
+                raise result
+            return result
+        self._ensure_worker()
+        pending.future = asyncio.get_running_loop().create_future()
+        await self._queue.put(pending)  # type: ignore[union-attr]
+        return await pending.future
+
+    def _ensure_worker(self) -> None:
+        """Start the worker on the running loop (test clients may run each request on a new loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._worker is None or self._worker.done():
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            self._worker = loop.create_task(self._work(), name="softsearch-batcher")
+
+    def _observe(self, size: int) -> None:
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(size)
+
+    async def _collect(self) -> list[_Pending]:
+        queue = self._queue
+        assert queue is not None
+        batch = [await queue.get()]
+        deadline = time.monotonic() + self.max_wait
+        while len(batch) < self.max_batch_size:
+            try:
+                batch.append(queue.get_nowait())  # already waiting: no need to sleep
+                continue
+            except asyncio.QueueEmpty:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(queue.get(), remaining))
+            except asyncio.TimeoutError:
+                break
+        return [p for p in batch if not p.future.done()]  # drop cancelled (client went away)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._collect()
+            if not batch:
+                continue
+            try:
+                snapshot = self.snapshot()
+                results = await loop.run_in_executor(self._executor, _run_batch, snapshot, batch)
+            except asyncio.CancelledError:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.cancel()
+                raise
+            except Exception as err:  # noqa: BLE001 - isolate a bad request: retry one by one
+                if len(batch) == 1:
+                    results = [err]
+                else:
+                    logger.warning("batch of %d failed (%s); answering one by one", len(batch), err)
+                    results = []
+                    for p in batch:
+                        try:
+                            snapshot = self.snapshot()
+                            results.append((await loop.run_in_executor(self._executor, _run_batch, snapshot, [p]))[0])
+                        except Exception as one_err:  # noqa: BLE001
+                            results.append(one_err)
+            self._observe(len(batch))
+            for p, r in zip(batch, results):
+                if p.future.done():
+                    continue
+                if isinstance(r, Exception):
+                    p.future.set_exception(r)
+                else:
+                    p.future.set_result(r)
+
+    async def aclose(self) -> None:
+        """Stop the worker (app shutdown)."""
+        if self._worker is not None and not self._worker.done():
+            self._worker.cancel()
+            try:
+                await self._worker
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        self._worker = None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

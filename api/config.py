@@ -1,0 +1,142 @@
+"""Service settings: one validated object, read from SOFTSEARCH_* env vars and CLI overrides.
+
+Invalid values fail at start-up with a message naming the setting, never at the first request.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
+
+ENV_PREFIX = "SOFTSEARCH_"
+
+#: Default largest k a client may ask for. Larger k costs one exact softmax per hit and a
+#: bigger response; 100 covers every evaluation cut-off the project reports (k <= 100).
+DEFAULT_MAX_K = 100
+
+
+class Settings(BaseModel):
+    """Everything the HTTP service reads at start-up.
+
+    env var = SOFTSEARCH_ + upper-case field name, e.g. SOFTSEARCH_INDEX_ROOT, SOFTSEARCH_MAX_K.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    index_root: Path | None = Field(None, description="IndexStore root (root/versions, root/current)")
+    host: str = Field("127.0.0.1", description="bind address; loopback by default")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    admin_token: str | None = Field(
+        None, description="bearer token for /v1/admin/*; unset disables the admin routes (404)"
+    )
+    max_k: int = Field(DEFAULT_MAX_K, ge=1, le=10_000, description="largest k a request may ask for")
+    max_upload_bytes: int = Field(
+        10 * 1024 * 1024, ge=1024, description="largest accepted image upload / request body (413 above)"
+    )
+    max_image_pixels: int = Field(
+        20_000_000, ge=1, description="decompression-bomb guard: width * height of an upload (413 above)"
+    )
+    batch_max_size: int = Field(32, ge=1, le=4096, description="micro-batch size; 1 disables batching")
+    batch_max_wait_ms: float = Field(
+        2.0, ge=0.0, le=1000.0, description="how long the first query of a batch waits for company"
+    )
+    rate_limit_rps: float = Field(0.0, ge=0.0, description="per-client token refill rate; 0 = off")
+    rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
+    report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
+    device: str = Field("cpu", description="torch device for the encoder")
+    log_level: str = Field("info", description="uvicorn / logging level")
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if v == "localhost":
+            return v
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"host must be an IP address or 'localhost', got {v!r}") from None
+        return v
+
+    @field_validator("admin_token")
+    @classmethod
+    def _token(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if len(v) < 8:
+            raise ValueError("admin_token must be at least 8 characters (or unset to disable admin routes)")
+        return v
+
+    @field_validator("batch_max_wait_ms", "rate_limit_rps")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"must be finite, got {v}")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in {"critical", "error", "warning", "info", "debug", "trace"}:
+            raise ValueError(f"unknown log level {v!r}")
+        return v
+
+    @field_validator("index_root", "report_path", mode="before")
+    @classmethod
+    def _empty_path(cls, v: Any) -> Any:
+        return None if v == "" else v
+
+    @model_validator(mode="after")
+    def _paths_exist(self) -> "Settings":
+        if self.index_root is not None and self.index_root.exists() and not self.index_root.is_dir():
+            raise ValueError(f"index_root {self.index_root} is not a directory")
+        return self
+
+    @property
+    def rate_limit_enabled(self) -> bool:
+        return self.rate_limit_rps > 0
+
+    @property
+    def batching_enabled(self) -> bool:
+        return self.batch_max_size > 1
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Build Settings from SOFTSEARCH_* env vars, then `overrides` (CLI values; None = not given).
+
+    Raises ValueError with one line per bad setting, naming its env var.
+    """
+    environ = os.environ if environ is None else environ
+    fields = Settings.model_fields
+    values: dict[str, Any] = {}
+    for name in fields:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            values[name] = environ[key]
+    unknown = sorted(
+        k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in fields
+    )
+    if unknown:
+        logger.warning("ignoring unknown settings in the environment: %s", ", ".join(unknown))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            name = ".".join(str(p) for p in err["loc"]) or "settings"
+            shown = values.get(name, "<default>")
+            if name == "admin_token":
+                shown = "<hidden>"
+            lines.append(f"invalid setting {name} ({ENV_PREFIX}{name.upper()}={shown!s}): {err['msg']}")
+        raise ValueError("; ".join(lines)) from None

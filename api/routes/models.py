@@ -1,0 +1,105 @@
+"""Request and response bodies of the v1 API (they document the OpenAPI schema)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+#: Temperatures a client may ask for; outside this range exp(s / tau) is numerically meaningless.
+MIN_TEMPERATURE = 1e-4
+MAX_TEMPERATURE = 1e4
+
+
+class ErrorResponse(BaseModel):
+    error: str = Field(description="short machine-readable code, e.g. not_an_image, k_out_of_range")
+    detail: str = Field(description="what was wrong, naming the bad value")
+
+
+class HitOut(BaseModel):
+    id: str = Field(description="stable item id, e.g. synthetic/train/17")
+    row: int = Field(description="row of the item in this index version")
+    similarity: float = Field(description="cosine similarity s = z_query . z_item, in [-1, 1]")
+    probability: float = Field(
+        description="learned softmax search p(j|x) = exp(s_j/tau) / sum_l exp(s_l/tau) over the WHOLE index (exact)"
+    )
+
+
+class SearchResponse(BaseModel):
+    version: str = Field(description="index version that answered")
+    k: int
+    count: int = Field(description="items in that index version (the softmax runs over all of them)")
+    temperature: float = Field(description="tau used for the probabilities")
+    log_normalizer: float = Field(description="log sum_l exp(s_l / tau), exact")
+    batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
+    results: list[HitOut]
+
+
+class VectorQuery(BaseModel):
+    vector: list[float] = Field(min_length=1, max_length=65536,
+                                description="query embedding, length = index dim; normalised to unit length")
+    k: int = Field(10, ge=1, description="results to return, 1..max_k")
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                      description="softmax temperature; default: the index's search_temperature")
+
+
+class ItemSummary(BaseModel):
+    id: str
+    row: int
+    thumbnail_url: str
+
+
+class ItemSample(BaseModel):
+    version: str
+    count: int
+    items: list[ItemSummary]
+
+
+class ItemOut(BaseModel):
+    id: str
+    row: int
+    version: str
+    label: int | None = None
+    class_name: str | None = None
+    dataset: dict | None = Field(None, description="dataset spec the image is recovered from")
+    thumbnail_url: str
+
+
+class IndexOut(BaseModel):
+    version: str
+    count: int
+    dim: int
+    temperature: float = Field(description="default search temperature (manifest search_temperature)")
+    manifest: dict
+
+
+class ServiceConfigOut(BaseModel):
+    max_k: int
+    max_upload_bytes: int
+    batching: bool
+    report_url: str | None = Field(description="latest evaluation report, if the server has one")
+    version: str | None
+
+
+class ReloadRequest(BaseModel):
+    version: str | None = Field(None, description="version to load; default: the store's current one")
+
+
+class ReloadOut(BaseModel):
+    previous: str | None
+    version: str
+    changed: bool
+    encoder_reloaded: bool
+    count: int
+
+
+class HealthOut(BaseModel):
+    status: str
+    version: str | None = None
+
+
+ERROR_RESPONSES = {
+    400: {"model": ErrorResponse, "description": "bad input (not an image, truncated, malformed JSON)"},
+    413: {"model": ErrorResponse, "description": "upload or image too large"},
+    415: {"model": ErrorResponse, "description": "wrong content type"},
+    422: {"model": ErrorResponse, "description": "invalid parameter (k, temperature, vector)"},
+    429: {"model": ErrorResponse, "description": "rate limited; see Retry-After"},
+    503: {"model": ErrorResponse, "description": "no index loaded yet"},
+}

@@ -1,0 +1,76 @@
+"""POST /v1/search (image upload) and POST /v1/search/vector (JSON embedding)."""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Annotated
+
+import numpy as np
+from fastapi import APIRouter, Depends, File, Form, UploadFile
+from starlette.concurrency import run_in_threadpool
+
+from api.batching import QueryResult
+from api.deps import ApiError, BatcherDep, MetricsDep, SettingsDep, SnapshotDep, check_k, decode_image, \
+    require_content_type
+from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, SearchResponse, \
+    VectorQuery
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1", tags=["search"])
+
+
+def _response(result: QueryResult, k: int) -> SearchResponse:
+    return SearchResponse(
+        version=result.version, k=k, count=result.count, temperature=result.temperature,
+        log_normalizer=result.log_normalizer, batch_size=result.batch_size,
+        results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
+                 for h in result.hits],
+    )
+
+
+@router.post("/search", response_model=SearchResponse, responses=ERROR_RESPONSES,
+             dependencies=[Depends(require_content_type("multipart/form-data"))])
+async def search_image(
+    settings: SettingsDep, batcher: BatcherDep, metrics: MetricsDep,
+    file: Annotated[UploadFile, File(description="query image (PNG, JPEG, ...)")],
+    k: Annotated[int, Form(ge=1, description="results to return, 1..max_k (server setting, default 100)")] = 10,
+    temperature: Annotated[float | None, Form(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                              description="softmax temperature; default: the index's")] = None,
+) -> SearchResponse:
+    """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
+    check_k(k, settings)
+    data = await file.read(settings.max_upload_bytes + 1)
+    image = await run_in_threadpool(decode_image, data, settings)
+    try:
+        result = await batcher.search_image(image, k, temperature)
+    except ValueError as err:
+        raise ApiError(422, "bad_query", str(err)) from err
+    metrics.queries.inc(kind="image")
+    return _response(result, k)
+
+
+@router.post("/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES,
+             dependencies=[Depends(require_content_type("application/json"))])
+async def search_vector(
+    query: VectorQuery, settings: SettingsDep, batcher: BatcherDep, snapshot: SnapshotDep, metrics: MetricsDep,
+) -> SearchResponse:
+    """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length)."""
+    check_k(query.k, settings)
+    if len(query.vector) != snapshot.dim:
+        raise ApiError(422, "bad_vector",
+                       f"vector has {len(query.vector)} values; the index dimension is {snapshot.dim}")
+    if not all(math.isfinite(v) for v in query.vector):
+        raise ApiError(422, "bad_vector", "vector contains NaN or inf")
+    vector = np.asarray(query.vector, dtype=np.float64)
+    if not np.all(np.isfinite(vector.astype(np.float32))):
+        raise ApiError(422, "bad_vector", "vector values overflow float32")
+    if not np.any(vector):
+        raise ApiError(422, "bad_vector", "vector has zero norm")
+    vector = vector / np.linalg.norm(vector)  # in float64 first: tiny values must not underflow to 0
+    try:
+        result = await batcher.search_vector(vector.astype(np.float32), query.k, query.temperature)
+    except ValueError as err:
+        raise ApiError(422, "bad_vector", str(err)) from err
+    metrics.queries.inc(kind="vector")
+    return _response(result, query.k)

@@ -1,0 +1,393 @@
+"""Searcher: an encoder plus the active index version, with exact softmax probabilities and hot swap.
+
+Probabilities are the learned softmax search over the WHOLE database (papers.md section 1):
+
+    p(j | x) = exp(s_j / tau) / sum_l exp(s_l / tau),     s_j = z_x . z_j
+
+with the normaliser log Z = logsumexp_l(s_l / tau) computed exactly by a blocked, streaming
+logsumexp over every stored embedding (never approximated, never a Q x N matrix at once).
+tau is the request's temperature or the manifest's `search_temperature`.
+
+Hot swap: the loaded (encoder, index version) pair lives in ONE attribute holding an immutable
+`SearchSnapshot`. A query reads that attribute once and runs entirely on that snapshot, so
+in-flight queries finish on the version they started with; `reload()` builds the new snapshot
+off to the side and replaces the attribute under a lock. On any error the old snapshot stays.
+
+Compatibility policy (decided here): each index version names the checkpoint it was built
+with (path + sha256). If that sha256 equals the loaded encoder's, the encoder is reused;
+otherwise the version's own checkpoint is loaded together with it (its sha256 re-verified
+against the manifest) and both are swapped in one step. A version is refused when its
+checkpoint is missing or changed on disk, or when the encoder's embedding dimension, the
+manifest `dim` and the stored embeddings disagree.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from index.store import IndexStore, IndexVersion
+from training.checkpoint import checkpoint_sha256, load_checkpoint
+from training.encoder import Encoder, embed
+from training.transforms import preprocess
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Hit", "SearchAnswer", "SearchSnapshot", "Searcher", "NotReadyError", "ReloadResult",
+    "ItemInfo", "log_normalizer", "DEFAULT_TEMPERATURE",
+]
+
+#: Used only when a manifest carries no search temperature at all (logged as a warning).
+DEFAULT_TEMPERATURE = 0.1
+#: Embedding rows per block of the streaming logsumexp (memory is Q x BLOCK float64).
+DEFAULT_BLOCK = 16384
+
+
+class NotReadyError(RuntimeError):
+    """No index version / encoder is loaded yet."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One result: item id, its row in the index, cosine similarity, softmax probability over the db."""
+
+    id: str
+    row: int
+    similarity: float
+    probability: float
+
+
+class SearchAnswer(list):
+    """list[list[Hit]] (one list per query) that also names the version and temperatures that answered."""
+
+    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalizers: list[float]):
+        super().__init__(hits)
+        self.version = version
+        self.temperatures = temperatures
+        self.log_normalizers = log_normalizers
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """What the API tells about one indexed item."""
+
+    id: str
+    row: int
+    version: str
+    label: int | None = None
+    class_name: str | None = None
+    dataset: dict | None = None
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    previous: str | None
+    version: str
+    changed: bool
+    encoder_reloaded: bool
+
+
+def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+                   block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
+
+    queries (Q, D), embeddings (N, D), temperatures (Q,) -> (Q,) float64. Running max keeps
+    every exp() in range, so tiny temperatures do not overflow.
+    """
+    q = np.asarray(queries, dtype=np.float32)
+    inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)  # (Q,)
+    m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
+    acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
+    for start in range(0, embeddings.shape[0], block):
+        logits = (q @ embeddings[start:start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
+        new_m = np.maximum(m, logits.max(axis=1))
+        acc = acc * np.exp(m - new_m) + np.exp(logits - new_m[:, None]).sum(axis=1)
+        m = new_m
+    return m + np.log(acc)
+
+
+def _manifest_temperature(manifest: dict) -> float:
+    for key in ("search_temperature", "calibrated_temperature"):
+        value = manifest.get(key)
+        if isinstance(value, dict):  # {"temperature": ..., ...}
+            value = value.get("temperature", value.get("tau"))
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            return float(value)
+    logger.warning("manifest of version %s has no search_temperature; using %g",
+                   manifest.get("version"), DEFAULT_TEMPERATURE)
+    return DEFAULT_TEMPERATURE
+
+
+def _checkpoint_ref(manifest: dict) -> tuple[str | None, str | None]:
+    """(checkpoint path, sha256) from a manifest, accepting a nested or a flat layout."""
+    ck = manifest.get("checkpoint")
+    if isinstance(ck, dict):
+        return ck.get("path"), ck.get("sha256")
+    return ck or manifest.get("checkpoint_path"), manifest.get("checkpoint_sha256")
+
+
+@dataclass(frozen=True, eq=False)
+class SearchSnapshot:
+    """An immutable (encoder, index version) pair; every query runs on exactly one snapshot."""
+
+    encoder: Encoder
+    checkpoint_sha256: str | None
+    index: IndexVersion
+    temperature: float
+    block: int = DEFAULT_BLOCK
+    _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
+    _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
+    _lock: Any = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def version(self) -> str:
+        return self.index.version
+
+    @property
+    def dim(self) -> int:
+        return int(self.index.embeddings.shape[1])
+
+    @property
+    def count(self) -> int:
+        return int(self.index.embeddings.shape[0])
+
+    @property
+    def manifest(self) -> dict:
+        return self.index.manifest
+
+    def encode(self, images: Sequence[Image.Image]) -> np.ndarray:
+        """PIL images -> unit embeddings (B, D) float32, one encoder forward."""
+        if len(images) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        x = preprocess(list(images), self.encoder.image_size)  # (B, 3, S, S)
+        return embed(self.encoder, x, batch_size=max(1, len(images)), progress=False)
+
+    def resolve_temperatures(self, n: int, temperature: float | Sequence[float | None] | None) -> np.ndarray:
+        """Per-query tau: the given value(s), None -> the manifest's search temperature."""
+        if temperature is None or isinstance(temperature, (int, float, np.floating)):
+            temps = [temperature] * n
+        else:
+            temps = list(temperature)
+            if len(temps) != n:
+                raise ValueError(f"got {len(temps)} temperatures for {n} queries")
+        out = np.array([self.temperature if t is None else float(t) for t in temps], dtype=np.float64)
+        if n and (not np.all(np.isfinite(out)) or np.any(out <= 0)):
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+        return out
+
+    def search(self, vectors: np.ndarray, k: int,
+               temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+        """Top-k of each query vector (normalised to unit length) with exact softmax probabilities."""
+        q = np.asarray(vectors, dtype=np.float32)
+        if q.ndim == 1:
+            q = q[None, :]
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"query vectors must have shape (Q, {self.dim}), got {tuple(np.shape(vectors))}")
+        if not np.all(np.isfinite(q)):
+            raise ValueError("query vectors contain NaN or inf")
+        if not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        norms = np.linalg.norm(q, axis=1)
+        if np.any(norms == 0):
+            raise ValueError("query vector has zero norm")
+        q = np.ascontiguousarray(q / norms[:, None], dtype=np.float32)  # cosine similarity
+        taus = self.resolve_temperatures(q.shape[0], temperature)
+        k_eff = min(int(k), self.count)
+        if q.shape[0] == 0 or k_eff == 0:
+            return SearchAnswer([[] for _ in range(q.shape[0])], self.version, taus.tolist(),
+                                [float("-inf")] * q.shape[0])
+        _, rows = self.index.search(q, k_eff)  # (Q, k) candidate rows, best first; -1 = none
+        log_z = log_normalizer(q, self.index.embeddings, taus, self.block)  # (Q,)
+        ids = self.index.ids
+        hits: list[list[Hit]] = []
+        for i in range(q.shape[0]):
+            r = rows[i][rows[i] >= 0].astype(np.int64)
+            # exact similarities (the index may be approximate, e.g. PQ scores); same values
+            # the normaliser summed, so probabilities are consistent with log Z
+            s = self.index.embeddings[r] @ q[i]  # (k,)
+            p = np.exp(s.astype(np.float64) / taus[i] - log_z[i])
+            hits.append([Hit(ids[j], int(j), float(sj), float(pj)) for j, sj, pj in zip(r, s, p)])
+        return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist())
+
+    # ---------------------------------------------------------------- items
+    def row_of(self, item_id: str) -> int:
+        """Row of an item id in this version; KeyError if absent."""
+        if not self._rows:
+            with self._lock:
+                if not self._rows:
+                    self._rows.update({iid: i for i, iid in enumerate(self.index.ids)})
+        return self._rows[item_id]
+
+    def dataset_spec(self) -> dict | None:
+        ds = self.manifest.get("dataset")
+        if isinstance(ds, dict):
+            spec = ds.get("spec", ds)
+            return spec if isinstance(spec, dict) and "name" in spec else None
+        return None
+
+    def _dataset(self):
+        """The dataset this version was built from, rebuilt from its manifest spec (cached)."""
+        with self._lock:
+            if "dataset" not in self._cache:
+                spec = self.dataset_spec()
+                if spec is None:
+                    raise FileNotFoundError(f"index version {self.version} has no dataset spec")
+                from training.datasets import create_dataset
+
+                ds = create_dataset(**spec)
+                self._cache["dataset"] = ds
+                self._cache["index_of"] = {iid: i for i, iid in enumerate(ds.item_ids())}
+            return self._cache["dataset"], self._cache["index_of"]
+
+    def item(self, item_id: str) -> ItemInfo:
+        """Metadata of an indexed item; KeyError if the id is not in this version."""
+        row = self.row_of(item_id)
+        label = class_name = None
+        try:
+            ds, index_of = self._dataset()
+            i = index_of.get(item_id)
+            if i is not None and getattr(ds, "labels", None) is not None:
+                label = int(ds.labels[i])
+                names = getattr(ds, "class_names", None)
+                class_name = names[label] if names and 0 <= label < len(names) else None
+        except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
+            logger.info("no dataset metadata for %s: %s", item_id, err)
+        return ItemInfo(item_id, row, self.version, label, class_name, self.dataset_spec())
+
+    def item_image(self, item_id: str) -> Image.Image:
+        """The stored image of an indexed item, recovered from the manifest's dataset spec."""
+        self.row_of(item_id)  # KeyError if not indexed
+        ds, index_of = self._dataset()
+        if item_id not in index_of:
+            raise KeyError(item_id)
+        return ds.image(index_of[item_id])
+
+
+class Searcher:
+    """Thread-safe search service core: encoder + active IndexVersion, hot-swappable.
+
+    `Searcher(root)` opens the IndexStore at `root`; call `load()` (or pass `load=True`) to load
+    the current version. Queries before that raise NotReadyError.
+    """
+
+    def __init__(self, root: str | Path | None = None, *, device: str = "cpu", load: bool = False,
+                 block: int = DEFAULT_BLOCK, store: IndexStore | None = None):
+        if store is None and root is None:
+            raise ValueError("Searcher needs an index root or an IndexStore")
+        self.store = store if store is not None else IndexStore(root)
+        self.device = device
+        self.block = int(block)
+        self._state: SearchSnapshot | None = None
+        self._swap_lock = threading.Lock()
+        if load:
+            self.load()
+
+    @classmethod
+    def from_parts(cls, encoder: Encoder, version: IndexVersion, *, checkpoint_sha: str | None = None,
+                   store: IndexStore | None = None, block: int = DEFAULT_BLOCK) -> "Searcher":
+        """A Searcher over an already-loaded encoder and index version (no disk reads)."""
+        self = cls.__new__(cls)
+        self.store, self.device, self.block = store, "cpu", int(block)
+        self._swap_lock = threading.Lock()
+        self._state = self._make_snapshot(encoder, checkpoint_sha, version)
+        return self
+
+    # ---------------------------------------------------------------- state
+    @property
+    def ready(self) -> bool:
+        return self._state is not None
+
+    @property
+    def version(self) -> str | None:
+        state = self._state
+        return state.version if state is not None else None
+
+    def snapshot(self) -> SearchSnapshot:
+        """The current (encoder, version) pair; hold on to it for the whole query."""
+        state = self._state  # one atomic read
+        if state is None:
+            raise NotReadyError("no index loaded yet")
+        return state
+
+    def _make_snapshot(self, encoder: Encoder, sha: str | None, version: IndexVersion) -> SearchSnapshot:
+        dim = version.manifest.get("dim")
+        emb = version.embeddings
+        if emb.ndim != 2 or (dim is not None and int(dim) != emb.shape[1]):
+            raise ValueError(f"index version {version.version}: manifest dim {dim} != embeddings {emb.shape}")
+        if encoder.embed_dim != emb.shape[1]:
+            raise ValueError(
+                f"index version {version.version} has dimension {emb.shape[1]}, "
+                f"the encoder produces {encoder.embed_dim}"
+            )
+        if len(version.ids) != emb.shape[0]:
+            raise ValueError(f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows")
+        return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block)
+
+    def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
+        path, sha = _checkpoint_ref(version.manifest)
+        if sha and old is not None and old.checkpoint_sha256 == sha:
+            return old.encoder, sha, False
+        if not path:
+            raise ValueError(f"index version {version.version} names no checkpoint")
+        ck = Path(path)
+        if not ck.is_absolute() and not ck.exists() and self.store is not None:
+            ck = Path(getattr(self.store, "root", ".")) / ck
+        actual = checkpoint_sha256(ck)  # FileNotFoundError if gone
+        if sha and actual != sha:
+            raise ValueError(
+                f"checkpoint {ck} changed since index version {version.version} was built "
+                f"(sha256 {actual[:12]} != manifest {sha[:12]})"
+            )
+        encoder, _ = load_checkpoint(ck, device=self.device)
+        return encoder, actual, True
+
+    def load(self, version: str | None = None) -> ReloadResult:
+        """Load `version` (default: the store's current one) with its encoder and swap it in.
+
+        Raises (keeping the old snapshot) if the version cannot be loaded or is incompatible.
+        """
+        with self._swap_lock:  # one reload at a time; queries never take this lock
+            old = self._state
+            if self.store is None:
+                raise ValueError("this Searcher has no IndexStore to reload from")
+            if version is None and old is not None and self.store.current_version() == old.version:
+                return ReloadResult(old.version, old.version, False, False)
+            new_version = self.store.load(version)
+            if old is not None and new_version.version == old.version:
+                return ReloadResult(old.version, old.version, False, False)
+            encoder, sha, fresh = self._encoder_for(new_version, old)
+            state = self._make_snapshot(encoder, sha, new_version)
+            self._state = state  # the swap: one attribute assignment
+        logger.info("index version %s loaded (%d items, dim %d, tau %g%s)", state.version, state.count,
+                    state.dim, state.temperature, ", new encoder" if fresh else "")
+        return ReloadResult(old.version if old else None, state.version, True, fresh)
+
+    reload = load
+
+    # ---------------------------------------------------------------- queries
+    def search_images(self, images: Sequence[Image.Image], k: int,
+                      temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+        """Encode PIL images and search; one snapshot for the whole call."""
+        state = self.snapshot()
+        return state.search(state.encode(images), k, temperature) if len(images) else \
+            SearchAnswer([], state.version, [], [])
+
+    def search_vectors(self, vectors: np.ndarray, k: int,
+                       temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+        """Search with query embeddings (normalised to unit length here)."""
+        return self.snapshot().search(vectors, k, temperature)
+
+    def item(self, item_id: str) -> ItemInfo:
+        return self.snapshot().item(item_id)
+
+    def item_image(self, item_id: str) -> Image.Image:
+        return self.snapshot().item_image(item_id)
+
