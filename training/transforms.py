@@ -70,7 +70,10 @@ def _resize_center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
 
 def _normalise_uint8(batch: np.ndarray, image_size: int) -> torch.Tensor:
     """(B, H, W, C) uint8 -> (B, 3, S, S) float32 normalised."""
-    x = torch.from_numpy(np.ascontiguousarray(batch)).permute(0, 3, 1, 2).float().div_(255.0)  # (B, C, H, W)
+    batch = np.ascontiguousarray(batch)
+    if not batch.flags.writeable:  # torch.from_numpy warns on read-only memory (e.g. np.asarray(PIL))
+        batch = batch.copy()
+    x = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)  # (B, C, H, W)
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
     x = _resize_center_crop(x, image_size)
