@@ -233,28 +233,33 @@ class SearchSnapshot:
             return spec if isinstance(spec, dict) and "name" in spec else None
         return None
 
-    def _dataset(self):
-        """The dataset this version was built from, rebuilt from its manifest spec (cached)."""
+    def _sources(self) -> dict:
+        """id -> (dataset, index in it) over every dataset this version was built from (cached).
+
+        Datasets are rebuilt from the manifest's specs (`sources`, else `dataset`)."""
         with self._lock:
-            if "dataset" not in self._cache:
-                spec = self.dataset_spec()
-                if spec is None:
+            if "index_of" not in self._cache:
+                specs = [src.get("spec") for src in self.manifest.get("sources") or [] if isinstance(src, dict)]
+                specs = [sp for sp in specs if isinstance(sp, dict)] or [self.dataset_spec()]
+                if specs == [None]:
                     raise FileNotFoundError(f"index version {self.version} has no dataset spec")
                 from training.datasets import create_dataset
 
-                ds = create_dataset(**spec)
-                self._cache["dataset"] = ds
-                self._cache["index_of"] = {iid: i for i, iid in enumerate(ds.item_ids())}
-            return self._cache["dataset"], self._cache["index_of"]
+                index_of: dict = {}
+                for spec in specs:
+                    ds = create_dataset(**spec)
+                    for i, iid in enumerate(ds.item_ids()):
+                        index_of.setdefault(iid, (ds, i))
+                self._cache["index_of"] = index_of
+            return self._cache["index_of"]
 
     def item(self, item_id: str) -> ItemInfo:
         """Metadata of an indexed item; KeyError if the id is not in this version."""
         row = self.row_of(item_id)
         label = class_name = None
         try:
-            ds, index_of = self._dataset()
-            i = index_of.get(item_id)
-            if i is not None and getattr(ds, "labels", None) is not None:
+            ds, i = self._sources().get(item_id, (None, None))
+            if ds is not None and getattr(ds, "labels", None) is not None:
                 label = int(ds.labels[i])
                 names = getattr(ds, "class_names", None)
                 class_name = names[label] if names and 0 <= label < len(names) else None
@@ -265,10 +270,8 @@ class SearchSnapshot:
     def item_image(self, item_id: str) -> Image.Image:
         """The stored image of an indexed item, recovered from the manifest's dataset spec."""
         self.row_of(item_id)  # KeyError if not indexed
-        ds, index_of = self._dataset()
-        if item_id not in index_of:
-            raise KeyError(item_id)
-        return ds.image(index_of[item_id])
+        ds, i = self._sources()[item_id]  # KeyError if no source dataset holds it
+        return ds.image(i)
 
 
 class Searcher:

@@ -1,0 +1,200 @@
+"""Searcher vs brute-force numpy: top-k, exact whole-database softmax, hot swap rules."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from index.build import build_index
+from index.store import IndexStore
+from search.searcher import Searcher, log_normalizer
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.datasets import create_dataset
+from training.encoder import EncoderConfig, create_encoder, embed
+from training.transforms import preprocess
+
+TINY = dict(image_size=32, width=32, layers=1, heads=2, patch_size=8, mlp_ratio=2.0)
+
+
+def _checkpoint(path, seed: int, embed_dim: int = 16, temperature: float = 0.2):
+    torch.manual_seed(seed)
+    enc = create_encoder(EncoderConfig(embed_dim=embed_dim, **TINY))
+    return save_checkpoint(path, enc, step=0, train_config={"seed": seed},
+                           lineage={"objective": "infonce", "temperature": temperature})
+
+
+@pytest.fixture(scope="module")
+def store_setup(tmp_path_factory):
+    base = tmp_path_factory.mktemp("searcher")
+    ck_a = _checkpoint(base / "a.safetensors", seed=1)
+    ck_b = _checkpoint(base / "b.safetensors", seed=2)
+    ck_wide = _checkpoint(base / "wide.safetensors", seed=3, embed_dim=24)
+    ds = create_dataset("synthetic", split="train", size=96, seed=0)
+    root = base / "index"
+    v1 = build_index(ck_a, ds, root, progress=False)
+    return dict(base=base, root=root, ck_a=ck_a, ck_b=ck_b, ck_wide=ck_wide, ds=ds, v1=v1)
+
+
+def _brute(q, emb, tau, k):
+    """Dense reference: full similarity matrix, argsort, softmax over all N."""
+    q = q / np.linalg.norm(q, axis=1, keepdims=True)
+    s = (q.astype(np.float64) @ emb.astype(np.float64).T)  # (Q, N)
+    logits = s / tau
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    top = np.argsort(-s, axis=1, kind="stable")[:, :k]
+    return top, np.take_along_axis(s, top, 1), np.take_along_axis(p, top, 1), p
+
+
+def test_log_normalizer_blocked_matches_dense_and_survives_tiny_tau(rng):
+    q = rng.normal(size=(5, 8)).astype(np.float32)
+    e = rng.normal(size=(37, 8)).astype(np.float32)
+    taus = np.array([1.0, 0.5, 0.1, 0.01, 1e-4])
+    got = log_normalizer(q, e, taus, block=4)  # blocks of 4 rows, last one partial
+    s = q.astype(np.float64) @ e.astype(np.float64).T / taus[:, None]
+    m = s.max(1)
+    ref = m + np.log(np.exp(s - m[:, None]).sum(1))
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+    assert np.all(np.isfinite(got))  # tau = 1e-4 overflows a naive exp
+
+
+def test_search_vectors_matches_brute_force(store_setup, rng):
+    searcher = Searcher(store_setup["root"], load=True, block=7)  # odd block: exercises partial blocks
+    snap = searcher.snapshot()
+    emb = snap.index.embeddings
+    q = rng.normal(size=(6, emb.shape[1])).astype(np.float32)
+    for tau in (None, 0.05, 1.0):
+        ans = searcher.search_vectors(q, k=10, temperature=tau)
+        t = snap.temperature if tau is None else tau
+        assert t == pytest.approx(0.2) or tau is not None  # manifest search_temperature from the checkpoint
+        top, sims, probs, full = _brute(q, emb, t, 10)
+        assert ans.version == store_setup["v1"]
+        for i, hits in enumerate(ans):
+            assert [h.row for h in hits] == top[i].tolist()
+            assert [h.id for h in hits] == [snap.index.ids[r] for r in top[i]]
+            np.testing.assert_allclose([h.similarity for h in hits], sims[i], atol=1e-5)
+            np.testing.assert_allclose([h.probability for h in hits], probs[i], rtol=1e-4)
+        assert np.all(np.diff([h.similarity for h in ans[0]]) <= 1e-6)  # best first
+        np.testing.assert_allclose(full.sum(1), 1.0)
+
+
+def test_k_larger_than_index_and_per_query_temperatures(store_setup, rng):
+    searcher = Searcher(store_setup["root"], load=True)
+    n = searcher.snapshot().count
+    q = rng.normal(size=(2, searcher.snapshot().dim)).astype(np.float32)
+    ans = searcher.search_vectors(q, k=n + 50, temperature=[0.1, None])
+    assert len(ans[0]) == n  # clamped to N; probabilities over all items sum to 1
+    assert sum(h.probability for h in ans[0]) == pytest.approx(1.0, abs=1e-6)
+    assert ans.temperatures == [0.1, pytest.approx(0.2)]
+    with pytest.raises(ValueError, match="shape"):
+        searcher.search_vectors(q[:, :3], k=3)
+    with pytest.raises(ValueError, match="NaN"):
+        searcher.search_vectors(np.full_like(q, np.nan), k=3)
+    with pytest.raises(ValueError, match="zero norm"):
+        searcher.search_vectors(np.zeros_like(q), k=3)
+    with pytest.raises(ValueError, match="temperature"):
+        searcher.search_vectors(q, k=3, temperature=-1.0)
+
+
+def test_search_images_uses_the_checkpoint_encoder(store_setup):
+    ds = store_setup["ds"]
+    searcher = Searcher(store_setup["root"], load=True)
+    images = [ds.image(i) for i in (0, 5, 17)]
+    ans = searcher.search_images(images, k=3)
+    enc, _ = load_checkpoint(store_setup["ck_a"])
+    z = embed(enc, preprocess(images, enc.image_size), progress=False)
+    ref = searcher.search_vectors(z, k=3)
+    assert [[h.id for h in hits] for hits in ans] == [[h.id for h in hits] for hits in ref]
+    # an indexed image finds itself first, at similarity ~1
+    assert [hits[0].id for hits in ans] == [ds.item_id(i) for i in (0, 5, 17)]
+    assert all(hits[0].similarity == pytest.approx(1.0, abs=1e-4) for hits in ans)
+
+
+def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
+    root, ds = store_setup["root"], store_setup["ds"]
+    searcher = Searcher(root, load=True)
+    old = searcher.snapshot()
+    assert searcher.reload().changed is False  # same current version: no-op
+    # a version built with another checkpoint brings its own encoder, atomically
+    v2 = build_index(store_setup["ck_b"], create_dataset("synthetic", split="train", size=40, seed=0), root,
+                     progress=False)
+    res = searcher.reload()
+    assert (res.previous, res.version, res.changed, res.encoder_reloaded) == (store_setup["v1"], v2, True, True)
+    new = searcher.snapshot()
+    assert new.count == 40 and new.encoder is not old.encoder
+    # the old snapshot still answers on its own version (in-flight queries)
+    img = [ds.image(3)]
+    assert old.search(old.encode(img), 1).version == store_setup["v1"]
+    assert old.search(old.encode(img), 1)[0][0].id == ds.item_id(3)
+
+    # a different embedding width with its own checkpoint is fine too
+    v3 = build_index(store_setup["ck_wide"], ds, root, progress=False)
+    assert searcher.reload().version == v3 and searcher.snapshot().dim == 24
+
+    # refused: checkpoint changed on disk since the version was built -> old version keeps serving
+    store = IndexStore(root)
+    store.activate(v2)
+    _checkpoint(store_setup["ck_b"], seed=99)  # overwrite ck_b with different weights
+    with pytest.raises(ValueError, match="changed since"):
+        searcher.reload()
+    assert searcher.version == v3
+    # refused: version does not exist
+    with pytest.raises((FileNotFoundError, ValueError)):
+        searcher.reload("20990101T000000000Z-deadbeef")
+    assert searcher.version == v3
+    store.activate(v3)
+
+
+def test_inflight_queries_finish_on_their_snapshot(store_setup, rng):
+    """Queries racing with swaps always get answers consistent with the version they report."""
+    root = store_setup["root"]
+    store = IndexStore(root)
+    searcher = Searcher(root, load=True)
+    ref = {}
+    for v in store.versions():
+        try:
+            searcher.reload(v)
+        except ValueError:
+            continue  # the version whose checkpoint was overwritten above
+        snap = searcher.snapshot()
+        ref[v] = snap
+    assert len(ref) >= 2
+    errors, seen, done = [], set(), []
+    stop = threading.Event()
+
+    def client(seed):
+        r = np.random.default_rng(seed)
+        while not stop.is_set():
+            snap_dims = {v: s.dim for v, s in ref.items()}
+            dim = searcher.snapshot().dim
+            q = r.normal(size=(1, dim)).astype(np.float32)
+            try:
+                ans = searcher.search_vectors(q, k=3)
+            except ValueError:  # dimension changed between reading dim and searching
+                continue
+            s = ref[ans.version]
+            if q.shape[1] != snap_dims[ans.version]:
+                errors.append("dim")
+                continue
+            exp = s.search(q, 3)
+            seen.add(ans.version)
+            if [h.id for h in ans[0]] != [h.id for h in exp[0]]:
+                errors.append(ans.version)
+            done.append(1)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(12):
+        searcher.reload(list(ref)[i % len(ref)])
+        start, waited = len(done), 0
+        while len(done) < start + 4 and waited < 2000:  # let queries run on this version
+            threading.Event().wait(0.001)
+            waited += 1
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert seen == set(ref)
