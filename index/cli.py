@@ -1,0 +1,315 @@
+"""`softsearch index build|rebuild|add|list|activate|rollback|verify|prune`.
+
+User mistakes (bad values, missing files) print one `error: ...` line on stderr and return 2;
+a refused quality gate or a corrupt version returns 1. `--notify URL --token T` POSTs
+`{URL}/v1/admin/reload` after an activation so a running server swaps to the new version;
+a failed notification is reported but does not fail the command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from index import faiss_index
+from index.build import QualityGateError, add_items, build_index, rebuild_index
+from index.embed import dist_env
+from index.manifest import IndexCorruptError
+from index.store import IndexStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROOT = "runs/index"
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'512M', '8G', '1000000' -> bytes."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        value = float(t[:-1] if unit else t)
+    except ValueError:
+        raise ValueError(f"bad memory size {text!r}; use e.g. 512M or 8G") from None
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def parse_params(items: list[str]) -> dict:
+    """['nlist=256', 'M=16'] -> {'nlist': 256, 'M': 16} (integers only: every FAISS knob here is one)."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"bad --param {item!r}; expected KEY=VALUE")
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"bad --param {item!r}; the value must be an integer") from None
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="softsearch index", description="Build and manage versioned search indexes.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--root", default=DEFAULT_ROOT, help=f"index store directory (default {DEFAULT_ROOT})")
+        sp.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+
+    def notify(sp):
+        sp.add_argument("--notify", metavar="URL", help="server base URL to POST /v1/admin/reload after activation")
+        sp.add_argument("--token", default=None, help="bearer token for --notify")
+
+    def dataset(sp, required: bool):
+        sp.add_argument("--dataset", required=required, help="synthetic | fashion-mnist | folder")
+        sp.add_argument("--split", default="train")
+        sp.add_argument("--data-root", default=None, help="dataset directory (fashion-mnist IDX files, image folder)")
+        sp.add_argument("--size", type=int, default=None, help="keep the first N items")
+        sp.add_argument("--seed", type=int, default=0)
+
+    def embedding(sp):
+        sp.add_argument("--batch-size", type=int, default=256)
+        sp.add_argument("--num-workers", type=int, default=0)
+        sp.add_argument("--shard-size", type=int, default=8192, help="items per resumable embedding shard")
+        sp.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+        sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
+        sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
+        sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
+        sp.add_argument("--margin", type=float, default=0.0, help="quality-gate tolerance (score units)")
+        sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
+        sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+    def kind(sp, default):
+        sp.add_argument("--kind", default=default, choices=[*faiss_index.KINDS, "auto"],
+                        help="index kind (auto: choose from count, dim and --memory-budget)")
+        sp.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                        help="index parameter, e.g. nlist=256, nprobe=16, m=16, M=32, efSearch=64")
+        sp.add_argument("--memory-budget", default=None, help="bytes for --kind auto, e.g. 2G (default: RAM / 4)")
+
+    sp = sub.add_parser("build", help="embed a dataset and build a new version")
+    common(sp); notify(sp); dataset(sp, True); embedding(sp); kind(sp, "flat")
+    sp.add_argument("--checkpoint", required=True)
+    sp.add_argument("--search-temperature", type=float, default=None,
+                    help="calibrated softmax temperature to record (default: the training temperature)")
+
+    sp = sub.add_parser("rebuild", help="re-embed the current version's corpus with a new checkpoint")
+    common(sp); notify(sp); embedding(sp); kind(sp, None)
+    sp.add_argument("--checkpoint", required=True)
+    sp.add_argument("--search-temperature", type=float, default=None)
+
+    sp = sub.add_parser("add", help="append new items to a new version without re-embedding old ones")
+    common(sp); notify(sp); dataset(sp, False); embedding(sp)
+    sp.add_argument("--folder", default=None, help="shortcut for --dataset folder --split all --data-root DIR")
+    sp.add_argument("--checkpoint", default=None, help="defaults to the base version's checkpoint")
+    sp.add_argument("--base", default=None, help="version to extend (default: current)")
+
+    sp = sub.add_parser("list", help="list versions")
+    common(sp)
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    sp = sub.add_parser("activate", help="make a version current")
+    common(sp); notify(sp)
+    sp.add_argument("version")
+    sp.add_argument("--force", action="store_true", help="activate even if its quality gate failed")
+
+    sp = sub.add_parser("rollback", help="re-activate the previously active version")
+    common(sp); notify(sp)
+
+    sp = sub.add_parser("verify", help="check every file of a version against its manifest checksums")
+    common(sp)
+    sp.add_argument("version", nargs="?", default=None, help="default: current")
+    sp.add_argument("--all", action="store_true", help="verify every version")
+
+    sp = sub.add_parser("prune", help="delete old versions, keeping the newest N and the current one")
+    common(sp)
+    sp.add_argument("--keep", type=int, required=True)
+    return p
+
+
+def notify_server(url: str, token: str | None, version: str, timeout: float = 10.0) -> tuple[bool, str]:
+    """POST {url}/v1/admin/reload; returns (ok, message). Never raises."""
+    endpoint = url.rstrip("/") + "/v1/admin/reload"
+    request = urllib.request.Request(endpoint, data=json.dumps({"version": version}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return True, f"{endpoint}: HTTP {response.status}"
+    except urllib.error.HTTPError as err:
+        return False, f"{endpoint}: HTTP {err.code} {err.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return False, f"{endpoint}: {getattr(err, 'reason', err)}"
+
+
+def _notify(args, version: str | None) -> None:
+    if not getattr(args, "notify", None) or version is None:
+        return
+    ok, message = notify_server(args.notify, args.token, version)
+    if ok:
+        print(f"notified {message}")
+    else:
+        print(f"warning: server notification failed: {message}", file=sys.stderr)
+
+
+def _dataset(args, store_root: str, checkpoint: str | None):
+    from training.checkpoint import read_checkpoint_metadata
+    from training.datasets import create_dataset
+
+    name, split, root = args.dataset, args.split, args.data_root
+    if getattr(args, "folder", None):
+        name, split, root = "folder", "all", args.folder
+    if not name:
+        raise ValueError("name the items to add: --dataset NAME [--split S --data-root R] or --folder DIR")
+    options = {}
+    if checkpoint:  # render / resize the dataset at the encoder's input size
+        options["image_size"] = int(read_checkpoint_metadata(checkpoint)["encoder"]["image_size"])
+    return create_dataset(name, split=split, root=root, size=args.size, seed=args.seed, **options)
+
+
+def _embed_opts(args) -> dict:
+    return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
+                device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
+                margin=args.margin, activate=not args.no_activate, progress=not args.no_progress)
+
+
+def _summary(command: str, store: IndexStore, version: str, seconds: float, activated: bool) -> str:
+    m = store.manifest(version)
+    state = "activated" if activated else "not activated"
+    recall = m.get("recall", {}).get("recall")
+    recall_s = f", recall@10 {recall:.3f}" if isinstance(recall, (int, float)) else ""
+    return (f"index {command}: version {version} ({state}), {m['count']} items, kind {m['kind']}, "
+            f"{m.get('skipped_count', 0)} skipped{recall_s}, {seconds:.1f} s")
+
+
+def _list(store: IndexStore, as_json: bool) -> None:
+    current = store.current_version()
+    rows = []
+    for v in store.versions():
+        try:
+            m = store.manifest(v)
+            rows.append({"version": v, "current": v == current, "count": m["count"], "kind": m["kind"],
+                         "created": m["created"], "checkpoint": (m.get("checkpoint") or {}).get("sha256", "")[:12],
+                         "recall": (m.get("recall") or {}).get("recall"),
+                         "gate": (m.get("quality_gate") or {}).get("passed"), "status": "ok"})
+        except IndexCorruptError as err:
+            rows.append({"version": v, "current": v == current, "status": f"corrupt: {err}"})
+    if as_json:
+        print(json.dumps({"root": str(store.root), "current": current, "versions": rows}, indent=2))
+        return
+    if not rows:
+        print(f"no versions under {store.root}")
+        return
+    print(f"{'':1} {'version':<30} {'count':>9} {'kind':<8} {'recall':>6} {'gate':<5} {'checkpoint':<12} created")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{'*' if r['current'] else ' '} {r['version']:<30} {r['status']}")
+            continue
+        recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
+        gate = "-" if r["gate"] is None else ("pass" if r["gate"] else "FAIL")
+        print(f"{'*' if r['current'] else ' '} {r['version']:<30} {r['count']:>9} {r['kind']:<8} {recall:>6} "
+              f"{gate:<5} {r['checkpoint']:<12} {r['created']}")
+
+
+def _run(args, evaluator) -> int:
+    store = IndexStore(args.root)
+    t0 = time.perf_counter()
+    rank = dist_env()[0]
+    if args.command in ("build", "rebuild"):
+        fields = {}
+        if args.search_temperature is not None:
+            if args.search_temperature <= 0:
+                raise ValueError(f"--search-temperature must be positive, got {args.search_temperature}")
+            fields = {"search_temperature": args.search_temperature, "search_temperature_source": "command line"}
+        opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator, fields=fields,
+                    memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
+        if args.command == "build":
+            checkpoint = Path(args.checkpoint)
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+            version = build_index(checkpoint, _dataset(args, args.root, str(checkpoint)), args.root,
+                                  kind=args.kind, **opts)
+        else:
+            version = rebuild_index(args.root, args.checkpoint, kind=args.kind, **opts)
+        if rank == 0:
+            print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
+            if not args.no_activate:
+                _notify(args, version)
+        return 0
+    if args.command == "add":
+        base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
+        if base is None:
+            raise FileNotFoundError(f"no current index version under {args.root} to add to")
+        checkpoint = args.checkpoint or (base.get("checkpoint") or {}).get("path")
+        version = add_items(args.root, _dataset(args, args.root, checkpoint), checkpoint=args.checkpoint,
+                            base=args.base, evaluator=evaluator, **_embed_opts(args))
+        print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
+        if not args.no_activate:
+            _notify(args, version)
+        return 0
+    if args.command == "list":
+        _list(store, args.json)
+        return 0
+    if args.command == "activate":
+        gate = store.manifest(args.version).get("quality_gate") or {}
+        if gate.get("passed") is False and not args.force:
+            raise ValueError(f"version {args.version} failed its quality gate "
+                             f"(candidate {gate.get('candidate')} vs serving {gate.get('serving')}); use --force")
+        store.load(args.version, verify=True, gpu=False)   # never point `current` at a corrupt version
+        store.activate(args.version)
+        print(f"activated {args.version}")
+        _notify(args, args.version)
+        return 0
+    if args.command == "rollback":
+        version = store.rollback()
+        print(f"rolled back to {version}")
+        _notify(args, version)
+        return 0
+    if args.command == "verify":
+        targets = store.versions() if args.all else [args.version or store.current_version()]
+        if targets == [None]:
+            raise FileNotFoundError(f"no current index version under {args.root}")
+        bad = 0
+        for v in targets:
+            try:
+                loaded = store.load(v, verify=True, gpu=False)
+                print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files match their sha256")
+            except IndexCorruptError as err:
+                bad += 1
+                print(f"CORRUPT {v}: {err}")
+        return 1 if bad else 0
+    if args.command == "prune":
+        removed = store.prune(args.keep)
+        print(f"pruned {len(removed)} version(s)" + (": " + ", ".join(removed) if removed else ""))
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+def main(argv: list[str] | None = None, evaluator=None) -> int:
+    """Entry point of `softsearch index ...`; `evaluator` is the quality gate (see index.build)."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # argparse already printed usage / the error
+        return int(exc.code or 0)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args, evaluator)
+    except QualityGateError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

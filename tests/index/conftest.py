@@ -1,0 +1,47 @@
+"""Fixtures for the index tests: a tiny saved encoder checkpoint and random unit vectors."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# index_refs.py sits beside this file; importlib mode does not put it on sys.path.
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+TINY_ENCODER = dict(width=32, layers=1, heads=2, embed_dim=16, patch_size=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A randomly initialised 1-layer ViT (16-dim embeddings) saved as a real checkpoint."""
+    import torch
+
+    from training.checkpoint import save_checkpoint
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.manual_seed(0)
+    encoder = create_encoder(EncoderConfig(**TINY_ENCODER))
+    path = tmp_path_factory.mktemp("ckpt") / "checkpoint.safetensors"
+    save_checkpoint(path, encoder, step=7, train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.25}},
+                    lineage={"objective": "infonce", "temperature_schedule": "fixed"}, metrics={})
+    return path
+
+
+@pytest.fixture(scope="session")
+def other_checkpoint(tmp_path_factory):
+    """A second, differently initialised checkpoint of the same architecture (for rebuild)."""
+    import torch
+
+    from training.checkpoint import save_checkpoint
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.manual_seed(1)
+    encoder = create_encoder(EncoderConfig(**TINY_ENCODER))
+    path = tmp_path_factory.mktemp("ckpt2") / "checkpoint.safetensors"
+    save_checkpoint(path, encoder, step=9, train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.5}},
+                    lineage={"objective": "weince", "temperature_schedule": "fixed"}, metrics={"temperature": 0.4})
+    return path
+

@@ -1,0 +1,127 @@
+"""index/faiss_index.py against brute-force numpy on random unit vectors."""
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import pytest
+
+from index import faiss_index as fi
+from index_refs import brute_force, unit_vectors
+
+
+def _recall(found: np.ndarray, exact: np.ndarray) -> float:
+    k = exact.shape[1]
+    return float(np.mean([len(set(f[f >= 0]) & set(e)) / k for f, e in zip(found, exact)]))
+
+
+def test_flat_is_exact():
+    db, q = unit_vectors(600, 16, 0), unit_vectors(25, 16, 1)
+    index, params = fi.build("flat", db)
+    assert params == {} and index.ntotal == 600
+    scores, rows = fi.search(index, q, 10)
+    ref_s, ref_rows = brute_force(db, q, 10)
+    np.testing.assert_array_equal(rows, ref_rows)
+    np.testing.assert_allclose(scores, ref_s, atol=1e-5)
+    np.testing.assert_array_equal(fi.exact_neighbours(db, q, 10, block=64), ref_rows)
+
+
+@pytest.mark.parametrize("kind, params, floor", [
+    ("ivf-flat", {"nlist": 16}, 0.95),
+    ("hnsw", {"M": 16}, 0.95),
+    ("ivf-pq", {"nlist": 16, "m": 8, "nbits": 6}, 0.5),
+])
+def test_approximate_kinds_recall_and_scores(kind, params, floor):
+    db, q = unit_vectors(2000, 16, 2), unit_vectors(40, 16, 3)
+    index, p = fi.build(kind, db, **params)
+    assert fi.kind_of(index) == kind and index.ntotal == 2000
+    _, exact = brute_force(db, q, 10)
+    result = fi.tune(index, q, exact, target_recall=0.95, k=10)
+    scores, rows = fi.search(index, q, 10)
+    recall = _recall(rows, exact)
+    assert recall == pytest.approx(result.recall)           # tune reports what search does
+    assert recall >= floor, f"{kind} recall@10 {recall}"
+    true = np.einsum("qd,qkd->qk", q, db[rows])             # the real cosine of each returned row
+    tol = 1e-5 if kind != "ivf-pq" else 0.15                 # PQ scores are approximate
+    assert np.max(np.abs(scores - true)) < tol
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)          # sorted best first
+
+
+def test_ivf_all_probes_is_exact():
+    db, q = unit_vectors(1000, 8, 4), unit_vectors(10, 8, 5)
+    index, params = fi.build("ivf-flat", db, nlist=10, nprobe=10)
+    _, rows = fi.search(index, q, 5)
+    np.testing.assert_array_equal(rows, brute_force(db, q, 5)[1])
+
+
+def test_tune_reaches_target_with_smallest_doubling():
+    db, q = unit_vectors(3000, 16, 6), unit_vectors(50, 16, 7)
+    index, _ = fi.build("ivf-flat", db, nlist=64, nprobe=1)
+    _, exact = brute_force(db, q, 10)
+    result = fi.tune(index, q, exact, target_recall=0.9)
+    assert result.param == "nprobe" and result.reached and result.recall >= 0.9
+    assert faiss.extract_index_ivf(index).nprobe == result.value
+    # independent re-measure at the chosen value, and minimality: half of it misses the target
+    assert _recall(fi.search(index, q, 10)[1], exact) == pytest.approx(result.recall)
+    if result.value > 1:
+        fi.set_search_params(index, "ivf-flat", {"nprobe": result.value // 2})
+        assert _recall(fi.search(index, q, 10)[1], exact) < 0.9
+    assert [h["nprobe"] for h in result.history] == [2 ** i for i in range(len(result.history))]
+
+
+def test_search_caps_k_and_drops_missing_results():
+    db, q = unit_vectors(200, 8, 8), unit_vectors(6, 8, 9)
+    flat, _ = fi.build("flat", db)
+    scores, rows = fi.search(flat, q, 1000)
+    assert rows.shape == (6, 200) and np.all(rows >= 0)
+    # IVF probing one of 20 lists sees ~10 items: columns nobody filled are dropped
+    ivf, _ = fi.build("ivf-flat", db, nlist=20, nprobe=1)
+    scores, rows = fi.search(ivf, q, 100)
+    assert rows.shape[1] < 100 and np.any(rows[:, -1] >= 0)
+    valid = rows >= 0
+    assert np.all(np.isneginf(scores[~valid]))
+    np.testing.assert_allclose(scores[valid], np.einsum("qd,qkd->qk", q, db[np.where(valid, rows, 0)])[valid], atol=1e-5)
+    for r in rows:  # no duplicate rows in a result list
+        assert len(set(r[r >= 0])) == int(np.sum(r >= 0))
+
+
+@pytest.mark.parametrize("bad_k", [0, -3, 2.5])
+def test_search_rejects_bad_input(bad_k):
+    index, _ = fi.build("flat", unit_vectors(10, 4, 0))
+    with pytest.raises(ValueError, match="k must be"):
+        fi.search(index, unit_vectors(2, 4, 1), bad_k)
+    with pytest.raises(ValueError, match="dimension 5"):
+        fi.search(index, unit_vectors(2, 5, 1), 3)
+    with pytest.raises(ValueError, match="unknown index kind 'lsh'"):
+        fi.build("lsh", unit_vectors(10, 4, 0))
+    with pytest.raises(ValueError, match="unknown parameters"):
+        fi.build("flat", unit_vectors(10, 4, 0), nlist=3)
+    with pytest.raises(ValueError, match="must divide"):
+        fi.build("ivf-pq", unit_vectors(100, 6, 0), nlist=2, m=4)
+
+
+def test_choose_kind_rules():
+    assert fi.choose_kind(500, 128, memory_budget_bytes=1)[0] == "flat"          # tiny: always exact
+    assert fi.choose_kind(50_000, 128, 1 << 30) == ("flat", {})                 # small and fits
+    kind, params = fi.choose_kind(1_000_000, 128, 8 << 30)                       # mid, fits -> IVF-Flat
+    assert kind == "ivf-flat" and params["nlist"] == 4000                        # 4 sqrt(1e6)
+    budget = 100 << 20                                                           # 100 MiB for 1e6 x 128
+    kind, params = fi.choose_kind(1_000_000, 128, budget)
+    assert kind == "ivf-pq" and 128 % params["m"] == 0
+    assert fi.index_bytes("ivf-pq", 128, 1_000_000, params) <= budget
+    # the next larger divisor of 128 would not fit: m is as large as the budget allows
+    bigger = [m for m in range(params["m"] + 1, 129) if 128 % m == 0]
+    if bigger:
+        assert fi.index_bytes("ivf-pq", 128, 1_000_000, {**params, "m": bigger[0]}) > budget
+    assert fi.default_nlist(100) == 2                                            # >= 39 points per list
+    with pytest.raises(ValueError, match="too small"):
+        fi.choose_kind(1_000_000, 128, 1 << 20)
+    with pytest.raises(ValueError, match="count"):
+        fi.choose_kind(0, 128)
+
+
+def test_normalise_and_exact_reference():
+    with pytest.raises(ValueError, match="zero vectors"):
+        fi.normalise(np.zeros((2, 3)))
+    x = fi.normalise(np.random.default_rng(0).standard_normal((5, 3)))
+    np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1, atol=1e-6)
+    assert fi.recall_at_k(np.array([[1, 2, -1]]), np.array([[2, 1, 3]]), 3) == pytest.approx(2 / 3)
