@@ -87,3 +87,25 @@ def test_bad_inputs():
         softmax_gap(z, z, np.array([9, 0, 1, 2]), np.arange(4), Instance(), 0.1)
     with pytest.raises(ValueError, match="shapes"):
         softmax_gap(z, z[:, :2], np.arange(4), np.arange(4), Instance(), 0.1)
+
+
+@pytest.mark.parametrize("name", ["latent", "label", "instance"])
+def test_project_generators_streaming_matches_dense(name):
+    from training.generators import create_generator
+    from training.synthetic import oracle_embedding
+
+    gen = create_generator(name, kappa=3.0) if name == "latent" else create_generator(name)
+    if name == "latent":
+        qm, dm = RNG.uniform(0, 2 * np.pi, (30, 3)), RNG.uniform(0, 2 * np.pi, (150, 3))
+        # the device fast path's log r equals the generator's own log_ratio
+        tau = 1 / (3 * 3.0)
+        res = softmax_gap(oracle_embedding(qm), oracle_embedding(dm), qm, dm, gen, tau, block_q=8, block_n=40)
+        assert abs(res.summary()["gap"]) < 1e-4
+    elif name == "label":
+        qm, dm = RNG.integers(0, 4, 30), RNG.integers(0, 4, 150)
+    else:
+        qm, dm = RNG.choice(150, 30, replace=False), np.arange(150)
+    zq, zd = unit(RNG.normal(size=(30, 8))), unit(RNG.normal(size=(150, 8)))
+    ref = softmax_gap_dense(zq, zd, qm, dm, gen, 0.1)
+    _assert_close(softmax_gap(zq, zd, qm, dm, gen, 0.1, block_q=8, block_n=40), ref)
+    assert ref.summary()["generator"] == name
