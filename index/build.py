@@ -106,9 +106,10 @@ def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *,
         idx = np.arange(len(ds), dtype=np.int64) if indices is None or indices[s] is None else np.asarray(indices[s], np.int64)
         key = cache_key(ckpt_sha, ds.fingerprint(), idx, shard_size)
         cache = store.staging_dir / f"embed-{key}"
+        resumed = 0
         if rank == 0:
             store.ensure()
-            prepare_cache(cache, key, idx, shard_size)
+            resumed = prepare_cache(cache, key, idx, shard_size)
         barrier()
         t0 = time.perf_counter()
         if len(idx):
@@ -118,6 +119,7 @@ def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *,
         if rank == 0:
             res = collect_shards(cache, idx, shard_size, encoder.embed_dim)
             res.seconds = time.perf_counter() - t0
+            res.resumed_shards = resumed
             results.append(res)
             caches.append(cache)
     return (results, caches) if rank == 0 else None
@@ -232,7 +234,8 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
 
 def _source_record(ds, res: EmbedResult, source: int) -> dict:
     return {"spec": ds.spec(), "fingerprint": ds.fingerprint(), "count": int(len(res.rows)),
-            "skipped": len(res.skipped), "source": source}
+            "skipped": len(res.skipped), "source": source, "resumed_shards": res.resumed_shards,
+            "embed_s": res.seconds}
 
 
 # ----------------------------------------------------------------------------- public API
