@@ -77,7 +77,8 @@ class BodySizeLimitMiddleware:
 def _validation_detail(errors: list[dict]) -> str:
     parts = []
     for e in errors:
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path", "header"))
+        full = [str(p) for p in e.get("loc", ())]
+        loc = ".".join(p for p in full if p not in ("body", "query", "path", "header")) or ".".join(full)
         parts.append(f"{loc or 'request'}: {e.get('msg', 'invalid')}")
     return "; ".join(parts)
 

@@ -63,7 +63,7 @@ async def search_vector(
     if not all(math.isfinite(v) for v in query.vector):
         raise ApiError(422, "bad_vector", "vector contains NaN or inf")
     vector = np.asarray(query.vector, dtype=np.float64)
-    if not np.all(np.isfinite(vector.astype(np.float32))):
+    if np.abs(vector).max() > np.finfo(np.float32).max:
         raise ApiError(422, "bad_vector", "vector values overflow float32")
     if not np.any(vector):
         raise ApiError(422, "bad_vector", "vector has zero norm")

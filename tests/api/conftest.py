@@ -1,0 +1,57 @@
+"""API test fixtures: a REAL small index (synthetic data, tiny untrained encoder checkpoint)
+and TestClients over it. Shared helpers live in api_helpers.py."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+from api_helpers import ADMIN_TOKEN, INDEX_SIZE, make_checkpoint  # noqa: E402
+
+from api.app import create_app  # noqa: E402
+from api.config import Settings  # noqa: E402
+from index.build import build_index  # noqa: E402
+from training.datasets import create_dataset  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def api_dataset():
+    return create_dataset("synthetic", split="train", size=INDEX_SIZE, seed=0)
+
+
+@pytest.fixture(scope="session")
+def api_index(tmp_path_factory, api_dataset):
+    """{root, checkpoint, version}: one flat index version over INDEX_SIZE synthetic items."""
+    base = tmp_path_factory.mktemp("api_index")
+    ck = make_checkpoint(base / "encoder.safetensors", seed=7)
+    root = base / "index"
+    version = build_index(ck, api_dataset, root, progress=False)
+    return {"root": root, "checkpoint": ck, "version": version, "base": base}
+
+
+@pytest.fixture
+def make_client(api_index):
+    """make_client(**settings) -> TestClient over the shared index (lifespan run, closed afterwards)."""
+    clients = []
+
+    def make(**overrides) -> TestClient:
+        settings = Settings(**{"index_root": api_index["root"], "admin_token": ADMIN_TOKEN, **overrides})
+        client = TestClient(create_app(settings))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        c.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(make_client):
+    return make_client()
