@@ -1,0 +1,138 @@
+"""`softsearch index ...` through index.cli.main in-process."""
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from index.cli import main, parse_bytes, parse_params
+from index.store import IndexStore
+
+
+def _build(root, checkpoint, *extra) -> list[str]:
+    return ["build", "--root", str(root), "--checkpoint", str(checkpoint), "--dataset", "synthetic",
+            "--size", "48", "--no-progress", *extra]
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    requests: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server API
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        _Recorder.requests.append((self.path, self.headers.get("Authorization"), json.loads(body)))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    _Recorder.requests = []
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", _Recorder.requests
+    httpd.shutdown()
+
+
+def test_build_list_activate_rollback_verify(tmp_path, tiny_checkpoint, capsys, server):
+    url, requests = server
+    root = tmp_path / "idx"
+    assert main(_build(root, tiny_checkpoint)) == 0
+    out = capsys.readouterr().out
+    store = IndexStore(root)
+    v1 = store.current_version()
+    assert f"version {v1} (activated), 48 items, kind flat, 0 skipped" in out
+    assert main(_build(root, tiny_checkpoint, "--kind", "hnsw", "--param", "M=8", "--notify", url,
+                       "--token", "s3cret")) == 0
+    v2 = store.current_version()
+    assert store.manifest(v2)["params"]["M"] == 8 and v2 != v1
+    assert requests == [("/v1/admin/reload", "Bearer s3cret", {"version": v2})]
+    capsys.readouterr()
+    assert main(["list", "--root", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("*") and v2 in line and "hnsw" in line for line in lines)
+    assert main(["list", "--root", str(root), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed["current"] == v2 and [v["version"] for v in listed["versions"]] == [v1, v2]
+    assert main(["activate", "--root", str(root), v1, "--notify", url]) == 0
+    assert store.current_version() == v1 and requests[-1] == ("/v1/admin/reload", None, {"version": v1})
+    assert main(["rollback", "--root", str(root)]) == 0 and store.current_version() == v2
+    assert main(["verify", "--root", str(root), "--all"]) == 0
+    assert capsys.readouterr().out.count("ok ") >= 2
+    emb = store.path(v1) / "embeddings.npy"
+    emb.write_bytes(emb.read_bytes()[:-8])
+    assert main(["verify", "--root", str(root), v1]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+    assert main(["activate", "--root", str(root), v1]) == 2          # never activate a corrupt version
+    assert "bytes" in capsys.readouterr().err and store.current_version() == v2
+    assert main(["prune", "--root", str(root), "--keep", "1"]) == 0
+    assert store.versions() == [v2]
+
+
+def test_add_from_folder_and_failed_notify(tmp_path, tiny_checkpoint, capsys):
+    root = tmp_path / "idx"
+    assert main(_build(root, tiny_checkpoint)) == 0
+    folder = tmp_path / "new"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / f"n{i}.png")
+    capsys.readouterr()
+    rc = main(["add", "--root", str(root), "--folder", str(folder), "--no-progress", "--notify", "http://127.0.0.1:9"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "51 items" in captured.out and "warning: server notification failed" in captured.err
+    assert IndexStore(root).load().ids[-3:] == ["n0.png", "n1.png", "n2.png"]
+
+
+def test_quality_gate_exit_code(tmp_path, tiny_checkpoint, capsys):
+    root = tmp_path / "idx"
+
+    def worse(candidate, serving):
+        return {"candidate": 0.1, "serving": 0.9, "metric": "map@10"}
+
+    assert main(_build(root, tiny_checkpoint), evaluator=worse) == 0
+    v1 = IndexStore(root).current_version()
+    assert main(_build(root, tiny_checkpoint), evaluator=worse) == 1
+    assert "quality gate refused" in capsys.readouterr().err
+    store = IndexStore(root)
+    refused = [v for v in store.versions() if v != v1][0]
+    assert store.current_version() == v1
+    assert main(["activate", "--root", str(root), refused]) == 2
+    assert "failed its quality gate" in capsys.readouterr().err
+    assert main(["activate", "--root", str(root), refused, "--force"]) == 0
+    assert store.current_version() == refused
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["build", "--checkpoint", "nope.safetensors", "--dataset", "synthetic"], "checkpoint not found: nope.safetensors"),
+    (["activate", "20990101T000000000Z-deadbeef"], "unknown index version '20990101T000000000Z-deadbeef'"),
+    (["rollback"], "no earlier activated version"),
+    (["verify"], "no current index version"),
+    (["add", "--folder", "x"], "no current index version"),
+    (["prune", "--keep", "0"], "keep must be"),
+])
+def test_user_errors_exit_2(tmp_path, argv, message, capsys):
+    argv = argv[:1] + ["--root", str(tmp_path)] + argv[1:]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_argument_errors(tmp_path, tiny_checkpoint, capsys):
+    assert main(["frobnicate"]) == 2
+    assert main(_build(tmp_path, tiny_checkpoint, "--param", "nlist")) == 2
+    assert "bad --param 'nlist'" in capsys.readouterr().err
+    assert main(_build(tmp_path, tiny_checkpoint, "--dataset", "imagenet")) == 2
+    assert "unknown dataset 'imagenet'" in capsys.readouterr().err
+    assert parse_bytes("2G") == 2 << 30 and parse_bytes("512MiB") == 512 << 20 and parse_bytes("100") == 100
+    assert parse_params(["nlist=4", "M=16"]) == {"nlist": 4, "M": 16}
+    with pytest.raises(ValueError, match="bad memory size"):
+        parse_bytes("lots")
