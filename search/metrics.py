@@ -218,3 +218,25 @@ def retrieval_metrics(query_emb, db_emb, query_labels, db_labels, ks=(1, 5, 10),
 def _check_k(rel: np.ndarray, k: int) -> None:
     if not 1 <= k <= rel.shape[1]:
         raise ValueError(f"k={k} must be in [1, {rel.shape[1]}] (neighbour lists have {rel.shape[1]} entries)")
+
+
+def ideal_topk(query_meta, db_meta, generator, k: int, exclude: np.ndarray | None = None,
+               max_elements: int = 1 << 24) -> np.ndarray:
+    """(Q, k) database rows of the ideal search's top k (largest log r; ties by row order).
+
+    Blocks over queries only, so every `log_ratio` call sees the whole database (generators such
+    as label normalise by database statistics)."""
+    query_meta, db_meta = np.asarray(query_meta), np.asarray(db_meta)
+    n = len(db_meta)
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be in [1, {n}]")
+    bq = max(1, max_elements // max(n, 1))
+    out = np.empty((len(query_meta), k), dtype=np.int64)
+    for q0 in range(0, len(query_meta), bq):
+        lr = np.asarray(generator.log_ratio(query_meta[q0 : q0 + bq], db_meta), dtype=np.float64)  # (bq, N)
+        if exclude is not None:
+            ex = np.asarray(exclude[q0 : q0 + bq])
+            has = ex >= 0
+            lr[np.flatnonzero(has), ex[has]] = -np.inf
+        out[q0 : q0 + lr.shape[0]] = np.argsort(-lr, axis=1, kind="stable")[:, :k]
+    return out

@@ -102,3 +102,18 @@ def test_bad_k():
     z = unit(RNG.normal(size=(5, 3)))
     with pytest.raises(ValueError, match="k=9"):
         knn_search(z, z, 9)
+
+
+def test_ideal_topk_matches_sorting():
+    from search_refs import VonMises
+
+    rng = np.random.default_rng(5)
+    qm, dm = rng.uniform(0, 6.28, (9, 2)), rng.uniform(0, 6.28, (70, 2))
+    gen = VonMises(2.0)
+    from search.metrics import ideal_topk
+
+    got = ideal_topk(qm, dm, gen, 6, exclude=np.r_[3, -1, 5, -1, -1, -1, -1, -1, 0], max_elements=150)
+    lr = gen.log_ratio(qm, dm)
+    for i, ex in enumerate([3, -1, 5, -1, -1, -1, -1, -1, 0]):
+        order = [j for j in np.argsort(-lr[i]) if j != ex][:6]
+        np.testing.assert_array_equal(got[i], order)

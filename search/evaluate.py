@@ -1,0 +1,451 @@
+"""`softsearch eval`: retrieval metrics, the cross-entropy gap, calibration, the 1/k law, diagnostics.
+
+Database: an index version (`--index ROOT [--version V]`: its embeddings, ids, manifest and
+checkpoint) or a checkpoint plus a dataset (`--checkpoint C --dataset NAME --split S`, embedded
+here). Queries: a held-out split (`--queries-dataset`, default the database's dataset, split
+`test`), subsampled to `--max-queries`. With the instance generator the queries are augmented
+views of database items (q is a point mass on the source: an approximation, said in the report).
+Writes OUT/report.json and one self-contained OUT/report.html, prints a short table.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from index.build import training_temperature
+from index.store import IndexStore
+from search.calibration import calibrate_temperature
+from search.diagnostics import gaussianity, plot_qq, plot_tail, tail_diagnostics
+from search.gap import ideal_and_learned, softmax_gap
+from search.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
+from search.metrics import bootstrap_ci, ideal_topk, knn_search, retrieval_metrics
+from search.report import plot_gap_vs_tau, plot_samples, summary_table, write_report
+from training.checkpoint import load_checkpoint
+from training.datasets import create_dataset
+from training.generators import create_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalConfig:
+    """Everything `softsearch eval` takes; see `build_parser` for the meaning of each field."""
+
+    index: str | None = None
+    version: str | None = None
+    checkpoint: str | None = None
+    dataset: str | None = None
+    split: str = "train"
+    data_root: str | None = None
+    size: int | None = None
+    queries_dataset: str | None = None
+    queries_split: str = "test"
+    queries_root: str | None = None
+    queries_size: int | None = None
+    max_queries: int = 1000
+    generator: str | None = None
+    kappa: float | None = None
+    temperature: float | None = None
+    out: str = "eval_report"
+    k_law: bool = True
+    k_law_queries: int = 256
+    k_law_db: int = 4096
+    k_law_samples: int = 2000
+    k_law_ks: tuple[int, ...] = DEFAULT_KS
+    compare: str | None = None
+    n_boot: int = 1000
+    seed: int = 0
+    batch_size: int = 256
+    device: str | None = None
+    n_samples: int = 3
+
+
+@dataclass
+class EvalData:
+    """Database and query side, shared by the main encoder and a --compare encoder."""
+
+    datasets: list                  # database source datasets
+    rows: list[tuple[int, int]]     # db row -> (source, item index)
+    db_meta: np.ndarray
+    db_labels: np.ndarray | None
+    query_images: torch.Tensor      # (Q, 3, S, S) preprocessed
+    query_meta: np.ndarray
+    query_labels: np.ndarray | None
+    query_exclude: np.ndarray | None  # db row of each query when the queries are database items
+    generator: object
+    database_description: str
+    queries_description: str
+    queries_same_as_db: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _device(name: str | None) -> torch.device:
+    return torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tensors(ds, idx: np.ndarray) -> torch.Tensor:
+    if hasattr(ds, "tensors"):
+        return ds.tensors(idx)
+    return torch.stack([ds[int(i)] for i in idx])
+
+
+def encode(encoder, images: torch.Tensor, batch_size: int, device) -> tuple[np.ndarray, np.ndarray]:
+    """(unit embeddings z (N, D) float32, pre-normalisation features h (N, D) float32); z = h / |h|."""
+    zs, hs = [], []
+    encoder.eval()
+    with torch.inference_mode():
+        for b0 in range(0, images.shape[0], batch_size):
+            h = encoder.features(images[b0 : b0 + batch_size].to(device=device, dtype=torch.float32))  # (B, D)
+            hs.append(h.float().cpu())
+            zs.append(F.normalize(h, dim=-1).float().cpu())
+    d = encoder.embed_dim
+    if not zs:
+        return np.zeros((0, d), np.float32), np.zeros((0, d), np.float32)
+    return torch.cat(zs).numpy(), torch.cat(hs).numpy()
+
+
+def _meta(ds, idx, generator_name: str, rows: np.ndarray | None = None) -> np.ndarray:
+    if generator_name == "latent":
+        if ds.latents is None:
+            raise ValueError(f"the latent generator needs latents; dataset {ds.name!r} has none")
+        return np.asarray(ds.latents)[idx]
+    if generator_name == "label":
+        if ds.labels is None:
+            raise ValueError(f"the label generator needs labels; dataset {ds.name!r} has none")
+        return np.asarray(ds.labels)[idx]
+    if generator_name == "instance":
+        assert rows is not None, "instance metadata are database rows"
+        return rows
+    raise ValueError(f"no metadata rule for generator {generator_name!r}")
+
+
+def _make_generator(cfg: EvalConfig, ds):
+    name = cfg.generator or ds.default_generator().name
+    if name == "latent":
+        kappa = cfg.kappa if cfg.kappa is not None else getattr(ds, "kappa", None)
+        return create_generator("latent", **({} if kappa is None else {"kappa": kappa}))
+    if cfg.kappa is not None:
+        raise ValueError(f"--kappa applies to the latent generator only, not {name!r}")
+    if cfg.generator is None:
+        return ds.default_generator()
+    return create_generator(name)
+
+
+def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int]], queries=None) -> EvalData:
+    """Database metadata and the held-out query images for `db_datasets` indexed by `rows`.
+
+    `queries` (an ImageDataset) overrides the query dataset named by `cfg`."""
+    rng = np.random.default_rng(cfg.seed)
+    ds0 = db_datasets[0]
+    gen = _make_generator(cfg, ds0)
+    gname = gen.name
+    src = np.array([s for s, _ in rows], dtype=np.int64)
+    item = np.array([i for _, i in rows], dtype=np.int64)
+    n = len(rows)
+    parts_meta, parts_lab = [], []
+    for s, ds in enumerate(db_datasets):
+        sel = src == s
+        parts_meta.append((np.flatnonzero(sel), _meta(ds, item[sel], gname, np.flatnonzero(sel))))
+        parts_lab.append((np.flatnonzero(sel), None if ds.labels is None else np.asarray(ds.labels)[item[sel]]))
+    first = parts_meta[0][1]
+    db_meta = np.empty((n,) + first.shape[1:], dtype=first.dtype)
+    for where, m in parts_meta:
+        db_meta[where] = m
+    db_labels = None
+    if all(lab is not None for _, lab in parts_lab):
+        db_labels = np.empty(n, dtype=np.int64)
+        for where, lab in parts_lab:
+            db_labels[where] = lab
+    db_desc = ", ".join(f"{ds.name}/{ds.split}" for ds in db_datasets)
+    notes: list[str] = []
+
+    if gname == "instance":
+        # queries: augmented views of random database items; the positive is the source row
+        q_rows = np.sort(rng.choice(n, min(cfg.max_queries, n), replace=False))
+        images = []
+        for s, ds in enumerate(db_datasets):
+            sel = q_rows[src[q_rows] == s]
+            if sel.size:
+                images.append((sel, gen.sample_pairs(ds, item[sel], rng)[1]))
+        order = np.concatenate([sel for sel, _ in images])
+        imgs = torch.cat([im for _, im in images])[np.argsort(order)]
+        notes.append("instance generator: queries are augmented views of database items; q is a point mass on "
+                     "the source item (approximation)")
+        return EvalData(db_datasets, rows, db_meta, db_labels, imgs, q_rows,
+                        None if db_labels is None else db_labels[q_rows], None, gen, db_desc,
+                        f"augmented views of {q_rows.size} database items", False, notes)
+
+    if queries is not None:
+        qds = queries
+    elif cfg.queries_dataset is None or cfg.queries_dataset == ds0.name:
+        spec = dict(ds0.spec())
+        spec.update(split=cfg.queries_split, size=cfg.queries_size)
+        if cfg.queries_root is not None:
+            spec["root"] = cfg.queries_root
+    else:
+        spec = {"name": cfg.queries_dataset, "split": cfg.queries_split, "root": cfg.queries_root,
+                "size": cfg.queries_size, "seed": getattr(ds0, "seed", 0)}
+    if queries is None:
+        qds = create_dataset(**spec)
+    same = [s for s, ds in enumerate(db_datasets) if ds.fingerprint() == qds.fingerprint()]
+    q_idx = np.sort(rng.choice(len(qds), min(cfg.max_queries, len(qds)), replace=False))
+    exclude = None
+    if same:
+        # the queries are database items: leave each query's own row out of its neighbour list
+        pos = {(s, i): r for r, (s, i) in enumerate(rows)}
+        exclude = np.array([pos.get((same[0], int(i)), -1) for i in q_idx], dtype=np.int64)
+        notes.append("queries are items of the database: their own rows are excluded from the neighbour lists "
+                     "(the gap keeps them)")
+    q_meta = _meta(qds, q_idx, gname, exclude)
+    q_labels = None if qds.labels is None else np.asarray(qds.labels)[q_idx]
+    return EvalData(db_datasets, rows, db_meta, db_labels, _tensors(qds, q_idx), q_meta, q_labels, exclude, gen,
+                    db_desc, f"{qds.name}/{qds.split} ({q_idx.size} of {len(qds)})", bool(same), notes)
+
+
+def _ideal_recall(zq, zdb, data: EvalData, ks=(1, 5, 10), n_boot=1000, seed=0, device=None) -> dict:
+    """Overlap of the learned top-k with the ideal top-k (by log r), with bootstrap CIs."""
+    kmax = min(max(ks), zdb.shape[0] - (1 if data.query_exclude is not None else 0))
+    _, learned = knn_search(zq, zdb, kmax, exclude=data.query_exclude, device=device)
+    ideal = ideal_topk(data.query_meta, data.db_meta, data.generator, kmax, exclude=data.query_exclude)
+    out: dict = {"n_queries": int(zq.shape[0]), "alpha": 0.05, "n_boot": n_boot}
+    for k in ks:
+        kk = min(k, kmax)
+        per_q = np.array([np.intersect1d(a[:kk], b[:kk]).size / kk for a, b in zip(learned, ideal)])
+        mean, lo, hi = bootstrap_ci(per_q, n_boot, 0.05, seed)
+        out[f"ideal_recall@{k}"] = {"mean": mean, "low": lo, "high": hi}
+    return out
+
+
+def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np.ndarray, hq: np.ndarray | None,
+                        train_tau: float, serving_tau: float, full: bool = True) -> tuple[dict, dict]:
+    """All numbers for one encoder's embeddings -> (report part, figures)."""
+    dev = _device(cfg.device)
+    rep: dict = {}
+    figs: dict = {}
+    gen = data.generator
+    t0 = time.perf_counter()
+    if data.query_labels is not None and data.db_labels is not None:
+        rep["metrics"] = retrieval_metrics(zq, zdb, data.query_labels, data.db_labels, exclude=data.query_exclude,
+                                           n_boot=cfg.n_boot, seed=cfg.seed, device=dev)
+        rep["metrics_note"] = "relevance = same class label"
+    else:
+        rep["metrics"] = _ideal_recall(zq, zdb, data, n_boot=cfg.n_boot, seed=cfg.seed, device=dev)
+        rep["metrics_note"] = "no labels: ideal_recall@k = fraction of the ideal top-k (by log r) in the learned top-k"
+    gap_serving = softmax_gap(zq, zdb, data.query_meta, data.db_meta, gen, serving_tau, device=dev)
+    cal = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, gen, train_temperature=train_tau, device=dev)
+    rep["gap"] = {"serving": gap_serving.summary(), "training": cal.gap_at_train, "calibrated": cal.gap_at_calibrated}
+    rep["calibration"] = cal.to_dict()
+    rep["temperatures"] = {"serving": serving_tau, "train": train_tau, "calibrated": cal.temperature}
+    logger.info("metrics + gap + calibration in %.1f s", time.perf_counter() - t0)
+    if not full:
+        return rep, figs
+    figs["gap_vs_tau"] = plot_gap_vs_tau(cal.curve_tau, cal.curve_kl, cal.temperature, train_tau, serving_tau)
+    ns = min(cfg.n_samples, zq.shape[0])
+    q, p = ideal_and_learned(zq[:ns], zdb, data.query_meta[:ns], data.db_meta, gen, serving_tau)
+    figs["samples"] = plot_samples(q, p, [f"query {i}: KL={gap_serving.kl[i]:.3f}" for i in range(ns)])
+
+    rng = np.random.default_rng(cfg.seed)
+    kq = np.sort(rng.choice(zq.shape[0], min(cfg.k_law_queries, zq.shape[0]), replace=False))
+    kd = np.sort(rng.choice(zdb.shape[0], min(cfg.k_law_db, zdb.shape[0]), replace=False))
+    if not cfg.k_law:
+        rep["k_law"], rep["k_law_note"] = None, "disabled (--no-k-law)"
+    elif gen.name == "instance":
+        rep["k_law"], rep["k_law_note"] = None, ("not applicable to the instance generator: its point-mass r is "
+                                                 "zero on almost every random database")
+    else:
+        sampler = PoolSampler(zq[kq], data.query_meta[kq], zdb[kd], data.db_meta[kd], gen, serving_tau)
+        kl = k_law(sampler, ks=cfg.k_law_ks, n_queries=cfg.k_law_samples, seed=cfg.seed)
+        rep["k_law"] = kl.to_dict()
+        rep["k_law_note"] = (f"pool resampling: {kq.size} held-out queries x {kd.size} database items, "
+                             f"{cfg.k_law_samples} draws per k, tau={serving_tau:.4g}")
+        figs["k_law"] = plot_k_law(kl)
+
+    if hq is not None and hq.shape[0] >= 8:
+        rep["gaussianity"] = gaussianity(hq, seed=cfg.seed)
+        proj = hq @ rng.normal(size=hq.shape[1])
+        figs["qq"] = plot_qq({"coordinate 0": hq[:, 0], "coordinate 1": hq[:, 1 % hq.shape[1]],
+                              "random projection": proj, "norm |h|": np.linalg.norm(hq, axis=1)})
+    tq = kq[: min(kq.size, 256)]
+    qrow_meta, db_sub_meta = data.query_meta[tq], data.db_meta[kd]
+    excl = None if data.query_exclude is None else data.query_exclude[tq]
+
+    def negatives(qi, di):
+        mask = np.ones((qi.size, di.size), dtype=bool)
+        if gen.name == "label":
+            mask &= qrow_meta[qi][:, None] != db_sub_meta[di][None, :]
+        if gen.name == "instance":
+            mask &= qrow_meta[qi][:, None] != db_sub_meta[di][None, :]
+        if excl is not None:
+            mask &= excl[qi][:, None] != kd[di][None, :]
+        return mask
+
+    try:
+        tail = tail_diagnostics(zq[tq], zdb[kd], negatives, n_boot=min(200, cfg.n_boot), seed=cfg.seed)
+        figs["tail"] = plot_tail(tail)
+        rep["tail"] = {k: v for k, v in tail.items() if k != "exceedances"}
+    except ValueError as err:
+        logger.warning("tail diagnostics skipped: %s", err)
+        rep["tail"] = None
+    return rep, figs
+
+
+def version_database(version) -> tuple[list, list[tuple[int, int]]]:
+    """Rebuild an index version's source datasets from its manifest -> (datasets, db row -> (source, item))."""
+    manifest = version.manifest
+    sources = manifest.get("sources") or [manifest["dataset"]]
+    datasets = []
+    for s in sources:
+        ds = create_dataset(**s["spec"])
+        if s.get("fingerprint") and ds.fingerprint() != s["fingerprint"]:
+            raise ValueError(f"dataset {s['spec']} no longer matches the index's fingerprint {s['fingerprint'][:12]}")
+        datasets.append(ds)
+    lookup: dict[str, tuple[int, int]] = {}
+    for si, ds in enumerate(datasets):
+        for i, item_id in enumerate(ds.item_ids()):
+            lookup.setdefault(item_id, (si, i))
+    missing = [i for i in version.ids if i not in lookup]
+    if missing:
+        raise ValueError(f"{len(missing)} index ids are not in the manifest's datasets, e.g. {missing[0]!r}")
+    return datasets, [lookup[i] for i in version.ids]
+
+
+def _load_database(cfg: EvalConfig, device):
+    """-> (encoder, info, checkpoint path, db embeddings or None, datasets, rows, index dict or None, manifest)."""
+    if cfg.index is not None:
+        if cfg.checkpoint is not None or cfg.dataset is not None:
+            raise ValueError("--index takes its checkpoint and dataset from the manifest; drop --checkpoint/--dataset")
+        store = IndexStore(cfg.index)
+        version = store.load(cfg.version, verify=True, gpu=False)
+        manifest = version.manifest
+        ckpt = Path(manifest["checkpoint"]["path"])
+        datasets, rows = version_database(version)
+        encoder, info = load_checkpoint(ckpt, device=device)
+        return encoder, info, ckpt, version.embeddings, datasets, rows, {"root": str(cfg.index), "version": version.version}, manifest
+    if cfg.checkpoint is None or cfg.dataset is None:
+        raise ValueError("give --index ROOT, or --checkpoint C with --dataset NAME")
+    ckpt = Path(cfg.checkpoint)
+    encoder, info = load_checkpoint(ckpt, device=device)
+    ds = create_dataset(cfg.dataset, cfg.split, root=cfg.data_root, size=cfg.size, seed=cfg.seed)
+    return encoder, info, ckpt, None, [ds], [(0, i) for i in range(len(ds))], None, None
+
+
+def _embed_db(encoder, data: EvalData, cfg: EvalConfig, device) -> np.ndarray:
+    out = np.empty((len(data.rows), encoder.embed_dim), dtype=np.float32)
+    src = np.array([s for s, _ in data.rows])
+    item = np.array([i for _, i in data.rows])
+    for s, ds in enumerate(data.datasets):
+        where = np.flatnonzero(src == s)
+        for b0 in range(0, where.size, 4096):
+            sel = where[b0 : b0 + 4096]
+            out[sel] = encode(encoder, _tensors(ds, item[sel]), cfg.batch_size, device)[0]
+    return out
+
+
+def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
+    """Evaluate per `cfg` -> (report dict, figures {name: PNG bytes}); nothing is written."""
+    if cfg.max_queries < 2:
+        raise ValueError(f"--max-queries must be >= 2, got {cfg.max_queries}")
+    if cfg.temperature is not None and not cfg.temperature > 0:
+        raise ValueError(f"--temperature must be positive, got {cfg.temperature}")
+    device = _device(cfg.device)
+    encoder, info, ckpt, zdb, datasets, rows, index_info, manifest = _load_database(cfg, device)
+    data = load_eval_data(cfg, datasets, rows)
+    if zdb is None:
+        zdb = _embed_db(encoder, data, cfg, device)
+    zq, hq = encode(encoder, data.query_images, cfg.batch_size, device)
+    train_tau, train_src = training_temperature(info)
+    if cfg.temperature is not None:
+        serving_tau, serving_src = float(cfg.temperature), "command line"
+    elif manifest is not None and manifest.get("search_temperature"):
+        serving_tau = float(manifest["search_temperature"])
+        serving_src = f"index manifest ({manifest.get('search_temperature_source', 'search_temperature')})"
+    else:
+        serving_tau, serving_src = train_tau, train_src
+    part, figs = evaluate_embeddings(cfg, data, zdb, zq, hq, train_tau, serving_tau)
+    gen = data.generator
+    report = {
+        "checkpoint": str(ckpt),
+        "index": index_info,
+        "database": {"description": data.database_description, "count": int(zdb.shape[0]),
+                     "datasets": [ds.spec() for ds in datasets]},
+        "queries": {"description": data.queries_description, "count": int(zq.shape[0]),
+                    "same_as_database": data.queries_same_as_db},
+        "generator": {"name": gen.name, "exact": bool(gen.exact), "description": gen.description,
+                      "options": gen.options() if hasattr(gen, "options") else {}},
+        "temperature_sources": {"serving": serving_src, "train": train_src},
+        "notes": data.notes,
+        **part,
+    }
+    if cfg.compare is not None:
+        report["compare"] = _compare(cfg, data, part, device)
+    return report, figs
+
+
+def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
+    """Evaluate a second checkpoint on the same database items and queries: a before/after table."""
+    enc2, info2 = load_checkpoint(cfg.compare, device=device)
+    zdb2 = _embed_db(enc2, data, cfg, device)
+    zq2, _ = encode(enc2, data.query_images, cfg.batch_size, device)
+    tau2, _ = training_temperature(info2)
+    serving2 = float(cfg.temperature) if cfg.temperature is not None else tau2
+    other, _ = evaluate_embeddings(cfg, data, zdb2, zq2, None, tau2, serving2, full=False)
+    rows = {}
+    for name, v in this["metrics"].items():
+        if isinstance(v, dict) and "mean" in v:
+            rows[name] = {"this": v["mean"], "other": other["metrics"][name]["mean"]}
+    for label in ("serving", "training", "calibrated"):
+        rows[f"KL @ {label} tau"] = {"this": this["gap"][label]["kl"], "other": other["gap"][label]["kl"]}
+        rows[f"H(q,p) @ {label} tau"] = {"this": this["gap"][label]["cross_entropy"],
+                                        "other": other["gap"][label]["cross_entropy"]}
+    rows["calibrated tau"] = {"this": this["temperatures"]["calibrated"], "other": other["temperatures"]["calibrated"]}
+    rows["training tau"] = {"this": this["temperatures"]["train"], "other": other["temperatures"]["train"]}
+    return {"checkpoint": str(cfg.compare), "rows": rows, "other": other}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="softsearch eval", description=__doc__.split("\n")[0])
+    src = p.add_argument_group("database")
+    src.add_argument("--index", help="index root: evaluate its current (or --version) version")
+    src.add_argument("--version", help="index version (default: the current one)")
+    src.add_argument("--checkpoint", help="encoder checkpoint (with --dataset) instead of --index")
+    src.add_argument("--dataset", help="database dataset name (with --checkpoint)")
+    src.add_argument("--split", default="train")
+    src.add_argument("--data-root", help="dataset root directory")
+    src.add_argument("--size", type=int, help="database size (default: the split's)")
+    q = p.add_argument_group("queries")
+    q.add_argument("--queries-dataset", help="held-out query dataset (default: the database's)")
+    q.add_argument("--queries-split", default="test")
+    q.add_argument("--queries-root")
+    q.add_argument("--queries-size", type=int)
+    q.add_argument("--max-queries", type=int, default=1000)
+    p.add_argument("--generator", choices=["latent", "label", "instance"], help="default: the dataset's")
+    p.add_argument("--kappa", type=float, help="von Mises concentration of the latent generator")
+    p.add_argument("--temperature", type=float, help="search tau (default: manifest's, else training tau)")
+    p.add_argument("--out", default="eval_report", help="output directory for report.json / report.html")
+    p.add_argument("--no-k-law", dest="k_law", action="store_false", help="skip the 1/k law (faster)")
+    p.add_argument("--k-law-samples", type=int, default=2000, help="Monte-Carlo draws per k")
+    p.add_argument("--compare", help="second checkpoint (e.g. the initial one) for a before/after table")
+    p.add_argument("--n-boot", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--device", help="torch device (default: cuda if available)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`softsearch eval ...`: writes OUT/report.json and OUT/report.html, prints a summary table."""
+    args = build_parser().parse_args(argv)
+    cfg = EvalConfig(**vars(args))
+    report, figs = run_evaluation(cfg)
+    jpath, hpath = write_report(cfg.out, report, figs)
+    print(summary_table(report))
+    print(f"wrote {jpath} and {hpath}")
+    return 0

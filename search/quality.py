@@ -1,0 +1,102 @@
+"""Index quality gate: score a candidate index version against the serving one on held-out queries.
+
+`evaluate_version(candidate, serving)` is the `evaluator` that `index.build.build_index` calls
+(index/ cannot import search/, so `api/cli.py` injects it). Each version is scored with its own
+encoder (the manifest's checkpoint) and its own search temperature, on the same query images.
+Scores (higher is better):
+- "neg_gap": -mean KL(q || p) on the held-out queries, when the generator's r is exact
+  (latent, label) -- the quantity softsearch is about;
+- "recall_at_10": label recall@10 (or ideal-neighbour recall@10 without labels) otherwise.
+Both are always reported; "metric" says which one the gate compares.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from search.evaluate import EvalConfig, _device, _ideal_recall, encode, load_eval_data, version_database
+from search.gap import softmax_gap
+from search.metrics import knn_search, recall_at_k, relevance
+from training.checkpoint import load_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
+    """recall@10 and the gap at the version's search temperature for one IndexVersion."""
+    datasets, rows = version_database(version)
+    data = load_eval_data(cfg, datasets, rows, queries=queries)
+    encoder, _ = load_checkpoint(version.manifest["checkpoint"]["path"], device=device)
+    zq, _ = encode(encoder, data.query_images, cfg.batch_size, device)
+    zdb = np.asarray(version.embeddings)
+    tau = float(cfg.temperature or version.manifest.get("search_temperature") or 0.1)
+    k = min(10, zdb.shape[0] - (1 if data.query_exclude is not None else 0))
+    if data.query_labels is not None and data.db_labels is not None:
+        _, nbr = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
+        recall = float(recall_at_k(relevance(nbr, data.query_labels, data.db_labels), k).mean())
+        recall_kind = "label recall@10"
+    else:
+        recall = _ideal_recall(zq, zdb, data, ks=(10,), n_boot=1, device=device)["ideal_recall@10"]["mean"]
+        recall_kind = "ideal-neighbour recall@10"
+    gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
+    return {"version": version.version, "recall_at_10": recall, "recall_kind": recall_kind, "gap": gap["kl"],
+            "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
+            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0])}
+
+
+def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "auto", max_queries: int = 500,
+                     generator: str | None = None, temperature: float | None = None, seed: int = 0,
+                     batch_size: int = 256, device=None) -> dict:
+    """Quality-gate comparison of two IndexVersions -> {"metric", "candidate", "serving", "ok", ...}.
+
+    `queries`: held-out ImageDataset (default: the candidate's first dataset, split "test", or its
+    own items when that split does not exist). `metric`: "auto" | "neg_gap" | "recall_at_10".
+    `temperature` overrides both versions' manifest search temperatures.
+    """
+    if metric not in ("auto", "neg_gap", "recall_at_10"):
+        raise ValueError(f"metric must be 'auto', 'neg_gap' or 'recall_at_10', got {metric!r}")
+    t0 = time.perf_counter()
+    dev = _device(device)
+    cfg = EvalConfig(max_queries=max_queries, generator=generator, temperature=temperature, seed=seed,
+                     batch_size=batch_size, device=None if device is None else str(device))
+    if queries is None:
+        queries = _default_queries(candidate, cfg)
+    cand = _score_version(candidate, cfg, queries, dev)
+    serv = _score_version(serving, cfg, queries, dev) if serving is not None else None
+    if metric == "auto":
+        metric = "neg_gap" if cand["exact"] and np.isfinite(cand["gap"]) else "recall_at_10"
+
+    def score(r):
+        return None if r is None else (-r["gap"] if metric == "neg_gap" else r["recall_at_10"])
+
+    out = {
+        "metric": metric,
+        "candidate": score(cand),
+        "serving": score(serv),
+        "recall_at_10": {"candidate": cand["recall_at_10"], "serving": None if serv is None else serv["recall_at_10"]},
+        "gap": {"candidate": cand["gap"], "serving": None if serv is None else serv["gap"]},
+        "details": {"candidate": cand, "serving": serv},
+        "seconds": time.perf_counter() - t0,
+    }
+    out["ok"] = bool(serv is None or out["candidate"] >= out["serving"])
+    logger.info("quality gate (%s): candidate %.4g vs serving %s", metric, out["candidate"],
+                "-" if serv is None else f"{out['serving']:.4g}")
+    return out
+
+
+def _default_queries(version, cfg: EvalConfig):
+    """The held-out split of the version's first dataset, or None (-> its own items) when there is none."""
+    from training.datasets import create_dataset
+
+    datasets, _ = version_database(version)
+    spec = dict(datasets[0].spec())
+    if spec.get("split") == "test":
+        return datasets[0]
+    spec.update(split="test", size=None)
+    try:
+        return create_dataset(**spec)
+    except (ValueError, FileNotFoundError) as err:
+        logger.warning("no held-out split for %s (%s): using the database items as queries", spec.get("name"), err)
+        return datasets[0]

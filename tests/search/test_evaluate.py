@@ -1,0 +1,115 @@
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from search.calibration import calibrate_temperature
+from search.evaluate import main
+from search.gap import softmax_gap
+from search.metrics import retrieval_metrics
+from search.report import SECTIONS
+from training.checkpoint import load_checkpoint, save_checkpoint
+from training.datasets import create_dataset
+from training.encoder import EncoderConfig, create_encoder, embed
+
+TINY = EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8)
+
+
+def _ckpt(path, seed, tau):
+    torch.manual_seed(seed)
+    enc = create_encoder(TINY)
+    return save_checkpoint(path, enc, step=0, train_config={"seed": seed}, lineage={"objective": "infonce"},
+                           metrics={"temperature": tau})
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ck")
+    return _ckpt(d / "a.safetensors", 0, 0.2), _ckpt(d / "b.safetensors", 1, 0.1)
+
+
+def _check_html(path, sections=SECTIONS, n_img=5):
+    text = path.read_text()
+    for s in sections:
+        assert f"<section id='{s}'>" in text, s
+    imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
+    assert len(imgs) >= n_img
+    assert "http://" not in text and "https://" not in text  # self-contained
+    return text
+
+
+@pytest.mark.slow
+def test_eval_checkpoint_synthetic_matches_library(ckpts, tmp_path, capsys):
+    a, b = ckpts
+    out = tmp_path / "rep"
+    assert main(["--checkpoint", str(a), "--dataset", "synthetic", "--size", "64", "--queries-size", "24",
+                 "--out", str(out), "--n-boot", "100", "--k-law-samples", "200", "--compare", str(b)]) == 0
+    stdout = capsys.readouterr().out
+    assert "gap @ calibrated" in stdout and "ideal_recall@10" in stdout
+    rep = json.loads((out / "report.json").read_text())
+    text = _check_html(out / "report.html")
+    assert "exact" in text and rep["generator"]["name"] == "latent"
+    # independent recomputation with the contract's embed() and the library functions
+    enc, _ = load_checkpoint(a)
+    db = create_dataset("synthetic", "train", size=64, seed=0)
+    qs = create_dataset("synthetic", "test", size=24, seed=0)
+    zdb, zq = embed(enc, db, progress=False), embed(enc, qs, progress=False)
+    g = softmax_gap(zq, zdb, qs.latents, db.latents, db.default_generator(), 0.2).summary()
+    for key in ("cross_entropy", "ideal_entropy", "kl"):
+        assert rep["gap"]["serving"][key] == pytest.approx(g[key], rel=1e-5)
+    cal = calibrate_temperature(zq, zdb, qs.latents, db.latents, db.default_generator(), train_temperature=0.2)
+    assert rep["calibration"]["temperature"] == pytest.approx(cal.temperature, rel=1e-4)
+    assert rep["gap"]["calibrated"]["kl"] == pytest.approx(cal.gap_at_calibrated["kl"], rel=1e-4)
+    assert rep["temperatures"]["train"] == 0.2 and rep["compare"]["rows"]["training tau"]["other"] == 0.1
+    assert rep["k_law"]["ks"][-1] == 1024 and len(rep["k_law"]["k_times_diff"]) == len(rep["k_law"]["ks"])
+
+
+@pytest.mark.slow
+def test_eval_index_labels_and_instance(ckpts, tmp_path):
+    from index.build import build_index
+
+    a, _ = ckpts
+    root = tmp_path / "idx"
+    kw = dict(size=60, seed=0)
+    try:
+        db = create_dataset("fashion-mnist", "train", **kw)
+    except (FileNotFoundError, ValueError):
+        pytest.skip("fashion-mnist files not available")
+    build_index(a, db, root, progress=False)
+    out = tmp_path / "rep"
+    assert main(["--index", str(root), "--queries-size", "30", "--out", str(out), "--n-boot", "50",
+                 "--k-law-samples", "100", "--temperature", "0.3"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    _check_html(out / "report.html")
+    assert rep["generator"]["name"] == "label" and rep["index"]["root"] == str(root)
+    enc, _ = load_checkpoint(a)
+    qs = create_dataset("fashion-mnist", "test", size=30, seed=0)
+    zq, zdb = embed(enc, qs, progress=False), embed(enc, db, progress=False)
+    m = retrieval_metrics(zq, zdb, qs.labels, db.labels, n_boot=50)
+    assert rep["metrics"]["recall@10"]["mean"] == pytest.approx(m["recall@10"]["mean"])
+    assert rep["metrics"]["knn5_majority"]["mean"] == pytest.approx(m["knn5_majority"]["mean"])
+    # the label gap's ideal entropy is log n_c (closed form)
+    counts = np.bincount(db.labels, minlength=10)
+    assert rep["gap"]["serving"]["ideal_entropy"] == pytest.approx(np.mean(np.log(counts[qs.labels])), rel=1e-9)
+
+    out2 = tmp_path / "rep2"
+    assert main(["--index", str(root), "--generator", "instance", "--max-queries", "20", "--out", str(out2),
+                 "--n-boot", "20", "--no-k-law"]) == 0
+    text = (out2 / "report.html").read_text()
+    assert "approximation" in text
+    rep2 = json.loads((out2 / "report.json").read_text())
+    assert rep2["generator"]["exact"] is False and rep2["k_law"] is None
+    assert rep2["gap"]["serving"]["ideal_entropy"] == pytest.approx(0.0, abs=1e-12)  # point mass
+
+
+def test_eval_bad_input(ckpts, tmp_path):
+    a, _ = ckpts
+    with pytest.raises(ValueError, match="temperature"):
+        main(["--checkpoint", str(a), "--dataset", "synthetic", "--size", "16", "--temperature", "-1",
+              "--out", str(tmp_path)])
+    with pytest.raises(FileNotFoundError):
+        main(["--checkpoint", str(tmp_path / "missing.safetensors"), "--dataset", "synthetic", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--index"):
+        main(["--out", str(tmp_path)])
