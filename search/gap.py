@@ -136,15 +136,14 @@ def _log_partition(zq, zn, temperature, block_q, block_n, dev) -> np.ndarray:
     out = np.empty(zq.shape[0], dtype=np.float64)
     inv_tau = 1.0 / temperature
     for q0 in range(0, zq.shape[0], block_q):
-        xq = torch.as_tensor(zq[q0 : q0 + block_q], dtype=torch.float32, device=dev)
+        xq = torch.as_tensor(zq[q0 : q0 + block_q], dtype=torch.float32, device=dev) * inv_tau  # (bq, D) z/tau
         m = torch.full((xq.shape[0],), -math.inf, dtype=torch.float64, device=dev)
         acc = torch.zeros(xq.shape[0], dtype=torch.float64, device=dev)
         for n0 in range(0, zn.shape[0], block_n):
             xn = torch.as_tensor(zn[n0 : n0 + block_n], dtype=torch.float32, device=dev)
-            lp = (xq @ xn.T) * inv_tau  # (bq, bn) fp32 logits
-            bm = lp.amax(dim=1).double()
-            new_m = torch.maximum(m, bm)
-            acc = acc * torch.exp(m - new_m) + torch.exp(lp - new_m.float()[:, None]).sum(1, dtype=torch.float64)
+            lp = xq @ xn.T  # (bq, bn) fp32 logits s/tau
+            new_m = torch.maximum(m, lp.amax(dim=1).double())
+            acc = acc * torch.exp(m - new_m) + torch.exp(lp - new_m.float()[:, None]).sum(1).double()
             m = new_m
         out[q0 : q0 + xq.shape[0]] = (m + torch.log(acc)).cpu().numpy()
     return out
@@ -171,9 +170,10 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
 
     kappa = _latent_kappa(generator)
     if kappa is not None:
-        uq_all, un_all = _oracle(query_meta), _oracle(db_meta)
-        m_lat = np.asarray(query_meta).shape[1]
-        lr_scale, lr_shift = m_lat * kappa, -m_lat * _log_i0(kappa)
+        # log r = m kappa (u_q . u_n) - m log I0(kappa); the constant cancels in q and in H(q), so the
+        # tiles carry only m kappa (u_q . u_n): one small matmul on the device
+        uq_all = _oracle(query_meta) * (np.asarray(query_meta).shape[1] * kappa)
+        un_all = _oracle(db_meta)
 
     inv_tau = 1.0 / temperature
     nq = zq.shape[0]
@@ -182,7 +182,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     for q0 in range(0, nq, block_q):
         q1 = min(q0 + block_q, nq)
         bq = q1 - q0
-        xq = torch.as_tensor(zq[q0:q1], dtype=torch.float32, device=dev)
+        xq = torch.as_tensor(zq[q0:q1], dtype=torch.float32, device=dev) * inv_tau  # (bq, D) z/tau
         f64 = dict(dtype=torch.float64, device=dev)
         mp = torch.full((bq,), -math.inf, **f64)  # running max of s/tau
         sp = torch.zeros(bq, **f64)               # sum exp(s/tau - mp)
@@ -195,28 +195,30 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         for n0 in range(0, zn.shape[0], block_n):
             n1 = min(n0 + block_n, zn.shape[0])
             xn = torch.as_tensor(zn[n0:n1], dtype=torch.float32, device=dev)
-            lp = (xq @ xn.T) * inv_tau  # (bq, bn) fp32 logits s/tau
-            # learned side: online logsumexp
+            lp = xq @ xn.T  # (bq, bn) fp32 logits s/tau
+            # learned side: online logsumexp (tile sums in fp32, running sums in float64)
             new = torch.maximum(mp, lp.amax(dim=1).double())
-            sp = sp * torch.exp(mp - new) + torch.exp(lp - new.float()[:, None]).sum(1, dtype=torch.float64)
+            sp = sp * torch.exp(mp - new) + torch.exp(lp - new.float()[:, None]).sum(1).double()
             mp = new
             # ideal side: log r tile (bq, bn)
             if kappa is not None:
                 un = torch.as_tensor(un_all[n0:n1], dtype=torch.float32, device=dev)
-                lr = (uq @ un.T) * lr_scale + lr_shift
+                lr = uq @ un.T
+                has_zero_r = False
             else:
                 lr_np = np.asarray(generator.log_ratio(query_meta[q0:q1], db_meta[n0:n1]), dtype=np.float64)
                 assert lr_np.shape == (bq, n1 - n0), f"log_ratio returned {lr_np.shape}, expected {(bq, n1 - n0)}"
-                lr = torch.as_tensor(lr_np, dtype=torch.float64, device=dev)
+                has_zero_r = bool(np.isneginf(lr_np).any())
+                lr = torch.as_tensor(lr_np, dtype=torch.float32, device=dev)
             new = torch.maximum(mq, lr.amax(dim=1).double())
             safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
             scale = torch.exp(mq - safe)  # 0 while the old max is -inf
-            w = torch.exp(lr - safe.to(lr.dtype)[:, None])  # q-weights up to 1/S; exp(-inf) = 0
-            # 0 * -inf = 0: items with r = 0 contribute nothing to E_q[log r]
-            wlr = torch.where(w > 0, w * lr, torch.zeros_like(w))
-            sq = sq * scale + w.sum(1, dtype=torch.float64)
-            a = a * scale + (w.to(lp.dtype) * lp).sum(1, dtype=torch.float64)
-            b = b * scale + wlr.sum(1, dtype=torch.float64)
+            w = torch.exp(lr - safe.float()[:, None])  # q-weights up to 1/S; exp(-inf) = 0
+            if has_zero_r:
+                lr = lr.masked_fill(w == 0, 0.0)  # 0 * -inf = 0: items with r = 0 add nothing to E_q[log r]
+            sq = sq * scale + w.sum(1).double()
+            a = a * scale + torch.einsum("qn,qn->q", w, lp).double()
+            b = b * scale + torch.einsum("qn,qn->q", w, lr).double()
             mq = new
         log_zp = mp + torch.log(sp)
         log_zq = mq + torch.log(sq)
