@@ -1,0 +1,71 @@
+"""The web page in headless Chromium (selenium): upload an indexed image, get the grid, top = itself."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from api_helpers import ADMIN_TOKEN, ServerThread, png_bytes
+
+from api.app import create_app
+from api.config import Settings
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
+def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager reach the network
+    report = tmp_path / "report.html"
+    report.write_text("<html><body>evaluation report</body></html>")
+    item = 23
+    query = tmp_path / "query.png"
+    query.write_bytes(png_bytes(api_dataset.image(item)))
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    app = create_app(Settings(index_root=api_index["root"], admin_token=ADMIN_TOKEN, report_path=report))
+    with ServerThread(app) as server:
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        try:
+            driver.set_page_load_timeout(60)
+            driver.get(server.url + "/")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#samples img.sample")) == 16)
+            wait.until(ec.text_to_be_present_in_element((By.ID, "version"), api_index["version"]))
+            link = driver.find_element(By.ID, "report-link")
+            assert link.is_displayed() and link.get_attribute("href").endswith("/report")
+
+            driver.find_element(By.ID, "file").send_keys(str(query))
+            wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-count") is not None)
+            cards = driver.find_elements(By.CSS_SELECTOR, "#results .result")
+            assert len(cards) == 12  # the page's default k
+            assert cards[0].get_attribute("data-id") == api_dataset.item_id(item)
+            assert "similarity 1.0000" in cards[0].text or "similarity 0.9999" in cards[0].text
+            assert driver.find_element(By.ID, "results").get_attribute("data-version") == api_index["version"]
+            # thumbnails of the results actually loaded
+            wait.until(lambda d: d.execute_script(
+                "return Array.from(document.querySelectorAll('#results img')).every(i => i.complete && i.naturalWidth > 0)"))
+
+            # picking an indexed thumbnail searches with it: its own id comes first
+            sample = driver.find_elements(By.CSS_SELECTOR, "#samples img.sample")[0]
+            picked = sample.get_attribute("data-id")
+            sample.click()
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#results .result")[0].get_attribute("data-id")
+                       == picked)
+            driver.save_screenshot(str(tmp_path / "web_page.png"))
+        finally:
+            driver.quit()
+    assert (tmp_path / "web_page.png").stat().st_size > 1000
