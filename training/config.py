@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["TrainConfig", "load_train_config", "apply_overrides", "config_from_dict", "RUNTIME_FIELDS"]
 
 # Fields that do not change the trained weights; excluded from the lineage hash.
-RUNTIME_FIELDS = ("out_dir", "log_every", "checkpoint_every", "device", "num_workers", "torch_threads", "progress")
+RUNTIME_FIELDS = ("out_dir", "log_every", "checkpoint_every", "device", "num_workers", "torch_threads", "progress",
+                  "stop_after")
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainConfig:
     num_workers: int = 0  # background threads preparing upcoming batches
     torch_threads: int | None = None
     progress: bool = True
+    stop_after: int | None = None  # save and stop once this step is reached (time-sliced jobs); --resume continues
 
     def __post_init__(self) -> None:
         if isinstance(self.encoder, dict):
@@ -91,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"grad_clip must be positive or unset, got {self.grad_clip}")
         if self.dataset_size is not None and self.dataset_size <= 0:
             raise ValueError(f"dataset_size must be positive, got {self.dataset_size}")
+        if self.stop_after is not None and self.stop_after <= 0:
+            raise ValueError(f"stop_after must be positive or unset, got {self.stop_after}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
         self.encoder.validate()

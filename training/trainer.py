@@ -406,13 +406,17 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
         return sample_views(run.generator, run.dataset, idx, seed=config.seed, step=step,
                             offset=offset, chunk=config.sample_chunk)
 
-    prefetch = _Prefetcher(views, config.num_workers, config.steps)
+    stop = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
+    if start >= stop:
+        logger.info("%s is already at step %d (>= %d); nothing to do", out, start, stop)
+        return out / CHECKPOINT_NAME
+    prefetch = _Prefetcher(views, config.num_workers, stop)
     train_params = [p for group in run.optimizer.param_groups for p in group["params"]]
     encoder_params = [p for p in run.encoder.parameters() if p.requires_grad]
     metrics_file = (out / METRICS_NAME).open("a") if info.is_main else None
     last: dict = {}
     run.model.train()
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train",
+    bar = tqdm(range(start, stop), initial=start, total=config.steps, desc="train",
                disable=not (config.progress and info.is_main), dynamic_ncols=True)
     try:
         for step in bar:
@@ -452,16 +456,17 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
                     bar.set_postfix(loss=f"{loss_value:.4f}", tau=f"{last['temperature']:.3g}", lr=f"{lr:.2e}")
                     logger.debug("step %d loss %.4f tau %.4g lr %.3g", step, loss_value, last["temperature"], lr)
             done = step + 1
-            if done % config.checkpoint_every == 0 and done < config.steps:
+            if done % config.checkpoint_every == 0 and done < stop:
                 _save(run, done, last)
     finally:
         prefetch.close()
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
-    final = _save(run, config.steps, last)
+    final = _save(run, max(stop, start), last)
     if info.is_main:
-        logger.info("trained %d steps; final loss %s; checkpoint %s", config.steps, last.get("loss"), final)
+        logger.info("trained to step %d of %d; final loss %s; checkpoint %s", max(stop, start), config.steps,
+                    last.get("loss"), final)
     return final
 
 
