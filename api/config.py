@@ -52,6 +52,11 @@ class Settings(BaseModel):
     rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
     device: str = Field("cpu", description="torch device for the encoder")
+    torch_threads: int | None = Field(
+        None, ge=1, le=1024,
+        description="torch intra-op threads for the serve process (None = torch default); 1 is much faster "
+                    "on small or oversubscribed CPUs, where spinning OpenMP threads fight each other",
+    )
     log_level: str = Field("info", description="uvicorn / logging level")
 
     @field_validator("host")
@@ -89,7 +94,7 @@ class Settings(BaseModel):
             raise ValueError(f"unknown log level {v!r}")
         return v
 
-    @field_validator("index_root", "report_path", mode="before")
+    @field_validator("index_root", "report_path", "torch_threads", mode="before")
     @classmethod
     def _empty_path(cls, v: Any) -> Any:
         return None if v == "" else v

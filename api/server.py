@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-limit-burst", type=int, help="per-client burst (default 20)")
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
     p.add_argument("--device", help="torch device for the encoder (default cpu)")
+    p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--log-level", help="info, warning, debug, ...")
     return p
 
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+
+    if settings.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
 
     from api.app import create_app
 

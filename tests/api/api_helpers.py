@@ -63,3 +63,52 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+def run_load(url: str, clients: int, duration: float, send) -> dict:
+    """`clients` threads each loop `send(http_client, rng) -> httpx.Response` for `duration` s.
+
+    Returns {"requests", "errors" (list of (status, text)), "latencies" (s, sorted), "qps"}.
+    """
+    import httpx
+    import numpy as np
+
+    lat: list[float] = []
+    errors: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    start = time.perf_counter()
+    stop_at = start + duration
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while time.perf_counter() < stop_at:
+                t0 = time.perf_counter()
+                try:
+                    r = send(http, rng)
+                    status, text = r.status_code, r.text if r.status_code != 200 else ""
+                except httpx.HTTPError as err:
+                    status, text = -1, repr(err)
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                    if status != 200:
+                        errors.append((status, text[:200]))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    lat.sort()
+    return {"requests": len(lat), "errors": errors, "latencies": lat, "qps": len(lat) / elapsed}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    import math
+
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))]
