@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     try:
         return int(COMMANDS[command](rest) or 0)
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as exc:
