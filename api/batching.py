@@ -40,7 +40,7 @@ class QueryResult:
 
 @dataclass
 class _Pending:
-    image: Image.Image | None
+    image: Image.Image | Callable[[], Image.Image] | None  # an image, or a decoder run in the batch thread
     vector: np.ndarray | None
     k: int
     temperature: float | None
@@ -52,9 +52,16 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
     n = len(batch)
     out: list[QueryResult | Exception | None] = [None] * n
     vecs = np.zeros((n, snapshot.dim), dtype=np.float32)  # (B, D)
-    img_rows = [i for i, p in enumerate(batch) if p.image is not None]
-    if img_rows:
-        vecs[img_rows] = snapshot.encode([batch[i].image for i in img_rows])
+    images: dict[int, Image.Image] = {}
+    for i, p in enumerate(batch):
+        if p.image is None:
+            continue
+        try:  # decoding here saves a thread hop per request; a bad upload fails only itself
+            images[i] = p.image() if callable(p.image) else p.image
+        except Exception as err:  # noqa: BLE001 - handed back to that request's caller
+            out[i] = err
+    if images:
+        vecs[list(images)] = snapshot.encode(list(images.values()))
     for i, p in enumerate(batch):
         if p.vector is None:
             continue
@@ -69,6 +76,7 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
         else:
             vecs[i] = v
     valid = [i for i in range(n) if out[i] is None]
+    # (rows whose decode failed keep their exception; the rest share one search)
     if valid:
         k_max = max(batch[i].k for i in valid)
         answer = snapshot.search(vecs[valid], k_max, [batch[i].temperature for i in valid])
@@ -105,7 +113,9 @@ class MicroBatcher:
     def enabled(self) -> bool:
         return self.max_batch_size > 1
 
-    async def search_image(self, image: Image.Image, k: int, temperature: float | None = None) -> QueryResult:
+    async def search_image(self, image: Image.Image | Callable[[], Image.Image], k: int,
+                           temperature: float | None = None) -> QueryResult:
+        """Search with one image; `image` may be a zero-argument decoder (its errors are re-raised here)."""
         return await self._submit(_Pending(image, None, k, temperature, None))  # type: ignore[arg-type]
 
     async def search_vector(self, vector: np.ndarray, k: int, temperature: float | None = None) -> QueryResult:

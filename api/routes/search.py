@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Depends, File, Form, UploadFile
-from starlette.concurrency import run_in_threadpool
 
 from api.batching import QueryResult
 from api.deps import ApiError, BatcherDep, MetricsDep, SettingsDep, SnapshotDep, check_k, decode_image, \
@@ -41,9 +41,8 @@ async def search_image(
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     check_k(k, settings)
     data = await file.read(settings.max_upload_bytes + 1)
-    image = await run_in_threadpool(decode_image, data, settings)
-    try:
-        result = await batcher.search_image(image, k, temperature)
+    try:  # decoding runs in the batch thread (one thread hop per request, not two)
+        result = await batcher.search_image(partial(decode_image, data, settings), k, temperature)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     metrics.queries.inc(kind="image")
