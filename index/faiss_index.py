@@ -263,13 +263,14 @@ class TuneResult:
 
 
 def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
-         k: int = 10, kind: str | None = None) -> TuneResult:
+         k: int = 10, kind: str | None = None, min_gain: float = 0.002) -> TuneResult:
     """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
 
     `exact` holds the exact top-k rows of each sample query (see `exact_neighbours`).
-    The knob ends at the smallest tried value that reaches the target, or at its maximum
-    (nlist for IVF, 2048 for HNSW) with `reached=False` when it never does (IVF-PQ can
-    plateau below the target because its codes are lossy).
+    The knob ends at the smallest tried value that reaches the target. When it never does,
+    `reached=False` and the knob stops where recall has plateaued (a doubling gained less
+    than `min_gain`; IVF-PQ plateaus below 1 because its codes are lossy: more probes then
+    only cost time) or at its maximum (nlist for IVF, 2048 for HNSW).
     """
     if not 0 < target_recall <= 1:
         raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
@@ -299,6 +300,11 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
         history.append({param: value, "recall": recall, "latency_ms": ms})
         logger.debug("tune %s=%d recall@%d=%.4f %.3f ms/query", param, value, k, recall, ms)
         if recall >= target_recall or value >= limit:
+            break
+        if len(history) >= 2 and recall - history[-2]["recall"] < min_gain:
+            # plateau: keep the previous, cheaper value, which recalls as much
+            value, recall, ms = history[-2][param], history[-2]["recall"], history[-2]["latency_ms"]
+            set_search_params(index, kind, {param: value})
             break
         value = min(value * 2, limit)
     reached = recall >= target_recall

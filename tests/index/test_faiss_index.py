@@ -125,3 +125,17 @@ def test_normalise_and_exact_reference():
     x = fi.normalise(np.random.default_rng(0).standard_normal((5, 3)))
     np.testing.assert_allclose(np.linalg.norm(x, axis=1), 1, atol=1e-6)
     assert fi.recall_at_k(np.array([[1, 2, -1]]), np.array([[2, 1, 3]]), 3) == pytest.approx(2 / 3)
+
+
+def test_tune_stops_at_a_recall_plateau():
+    # 2 bytes of 4-bit PQ per vector: recall saturates far below the target; probing every
+    # list would only cost time, so tune keeps the cheapest value on the plateau.
+    db, q = unit_vectors(3000, 16, 6), unit_vectors(50, 16, 7)
+    index, _ = fi.build("ivf-pq", db, nlist=64, m=2, nbits=4)
+    _, exact = brute_force(db, q, 10)
+    result = fi.tune(index, q, exact, target_recall=0.95)
+    assert not result.reached and result.value < 64
+    last, prev = result.history[-1], result.history[-2]
+    assert last["recall"] - prev["recall"] < 0.002 and result.value == prev["nprobe"]
+    assert faiss.extract_index_ivf(index).nprobe == result.value
+    assert _recall(fi.search(index, q, 10)[1], exact) == pytest.approx(result.recall)

@@ -1,0 +1,144 @@
+"""Benchmark the index kinds on random unit vectors (dim 128) next to raw FAISS calls.
+
+For each size and kind: build time, memory (serialized index bytes), QPS at batch 1 and at
+batch 256, and recall@10 against exact search, measured once through softsearch's
+`index.faiss_index` (build + tune + search wrapper) and once through plain FAISS calls
+(index_factory, train on the same sample, add, index.search) with the same parameters.
+The ratio column is softsearch / raw; the wrapper's search overhead should stay <= 5 %.
+
+    .venv/bin/python bench/index_kinds.py              # N = 1e5 (2 shared cores: a few minutes)
+    .venv/bin/python bench/index_kinds.py --full       # adds N = 1e6
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import row, write_results  # noqa: E402
+from index import faiss_index as fi  # noqa: E402
+
+
+def unit(n: int, d: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x
+
+
+def raw_build(kind: str, params: dict, data: np.ndarray, seed: int = 0) -> faiss.Index:
+    """Plain FAISS: the same factory string, training sample and knobs softsearch uses."""
+    index = faiss.index_factory(data.shape[1], fi.factory_string(kind, params), faiss.METRIC_INNER_PRODUCT)
+    if kind == "hnsw":
+        index.hnsw.efConstruction = params["efConstruction"]
+    if not index.is_trained:
+        wanted = 256 * params["nlist"]
+        if kind == "ivf-pq":
+            wanted = max(wanted, 64 * 2 ** params["nbits"])
+        limit = min(len(data), wanted)
+        sample = data
+        if limit < len(data):
+            sample = data[np.sort(np.random.default_rng(seed).choice(len(data), size=limit, replace=False))]
+        index.train(sample)
+    index.add(data)
+    return index
+
+
+def timed(fn, repeats: int) -> float:
+    """Best wall time of `repeats` calls (other engineers share the CPU: the minimum is the signal)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_kind(kind: str, data: np.ndarray, queries: np.ndarray, exact: np.ndarray, repeats: int,
+               n_single: int) -> list[dict]:
+    n = len(data)
+    t0 = time.perf_counter()
+    ours, params = fi.build(kind, data)
+    build_s = time.perf_counter() - t0
+    tuned = fi.tune(ours, queries[:200], exact[:200], target_recall=0.95, kind=kind) if kind != "flat" else None
+    if tuned is not None:
+        params[tuned.param] = tuned.value
+    t0 = time.perf_counter()
+    raw = raw_build(kind, params, data)
+    raw_build_s = time.perf_counter() - t0
+    fi.set_search_params(raw, kind, params)
+
+    single = queries[:n_single]
+    batches = [queries[i:i + 256] for i in range(0, len(queries) - 255, 256)]
+
+    def ours_b1():
+        for q in single:
+            fi.search(ours, q[None, :], 10)
+
+    def raw_b1():
+        for q in single:
+            raw.search(q[None, :], 10)
+
+    def ours_b256():
+        for b in batches:
+            fi.search(ours, b, 10)
+
+    def raw_b256():
+        for b in batches:
+            raw.search(b, 10)
+
+    # interleave ours/raw so both see the same background load
+    t_ours_b1 = t_raw_b1 = t_ours_b256 = t_raw_b256 = float("inf")
+    for _ in range(repeats):
+        t_ours_b1 = min(t_ours_b1, timed(ours_b1, 1))
+        t_raw_b1 = min(t_raw_b1, timed(raw_b1, 1))
+        t_ours_b256 = min(t_ours_b256, timed(ours_b256, 1))
+        t_raw_b256 = min(t_raw_b256, timed(raw_b256, 1))
+    n_b256 = sum(len(b) for b in batches)
+    _, rows = fi.search(ours, queries, 10)
+    _, raw_rows = raw.search(queries, 10)
+    recall = fi.recall_at_k(rows, exact, 10)
+    raw_recall = fi.recall_at_k(raw_rows, exact, 10)
+    mem = len(faiss.serialize_index(ours))
+    raw_mem = len(faiss.serialize_index(raw))
+    tag = f"N={n} {kind}"
+    knob = "" if tuned is None else f" ({tuned.param}={tuned.value})"
+    print(f"{tag}{knob}: build {build_s:.2f}s, recall {recall:.3f}", flush=True)
+    return [
+        row(f"{tag} build_s", build_s, "s", raw_build_s),
+        row(f"{tag} memory_MB", mem / 2 ** 20, "MiB", raw_mem / 2 ** 20),
+        row(f"{tag} qps_batch1{knob}", n_single / t_ours_b1, "q/s", n_single / t_raw_b1),
+        row(f"{tag} qps_batch256{knob}", n_b256 / t_ours_b256, "q/s", n_b256 / t_raw_b256),
+        row(f"{tag} recall@10{knob}", recall, "recall", raw_recall),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[100_000], help="database sizes (default 1e5)")
+    p.add_argument("--full", action="store_true", help="also run N = 1e6 (needs minutes and ~1 GiB)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--kinds", nargs="+", default=list(fi.KINDS), choices=fi.KINDS)
+    p.add_argument("--queries", type=int, default=1024, help="queries for batch-256 QPS and recall")
+    p.add_argument("--single", type=int, default=300, help="queries for batch-1 QPS")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    sizes = sorted(set(args.sizes + ([1_000_000] if args.full else [])))
+    rows = []
+    for n in sizes:
+        data = unit(n, args.dim, seed=0)
+        queries = unit(args.queries, args.dim, seed=1)
+        _, exact = faiss.knn(queries, data, 10, metric=faiss.METRIC_INNER_PRODUCT)
+        for kind in args.kinds:
+            rows.extend(bench_kind(kind, data, queries, exact, args.repeats, args.single))
+    write_results("index_kinds", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
