@@ -150,14 +150,16 @@ def to_gpu(index: faiss.Index) -> faiss.Index:
 
 
 def _as_float32(x: np.ndarray, dim: int | None, what: str) -> np.ndarray:
-    x = np.asarray(x)
+    if not (type(x) is np.ndarray and x.dtype == np.float32 and x.flags.c_contiguous):
+        x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"{what} must be a 2-D (N, D) array, got shape {x.shape}")
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"{what} have dimension {x.shape[1]}, the index has {dim}")
-    if not np.all(np.isfinite(x)):
+    # one reduction is the cheap test (batch-1 latency); only a non-finite sum needs the full check
+    if x.size and not np.isfinite(x.sum()) and not np.isfinite(x).all():
         raise ValueError(f"{what} contain NaN or inf")
-    return np.ascontiguousarray(x, dtype=np.float32)
+    return x
 
 
 def normalise(x: np.ndarray) -> np.ndarray:
@@ -207,15 +209,15 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     possible with approximate kinds probing fewer than k items) has row -1 and score -inf,
     so callers skip rows < 0.
     """
-    if not isinstance(k, (int, np.integer)) or k < 1:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     queries = _as_float32(queries, index.d, "queries")
     k = int(min(k, index.ntotal))
     if k == 0 or queries.shape[0] == 0:
         return np.zeros((queries.shape[0], 0), np.float32), np.zeros((queries.shape[0], 0), np.int64)
     scores, rows = index.search(queries, k)
-    missing = rows < 0
-    if missing.any():
+    if rows.min() < 0:
+        missing = rows < 0
         scores = scores.copy()
         scores[missing] = -np.inf
         keep = ~missing.all(axis=0)
