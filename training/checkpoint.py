@@ -4,7 +4,8 @@
 `{"format", "version", "encoder", "step", "train_config", "lineage", "metrics"}`.
 
 `train_state.safetensors` (resume): optimizer state flattened into tensors
-(`optim.state.<param index>.<key>`), schedule state (`schedule.<name>`), RNG states as uint8
+(`optim.state.<param index>.<key>`), schedule and loss state (`schedule.<name>`, `loss.<name>`,
+e.g. a learnable temperature and WEINCE's EMA buffers), RNG states as uint8
 tensors (`rng.<name>`), and JSON metadata (param_groups, non-tensor optimizer state, step,
 numpy/python RNG states, free-form extras).
 
@@ -193,8 +194,8 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
 
 
 class TrainState(dict):
-    """What `load_train_state` returns: keys step, optimizer (a torch state_dict),
-    schedule (state_dict of tensors), rng (name -> uint8 tensor), json (extras)."""
+    """What `load_train_state` returns: keys step, optimizer (a torch state_dict), schedule and
+    loss (state_dicts of tensors), rng (name -> uint8 tensor), extra (JSON extras)."""
 
 
 def _flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -250,6 +251,7 @@ def save_train_state(
     step: int,
     optimizer: torch.optim.Optimizer,
     schedule_state: dict[str, torch.Tensor] | None = None,
+    loss_state: dict[str, torch.Tensor] | None = None,
     rng_tensors: dict[str, torch.Tensor] | None = None,
     extra_json: dict | None = None,
 ) -> Path:
@@ -262,6 +264,8 @@ def save_train_state(
     tensors, optim_info = _flatten_optimizer(optimizer.state_dict())
     for key, value in (schedule_state or {}).items():
         tensors[f"schedule.{key}"] = value
+    for key, value in (loss_state or {}).items():  # e.g. WEINCE's EMA buffers
+        tensors[f"loss.{key}"] = value
     for key, value in (rng_tensors or {}).items():
         if value.dtype != torch.uint8:
             raise ValueError(f"RNG state {key!r} must be a uint8 tensor, got {value.dtype}")
@@ -278,7 +282,7 @@ def save_train_state(
 
 
 def load_train_state(path: str | os.PathLike) -> TrainState:
-    """Inverse of `save_train_state`: {step, optimizer, schedule, rng, extra}."""
+    """Inverse of `save_train_state`: {step, optimizer, schedule, loss, rng, extra}."""
     path = Path(path)
     meta = _read_metadata(path, TRAIN_STATE_FORMAT)
     tensors = _load_tensors(path)
@@ -286,6 +290,7 @@ def load_train_state(path: str | os.PathLike) -> TrainState:
         step=int(meta["step"]),
         optimizer=_unflatten_optimizer(tensors, meta["optimizer"]),
         schedule={k[len("schedule."):]: v for k, v in tensors.items() if k.startswith("schedule.")},
+        loss={k[len("loss."):]: v for k, v in tensors.items() if k.startswith("loss.")},
         rng={k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")},
         extra=meta.get("extra", {}),
     )

@@ -298,7 +298,8 @@ def _save(run: _Run, step: int, metrics: dict, path_name: str = CHECKPOINT_NAME,
         if with_state:
             rng_tensors, rng_json = _rng_snapshot(run)
             save_train_state(run.out / STATE_NAME, step=step, optimizer=run.optimizer,
-                             schedule_state=run.schedule.state_dict(), rng_tensors=rng_tensors,
+                             schedule_state=run.schedule.state_dict(), loss_state=run.loss_fn.state_dict(),
+                             rng_tensors=rng_tensors,
                              extra_json={**rng_json, "train_config_hash": run.lineage["train_config_hash"],
                                          "checkpoint": path_name})
     barrier(run.info)
@@ -332,6 +333,8 @@ def _resume(run: _Run) -> int:
     run.optimizer.load_state_dict(state["optimizer"])
     if state["schedule"]:
         run.schedule.load_state_dict({k: v.to(run.info.device) for k, v in state["schedule"].items()})
+    if state["loss"]:
+        run.loss_fn.load_state_dict({k: v.to(run.info.device) for k, v in state["loss"].items()})
     _rng_restore(run, state["rng"], state["extra"])
     # Drop metric lines from steps after the checkpoint (a crash can leave some behind).
     metrics_path = run.out / METRICS_NAME

@@ -115,8 +115,8 @@ def _state(path):
 @pytest.mark.parametrize(
     "extra",
     [[], ["schedule=\"learnable\"", "schedule_options={tau = 0.2}", "noise_schedule=\"fixed\"",
-          "noise_options={tau = 1e-4}", "num_workers=1"]],
-    ids=["fixed", "learnable+langevin+prefetch"],
+          "noise_options={tau = 1e-4}", "num_workers=1", "loss=\"weince\""]],
+    ids=["infonce-fixed", "weince-learnable-langevin-prefetch"],
 )
 def test_resume_equals_straight_run(tmp_path, extra):
     """10 steps straight == 5 steps, stop, --resume to 10 (bitwise on CPU)."""
@@ -141,6 +141,9 @@ def test_resume_equals_straight_run(tmp_path, extra):
         sa = load_train_state(tmp_path / "a" / "train_state.safetensors")["schedule"]
         sb = load_train_state(tmp_path / "b" / "train_state.safetensors")["schedule"]
         assert torch.allclose(sa["logit_scale"], sb["logit_scale"], atol=1e-6)
+        la_state = load_train_state(tmp_path / "b" / "train_state.safetensors")["loss"]
+        assert set(la_state) >= {"rho0_ema", "beta_ema"}  # WEINCE's EMA buffers are resumed too
+        assert "weince_lambda_mean" in la[0] and "weince_rho0" in la[0]  # the loss stats are logged
 
 
 def test_resume_errors(tmp_path):
