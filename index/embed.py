@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -75,8 +74,12 @@ def prepare_cache(cache_dir: str | os.PathLike, key: str, indices: np.ndarray, s
         except (FileNotFoundError, json.JSONDecodeError):
             old = None
         if old != config:
-            logger.warning("embedding cache %s belongs to another job; starting over", cache_dir)
-            shutil.rmtree(cache_dir)
+            if old is not None:
+                logger.warning("embedding cache %s belongs to another job; starting over", cache_dir)
+            # remove only what this module writes: the directory may be a caller's
+            for path in [*cache_dir.glob("shard_*.npy"), *cache_dir.glob("shard_*.json"),
+                         cache_dir / "indices.npy", cfg_path]:
+                path.unlink(missing_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if not cfg_path.exists():
         atomic_write_text(cfg_path, json.dumps(config) + "\n")

@@ -1,0 +1,80 @@
+"""Embedding throughput: index.embed (DataLoader, skip handling, resumable shards) vs a plain loop.
+
+The plain loop is the least a caller could write: `encoder(dataset.tensors(batch))` under
+`torch.inference_mode()` over the same items with the same batch size and model. The ratio
+column is images/s of index.embed over the loop's (1.0 = no overhead from sharding, skip
+checks and shard writes).
+
+    .venv/bin/python bench/embed.py [--size 2048] [--batch-size 256] [--workers 0 1]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, bench/ would be sys.path[0] and its modules (bench/http.py) would shadow the
+# standard library; import from the repository root instead.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
+sys.path.insert(0, str(_ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+from bench._common import row, write_results  # noqa: E402
+from index.embed import embed_dataset  # noqa: E402
+from training.datasets import create_dataset  # noqa: E402
+from training.encoder import EncoderConfig, create_encoder  # noqa: E402
+
+
+def plain_loop(encoder, dataset, batch_size: int) -> np.ndarray:
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(dataset), batch_size):
+            idx = np.arange(start, min(start + batch_size, len(dataset)))
+            out.append(encoder(dataset.tensors(idx)).numpy())
+    return np.concatenate(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=2048, help="synthetic images to embed")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--shard-size", type=int, default=8192)
+    p.add_argument("--workers", type=int, nargs="+", default=[0, 1], help="DataLoader num_workers values")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--width", type=int, default=64, help="encoder width (default: the EncoderConfig default)")
+    p.add_argument("--layers", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    encoder = create_encoder(EncoderConfig(width=args.width, layers=args.layers)).eval()
+    dataset = create_dataset("synthetic", split="train", size=args.size, seed=0)
+    n = len(dataset)
+
+    best_plain, ref = float("inf"), None
+    best = {w: float("inf") for w in args.workers}
+    for _ in range(args.repeats):           # interleave so both see the same background load
+        t0 = time.perf_counter()
+        ref = plain_loop(encoder, dataset, args.batch_size)
+        best_plain = min(best_plain, time.perf_counter() - t0)
+        for w in args.workers:
+            with tempfile.TemporaryDirectory() as tmp:   # fresh cache: no resumed shards
+                t0 = time.perf_counter()
+                res = embed_dataset(encoder, dataset, tmp, key="bench", shard_size=args.shard_size,
+                                    batch_size=args.batch_size, num_workers=w, progress=False)
+                best[w] = min(best[w], time.perf_counter() - t0)
+            # same numbers as the plain loop, or the comparison is meaningless
+            assert np.allclose(res.embeddings, ref, atol=1e-5), "index.embed disagrees with the plain loop"
+    rows = [row(f"plain loop b{args.batch_size}", n / best_plain, "img/s", None)]
+    for w in args.workers:
+        rows.append(row(f"index.embed b{args.batch_size} workers={w}", n / best[w], "img/s", n / best_plain))
+    write_results("embed", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
