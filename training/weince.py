@@ -51,7 +51,7 @@ class TailFit(NamedTuple):
     n: int                      # points used per row
 
 
-def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6) -> TailFit:
+def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6, presorted: bool = False) -> TailFit:
     """Fit Weibull and Gumbel tails to each row of ``shortfalls`` (..., m), vectorised.
 
     Rows are sorted ascending; the k-th smallest gets F = k / (m + 1) (the normalisation only
@@ -63,7 +63,7 @@ def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6) -> Tail
     work = shortfalls.detach()
     if work.dtype not in (torch.float32, torch.float64):
         work = work.float()
-    d, _ = work.sort(dim=-1)  # (..., m) ascending
+    d = work if presorted else work.sort(dim=-1).values  # (..., m) ascending
     m = d.shape[-1]
     k = torch.arange(1, m + 1, device=d.device, dtype=d.dtype)
     y = torch.log(k / (m + 1))[burn:]  # (n,) log empirical CDF
@@ -98,8 +98,9 @@ def fit_tail(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6) -> tupl
 def weince_logits(sim: torch.Tensor, lam: torch.Tensor, beta: torch.Tensor, temperature,
                   eps: float = 1e-6) -> torch.Tensor:
     """l_ij = (1 - lam_i) s_ij / tau + lam_i beta_i (-log(1 - min(s_ij, 1 - eps))); sim (A, C), lam/beta (A,)."""
-    weibit = -torch.log1p(-sim.clamp(max=1.0 - eps))  # (A, C) shortfall coordinate -log delta
-    return (1.0 - lam)[:, None] * (sim / temperature) + (lam * beta)[:, None] * weibit  # (A, C)
+    weibit = torch.log1p(-sim.clamp(max=1.0 - eps))  # (A, C) log delta (the Weibull coordinate, negated)
+    # two fused passes over (A, C): sim * ((1 - lam)/tau) - (lam beta) * log delta
+    return torch.addcmul(sim * ((1.0 - lam) / temperature)[:, None], weibit, -(lam * beta)[:, None])
 
 
 @register_loss("weince")
@@ -187,9 +188,11 @@ class WEINCELoss(ContrastiveLoss):
         s = sim.detach()
         if s.dtype not in (torch.float32, torch.float64):
             s = s.float()
-        neg = s.scatter(1, pos_index[:, None], float("-inf"))  # (A, C) negatives only
+        rows = torch.arange(A, device=s.device)
+        neg = s.clone()  # (A, C) negatives only
+        neg[rows, pos_index] = float("-inf")
         if self_index is not None:
-            neg = neg.scatter(1, self_index[:, None], float("-inf"))
+            neg[rows, self_index] = float("-inf")
         negatives = C - 1 - (self_index is not None)
         if negatives < 4:
             raise ValueError(f"WEINCE needs at least 4 negatives per anchor, got {negatives}")
@@ -197,7 +200,7 @@ class WEINCELoss(ContrastiveLoss):
         top = neg.topk(m, dim=1).values  # (A, m) hardest negatives, descending s
         delta = 1.0 - top  # (A, m) ascending shortfalls
         rho = delta[:, 0].clamp_min(self.eps)  # (A,) cap proximity
-        fit = tail_fit(delta, burn=burn, eps=self.eps)
+        fit = tail_fit(delta, burn=burn, eps=self.eps, presorted=True)
         rho0 = self._update_ema(self.rho0_ema, torch.quantile(gather(rho).double(), self.quantile))
         log_rho0 = torch.log(rho0.clamp_min(self.eps)).to(s.dtype)
         lam_rho = torch.sigmoid(self.kappa_rho * (log_rho0 - torch.log(rho)))  # (A,)
@@ -227,8 +230,8 @@ class WEINCELoss(ContrastiveLoss):
         """WEINCE cross-entropy averaged over the local anchors; sim (A, C) cosine, pos/self (A,)."""
         lam, beta, stats = self.gates(sim, pos_index, self_index, gather)
         logits = weince_logits(sim, lam, beta, temperature, self.eps)  # (A, C)
-        if self_index is not None:
-            logits = logits.scatter(1, self_index[:, None], float("-inf"))
+        if self_index is not None:  # in place: addcmul's backward does not need its output
+            logits[torch.arange(logits.shape[0], device=logits.device), self_index] = float("-inf")
         loss = F.cross_entropy(logits, pos_index)  # mean over local anchors, as InfoNCELoss
         with torch.no_grad():
             rows = torch.arange(sim.shape[0], device=sim.device)
