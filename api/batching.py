@@ -4,7 +4,9 @@ Requests go into an asyncio queue; one worker task takes the first waiting reque
 to `max_wait_ms` for up to `max_batch_size - 1` more, and runs the batch in a dedicated
 thread (so the event loop stays free): one snapshot of the searcher, one `encode` of all
 images, one `search` with the largest k, then each request gets its own top-k prefix.
-While a batch runs, new requests queue up, so under load batches fill by themselves.
+While a batch runs, new requests queue up, so under load batches fill by themselves; with
+`max_wait_ms == 0` (the default) that adaptive batching is all there is, and a lone query
+never waits.
 `max_batch_size == 1` disables batching: each query runs directly in the thread pool.
 """
 from __future__ import annotations
@@ -90,7 +92,7 @@ class MicroBatcher:
     """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
 
     def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
-                 max_wait_ms: float = 2.0, metrics: Registry | None = None):
+                 max_wait_ms: float = 0.0, metrics: Registry | None = None):
         """`searcher` may be a callable returning the current Searcher (the app swaps it on reload)."""
         assert max_batch_size >= 1 and max_wait_ms >= 0, "bad batching settings"
         self._source = searcher

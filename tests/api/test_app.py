@@ -332,6 +332,11 @@ def test_concurrent_requests_are_batched_and_equal_unbatched(make_client, api_da
     m = _parse_metrics(client.get("/metrics").text)
     count, total = m[("softsearch_batch_size_count", frozenset())], m[("softsearch_batch_size_sum", frozenset())]
     assert total == 12 and count < 12  # fewer encoder calls than queries
+    # a bad upload in a batch fails alone
+    mixed = datas[:5] + [b"not an image at all"] + datas[5:10]
+    with ThreadPoolExecutor(11) as pool:
+        codes = [r.status_code for r in pool.map(lambda d: _post_image(client, d, k=5), mixed)]
+    assert codes == [200] * 5 + [400] + [200] * 5
     # same answers without batching
     plain = make_client(batch_max_size=1)
     for d, r in zip(datas, responses):

@@ -63,8 +63,8 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
             sample = driver.find_elements(By.CSS_SELECTOR, "#samples img.sample")[0]
             picked = sample.get_attribute("data-id")
             sample.click()
-            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#results .result")[0].get_attribute("data-id")
-                       == picked)
+            first_id = "const c = document.querySelector('#results .result'); return c && c.dataset.id;"
+            wait.until(lambda d: d.execute_script(first_id) == picked)  # JS: no stale element races
             driver.save_screenshot(str(tmp_path / "web_page.png"))
         finally:
             driver.quit()

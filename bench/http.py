@@ -1,0 +1,215 @@
+"""Benchmark the HTTP service: QPS and p50/p99 latency of POST /v1/search (image upload) at 1, 8
+and 32 concurrent clients, with and without micro-batching, against the in-process
+encode + search loop (one image per call, no HTTP) as the baseline.
+
+The server is `softsearch serve` in a subprocess on 127.0.0.1 (torch threads 1 in both the
+server and the baseline); clients are threads in this process, so on a small machine they
+compete with the server for the same cores; the report states the machine.
+
+    .venv/bin/python bench/http.py                       # builds a synthetic index (2000 items)
+    .venv/bin/python bench/http.py --index ROOT --duration 10
+"""
+from __future__ import annotations
+
+# This file is named http.py: drop its own folder from sys.path before anything imports the
+# standard library's `http` package, and put the repository root there instead.
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+import argparse  # noqa: E402
+import io  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench._common import row, write_results  # noqa: E402
+
+logger = logging.getLogger("bench.http")
+ROOT = Path(_HERE).parent
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of a sorted list."""
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))]
+
+
+def build_bench_index(workdir: Path, size: int) -> Path:
+    """A synthetic index built with the default (untrained, seeded) encoder configuration."""
+    from index.build import build_index
+    from training.checkpoint import save_checkpoint
+    from training.datasets import create_dataset
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.manual_seed(0)
+    ck = save_checkpoint(workdir / "encoder.safetensors", create_encoder(EncoderConfig()), step=0,
+                         train_config={"bench": "http"}, lineage={"objective": "untrained", "temperature": 0.1})
+    root = workdir / "index"
+    build_index(ck, create_dataset("synthetic", split="train", size=size, seed=0), root, progress=False)
+    return root
+
+
+def query_payloads(n: int = 32) -> list[bytes]:
+    from training.datasets import create_dataset
+
+    ds = create_dataset("synthetic", split="test", size=n, seed=0)
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        ds.image(i).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def in_process_baseline(root: Path, payloads: list[bytes], duration: float) -> dict:
+    """One query at a time: decode PNG, encode, exact search + softmax, no HTTP, one thread."""
+    from PIL import Image
+
+    from search.searcher import Searcher
+
+    searcher = Searcher(root, load=True)
+    lat: list[float] = []
+    stop = time.perf_counter() + duration
+    i = 0
+    while time.perf_counter() < stop:
+        t0 = time.perf_counter()
+        image = Image.open(io.BytesIO(payloads[i % len(payloads)])).convert("RGB")
+        searcher.search_images([image], k=10)
+        lat.append(time.perf_counter() - t0)
+        i += 1
+    lat.sort()
+    return {"qps": len(lat) / sum(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat)}
+
+
+def run_load(url: str, clients: int, duration: float, payloads: list[bytes]) -> dict:
+    """`clients` threads POST random query images for `duration` seconds."""
+    lat: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    start = time.perf_counter()
+    stop_at = start + duration
+
+    def worker(seed: int) -> None:
+        nonlocal errors
+        rng = np.random.default_rng(seed)
+        with httpx.Client(base_url=url, timeout=120) as http:
+            while time.perf_counter() < stop_at:
+                data = payloads[int(rng.integers(len(payloads)))]
+                t0 = time.perf_counter()
+                try:
+                    ok = http.post("/v1/search", files={"file": ("q.png", data, "image/png")},
+                                   data={"k": "10"}).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                    errors += 0 if ok else 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    lat.sort()
+    return {"qps": len(lat) / elapsed, "p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat),
+            "errors": errors}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m api.server` in a subprocess until it answers /readyz."""
+
+    def __init__(self, root: Path, batch_max_size: int, batch_max_wait_ms: float):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "api.server", "--index", str(root), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-level", "warning", "--torch-threads", "1",
+                    "--batch-max-size", str(batch_max_size), "--batch-max-wait-ms", str(batch_max_wait_ms)]
+
+    def __enter__(self) -> "Server":
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("server did not become ready in 120 s")
+
+    def batch_mean(self) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        vals = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith(("softsearch_batch_size_sum", "softsearch_batch_size_count"))}
+        return vals["softsearch_batch_size_sum"] / max(vals["softsearch_batch_size_count"], 1)
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+#: (label, batch max size, batch max wait ms) of the served configurations
+CONFIGS = (("batched", 32, 0.0), ("batched-wait2ms", 32, 2.0), ("unbatched", 1, 0.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--index", type=Path, help="existing index root (default: build a synthetic one)")
+    p.add_argument("--size", type=int, default=2000, help="items in the built index")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per measurement")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)  # same as the server, so the baseline is comparable
+
+    with tempfile.TemporaryDirectory(prefix="bench_http_") as tmp:
+        root = args.index or build_bench_index(Path(tmp), args.size)
+        payloads = query_payloads()
+        base = in_process_baseline(root, payloads, args.duration)
+        rows = [row("in-process encode+search qps (1 thread)", base["qps"], "req/s", None),
+                row("in-process p50", base["p50"] * 1e3, "ms", None),
+                row("in-process p99", base["p99"] * 1e3, "ms", None)]
+        for label, size, wait in CONFIGS:
+            with Server(root, size, wait) as server:
+                run_load(server.url, 4, 1.0, payloads)  # warm-up
+                for c in args.clients:
+                    res = run_load(server.url, c, args.duration, payloads)
+                    case = f"http {label} c={c}"
+                    rows += [row(f"{case} qps", res["qps"], "req/s", base["qps"]),
+                             row(f"{case} p50", res["p50"] * 1e3, "ms", base["p50"] * 1e3),
+                             row(f"{case} p99", res["p99"] * 1e3, "ms", base["p99"] * 1e3),
+                             row(f"{case} errors", res["errors"], "count", None)]
+                rows.append(row(f"http {label} mean batch size", server.batch_mean(), "queries", None))
+    write_results("http", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
