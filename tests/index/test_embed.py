@@ -1,0 +1,86 @@
+"""index/embed.py: shards, skipping unreadable items, resume bookkeeping."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from index.embed import collect_shards, dist_env, embed_dataset, prepare_cache
+from training.datasets import create_dataset
+from training.encoder import EncoderConfig, create_encoder, embed
+
+BAD = {3, 17, 18, 40}
+
+
+class Flaky(torch.utils.data.Dataset):
+    """A synthetic dataset whose items in BAD raise like a corrupt file would (picklable for workers)."""
+
+    def __init__(self, base):
+        self.base, self.image_size = base, base.image_size
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i in BAD:
+            raise OSError(f"image file is truncated ({i})")
+        return self.base[i]
+
+    def tensors(self, idx):
+        if BAD & set(int(i) for i in idx):
+            raise OSError("a bad file in this batch")
+        return self.base.tensors(idx)
+
+    def item_id(self, i):
+        return f"flaky/{i}"
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    torch.manual_seed(0)
+    return create_encoder(EncoderConfig(width=32, layers=1, heads=2, embed_dim=16, patch_size=8)).eval()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_skips_bad_items_and_writes_shards(tmp_path, encoder, workers):
+    base = create_dataset("synthetic", size=45, seed=0)
+    res = embed_dataset(encoder, Flaky(base), tmp_path, key="k", shard_size=10, batch_size=8,
+                        num_workers=workers, progress=False)
+    good = np.array([i for i in range(45) if i not in BAD])
+    np.testing.assert_array_equal(res.rows, good)
+    ref = embed(encoder, base.tensors(good), progress=False)
+    np.testing.assert_allclose(res.embeddings, ref, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(res.embeddings, axis=1), 1, atol=1e-6)
+    assert sorted(s["index"] for s in res.skipped) == sorted(BAD)
+    assert all("truncated" in s["error"] and s["id"] == f"flaky/{s['index']}" for s in res.skipped)
+    assert sorted(p.name for p in tmp_path.glob("shard_*.npy")) == [f"shard_{s:05d}.npy" for s in range(5)]
+    meta = json.loads((tmp_path / "shard_00001.json").read_text())
+    assert meta["rows"] == [10, 11, 12, 13, 14, 15, 16, 19] and len(meta["skipped"]) == 2
+    # a second run finds every shard complete and reads the same result without embedding
+    again = embed_dataset(encoder, Flaky(base), tmp_path, key="k", shard_size=10, batch_size=8, progress=False)
+    assert again.resumed_shards == 5
+    np.testing.assert_array_equal(again.embeddings, res.embeddings)
+
+
+def test_changed_job_starts_over(tmp_path, encoder):
+    base = create_dataset("synthetic", size=12, seed=0)
+    embed_dataset(encoder, base, tmp_path, key="a", shard_size=5, progress=False)
+    assert prepare_cache(tmp_path, "a", np.arange(12), 5) == 3
+    assert prepare_cache(tmp_path, "b", np.arange(12), 5) == 0           # other key: old shards dropped
+    assert list(tmp_path.glob("shard_*")) == []
+    with pytest.raises(RuntimeError, match="missing"):
+        collect_shards(tmp_path, np.arange(12), 5, 16)
+
+
+def test_bad_arguments_and_env(tmp_path, encoder, monkeypatch):
+    base = create_dataset("synthetic", size=4, seed=0)
+    with pytest.raises(ValueError, match="shard_size"):
+        embed_dataset(encoder, base, tmp_path, shard_size=0)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert dist_env()[:2] == (1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match="WORLD_SIZE"):
+        dist_env()
