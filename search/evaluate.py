@@ -194,7 +194,16 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int
         spec = {"name": cfg.queries_dataset, "split": cfg.queries_split, "root": cfg.queries_root,
                 "size": cfg.queries_size, "seed": getattr(ds0, "seed", 0)}
     if queries is None:
-        qds = create_dataset(**spec)
+        try:
+            qds = create_dataset(**spec)
+        except ValueError as err:
+            if cfg.queries_dataset is not None:
+                raise
+            # e.g. a folder dataset has only the split "all": query with the database items themselves
+            logger.warning("no held-out %r split for %s (%s): using the database items as queries",
+                           cfg.queries_split, ds0.name, err)
+            notes.append(f"no held-out split {cfg.queries_split!r}: the queries are database items")
+            qds = ds0
     same = [s for s, ds in enumerate(db_datasets) if ds.fingerprint() == qds.fingerprint()]
     q_idx = np.sort(rng.choice(len(qds), min(cfg.max_queries, len(qds)), replace=False))
     exclude = None

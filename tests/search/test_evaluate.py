@@ -113,3 +113,31 @@ def test_eval_bad_input(ckpts, tmp_path):
         main(["--checkpoint", str(tmp_path / "missing.safetensors"), "--dataset", "synthetic", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="--index"):
         main(["--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
+    """A folder without a test/ split: queries are database items, their own rows excluded."""
+    from PIL import Image
+
+    from search.metrics import knn_search, relevance, recall_at_k
+
+    a, _ = ckpts
+    rng = np.random.default_rng(0)
+    for c in ("cats", "dogs"):
+        (tmp_path / "img" / c).mkdir(parents=True)
+        for i in range(12):
+            px = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8) // (2 if c == "cats" else 1)
+            Image.fromarray(px).save(tmp_path / "img" / c / f"{i}.png")
+    out = tmp_path / "rep"
+    assert main(["--checkpoint", str(a), "--dataset", "folder", "--data-root", str(tmp_path / "img"),
+                 "--out", str(out), "--n-boot", "20", "--no-k-law"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["queries"]["same_as_database"] and rep["generator"]["name"] == "label"
+    enc, _ = load_checkpoint(a)
+    ds = create_dataset("folder", "all", root=str(tmp_path / "img"))
+    z = embed(enc, ds, progress=False)
+    _, nbr = knn_search(z, z, 10, exclude=np.arange(len(ds)))
+    assert not np.any(nbr == np.arange(len(ds))[:, None])
+    rec = recall_at_k(relevance(nbr, ds.labels, ds.labels), 10).mean()
+    assert rep["metrics"]["recall@10"]["mean"] == pytest.approx(rec)
