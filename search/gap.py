@@ -95,6 +95,24 @@ def _latent_kappa(generator) -> float | None:
     return None
 
 
+RESIDENT_BYTES = 4 << 30  # keep a whole float32 operand on the device when it is at most this big
+
+
+class _Rows:
+    """Row blocks of a float32 matrix on `dev`: uploaded once when it fits in RESIDENT_BYTES
+    (zero-copy on CPU), otherwise block by block (databases larger than device memory)."""
+
+    def __init__(self, x: np.ndarray, dev: torch.device):
+        self.x, self.dev = x, dev
+        self.t = (torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=dev)
+                  if x.shape[0] * x.shape[1] * 4 <= RESIDENT_BYTES else None)
+
+    def __getitem__(self, sl: slice) -> torch.Tensor:
+        if self.t is not None:
+            return self.t[sl]
+        return torch.as_tensor(np.ascontiguousarray(self.x[sl], dtype=np.float32), device=self.dev)
+
+
 def _rows_without_support(log_z_q: np.ndarray, offset: int) -> None:
     bad = np.flatnonzero(~np.isfinite(log_z_q))
     if bad.size:
@@ -135,12 +153,13 @@ def _log_partition(zq, zn, temperature, block_q, block_n, dev) -> np.ndarray:
     """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles."""
     out = np.empty(zq.shape[0], dtype=np.float64)
     inv_tau = 1.0 / temperature
+    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
     for q0 in range(0, zq.shape[0], block_q):
-        xq = torch.as_tensor(zq[q0 : q0 + block_q], dtype=torch.float32, device=dev) * inv_tau  # (bq, D) z/tau
+        xq = rq[q0 : q0 + block_q] * inv_tau  # (bq, D) z/tau
         m = torch.full((xq.shape[0],), -math.inf, dtype=torch.float64, device=dev)
         acc = torch.zeros(xq.shape[0], dtype=torch.float64, device=dev)
         for n0 in range(0, zn.shape[0], block_n):
-            xn = torch.as_tensor(zn[n0 : n0 + block_n], dtype=torch.float32, device=dev)
+            xn = rn[n0 : n0 + block_n]
             lp = xq @ xn.T  # (bq, bn) fp32 logits s/tau
             new_m = torch.maximum(m, lp.amax(dim=1).double())
             acc = acc * torch.exp(m - new_m) + torch.exp(lp - new_m.float()[:, None]).sum(1).double()
@@ -176,13 +195,16 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         un_all = _oracle(db_meta)
 
     inv_tau = 1.0 / temperature
+    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    if kappa is not None:
+        ruq, run = _Rows(uq_all, dev), _Rows(un_all, dev)
     nq = zq.shape[0]
     ce = np.empty(nq, dtype=np.float64)
     h = np.empty(nq, dtype=np.float64)
     for q0 in range(0, nq, block_q):
         q1 = min(q0 + block_q, nq)
         bq = q1 - q0
-        xq = torch.as_tensor(zq[q0:q1], dtype=torch.float32, device=dev) * inv_tau  # (bq, D) z/tau
+        xq = rq[q0:q1] * inv_tau  # (bq, D) z/tau
         f64 = dict(dtype=torch.float64, device=dev)
         mp = torch.full((bq,), -math.inf, **f64)  # running max of s/tau
         sp = torch.zeros(bq, **f64)               # sum exp(s/tau - mp)
@@ -191,10 +213,10 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         a = torch.zeros(bq, **f64)                # A = sum exp(log r - mq) * s/tau
         b = torch.zeros(bq, **f64)                # B = sum exp(log r - mq) * log r
         if kappa is not None:
-            uq = torch.as_tensor(uq_all[q0:q1], dtype=torch.float32, device=dev)
+            uq = ruq[q0:q1]
         for n0 in range(0, zn.shape[0], block_n):
             n1 = min(n0 + block_n, zn.shape[0])
-            xn = torch.as_tensor(zn[n0:n1], dtype=torch.float32, device=dev)
+            xn = rn[n0:n1]
             lp = xq @ xn.T  # (bq, bn) fp32 logits s/tau
             # learned side: online logsumexp (tile sums in fp32, running sums in float64)
             new = torch.maximum(mp, lp.amax(dim=1).double())
@@ -202,7 +224,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
             mp = new
             # ideal side: log r tile (bq, bn)
             if kappa is not None:
-                un = torch.as_tensor(un_all[n0:n1], dtype=torch.float32, device=dev)
+                un = run[n0:n1]
                 lr = uq @ un.T
                 has_zero_r = False
             else:

@@ -18,6 +18,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from search.gap import _Rows
+
 logger = logging.getLogger(__name__)
 
 Predicate = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -48,16 +50,17 @@ def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65
         if exclude.shape != (zq.shape[0],):
             raise ValueError(f"exclude has shape {exclude.shape}, expected ({zq.shape[0]},)")
     dev = _device(device)
+    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
     scores = np.empty((zq.shape[0], k), dtype=np.float32)
     rows = np.empty((zq.shape[0], k), dtype=np.int64)
     for q0 in range(0, zq.shape[0], block_q):
-        xq = torch.as_tensor(zq[q0 : q0 + block_q], device=dev)
+        xq = rq[q0 : q0 + block_q]
         bq = xq.shape[0]
         best_s = torch.full((bq, 0), -math.inf, device=dev)
         best_i = torch.zeros((bq, 0), dtype=torch.int64, device=dev)
         ex = None if exclude is None else torch.as_tensor(exclude[q0 : q0 + bq], device=dev)
         for n0 in range(0, zn.shape[0], block_n):
-            xn = torch.as_tensor(zn[n0 : n0 + block_n], device=dev)
+            xn = rn[n0 : n0 + block_n]
             s = xq @ xn.T  # (bq, bn)
             if ex is not None:
                 local = ex - n0
