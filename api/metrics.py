@@ -188,6 +188,18 @@ class Registry:
         return "\n".join(lines) + "\n"
 
 
+def _route_label(scope: Scope) -> str:
+    """Route template for FastAPI routes; fixed labels for plain Starlette routes and the static mount."""
+    route = scope.get("route")
+    template = getattr(route, "path_format", None) or getattr(route, "path", None)
+    if template:
+        return template
+    if "endpoint" in scope:  # matched a Starlette route (/openapi.json, /docs) or the /static mount
+        path = scope.get("path", "")
+        return "/static" if path.startswith("/static") else path
+    return "unmatched"
+
+
 class MetricsMiddleware:
     """ASGI middleware: count and time every HTTP request by its route template.
 
@@ -213,8 +225,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            route = scope.get("route")
-            template = getattr(route, "path_format", None) or getattr(route, "path", None) or "unmatched"
+            template = _route_label(scope)
             method = scope.get("method", "GET")
             self.registry.requests.inc(route=template, method=method, status=str(status["code"]))
             self.registry.latency.observe(time.perf_counter() - start, route=template, method=method)

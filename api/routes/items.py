@@ -6,7 +6,7 @@ import random
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -59,7 +59,7 @@ async def item_thumbnail(item_id: str, snapshot: SnapshotDep) -> Response:
 
 
 @router.get("/{item_id:path}", response_model=ItemOut, responses=ERROR_RESPONSES)
-def item_metadata(item_id: str, snapshot: SnapshotDep, request: Request) -> ItemOut:
+def item_metadata(item_id: str, snapshot: SnapshotDep) -> ItemOut:
     """Metadata of one indexed item."""
     try:
         info = snapshot.item(item_id)
