@@ -109,3 +109,23 @@ def test_project_generators_streaming_matches_dense(name):
     ref = softmax_gap_dense(zq, zd, qm, dm, gen, 0.1)
     _assert_close(softmax_gap(zq, zd, qm, dm, gen, 0.1, block_q=8, block_n=40), ref)
     assert ref.summary()["generator"] == name
+
+
+def test_generic_path_only_sees_tiles():
+    """The generic path asks the generator for (block_q, block_n) tiles only, never the Q x N block."""
+
+    class Spy(GenericLatent):
+        shapes = []
+
+        def log_ratio(self, qm, dm):
+            self.shapes.append((len(qm), len(dm)))
+            return super().log_ratio(qm, dm)
+
+    gen = Spy(1.5)
+    qm, dm = RNG.uniform(0, 2 * np.pi, (23, 2)), RNG.uniform(0, 2 * np.pi, (101, 2))
+    zq, zd = unit(RNG.normal(size=(23, 4))), unit(RNG.normal(size=(101, 4)))
+    res = softmax_gap(zq, zd, qm, dm, gen, 0.2, block_q=10, block_n=30)
+    assert max(a for a, _ in gen.shapes) <= 10 and max(b for _, b in gen.shapes) <= 30
+    assert sum(a * b for a, b in gen.shapes) == 23 * 101  # every pair exactly once
+    gen.shapes.clear()
+    _assert_close(res, softmax_gap_dense(zq, zd, qm, dm, gen, 0.2))
