@@ -231,6 +231,9 @@ def summary_table(report: dict) -> str:
         lines.append(f"  {name:<18} {m:8.4f}  [{lo:.4f}, {hi:.4f}]")
     for label, tau, ce, ce_se, h, kl, kl_se in gap_rows(report.get("gap", {})):
         lines.append(f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}")
+    cal = (report.get("calibration") or {}).get("temperature")
+    if cal is not None:
+        lines.append(f"  calibrated tau* = {cal:.4g}; to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}")
     if report.get("compare"):
         lines.append("  before/after (this vs compared):")
         for n, r in report["compare"]["rows"].items():
