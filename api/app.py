@@ -167,7 +167,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    # outermost first at request time: metrics sees every request, including 413 and 429
+    # add_middleware wraps: the last added (metrics) is outermost, so it also counts 413s and 429s
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
