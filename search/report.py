@@ -49,7 +49,7 @@ def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40)
         ax.set_title(title, fontsize=8)
         ax.set_xlabel(f"top {order.size} items by q")
     axes[0][0].set_ylabel("probability")
-    axes[0][0].legend(fontsize=7)
+    axes[0][0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     return _png(fig)
 
