@@ -20,10 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# bench/ holds scripts named like stdlib modules (http.py): import from the repository root only
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_HERE.parent))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from bench._common import row, write_results  # noqa: E402
 
