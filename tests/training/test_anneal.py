@@ -67,7 +67,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     data = json.loads((tmp_path / "anneal.json").read_text())
     assert [r["schedule"] for r in data["results"]] == ["log", "none"]
     assert (tmp_path / "anneal.png").stat().st_size > 1000
-    assert "global basin" in capsys.readouterr().out
+    assert "runs in global basin" in capsys.readouterr().out
 
 
 def test_bad_schedule_name():
