@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # `torchrun --nproc-per-node N -m training.trainer --config ...`
+if __name__ == "__main__":  # `python -m training.trainer ...` == `softsearch train ...`
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         sys.exit(main())

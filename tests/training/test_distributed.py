@@ -14,12 +14,10 @@ import torch
 import torch.multiprocessing as mp
 
 from training.distributed import DistInfo, average_gradients, init_distributed, shutdown_distributed
-from training.encoder import EncoderConfig, create_encoder
 from training.losses import available_losses, create_loss
 from training.trainer import contrastive_step
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = EncoderConfig(width=16, layers=1, heads=2, patch_size=8, mlp_ratio=1.0, embed_dim=8)
 N_PAIRS, WORLD = 8, 2
 
 
@@ -37,9 +35,22 @@ def _batch():
             torch.randn(shape, generator=g, dtype=torch.float64))
 
 
+class _SmallEncoder(torch.nn.Module):
+    """A stand-in for the ViT: the DDP identity is model-agnostic, and this keeps the spawned
+    processes from importing open_clip (seconds each on 2 busy cores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 8, stride=8), torch.nn.GELU(), torch.nn.Flatten(),
+                                       torch.nn.Linear(4 * 4 * 4, 8))
+
+    def forward(self, x):
+        return torch.nn.functional.normalize(self.net(x), dim=-1)  # (B, 8) unit rows
+
+
 def _encoder():
     torch.manual_seed(0)
-    return create_encoder(TINY).double()
+    return _SmallEncoder().double()
 
 
 def _one_step(model, encoder, loss_name, view_a, view_b, info):
@@ -50,7 +61,7 @@ def _one_step(model, encoder, loss_name, view_a, view_b, info):
     out.loss.backward()
     average_gradients([log_tau], info)
     grads = {k: p.grad.detach().clone().numpy() for k, p in encoder.named_parameters()}
-    return float(out.loss), grads, float(log_tau.grad), out.stats
+    return out.loss.item(), grads, log_tau.grad.item(), out.stats
 
 
 def _worker(rank, port, out_dir):
@@ -105,7 +116,10 @@ def test_torchrun_two_processes_match_single_process(tmp_path):
     common = ["--config", str(ROOT / "configs" / "tiny.toml"), "--set", "steps=20", "--set", "checkpoint_every=10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "training.trainer",
+    # the same entry point as the `softsearch train` console script
+    launcher = tmp_path / "softsearch_train.py"
+    launcher.write_text("import sys\nfrom training.trainer import main\nsys.exit(main())\n")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(launcher),
            *common, "--out", str(tmp_path / "ddp")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
