@@ -151,7 +151,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.make_searcher = make_searcher
 
     app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
-                                     settings.batch_max_wait_ms, metrics)
+                                     settings.batch_max_wait_ms, metrics, workers=settings.batch_workers)
 
     def index_info() -> tuple[str | None, int]:
         s = app.state.searcher

@@ -1,12 +1,13 @@
 """Micro-batching: concurrent queries share one encoder forward and one index search.
 
-Requests go into an asyncio queue; one worker task takes the first waiting request, waits up
+Requests go into an asyncio queue; a worker task takes the first waiting request, waits up
 to `max_wait_ms` for up to `max_batch_size - 1` more, and runs the batch in a dedicated
 thread (so the event loop stays free): one snapshot of the searcher, one `encode` of all
 images, one `search` with the largest k, then each request gets its own top-k prefix.
 While a batch runs, new requests queue up, so under load batches fill by themselves; with
 `max_wait_ms == 0` (the default) that adaptive batching is all there is, and a lone query
-never waits.
+never waits. `workers` batches may run at once (torch releases the GIL, so they use
+separate cores).
 `max_batch_size == 1` disables batching: each query runs directly in the thread pool.
 """
 from __future__ import annotations
@@ -92,17 +93,18 @@ class MicroBatcher:
     """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
 
     def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
-                 max_wait_ms: float = 0.0, metrics: Registry | None = None):
+                 max_wait_ms: float = 0.0, metrics: Registry | None = None, workers: int = 1):
         """`searcher` may be a callable returning the current Searcher (the app swaps it on reload)."""
-        assert max_batch_size >= 1 and max_wait_ms >= 0, "bad batching settings"
+        assert max_batch_size >= 1 and max_wait_ms >= 0 and workers >= 1, "bad batching settings"
         self._source = searcher
         self.max_batch_size = int(max_batch_size)
         self.max_wait = float(max_wait_ms) / 1000.0
         self.metrics = metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="softsearch-batch")
+        self.workers = int(workers)  # batches in flight at once (each in its own thread)
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="softsearch-batch")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue | None = None
-        self._worker: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
 
     def snapshot(self) -> SearchSnapshot:
         """The current searcher's snapshot; NotReadyError if none is loaded."""
@@ -139,10 +141,13 @@ class MicroBatcher:
     def _ensure_worker(self) -> None:
         """Start the worker on the running loop (test clients may run each request on a new loop)."""
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._worker is None or self._worker.done():
+        if self._loop is not loop or not self._tasks or any(t.done() for t in self._tasks):
+            for t in self._tasks:
+                if self._loop is loop and not t.done():
+                    t.cancel()
             self._loop = loop
             self._queue = asyncio.Queue()
-            self._worker = loop.create_task(self._work(), name="softsearch-batcher")
+            self._tasks = [loop.create_task(self._work(), name=f"softsearch-batcher-{i}") for i in range(self.workers)]
 
     def _observe(self, size: int) -> None:
         if self.metrics is not None:
@@ -205,13 +210,14 @@ class MicroBatcher:
 
     async def aclose(self) -> None:
         """Stop the worker (app shutdown)."""
-        if self._worker is not None and not self._worker.done():
-            self._worker.cancel()
-            try:
-                await self._worker
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-        self._worker = None
+        for task in self._tasks:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+        self._tasks = []
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -50,6 +50,7 @@ class Settings(BaseModel):
         description="how long the first query of a batch waits for company; 0 = adaptive batching only "
                     "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
     )
+    batch_workers: int = Field(2, ge=1, le=64, description="micro-batches in flight at once (threads)")
     rate_limit_rps: float = Field(0.0, ge=0.0, description="per-client token refill rate; 0 = off")
     rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")

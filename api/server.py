@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
+    p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
     p.add_argument("--rate-limit-rps", type=float, help="per-client requests/s; 0 = off (default)")
     p.add_argument("--rate-limit-burst", type=int, help="per-client burst (default 20)")
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
