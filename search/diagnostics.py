@@ -77,7 +77,7 @@ def projection_normality(x, n_projections: int = 64, alpha: float = 0.05, seed: 
 
 
 def mardia(x, block: int = 2048) -> dict:
-    """Mardia's multivariate skewness b1 and kurtosis b2 with their asymptotic tests.
+    """Mardia's multivariate skewness b1 and kurtosis b2 with their asymptotic tests ("rank" = the d used).
 
     y_i = S^{-1/2}(x_i - mean) (S the MLE covariance); b1 = (1/n^2) sum_ij (y_i . y_j)^3,
     b2 = (1/n) sum_i |y_i|^4; n b1 / 6 ~ chi2(d(d+1)(d+2)/6), (b2 - d(d+2)) / sqrt(8 d(d+2)/n) ~ N(0,1).
@@ -88,9 +88,13 @@ def mardia(x, block: int = 2048) -> dict:
     xc = x - x.mean(axis=0)
     cov = xc.T @ xc / n
     evals, evecs = np.linalg.eigh(cov)
-    if evals.min() <= 1e-12 * max(evals.max(), 1e-300):
-        raise ValueError("Mardia's test needs a full-rank covariance (are the features degenerate, or d >= n?)")
-    y = xc @ evecs / np.sqrt(evals)  # whitened (n, d)
+    # whiten on the covariance's range: features after a LayerNorm (centred) lose a direction, and the
+    # statistics are affine invariant, so the rank-r subspace gives the same test with d = r
+    keep = evals > 1e-9 * max(evals.max(), 1e-300)
+    d = int(keep.sum())
+    if d == 0 or d >= n:
+        raise ValueError(f"Mardia's test needs n > rank of the covariance > 0, got n={n}, rank={d}")
+    y = xc @ evecs[:, keep] / np.sqrt(evals[keep])  # whitened (n, r)
     b1 = 0.0
     for i0 in range(0, n, block):
         g = y[i0 : i0 + block] @ y.T  # (b, n)
@@ -105,6 +109,7 @@ def mardia(x, block: int = 2048) -> dict:
         "skewness_pvalue": float(stats.chi2.sf(skew_stat, dof)),
         "kurtosis": b2, "kurtosis_expected": float(d * (d + 2)), "kurtosis_z": kurt_z,
         "kurtosis_pvalue": float(2 * stats.norm.sf(abs(kurt_z))),
+        "rank": d,
     }
 
 

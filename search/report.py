@@ -164,7 +164,8 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
                 ["random projections not rejected (K^2)", ga["projections"]["k2_fraction_not_rejected"]],
                 ["random projections not rejected (Anderson-Darling)", ga["projections"]["ad_fraction_not_rejected"]]]
         if ga.get("mardia"):
-            rows += [["Mardia skewness (p-value)", ga["mardia"]["skewness_pvalue"]],
+            rows += [["Mardia dimension (covariance rank)", ga["mardia"].get("rank")],
+                     ["Mardia skewness (p-value)", ga["mardia"]["skewness_pvalue"]],
                      ["Mardia kurtosis z", ga["mardia"]["kurtosis_z"]],
                      ["Mardia kurtosis (p-value)", ga["mardia"]["kurtosis_pvalue"]]]
         parts.append(_table(["statistic", "value"], rows))
