@@ -234,13 +234,16 @@ def embed(
     """Unit embeddings of preprocessed images as float32 (N, D), computed without gradients.
 
     `images` is a (N, 3, S, S) tensor/array, a map-style dataset returning such tensors, or an
-    iterable of batches (tensors or tuples whose first item is the image tensor).
+    iterable of batches (tensors or tuples whose first item is the image tensor). `device`
+    None -> the encoder's device; otherwise the encoder is moved there.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if device is None:
         device = next(encoder.parameters()).device
     device = torch.device(device)
+    if next(encoder.parameters()).device != device:
+        encoder.to(device)  # the encoder follows the requested device (moved in place)
     was_training = encoder.training
     encoder.eval()
     batches, n = _iter_batches(images, batch_size)
