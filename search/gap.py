@@ -130,9 +130,11 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev) -> tuple[
     classes, inv = np.unique(nlab, return_inverse=True)
     counts = np.bincount(inv, minlength=classes.size).astype(np.float64)
     # class means of the database embeddings, accumulated in float64: (C, D)
-    sums = np.zeros((classes.size, zn.shape[1]), dtype=np.float64)
-    np.add.at(sums, inv, zn.astype(np.float64))
-    means = sums / counts[:, None]
+    sums = torch.zeros((classes.size, zn.shape[1]), dtype=torch.float64)
+    for n0 in range(0, zn.shape[0], block_n):  # blocked so a huge database is never copied whole in float64
+        sums.index_add_(0, torch.as_tensor(inv[n0 : n0 + block_n]),
+                        torch.as_tensor(np.asarray(zn[n0 : n0 + block_n], dtype=np.float64)))
+    means = sums.numpy() / counts[:, None]
     pos = np.searchsorted(classes, qlab)
     pos_c = np.clip(pos, 0, classes.size - 1)
     missing = classes[pos_c] != qlab

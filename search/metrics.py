@@ -157,8 +157,9 @@ def knn_predict(scores: np.ndarray, rows: np.ndarray, db_labels, k: int, n_class
         w = np.exp((s - s[:, :1]) / knn_temperature)  # shift by the row max: same argmax
     else:
         w = np.ones(lab.shape)
-    votes = np.zeros((lab.shape[0], n_classes))
-    np.add.at(votes, (np.repeat(np.arange(lab.shape[0]), k), lab.ravel()), w.ravel())
+    # votes[q, c] = sum of the weights of q's neighbours in class c (bincount over flat (q, c) ids)
+    flat = (np.arange(lab.shape[0])[:, None] * n_classes + lab).ravel()
+    votes = np.bincount(flat, weights=w.ravel(), minlength=lab.shape[0] * n_classes).reshape(lab.shape[0], n_classes)
     return votes.argmax(axis=1)
 
 
