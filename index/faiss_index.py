@@ -102,7 +102,9 @@ def factory_string(kind: str, params: dict) -> str:
     if kind == "ivf-flat":
         return f"IVF{params['nlist']},Flat"
     if kind == "ivf-pq":
-        return f"IVF{params['nlist']},PQ{params['m']}x{params['nbits']}"
+        # "np": no polysemous training. It only serves Hamming pre-filtering, which search here
+        # never uses, and costs ~4x the PQ training time at 8 bits.
+        return f"IVF{params['nlist']},PQ{params['m']}x{params['nbits']}np"
     return f"HNSW{params['M']},Flat"
 
 

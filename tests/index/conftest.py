@@ -45,3 +45,14 @@ def other_checkpoint(tmp_path_factory):
                     lineage={"objective": "weince", "temperature_schedule": "fixed"}, metrics={"temperature": 0.4})
     return path
 
+
+
+@pytest.fixture(autouse=True)
+def _single_faiss_thread():
+    """FAISS's OpenMP threads spin under the shared 2-core load; one thread is faster here."""
+    import faiss
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)

@@ -28,7 +28,7 @@ def test_flat_is_exact():
 @pytest.mark.parametrize("kind, params, floor", [
     ("ivf-flat", {"nlist": 16}, 0.95),
     ("hnsw", {"M": 16}, 0.95),
-    ("ivf-pq", {"nlist": 16, "m": 8, "nbits": 6}, 0.5),
+    ("ivf-pq", {"nlist": 16, "m": 8, "nbits": 4}, 0.3),
 ])
 def test_approximate_kinds_recall_and_scores(kind, params, floor):
     db, q = unit_vectors(2000, 16, 2), unit_vectors(40, 16, 3)
@@ -40,9 +40,16 @@ def test_approximate_kinds_recall_and_scores(kind, params, floor):
     recall = _recall(rows, exact)
     assert recall == pytest.approx(result.recall)           # tune reports what search does
     assert recall >= floor, f"{kind} recall@10 {recall}"
-    true = np.einsum("qd,qkd->qk", q, db[rows])             # the real cosine of each returned row
-    tol = 1e-5 if kind != "ivf-pq" else 0.15                 # PQ scores are approximate
-    assert np.max(np.abs(scores - true)) < tol
+    if kind == "ivf-pq":
+        # PQ scores are inner products with the *decoded* vectors, not the originals
+        ivf = faiss.extract_index_ivf(index)
+        ivf.make_direct_map()
+        stored = index.reconstruct_batch(rows.ravel()).reshape(*rows.shape, -1)
+        assert np.max(np.abs(stored - db[rows])) > 1e-3     # lossy codes...
+    else:
+        stored = db[rows]
+    true = np.einsum("qd,qkd->qk", q, stored)              # ...but the scores are exact on them
+    np.testing.assert_allclose(scores, true, atol=1e-4)
     assert np.all(np.diff(scores, axis=1) <= 1e-6)          # sorted best first
 
 

@@ -28,7 +28,7 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
     store = IndexStore(tmp_path)
     emb, q = unit_vectors(1200, 16, 0), unit_vectors(30, 16, 1)
     ids = [f"img/{i:05d}.png" for i in range(len(emb))]
-    params = {"nlist": 8, "m": 8, "nbits": 6} if kind == "ivf-pq" else {}
+    params = {"nlist": 8, "m": 8, "nbits": 4} if kind == "ivf-pq" else {}
     version, staging = write_version(store, emb, ids, kind=kind, params=params, target_recall=0.95)
     assert store.versions() == []                      # nothing visible before commit
     store.commit(staging, version)
@@ -43,7 +43,7 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
         np.testing.assert_array_equal(rows, ref_rows)
         np.testing.assert_allclose(scores, ref_s, atol=1e-5)
     recall = np.mean([len(set(r) & set(e)) / 10 for r, e in zip(rows, ref_rows)])
-    assert recall >= (0.5 if kind == "ivf-pq" else 0.9), recall
+    assert recall >= (0.3 if kind == "ivf-pq" else 0.9), recall
     # the tuned knob survives the write/read cycle
     m = loaded.manifest
     if kind in ("ivf-flat", "ivf-pq"):
