@@ -148,7 +148,22 @@ def to_gpu(index: faiss.Index) -> faiss.Index:
     co = faiss.GpuMultipleClonerOptions()
     co.shard = True
     co.useFloat16LookupTables = True  # lets IVF-PQ with many sub-quantizers fit in shared memory
+    if hasattr(co, "common_ivf_quantizer"):
+        co.common_ivf_quantizer = True  # shards share one coarse quantizer, as on the CPU
     return faiss.index_cpu_to_all_gpus(index, co=co)
+
+
+def _train_add_gpu(index: faiss.Index, sample: np.ndarray, vectors: np.ndarray) -> faiss.Index:
+    """Train on GPU 0 (sharded training would give each shard its own quantizer), add sharded
+    over all GPUs, and return the merged CPU index."""
+    if not index.is_trained:
+        res = faiss.StandardGpuResources()
+        gpu = faiss.index_cpu_to_gpu(res, 0, index)
+        gpu.train(sample)
+        index = faiss.index_gpu_to_cpu(gpu)
+    gpu = to_gpu(index)
+    gpu.add(vectors)
+    return faiss.index_gpu_to_cpu(gpu)
 
 
 def _as_float32(x: np.ndarray, dim: int | None, what: str) -> np.ndarray:
@@ -184,21 +199,26 @@ def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed:
     if n == 0:
         raise ValueError("cannot build an index from 0 vectors")
     index, params = create_index(kind, dim, n, **params)
-    gpu = use_gpu(kind)
-    work = to_gpu(index) if gpu else index
-    if not work.is_trained:
+    sample = vectors
+    if not index.is_trained:
         wanted = 256 * params["nlist"]
         if kind == "ivf-pq":
             wanted = max(wanted, 64 * 2 ** params["nbits"])  # PQ codebooks need their own points
         limit = min(n, train_sample or wanted)
-        sample = vectors
         if limit < n:
-            rows = np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))
-            sample = vectors[rows]
-        work.train(sample)
-    work.add(vectors)
-    if gpu:
-        index = faiss.index_gpu_to_cpu(work)
+            sample = vectors[np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))]
+    built = None
+    if use_gpu(kind):
+        try:
+            built = _train_add_gpu(index, sample, vectors)
+        except RuntimeError as err:  # e.g. a PQ layout the GPU kernels do not support
+            logger.warning("GPU build of %s failed (%s); building on the CPU", kind, err)
+    if built is None:
+        if not index.is_trained:
+            index.train(sample)
+        index.add(vectors)
+        built = index
+    index = built
     set_search_params(index, kind, params)
     assert index.ntotal == n, f"index holds {index.ntotal} vectors, expected {n}"
     return index, params

@@ -102,8 +102,12 @@ class IndexVersion:
             raise IndexCorruptError(f"{path}: " + "; ".join(problems))
         faiss_index.set_search_params(index, manifest["kind"], manifest["params"])
         if gpu or (gpu is None and faiss_index.use_gpu(manifest["kind"])):
-            index = faiss_index.to_gpu(index)
-            faiss_index.set_search_params(index, manifest["kind"], manifest["params"])
+            try:
+                gpu_index = faiss_index.to_gpu(index)
+                faiss_index.set_search_params(gpu_index, manifest["kind"], manifest["params"])
+                index = gpu_index
+            except RuntimeError as err:  # unsupported on GPU: serve from the CPU copy
+                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest["kind"], err)
         return cls(path, manifest, index, ids, embeddings)
 
     def __len__(self) -> int:
