@@ -46,6 +46,7 @@ class EvalConfig:
     split: str = "train"
     data_root: str | None = None
     size: int | None = None
+    dataset_seed: int = 0
     queries_dataset: str | None = None
     queries_split: str = "test"
     queries_root: str | None = None
@@ -342,7 +343,7 @@ def _load_database(cfg: EvalConfig, device):
         raise ValueError("give --index ROOT, or --checkpoint C with --dataset NAME")
     ckpt = Path(cfg.checkpoint)
     encoder, info = load_checkpoint(ckpt, device=device)
-    ds = create_dataset(cfg.dataset, cfg.split, root=cfg.data_root, size=cfg.size, seed=cfg.seed)
+    ds = create_dataset(cfg.dataset, cfg.split, root=cfg.data_root, size=cfg.size, seed=cfg.dataset_seed)
     return encoder, info, ckpt, None, [ds], [(0, i) for i in range(len(ds))], None, None
 
 
@@ -429,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--split", default="train")
     src.add_argument("--data-root", help="dataset root directory")
     src.add_argument("--size", type=int, help="database size (default: the split's)")
+    src.add_argument("--dataset-seed", type=int, default=0, help="dataset seed (synthetic rendering)")
     q = p.add_argument_group("queries")
     q.add_argument("--queries-dataset", help="held-out query dataset (default: the database's)")
     q.add_argument("--queries-split", default="test")
@@ -443,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k-law-samples", type=int, default=2000, help="Monte-Carlo draws per k")
     p.add_argument("--compare", help="second checkpoint (e.g. the initial one) for a before/after table")
     p.add_argument("--n-boot", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="query subsampling, bootstrap and Monte-Carlo seed")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", help="torch device (default: cuda if available)")
     return p
