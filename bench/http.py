@@ -75,8 +75,9 @@ def query_payloads(n: int = 32) -> list[bytes]:
     return out
 
 
-def in_process_baseline(root: Path, payloads: list[bytes], duration: float) -> dict:
-    """One query at a time: decode PNG, encode, exact search + softmax, no HTTP, one thread."""
+def in_process_baseline(root: Path, payloads: list[bytes], duration: float, batch: int = 1) -> dict:
+    """`batch` queries per call: decode PNGs, encode, exact search + softmax; no HTTP, one thread.
+    Latency is per call; qps counts queries."""
     from PIL import Image
 
     from search.searcher import Searcher
@@ -87,12 +88,13 @@ def in_process_baseline(root: Path, payloads: list[bytes], duration: float) -> d
     i = 0
     while time.perf_counter() < stop:
         t0 = time.perf_counter()
-        image = Image.open(io.BytesIO(payloads[i % len(payloads)])).convert("RGB")
-        searcher.search_images([image], k=10)
+        images = [Image.open(io.BytesIO(payloads[(i + j) % len(payloads)])).convert("RGB") for j in range(batch)]
+        searcher.search_images(images, k=10)
         lat.append(time.perf_counter() - t0)
-        i += 1
+        i += batch
     lat.sort()
-    return {"qps": len(lat) / sum(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat)}
+    return {"qps": len(lat) * batch / sum(lat), "p50": percentile(lat, 50), "p99": percentile(lat, 99),
+            "n": len(lat) * batch}
 
 
 def run_load(url: str, clients: int, duration: float, payloads: list[bytes]) -> dict:
@@ -140,12 +142,13 @@ def free_port() -> int:
 class Server:
     """`python -m api.server` in a subprocess until it answers /readyz."""
 
-    def __init__(self, root: Path, batch_max_size: int, batch_max_wait_ms: float):
+    def __init__(self, root: Path, batch_max_size: int, batch_max_wait_ms: float, batch_workers: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "api.server", "--index", str(root), "--host", "127.0.0.1",
                     "--port", str(self.port), "--log-level", "warning", "--torch-threads", "1",
-                    "--batch-max-size", str(batch_max_size), "--batch-max-wait-ms", str(batch_max_wait_ms)]
+                    "--batch-max-size", str(batch_max_size), "--batch-max-wait-ms", str(batch_max_wait_ms),
+                    "--batch-workers", str(batch_workers)]
 
     def __enter__(self) -> "Server":
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -175,8 +178,9 @@ class Server:
             self.proc.kill()
 
 
-#: (label, batch max size, batch max wait ms) of the served configurations
-CONFIGS = (("batched", 32, 0.0), ("batched-wait2ms", 32, 2.0), ("unbatched", 1, 0.0))
+#: (label, batch max size, batch max wait ms, batch workers) of the served configurations
+CONFIGS = (("batched", 32, 0.0, 2), ("batched-1worker", 32, 0.0, 1), ("batched-wait2ms", 32, 2.0, 2),
+           ("unbatched", 1, 0.0, 2))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = [row("in-process encode+search qps (1 thread)", base["qps"], "req/s", None),
                 row("in-process p50", base["p50"] * 1e3, "ms", None),
                 row("in-process p99", base["p99"] * 1e3, "ms", None)]
-        for label, size, wait in CONFIGS:
-            with Server(root, size, wait) as server:
+        batched = in_process_baseline(root, payloads, args.duration, batch=32)
+        rows.append(row("in-process batch=32 qps (1 thread)", batched["qps"], "req/s", base["qps"]))
+        for label, size, wait, workers in CONFIGS:
+            with Server(root, size, wait, workers) as server:
                 run_load(server.url, 4, 1.0, payloads)  # warm-up
                 for c in args.clients:
                     res = run_load(server.url, c, args.duration, payloads)
