@@ -303,6 +303,26 @@ class IndexStore:
                 self._record(self.history(), "prune", ",".join(removed))
         if removed:
             logger.info("pruned %d index versions: %s", len(removed), ", ".join(removed))
+        self.clean_staging()
+        return removed
+
+    def clean_staging(self, max_age_s: float = 3600.0) -> list[str]:
+        """Delete version directories in staging/ untouched for `max_age_s` (left by killed builds).
+
+        Embedding caches (`staging/embed-*`) are kept: they let a rerun of that build resume.
+        """
+        if not self.staging_dir.is_dir():
+            return []
+        import time
+
+        removed = []
+        now = time.time()
+        for p in self.staging_dir.iterdir():
+            if p.is_dir() and not p.name.startswith("embed-") and now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p.name)
+        if removed:
+            logger.info("removed %d stale staging directories: %s", len(removed), ", ".join(removed))
         return removed
 
     def update_manifest_fields(self, version: str, **fields) -> dict:

@@ -163,3 +163,18 @@ def test_build_rejects_bad_input(tmp_path, tiny_checkpoint, train_ds):
         build_index(tiny_checkpoint, create_dataset("synthetic", size=4, image_size=16), tmp_path, progress=False)
     with pytest.raises(FileNotFoundError, match="no current"):
         rebuild_index(tmp_path / "empty", tiny_checkpoint)
+
+
+def test_failure_while_writing_leaves_current_intact(tmp_path, tiny_checkpoint, train_ds, monkeypatch):
+    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, progress=False)
+    import index.build as build_mod
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(build_mod, "write_manifest", crash)
+    with pytest.raises(OSError, match="disk full"):
+        build_index(tiny_checkpoint, train_ds, tmp_path, kind="hnsw", progress=False)
+    store = IndexStore(tmp_path)
+    assert store.versions() == [v1] and store.current_version() == v1
+    assert len(store.load(verify=True)) == 96

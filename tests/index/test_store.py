@@ -168,3 +168,18 @@ def test_write_version_rejects_bad_input(tmp_path):
     assert IndexVersion.load(staging).kind == "flat"
     with pytest.raises(FileNotFoundError):
         IndexVersion.load(tmp_path / "missing")
+
+
+def test_clean_staging_removes_only_stale_version_dirs(tmp_path):
+    import os
+
+    store = IndexStore(tmp_path)
+    store.ensure()
+    old_version = store.staging_path("20200101T000000000Z-00000000")
+    fresh = store.staging_path("20990101T000000000Z-11111111")
+    cache = store.staging_dir / "embed-abc"
+    cache.mkdir()
+    for p in (old_version, cache):
+        os.utime(p, (0, 0))
+    assert store.clean_staging(max_age_s=60) == [old_version.name]
+    assert fresh.is_dir() and cache.is_dir() and not old_version.exists()
