@@ -172,3 +172,20 @@ def test_training_lowers_loss(tmp_path):
     assert last < first - 0.5, (first, last)
     # also below the chance level log(2N - 1) of an untrained encoder
     assert last < math.log(2 * 32 - 1) - 0.5
+
+
+def test_contrastive_step_single_process_equals_loss_forward():
+    """The trainer's step (one forward of cat(a, b), NT-Xent layout) == ContrastiveLoss.forward."""
+    from training.distributed import DistInfo
+    from training.encoder import EncoderConfig, create_encoder
+    from training.losses import create_loss
+    from training.trainer import contrastive_step
+
+    torch.manual_seed(0)
+    enc = create_encoder(EncoderConfig(width=16, layers=1, heads=2, patch_size=8, mlp_ratio=1.0, embed_dim=8))
+    a, b = torch.randn(6, 3, 32, 32), torch.randn(6, 3, 32, 32)
+    loss = create_loss("infonce")
+    got = contrastive_step(enc, loss, a, b, 0.3, DistInfo())
+    ref = loss(enc(a), enc(b), 0.3)
+    assert torch.allclose(got.loss, ref.loss, atol=1e-6)
+    assert got.stats == pytest.approx(ref.stats)
