@@ -397,6 +397,8 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
         start = _resume(run)
     else:
         if info.is_main:
+            # A fresh run in an old directory: drop the old resume state so --resume cannot mix runs.
+            (out / STATE_NAME).unlink(missing_ok=True)
             (out / METRICS_NAME).write_text("")
             (out / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
         _save(run, 0, {}, INIT_NAME, with_state=False)

@@ -80,6 +80,13 @@ def test_load_config_and_overrides(tmp_path):
         load_train_config(ROOT / "configs" / name)  # the shipped configs parse and validate
 
 
+def test_lineage_hash_ignores_runtime_fields():
+    a = load_train_config(TINY, ['out_dir="a"', "log_every=1", "num_workers=2", "stop_after=3"])
+    b = load_train_config(TINY, ['out_dir="b"'])
+    c = load_train_config(TINY, ["lr=0.1"])
+    assert config_hash(a.lineage_dict()) == config_hash(b.lineage_dict()) != config_hash(c.lineage_dict())
+
+
 def _read_metrics(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
