@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from api_helpers import ADMIN_TOKEN, INDEX_SIZE, make_checkpoint, png_bytes
+from api_helpers import ADMIN_TOKEN, INDEX_SIZE, png_bytes
 from fastapi.testclient import TestClient
 from PIL import Image
 
