@@ -129,15 +129,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             if type(None) in options:
                 return None
             raise ValueError(f"{key} cannot be None")
-        errors = []
         # try the more specific types first: tuple before int (so [1,1,1,1] is a tuple), int before float
         order = sorted((o for o in options if o is not type(None)),
                        key=lambda o: {tuple: 0, bool: 1, int: 2, float: 3, str: 9}.get(typing.get_origin(o) or o, 5))
         for option in order:
             try:
                 return _coerce(value, option, key)
-            except ValueError as err:
-                errors.append(str(err))
+            except ValueError:
+                continue
         raise ValueError(f"{key}={value!r} is not a valid {_type_name(tp)}")
     if tp is Any:
         return value
