@@ -198,3 +198,22 @@ def test_inflight_queries_finish_on_their_snapshot(store_setup, rng):
         t.join()
     assert not errors
     assert seen == set(ref)
+
+
+def test_from_parts_and_not_ready(store_setup, rng):
+    from search.searcher import NotReadyError
+
+    version = IndexStore(store_setup["root"]).load(store_setup["v1"])
+    enc, _ = load_checkpoint(store_setup["ck_a"])
+    searcher = Searcher.from_parts(enc, version)
+    q = rng.normal(size=(2, 16)).astype(np.float32)
+    top, sims, probs, _ = _brute(q, version.embeddings, 0.2, 4)
+    ans = searcher.search_vectors(q, 4)
+    assert [[h.row for h in hits] for hits in ans] == top.tolist()
+    np.testing.assert_allclose([[h.probability for h in hits] for hits in ans], probs, rtol=1e-4)
+    with pytest.raises(ValueError, match="dimension"):
+        Searcher.from_parts(create_encoder(EncoderConfig(embed_dim=8, **TINY)), version)
+    empty = Searcher(store_setup["base"] / "no_index")
+    assert not empty.ready and empty.version is None
+    with pytest.raises(NotReadyError):
+        empty.search_vectors(q, 3)
