@@ -70,7 +70,7 @@ def test_learnable_has_gradient_and_clamp():
     assert float(s.logit_scale.grad) == pytest.approx(1 / 0.07, rel=1e-5)
     with torch.no_grad():
         s.logit_scale.fill_(10.0)  # 1/tau = e^10 > 100 -> clamped to tau_min
-    assert float(s.temperature(0)) == pytest.approx(0.01, rel=1e-6)
+    assert float(s.temperature(0).detach()) == pytest.approx(0.01, rel=1e-6)
 
 
 @pytest.mark.parametrize("name,opts", [
