@@ -6,39 +6,32 @@ The server is `softsearch serve` in a subprocess on 127.0.0.1 (torch threads 1 i
 server and the baseline); clients are threads in this process, so on a small machine they
 compete with the server for the same cores; the report states the machine.
 
-    .venv/bin/python bench/http.py                       # builds a synthetic index (2000 items)
-    .venv/bin/python bench/http.py --index ROOT --duration 10
+    .venv/bin/python bench/http_load.py                       # builds a synthetic index (2000 items)
+    .venv/bin/python bench/http_load.py --index ROOT --duration 10
 """
 from __future__ import annotations
 
-# This file is named http.py: drop its own folder from sys.path before anything imports the
-# standard library's `http` package, and put the repository root there instead.
 import os
 import sys
+import argparse
+import io
+import logging
+import math
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE]
-sys.path.insert(0, os.path.dirname(_HERE))
+import httpx
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import io  # noqa: E402
-import logging  # noqa: E402
-import math  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from _common import row, write_results
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from bench._common import row, write_results  # noqa: E402
-
-logger = logging.getLogger("bench.http")
-ROOT = Path(_HERE).parent
+logger = logging.getLogger("bench.http_load")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
