@@ -11,7 +11,6 @@ compete with the server for the same cores; the report states the machine.
 """
 from __future__ import annotations
 
-import os
 import sys
 import argparse
 import io
