@@ -130,15 +130,19 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
     if kind == "flat":
         return {"k": TUNE_K, "recall": 1.0, "exact": True, "target": target_recall}
     n = embeddings.shape[0]
-    rows = np.random.default_rng(seed).choice(n, size=min(TUNE_QUERIES, n), replace=False)
-    queries = embeddings[np.sort(rows)]
-    # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows)
-    _, exact = faiss.knn(queries, embeddings, min(TUNE_K, n), metric=faiss.METRIC_INNER_PRODUCT)
-    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=TUNE_K, kind=kind)
-    return {"k": TUNE_K, "recall": result.recall, "exact": False, "target": target_recall,
+    k = min(TUNE_K, n - 1)
+    if k < 1:
+        return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
+    rows = np.sort(np.random.default_rng(seed).choice(n, size=min(TUNE_QUERIES, n), replace=False))
+    queries = embeddings[rows]
+    # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows);
+    # k+1 because each query's own row is dropped (it would be a free hit)
+    _, exact = faiss.knn(queries, embeddings, k + 1, metric=faiss.METRIC_INNER_PRODUCT)
+    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows)
+    return {"k": k, "recall": result.recall, "exact": False, "target": target_recall,
             "param": result.param, "value": result.value, "reached": result.reached,
-            "latency_ms": result.latency_ms, "sample": int(len(rows)), "queries": "stored rows",
-            "history": result.history}
+            "latency_ms": result.latency_ms, "sample": int(len(rows)),
+            "queries": "stored rows, own row excluded", "history": result.history}
 
 
 def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str], *, kind: str = "flat",

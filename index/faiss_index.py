@@ -286,8 +286,18 @@ class TuneResult:
         return asdict(self)
 
 
+def _drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
+    """Per query, remove the row `drop[q]` from its result list and keep the first k."""
+    out = np.full((rows.shape[0], k), -1, np.int64)
+    for q, (r, d) in enumerate(zip(rows, drop)):
+        kept = r[r != d][:k]
+        out[q, :len(kept)] = kept
+    return out
+
+
 def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
-         k: int = 10, kind: str | None = None, min_gain: float = 0.002) -> TuneResult:
+         k: int = 10, kind: str | None = None, min_gain: float = 0.002,
+         self_rows: np.ndarray | None = None) -> TuneResult:
     """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
 
     `exact` holds the exact top-k rows of each sample query (see `exact_neighbours`).
@@ -295,6 +305,9 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     `reached=False` and the knob stops where recall has plateaued (a doubling gained less
     than `min_gain`; IVF-PQ plateaus below 1 because its codes are lossy: more probes then
     only cost time) or at its maximum (nlist for IVF, 2048 for HNSW).
+    `self_rows[q]`: when the sample queries are stored rows, the row of each query, which is
+    dropped from both result lists so the trivial self-match does not inflate recall (then
+    `exact` must hold the exact top-(k+1) rows, self included).
     """
     if not 0 < target_recall <= 1:
         raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
@@ -302,10 +315,15 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     param = SEARCH_PARAM[_check_kind(kind)]
     queries = _as_float32(sample_queries, index.d, "sample queries")
 
+    if self_rows is not None:
+        exact = _drop_rows(np.asarray(exact), np.asarray(self_rows), k)
+
     def measure() -> tuple[float, float]:
         t0 = time.perf_counter()
-        _, rows = search(index, queries, k)
+        _, rows = search(index, queries, k + (self_rows is not None))
         dt = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
+        if self_rows is not None:
+            rows = _drop_rows(rows, self_rows, k)
         return recall_at_k(rows, exact, k), dt
 
     if param is None:

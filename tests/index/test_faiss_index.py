@@ -159,3 +159,16 @@ def test_gpu_choice_and_cpu_fallback(monkeypatch):
     index, _ = fi.build("ivf-flat", db, nlist=4, nprobe=4)
     assert fi.kind_of(index) == "ivf-flat" and index.ntotal == 500
     np.testing.assert_array_equal(fi.search(index, q, 5)[1], brute_force(db, q, 5)[1])
+
+
+def test_tune_with_stored_rows_excludes_the_self_match():
+    db = unit_vectors(2000, 16, 10)
+    index, _ = fi.build("ivf-flat", db, nlist=32, nprobe=1)
+    rows = np.arange(0, 2000, 40)
+    _, exact = brute_force(db, db[rows], 11)
+    assert np.all(exact[:, 0] == rows)                       # each query's best match is itself
+    result = fi.tune(index, db[rows], exact, target_recall=0.9, self_rows=rows)
+    # independent recount at the chosen nprobe, neighbours other than self only
+    _, found = fi.search(index, db[rows], 11)
+    hits = [len(set(f[f != r][:10]) & set(e[1:])) / 10 for f, e, r in zip(found, exact, rows)]
+    assert result.recall == pytest.approx(np.mean(hits)) and result.recall >= 0.9
