@@ -89,6 +89,18 @@ def _as_list(datasets) -> list:
     return out
 
 
+def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recall: float, keep) -> None:
+    """User-facing option checks, each naming the bad value."""
+    for name, value, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
+                             ("num_workers", num_workers, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if not 0 < target_recall <= 1:
+        raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+
+
 def _resolve_device(device):
     import torch
 
@@ -267,8 +279,7 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     if kind != "auto":
         faiss_index._check_kind(kind)
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+    _check_opts(batch_size, num_workers, shard_size, target_recall, keep)
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
         device = _resolve_device(device if device is not None else dist_device)
@@ -376,6 +387,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     from training.checkpoint import checkpoint_sha256, load_checkpoint
 
     t_start = time.perf_counter()
+    _check_opts(batch_size, num_workers, shard_size, target_recall, keep)
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     kind = base_version.kind

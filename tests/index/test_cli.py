@@ -118,9 +118,11 @@ def test_quality_gate_exit_code(tmp_path, tiny_checkpoint, capsys):
     (["verify"], "no current index version"),
     (["add", "--folder", "x"], "no current index version"),
     (["prune", "--keep", "0"], "keep must be"),
+    (["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--batch-size", "0"], "batch_size must be"),
+    (["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--target-recall", "1.5"], "target_recall"),
 ])
-def test_user_errors_exit_2(tmp_path, argv, message, capsys):
-    argv = argv[:1] + ["--root", str(tmp_path)] + argv[1:]
+def test_user_errors_exit_2(tmp_path, argv, message, capsys, tiny_checkpoint):
+    argv = argv[:1] + ["--root", str(tmp_path)] + [str(tiny_checkpoint) if a == "__CKPT__" else a for a in argv[1:]]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
