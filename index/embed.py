@@ -119,19 +119,22 @@ class _SafeItems(Dataset):
         return len(self.indices)
 
     def __getitems__(self, positions: list[int]):
-        """Batched fetch (DataLoader uses it when present): one vectorised `tensors` call when
-        the dataset has one and every item reads, else item by item so one bad file skips alone."""
+        """Batched fetch (DataLoader uses it when present) -> (indices, tensor of the readable
+        items or None, error per item). One vectorised `tensors` call when the dataset has one
+        and every item reads, else item by item so one bad file is skipped alone."""
+        idx = [int(self.indices[p]) for p in positions]
         tensors = getattr(self.dataset, "tensors", None)
         if tensors is not None:
-            idx = [int(self.indices[p]) for p in positions]
             try:
                 batch = tensors(idx)
                 size = (len(idx), 3, self.image_size, self.image_size)
-                if tuple(batch.shape) == size and torch.isfinite(batch).all():
-                    return [(i, x, "") for i, x in zip(idx, batch.to(torch.float32))]
+                if tuple(batch.shape) == size:
+                    return idx, batch.to(torch.float32), [""] * len(idx)
             except Exception:  # noqa: BLE001 - fall back to per-item reads to find the bad one
                 pass
-        return [self[p] for p in positions]
+        items = [self[p] for p in positions]
+        good = [x for _, x, _ in items if x is not None]
+        return idx, (torch.stack(good) if good else None), [e for _, _, e in items]
 
     def __getitem__(self, pos: int):
         i = int(self.indices[pos])
@@ -141,18 +144,14 @@ class _SafeItems(Dataset):
                 x = torch.as_tensor(np.asarray(x))
             if tuple(x.shape) != (3, self.image_size, self.image_size):
                 raise ValueError(f"expected a (3, {self.image_size}, {self.image_size}) tensor, got {tuple(x.shape)}")
-            if not torch.isfinite(x).all():
-                raise ValueError("image tensor contains NaN or inf")
             return i, x.to(torch.float32), ""
         except Exception as err:  # noqa: BLE001 - any decode failure means "skip this item"
             return i, None, f"{type(err).__name__}: {err}"
 
 
 def _collate(batch):
-    idx = [b[0] for b in batch]
-    good = [b[1] for b in batch if b[1] is not None]
-    tensors = torch.stack(good) if good else None
-    return idx, tensors, [b[2] for b in batch]
+    # __getitems__ already returns the collated (indices, tensor, errors) triple
+    return batch
 
 
 def _item_id(dataset, i: int) -> str:
@@ -182,7 +181,7 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
     shard_iter = iter(mine)
     current = next(shard_iter)
     expected = min((current + 1) * shard_size, len(indices)) - current * shard_size
-    buf_rows: list[int] = []
+    buf_rows: list[np.ndarray] = []
     buf_emb: list[np.ndarray] = []
     buf_skip: list[dict] = []
     seen = 0
@@ -191,38 +190,57 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
     def flush() -> None:
         nonlocal written
         emb = np.concatenate(buf_emb, axis=0) if buf_emb else np.zeros((0, encoder.embed_dim), np.float32)
+        rows = np.concatenate(buf_rows).tolist() if buf_rows else []
         name = _shard_name(current)
         _atomic_save_npy(cache_dir / f"{name}.npy", np.ascontiguousarray(emb, dtype=np.float32))
-        atomic_write_text(cache_dir / f"{name}.json", json.dumps({"rows": buf_rows, "skipped": buf_skip}) + "\n")
+        atomic_write_text(cache_dir / f"{name}.json", json.dumps({"rows": rows, "skipped": buf_skip}) + "\n")
         written += 1
 
     try:
         with torch.inference_mode(), tqdm(total=len(positions), desc=f"embed[{rank}]", unit="img",
                                           disable=not progress, leave=False) as bar:
             for idx, tensors, errors in loader:
+                idx = np.asarray(idx, dtype=np.int64)
+                ok = np.array([not e for e in errors], dtype=bool)                 # (B,)
+                z = np.zeros((len(idx), encoder.embed_dim), np.float32)            # (B, D); rows of bad items unused
                 if tensors is not None:
-                    z = encoder(tensors.to(device, non_blocking=True))             # (B', D) unit rows
-                    z = z.float().cpu().numpy()
-                    z /= np.linalg.norm(z, axis=1, keepdims=True)                  # exact unit rows in float32
-                good = [i for i, e in zip(idx, errors) if not e]
+                    zg = encoder(tensors.to(device, non_blocking=True)).float().cpu().numpy()  # (B', D)
+                    zg /= np.linalg.norm(zg, axis=1, keepdims=True)                # exact unit rows in float32
+                    assert zg.shape[0] == int(ok.sum()), "embedding rows out of step with batch items"
+                    z[ok] = zg
+                    # NaN/inf pixels (or a diverged encoder) give a non-finite row: skip that item.
+                    # Checking the (B, D) output is ~100x cheaper than the (B, 3, S, S) input.
+                    bad = ok & ~np.isfinite(z).all(axis=1)
+                    for i in np.flatnonzero(bad):
+                        ok[i] = False
+                        errors[i] = "ValueError: non-finite embedding (NaN or inf in the image tensor)"
+                for i in np.flatnonzero(~ok):
+                    item = int(idx[i])
+                    buf_skip.append({"index": item, "id": _item_id(dataset, item), "error": errors[i]})
+                    logger.warning("skipping item %d (%s): %s", item, _item_id(dataset, item), errors[i])
                 # Split the batch over shard boundaries (batches need not align with shards).
-                g = 0
-                for i, err in zip(idx, errors):
-                    if err:
-                        buf_skip.append({"index": i, "id": _item_id(dataset, i), "error": err})
-                        logger.warning("skipping item %d (%s): %s", i, _item_id(dataset, i), err)
-                    else:
-                        buf_rows.append(i)
-                        buf_emb.append(z[g:g + 1])
-                        g += 1
-                    seen += 1
+                start = 0
+                while start < len(idx):
+                    take = min(expected - seen, len(idx) - start)
+                    part = slice(start, start + take)
+                    keep = ok[part]
+                    buf_rows.append(idx[part][keep])
+                    buf_emb.append(z[part][keep])
+                    seen += take
+                    start += take
                     if seen == expected:
+                        done = set(np.concatenate(buf_rows).tolist()) if buf_rows else set()
+                        shard_lo = current * shard_size
+                        shard_items = set(indices[shard_lo:shard_lo + expected].tolist())
+                        # skipped entries of a batch straddling shards belong to the shard holding them
+                        mine_skip = [e for e in buf_skip if e["index"] in shard_items and e["index"] not in done]
+                        rest_skip = [e for e in buf_skip if e not in mine_skip]
+                        buf_skip = mine_skip
                         flush()
-                        buf_rows, buf_emb, buf_skip, seen = [], [], [], 0
+                        buf_rows, buf_emb, buf_skip, seen = [], [], rest_skip, 0
                         current = next(shard_iter, None)
                         if current is not None:
                             expected = min((current + 1) * shard_size, len(indices)) - current * shard_size
-                assert g == len(good), "embedding rows out of step with batch items"
                 bar.update(len(idx))
     finally:
         encoder.train(was_training)

@@ -84,3 +84,21 @@ def test_bad_arguments_and_env(tmp_path, encoder, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE"):
         dist_env()
+
+
+class NaNy(Flaky):
+    """Item 5 decodes to NaN pixels (no exception): caught on the embedding instead."""
+
+    def tensors(self, idx):
+        x = self.base.tensors(idx).clone()
+        for j, i in enumerate(idx):
+            if int(i) == 5:
+                x[j, 0, 0, 0] = float("nan")
+        return x
+
+
+def test_nan_images_are_skipped(tmp_path, encoder):
+    base = create_dataset("synthetic", size=12, seed=0)
+    res = embed_dataset(encoder, NaNy(base), tmp_path, shard_size=4, batch_size=6, progress=False)
+    assert 5 not in res.rows and len(res.rows) == 11 and np.isfinite(res.embeddings).all()
+    assert [s["index"] for s in res.skipped] == [5] and "non-finite" in res.skipped[0]["error"]
