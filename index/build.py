@@ -38,6 +38,7 @@ Evaluator = Callable[[IndexVersion, IndexVersion], dict]
 DEFAULT_TEMPERATURE = 0.1   # used only when a checkpoint records no training temperature
 TUNE_QUERIES = 1000
 TUNE_K = 10
+DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
 
 
 class QualityGateError(RuntimeError):
@@ -89,8 +90,11 @@ def _as_list(datasets) -> list:
     return out
 
 
-def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recall: float, keep) -> None:
+def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recall: float, keep,
+                margin: float = 0.0) -> None:
     """User-facing option checks, each naming the bad value."""
+    if not margin >= 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
     for name, value, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
                              ("num_workers", num_workers, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -258,7 +262,7 @@ def _source_record(ds, res: EmbedResult, source: int) -> dict:
 
 
 def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict | None = None,
-                evaluator: Evaluator | None = None, margin: float = 0.0, force: bool = False,
+                evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
                 activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
                 target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
                 shard_size: int = 8192, device=None, fields: dict | None = None, progress: bool = True,
@@ -279,7 +283,7 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     if kind != "auto":
         faiss_index._check_kind(kind)
-    _check_opts(batch_size, num_workers, shard_size, target_recall, keep)
+    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
         device = _resolve_device(device if device is not None else dist_device)
@@ -376,7 +380,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
 
 
 def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
-              margin: float = 0.0, force: bool = False, activate: bool = True, keep: int | None = None,
+              margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True, keep: int | None = None,
               target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0, shard_size: int = 8192,
               device=None, progress: bool = True) -> str:
     """New version = `base` (default current) + the items of `dataset`, without re-embedding old rows.
@@ -387,7 +391,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     from training.checkpoint import checkpoint_sha256, load_checkpoint
 
     t_start = time.perf_counter()
-    _check_opts(batch_size, num_workers, shard_size, target_recall, keep)
+    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     kind = base_version.kind

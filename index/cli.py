@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from index import faiss_index
-from index.build import QualityGateError, add_items, build_index, rebuild_index
+from index.build import DEFAULT_MARGIN, QualityGateError, add_items, build_index, rebuild_index
 from index.embed import dist_env
 from index.manifest import IndexCorruptError
 from index.store import IndexStore
@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
         sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
         sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
-        sp.add_argument("--margin", type=float, default=0.0, help="quality-gate tolerance (score units)")
+        sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
         sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
