@@ -35,6 +35,8 @@ from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, I
 logger = logging.getLogger(__name__)
 
 Evaluator = Callable[[IndexVersion, IndexVersion], dict]
+# calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
+Calibrator = Callable[[IndexVersion], "dict | None"]
 DEFAULT_TEMPERATURE = 0.1   # used only when a checkpoint records no training temperature
 TUNE_QUERIES = 1000
 TUNE_K = 10
@@ -221,9 +223,29 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     return version, staging
 
 
+def _calibrate(staging: Path, calibrator: Calibrator) -> None:
+    """Store the calibrated search temperature in the staged manifest (unless one was given explicitly)."""
+    manifest = read_manifest(staging)
+    if manifest.get("search_temperature_source") == "command line":
+        return
+    t0 = time.perf_counter()
+    result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
+    if result is None:
+        return
+    manifest["calibration"] = {**result, "seconds": time.perf_counter() - t0}
+    manifest["search_temperature"] = float(result["temperature"])
+    manifest["search_temperature_source"] = "calibrated: argmin of held-out H(q,p)"
+    write_manifest(staging, manifest)
+    logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
+                result.get("train_temperature", float("nan")))
+
+
 def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
-                       margin: float, force: bool, activate: bool, keep: int | None) -> str:
-    """Quality gate (on the staged copy), commit into versions/, activate, apply retention."""
+                       margin: float, force: bool, activate: bool, keep: int | None,
+                       calibrator: Calibrator | None = None) -> str:
+    """Calibrate tau and run the quality gate (on the staged copy), commit into versions/, activate, prune."""
+    if calibrator is not None:
+        _calibrate(staging, calibrator)
     serving_name = store.current_version()
     comparison = None
     if evaluator is not None and serving_name is not None:
@@ -262,7 +284,8 @@ def _source_record(ds, res: EmbedResult, source: int) -> dict:
 
 
 def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict | None = None,
-                evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
+                evaluator: Evaluator | None = None, calibrator: Calibrator | None = None,
+                margin: float = DEFAULT_MARGIN, force: bool = False,
                 activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
                 target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
                 shard_size: int = 8192, device=None, fields: dict | None = None, progress: bool = True,
@@ -270,8 +293,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
     """Embed `dataset` (one ImageDataset or a list) with `checkpoint` and write a new version.
 
     Returns the version name (activated unless `activate=False`; QualityGateError when the
-    evaluator refuses it). `fields` adds manifest fields, e.g. a calibrated
-    ``search_temperature``; otherwise it defaults to the checkpoint's training temperature.
+    evaluator refuses it). The manifest's ``search_temperature`` is, in order of precedence: one
+    given in `fields`, the `calibrator`'s held-out optimum, the checkpoint's training temperature.
     Under torchrun every rank embeds its shards; rank 0 builds, and all ranks return the version.
     """
     from training.checkpoint import checkpoint_sha256, load_checkpoint
@@ -300,7 +323,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
         if rank == 0:
             try:
                 version = _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, kind=kind,
-                                        params=params, evaluator=evaluator, margin=margin, force=force,
+                                        params=params, evaluator=evaluator, calibrator=calibrator,
+                                        margin=margin, force=force,
                                         activate=activate, keep=keep, memory_budget=memory_budget,
                                         target_recall=target_recall, fields=fields, embed_s=embed_s,
                                         t_start=t_start, world=world, parent=_parent)
@@ -315,8 +339,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
         return shared[0]
 
 
-def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, margin, force,
-                  activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent) -> str:
+def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, calibrator,
+                  margin, force, activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent) -> str:
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
     for s, (ds, res) in enumerate(zip(datasets, results)):
@@ -348,7 +372,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
                                      target_recall=target_recall, fields=manifest_fields, timings=timings)
     _stamp_total(staging, t_start)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                 activate=activate, keep=keep)
+                                 activate=activate, keep=keep, calibrator=calibrator)
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version

@@ -219,7 +219,7 @@ def _list(store: IndexStore, as_json: bool) -> None:
               f"{gate:<5} {r['checkpoint']:<12} {r['created']}")
 
 
-def _run(args, evaluator) -> int:
+def _run(args, evaluator, calibrator) -> int:
     store = IndexStore(args.root)
     t0 = time.perf_counter()
     rank = dist_env()[0]
@@ -229,7 +229,8 @@ def _run(args, evaluator) -> int:
             if args.search_temperature <= 0:
                 raise ValueError(f"--search-temperature must be positive, got {args.search_temperature}")
             fields = {"search_temperature": args.search_temperature, "search_temperature_source": "command line"}
-        opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator, fields=fields,
+        opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
+                    calibrator=calibrator, fields=fields,
                     memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
         if args.command == "build":
             checkpoint = Path(args.checkpoint)
@@ -293,8 +294,9 @@ def _run(args, evaluator) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def main(argv: list[str] | None = None, evaluator=None) -> int:
-    """Entry point of `softsearch index ...`; `evaluator` is the quality gate (see index.build)."""
+def main(argv: list[str] | None = None, evaluator=None, calibrator=None) -> int:
+    """Entry point of `softsearch index ...`; `evaluator` is the quality gate and `calibrator` the
+    search-temperature calibration (see index.build), both injected by the caller."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None, evaluator=None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _run(args, evaluator)
+        return _run(args, evaluator, calibrator)
     except QualityGateError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

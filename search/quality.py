@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from search.calibration import calibrate_temperature
 from search.evaluate import EvalConfig, _device, _ideal_recall, encode, load_eval_data, version_database
 from search.gap import softmax_gap
 from search.metrics import knn_search, recall_at_k, relevance
@@ -24,13 +25,18 @@ from training.checkpoint import load_checkpoint
 logger = logging.getLogger(__name__)
 
 
-def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
-    """recall@10 and the gap at the version's search temperature for one IndexVersion."""
+def _embedded_queries(version, cfg: EvalConfig, queries, device):
+    """(eval data, query embeddings, database embeddings) of one IndexVersion, with its own encoder."""
     datasets, rows = version_database(version)
     data = load_eval_data(cfg, datasets, rows, queries=queries)
     encoder, _ = load_checkpoint(version.manifest["checkpoint"]["path"], device=device)
     zq, _ = encode(encoder, data.query_images, cfg.batch_size, device)
-    zdb = np.asarray(version.embeddings)
+    return data, zq, np.asarray(version.embeddings)
+
+
+def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
+    """recall@10 and the gap at the version's search temperature for one IndexVersion."""
+    data, zq, zdb = _embedded_queries(version, cfg, queries, device)
     tau = float(cfg.temperature or version.manifest.get("search_temperature") or 0.1)
     k = min(10, zdb.shape[0] - (1 if data.query_exclude is not None else 0))
     if data.query_labels is not None and data.db_labels is not None:
@@ -84,6 +90,30 @@ def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "au
     logger.info("quality gate (%s): candidate %.4g vs serving %s", metric, out["candidate"],
                 "-" if serv is None else f"{out['serving']:.4g}")
     return out
+
+
+def calibrate_version(candidate, queries=None, *, max_queries: int = 500, generator: str | None = None,
+                      seed: int = 0, batch_size: int = 256, device=None) -> dict | None:
+    """Search temperature for a new index version: argmin over tau of held-out H(q, p).
+
+    `index.build` calls this (injected by `api/cli.py`) before the quality gate and stores
+    `temperature` as the manifest's `search_temperature`, which the API uses for probabilities.
+    Returns None when the generator gives no finite gap (nothing to calibrate against).
+    """
+    dev = _device(device)
+    cfg = EvalConfig(max_queries=max_queries, generator=generator, seed=seed, batch_size=batch_size,
+                     device=None if device is None else str(device))
+    if queries is None:
+        queries = _default_queries(candidate, cfg)
+    data, zq, zdb = _embedded_queries(candidate, cfg, queries, dev)
+    train_tau = float(candidate.manifest.get("search_temperature") or 0.1)
+    result = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, data.generator,
+                                   train_temperature=train_tau, device=dev)
+    if not np.isfinite(result.gap_at_calibrated["kl"]):
+        return None
+    return {"temperature": result.temperature, "train_temperature": train_tau,
+            "gap_at_train": result.gap_at_train["kl"], "gap_at_calibrated": result.gap_at_calibrated["kl"],
+            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0])}
 
 
 def _default_queries(version, cfg: EvalConfig):

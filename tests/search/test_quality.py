@@ -57,3 +57,39 @@ def test_quality_gate_in_build_index(tmp_path):
 def test_bad_metric():
     with pytest.raises(ValueError, match="metric"):
         evaluate_version(None, None, metric="accuracy")
+
+
+def test_build_stores_calibrated_search_temperature(tmp_path):
+    """index build + calibrate_version: the manifest's tau is the held-out argmin of H(q,p)."""
+    from functools import partial
+
+    from index.build import build_index
+    from index.store import IndexStore
+    from search.calibration import calibrate_temperature
+    from search.quality import calibrate_version
+
+    ck = _ckpt(tmp_path / "a.safetensors", 0, 0.5)
+    db = create_dataset("synthetic", "train", size=64, seed=0)
+    queries = create_dataset("synthetic", "test", size=24, seed=0)
+    calibrator = partial(calibrate_version, queries=queries)
+    store = IndexStore(tmp_path / "idx")
+    v1 = build_index(ck, db, store.root, calibrator=calibrator, progress=False)
+    manifest = store.manifest(v1)
+    assert manifest["search_temperature_source"].startswith("calibrated")
+
+    enc, _ = load_checkpoint(ck)
+    zq, zdb = embed(enc, queries, progress=False), embed(enc, db, progress=False)
+    ref = calibrate_temperature(zq, zdb, queries.latents, db.latents, db.default_generator(), train_temperature=0.5)
+    # The minimiser of a flat objective is ill-conditioned (embedding round-off moves it a little);
+    # the minimum value is not: both must agree.
+    assert manifest["search_temperature"] == pytest.approx(ref.temperature, rel=0.05)
+    at_tau = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(),
+                         manifest["search_temperature"]).summary()["kl"]
+    at_train = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(), 0.5).summary()["kl"]
+    assert at_tau == pytest.approx(ref.gap_at_calibrated["kl"], rel=1e-4)
+    assert at_tau < at_train and manifest["calibration"]["gap_at_calibrated"] == pytest.approx(at_tau, rel=1e-5)
+
+    # An explicit temperature wins over calibration.
+    v2 = build_index(ck, db, store.root, calibrator=calibrator, progress=False,
+                     fields={"search_temperature": 0.3, "search_temperature_source": "command line"})
+    assert store.manifest(v2)["search_temperature"] == 0.3 and "calibration" not in store.manifest(v2)
