@@ -13,22 +13,16 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-# Run as a script, bench/ would be sys.path[0] and its modules (bench/http.py) would shadow the
-# standard library; import from the repository root instead.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
-sys.path.insert(0, str(_ROOT))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 
-from bench._common import row, write_results  # noqa: E402
-from index.embed import embed_dataset  # noqa: E402
-from training.datasets import create_dataset  # noqa: E402
-from training.encoder import EncoderConfig, create_encoder  # noqa: E402
+import numpy as np
+import torch
+
+
+from _common import row, write_results
+from index.embed import embed_dataset
+from training.datasets import create_dataset
+from training.encoder import EncoderConfig, create_encoder
 
 
 def plain_loop(encoder, dataset, batch_size: int) -> np.ndarray:

@@ -16,19 +16,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import resource
-import sys
 import time
-from pathlib import Path
 
-# bench/ holds scripts named like stdlib modules (http.py): import from the repository root only
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from bench._common import row, write_results  # noqa: E402
+from _common import row, write_results
 
 D, M, KAPPA, N_CLASSES = 128, 3, 4.0, 10
 
@@ -100,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dense-limit-gb", type=float, default=4.0)
     args = p.parse_args(argv)
-    from search.gap import softmax_gap, softmax_gap_dense
+    from search.gap import softmax_gap
     from training.generators import create_generator
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

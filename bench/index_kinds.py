@@ -17,20 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-# Run as a script, bench/ would be sys.path[0] and its modules (bench/http.py) would shadow the
-# standard library; import from the repository root instead.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT / "bench"]
-sys.path.insert(0, str(_ROOT))
-
-import faiss  # noqa: E402
-import numpy as np  # noqa: E402
 
 
-from bench._common import row, write_results  # noqa: E402
-from index import faiss_index as fi  # noqa: E402
+import faiss
+import numpy as np
+
+
+from _common import row, write_results
+from index import faiss_index as fi
 
 
 def unit(n: int, d: int, seed: int) -> np.ndarray:

@@ -26,22 +26,19 @@ import time
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]  # bench/http.py shadows stdlib
-sys.path.insert(0, str(_HERE.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
 
-from bench._common import row, write_results  # noqa: E402
-from search.calibration import calibrate_temperature  # noqa: E402
-from search.gap import softmax_gap  # noqa: E402
-from search.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, recall_at_k, relevance  # noqa: E402
-from training.checkpoint import load_checkpoint  # noqa: E402
-from training.config import load_train_config  # noqa: E402
-from training.datasets import create_dataset  # noqa: E402
-from training.encoder import embed  # noqa: E402
-from training.generators import create_generator  # noqa: E402
-from training.trainer import train  # noqa: E402
+from _common import row, write_results
+from search.calibration import calibrate_temperature
+from search.gap import softmax_gap
+from search.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, recall_at_k, relevance
+from training.checkpoint import load_checkpoint
+from training.config import load_train_config
+from training.datasets import create_dataset
+from training.encoder import embed
+from training.generators import create_generator
+from training.trainer import train
 
 logger = logging.getLogger(__name__)
 

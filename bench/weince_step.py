@@ -16,19 +16,13 @@ import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 
-# Run as a script, bench/ itself is sys.path[0] and its modules (bench/http.py) would shadow the
-# standard library; put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench._common import row, write_results  # noqa: E402
-from training.encoder import EncoderConfig, create_encoder  # noqa: E402
-from training.losses import create_loss  # noqa: E402
+from _common import row, write_results
+from training.encoder import EncoderConfig, create_encoder
+from training.losses import create_loss
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any, Callable
 

@@ -1,6 +1,4 @@
-import json
 
-import numpy as np
 import pytest
 import torch
 
