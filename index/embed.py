@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from index.manifest import atomic_write_text
+from index.manifest import atomic_write, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -93,20 +92,6 @@ def prepare_cache(cache_dir: str | os.PathLike, key: str, indices: np.ndarray, s
 def _shard_done(cache_dir: Path, s: int) -> bool:
     meta = cache_dir / f"{_shard_name(s)}.json"
     return meta.is_file() and (cache_dir / f"{_shard_name(s)}.npy").is_file()
-
-
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array, allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class _SafeItems(Dataset):
@@ -192,7 +177,8 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
         emb = np.concatenate(buf_emb, axis=0) if buf_emb else np.zeros((0, encoder.embed_dim), np.float32)
         rows = np.concatenate(buf_rows).tolist() if buf_rows else []
         name = _shard_name(current)
-        _atomic_save_npy(cache_dir / f"{name}.npy", np.ascontiguousarray(emb, dtype=np.float32))
+        shard = np.ascontiguousarray(emb, dtype=np.float32)
+        atomic_write(cache_dir / f"{name}.npy", lambda fh: np.save(fh, shard, allow_pickle=False), binary=True)
         atomic_write_text(cache_dir / f"{name}.json", json.dumps({"rows": rows, "skipped": buf_skip}) + "\n")
         written += 1
 

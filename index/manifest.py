@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import IO, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write text to a temp file beside `path`, fsync, os.replace, fsync the directory."""
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> None:
+    """Call `write(fh)` on a temp file beside `path`, fsync, os.replace, fsync the directory.
+
+    Readers see either the old file or the complete new one, also after a crash mid-write."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -73,6 +76,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Atomically replace `path` with `text` (see atomic_write)."""
+    atomic_write(path, lambda fh: fh.write(text))
 
 
 def create_manifest(*, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str,
