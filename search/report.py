@@ -233,8 +233,11 @@ def summary_table(report: dict) -> str:
     for label, tau, ce, ce_se, h, kl, kl_se in gap_rows(report.get("gap", {})):
         lines.append(f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}")
     cal = (report.get("calibration") or {}).get("temperature")
-    if cal is not None:
-        lines.append(f"  calibrated tau* = {cal:.4g}; to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}")
+    serving = (report.get("gap", {}).get("serving") or {}).get("temperature")
+    if cal is not None and serving is not None and abs(serving - cal) > 0.01 * cal:
+        # index build stores a calibrated tau; this shows when the serving one came from elsewhere
+        lines.append(f"  calibrated tau* = {cal:.4g} differs from the serving tau {serving:.4g}; "
+                     f"to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}")
     if report.get("compare"):
         lines.append("  before/after (this vs compared):")
         for n, r in report["compare"]["rows"].items():
