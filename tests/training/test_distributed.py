@@ -85,6 +85,8 @@ def _worker(rank, port, out_dir):
                 np.savez(Path(out_dir) / f"{name}.npz", **grads)
         if rank == 0:
             (Path(out_dir) / "result.json").write_text(json.dumps(result))
+        # Leave together: a rank tearing gloo down while its peer is still connected can abort.
+        torch.distributed.barrier()
     finally:
         shutdown_distributed(info)
 
