@@ -53,6 +53,9 @@ class TrainConfig:
     schedule_options: dict = field(default_factory=lambda: {"tau": 0.1})
     noise_schedule: str | None = None  # Langevin noise temperature schedule; None -> no noise
     noise_options: dict = field(default_factory=dict)
+    # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
+    gaussian_reg: float = 0.0
+    gaussian_reg_decay: float = 500.0
     # optimisation
     steps: int = 600
     batch_size: int = 128
@@ -79,10 +82,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("steps", "batch_size", "log_every", "checkpoint_every", "sample_chunk"):
+        for name in ("steps", "batch_size", "log_every", "checkpoint_every", "sample_chunk", "gaussian_reg_decay"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "num_workers", "weight_decay"):
+        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):

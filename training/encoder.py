@@ -171,9 +171,11 @@ class Encoder(nn.Module):
             h = h[0]
         return h  # (B, D)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Unit embeddings z = h / |h|, (B, D)."""
-        return F.normalize(self.features(x), dim=-1)  # (B, D)
+    def forward(self, x: torch.Tensor, return_features: bool = False):
+        """Unit embeddings z = h / |h|, (B, D); with `return_features`, (z, h) (one forward, DDP-safe)."""
+        h = self.features(x)  # (B, D)
+        z = F.normalize(h, dim=-1)  # (B, D)
+        return (z, h) if return_features else z
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -57,6 +57,7 @@ from training.distributed import (
 )
 from training.encoder import Encoder, create_encoder
 from training.losses import ContrastiveLoss, LossOutput, contrastive_similarities, create_loss
+from training.regularizers import gaussian_regularizer, vanishing_weight
 
 logger = logging.getLogger(__name__)
 
@@ -139,18 +140,29 @@ def sample_views(generator, dataset, indices: np.ndarray, *, seed: int, step: in
 
 
 def contrastive_step(model: nn.Module, loss_fn: ContrastiveLoss, view_a: torch.Tensor, view_b: torch.Tensor,
-                     temperature: float | torch.Tensor, info: DistInfo) -> LossOutput:
+                     temperature: float | torch.Tensor, info: DistInfo, reg_weight: float = 0.0) -> LossOutput:
     """Forward pass + loss for this rank's n pairs (the full batch when single-process).
 
     The loss averages over the 2n local anchors; with DDP's gradient averaging this gives the
     single-process gradient of the global batch (derivation in training/distributed.py).
+    `reg_weight` > 0 adds alpha_t * (E|h|^2 - log det Cov h) on this rank's pre-normalisation
+    features (training/regularizers.py); under DDP that is the mean of per-rank regularisers.
     """
     n = view_a.shape[0]
-    z_local = model(torch.cat([view_a, view_b]))  # (2n, D) = cat(view_a_local, view_b_local)
+    images = torch.cat([view_a, view_b])
+    if reg_weight > 0:
+        z_local, h_local = model(images, return_features=True)  # (2n, D) each
+    else:
+        z_local = model(images)  # (2n, D) = cat(view_a_local, view_b_local)
     z_all = gather_embeddings(z_local, info)  # (2N, D) = cat(view_a_global, view_b_global)
     sim, pos_index, self_index = contrastive_similarities(z_local, z_all, info.rank * n)  # (2n, 2N)
-    return loss_fn.loss_from_similarities(sim, pos_index, self_index, temperature,
-                                          gather=partial(gather_detached, info=info))
+    out = loss_fn.loss_from_similarities(sim, pos_index, self_index, temperature,
+                                         gather=partial(gather_detached, info=info))
+    if reg_weight > 0:
+        reg = gaussian_regularizer(h_local)
+        out = LossOutput(out.loss + reg_weight * reg.to(out.loss.dtype),
+                         {**out.stats, "gaussian_reg": float(reg.detach()), "gaussian_reg_weight": reg_weight})
+    return out
 
 
 @dataclass
@@ -430,7 +442,9 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
             view_a = view_a.to(info.device, non_blocking=True)
             view_b = view_b.to(info.device, non_blocking=True)
             tau = run.schedule.temperature(step)
-            out_loss = contrastive_step(run.model, run.loss_fn, view_a, view_b, tau, info)
+            reg_weight = (vanishing_weight(step, config.gaussian_reg, config.gaussian_reg_decay)
+                          if config.gaussian_reg > 0 else 0.0)
+            out_loss = contrastive_step(run.model, run.loss_fn, view_a, view_b, tau, info, reg_weight)
             if not torch.isfinite(out_loss.loss):
                 raise FloatingPointError(f"loss became {float(out_loss.loss)} at step {step}")
             run.optimizer.zero_grad(set_to_none=True)
