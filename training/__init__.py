@@ -7,6 +7,7 @@ from training.encoder import Encoder, EncoderConfig, create_encoder, embed
 from training.generators import GENERATORS, PositiveGenerator, create_generator, register_generator
 from training.langevin import LangevinNoise
 from training.losses import LOSSES, ContrastiveLoss, InfoNCELoss, LossOutput, create_loss, register_loss
+from training.regularizers import gaussian_regularizer, vanishing_weight
 from training.schedules import SCHEDULES, TemperatureSchedule, create_schedule, register_schedule
 from training.synthetic import oracle_embedding
 from training.trainer import train
@@ -18,7 +19,7 @@ __all__ = [
     "ContrastiveLoss", "Encoder", "EncoderConfig", "ImageDataset", "InfoNCELoss", "LangevinNoise",
     "LossOutput", "PositiveGenerator", "TemperatureSchedule", "TrainConfig", "WEINCELoss",
     "checkpoint_sha256", "create_dataset", "create_encoder", "create_generator", "create_loss",
-    "create_schedule", "embed", "fit_tail", "load_checkpoint", "load_train_config", "oracle_embedding",
+    "create_schedule", "embed", "fit_tail", "gaussian_regularizer", "load_checkpoint", "load_train_config", "oracle_embedding",
     "preprocess", "register_dataset", "register_generator", "register_loss", "register_schedule",
-    "save_checkpoint", "train",
+    "save_checkpoint", "train", "vanishing_weight",
 ]
