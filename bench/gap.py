@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dense-limit-gb", type=float, default=4.0)
+    p.add_argument("--name", default="gap", help="results file bench/results/NAME.json")
     args = p.parse_args(argv)
     from search.gap import softmax_gap
     from training.generators import create_generator
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         row(f"{dense_case} {shape}", dense_peak / 2**20, "MiB", None),
         row(f"streaming gap peak ({'GPU' if gpu else 'CPU'}) {shape}", stream_peak / 2**20, "MiB", dense_peak / 2**20),
     ]
-    write_results("gap", rows)
+    write_results(args.name, rows)
     return 0
 
 
