@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build-repeats", type=int, default=2, help="builds per kind and side (best is kept)")
     p.add_argument("--threads", type=int, default=1,
                    help="FAISS OpenMP threads (default 1: on a shared 2-core box spinning threads distort timings)")
+    p.add_argument("--name", default="index_kinds", help="results file bench/results/NAME.json")
     args = p.parse_args(argv)
     faiss.omp_set_num_threads(args.threads)
     sizes = sorted(set(args.sizes + ([1_000_000] if args.full else [])))
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind in args.kinds:
                 rows.extend(bench_kind(kind, data, queries, exact, tune_set, args.repeats, args.single, name,
                                        args.build_repeats))
-    write_results("index_kinds", rows)
+    write_results(args.name, rows)
     return 0
 
 
