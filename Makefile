@@ -24,7 +24,8 @@ system-deps:
 	@if { [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } \
 	    && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 	  echo "installing Debian packages: dataset-fashion-mnist chromium chromium-driver"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium chromium-driver >/dev/null; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium chromium-driver >/dev/null; } \
+	    || echo "warning: apt-get failed; the real-data and browser tests will skip with a reason"; \
 	fi
 
 # Train on the built-in synthetic dataset, build the index, evaluate (before/after training), then serve.
