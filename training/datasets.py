@@ -12,13 +12,14 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from training import synthetic
+from training._registry import make_register
 from training.generators import PositiveGenerator, create_generator
 from training.idx import read_idx
 from training.transforms import preprocess, to_uint8_rgb
@@ -35,15 +36,8 @@ DATASETS: dict[str, type["ImageDataset"]] = {}
 DEFAULT_IMAGE_SIZE = 32
 
 
-def register_dataset(name: str) -> Callable[[type], type]:
-    """Class decorator adding a dataset class to DATASETS under `name`."""
-    def deco(cls: type) -> type:
-        if name in DATASETS:
-            raise ValueError(f"dataset {name!r} already registered")
-        cls.name = name
-        DATASETS[name] = cls
-        return cls
-    return deco
+# class decorator, e.g. @register_dataset("name") on a class
+register_dataset = make_register(DATASETS, "dataset")
 
 
 def create_dataset(name: str, split: str = "train", root: str | None = None,

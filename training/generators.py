@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from scipy.special import i0e
 
+from training._registry import make_register
 from training.augment import AugmentConfig, random_augment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,15 +34,8 @@ __all__ = [
 GENERATORS: dict[str, type["PositiveGenerator"]] = {}
 
 
-def register_generator(name: str) -> Callable[[type], type]:
-    """Class decorator adding a generator to GENERATORS under `name`."""
-    def deco(cls: type) -> type:
-        if name in GENERATORS:
-            raise ValueError(f"generator {name!r} already registered")
-        cls.name = name
-        GENERATORS[name] = cls
-        return cls
-    return deco
+# class decorator, e.g. @register_generator("name") on a class
+register_generator = make_register(GENERATORS, "generator")
 
 
 def create_generator(name: str, **options: Any) -> "PositiveGenerator":

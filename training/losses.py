@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from training._registry import make_register
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +71,8 @@ class LossOutput:
 LOSSES: dict[str, type["ContrastiveLoss"]] = {}
 
 
-def register_loss(name: str) -> Callable[[type], type]:
-    """Class decorator adding a ContrastiveLoss subclass to `LOSSES` under `name`."""
-
-    def deco(cls: type) -> type:
-        if name in LOSSES and LOSSES[name] is not cls:
-            raise ValueError(f"loss {name!r} is already registered")
-        cls.name = name
-        LOSSES[name] = cls
-        return cls
-
-    return deco
+# @register_loss("name") class decorator; re-registering the same class (module reload) is accepted
+register_loss = make_register(LOSSES, "loss", allow_same=True)
 
 
 def _import_plugins() -> None:

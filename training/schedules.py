@@ -17,27 +17,18 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
 
 import torch
 from torch import nn
+from training._registry import make_register
 
 logger = logging.getLogger(__name__)
 
 SCHEDULES: dict[str, type["TemperatureSchedule"]] = {}
 
 
-def register_schedule(name: str) -> Callable[[type], type]:
-    """Class decorator adding a schedule to ``SCHEDULES`` under ``name``."""
-
-    def deco(cls: type) -> type:
-        if name in SCHEDULES:
-            raise ValueError(f"schedule {name!r} is already registered")
-        cls.name = name
-        SCHEDULES[name] = cls
-        return cls
-
-    return deco
+# class decorator, e.g. @register_schedule("name") on a class
+register_schedule = make_register(SCHEDULES, "schedule")
 
 
 def create_schedule(name: str, **options) -> "TemperatureSchedule":
