@@ -14,36 +14,34 @@ if _HERE not in sys.path:
 TINY_ENCODER = dict(width=32, layers=1, heads=2, embed_dim=16, patch_size=8)
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
-    """A randomly initialised 1-layer ViT (16-dim embeddings) saved as a real checkpoint."""
+def _random_checkpoint(directory, seed: int, step: int, tau: float, lineage: dict, metrics: dict):
+    """A randomly initialised TINY_ENCODER ViT (seeded) saved as a real checkpoint in `directory`."""
     import torch
 
     from training.checkpoint import save_checkpoint
     from training.encoder import EncoderConfig, create_encoder
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     encoder = create_encoder(EncoderConfig(**TINY_ENCODER))
-    path = tmp_path_factory.mktemp("ckpt") / "checkpoint.safetensors"
-    save_checkpoint(path, encoder, step=7, train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.25}},
-                    lineage={"objective": "infonce", "temperature_schedule": "fixed"}, metrics={})
+    path = directory / "checkpoint.safetensors"
+    save_checkpoint(path, encoder, step=step, train_config={"schedule": "fixed", "schedule_options": {"temperature": tau}},
+                    lineage=lineage, metrics=metrics)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A randomly initialised 1-layer ViT (16-dim embeddings) saved as a real checkpoint."""
+    return _random_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=0, step=7, tau=0.25,
+                              lineage={"objective": "infonce", "temperature_schedule": "fixed"}, metrics={})
 
 
 @pytest.fixture(scope="session")
 def other_checkpoint(tmp_path_factory):
     """A second, differently initialised checkpoint of the same architecture (for rebuild)."""
-    import torch
-
-    from training.checkpoint import save_checkpoint
-    from training.encoder import EncoderConfig, create_encoder
-
-    torch.manual_seed(1)
-    encoder = create_encoder(EncoderConfig(**TINY_ENCODER))
-    path = tmp_path_factory.mktemp("ckpt2") / "checkpoint.safetensors"
-    save_checkpoint(path, encoder, step=9, train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.5}},
-                    lineage={"objective": "weince", "temperature_schedule": "fixed"}, metrics={"temperature": 0.4})
-    return path
+    return _random_checkpoint(tmp_path_factory.mktemp("ckpt2"), seed=1, step=9, tau=0.5,
+                              lineage={"objective": "weince", "temperature_schedule": "fixed"},
+                              metrics={"temperature": 0.4})
 
 
 
