@@ -173,9 +173,12 @@ def _as_float32(x: np.ndarray, dim: int | None, what: str) -> np.ndarray:
         raise ValueError(f"{what} must be a 2-D (N, D) array, got shape {x.shape}")
     if dim is not None and x.shape[1] != dim:
         raise ValueError(f"{what} have dimension {x.shape[1]}, the index has {dim}")
-    # one reduction is the cheap test (batch-1 latency); only a non-finite sum needs the full check
-    if x.size and not np.isfinite(x.sum()) and not np.isfinite(x).all():
-        raise ValueError(f"{what} contain NaN or inf")
+    # Finite test in one BLAS call (batch-1 latency): sum_i x_i^2 is NaN iff some x_i is NaN and
+    # inf if some x_i is inf *or* squares overflow; only a non-finite result needs the full check.
+    if x.size:
+        flat = x.reshape(-1)
+        if not math.isfinite(float(flat.dot(flat))) and not np.isfinite(x).all():
+            raise ValueError(f"{what} contain NaN or inf")
     return x
 
 
@@ -231,20 +234,26 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     possible with approximate kinds probing fewer than k items) has row -1 and score -inf,
     so callers skip rows < 0.
     """
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+    if type(k) is not int and (not isinstance(k, np.integer) or isinstance(k, bool)) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
     queries = _as_float32(queries, index.d, "queries")
+    n = queries.shape[0]
     k = int(min(k, index.ntotal))
-    if k == 0 or queries.shape[0] == 0:
-        return np.zeros((queries.shape[0], 0), np.float32), np.zeros((queries.shape[0], 0), np.int64)
-    scores, rows = index.search(queries, k)
-    if rows.min() < 0:
+    if k == 0 or n == 0:
+        return np.zeros((n, 0), np.float32), np.zeros((n, 0), np.int64)
+    scores = np.empty((n, k), np.float32)
+    rows = np.empty((n, k), np.int64)
+    # The queries are validated above, so call the C++ search directly rather than index.search,
+    # whose Python wrapper repeats the same conversions (a few us per call at batch 1).
+    index.search_c(n, faiss.swig_ptr(queries), k, faiss.swig_ptr(scores), faiss.swig_ptr(rows), None)
+    # FAISS sorts each result list best-first with missing results (row -1) at the end, so the
+    # last column alone tells whether anything is missing.
+    if (rows[0, -1] < 0) if n == 1 else (rows[:, -1].min() < 0):
         missing = rows < 0
-        scores = scores.copy()
         scores[missing] = -np.inf
         keep = ~missing.all(axis=0)
         scores, rows = scores[:, keep], rows[:, keep]
-    return scores, rows.astype(np.int64, copy=False)
+    return scores, rows
 
 
 def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block: int = 4096) -> np.ndarray:

@@ -7,11 +7,13 @@
   ``log r = sum_i [kappa cos(th'_i - th_i) - log I0(kappa)]`` (uniform marginal on the torus). Exact.
 * ``label``   (class-conditional): ``log r = log(1[c = c'] / pi_c)``. Exact at the label level.
 * ``instance`` (augmentations): q approximated by a point mass on the source item. Not exact.
+* ``neighbour`` (augmented k nearest grey-pixel neighbours, no labels): same approximation. Not exact.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PositiveGenerator", "LatentGenerator", "LabelGenerator", "InstanceGenerator",
+    "PositiveGenerator", "LatentGenerator", "LabelGenerator", "InstanceGenerator", "NeighbourGenerator",
     "GENERATORS", "register_generator", "create_generator", "log_i0",
 ]
 
@@ -230,3 +232,51 @@ class InstanceGenerator(PositiveGenerator):
         idx = _indices(indices, len(dataset))
         x = dataset.tensors(idx)
         return random_augment(x, rng, self.aug), random_augment(x, rng, self.aug)
+
+
+@register_generator("neighbour")
+class NeighbourGenerator(InstanceGenerator):
+    """Pixel-neighbour positives: the anchor and one of its k nearest grey-pixel neighbours,
+    each randomly augmented (NNCLR-style support fixed before training; no labels).
+
+    The neighbour table of a dataset is computed once, on first use (training/neighbours.py).
+    Its ideal search is only defined among training items, so ``log_ratio`` keeps the instance
+    point-mass approximation (``exact = False``); evaluate with the ``label`` generator.
+    """
+
+    exact = False
+
+    def __init__(self, k: int = 5, **augment_options: Any):
+        super().__init__(**augment_options)
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"k must be a positive integer, got {k!r}")
+        self.k = int(k)
+        self.description = (f"neighbour: anchor and one of its {self.k} nearest grey-pixel neighbours, both "
+                            "augmented; APPROXIMATE: point-mass approximation of q")
+        self._table: tuple[Any, np.ndarray] | None = None  # (weakref to the dataset, (N, k) rows)
+
+    def options(self) -> dict[str, Any]:
+        return {"k": self.k, **super().options()}
+
+    def neighbour_table(self, dataset: "ImageDataset") -> np.ndarray:
+        """(N, k) neighbour rows of `dataset`, computed on first use and kept for this dataset."""
+        if self._table is not None and self._table[0]() is dataset:
+            return self._table[1]
+        from training.neighbours import pixel_neighbours
+
+        table = pixel_neighbours(dataset, self.k)
+        self._table = (weakref.ref(dataset), table)
+        return table
+
+    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
+                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = _indices(indices, len(dataset))
+        table = self.neighbour_table(dataset)
+        pos = table[idx, rng.integers(0, self.k, size=idx.size)]
+        return (random_augment(dataset.tensors(idx), rng, self.aug),
+                random_augment(dataset.tensors(pos), rng, self.aug))
+
+    def __getstate__(self) -> dict[str, Any]:  # weakrefs do not pickle (DataLoader workers, spawn)
+        state = dict(self.__dict__)
+        state["_table"] = None
+        return state

@@ -172,3 +172,17 @@ def test_tune_with_stored_rows_excludes_the_self_match():
     _, found = fi.search(index, db[rows], 11)
     hits = [len(set(f[f != r][:10]) & set(e[1:])) / 10 for f, e, r in zip(found, exact, rows)]
     assert result.recall == pytest.approx(np.mean(hits)) and result.recall >= 0.9
+
+
+def test_search_checks_finiteness_without_false_alarms():
+    """NaN / inf queries are refused; huge finite ones (whose squares overflow) are not."""
+    index, _ = fi.build("flat", unit_vectors(50, 4, 0))
+    for bad in (np.nan, np.inf, -np.inf):
+        q = unit_vectors(3, 4, 1)
+        q[1, 2] = bad
+        with pytest.raises(ValueError, match="NaN or inf"):
+            fi.search(index, q, 3)
+    huge = unit_vectors(2, 4, 1) * np.float32(1e30)
+    _, rows = fi.search(index, huge, 3)
+    _, expected = fi.search(index, huge / np.float32(1e30), 3)
+    np.testing.assert_array_equal(rows, expected)

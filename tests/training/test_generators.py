@@ -61,7 +61,7 @@ def test_every_registered_generator(name, tiny_synthetic, rng):
     gen = create_generator(name)
     assert isinstance(gen, PositiveGenerator) and gen.name == name
     assert gen.description and name in gen.description
-    assert gen.exact == (name != "instance")
+    assert gen.exact == (name not in ("instance", "neighbour"))
     ds = _dataset_for(name, tiny_synthetic)
     meta = _meta_for(name, ds)
     lr = gen.log_ratio(meta[:5], meta)
@@ -302,3 +302,53 @@ def test_augment_random_params_in_range():
     assert y1.shape == x.shape and y1.min() >= -1 and y1.max() <= 1
     with pytest.raises(ValueError, match="crop_scale"):
         AugmentConfig(crop_scale=(0.0, 1.0))
+
+
+# --- neighbour ----------------------------------------------------------------------------
+
+def test_pixel_neighbours_match_brute_force():
+    from training.neighbours import grey_pixels, pixel_neighbours
+
+    ds = _LabelledArrayDataset(np.arange(150) % 3, seed=5)
+    table = pixel_neighbours(ds, k=4, block=32, progress=False)  # several blocks
+    # independent reference: cosine of float64 grey levels straight from the uint8 images
+    grey = ds_images_grey = np.stack([preprocess(ds.images[i:i + 1], 12)[0].numpy() for i in range(len(ds))])
+    grey = (ds_images_grey * 0.5 + 0.5).mean(axis=1).reshape(len(ds), -1).astype(np.float64)
+    grey /= np.linalg.norm(grey, axis=1, keepdims=True)
+    sim = grey @ grey.T
+    np.fill_diagonal(sim, -np.inf)
+    expected = np.argsort(-sim, axis=1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(table, expected)
+    assert not np.any(table == np.arange(len(ds))[:, None])
+    assert grey_pixels(ds).shape == (150, 144)
+    with pytest.raises(ValueError, match="k must be in"):
+        pixel_neighbours(ds, k=150, progress=False)
+
+
+def test_neighbour_positives_are_augmented_neighbours(rng):
+    ds = _LabelledArrayDataset(np.arange(40) % 2, seed=6)
+    plain = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0.0, translate=0.0, brightness=0.0, contrast=0.0)
+    gen = create_generator("neighbour", k=3, **plain)
+    table = gen.neighbour_table(ds)
+    assert gen.neighbour_table(ds) is table  # computed once per dataset
+    anchors = np.repeat(np.arange(4), 150)
+    a, b = gen.sample_pairs(ds, anchors, rng)
+    every = ds.tensors(np.arange(len(ds))).flatten(1)  # (N, P)
+    np.testing.assert_allclose(a.flatten(1), every[anchors], atol=1e-5)  # identity augmentation
+    # each positive is exactly one dataset image, and that image is one of the anchor's 3 neighbours
+    dist = torch.cdist(b.flatten(1), every, compute_mode="donot_use_mm_for_euclid_dist")
+    source = dist.argmin(dim=1).numpy()
+    assert float(dist.min(dim=1).values.max()) < 1e-3
+    for i in range(4):
+        picked = source[anchors == i]
+        assert set(picked) == set(table[i].tolist())  # all 3 neighbours are drawn in 150 tries...
+        counts = np.bincount(np.searchsorted(np.sort(table[i]), picked), minlength=3)
+        assert stats.chisquare(counts).pvalue > 1e-3  # ...uniformly
+    # options round trip; a pickled copy (DataLoader worker) recomputes its table on first use
+    import pickle
+
+    clone = pickle.loads(pickle.dumps(gen))
+    assert clone.k == 3 and clone._table is None
+    np.testing.assert_array_equal(clone.neighbour_table(ds), table)
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        create_generator("neighbour", k=0)
