@@ -50,7 +50,7 @@ class CalibrationResult:
 
 def calibrate_temperature(query_emb, db_emb, query_meta, db_meta, generator,
                           train_temperature: float | None = None, bounds: tuple[float, float] = (1e-4, 10.0),
-                          xatol: float = 1e-4, n_curve: int = 17, block_q: int = 1024, block_n: int = 16384,
+                          xatol: float = 1e-4, n_curve: int = 17, block_q: int = 512, block_n: int = 8192,
                           device=None) -> CalibrationResult:
     """argmin over tau in `bounds` of mean held-out H(q, p), by Brent in log tau (tolerance `xatol`).
 

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from scipy.special import i0e
 
+from search.fused import UNDERFLOW_PER_ITEM, TileSums, fused_supported
+
 logger = logging.getLogger(__name__)
 
 
@@ -122,7 +124,8 @@ def _rows_without_support(log_z_q: np.ndarray, offset: int) -> None:
         )
 
 
-def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev) -> tuple[np.ndarray, np.ndarray]:
+def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
+               tile_sums: TileSums | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Label fast path in O(QN) without an ideal matrix: q is uniform over the n_c same-class
     items, so E_q[s] = z_q . mean_{c(q)} z and H(q) = log n_c."""
     qlab = np.asarray(qlab).astype(np.int64).ravel()
@@ -145,14 +148,22 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev) -> tuple[
             "(r = 0 for every item): the ideal search is undefined"
         )
     e_s = np.einsum("qd,qd->q", zq.astype(np.float64), means[pos_c])  # E_q[s] per query
-    log_zp = _log_partition(zq, zn, temperature, block_q, block_n, dev)
+    log_zp = _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums)
     ce = log_zp - e_s / temperature
     h = np.log(counts[pos_c])
     return ce, h
 
 
-def _log_partition(zq, zn, temperature, block_q, block_n, dev) -> np.ndarray:
-    """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles."""
+def _log_partition(zq, zn, temperature, block_q, block_n, dev, sums: TileSums | None = None) -> np.ndarray:
+    """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles.
+
+    With `sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/fused.py);
+    rows whose total could have lost mass to underflow are redone with the online max."""
+    if sums is not None:
+        out, redo = _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, sums)
+        if redo.any():
+            out[redo] = _log_partition(zq[redo], zn, temperature, block_q, block_n, dev)
+        return out
     out = np.empty(zq.shape[0], dtype=np.float64)
     inv_tau = 1.0 / temperature
     rq, rn = _Rows(zq, dev), _Rows(zn, dev)
@@ -170,14 +181,50 @@ def _log_partition(zq, zn, temperature, block_q, block_n, dev) -> np.ndarray:
     return out
 
 
+def _max_norm(rows: _Rows, n: int, block: int) -> float:
+    return max(float(torch.linalg.vector_norm(rows[i : i + block], dim=1).max()) for i in range(0, n, block))
+
+
+def _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, sums: TileSums):
+    """(log Z_p, rows to redo): fixed-shift sums, s/tau - |x_q| max|y| <= 0 (Cauchy-Schwarz)."""
+    nq, nn = zq.shape[0], zn.shape[0]
+    out = np.empty(nq, dtype=np.float64)
+    redo = np.zeros(nq, dtype=bool)
+    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    max_n = _max_norm(rn, nn, block_n)
+    for q0 in range(0, nq, block_q):
+        xq = rq[q0 : q0 + block_q] * (1.0 / temperature)  # (bq, D) z/tau
+        shift = torch.linalg.vector_norm(xq, dim=1) * max_n  # (bq,) >= every s/tau of these rows
+        acc = torch.zeros(xq.shape[0], dtype=torch.float64, device=dev)
+        for n0 in range(0, nn, block_n):
+            xn = rn[n0 : n0 + block_n]
+            full = xq.shape[0] == block_q and xn.shape[0] == block_n
+            acc += sums.partition(xq @ xn.T, shift, full).double()
+        q1 = q0 + xq.shape[0]
+        out[q0:q1] = (shift.double() + torch.log(acc)).cpu().numpy()
+        redo[q0:q1] = (acc < nn * UNDERFLOW_PER_ITEM).cpu().numpy()
+    return out, redo
+
+
+FUSED_MIN_PAIRS = 1 << 25  # auto mode compiles the fused tile kernel from Q * N >= 33.5M pairs
+
+
+def _use_fused(fused: bool | None, dev: torch.device, n_pairs: int) -> bool:
+    if fused is None:  # auto: measured faster on CPU (bench/gap.py); small problems skip the compile
+        return dev.type == "cpu" and n_pairs >= FUSED_MIN_PAIRS and fused_supported(dev)
+    return bool(fused) and fused_supported(dev)
+
+
 def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: float,
-                block_q: int = 1024, block_n: int = 16384, device=None) -> GapResult:
+                block_q: int = 512, block_n: int = 8192, device=None, fused: bool | None = None) -> GapResult:
     """Exact per-query H(q,p), H(q) and KL for unit embeddings, streamed in tiles.
 
     `query_meta`/`db_meta` are what `generator.log_ratio` takes (latents, labels, indices).
     The label generator takes an O(QN) fast path with no ideal matrix; the von Mises latent
     generator computes log r on the device as m kappa (u_q . u_n) - m log I0(kappa) with u the
     oracle embedding; any other generator is called per tile through `log_ratio`.
+    `fused` (label and latent paths): True compiles one-pass tile kernels (search/fused.py), False
+    keeps the eager online-max walk, None decides (CPU and Q * N >= FUSED_MIN_PAIRS).
     """
     zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
     if block_q < 1 or block_n < 1:
@@ -185,20 +232,67 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     temperature = float(temperature)
     dev = _device(device)
     gname = getattr(generator, "name", type(generator).__name__)
+    kappa = _latent_kappa(generator)
+    sums = None
+    if (gname == "label" or kappa is not None) and _use_fused(fused, dev, zq.shape[0] * zn.shape[0]):
+        sums = TileSums(compiled=True)
     if gname == "label":
-        ce, h = _label_gap(zq, zn, query_meta, db_meta, temperature, block_q, block_n, dev)
+        ce, h = _label_gap(zq, zn, query_meta, db_meta, temperature, block_q, block_n, dev, sums)
         return GapResult(ce, h, ce - h, temperature, gname)
 
-    kappa = _latent_kappa(generator)
+    uq_all = un_all = None
     if kappa is not None:
         # log r = m kappa (u_q . u_n) - m log I0(kappa); the constant cancels in q and in H(q), so the
         # tiles carry only m kappa (u_q . u_n): one small matmul on the device
         uq_all = _oracle(query_meta) * (np.asarray(query_meta).shape[1] * kappa)
         un_all = _oracle(db_meta)
+    if sums is not None:
+        ce, h, redo = _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, sums)
+        if redo.any():
+            ce[redo], h[redo] = _online_gap(zq[redo], zn, None, db_meta, generator, uq_all[redo], un_all,
+                                            temperature, block_q, block_n, dev)
+    else:
+        ce, h = _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperature,
+                            block_q, block_n, dev)
+    return GapResult(ce, h, ce - h, temperature, gname)
 
-    inv_tau = 1.0 / temperature
+
+def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, sums: TileSums):
+    """(H(q,p), H(q), rows to redo) for the latent generator with fixed shifts: one fused pass per
+    tile (search/fused.py); s/tau <= |x_q| max|y| and log r <= |u_q| max|u_n| bound every term."""
+    nq, nn = zq.shape[0], zn.shape[0]
+    ce, h = np.empty(nq, dtype=np.float64), np.empty(nq, dtype=np.float64)
+    redo = np.zeros(nq, dtype=bool)
     rq, rn = _Rows(zq, dev), _Rows(zn, dev)
-    if kappa is not None:
+    ruq, run = _Rows(uq_all, dev), _Rows(un_all, dev)
+    max_n, max_un = _max_norm(rn, nn, block_n), _max_norm(run, nn, block_n)
+    for q0 in range(0, nq, block_q):
+        xq = rq[q0 : q0 + block_q] * (1.0 / temperature)  # (bq, D) z/tau
+        uq = ruq[q0 : q0 + block_q]                        # (bq, 2m) scaled oracle
+        shift_p = torch.linalg.vector_norm(xq, dim=1) * max_n
+        shift_q = torch.linalg.vector_norm(uq, dim=1) * max_un
+        totals = [torch.zeros(xq.shape[0], dtype=torch.float64, device=dev) for _ in range(4)]
+        for n0 in range(0, nn, block_n):
+            xn = rn[n0 : n0 + block_n]
+            full = xq.shape[0] == block_q and xn.shape[0] == block_n
+            tile = sums.latent(xq @ xn.T, uq, run[n0 : n0 + block_n], shift_p, shift_q, full)
+            for t, v in zip(totals, tile):
+                t += v.double()
+        sp, sq, a, b = totals  # sum e^{s/tau - shift_p}, S = sum w, A = sum w s/tau, B = sum w log r
+        q1 = q0 + xq.shape[0]
+        ce[q0:q1] = (shift_p.double() + torch.log(sp) - a / sq).cpu().numpy()  # log Z_p - E_q[s/tau]
+        h[q0:q1] = (shift_q.double() + torch.log(sq) - b / sq).cpu().numpy()   # log Z_q - E_q[log r]
+        redo[q0:q1] = ((sp < nn * UNDERFLOW_PER_ITEM) | (sq < nn * UNDERFLOW_PER_ITEM)).cpu().numpy()
+    return ce, h, redo
+
+
+def _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperature, block_q, block_n, dev):
+    """(H(q,p), H(q)) by the online-max tile walk; log r from the oracle rows `uq_all`/`un_all`
+    (latent) or, when they are None, from `generator.log_ratio` per tile."""
+    inv_tau = 1.0 / temperature
+    oracle = uq_all is not None
+    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    if oracle:
         ruq, run = _Rows(uq_all, dev), _Rows(un_all, dev)
     nq = zq.shape[0]
     ce = np.empty(nq, dtype=np.float64)
@@ -214,7 +308,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         sq = torch.zeros(bq, **f64)               # S = sum exp(log r - mq)
         a = torch.zeros(bq, **f64)                # A = sum exp(log r - mq) * s/tau
         b = torch.zeros(bq, **f64)                # B = sum exp(log r - mq) * log r
-        if kappa is not None:
+        if oracle:
             uq = ruq[q0:q1]
         for n0 in range(0, zn.shape[0], block_n):
             n1 = min(n0 + block_n, zn.shape[0])
@@ -225,7 +319,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
             sp = sp * torch.exp(mp - new) + torch.exp(lp - new.float()[:, None]).sum(1).double()
             mp = new
             # ideal side: log r tile (bq, bn)
-            if kappa is not None:
+            if oracle:
                 un = run[n0:n1]
                 lr = uq @ un.T
                 has_zero_r = False
@@ -249,7 +343,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         _rows_without_support(log_zq.cpu().numpy(), q0)
         ce[q0:q1] = (log_zp - a / sq).cpu().numpy()  # H(q,p) = log Z_p - E_q[s/tau]
         h[q0:q1] = (log_zq - b / sq).cpu().numpy()   # H(q)   = log Z_q - E_q[log r]
-    return GapResult(ce, h, ce - h, temperature, gname)
+    return ce, h
 
 
 def softmax_gap_dense(query_emb, db_emb, query_meta, db_meta, generator, temperature: float) -> GapResult:

@@ -129,3 +129,81 @@ def test_generic_path_only_sees_tiles():
     assert sum(a * b for a, b in gen.shapes) == 23 * 101  # every pair exactly once
     gen.shapes.clear()
     _assert_close(res, softmax_gap_dense(zq, zd, qm, dm, gen, 0.2))
+
+
+# --- fused fixed-shift tile kernels (search/fused.py) ---------------------------------------
+
+def _fused_case(rng, q=150, n=2600, d=24):
+    zq, zd = unit(rng.normal(size=(q, d))), unit(rng.normal(size=(n, d)))
+    return zq, zd, rng.uniform(0, 2 * np.pi, (q, 3)), rng.uniform(0, 2 * np.pi, (n, 3)), \
+        rng.integers(0, 6, q), rng.integers(0, 6, n)
+
+
+@pytest.mark.parametrize("tau", [0.1, 0.03, 0.004])
+def test_fixed_shift_eager_matches_dense_including_underflow_rows(tau, monkeypatch):
+    """fused=True without a compiler runs the same fixed-shift formula eagerly; at tau = 0.004 the
+    shift |x| max|y| = 250 underflows whole rows, which must be detected and redone exactly."""
+    import search.gap as gap_mod
+
+    monkeypatch.setattr(gap_mod, "fused_supported", lambda dev: True)
+    monkeypatch.setattr(gap_mod.TileSums, "_kernels", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no compiler"))))
+    redone = []
+    online = gap_mod._online_gap
+    monkeypatch.setattr(gap_mod, "_online_gap", lambda zq, *a, **k: (redone.append(len(zq)), online(zq, *a, **k))[1])
+    zq, zd, lq, ld, cq, cd = _fused_case(np.random.default_rng(3))
+    for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
+        ref = softmax_gap_dense(zq, zd, mq, md, gen, tau)
+        res = softmax_gap(zq, zd, mq, md, gen, tau, block_q=32, block_n=512, fused=True)
+        _assert_close(res, ref)
+    if tau < 0.01:
+        assert redone and 0 < redone[0] <= len(zq)  # the underflow fallback really ran
+    else:
+        assert not redone
+
+
+@pytest.mark.slow
+def test_compiled_tile_kernels_match_eager_and_dense():
+    """The torch.compile'd kernels (full tiles) and the eager edges give the dense answer."""
+    from search.fused import TileSums, fused_supported
+
+    import torch
+
+    if not fused_supported(torch.device("cpu")):
+        pytest.skip("no C++ compiler for torch.compile on this machine")
+    zq, zd, lq, ld, cq, cd = _fused_case(np.random.default_rng(4), q=96, n=3000)
+    calls = []
+    kernels = TileSums._kernels.__func__
+
+    def spy(cls):
+        calls.append(1)
+        return kernels(cls)
+
+    import search.gap as gap_mod
+
+    orig = gap_mod.TileSums._kernels
+    gap_mod.TileSums._kernels = classmethod(spy)
+    try:
+        for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
+            ref = softmax_gap_dense(zq, zd, mq, md, gen, 0.07)
+            res = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=True)
+            _assert_close(res, ref)
+            eager = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=False)
+            np.testing.assert_allclose(res.kl, eager.kl, rtol=1e-5)
+    finally:
+        gap_mod.TileSums._kernels = orig
+    assert calls  # the compiled kernels were used for the full (32, 1024) tiles
+
+
+def test_fused_auto_and_opt_out(monkeypatch):
+    import torch
+
+    import search.gap as gap_mod
+    from search.fused import fused_supported
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(gap_mod, "fused_supported", lambda dev: True)
+    assert not gap_mod._use_fused(None, cpu, gap_mod.FUSED_MIN_PAIRS - 1)  # small: no compile
+    assert gap_mod._use_fused(None, cpu, gap_mod.FUSED_MIN_PAIRS)
+    assert not gap_mod._use_fused(False, cpu, 10**12)
+    monkeypatch.setenv("SOFTSEARCH_NO_COMPILE", "1")
+    assert not fused_supported(cpu)
