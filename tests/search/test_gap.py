@@ -170,28 +170,27 @@ def test_compiled_tile_kernels_match_eager_and_dense():
 
     if not fused_supported(torch.device("cpu")):
         pytest.skip("no C++ compiler for torch.compile on this machine")
+    from search.fused import latent_sums, partition_sum
+
+    g = torch.Generator().manual_seed(0)
+    lp, uq, un = torch.randn(32, 1024, generator=g) * 4, torch.randn(32, 6, generator=g), torch.randn(1024, 6, generator=g)
+    shift_p = lp.amax(1) + 0.5
+    shift_q = torch.linalg.vector_norm(uq, dim=1) * torch.linalg.vector_norm(un, dim=1).max()
+    sums = TileSums(compiled=True)
+    compiled = sums.latent(lp, uq, un, shift_p, shift_q, full=True)
+    assert sums.compiled  # compilation worked (a failure would have switched the instance to eager)
+    for got, want in zip(compiled, latent_sums(lp, uq, un, shift_p, shift_q, broadcast=False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sums.partition(lp, shift_p, full=True), partition_sum(lp, shift_p), rtol=1e-5, atol=1e-6)
+    assert sums.compiled
+
     zq, zd, lq, ld, cq, cd = _fused_case(np.random.default_rng(4), q=96, n=3000)
-    calls = []
-    kernels = TileSums._kernels.__func__
-
-    def spy(cls):
-        calls.append(1)
-        return kernels(cls)
-
-    import search.gap as gap_mod
-
-    orig = gap_mod.TileSums._kernels
-    gap_mod.TileSums._kernels = classmethod(spy)
-    try:
-        for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
-            ref = softmax_gap_dense(zq, zd, mq, md, gen, 0.07)
-            res = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=True)
-            _assert_close(res, ref)
-            eager = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=False)
-            np.testing.assert_allclose(res.kl, eager.kl, rtol=1e-5)
-    finally:
-        gap_mod.TileSums._kernels = orig
-    assert calls  # the compiled kernels were used for the full (32, 1024) tiles
+    for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
+        ref = softmax_gap_dense(zq, zd, mq, md, gen, 0.07)
+        res = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=True)  # full + ragged tiles
+        _assert_close(res, ref)
+        eager = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=False)
+        np.testing.assert_allclose(res.kl, eager.kl, rtol=1e-5)
 
 
 def test_fused_auto_and_opt_out(monkeypatch):
