@@ -3,7 +3,8 @@
 Throughput: time of one (Q, d) x (d, N) fp32 matrix product on the device divided by the time of
 `softmax_gap` on the same shapes (the fraction of matmul throughput the exact gap reaches; target
 >= 0.5), for the latent generator (log r computed on the device) and the label fast path.
-Memory: peak memory of `softmax_gap` vs the dense reference `softmax_gap_dense` at the same shape
+The default path (fused tile kernels on CPU at these sizes, search/fused.py) is also timed
+against the eager online-max walk (`fused=False`). Memory: peak memory of `softmax_gap` vs the dense reference `softmax_gap_dense` at the same shape
 (GPU: torch peak allocation; CPU: peak RSS growth of a fresh child process). The dense reference
 is measured only while its estimated footprint (about 8 float64 Q x N matrices) fits
 `--dense-limit-gb`; otherwise its estimate is reported.
@@ -75,6 +76,8 @@ def _child_peak(kind: str, q: int, n: int, conn) -> None:
 
     zq, zn, lq, ln, _, _ = make_data(q, n)
     gen = create_generator("latent", kappa=KAPPA)
+    if kind != "dense":  # compile the full-tile kernel first: inductor's own footprint is not the gap's
+        softmax_gap(zq[:512], zn[:8192], lq[:512], ln[:8192], gen, 0.1, device="cpu")
     base = _rss_bytes()
     # Reset the high-water mark so data generation's own peak is not counted (Linux: VmHWM := RSS).
     with open("/proc/self/clear_refs", "w") as f:
@@ -105,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dense-limit-gb", type=float, default=4.0)
     p.add_argument("--name", default="gap", help="results file bench/results/NAME.json")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager (fused=False) comparison rows")
     args = p.parse_args(argv)
     from search.gap import softmax_gap
     from training.generators import create_generator
@@ -128,6 +132,15 @@ def main(argv=None) -> int:
         row(f"gap label {shape} (matmul time / gap time)", t_mm / t_lab, "fraction", None),
         row(f"gap label {shape}", t_lab, "s", t_mm),
     ]
+    if not args.no_eager:  # the eager online-max walk (fused=False), for the record
+        t_lat_e = best_time(lambda: softmax_gap(zq, zn, lq, ln, latent, 0.1, device=dev, fused=False), dev, args.repeats)
+        t_lab_e = best_time(lambda: softmax_gap(zq, zn, cq, cn, label, 0.1, device=dev, fused=False), dev, args.repeats)
+        rows += [
+            row(f"gap latent eager {shape} (matmul time / gap time)", t_mm / t_lat_e, "fraction", None),
+            row(f"gap latent default vs eager {shape}", t_lat, "s", t_lat_e),
+            row(f"gap label eager {shape} (matmul time / gap time)", t_mm / t_lab_e, "fraction", None),
+            row(f"gap label default vs eager {shape}", t_lab, "s", t_lab_e),
+        ]
     dense_est = 8.0 * 8 * q * n
     if gpu:
         torch.cuda.reset_peak_memory_stats()
