@@ -227,28 +227,44 @@ def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed:
     return index, params
 
 
+_F32 = np.dtype(np.float32)
+
+
 def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Top-k inner-product search: (scores (Q, k'), rows (Q, k')) with k' = min(k, ntotal).
 
     Columns where no query found a result are dropped; a remaining missing result (only
     possible with approximate kinds probing fewer than k items) has row -1 and score -inf,
-    so callers skip rows < 0.
+    so callers skip rows < 0. NaN or inf queries raise ValueError.
     """
     if type(k) is not int and (not isinstance(k, np.integer) or isinstance(k, bool)) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    queries = _as_float32(queries, index.d, "queries")
-    n = queries.shape[0]
+    x = queries
+    if not (type(x) is np.ndarray and x.dtype is _F32 and x.flags.c_contiguous):
+        x = np.ascontiguousarray(x, dtype=_F32)
+    if x.ndim != 2 or x.shape[1] != index.d:
+        _as_float32(x, index.d, "queries")  # raises with the precise message
+    n = x.shape[0]
     k = int(min(k, index.ntotal))
     if k == 0 or n == 0:
+        _as_float32(x, None, "queries")  # still refuse NaN / inf
         return np.zeros((n, 0), np.float32), np.zeros((n, 0), np.int64)
     scores = np.empty((n, k), np.float32)
     rows = np.empty((n, k), np.int64)
-    # The queries are validated above, so call the C++ search directly rather than index.search,
-    # whose Python wrapper repeats the same conversions (a few us per call at batch 1).
-    index.search_c(n, faiss.swig_ptr(queries), k, faiss.swig_ptr(scores), faiss.swig_ptr(rows), None)
-    # FAISS sorts each result list best-first with missing results (row -1) at the end, so the
-    # last column alone tells whether anything is missing.
-    if (rows[0, -1] < 0) if n == 1 else (rows[:, -1].min() < 0):
+    # The shape is checked above, so call the C++ search directly rather than index.search, whose
+    # Python wrapper repeats the same conversions (a few us per call at batch 1).
+    index.search_c(n, faiss.swig_ptr(x), k, faiss.swig_ptr(scores), faiss.swig_ptr(rows), None)
+    # Fast path: every list full and every best score finite. FAISS sorts each list best-first with
+    # missing results (row -1) last, so the last column tells whether anything is missing; a query
+    # with a NaN gets no results at all and one with an inf gets an inf best score
+    # (tests/index/test_faiss_index.py checks this for every kind), so finiteness of the input is
+    # only examined when the fast test fails.
+    if n == 1:
+        clean = rows[0, -1] >= 0 and math.isfinite(scores[0, 0])
+    else:
+        clean = rows[:, -1].min() >= 0 and np.isfinite(scores[:, 0]).all()
+    if not clean:
+        _as_float32(x, None, "queries")  # NaN / inf input -> ValueError
         missing = rows < 0
         scores[missing] = -np.inf
         keep = ~missing.all(axis=0)

@@ -73,9 +73,10 @@ class TileSums:
 
     _compiled_latent = None
     _compiled_partition = None
+    _failed = False  # a compilation failed in this process: later instances start eager
 
     def __init__(self, compiled: bool):
-        self.compiled = compiled
+        self.compiled = compiled and not TileSums._failed
 
     @classmethod
     def _kernels(cls):
@@ -92,6 +93,7 @@ class TileSums:
                 logger.warning("torch.compile of the gap tile kernel failed (%s: %s); using the eager path",
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
                 self.compiled = False
+                TileSums._failed = True
         if "broadcast" in kwargs:
             kwargs = {**kwargs, "broadcast": False}
         return eager(*args, **kwargs)

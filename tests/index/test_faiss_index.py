@@ -186,3 +186,22 @@ def test_search_checks_finiteness_without_false_alarms():
     _, rows = fi.search(index, huge, 3)
     _, expected = fi.search(index, huge / np.float32(1e30), 3)
     np.testing.assert_array_equal(rows, expected)
+
+
+@pytest.mark.parametrize("kind", fi.KINDS)
+@pytest.mark.parametrize("n_queries", [1, 30])
+def test_every_kind_marks_non_finite_queries_in_their_results(kind, n_queries):
+    """search() checks input finiteness only when a result row is incomplete or its best score is
+    not finite: this pins the FAISS behaviour that makes that sufficient, kind by kind."""
+    db = unit_vectors(3000, 16, 2)
+    params = {"nlist": 30, "nprobe": 4} if kind.startswith("ivf") else ({"M": 8} if kind == "hnsw" else {})
+    index, _ = fi.build(kind, db, **params)
+    for bad in (np.nan, np.inf, -np.inf):
+        q = unit_vectors(n_queries, 16, 3)
+        q[-1, 5] = bad
+        scores = np.empty((n_queries, 5), np.float32)
+        rows = np.empty((n_queries, 5), np.int64)
+        index.search_c(n_queries, faiss.swig_ptr(q), 5, faiss.swig_ptr(scores), faiss.swig_ptr(rows), None)
+        assert rows[-1, -1] < 0 or not np.isfinite(scores[-1, 0]), (kind, bad)
+        with pytest.raises(ValueError, match="NaN or inf"):
+            fi.search(index, q, 5)
