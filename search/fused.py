@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TileSums", "fused_supported", "UNDERFLOW_PER_ITEM"]
+__all__ = ["UNDERFLOW_PER_ITEM", "TileSums", "fused_supported"]
 
 # A row total below N * UNDERFLOW_PER_ITEM may have lost more than 1e-7 of its mass to terms
 # that underflowed below FLT_MIN (each lost term < 1.2e-38), so the caller recomputes it.
@@ -50,6 +50,18 @@ def latent_sums(lp: torch.Tensor, uq: torch.Tensor, un: torch.Tensor, shift_p: t
 def partition_sum(lp: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """sum_j exp(lp_ij - shift_i), (bq,) float32."""
     return torch.exp(lp - shift[:, None]).sum(1)
+
+
+def _latent_sums_fused(lp, uq, un, shift_p, shift_q):
+    return latent_sums(lp, uq, un, shift_p, shift_q, broadcast=True)  # what torch.compile gets
+
+
+def _latent_sums_eager(lp, uq, un, shift_p, shift_q):
+    return latent_sums(lp, uq, un, shift_p, shift_q, broadcast=False)
+
+
+# (compiled form, eager form) of each tile formula, indexed like TileSums._kernels()
+_FORMULAS = ((_latent_sums_fused, _latent_sums_eager), (partition_sum, partition_sum))
 
 
 def fused_supported(device: torch.device) -> bool:
@@ -81,25 +93,23 @@ class TileSums:
     @classmethod
     def _kernels(cls):
         if cls._compiled_latent is None:
-            cls._compiled_latent = torch.compile(latent_sums, dynamic=False)
-            cls._compiled_partition = torch.compile(partition_sum, dynamic=False)
+            cls._compiled_latent, cls._compiled_partition = (
+                torch.compile(fused, dynamic=False) for fused, _ in _FORMULAS)
         return cls._compiled_latent, cls._compiled_partition
 
-    def _run(self, which: int, eager, args, kwargs, full: bool):
+    def _run(self, which: int, args: tuple, full: bool):
         if self.compiled and full:
             try:
-                return self._kernels()[which](*args, **kwargs)
+                return self._kernels()[which](*args)
             except Exception as err:  # missing compiler, unsupported backend: stay correct, go eager
                 logger.warning("torch.compile of the gap tile kernel failed (%s: %s); using the eager path",
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
                 self.compiled = False
                 TileSums._failed = True
-        if "broadcast" in kwargs:
-            kwargs = {**kwargs, "broadcast": False}
-        return eager(*args, **kwargs)
+        return _FORMULAS[which][1](*args)
 
     def latent(self, lp, uq, un, shift_p, shift_q, full: bool):
-        return self._run(0, latent_sums, (lp, uq, un, shift_p, shift_q), {"broadcast": True}, full)
+        return self._run(0, (lp, uq, un, shift_p, shift_q), full)
 
     def partition(self, lp, shift, full: bool):
-        return self._run(1, partition_sum, (lp, shift), {}, full)
+        return self._run(1, (lp, shift), full)

@@ -9,7 +9,9 @@ Per query x over a database D = {y_1..y_N} (papers.md section 1):
 with log Z_p = logsumexp_j s_j / tau and log Z_q = logsumexp_j log r_j. `softmax_gap` never
 holds a Q x N matrix: it walks (block_q, block_n) tiles with an online log-sum-exp and
 carries the q-weighted sums rescaled whenever the running max moves. Matmuls run in fp32,
-the running sums in float64. `softmax_gap_dense` is the obviously-correct reference.
+the running sums in float64. For the label and latent generators on large problems the tiles
+instead go through one compiled pass with fixed shifts (search/fused.py, `fused=`).
+`softmax_gap_dense` is the obviously-correct reference.
 """
 from __future__ import annotations
 
@@ -154,13 +156,13 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
     return ce, h
 
 
-def _log_partition(zq, zn, temperature, block_q, block_n, dev, sums: TileSums | None = None) -> np.ndarray:
+def _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSums | None = None) -> np.ndarray:
     """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles.
 
-    With `sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/fused.py);
+    With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/fused.py);
     rows whose total could have lost mass to underflow are redone with the online max."""
-    if sums is not None:
-        out, redo = _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, sums)
+    if tile_sums is not None:
+        out, redo = _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, tile_sums)
         if redo.any():
             out[redo] = _log_partition(zq[redo], zn, temperature, block_q, block_n, dev)
         return out
@@ -185,7 +187,7 @@ def _max_norm(rows: _Rows, n: int, block: int) -> float:
     return max(float(torch.linalg.vector_norm(rows[i : i + block], dim=1).max()) for i in range(0, n, block))
 
 
-def _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, sums: TileSums):
+def _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSums):
     """(log Z_p, rows to redo): fixed-shift sums, s/tau - |x_q| max|y| <= 0 (Cauchy-Schwarz)."""
     nq, nn = zq.shape[0], zn.shape[0]
     out = np.empty(nq, dtype=np.float64)
@@ -199,7 +201,7 @@ def _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, sums: TileS
         for n0 in range(0, nn, block_n):
             xn = rn[n0 : n0 + block_n]
             full = xq.shape[0] == block_q and xn.shape[0] == block_n
-            acc += sums.partition(xq @ xn.T, shift, full).double()
+            acc += tile_sums.partition(xq @ xn.T, shift, full).double()
         q1 = q0 + xq.shape[0]
         out[q0:q1] = (shift.double() + torch.log(acc)).cpu().numpy()
         redo[q0:q1] = (acc < nn * UNDERFLOW_PER_ITEM).cpu().numpy()
@@ -233,11 +235,11 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     dev = _device(device)
     gname = getattr(generator, "name", type(generator).__name__)
     kappa = _latent_kappa(generator)
-    sums = None
+    tile_sums = None
     if (gname == "label" or kappa is not None) and _use_fused(fused, dev, zq.shape[0] * zn.shape[0]):
-        sums = TileSums(compiled=True)
+        tile_sums = TileSums(compiled=True)
     if gname == "label":
-        ce, h = _label_gap(zq, zn, query_meta, db_meta, temperature, block_q, block_n, dev, sums)
+        ce, h = _label_gap(zq, zn, query_meta, db_meta, temperature, block_q, block_n, dev, tile_sums)
         return GapResult(ce, h, ce - h, temperature, gname)
 
     uq_all = un_all = None
@@ -246,8 +248,8 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
         # tiles carry only m kappa (u_q . u_n): one small matmul on the device
         uq_all = _oracle(query_meta) * (np.asarray(query_meta).shape[1] * kappa)
         un_all = _oracle(db_meta)
-    if sums is not None:
-        ce, h, redo = _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, sums)
+    if tile_sums is not None:
+        ce, h, redo = _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, tile_sums)
         if redo.any():
             ce[redo], h[redo] = _online_gap(zq[redo], zn, None, db_meta, generator, uq_all[redo], un_all,
                                             temperature, block_q, block_n, dev)
@@ -257,7 +259,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     return GapResult(ce, h, ce - h, temperature, gname)
 
 
-def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, sums: TileSums):
+def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, tile_sums: TileSums):
     """(H(q,p), H(q), rows to redo) for the latent generator with fixed shifts: one fused pass per
     tile (search/fused.py); s/tau <= |x_q| max|y| and log r <= |u_q| max|u_n| bound every term."""
     nq, nn = zq.shape[0], zn.shape[0]
@@ -275,7 +277,7 @@ def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev
         for n0 in range(0, nn, block_n):
             xn = rn[n0 : n0 + block_n]
             full = xq.shape[0] == block_q and xn.shape[0] == block_n
-            tile = sums.latent(xq @ xn.T, uq, run[n0 : n0 + block_n], shift_p, shift_q, full)
+            tile = tile_sums.latent(xq @ xn.T, uq, run[n0 : n0 + block_n], shift_p, shift_q, full)
             for t, v in zip(totals, tile):
                 t += v.double()
         sp, sq, a, b = totals  # sum e^{s/tau - shift_p}, S = sum w, A = sum w s/tau, B = sum w log r
