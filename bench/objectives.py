@@ -61,13 +61,15 @@ def _subset(n_total: int, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n_total, size=n, replace=False))
 
 
+def unit_pixels(ds, idx: np.ndarray) -> np.ndarray:
+    """(N, 784) float32 raw pixels of items `idx`, L2-normalised (the cosine-kNN baseline's space)."""
+    x = ds.images_batch(idx).reshape(len(idx), -1).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-12)
+
+
 def pixel_knn(db, queries, db_idx, q_idx, k: int = 5) -> tuple[float, float, float]:
     """Cosine kNN (k=5 majority) on raw pixels: (mean, low, high) accuracy."""
-    def unit(ds, idx):
-        x = ds.images_batch(idx).reshape(len(idx), -1).astype(np.float32)  # (N, 784)
-        return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-12)
-
-    scores, rows = knn_search(unit(queries, q_idx), unit(db, db_idx), k)
+    scores, rows = knn_search(unit_pixels(queries, q_idx), unit_pixels(db, db_idx), k)
     acc = knn_accuracy(scores, rows, db.labels[db_idx], queries.labels[q_idx], k, weighted=False)
     return bootstrap_ci(acc)
 

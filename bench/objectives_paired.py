@@ -17,17 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from _common import row, write_results
+from objectives import unit_pixels
 from search.metrics import knn_accuracy, knn_search
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed
 
 RULES = ((5, False), (20, True), (200, True))  # (k, weighted)
-
-
-def _unit_pixels(ds) -> np.ndarray:
-    x = ds.images_batch(np.arange(len(ds))).reshape(len(ds), -1).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True).clip(1e-12)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     root = {} if args.data_root is None else {"root": args.data_root}
     db, qs = create_dataset("fashion-mnist", split="train", **root), create_dataset("fashion-mnist", split="test", **root)
-    scores, rows_ = knn_search(_unit_pixels(qs), _unit_pixels(db), 200)
+    scores, rows_ = knn_search(unit_pixels(qs, np.arange(len(qs))), unit_pixels(db, np.arange(len(db))), 200)
     pixel = {k: knn_accuracy(scores, rows_, db.labels, qs.labels, k, weighted=w) for k, w in RULES}
     boot = np.random.default_rng(0).integers(0, len(qs), size=(args.resamples, len(qs)))
     rows = [row(f"pixel k={k}{' weighted' if w else ' majority'}", float(pixel[k].mean()), "accuracy", None)
