@@ -1,0 +1,253 @@
+"""Seeded comparison of the objectives on Fashion-MNIST (issue 14), resumable across sessions.
+
+The 3c protocol of docs/results.md: configs/fashion-mnist.toml (open_clip ModifiedResNet tower,
+`neighbour` positives, no labels in training), 2 000 steps at batch 256, then the full 60k / 10k
+evaluation: weighted kNN at k = 200 / 20 (exp(s/0.07), as in 3c) and at the WEINCE paper's
+k-list {1, 2, 5, 10, 20, 50} at kNN temperature 0.1, and the label cross-entropy gap at the
+calibrated search temperature. Each (objective, seed) is its own run directory; a run that was
+interrupted resumes from its last checkpoint (every 100 steps), a finished one is never redone.
+
+    .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]   # run what is missing
+    .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0        # one run
+    .venv/bin/python bench/objectives_seeds.py report                                      # the JSON table only
+
+Each run is a child process, so a long sweep picks up code that changed while it ran. Finished
+runs leave `bench/results/objectives_seeds/<objective>-seed<k>.json` (figures) and `.npz`
+(per-query kNN correctness, for paired intervals); `report` turns them into
+`bench/results/objectives_seeds.json` with per-seed rows, mean and std over seeds, and a paired
+per-query 95 % bootstrap interval for WEINCE - InfoNCE at the same tau and seed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+
+from _common import RESULTS_DIR, row, write_results  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+CONFIG = _HERE.parent / "configs" / "fashion-mnist.toml"
+PER_RUN_DIR = RESULTS_DIR / "objectives_seeds"
+STEPS, BATCH = 2000, 256
+KNN_PAPER_KS = (1, 2, 5, 10, 20, 50)
+# Langevin noise temperature, the paper's log form 1/T_t = log(t + t_0)/c (tau_0=None): T from 1e-3 at
+# t=0 to 3.0e-4 at t=2000, so sqrt(2 lr T) is about the size of an Adam step early on.
+LANGEVIN = {"tau_0": None, "t_0": 10.0, "c": 2.3e-3, "tau_min": 1e-8}
+
+# objective -> TrainConfig fields replacing the config file's (loss, options, schedules, noise)
+OBJECTIVES: dict[str, dict] = {
+    "infonce-t0.5": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.5}},
+    "weince-paper-t0.5": {"loss": "weince", "loss_options": {"variant": "paper"},
+                          "schedule": "fixed", "schedule_options": {"tau": 0.5}},
+    "infonce-t0.2": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.2}},
+    "weince-blend-t0.2": {"loss": "weince", "loss_options": {"variant": "blend"},
+                          "schedule": "fixed", "schedule_options": {"tau": 0.2}},
+    "anneal-langevin": {"loss": "infonce", "loss_options": {}, "schedule": "log",
+                        "schedule_options": {"tau_0": 0.5, "t_0": 10.0, "c": 1.0, "tau_min": 0.1},
+                        "noise_schedule": "log", "noise_options": LANGEVIN},
+}
+# The sweep's order: the paper's own comparison (3 + 3 seeds at tau 0.5) first.
+DEFAULT_QUEUE = ([("infonce-t0.5", s) for s in range(3)] + [("weince-paper-t0.5", s) for s in range(3)]
+                 + [(o, s) for o in ("infonce-t0.2", "weince-blend-t0.2", "anneal-langevin") for s in range(2)])
+# WEINCE vs the InfoNCE run at the same tau and seed
+PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2"}
+
+
+def run_name(objective: str, seed: int) -> str:
+    return f"{objective}-seed{seed}"
+
+
+def train_run(objective: str, seed: int, runs_dir: Path, steps: int, batch_size: int) -> Path:
+    """Train (or resume) one run; returns its final checkpoint."""
+    from training.config import load_train_config
+    from training.trainer import CHECKPOINT_NAME, STATE_NAME, train
+    from training.checkpoint import read_checkpoint_metadata
+
+    out = runs_dir / run_name(objective, seed)
+    overrides = [f"steps={steps}", f"batch_size={batch_size}", f"seed={seed}", f"out_dir={out}",
+                 "progress=false", "checkpoint_every=100", "warmup_steps=30"]
+    config = load_train_config(CONFIG, overrides)
+    for key, value in OBJECTIVES[objective].items():
+        setattr(config, key, value)
+    config.validate()
+    ckpt = out / CHECKPOINT_NAME
+    if ckpt.is_file() and read_checkpoint_metadata(ckpt)["step"] >= steps:
+        return ckpt
+    resume = (out / STATE_NAME).is_file()
+    logger.info("%s: %s", run_name(objective, seed), "resuming" if resume else "starting")
+    return train(config, resume=resume)
+
+
+def evaluate_run(ckpt: Path, objective: str, seed: int, data_root: str | None) -> tuple[dict, dict]:
+    """Full 60k / 10k evaluation of one checkpoint: (figures, per-query arrays)."""
+    from search.calibration import calibrate_temperature
+    from search.metrics import bootstrap_ci, knn_accuracy, knn_search
+    from training.checkpoint import load_checkpoint
+    from training.datasets import create_dataset
+    from training.encoder import embed
+    from training.generators import create_generator
+
+    root = {} if data_root is None else {"root": data_root}
+    db, qs = create_dataset("fashion-mnist", split="train", **root), create_dataset("fashion-mnist", split="test", **root)
+    encoder, meta = load_checkpoint(ckpt)
+    t0 = time.perf_counter()
+    zd = embed(encoder, db.tensors(np.arange(len(db))), batch_size=512, progress=False)
+    zq = embed(encoder, qs.tensors(np.arange(len(qs))), batch_size=512, progress=False)
+    scores, rows = knn_search(zq, zd, 200)
+    per_query: dict[str, np.ndarray] = {}
+    for k in (200, 20):  # the 3c protocol's rule
+        per_query[f"knn{k}"] = knn_accuracy(scores, rows, db.labels, qs.labels, k, weighted=True, knn_temperature=0.07)
+    for k in KNN_PAPER_KS:  # the WEINCE paper's rule
+        per_query[f"knn{k}-t0.1"] = knn_accuracy(scores, rows, db.labels, qs.labels, k, weighted=True,
+                                                 knn_temperature=0.1)
+    metrics = meta.get("metrics") or {}
+    train_tau = float(metrics.get("temperature", OBJECTIVES[objective]["schedule_options"].get("tau", 0.5)))
+    cal = calibrate_temperature(zq, zd, qs.labels, db.labels, create_generator("label"),
+                                train_temperature=train_tau, n_curve=5)
+    figures = {"objective": objective, "seed": seed, "steps": meta["step"],
+               "objective_fields": OBJECTIVES[objective], "train_tau_final": train_tau,
+               "final_train_loss": metrics.get("loss"),
+               "calibrated_tau": cal.temperature, "label_gap_at_calibrated_tau": cal.gap_at_calibrated["kl"],
+               "label_gap_at_train_tau": (cal.gap_at_train or {}).get("kl"),
+               "mean_embedding_norm": float(np.linalg.norm(zd.mean(axis=0))),
+               "eval_seconds": time.perf_counter() - t0,
+               "train_stats": {k: v for k, v in metrics.items() if k.startswith(("weince", "noise"))}}
+    for name, v in per_query.items():
+        figures[name] = bootstrap_ci(v)
+    return figures, per_query
+
+
+def cmd_run(args) -> int:
+    objective, seed = args.objective, args.seed
+    if objective not in OBJECTIVES:
+        raise SystemExit(f"error: unknown objective {objective!r}; choose from {sorted(OBJECTIVES)}")
+    t0 = time.perf_counter()
+    ckpt = train_run(objective, seed, Path(args.runs_dir), args.steps, args.batch_size)
+    t_train = time.perf_counter() - t0
+    figures, per_query = evaluate_run(ckpt, objective, seed, args.data_root)
+    figures["train_seconds_this_session"] = t_train
+    figures["run_dir"] = str(Path(args.runs_dir) / run_name(objective, seed))
+    PER_RUN_DIR.mkdir(parents=True, exist_ok=True)
+    stem = run_name(objective, seed)  # names hold dots ("t0.5"): no with_suffix
+    np.savez_compressed(PER_RUN_DIR / f"{stem}.npz", **{k: v.astype(np.uint8) for k, v in per_query.items()})
+    (PER_RUN_DIR / f"{stem}.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
+    logger.info("%s: knn200 %.4f knn20 %.4f gap %.3f", stem, figures["knn200"][0], figures["knn20"][0],
+                figures["label_gap_at_calibrated_tau"])
+    return 0
+
+
+def done(objective: str, seed: int) -> bool:
+    return (PER_RUN_DIR / f"{run_name(objective, seed)}.json").is_file()
+
+
+def cmd_sweep(args) -> int:
+    """Run every missing (objective, seed) as a child process; failed runs are retried next pass."""
+    queue = [(o, s) for o, s in DEFAULT_QUEUE if o in args.objectives and s in args.seeds]
+    queue += [(o, s) for o in args.objectives for s in args.seeds if (o, s) not in queue]
+    for attempt in range(args.passes):
+        todo = [(o, s) for o, s in queue if not done(o, s)]
+        if not todo:
+            break
+        logger.info("pass %d: %d runs to do: %s", attempt, len(todo), [run_name(o, s) for o, s in todo])
+        for objective, seed in todo:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "run", "--objective", objective, "--seed", str(seed),
+                   "--runs-dir", args.runs_dir, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+            if args.data_root:
+                cmd += ["--data-root", args.data_root]
+            rc = subprocess.call(cmd)
+            logger.info("%s exited %d", run_name(objective, seed), rc)
+            cmd_report(args)
+        if attempt + 1 < args.passes and any(not done(o, s) for o, s in queue):
+            time.sleep(args.retry_wait)
+    return 0 if all(done(o, s) for o, s in queue) else 1
+
+
+def _load_runs() -> dict[tuple[str, int], tuple[dict, dict]]:
+    runs = {}
+    for path in sorted(PER_RUN_DIR.glob("*.json")):
+        figures = json.loads(path.read_text())
+        with np.load(path.parent / f"{path.stem}.npz") as z:
+            per_query = {k: z[k].astype(np.float64) for k in z.files}
+        runs[(figures["objective"], int(figures["seed"]))] = (figures, per_query)
+    return runs
+
+
+def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of a - b over queries and its 95 % percentile-bootstrap interval (queries resampled)."""
+    diff = a - b
+    idx = np.random.default_rng(seed).integers(0, diff.size, size=(resamples, diff.size))
+    lo, hi = np.quantile(diff[idx].mean(axis=1), [0.025, 0.975])
+    return float(diff.mean()), float(lo), float(hi)
+
+
+def cmd_report(args) -> int:
+    runs = _load_runs()
+    if not runs:
+        logger.info("no finished runs under %s yet", PER_RUN_DIR)
+        return 0
+    rows = []
+    metrics = [("knn200", "accuracy"), ("knn20", "accuracy")] + [(f"knn{k}-t0.1", "accuracy") for k in KNN_PAPER_KS]
+    for (objective, seed), (fig, _) in sorted(runs.items()):
+        base = PAIRS.get(objective)
+        base_fig = runs.get((base, seed), (None,))[0] if base else None
+        for m, unit in metrics:
+            b = base_fig[m][0] if base_fig else None
+            rows.append(row(f"{objective}/seed{seed}/{m}", fig[m][0], unit, b))
+        b = base_fig["label_gap_at_calibrated_tau"] if base_fig else None
+        rows.append(row(f"{objective}/seed{seed}/gap", fig["label_gap_at_calibrated_tau"], "nats", b))
+    objectives = sorted({o for o, _ in runs})
+    for objective in objectives:
+        figs = [f for (o, _), (f, _) in runs.items() if o == objective]
+        for m in ("knn200", "knn20", "knn20-t0.1", "gap"):
+            vals = np.array([f["label_gap_at_calibrated_tau"] if m == "gap" else f[m][0] for f in figs])
+            unit = "nats" if m == "gap" else "accuracy"
+            rows.append(row(f"{objective}/mean/{m}", float(vals.mean()), f"{unit} (n={len(vals)} seeds)", None))
+            rows.append(row(f"{objective}/std/{m}", float(vals.std(ddof=1)) if len(vals) > 1 else 0.0,
+                            f"{unit} (n={len(vals)} seeds)", None))
+    for objective, base in PAIRS.items():
+        for (o, seed), (_, pq) in sorted(runs.items()):
+            if o != objective or (base, seed) not in runs:
+                continue
+            base_pq = runs[(base, seed)][1]
+            for m in ("knn200", "knn20", "knn20-t0.1"):
+                d, lo, hi = paired_interval(pq[m], base_pq[m])
+                rows.append(row(f"{objective}-minus-{base}/seed{seed}/{m}", d,
+                                f"accuracy difference, 95% CI [{lo:+.4f}, {hi:+.4f}]", None))
+    write_results("objectives_seeds", rows, "python bench/objectives_seeds.py report")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("sweep", "run", "report"):
+        s = sub.add_parser(name)
+        s.add_argument("--runs-dir", default="runs/objectives_seeds", help="where run directories live (default %(default)s)")
+        s.add_argument("--steps", type=int, default=STEPS)
+        s.add_argument("--batch-size", type=int, default=BATCH)
+        s.add_argument("--data-root", default=None)
+        if name == "run":
+            s.add_argument("--objective", required=True, choices=sorted(OBJECTIVES))
+            s.add_argument("--seed", type=int, required=True)
+        if name == "sweep":
+            s.add_argument("--objectives", type=lambda v: v.split(","), default=list(OBJECTIVES))
+            s.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2])
+            s.add_argument("--passes", type=int, default=6, help="retry rounds for failed runs (default %(default)s)")
+            s.add_argument("--retry-wait", type=float, default=600.0, help="seconds between rounds (default %(default)s)")
+    args = p.parse_args(argv)
+    return {"sweep": cmd_sweep, "run": cmd_run, "report": cmd_report}[args.command](args)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise SystemExit(main())
