@@ -12,9 +12,10 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz", response_model=HealthOut)
-def healthz() -> HealthOut:
-    """The process is up (says nothing about the index)."""
-    return HealthOut(status="ok")
+def healthz(request: Request) -> HealthOut:
+    """The process is up (always 200); `version` names the loaded index version, null before one is loaded."""
+    searcher = request.app.state.searcher
+    return HealthOut(status="ok", version=searcher.version if searcher is not None else None)
 
 
 @router.get("/readyz", response_model=HealthOut, responses={503: {"model": ErrorResponse}})

@@ -92,7 +92,7 @@ class ReloadOut(BaseModel):
 
 class HealthOut(BaseModel):
     status: str
-    version: str | None = None
+    version: str | None = Field(None, description="the index version being served; null before one is loaded")
 
 
 ERROR_RESPONSES = {

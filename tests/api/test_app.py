@@ -72,7 +72,7 @@ def test_vector_round_trip_and_temperature(client, api_index, api_dataset):
 
 
 def test_index_items_health_and_page(client, api_index, api_dataset):
-    assert client.get("/healthz").json() == {"status": "ok", "version": None}
+    assert client.get("/healthz").json() == {"status": "ok", "version": api_index["version"]}
     assert client.get("/readyz").json()["version"] == api_index["version"]
     idx = client.get("/v1/index").json()
     assert idx["count"] == INDEX_SIZE and idx["dim"] == 16
@@ -262,7 +262,7 @@ def test_readiness_before_and_after_first_index(tmp_path, api_index, api_dataset
     root = tmp_path / "empty"
     settings = Settings(index_root=root, admin_token=ADMIN_TOKEN)
     with TestClient(create_app(settings)) as client:
-        assert client.get("/healthz").status_code == 200
+        assert client.get("/healthz").json() == {"status": "ok", "version": None}  # alive, nothing loaded
         r = client.get("/readyz")
         assert r.status_code == 503 and r.json()["error"] == "not_ready"
         assert client.post("/v1/search/vector", json={"vector": [1.0] * 16}).status_code == 503
@@ -271,6 +271,7 @@ def test_readiness_before_and_after_first_index(tmp_path, api_index, api_dataset
         r = client.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         assert r.status_code == 200 and r.json()["version"] == version
         assert client.get("/readyz").status_code == 200
+        assert client.get("/healthz").json()["version"] == version
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
