@@ -5,7 +5,7 @@ Same encoder (configs/fashion-mnist.toml: open_clip ModifiedResNet tower [1, 1, 
 grey-pixel neighbours, both augmented), same step budget and seed; only the objective changes:
 
 * ``infonce``      InfoNCE, fixed tau = 0.2
-* ``weince``       WEINCE (training/weince.py defaults: margin 2, kappa_rho 10, kappa_aic 1, beta 1), tau = 0.2
+* ``weince``       WEINCE blend-only (variant "blend": margin 2, kappa_rho 10, kappa_aic 1, beta 1), tau = 0.2
 * ``infonce-log``  InfoNCE with the logarithmic temperature schedule
                    1/tau_t = 1/0.5 + log(1 + t/10)/1, tau clipped to >= 0.1
 
@@ -50,7 +50,7 @@ CONFIG = _HERE.parent / "configs" / "fashion-mnist.toml"
 # objective -> (loss, loss_options, schedule, schedule_options); replaces the config file's values
 OBJECTIVES: dict[str, tuple[str, dict, str, dict]] = {
     "infonce": ("infonce", {}, "fixed", {"tau": 0.2}),
-    "weince": ("weince", {}, "fixed", {"tau": 0.2}),
+    "weince": ("weince", {"variant": "blend"}, "fixed", {"tau": 0.2}),
     "infonce-log": ("infonce", {}, "log", {"tau_0": 0.5, "t_0": 10.0, "c": 1.0, "tau_min": 0.1}),
 }
 

@@ -53,10 +53,16 @@ def _encoder():
     return _SmallEncoder().double()
 
 
-def _one_step(model, encoder, loss_name, view_a, view_b, info):
+def _cases() -> dict[str, tuple[str, dict]]:
+    """Every registered loss with its defaults (WEINCE: the paper variant), plus WEINCE's blend variant."""
+    return {**{name: (name, {}) for name in available_losses()}, "weince-blend": ("weince", {"variant": "blend"})}
+
+
+def _one_step(model, encoder, case, view_a, view_b, info):
     """loss, encoder grads and temperature grad of one step (learnable tau to test its averaging)."""
     log_tau = torch.tensor(np.log(0.2), dtype=torch.float64, requires_grad=True)
-    out = contrastive_step(model, create_loss(loss_name), view_a, view_b, log_tau.exp(), info)
+    loss_name, options = _cases()[case]
+    out = contrastive_step(model, create_loss(loss_name, **options), view_a, view_b, log_tau.exp(), info)
     encoder.zero_grad(set_to_none=True)
     out.loss.backward()
     average_gradients([log_tau], info)
@@ -76,7 +82,7 @@ def _worker(rank, port, out_dir):
         n = N_PAIRS // WORLD
         local = slice(rank * n, (rank + 1) * n)
         result = {}
-        for name in available_losses():
+        for name in _cases():
             loss, grads, tau_grad, stats = _one_step(model, encoder, name, view_a[local], view_b[local], info)
             loss = torch.tensor(loss, dtype=torch.float64)
             torch.distributed.all_reduce(loss)  # mean of the per-rank losses = global mean
@@ -97,8 +103,8 @@ def test_ddp_step_equals_single_process(tmp_path, monkeypatch):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     result = json.loads((tmp_path / "result.json").read_text())
     view_a, view_b = _batch()
-    assert set(result) == set(available_losses())
-    for name in available_losses():
+    assert set(result) == set(_cases())
+    for name in _cases():
         encoder = _encoder()
         loss, grads, tau_grad, stats = _one_step(encoder, encoder, name, view_a, view_b, DistInfo())
         assert result[name]["loss"] == pytest.approx(loss, rel=1e-7), name

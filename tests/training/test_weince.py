@@ -1,13 +1,14 @@
 """WEINCE: InfoNCE limit, stop-gradient gates, tail fits on known laws, brute-force reference,
 EMA and the distributed (gather) contract."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from training.losses import InfoNCELoss, LOSSES, contrastive_similarities, create_loss
-from training.weince import WEINCELoss, fit_tail, tail_fit, weince_logits
+from training.weince import WEINCELoss, fit_tail, power_law_slope, tail_fit, weince_logits
 
 
 def _views(n=24, d=8, seed=0, noise=0.3, dtype=torch.float64):
@@ -35,7 +36,7 @@ def test_bad_options(opts):
 def test_lambda_zero_is_infonce_in_loss_and_gradient():
     za, zb = _views(dtype=torch.float32)
     out = {}
-    for name, loss_fn in (("info", InfoNCELoss()), ("wei", WEINCELoss(fixed_lambda=0.0))):
+    for name, loss_fn in (("info", InfoNCELoss()), ("wei", WEINCELoss(variant="blend", fixed_lambda=0.0))):
         a, b = za.clone().requires_grad_(), zb.clone().requires_grad_()
         res = loss_fn(a, b, 0.2)
         res.loss.backward()
@@ -48,10 +49,10 @@ def test_lambda_zero_is_infonce_in_loss_and_gradient():
 def test_gates_carry_no_gradient():
     za, zb = _views()
     a, b = za.clone().requires_grad_(), zb.clone().requires_grad_()
-    loss_fn = WEINCELoss(margin=0.0, kappa_aic=0.5)
+    loss_fn = WEINCELoss(variant="blend", margin=0.0, kappa_aic=0.5)
     z = torch.cat([a, b])
     sim, pos, self_idx = contrastive_similarities(z, z, 0)
-    lam, beta, _ = WEINCELoss(margin=0.0, kappa_aic=0.5).gates(sim, pos, self_idx)
+    lam, beta, _ = WEINCELoss(variant="blend", margin=0.0, kappa_aic=0.5).gates(sim, pos, self_idx)
     assert not lam.requires_grad and not beta.requires_grad
     assert 0.05 < float(lam.mean()) < 0.95  # the test is not degenerate: gates are in play
     res = loss_fn.loss_from_similarities(sim, pos, self_idx, 0.1)
@@ -167,7 +168,7 @@ def _brute_force(sim, pos, self_idx, tau, opts, rho0_prev=None, beta_prev=None):
 def test_matches_brute_force_loop_over_two_steps(beta):
     opts = dict(margin=0.0, kappa_rho=10.0, kappa_aic=1.0, quantile=0.2, m=16, tail_frac=0.1,
                 burn_frac=0.05, eps=1e-6, beta=beta, beta_min=0.5, beta_max=16.0, shrink_c=20.0, ema=0.9)
-    loss_fn = WEINCELoss(**opts)
+    loss_fn = WEINCELoss(variant="blend", **opts)
     rho0, bb = None, None
     for step in range(2):  # second step exercises the EMA of rho_0 (and of the batch beta)
         za, zb = _views(n=20, seed=10 + step)
@@ -180,8 +181,9 @@ def test_matches_brute_force_loop_over_two_steps(beta):
         assert float(loss_fn.rho0_ema) == pytest.approx(rho0, rel=1e-12)
 
 
-def test_eval_mode_does_not_update_ema():
-    loss_fn = WEINCELoss()
+@pytest.mark.parametrize("variant", ["paper", "blend"])
+def test_eval_mode_does_not_update_ema(variant):
+    loss_fn = WEINCELoss(variant=variant)
     za, zb = _views(seed=3)
     loss_fn(za, zb, 0.1)
     before = float(loss_fn.rho0_ema)
@@ -189,15 +191,19 @@ def test_eval_mode_does_not_update_ema():
     za2, zb2 = _views(seed=4)
     loss_fn(za2, zb2, 0.1)
     assert float(loss_fn.rho0_ema) == before
-    assert "rho0_ema" in loss_fn.state_dict()
+    assert {"rho0_ema", "weib_beta_ema"} <= set(loss_fn.state_dict())
 
 
-def test_two_ranks_with_gather_equal_single_process():
+@pytest.mark.parametrize("variant,tail_points", [("paper", 100), ("paper", 1024), ("blend", 1024)])
+def test_two_ranks_with_gather_equal_single_process(variant, tail_points):
     # Simulate DDP with 2 ranks of n pairs: each rank sees its anchors against all candidates and
     # gathers per-anchor tensors; the mean of the rank losses must equal the single-process loss.
+    # beta_t tail: 100 points are cut from the two ranks' 2 x 100; 1024 keeps all 960 negatives,
+    # two sorted halves that must be merged.
     za, zb = _views(n=16, seed=7)
     z_all = torch.cat([za, zb])
-    opts = dict(margin=0.0, beta="auto", shrink_c=10.0)
+    opts = dict(variant=variant, margin=0.0, beta="auto", shrink_c=10.0, weib_min_tail_points=tail_points,
+                weib_top_m=8, pl_top_m=12, weib_r2_min=0.0)
     single = WEINCELoss(**opts)(za, zb, 0.1)
     n = 8
     locals_ = []
@@ -217,7 +223,10 @@ def test_two_ranks_with_gather_equal_single_process():
             outs.append(WEINCELoss(**opts).loss_from_similarities(*locals_[r], 0.1, gather=gather))
         recorded = new_rec
     assert float((outs[0].loss + outs[1].loss) / 2) == pytest.approx(float(single.loss), rel=1e-10)
-    for key in ("weince_lambda_mean", "weince_beta_mean", "weince_rho0", "weince_daic_mean"):
+    assert set(outs[0].stats) == set(single.stats)
+    if variant == "paper":
+        assert single.stats["weince_beta_t_updated"] == 1.0 and single.stats["weince_beta_t"] != 4.0
+    for key in single.stats:
         assert outs[0].stats[key] == pytest.approx(single.stats[key], rel=1e-10)
         assert outs[1].stats[key] == pytest.approx(single.stats[key], rel=1e-10)
 
@@ -240,3 +249,219 @@ def test_near_duplicate_negative_is_finite():
     res = WEINCELoss(fixed_lambda=1.0)(a, zb, 0.1)
     res.loss.backward()
     assert torch.isfinite(res.loss) and torch.isfinite(a.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# variant="blend" is the blend-only loss as it was before the paper variant existed; variant="paper"
+# is the reference's as-run objective (blend + two top-M terms + beta_t rule), checked against a
+# plain float64 NumPy loop of the written formulas.
+
+GOLDEN = Path(__file__).parent / "data" / "weince_blend_golden.npz"
+
+
+@pytest.mark.parametrize("tag,opts", [("default", {}), ("auto", {"beta": "auto", "margin": 0.0})])
+def test_blend_variant_equals_the_previous_implementation(tag, opts):
+    # Loss and gradients recorded from training/weince.py before the variants existed (two steps,
+    # so the rho_0 / beta EMAs are exercised); the blend variant must reproduce them exactly.
+    golden = np.load(GOLDEN)
+    loss_fn = WEINCELoss(variant="blend", **opts)
+    for step in range(2):
+        za, zb = _views(n=24, d=8, seed=40 + step)
+        a, b = za.clone().requires_grad_(), zb.clone().requires_grad_()
+        res = loss_fn(a, b, 0.2)
+        res.loss.backward()
+        assert float(res.loss.detach()) == pytest.approx(float(golden[f"{tag}_step{step}_loss"]), rel=1e-13)
+        np.testing.assert_allclose(a.grad.numpy(), golden[f"{tag}_step{step}_grad_a"], rtol=1e-11, atol=1e-14)
+        np.testing.assert_allclose(b.grad.numpy(), golden[f"{tag}_step{step}_grad_b"], rtol=1e-11, atol=1e-14)
+        assert res.stats["weince_lambda_mean"] == pytest.approx(float(golden[f"{tag}_step{step}_lambda_mean"]))
+        assert not any(k.startswith(("weince_beta_t", "weince_loss_weib", "weince_loss_pl")) for k in res.stats)
+
+
+def test_variant_defaults_and_explicit_overrides():
+    paper, blend = WEINCELoss().options(), WEINCELoss(variant="blend").options()
+    assert paper["variant"] == "paper"
+    assert (paper["weib_lambda"], paper["pl_lambda"], paper["weib_top_m"], paper["pl_top_m"]) == (0.5, 0.5, 50, 50)
+    assert (paper["weib_beta"], paper["weib_beta_init"], paper["weib_beta_momentum"], paper["weib_r2_min"]) == \
+        ("auto", 4.0, 0.9, 0.85)
+    assert (paper["gumbel_proxy"], paper["slope_penalty"], paper["ema"], paper["rho0_rule"]) == \
+        ("loglog", True, 0.0, "nearest")
+    assert (blend["weib_lambda"], blend["pl_lambda"], blend["gumbel_proxy"], blend["ema"]) == (0.0, 0.0, "exponential", 0.9)
+    # an explicit option beats the variant's default, and options() rebuilds the same loss
+    mixed = WEINCELoss(variant="blend", weib_lambda=0.5, gumbel_proxy="loglog")
+    assert mixed.options()["weib_lambda"] == 0.5 and mixed.options()["gumbel_proxy"] == "loglog"
+    assert WEINCELoss(**mixed.options()).options() == mixed.options()
+    assert create_loss("weince", variant="blend").options() == blend
+
+
+@pytest.mark.parametrize("opts", [{"variant": "full"}, {"gumbel_proxy": "weibull"}, {"rho0_rule": "mid"},
+                                  {"slope_penalty": "yes"}, {"weib_lambda": -0.1}, {"pl_top_m": 0},
+                                  {"weib_top_m": 2.5}, {"weib_beta": "fit"}, {"weib_beta_momentum": 1.5},
+                                  {"weib_r2_min": 2.0}, {"weib_min_tail_points": 5}, {"weib_tail_frac": 0.0}])
+def test_bad_paper_options(opts):
+    with pytest.raises(ValueError):
+        create_loss("weince", **opts)
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _ols(x, y):
+    """slope and residual sum of squares of y ~ a + b x (NumPy polyfit)."""
+    b, a = np.polyfit(x, y, 1)
+    return b, float(np.sum((y - a - b * x) ** 2))
+
+
+def _paper_reference(za, zb, tau, o, beta_t_prev):
+    """The paper variant written out per anchor in NumPy float64.
+
+    Returns (loss(z), lam, beta_t, terms(z)): lam and beta_t are computed once from the batch (stop
+    gradient); loss(z) re-selects the top-M negatives from z and keeps lam, beta_t fixed, so a
+    finite-difference gradient of loss(z) is the gradient the written objective prescribes.
+    """
+    z0 = np.concatenate([za, zb])
+    n_pairs, A = len(za), 2 * len(za)
+    pos = [(i + n_pairs) % A for i in range(A)]
+    eps = o["eps"]
+    negs_of = lambda s, i: [j for j in range(A) if j not in (i, pos[i])]  # noqa: E731
+    sim = z0 @ z0.T
+    K = A - 2
+    m = min(K, max(o["m"], int(round(o["tail_frac"] * K))))
+    burn = max(1, m // 20)
+    rho, daic = np.zeros(A), np.zeros(A)
+    f = np.arange(1, m + 1) / (m + 1.0)
+    y_w, y_g = np.log(f)[burn:], np.log(-np.log(f))[burn:]
+    for i in range(A):
+        d = np.sort([1.0 - sim[i, j] for j in negs_of(sim, i)])[:m]
+        rho[i] = max(d[0], eps)
+        x = np.log(np.maximum(d[burn:], eps))
+        b_w, sse_w = _ols(x, y_w)
+        b_g, sse_g = _ols(x, y_g)  # Gumbel proxy log(-log F) on log delta
+        sse_w += 1e6 if b_w <= 0 else 0.0  # bad-slope penalties
+        sse_g += 1e6 if b_g >= 0 else 0.0
+        k = len(y_w)
+        daic[i] = (k * np.log(sse_g / k) + 4) - (k * np.log(sse_w / k) + 4)
+    rho0 = np.sort(rho)[int(round(o["quantile"] * (A - 1)))]
+    lam = _sigmoid(o["kappa_rho"] * (np.log(rho0) - np.log(rho))) * _sigmoid(o["kappa_aic"] * (daic - o["margin"]))
+    # beta_t: power-law slope of the smallest max(1024, 5 %) shortfalls of all negatives
+    all_d = np.sort([1.0 - sim[i, j] for i in range(A) for j in negs_of(sim, i)])
+    k_tail = min(len(all_d), max(o["weib_min_tail_points"], int(o["weib_tail_frac"] * len(all_d))))
+    tb = max(1, k_tail // 20)
+    x = np.log(np.maximum(all_d[:k_tail], eps))[tb:]
+    y = np.log(np.arange(1, k_tail + 1) / (k_tail + 1.0))[tb:]
+    slope, sse = _ols(x, y)
+    r2 = 1.0 - sse / np.sum((y - y.mean()) ** 2)
+    beta_t = beta_t_prev
+    if r2 >= o["weib_r2_min"] and slope > 0:
+        beta_t = 0.9 * beta_t_prev + 0.1 * min(o["beta_max"], max(o["beta_min"], slope))
+
+    def ce(logits, target):
+        mx = max(logits)
+        return mx + math.log(sum(math.exp(v - mx) for v in logits)) - logits[target]
+
+    def terms(z):
+        s = z @ z.T
+        out = np.zeros((A, 3))
+        for i in range(A):
+            cands = [j for j in range(A) if j != i]
+            blend = [(1 - lam[i]) * s[i, j] / tau + lam[i] * -math.log(1 - min(s[i, j], 1 - eps)) for j in cands]
+            out[i, 0] = ce(blend, cands.index(pos[i]))
+            hardest = sorted(negs_of(s, i), key=lambda j: -s[i, j])
+            top_w = [pos[i]] + hardest[:o["weib_top_m"]]
+            out[i, 1] = ce([-beta_t * math.log(1 - min(s[i, j], 1 - eps)) for j in top_w], 0)
+            top_p = [pos[i]] + hardest[:o["pl_top_m"]]
+            out[i, 2] = ce([s[i, j] / tau for j in top_p], 0)
+        return out
+
+    def loss(z):
+        t = terms(z).mean(axis=0)
+        return t[0] + o["weib_lambda"] * t[1] + o["pl_lambda"] * t[2]
+
+    return loss, lam, (beta_t, slope, r2), terms
+
+
+def test_paper_variant_matches_plain_formulas_value_and_gradient():
+    # n = 24 pairs: 46 negatives per anchor, gate tail m = 32, top-M 10 / 16 (a real selection),
+    # beta_t tail = 1024 of the 2208 negatives; two steps exercise the beta_t EMA.
+    o = dict(WEINCELoss().options(), weib_top_m=10, pl_top_m=16)
+    loss_fn = WEINCELoss(**o)
+    tau, beta_prev, n, d = 0.5, 4.0, 24, 8
+    for step in range(2):
+        za, zb = _views(n=n, d=d, seed=60 + step, noise=0.4)
+        a, b = za.clone().requires_grad_(), zb.clone().requires_grad_()
+        res = loss_fn(a, b, tau)
+        res.loss.backward()
+        ref_loss, lam, (beta_t, slope, r2), ref_terms = _paper_reference(za.numpy(), zb.numpy(), tau, o, beta_prev)
+        assert 0.05 < lam.mean() < 0.95  # the gates are in play
+        assert r2 >= 0.85 and beta_t != beta_prev  # the EMA moved
+        z0 = torch.cat([za, zb]).numpy()
+        assert float(res.loss) == pytest.approx(ref_loss(z0), rel=1e-10)
+        t = ref_terms(z0).mean(axis=0)
+        for key, value in zip(("blend", "weib_topm", "pl_topm"), t):
+            assert res.stats[f"weince_loss_{key}"] == pytest.approx(value, rel=1e-10)
+        assert res.stats["weince_lambda_mean"] == pytest.approx(lam.mean(), rel=1e-9)
+        assert res.stats["weince_beta_t"] == pytest.approx(beta_t, rel=1e-12)
+        assert res.stats["weince_beta_t_hat"] == pytest.approx(slope, rel=1e-9)
+        assert res.stats["weince_beta_t_r2"] == pytest.approx(r2, rel=1e-9)
+        assert float(loss_fn.weib_beta_ema) == pytest.approx(beta_t, rel=1e-12)
+        # central differences of the written loss (lam, beta_t held, as the stop-gradient prescribes)
+        h, grad = 1e-6, np.zeros_like(z0)
+        for idx in np.ndindex(*z0.shape):
+            zp, zm = z0.copy(), z0.copy()
+            zp[idx] += h
+            zm[idx] -= h
+            grad[idx] = (ref_loss(zp) - ref_loss(zm)) / (2 * h)
+        got = torch.cat([a.grad, b.grad]).numpy()
+        np.testing.assert_allclose(got, grad, rtol=1e-6, atol=1e-8)
+        beta_prev = beta_t
+
+
+def test_beta_t_gate_keeps_the_ema_on_a_poor_fit():
+    za, zb = _views(n=24, seed=70)
+    loss_fn = WEINCELoss(weib_r2_min=1.0)  # no fit reaches R^2 = 1: beta_t stays at its start value
+    res = loss_fn(za, zb, 0.5)
+    assert res.stats["weince_beta_t_updated"] == 0.0 and res.stats["weince_beta_t"] == 4.0
+    fixed = WEINCELoss(weib_beta=2.5)(za, zb, 0.5)
+    assert fixed.stats["weince_beta_t"] == 2.5
+
+
+def test_power_law_slope_recovers_exponent_and_matches_numpy():
+    g = torch.Generator().manual_seed(71)
+    d = (0.9 * torch.rand(20000, generator=g, dtype=torch.float64) ** (1 / 3.0)).sort().values[:2000]
+    slope, r2 = power_law_slope(d)
+    assert slope == pytest.approx(3.0, rel=0.05) and r2 > 0.99
+    burn = 2000 // 20
+    x = np.log(d.numpy())[burn:]
+    y = np.log(np.arange(1, 2001) / 2001.0)[burn:]
+    b, sse = _ols(x, y)
+    assert slope == pytest.approx(b, rel=1e-10)
+    assert r2 == pytest.approx(1 - sse / np.sum((y - y.mean()) ** 2), rel=1e-10)
+
+
+def test_beta_t_survives_a_state_dict_round_trip():
+    za, zb = _views(n=24, seed=72)
+    loss_fn = WEINCELoss()
+    for _ in range(3):
+        loss_fn(za, zb, 0.5)
+    state = loss_fn.state_dict()
+    resumed = WEINCELoss()
+    resumed.load_state_dict(state)
+    assert float(resumed.weib_beta_ema) == float(loss_fn.weib_beta_ema) != 4.0
+    old = {k: v for k, v in state.items() if k != "weib_beta_ema"}  # a checkpoint from before beta_t
+    older = WEINCELoss()
+    older.load_state_dict(old)
+    assert float(older.weib_beta_ema) == 4.0
+
+
+def test_slope_penalty_neutralises_a_degenerate_tail():
+    # Tied shortfalls (a collapsed batch): both slopes are 0, i.e. of the wrong sign. The reference
+    # penalises both fits equally, so dAIC ~ 0 instead of the ratio of the two responses' variances.
+    tied = torch.full((3, 40), 0.3, dtype=torch.float64)
+    plain = tail_fit(tied, burn=2, gumbel="loglog")
+    penal = tail_fit(tied, burn=2, gumbel="loglog", slope_penalty=True)
+    assert abs(float(plain.daic[0])) > 10
+    assert abs(float(penal.daic[0])) < 1e-2
+    # a proper tail is untouched by the penalty
+    g = torch.Generator().manual_seed(73)
+    d = torch.rand(4, 40, generator=g, dtype=torch.float64)
+    assert torch.equal(tail_fit(d, burn=2, gumbel="loglog").daic, tail_fit(d, burn=2, gumbel="loglog", slope_penalty=True).daic)
