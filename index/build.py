@@ -29,6 +29,7 @@ from index import faiss_index
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
                          prepare_cache)
 from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
+from index.models import checkpoint_record, is_store_model, model_relpath
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, IndexStore, IndexVersion,
                          new_version_name)
 
@@ -315,6 +316,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
             if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
                 raise ValueError(f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}")
         ckpt_sha = checkpoint_sha256(checkpoint)
+        if rank == 0:   # the store keeps its own copy: the training directory may move after the build
+            store.models.add_file(checkpoint, ckpt_sha)
         t0 = time.perf_counter()
         embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=shard_size, batch_size=batch_size,
                                   num_workers=num_workers, device=device, rank=rank, world=world, progress=progress)
@@ -354,7 +357,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
         raise ValueError(f"no readable items to index ({len(skipped)} skipped)")
     temperature, temp_source = training_temperature(info)
     manifest_fields = {
-        "checkpoint": {"path": str(checkpoint.resolve()), "sha256": ckpt_sha, "step": info.get("step")},
+        "checkpoint": _checkpoint_field(checkpoint, ckpt_sha, info),
         "encoder": info.get("encoder"),
         "dataset": {"spec": sources[0]["spec"], "fingerprint": sources[0]["fingerprint"]},
         "sources": sources,
@@ -371,11 +374,19 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
                                      target_recall=target_recall, fields=manifest_fields, timings=timings)
     _stamp_total(staging, t_start)
+    store.models.ensure(ckpt_sha, checkpoint)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                                  activate=activate, keep=keep, calibrator=calibrator)
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version
+
+
+def _checkpoint_field(checkpoint: Path | None, sha: str, info: dict) -> dict:
+    """The manifest's encoder reference: the model's sha256 and place in the store; `path` is provenance only."""
+    return {"sha256": sha, "model": model_relpath(sha),
+            "path": None if checkpoint is None or is_store_model(checkpoint) else str(Path(checkpoint).resolve()),
+            "step": info.get("step")}
 
 
 def _stamp_total(staging: Path, t_start: float) -> None:
@@ -421,14 +432,15 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     kind = base_version.kind
     if kind not in faiss_index.ADDABLE_KINDS:
         raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
-    recorded = base_version.manifest.get("checkpoint") or {}
-    ckpt = Path(checkpoint or recorded.get("path", ""))
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt} (pass --checkpoint)")
-    sha = checkpoint_sha256(ckpt)
-    if recorded.get("sha256") and sha != recorded["sha256"]:
-        raise ValueError(f"checkpoint {ckpt} (sha256 {sha[:12]}) is not the one {base_version.version} was built with "
-                         f"({recorded['sha256'][:12]}); use 'index rebuild' to change the encoder")
+    recorded = checkpoint_record(base_version.manifest)
+    if checkpoint is not None:
+        sha = checkpoint_sha256(checkpoint)
+        if recorded.get("sha256") and sha != recorded["sha256"]:
+            raise ValueError(f"checkpoint {checkpoint} (sha256 {sha[:12]}) is not the one {base_version.version} was "
+                             f"built with ({recorded['sha256'][:12]}); use 'index rebuild' to change the encoder")
+        store.models.add_file(checkpoint, sha)
+    ckpt = store.models.resolve(recorded, base_version.version)   # the store's own copy of the weights
+    sha = recorded["sha256"]
     ds = _as_list(dataset)[0]
     known = set(base_version.ids)
     new_ids = ds.item_ids()
@@ -470,6 +482,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                      target_recall=target_recall, fields=fields, timings={"embed_s": embed_s})
     _stamp_total(staging, t_start)
+    store.models.ensure(sha, ckpt)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                                  activate=activate, keep=keep)
     for cache in caches:

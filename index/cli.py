@@ -20,6 +20,7 @@ from index import faiss_index
 from index.build import DEFAULT_MARGIN, QualityGateError, add_items, build_index, rebuild_index
 from index.embed import dist_env
 from index.manifest import IndexCorruptError
+from index.models import checkpoint_record
 from index.store import IndexStore
 
 logger = logging.getLogger(__name__)
@@ -160,8 +161,8 @@ def _notify(args, version: str | None) -> None:
         print(f"warning: server notification failed: {message}", file=sys.stderr)
 
 
-def _dataset(args, store_root: str, checkpoint: str | None):
-    from training.checkpoint import read_checkpoint_metadata
+def _dataset(args, image_size: int | None):
+    """The dataset the arguments name, rendered / resized at the encoder's input size."""
     from training.datasets import create_dataset
 
     name, split, root = args.dataset, args.split, args.data_root
@@ -169,10 +170,14 @@ def _dataset(args, store_root: str, checkpoint: str | None):
         name, split, root = "folder", "all", args.folder
     if not name:
         raise ValueError("name the items to add: --dataset NAME [--split S --data-root R] or --folder DIR")
-    options = {}
-    if checkpoint:  # render / resize the dataset at the encoder's input size
-        options["image_size"] = int(read_checkpoint_metadata(checkpoint)["encoder"]["image_size"])
+    options = {} if image_size is None else {"image_size": int(image_size)}
     return create_dataset(name, split=split, root=root, size=args.size, seed=args.seed, **options)
+
+
+def _checkpoint_image_size(checkpoint) -> int:
+    from training.checkpoint import read_checkpoint_metadata
+
+    return int(read_checkpoint_metadata(checkpoint)["encoder"]["image_size"])
 
 
 def _embed_opts(args) -> dict:
@@ -236,7 +241,7 @@ def _run(args, evaluator, calibrator) -> int:
             checkpoint = Path(args.checkpoint)
             if not checkpoint.is_file():
                 raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-            version = build_index(checkpoint, _dataset(args, args.root, str(checkpoint)), args.root,
+            version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
                                   kind=args.kind, **opts)
         else:
             version = rebuild_index(args.root, args.checkpoint, kind=args.kind, **opts)
@@ -249,8 +254,8 @@ def _run(args, evaluator, calibrator) -> int:
         base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
         if base is None:
             raise FileNotFoundError(f"no current index version under {args.root} to add to")
-        checkpoint = args.checkpoint or (base.get("checkpoint") or {}).get("path")
-        version = add_items(args.root, _dataset(args, args.root, checkpoint), checkpoint=args.checkpoint,
+        image_size = (base.get("encoder") or {}).get("image_size")
+        version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
                             base=args.base, evaluator=evaluator, **_embed_opts(args))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
         if not args.no_activate:
@@ -282,7 +287,10 @@ def _run(args, evaluator, calibrator) -> int:
         for v in targets:
             try:
                 loaded = store.load(v, verify=True, gpu=False)
-                print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files match their sha256")
+                record = checkpoint_record(loaded.manifest)
+                store.models.resolve(record, v)   # the encoder weights too (migrates an old store)
+                print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files and encoder model "
+                      f"{record['sha256'][:12]} match their sha256")
             except IndexCorruptError as err:
                 bad += 1
                 print(f"CORRUPT {v}: {err}")

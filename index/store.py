@@ -3,6 +3,7 @@
 Layout under `root`::
 
     versions/<version>/   immutable: manifest.json, index.faiss, embeddings.npy, ids.json
+    models/<sha256>.safetensors   encoder weights, content-addressed, shared by versions (index/models.py)
     staging/<name>/       builds in progress (embedding shards, a version being written)
     current               the serving version's name; replaced atomically (tmp, fsync, os.replace)
     history.json          activation stack (for rollback) and an action log
@@ -32,6 +33,7 @@ import numpy as np
 from index import faiss_index
 from index.manifest import (FROZEN_FIELDS, IndexCorruptError, atomic_write_text, fsync_dir, read_manifest,
                             verify_files, write_manifest)
+from index.models import DEFAULT_GRACE_S, ModelStore, checkpoint_record
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +149,7 @@ class IndexStore:
         self.staging_dir = self.root / "staging"
         self.current_file = self.root / "current"
         self.history_file = self.root / "history.json"
+        self.models = ModelStore(self.root)
 
     # ------------------------------------------------------------------ paths and locking
     def ensure(self) -> None:
@@ -281,8 +284,26 @@ class IndexStore:
         logger.info("rolled back index from %s to %s", current, target)
         return target
 
-    def prune(self, keep: int) -> list[str]:
-        """Delete all but the newest `keep` versions, never the current one; returns deleted names."""
+    def used_models(self) -> set[str]:
+        """sha256 of every encoder model a committed or staged version names."""
+        used = set()
+        dirs = [self.versions_dir / v for v in self.versions()]
+        if self.staging_dir.is_dir():
+            dirs += [p for p in self.staging_dir.iterdir() if (p / "manifest.json").is_file()]
+        for d in dirs:
+            try:
+                sha = checkpoint_record(read_manifest(d)).get("sha256")
+            except IndexCorruptError:
+                continue
+            if sha:
+                used.add(sha)
+        return used
+
+    def prune(self, keep: int, model_grace_s: float = DEFAULT_GRACE_S) -> list[str]:
+        """Delete all but the newest `keep` versions, never the current one; returns deleted names.
+
+        Encoder models no remaining version uses are deleted too (unless younger than
+        `model_grace_s`: a build in progress may have just stored one)."""
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         removed = []
@@ -303,6 +324,8 @@ class IndexStore:
                 self._record(self.history(), "prune", ",".join(removed))
         if removed:
             logger.info("pruned %d index versions: %s", len(removed), ", ".join(removed))
+        with self.lock():
+            self.models.remove_unused(self.used_models(), grace_s=model_grace_s)
         self.clean_staging()
         return removed
 

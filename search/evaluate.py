@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from index.build import training_temperature
+from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore
 from search.calibration import calibrate_temperature
 from search.diagnostics import gaussianity, plot_qq, plot_tail, tail_diagnostics
@@ -334,9 +335,9 @@ def _load_database(cfg: EvalConfig, device):
         store = IndexStore(cfg.index)
         version = store.load(cfg.version, verify=True, gpu=False)
         manifest = version.manifest
-        ckpt = Path(manifest["checkpoint"]["path"])
         datasets, rows = version_database(version)
-        encoder, info = load_checkpoint(ckpt, device=device)
+        encoder, info, _ = load_version_encoder(version, device=device)   # the store's own copy of the weights
+        ckpt = store.models.path(checkpoint_record(manifest)["sha256"])
         return encoder, info, ckpt, version.embeddings, datasets, rows, {"root": str(cfg.index), "version": version.version}, manifest
     if cfg.checkpoint is None or cfg.dataset is None:
         raise ValueError("give --index ROOT, or --checkpoint C with --dataset NAME")

@@ -2,7 +2,7 @@
 
 `evaluate_version(candidate, serving)` is the `evaluator` that `index.build.build_index` calls
 (index/ cannot import search/, so `api/cli.py` injects it). Each version is scored with its own
-encoder (the manifest's checkpoint) and its own search temperature, on the same query images.
+encoder (the store's model the manifest names) and its own search temperature, on the same query images.
 Scores (higher is better):
 - "neg_gap": -mean KL(q || p) on the held-out queries, when the generator's r is exact
   (latent, label) -- the quantity softsearch is about;
@@ -20,7 +20,7 @@ from search.calibration import calibrate_temperature
 from search.evaluate import EvalConfig, _device, _ideal_recall, encode, load_eval_data, version_database
 from search.gap import softmax_gap
 from search.metrics import knn_search, recall_at_k, relevance
-from training.checkpoint import load_checkpoint
+from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def _embedded_queries(version, cfg: EvalConfig, queries, device):
     """(eval data, query embeddings, database embeddings) of one IndexVersion, with its own encoder."""
     datasets, rows = version_database(version)
     data = load_eval_data(cfg, datasets, rows, queries=queries)
-    encoder, _ = load_checkpoint(version.manifest["checkpoint"]["path"], device=device)
+    encoder, _, _ = load_version_encoder(version, device=device)
     zq, _ = encode(encoder, data.query_images, cfg.batch_size, device)
     return data, zq, np.asarray(version.embeddings)
 

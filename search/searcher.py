@@ -13,12 +13,12 @@ Hot swap: the loaded (encoder, index version) pair lives in ONE attribute holdin
 in-flight queries finish on the version they started with; `reload()` builds the new snapshot
 off to the side and replaces the attribute under a lock. On any error the old snapshot stays.
 
-Compatibility policy (decided here): each index version names the checkpoint it was built
-with (path + sha256). If that sha256 equals the loaded encoder's, the encoder is reused;
-otherwise the version's own checkpoint is loaded together with it (its sha256 re-verified
-against the manifest) and both are swapped in one step. A version is refused when its
-checkpoint is missing or changed on disk, or when the encoder's embedding dimension, the
-manifest `dim` and the stored embeddings disagree.
+Compatibility policy (decided here): each index version names its encoder by sha256; the
+weights live in the store (`models/<sha256>.safetensors`, index/models.py). If that sha256
+equals the loaded encoder's, the encoder is reused; otherwise the version's own model is loaded
+from the store (its sha256 re-verified) and both are swapped in one step. A version is refused
+when its model is missing or damaged, or when the encoder's embedding dimension, the manifest
+`dim` and the stored embeddings disagree.
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
-from training.checkpoint import checkpoint_sha256, load_checkpoint
 from training.encoder import Encoder, embed
 from training.transforms import preprocess
 
@@ -124,14 +124,6 @@ def _manifest_temperature(manifest: dict) -> float:
     logger.warning("manifest of version %s has no search_temperature; using %g",
                    manifest.get("version"), DEFAULT_TEMPERATURE)
     return DEFAULT_TEMPERATURE
-
-
-def _checkpoint_ref(manifest: dict) -> tuple[str | None, str | None]:
-    """(checkpoint path, sha256) from a manifest, accepting a nested or a flat layout."""
-    ck = manifest.get("checkpoint")
-    if isinstance(ck, dict):
-        return ck.get("path"), ck.get("sha256")
-    return ck or manifest.get("checkpoint_path"), manifest.get("checkpoint_sha256")
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,22 +327,11 @@ class Searcher:
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block)
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
-        path, sha = _checkpoint_ref(version.manifest)
+        sha = checkpoint_record(version.manifest).get("sha256")
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
-        if not path:
-            raise ValueError(f"index version {version.version} names no checkpoint")
-        ck = Path(path)
-        if not ck.is_absolute() and not ck.exists() and self.store is not None:
-            ck = Path(getattr(self.store, "root", ".")) / ck
-        actual = checkpoint_sha256(ck)  # FileNotFoundError if gone
-        if sha and actual != sha:
-            raise ValueError(
-                f"checkpoint {ck} changed since index version {version.version} was built "
-                f"(sha256 {actual[:12]} != manifest {sha[:12]})"
-            )
-        encoder, _ = load_checkpoint(ck, device=self.device)
-        return encoder, actual, True
+        encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store
+        return encoder, sha, True
 
     def load(self, version: str | None = None) -> ReloadResult:
         """Load `version` (default: the store's current one) with its encoder and swap it in.

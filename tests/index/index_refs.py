@@ -15,3 +15,13 @@ def brute_force(db: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray
     s = queries.astype(np.float64) @ db.astype(np.float64).T
     order = np.argsort(-s, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(s, order, axis=1), order
+
+
+def copy_checkpoint(checkpoint, directory):
+    """A private copy of a checkpoint in `directory` (a training run directory a test may move or delete)."""
+    import shutil
+    from pathlib import Path
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return Path(shutil.copyfile(checkpoint, directory / "checkpoint.safetensors"))

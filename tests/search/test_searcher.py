@@ -133,11 +133,20 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     v3 = build_index(store_setup["ck_wide"], ds, root, progress=False)
     assert searcher.reload().version == v3 and searcher.snapshot().dim == 24
 
-    # refused: checkpoint changed on disk since the version was built -> old version keeps serving
+    # the store holds its own copy of the weights: overwriting the training checkpoint changes nothing
     store = IndexStore(root)
     store.activate(v2)
+    sha_b = store.manifest(v2)["checkpoint"]["sha256"]
     _checkpoint(store_setup["ck_b"], seed=99)  # overwrite ck_b with different weights
-    with pytest.raises(ValueError, match="changed since"):
+    assert searcher.reload().version == v2
+    assert [h.id for h in searcher.search_images(img, 1)[0]] == [h.id for h in new.search(new.encode(img), 1)[0]]
+    # refused: the store's model damaged (and its source changed) -> the old version keeps serving
+    store.activate(v3)
+    searcher.reload()
+    store.activate(v2)
+    model = store.models.path(sha_b)
+    model.write_bytes(model.read_bytes()[:-7] + b"damaged")
+    with pytest.raises(ValueError, match="damaged"):
         searcher.reload()
     assert searcher.version == v3
     # refused: version does not exist

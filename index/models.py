@@ -1,0 +1,236 @@
+"""Encoder weights inside the index store, content-addressed: ``R/models/<sha256>.safetensors``.
+
+A version's manifest names its encoder by the sha256 of the checkpoint file
+(``manifest["checkpoint"] = {"sha256", "model": "models/<sha256>.safetensors", "path", "step"}``;
+``path`` only says where the weights came from). The file is written once and shared by every
+version that uses it, so a store root copied to another machine (``cp -a``, rsync, ``index
+export`` / ``import``) serves, evaluates and grows without the training run directory. Every
+load recomputes the hash (remembered per file identity within a process).
+
+Stores written before this layout name only ``checkpoint.path``: on first use the file at that
+path is copied in when its sha256 still matches (migration); when it is gone the error says
+which file to copy where.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from index.manifest import IndexCorruptError, file_sha256, fsync_dir
+
+logger = logging.getLogger(__name__)
+
+MODELS_DIR = "models"
+MODEL_SUFFIX = ".safetensors"
+DEFAULT_GRACE_S = 3600.0   # prune keeps models this young: a build in progress may be about to use one
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+# (path, inode, size, mtime_ns) -> sha256 of files this process already hashed
+_VERIFIED: dict[tuple, str] = {}
+
+
+def check_sha(sha: str) -> str:
+    """A model's name is exactly 64 lowercase hex digits (a sha256); anything else could escape models/."""
+    if not isinstance(sha, str) or not _SHA_RE.match(sha):
+        raise ValueError(f"invalid model sha256 {sha!r}")
+    return sha
+
+
+def model_relpath(sha: str) -> str:
+    """Where a model lives relative to the store root (what manifests record)."""
+    return f"{MODELS_DIR}/{check_sha(sha)}{MODEL_SUFFIX}"
+
+
+def checkpoint_record(manifest: dict) -> dict:
+    """The manifest's encoder reference as {"sha256", "path", ...}; accepts the old flat layout too."""
+    ck = manifest.get("checkpoint")
+    if isinstance(ck, dict):
+        return ck
+    return {"path": ck or manifest.get("checkpoint_path"), "sha256": manifest.get("checkpoint_sha256")}
+
+
+def is_store_model(path: str | os.PathLike) -> bool:
+    """True for a file inside some store's models/ directory (its path says nothing about provenance)."""
+    path = Path(path)
+    return path.parent.name == MODELS_DIR and path.name.endswith(MODEL_SUFFIX) and \
+        bool(_SHA_RE.match(path.name[:-len(MODEL_SUFFIX)]))
+
+
+def store_root_of(version_path: str | os.PathLike) -> Path:
+    """The store root above a version directory (always ``root/versions/<v>`` or ``root/staging/<v>``)."""
+    path = Path(version_path)
+    if path.parent.name not in ("versions", "staging"):
+        raise ValueError(f"{path} is not a version directory inside an index store (root/versions/<version>)")
+    return path.parent.parent
+
+
+def _sha_of(path: Path) -> str:
+    """sha256 of a file, remembered per (path, inode, size, mtime) so repeated loads do not rehash."""
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    sha = _VERIFIED.get(key)
+    if sha is None:
+        sha = _VERIFIED[key] = file_sha256(path)
+    return sha
+
+
+class ModelStore:
+    """The ``models/`` directory of an index store."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.dir = self.root / MODELS_DIR
+
+    def path(self, sha: str) -> Path:
+        return self.dir / f"{check_sha(sha)}{MODEL_SUFFIX}"
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).is_file()
+
+    def shas(self) -> list[str]:
+        """Every stored model's sha256, sorted."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p.name[:-len(MODEL_SUFFIX)] for p in self.dir.iterdir()
+                      if p.name.endswith(MODEL_SUFFIX) and _SHA_RE.match(p.name[:-len(MODEL_SUFFIX)]))
+
+    # ------------------------------------------------------------------ writing
+    def _install(self, tmp: Path, sha: str) -> Path:
+        """Move a fully written temp file to models/<sha>.safetensors (dropped if that exists and is intact)."""
+        target = self.path(sha)
+        if target.is_file() and _sha_of(target) == sha:
+            tmp.unlink(missing_ok=True)
+            os.utime(target)   # fresh mtime: prune's grace period protects a model a build just asked for
+            return target
+        os.replace(tmp, target)
+        fsync_dir(self.dir)
+        logger.info("stored encoder model %s", target)
+        return target
+
+    def _tmp(self) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".incoming-", suffix=MODEL_SUFFIX, dir=self.dir)
+        os.close(fd)
+        return Path(tmp)
+
+    def add_file(self, checkpoint: str | os.PathLike, sha: str | None = None) -> str:
+        """Copy a checkpoint file into the store (once); returns its sha256.
+
+        With `sha` given (already computed by the caller), a present model is only touched.
+        """
+        checkpoint = Path(checkpoint)
+        if not checkpoint.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+        sha = sha or _sha_of(checkpoint)
+        target = self.path(sha)
+        if target.is_file() and (target.resolve() == checkpoint.resolve() or _sha_of(target) == sha):
+            os.utime(target)
+            return sha
+        tmp = self._tmp()
+        try:
+            shutil.copyfile(checkpoint, tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            copied = file_sha256(tmp)
+            if copied != sha:
+                raise ValueError(f"checkpoint {checkpoint} changed while it was copied into the store "
+                                 f"(sha256 {copied[:12]} != {sha[:12]})")
+            self._install(tmp, sha)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return sha
+
+    def ensure(self, sha: str, source: str | os.PathLike | None = None) -> Path:
+        """Make sure models/<sha> is present (touched, or copied from `source`) just before a commit."""
+        target = self.path(sha)
+        if target.is_file():
+            os.utime(target)
+            return target
+        if source is None:
+            raise FileNotFoundError(f"encoder model {target} disappeared during the build (pruned?); rerun it")
+        self.add_file(source, sha)
+        return target
+
+    def add_encoder(self, encoder, *, step: int = 0, train_config: dict | None = None, lineage: dict | None = None,
+                    metrics: dict | None = None) -> str:
+        """Save an in-memory encoder as a softsearch checkpoint straight into the store; returns its sha256."""
+        from training.checkpoint import save_checkpoint
+
+        tmp = self._tmp()
+        try:
+            save_checkpoint(tmp, encoder, step=step, train_config=train_config or {}, lineage=lineage or {},
+                            metrics=metrics)
+            sha = file_sha256(tmp)
+            self._install(tmp, sha)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return sha
+
+    # ------------------------------------------------------------------ reading
+    def resolve(self, record: dict, version: str = "?") -> Path:
+        """The verified model file a manifest's checkpoint record names (migrating an old store on first use).
+
+        Raises FileNotFoundError saying what to copy where when neither the store nor the recorded
+        checkpoint path holds those weights, IndexCorruptError when the stored file is damaged.
+        """
+        sha = record.get("sha256")
+        if not sha:
+            raise ValueError(f"index version {version} names no encoder sha256; rebuild it with 'index rebuild'")
+        check_sha(sha)
+        target = self.path(sha)
+        source = record.get("path")
+        source_ok = bool(source) and Path(source).is_file() and _sha_of(Path(source)) == sha
+        if target.is_file():
+            actual = _sha_of(target)
+            if actual == sha:
+                return target
+            if not source_ok:
+                raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); restore it "
+                                        f"from the original checkpoint or re-import the version")
+            logger.warning("%s is damaged; restoring it from %s", target, source)
+        elif not source_ok:
+            where = f"the checkpoint it was built with ({source}) is gone or changed" if source else "no source is recorded"
+            raise FileNotFoundError(
+                f"index version {version} needs encoder model {sha[:12]}..., which is not in {self.dir} and {where}; "
+                f"copy that checkpoint file to {target} (any file with sha256 {sha}), or run "
+                f"'softsearch index rebuild --root {self.root} --checkpoint C'")
+        else:
+            logger.info("migrating index store %s: copying encoder %s into %s", self.root, source, self.dir)
+        self.add_file(source, sha)
+        return target
+
+    def load_encoder(self, record: dict, device="cpu", version: str = "?"):
+        """(encoder, checkpoint metadata, sha256) of a manifest's checkpoint record, from the store."""
+        from training.checkpoint import load_checkpoint
+
+        path = self.resolve(record, version)
+        encoder, info = load_checkpoint(path, device=device)
+        return encoder, info, record["sha256"]
+
+    def remove_unused(self, used: set[str], grace_s: float = DEFAULT_GRACE_S) -> list[str]:
+        """Delete models no version uses (older than `grace_s`, so a build in progress keeps its own)."""
+        removed = []
+        now = time.time()
+        for sha in self.shas():
+            path = self.path(sha)
+            if sha in used or now - path.stat().st_mtime < grace_s:
+                continue
+            path.unlink(missing_ok=True)
+            removed.append(sha)
+        for tmp in self.dir.glob(".incoming-*") if self.dir.is_dir() else ():
+            if now - tmp.stat().st_mtime > max(grace_s, 60.0):
+                tmp.unlink(missing_ok=True)   # left by a killed writer
+        if removed:
+            fsync_dir(self.dir)
+            logger.info("removed %d unused encoder model(s): %s", len(removed), ", ".join(s[:12] for s in removed))
+        return removed
+
+
+def load_version_encoder(version, device="cpu"):
+    """(encoder, checkpoint metadata, sha256) for a loaded IndexVersion, from its store's models/."""
+    store = ModelStore(store_root_of(version.path))
+    return store.load_encoder(checkpoint_record(version.manifest), device=device, version=version.version)
