@@ -1,4 +1,4 @@
-"""`softsearch index build|rebuild|add|list|activate|rollback|verify|prune`.
+"""`softsearch index build|rebuild|add|list|activate|rollback|verify|prune|export|import`.
 
 User mistakes (bad values, missing files) print one `error: ...` line on stderr and return 2;
 a refused quality gate or a corrupt version returns 1. `--notify URL --token T` POSTs
@@ -22,6 +22,7 @@ from index.embed import dist_env
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record
 from index.store import IndexStore
+from index.transfer import export_version, import_version
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,20 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("prune", help="delete old versions, keeping the newest N and the current one")
     common(sp)
     sp.add_argument("--keep", type=int, required=True)
+
+    sp = sub.add_parser("export", help="write one version and its encoder model into a single archive")
+    common(sp)
+    sp.add_argument("--version", default=None, help="version to export (default: current)")
+    sp.add_argument("--out", required=True, help="archive path (.tar, or .tar.gz / .tgz for gzip)")
+
+    sp = sub.add_parser("import", help="import an exported archive; it becomes current through the quality gate")
+    common(sp); notify(sp)
+    sp.add_argument("archive")
+    sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses or cannot run")
+    sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
+    sp.add_argument("--no-activate", action="store_true", help="import without activating")
+    sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
     return p
 
 
@@ -298,6 +313,18 @@ def _run(args, evaluator, calibrator) -> int:
     if args.command == "prune":
         removed = store.prune(args.keep)
         print(f"pruned {len(removed)} version(s)" + (": " + ", ".join(removed) if removed else ""))
+        return 0
+    if args.command == "export":
+        out = export_version(args.root, args.out, args.version)
+        print(f"exported {args.version or store.current_version()} to {out} ({out.stat().st_size} bytes)")
+        return 0
+    if args.command == "import":
+        version, existed = import_version(args.root, args.archive, evaluator=evaluator, margin=args.margin,
+                                          force=args.force, activate=not args.no_activate, keep=args.keep)
+        state = "activated" if store.current_version() == version else "not activated"
+        print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
+        if state == "activated":
+            _notify(args, version)
         return 0
     raise AssertionError(f"unhandled command {args.command}")
 

@@ -144,6 +144,15 @@ class ModelStore:
             tmp.unlink(missing_ok=True)
         return sha
 
+    def adopt(self, path: str | os.PathLike, sha: str) -> Path:
+        """Move a file (same filesystem, e.g. staging/) into the store as models/<sha>; its content must hash to `sha`."""
+        path = Path(path)
+        actual = file_sha256(path)
+        if actual != check_sha(sha):
+            raise IndexCorruptError(f"{path} hashes to {actual[:12]}..., not the {sha[:12]}... it is named after")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        return self._install(path, sha)
+
     def ensure(self, sha: str, source: str | os.PathLike | None = None) -> Path:
         """Make sure models/<sha> is present (touched, or copied from `source`) just before a commit."""
         target = self.path(sha)

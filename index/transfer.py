@@ -1,0 +1,277 @@
+"""Ship one index version to another store: `export_version` writes a tar archive, `import_version` reads it.
+
+Archive layout (plain tar, or gzip when the name ends in .gz / .tgz)::
+
+    softsearch-export.json                 {"format", "format_version", "version", "model", "created",
+                                            "files": {member: {"sha256", "bytes"}}}
+    versions/<version>/manifest.json, index.faiss, embeddings.npy, ids.json, ...
+    models/<sha256>.safetensors            the encoder weights the version names
+
+Import trusts nothing in the archive: only regular files at exactly those paths are accepted
+(absolute paths, `..`, symlinks, hard links, devices and unlisted members are refused before
+anything is written), each member is streamed into staging while its sha256 is computed and
+compared with the export index, then the version is checked against its own manifest and the
+model against its name. The version becomes current only through the quality gate (or `force`).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import tarfile
+import time
+import uuid
+import zlib
+from pathlib import Path, PurePosixPath
+
+from index.build import DEFAULT_MARGIN, Evaluator, _gate_and_activate
+from index.manifest import (MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files,
+                            write_manifest)
+from index.models import check_sha, checkpoint_record, model_relpath
+from index.store import IndexStore, check_version_name
+
+logger = logging.getLogger(__name__)
+
+EXPORT_FORMAT = "softsearch-index-export"
+EXPORT_FORMAT_VERSION = 1
+EXPORT_INDEX = "softsearch-export.json"
+MAX_INDEX_BYTES = 1 << 20
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def _compression(path: Path) -> str:
+    return "gz" if path.name.endswith((".gz", ".tgz")) else ""
+
+
+def export_version(root, out, version: str | None = None) -> Path:
+    """Write `version` (default: current) of the store at `root` and its encoder model to the archive `out`.
+
+    Every file is verified against its checksum first, so a damaged version is never shipped.
+    The archive is written beside `out` and renamed into place (no half-written archive).
+    """
+    store = IndexStore(root)
+    version = version or store.current_version()
+    if version is None:
+        raise FileNotFoundError(f"no current index version under {root} to export; name one with --version")
+    loaded = store.load(version, verify=True, gpu=False)
+    record = checkpoint_record(loaded.manifest)
+    model = store.models.resolve(record, version)
+    members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
+    for name in loaded.manifest["files"]:
+        members[f"versions/{version}/{name}"] = loaded.path / name
+    members[model_relpath(record["sha256"])] = model
+    index = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "version": version,
+             "model": record["sha256"], "created": utc_now(), "count": loaded.manifest["count"],
+             "files": {name: _describe(path) for name, path in members.items()}}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with tarfile.open(tmp, f"w:{_compression(out)}", format=tarfile.PAX_FORMAT) as tar:
+            data = (json.dumps(index, indent=2) + "\n").encode()
+            info = _tar_info(EXPORT_INDEX, len(data))
+            tar.addfile(info, io.BytesIO(data))
+            for name, path in members.items():
+                with open(path, "rb") as fh:
+                    tar.addfile(_tar_info(name, path.stat().st_size), fh)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(out.parent)
+    logger.info("exported index version %s (%d files) to %s", version, len(members), out)
+    return out
+
+
+def _describe(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"sha256": digest.hexdigest(), "bytes": path.stat().st_size}
+
+
+def _tar_info(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime, info.type = size, 0o644, int(time.time()), tarfile.REGTYPE
+    return info
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _allowed(name: str, version: str, model: str) -> bool:
+    """Exactly the paths an export writes: the index, versions/<version>/<file>, models/<model>.safetensors."""
+    if name == EXPORT_INDEX or name == model_relpath(model):
+        return True
+    parts = PurePosixPath(name).parts
+    return len(parts) == 3 and parts[:2] == ("versions", version) and bool(_FILE_NAME_RE.match(parts[2]))
+
+
+def _check_member(member: tarfile.TarInfo) -> None:
+    """Refuse anything but a regular file at a relative path without '..' (before any byte is written)."""
+    name = member.name
+    path = PurePosixPath(name)
+    if path.is_absolute() or name.startswith(("/", "\\")) or "\\" in name:
+        raise ValueError(f"archive member {name!r} has an absolute path; refused")
+    if any(part in ("..", ".", "") for part in name.split("/")):
+        raise ValueError(f"archive member {name!r} escapes the store ('..' or empty path parts); refused")
+    if member.issym() or member.islnk():
+        raise ValueError(f"archive member {name!r} is a link (to {member.linkname!r}); refused")
+    if not member.isfile():
+        raise ValueError(f"archive member {name!r} is not a regular file; refused")
+
+
+def _read_index(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> dict:
+    info = members.get(EXPORT_INDEX)
+    if info is None:
+        raise ValueError(f"not a softsearch index export: {EXPORT_INDEX} is missing")
+    if info.size > MAX_INDEX_BYTES:
+        raise ValueError(f"{EXPORT_INDEX} is {info.size} bytes; refusing more than {MAX_INDEX_BYTES}")
+    try:
+        index = json.loads(tar.extractfile(info).read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{EXPORT_INDEX} is not valid JSON ({err})") from err
+    if not isinstance(index, dict) or index.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"not a softsearch index export ({EXPORT_INDEX} has format "
+                         f"{index.get('format') if isinstance(index, dict) else None!r})")
+    if not isinstance(index.get("format_version"), int) or index["format_version"] > EXPORT_FORMAT_VERSION:
+        raise ValueError(f"export format_version {index.get('format_version')!r} is newer than {EXPORT_FORMAT_VERSION}")
+    check_version_name(index.get("version"))
+    check_sha(index.get("model"))
+    files = index.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
+                                              for v in files.values()):
+        raise ValueError(f"{EXPORT_INDEX} lists no valid files")
+    return index
+
+
+def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path) -> None:
+    """Stream one member to `target`, hashing as it goes; ValueError on a size or checksum mismatch."""
+    if member.size != expected["bytes"]:
+        raise ValueError(f"archive member {member.name} has {member.size} bytes, the export index says "
+                         f"{expected['bytes']}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    source = tar.extractfile(member)
+    with open(target, "wb") as out:
+        for chunk in iter(lambda: source.read(1 << 20), b""):
+            digest.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    if digest.hexdigest() != expected["sha256"]:
+        raise ValueError(f"archive member {member.name} fails its checksum (sha256 {digest.hexdigest()[:12]}... != "
+                         f"{expected['sha256'][:12]}...); the archive is damaged")
+
+
+def _same_version(a: Path, b: Path) -> bool:
+    try:
+        return read_manifest(a)["files"] == read_manifest(b)["files"]
+    except IndexCorruptError:
+        return False
+
+
+class _GateUnavailable(Exception):
+    """The quality gate could not score the imported version here (e.g. its dataset is not on this machine)."""
+
+
+def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
+                   force: bool = False, activate: bool = True, keep: int | None = None) -> tuple[str, bool]:
+    """Import an exported version into the store at `root` -> (version, whether it was already there).
+
+    The version is committed, then activated only if the quality gate passes against the serving
+    version (or `force`). When the gate cannot run here (for example the version's dataset is
+    not on this machine) the version is committed but not activated, unless `force`.
+    """
+    archive = Path(archive)
+    if not archive.is_file():
+        raise FileNotFoundError(f"archive not found: {archive}")
+    store = IndexStore(root)
+    store.ensure()
+    work = store.staging_path(f"import-{uuid.uuid4().hex[:12]}")
+    try:
+        try:
+            tar = tarfile.open(archive, "r:*")
+        except (tarfile.TarError, OSError, EOFError) as err:
+            reason = str(err).splitlines()[0].rstrip(":")
+            raise ValueError(f"{archive} is not a tar archive ({reason})") from err
+        with tar:
+            try:
+                listed = tar.getmembers()
+            except (tarfile.TarError, OSError, EOFError) as err:
+                raise ValueError(f"{archive} is damaged or truncated ({str(err).splitlines()[0]})") from err
+            members: dict[str, tarfile.TarInfo] = {}
+            for member in listed:
+                _check_member(member)
+                if member.name in members:
+                    raise ValueError(f"archive member {member.name!r} appears twice; refused")
+                members[member.name] = member
+            index = _read_index(tar, members)
+            version, model = index["version"], index["model"]
+            unexpected = sorted(n for n in members if not _allowed(n, version, model))
+            if unexpected:
+                raise ValueError(f"archive members outside the export layout refused: {unexpected[:5]}")
+            listed_files = set(index["files"])
+            if set(members) - {EXPORT_INDEX} != listed_files:
+                missing = sorted(listed_files - set(members))
+                extra = sorted(set(members) - {EXPORT_INDEX} - listed_files)
+                raise ValueError(f"archive does not match its export index (missing {missing[:5]}, unlisted {extra[:5]})")
+            if model_relpath(model) not in listed_files or f"versions/{version}/{MANIFEST_NAME}" not in listed_files:
+                raise ValueError("archive lacks the version manifest or the encoder model")
+            for name in sorted(listed_files):
+                try:
+                    _extract(tar, members[name], index["files"][name], work / name)
+                except (tarfile.TarError, EOFError, zlib.error) as err:
+                    raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
+        staged = work / "versions" / version
+        manifest = read_manifest(staged)
+        verify_files(staged, manifest)
+        if manifest["version"] != version or checkpoint_record(manifest).get("sha256") != model:
+            raise IndexCorruptError(f"{archive}: the manifest names version {manifest['version']} / model "
+                                    f"{checkpoint_record(manifest).get('sha256')}, the export index {version} / {model}")
+        store.models.adopt(work / model_relpath(model), model)
+        if version in store.versions():
+            if not _same_version(store.path(version), staged):
+                raise ValueError(f"a different index version named {version} already exists under {root}")
+            logger.info("index version %s is already in %s", version, root)
+            return version, True
+        target = store.staging_path(version)
+        shutil.rmtree(target)
+        os.rename(staged, target)
+        _activate_imported(store, version, target, evaluator=evaluator, margin=margin, force=force,
+                           activate=activate, keep=keep)
+        return version, False
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _activate_imported(store: IndexStore, version: str, staging: Path, *, evaluator, margin, force, activate,
+                       keep) -> None:
+    def guarded(candidate, serving):
+        try:
+            return evaluator(candidate, serving)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            raise _GateUnavailable(str(err)) from err
+
+    try:
+        _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
+                           margin=margin, force=force, activate=activate, keep=keep)
+    except _GateUnavailable as err:
+        if force:
+            logger.warning("quality gate cannot score %s here (%s); activating it anyway (--force)", version, err)
+            _gate_and_activate(store, version, staging, evaluator=None, margin=margin, force=True,
+                               activate=activate, keep=keep)
+            return
+        manifest = read_manifest(staging)   # recorded, so a plain 'index activate' refuses it too
+        manifest["quality_gate"] = {"passed": False, "forced": False, "serving_version": store.current_version(),
+                                    "error": f"the quality gate cannot score this version here: {err}"}
+        write_manifest(staging, manifest)
+        store.commit(staging, version)
+        raise ValueError(f"imported {version} but did not activate it: the quality gate cannot score it here ({err}); "
+                         f"activate it with 'softsearch index activate {version} --force --root {store.root}'") from None

@@ -1,0 +1,187 @@
+"""index export / import (index/transfer.py): a version and its model in one checked archive."""
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+
+from index.build import QualityGateError, build_index
+from index.cli import main
+from index.manifest import file_sha256
+from index.models import load_version_encoder, model_relpath
+from index.store import IndexStore
+from index.transfer import EXPORT_INDEX, export_version, import_version
+from training.datasets import create_dataset
+from training.encoder import embed
+
+
+@pytest.fixture(scope="module")
+def items():
+    return create_dataset("synthetic", split="train", size=40, seed=0)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_checkpoint, items):
+    """{root, version, archive}: one built version exported to a gzip archive (module-shared, read-only)."""
+    base = tmp_path_factory.mktemp("export")
+    root = base / "index"
+    version = build_index(tiny_checkpoint, items, root, progress=False)
+    return {"root": root, "version": version, "archive": export_version(root, base / "v.tar.gz")}
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and ".lock" not in p.name}
+
+
+def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
+    src = IndexStore(exported["root"])
+    version, existed = import_version(tmp_path / "new", exported["archive"])
+    dst = IndexStore(tmp_path / "new")
+    assert (version, existed) == (exported["version"], False) and dst.current_version() == version
+    a, b = src.load(version), dst.load(version)
+    for name in a.manifest["files"]:
+        assert file_sha256(a.path / name) == file_sha256(b.path / name)
+    assert a.manifest == b.manifest
+    sha = a.manifest["checkpoint"]["sha256"]
+    assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha
+    x = items.tensors(np.arange(6))
+    enc_a, _, _ = load_version_encoder(a)
+    enc_b, _, _ = load_version_encoder(b)
+    np.testing.assert_array_equal(embed(enc_a, x, progress=False), embed(enc_b, x, progress=False))
+    assert import_version(tmp_path / "new", exported["archive"]) == (version, True)   # idempotent
+    assert not any((tmp_path / "new" / "staging").iterdir())                            # nothing left behind
+
+
+def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoint, items):
+    root = tmp_path / "serving"
+    serving = build_index(other_checkpoint, items, root, progress=False)
+    store = IndexStore(root)
+
+    def worse(candidate, current):
+        return {"metric": "score", "candidate": 0.1, "serving": 0.9}
+
+    with pytest.raises(QualityGateError):
+        import_version(root, exported["archive"], evaluator=worse)
+    assert store.current_version() == serving and exported["version"] in store.versions()
+    assert store.manifest(exported["version"])["quality_gate"]["passed"] is False
+
+    root2 = tmp_path / "serving2"
+    build_index(other_checkpoint, items, root2, progress=False)
+
+    def unavailable(candidate, current):
+        raise FileNotFoundError("image folder /elsewhere not found")
+
+    with pytest.raises(ValueError, match="did not activate .* cannot score it here .*elsewhere"):
+        import_version(root2, exported["archive"], evaluator=unavailable)
+    store2 = IndexStore(root2)
+    assert store2.current_version() != exported["version"]
+    assert store2.manifest(exported["version"])["quality_gate"]["passed"] is False   # 'activate' needs --force
+    assert main(["activate", "--root", str(root2), exported["version"]]) == 2
+    assert main(["activate", "--root", str(root2), exported["version"], "--force"]) == 0
+
+    root3 = tmp_path / "serving3"
+    build_index(other_checkpoint, items, root3, progress=False)
+    import_version(root3, exported["archive"], evaluator=unavailable, force=True)
+    assert IndexStore(root3).current_version() == exported["version"]
+
+
+def _members(archive) -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    with tarfile.open(archive, "r:*") as tar:
+        return [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
+
+
+def _write(path, members) -> None:
+    with tarfile.open(path, "w") as tar:
+        for info, data in members:
+            info = tarfile.TarInfo(info) if isinstance(info, str) else info
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, None if data is None else io.BytesIO(data))
+
+
+def _link(name, target, kind):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+def _tampered(members, version, how):
+    """The exported members changed in one malicious or damaging way."""
+    out = list(members)
+    ids = f"versions/{version}/ids.json"
+    if how == "absolute":
+        out.append(("/tmp/softsearch-evil.txt", b"x"))
+    elif how == "dotdot":
+        out.append((f"versions/{version}/../../evil.txt", b"x"))
+    elif how == "symlink":
+        out = [(m, d) for m, d in out if m.name != ids] + [(_link(ids, "/etc/passwd", tarfile.SYMTYPE), None)]
+    elif how == "hardlink":
+        out = [(m, d) for m, d in out if m.name != ids] + [(_link(ids, "/etc/passwd", tarfile.LNKTYPE), None)]
+    elif how == "checksum":
+        out = [(m, d if m.name != ids else d.replace(b'"', b"'", 1)) for m, d in out]
+    elif how == "unlisted":
+        out.append((f"versions/{version}/extra.bin", b"x"))
+    elif how == "elsewhere":
+        out.append(("models/../current", b"evil"))
+    elif how == "layout":
+        out.append(("history.json", b"{}"))
+    elif how == "missing":
+        out = [(m, d) for m, d in out if m.name != ids]
+    elif how == "index":
+        out = [(m, d if m.name != EXPORT_INDEX else b"{not json") for m, d in out]
+    return out
+
+
+@pytest.mark.parametrize("how, message", [
+    ("absolute", "absolute path"), ("dotdot", "escapes the store"), ("symlink", "is a link"),
+    ("hardlink", "is a link"), ("checksum", "fails its checksum"), ("unlisted", "unlisted"),
+    ("elsewhere", "escapes the store"), ("layout", "outside the export layout"),
+    ("missing", "does not match its export index"), ("index", "not valid JSON"),
+])
+def test_import_refuses_bad_archives_and_writes_nothing(tmp_path, exported, how, message):
+    bad = tmp_path / "bad.tar"
+    _write(bad, _tampered(_members(exported["archive"]), exported["version"], how))
+    root = tmp_path / "store"
+    with pytest.raises(ValueError, match=message):
+        import_version(root, bad)
+    store = IndexStore(root)
+    assert store.versions() == [] and store.current_version() is None and store.models.shas() == []
+    assert _tree(root) == set()                                   # staging cleaned, nothing written anywhere
+    assert not (tmp_path / "evil.txt").exists()
+
+
+def test_truncated_archive_is_refused(tmp_path, exported):
+    data = exported["archive"].read_bytes()
+    for cut in (len(data) // 2, len(data) - 100):
+        bad = tmp_path / f"cut{cut}.tar.gz"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="damaged or truncated|not a tar archive"):
+            import_version(tmp_path / f"store{cut}", bad)
+        assert IndexStore(tmp_path / f"store{cut}").versions() == []
+
+
+def test_cli_export_import_and_user_errors(tmp_path, exported, capsys):
+    out = tmp_path / "cli.tar"
+    assert main(["export", "--root", str(exported["root"]), "--out", str(out)]) == 0
+    assert f"exported {exported['version']}" in capsys.readouterr().out
+    assert main(["import", "--root", str(tmp_path / "b"), str(out)]) == 0
+    assert "activated" in capsys.readouterr().out and IndexStore(tmp_path / "b").current_version() == exported["version"]
+    (tmp_path / "junk.tar").write_bytes(b"not a tar at all")
+    for argv, text in ((["import", "--root", str(tmp_path / "c"), str(tmp_path / "junk.tar")], "not a tar archive"),
+                       (["import", "--root", str(tmp_path / "c"), str(tmp_path / "nope.tar")], "archive not found"),
+                       (["export", "--root", str(tmp_path / "empty"), "--out", str(out)], "no current index version")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert text in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_copied_store_needs_nothing_outside_it(tmp_path, exported):
+    copy = tmp_path / "copy"
+    shutil.copytree(exported["root"], copy, symlinks=True)
+    index = json.loads(json.dumps(IndexStore(copy).manifest(exported["version"])))
+    assert str(exported["root"]) not in json.dumps({k: v for k, v in index.items() if k != "checkpoint"})
+    load_version_encoder(IndexStore(copy).load())
