@@ -60,7 +60,10 @@ def check_version_name(version: str) -> str:
 
 
 class IndexVersion:
-    """One loaded version: the FAISS index, caller ids, unit embeddings and the manifest."""
+    """One loaded version: the FAISS index, caller ids, unit embeddings and the manifest.
+
+    `embeddings` is a read-only np.memmap of embeddings.npy: callers stream it in row blocks
+    (or gather rows) and never need it resident."""
 
     def __init__(self, path: Path, manifest: dict, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
         self.path = Path(path)
@@ -69,7 +72,7 @@ class IndexVersion:
         self.kind: str = manifest["kind"]
         self.index = index
         self.ids = ids
-        self.embeddings = embeddings    # (N, D) float32 unit rows; row i is ids[i] and FAISS row i
+        self.embeddings = embeddings    # (N, D) float32 unit rows (read-only memmap); row i is ids[i] and FAISS row i
 
     @classmethod
     def load(cls, path: str | os.PathLike, verify: bool = True, gpu: bool | None = None) -> "IndexVersion":
@@ -86,7 +89,9 @@ class IndexVersion:
             verify_files(path, manifest)
         try:
             index = faiss.read_index(str(path / INDEX_FILE))
-            embeddings = np.load(path / EMBEDDINGS_FILE, allow_pickle=False)
+            # memory-mapped, read-only: the serving process holds no second N x D copy; pages come
+            # from the OS page cache (shared by every worker process on the machine) as they are read
+            embeddings = np.load(path / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
             ids = json.loads((path / IDS_FILE).read_text(encoding="utf-8"))
         except (RuntimeError, ValueError, OSError, EOFError) as err:
             raise IndexCorruptError(f"{path}: cannot read version files ({err})") from err

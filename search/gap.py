@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,13 +109,23 @@ class _Rows:
 
     def __init__(self, x: np.ndarray, dev: torch.device):
         self.x, self.dev = x, dev
-        self.t = (torch.as_tensor(np.ascontiguousarray(x, dtype=np.float32), device=dev)
-                  if x.shape[0] * x.shape[1] * 4 <= RESIDENT_BYTES else None)
+        self.t = _tensor(x, dev) if x.shape[0] * x.shape[1] * 4 <= RESIDENT_BYTES else None
 
     def __getitem__(self, sl: slice) -> torch.Tensor:
         if self.t is not None:
             return self.t[sl]
-        return torch.as_tensor(np.ascontiguousarray(self.x[sl], dtype=np.float32), device=self.dev)
+        return _tensor(self.x[sl], self.dev)
+
+
+def _tensor(x: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """float32 tensor over `x`, zero-copy on CPU; read-only arrays (an index version's memory-mapped
+    embeddings) are shared as they are, since these kernels never write to their operands."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.flags.writeable:
+        return torch.as_tensor(x, device=dev)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.as_tensor(x, device=dev)
 
 
 def _rows_without_support(log_z_q: np.ndarray, offset: int) -> None:

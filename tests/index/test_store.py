@@ -36,6 +36,8 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
     loaded = store.load()
     assert loaded.version == version and len(loaded) == 1200 and loaded.kind == kind
     np.testing.assert_array_equal(loaded.embeddings, emb)
+    # memory-mapped and read-only: no second resident copy of the N x D matrix
+    assert isinstance(loaded.embeddings, np.memmap) and not loaded.embeddings.flags.writeable
     assert loaded.ids == ids
     scores, rows = loaded.search(q, 10)
     ref_s, ref_rows = brute_force(emb, q, 10)
