@@ -357,7 +357,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
         raise ValueError(f"no readable items to index ({len(skipped)} skipped)")
     temperature, temp_source = training_temperature(info)
     manifest_fields = {
-        "checkpoint": _checkpoint_field(checkpoint, ckpt_sha, info),
+        "checkpoint": _checkpoint_field(store, checkpoint, ckpt_sha, info),
         "encoder": info.get("encoder"),
         "dataset": {"spec": sources[0]["spec"], "fingerprint": sources[0]["fingerprint"]},
         "sources": sources,
@@ -382,10 +382,12 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     return version
 
 
-def _checkpoint_field(checkpoint: Path | None, sha: str, info: dict) -> dict:
-    """The manifest's encoder reference: the model's sha256 and place in the store; `path` is provenance only."""
-    return {"sha256": sha, "model": model_relpath(sha),
-            "path": None if checkpoint is None or is_store_model(checkpoint) else str(Path(checkpoint).resolve()),
+def _checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) -> dict:
+    """The manifest's encoder reference: the model's sha256 and place in the store; `path` is provenance
+    only (None for a file inside the store, e.g. a pretrained model saved for this build)."""
+    path = Path(checkpoint).resolve()
+    inside = store.root.resolve() in path.parents or is_store_model(path)
+    return {"sha256": sha, "model": model_relpath(sha), "path": None if inside else str(path),
             "step": info.get("step")}
 
 

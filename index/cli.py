@@ -8,6 +8,7 @@ a failed notification is reported but does not fail the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -20,7 +21,7 @@ from index import faiss_index
 from index.build import DEFAULT_MARGIN, QualityGateError, add_items, build_index, rebuild_index
 from index.embed import dist_env
 from index.manifest import IndexCorruptError
-from index.models import checkpoint_record
+from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
 from index.store import IndexStore
 from index.transfer import export_version, import_version
 
@@ -98,7 +99,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("build", help="embed a dataset and build a new version")
     common(sp); notify(sp); dataset(sp, True); embedding(sp); kind(sp, "flat")
-    sp.add_argument("--checkpoint", required=True)
+    sp.add_argument("--checkpoint", default=None, help="a softsearch checkpoint (from 'softsearch train')")
+    sp.add_argument("--encoder", default=None, metavar="open_clip:NAME",
+                    help="index with a named open_clip model and --pretrained weights instead of a checkpoint")
+    sp.add_argument("--pretrained", default=None, metavar="FILE",
+                    help="local open_clip weights for --encoder (.safetensors, .bin, .pt; never downloaded)")
+    sp.add_argument("--image-size", type=int, default=None, help="--encoder input size (default: the model's own)")
+    sp.add_argument("--image-mean", default=None, metavar="R,G,B",
+                    help="--encoder input mean (default: the model's own preprocessing)")
+    sp.add_argument("--image-std", default=None, metavar="R,G,B", help="--encoder input std (default: the model's own)")
     sp.add_argument("--search-temperature", type=float, default=None,
                     help="calibrated softmax temperature to record (default: the training temperature)")
 
@@ -195,6 +204,47 @@ def _checkpoint_image_size(checkpoint) -> int:
     return int(read_checkpoint_metadata(checkpoint)["encoder"]["image_size"])
 
 
+def _triple(text: str | None, flag: str) -> tuple[float, float, float] | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3:
+        raise ValueError(f"{flag} must be three comma-separated numbers (R,G,B), got {text!r}")
+    return values
+
+
+@contextlib.contextmanager
+def _build_checkpoint(args, store: IndexStore):
+    """The checkpoint `index build` embeds with: --checkpoint, or --encoder + --pretrained saved as one
+    (in staging; the build copies it into the store's models/ like any checkpoint)."""
+    if (args.checkpoint is None) == (args.encoder is None):
+        raise ValueError("give --checkpoint C, or --encoder open_clip:NAME --pretrained FILE (one of them)")
+    if args.checkpoint is not None:
+        if args.pretrained or args.image_size or args.image_mean or args.image_std:
+            raise ValueError("--pretrained / --image-size / --image-mean / --image-std go with --encoder, "
+                             "not --checkpoint (a checkpoint already fixes them)")
+        checkpoint = Path(args.checkpoint)
+        if not checkpoint.is_file():
+            raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+        yield checkpoint
+        return
+    model_name = parse_encoder_spec(args.encoder)
+    if args.pretrained is None:
+        raise ValueError(f"--encoder {args.encoder} needs --pretrained FILE: weights are never downloaded")
+    store.ensure()
+    checkpoint = save_pretrained_checkpoint(store.staging_dir, model_name, args.pretrained,
+                                            image_size=args.image_size,
+                                            image_mean=_triple(args.image_mean, "--image-mean"),
+                                            image_std=_triple(args.image_std, "--image-std"))
+    try:
+        yield checkpoint
+    finally:
+        checkpoint.unlink(missing_ok=True)
+
+
 def _embed_opts(args) -> dict:
     return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
                 device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
@@ -253,11 +303,9 @@ def _run(args, evaluator, calibrator) -> int:
                     calibrator=calibrator, fields=fields,
                     memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
         if args.command == "build":
-            checkpoint = Path(args.checkpoint)
-            if not checkpoint.is_file():
-                raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-            version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
-                                  kind=args.kind, **opts)
+            with _build_checkpoint(args, store) as checkpoint:
+                version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
+                                      kind=args.kind, **opts)
         else:
             version = rebuild_index(args.root, args.checkpoint, kind=args.kind, **opts)
         if rank == 0:

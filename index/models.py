@@ -243,3 +243,44 @@ def load_version_encoder(version, device="cpu"):
     """(encoder, checkpoint metadata, sha256) for a loaded IndexVersion, from its store's models/."""
     store = ModelStore(store_root_of(version.path))
     return store.load_encoder(checkpoint_record(version.manifest), device=device, version=version.version)
+
+
+ENCODER_SCHEMES = ("open_clip",)
+
+
+def parse_encoder_spec(spec: str) -> str:
+    """'open_clip:ViT-B-32' -> 'ViT-B-32' (the only scheme: a named open_clip model)."""
+    scheme, sep, name = str(spec).partition(":")
+    if not sep or scheme not in ENCODER_SCHEMES or not name:
+        raise ValueError(f"bad --encoder {spec!r}; expected open_clip:MODEL_NAME, e.g. open_clip:ViT-B-32")
+    return name
+
+
+def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pretrained: str | os.PathLike, *,
+                               image_size: int | None = None, image_mean=None, image_std=None) -> Path:
+    """A named open_clip model with local weights, saved as a softsearch checkpoint in `directory`.
+
+    Weights load through open_clip's own `pretrained=` path (never downloaded); image size, mean
+    and std default to the model's own preprocessing. The lineage records the source file's
+    sha256 and the CLIP model's temperature 1 / exp(logit_scale), which becomes the index's
+    training temperature (before calibration).
+    """
+    from training.encoder import EncoderConfig, create_encoder
+
+    pretrained = Path(pretrained)
+    if not pretrained.is_file():
+        raise FileNotFoundError(f"--pretrained {pretrained} is not a local file (weights are never downloaded)")
+    encoder = create_encoder(EncoderConfig(model_name=model_name, pretrained=str(pretrained.resolve()),
+                                           image_size=image_size, image_mean=image_mean, image_std=image_std))
+    lineage = {"objective": "none (pretrained open_clip weights, not trained here)",
+               "pretrained": {"model_name": model_name, "file": str(pretrained.resolve()),
+                              "sha256": file_sha256(pretrained)}}
+    if encoder.clip_temperature:
+        lineage["temperature"] = encoder.clip_temperature
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    from training.checkpoint import save_checkpoint
+
+    path = Path(directory) / f"pretrained-{os.getpid()}-{time.time_ns()}{MODEL_SUFFIX}"
+    save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage)
+    return path
+

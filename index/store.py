@@ -349,6 +349,9 @@ class IndexStore:
             if p.is_dir() and not p.name.startswith("embed-") and now - p.stat().st_mtime > max_age_s:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p.name)
+            elif p.is_file() and p.name.startswith("pretrained-") and now - p.stat().st_mtime > max_age_s:
+                p.unlink(missing_ok=True)   # a pretrained encoder saved by a killed `index build --encoder`
+                removed.append(p.name)
         if removed:
             logger.info("removed %d stale staging directories: %s", len(removed), ", ".join(removed))
         return removed

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from training.encoder import Encoder, create_encoder, encoder_config_from_dict
+from training.transforms import MEAN, STD
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +168,11 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     path = Path(path)
     meta = _read_metadata(path, CHECKPOINT_FORMAT)
     try:
-        config = encoder_config_from_dict(meta["encoder"])
+        stored = dict(meta["encoder"])
+        for key in ("image_mean", "image_std"):
+            # checkpoints written before these fields existed were trained on preprocess()'s 0.5 / 0.5
+            stored.setdefault(key, [MEAN] * 3 if key == "image_mean" else [STD] * 3)
+        config = encoder_config_from_dict(stored)
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path} has an invalid encoder config ({err})") from err
     # Weights come from the checkpoint, so the original pretrained file is not needed.

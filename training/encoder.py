@@ -5,13 +5,23 @@ Two ways to build one (see `EncoderConfig`):
 * a custom small tower from `open_clip.model.CLIPVisionCfg` (int `layers` -> VisionTransformer,
   4-tuple `layers` -> ModifiedResNet), the CPU-friendly default;
 * a named open_clip model (`model_name="RN50"`, `"ViT-B-32"`, ...) whose `.visual` tower is
-  kept, optionally with weights from a *local* file (never downloaded).
+  kept, optionally with weights from a *local* file (never downloaded), loaded by open_clip's own
+  `create_model(name, pretrained=FILE)`: every layout and file type it accepts (safetensors,
+  `torch.save` state dicts, training checkpoints with a `state_dict` and `module.` prefixes,
+  OpenAI TorchScript archives), with its conversions and position-embedding resizing.
+
+Input normalisation: `training.transforms.preprocess` gives every path the same tensor,
+`x = (p - 0.5) / 0.5` for pixels `p` in [0, 1]. A tower trained with another mean / std (open_clip
+models: the model's own preprocessing config, e.g. OpenAI's CLIP mean and std) gets
+`x' = (p - mean) / std = x * (0.5 / std) + (0.5 - mean) / std` per channel, applied inside
+`Encoder.features`, so training, index building and the API all feed it what it was trained on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -22,9 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from training.transforms import MEAN, STD
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["EncoderConfig", "Encoder", "create_encoder", "embed", "encoder_config_from_dict"]
+__all__ = ["EncoderConfig", "Encoder", "create_encoder", "embed", "encoder_config_from_dict", "model_image_size"]
+
+DEFAULT_IMAGE_SIZE = 32
 
 
 @dataclass
@@ -33,18 +47,28 @@ class EncoderConfig:
 
     model_name: str | None = None  # open_clip model name ("RN50", "ViT-B-32"); None -> custom tower
     pretrained: str | None = None  # local weights file for model_name (never downloaded)
-    image_size: int = 32
+    image_size: int | None = None  # None -> the named model's own input size, 32 for a custom tower
     embed_dim: int = 64
     width: int = 64  # custom tower: CLIPVisionCfg.width
     layers: int | tuple[int, ...] = 2  # int -> ViT depth; 4-tuple -> ModifiedResNet stage depths
     heads: int = 4  # attention heads; open_clip takes head_width = width // heads
     patch_size: int = 4  # ViT only
     mlp_ratio: float = 2.0  # ViT only
+    # per-channel input normalisation the tower was trained with; None -> the named model's own
+    # preprocessing config (open_clip), (0.5, 0.5, 0.5) for a custom tower
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
 
     def __post_init__(self) -> None:
         # TOML / JSON give lists; a tuple keeps the config hashable and comparable.
         if isinstance(self.layers, list):
             self.layers = tuple(int(v) for v in self.layers)
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                setattr(self, name, tuple(float(v) for v in value))
+        if self.image_size is None:
+            self.image_size = model_image_size(self.model_name) if self.model_name else DEFAULT_IMAGE_SIZE
 
     @property
     def is_resnet(self) -> bool:
@@ -52,8 +76,14 @@ class EncoderConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if self.image_size <= 0:
-            raise ValueError(f"encoder.image_size must be positive, got {self.image_size}")
+        if self.model_name is not None:
+            check_model_name(self.model_name)
+        if not isinstance(self.image_size, int) or self.image_size <= 0:
+            raise ValueError(f"encoder.image_size must be a positive integer, got {self.image_size!r}")
+        for name in ("image_mean", "image_std"):
+            value = getattr(self, name)
+            if value is not None and (len(value) != 3 or (name == "image_std" and min(value) <= 0)):
+                raise ValueError(f"encoder.{name} must be 3 numbers{' > 0' if name == 'image_std' else ''}, got {value}")
         if self.model_name is not None:
             if self.pretrained is not None and not os.path.isfile(self.pretrained):
                 raise FileNotFoundError(
@@ -95,6 +125,34 @@ class EncoderConfig:
                 raise ValueError(f"encoder.mlp_ratio must be positive, got {self.mlp_ratio}")
 
 
+def check_model_name(name: str) -> None:
+    """ValueError unless `name` is an open_clip model this project can build offline."""
+    import open_clip
+
+    if name not in open_clip.list_models():
+        raise ValueError(f"unknown open_clip model_name {name!r}; `python -c 'import open_clip; "
+                         f"print(open_clip.list_models())'` lists them")
+    text = (open_clip.get_model_config(name) or {}).get("text_cfg", {})
+    if text.get("hf_model_name"):
+        raise ValueError(f"open_clip model {name!r} builds its text tower from Hugging Face "
+                         f"({text['hf_model_name']}), which would download its configuration; pick another model")
+
+
+def model_image_size(name: str) -> int | None:
+    """The input side of a named open_clip model (its vision config), or None for an unknown name."""
+    import open_clip
+
+    config = open_clip.get_model_config(name)
+    if config is None:
+        return None
+    size = config["vision_cfg"].get("image_size", DEFAULT_IMAGE_SIZE)
+    if isinstance(size, (list, tuple)):
+        if len(set(size)) != 1:
+            raise ValueError(f"open_clip model {name!r} takes non-square {tuple(size)} images; not supported")
+        size = size[0]
+    return int(size)
+
+
 def encoder_config_from_dict(data: dict[str, Any]) -> EncoderConfig:
     """Rebuild an EncoderConfig from its JSON form; unknown keys -> ValueError."""
     known = {f.name for f in fields(EncoderConfig)}
@@ -104,27 +162,45 @@ def encoder_config_from_dict(data: dict[str, Any]) -> EncoderConfig:
     return EncoderConfig(**data)
 
 
-def _build_tower(config: EncoderConfig) -> tuple[nn.Module, int]:
-    """Return (vision tower, output dim)."""
+@dataclass(frozen=True)
+class _Tower:
+    module: nn.Module
+    dim: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    temperature: float | None = None   # the CLIP model's 1 / exp(logit_scale), named models only
+
+
+def _build_tower(config: EncoderConfig) -> _Tower:
+    """The vision tower, its output dim and the input normalisation it expects."""
     import open_clip
     from open_clip.model import CLIPVisionCfg, _build_vision_tower
 
     if config.model_name is not None:
-        if config.model_name not in open_clip.list_models():
-            raise ValueError(f"unknown open_clip model_name {config.model_name!r}")
-        model = open_clip.create_model(
-            config.model_name,
-            pretrained=config.pretrained,  # a validated local path or None
-            force_image_size=config.image_size,
-            pretrained_text=False,
-            pretrained_image=False,
-        )
+        try:
+            model = open_clip.create_model(
+                config.model_name,
+                pretrained=config.pretrained,  # a validated local path or None
+                force_image_size=config.image_size,
+                pretrained_text=False,
+                pretrained_image=False,
+            )
+        except (RuntimeError, ValueError, KeyError, OSError, EOFError, AssertionError, pickle.UnpicklingError) as err:
+            if config.pretrained is None:
+                raise
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"cannot load encoder.pretrained={config.pretrained} into open_clip model "
+                             f"{config.model_name!r}: {first}") from err
         visual = model.visual
         dim = getattr(visual, "output_dim", None)
         if dim is None:  # e.g. timm towers: measure it
             with torch.no_grad():
                 dim = visual(torch.zeros(1, 3, config.image_size, config.image_size)).shape[-1]
-        return visual, int(dim)
+        own = open_clip.get_model_preprocess_cfg(model)
+        scale = getattr(model, "logit_scale", None)
+        temperature = float(torch.exp(-scale.detach().float()).reshape(-1)[0]) if scale is not None else None
+        return _Tower(visual, int(dim), tuple(float(v) for v in own["mean"]), tuple(float(v) for v in own["std"]),
+                      temperature)
 
     head_width = config.width // config.heads
     cfg = CLIPVisionCfg(
@@ -135,7 +211,11 @@ def _build_tower(config: EncoderConfig) -> tuple[nn.Module, int]:
         patch_size=config.patch_size,
         image_size=config.image_size,
     )
-    return _build_vision_tower(config.embed_dim, cfg), config.embed_dim
+    return _Tower(_build_vision_tower(config.embed_dim, cfg), config.embed_dim, PROJECT_MEAN, PROJECT_STD)
+
+
+PROJECT_MEAN = (MEAN,) * 3
+PROJECT_STD = (STD,) * 3
 
 
 class Encoder(nn.Module):
@@ -144,17 +224,26 @@ class Encoder(nn.Module):
     def __init__(self, config: EncoderConfig):
         super().__init__()
         config.validate()
-        tower, dim = _build_tower(config)
-        if dim != config.embed_dim:
-            logger.warning(
-                "open_clip model %s has embed_dim %d; overriding config embed_dim %d",
-                config.model_name, dim, config.embed_dim,
-            )
-            config = replace(config, embed_dim=dim)
+        tower = _build_tower(config)
+        if tower.dim != config.embed_dim and config.model_name is not None:
+            if config.embed_dim != EncoderConfig.embed_dim:
+                logger.warning("open_clip model %s has embed_dim %d; overriding config embed_dim %d",
+                               config.model_name, tower.dim, config.embed_dim)
+            config = replace(config, embed_dim=tower.dim)
+        # the resolved normalisation is part of the config, so a checkpoint names it explicitly
+        config = replace(config, image_mean=config.image_mean or tower.mean, image_std=config.image_std or tower.std)
         self.config = config
         self.image_size = config.image_size
-        self.embed_dim = dim
-        self.tower = tower
+        self.embed_dim = tower.dim
+        self.tower = tower.module
+        self.clip_temperature = tower.temperature
+        # x' = x * (0.5 / std) + (0.5 - mean) / std maps the project's (p - 0.5) / 0.5 to (p - mean) / std
+        std = torch.tensor(config.image_std, dtype=torch.float32).view(1, 3, 1, 1)
+        mean = torch.tensor(config.image_mean, dtype=torch.float32).view(1, 3, 1, 1)
+        self._renormalise = config.image_mean != PROJECT_MEAN or config.image_std != PROJECT_STD
+        # not persistent: derived from the config, so state dicts (and old checkpoints) are unchanged
+        self.register_buffer("input_scale", STD / std, persistent=False)
+        self.register_buffer("input_shift", (MEAN - mean) / std, persistent=False)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
@@ -166,6 +255,8 @@ class Encoder(nn.Module):
     def features(self, x: torch.Tensor) -> torch.Tensor:
         """Pre-normalisation tower output h(x), (B, D); its norms are a diagnostic (paper 4)."""
         self._check_input(x)
+        if self._renormalise:
+            x = x * self.input_scale + self.input_shift  # (B, 3, S, S), the tower's own normalisation
         h = self.tower(x)
         if isinstance(h, tuple):  # towers with output_tokens return (pooled, tokens)
             h = h[0]
