@@ -13,7 +13,7 @@ USAGE = """usage: softsearch <command> [options]
 
 commands:
   train               train an encoder (InfoNCE / WEINCE / annealed InfoNCE) from a TOML config
-  index SUBCOMMAND    build | rebuild | add | list | activate | rollback | verify |
+  index SUBCOMMAND    build | rebuild | add | sync | delete | list | activate | rollback | verify |
                       prune | export | import
   eval                evaluate an index or checkpoint: retrieval metrics, cross-entropy gap, report
   serve               serve the HTTP API and web page

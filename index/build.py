@@ -28,6 +28,7 @@ import numpy as np
 from index import faiss_index
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
                          prepare_cache)
+from index.items import ITEM_FILES, dataset_records, encode_records, read_records
 from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, IndexStore, IndexVersion,
@@ -167,12 +168,13 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
 def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str], *, kind: str = "flat",
                   params: dict | None = None, index: faiss.Index | None = None, memory_budget: int | None = None,
                   target_recall: float = 0.95, fields: dict | None = None, version: str | None = None,
-                  timings: dict | None = None) -> tuple[str, Path]:
+                  timings: dict | None = None, extra_files: dict[str, bytes] | None = None) -> tuple[str, Path]:
     """Build (or take) the FAISS index, tune it, and write a complete version into staging.
 
     `embeddings` must be unit rows; `kind="auto"` applies `choose_kind`. Pass a filled `index`
-    (with `params`) to skip building (used by `add_items`). Returns (version, staging dir);
-    nothing is visible in versions/ until `IndexStore.commit`.
+    (with `params`) to skip building (used by `add_items`). `extra_files` ({name: bytes}, e.g.
+    item_files.json) are written beside the index and checksummed like it. Returns (version,
+    staging dir); nothing is visible in versions/ until `IndexStore.commit`.
     """
     timings = dict(timings or {})
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
@@ -210,14 +212,19 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     with open(staging / EMBEDDINGS_FILE, "wb") as fh:
         np.save(fh, embeddings, allow_pickle=False)
     (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
-    for name in VERSION_FILES:
+    extra_files = dict(extra_files or {})
+    for name, data in extra_files.items():
+        assert name not in VERSION_FILES and "/" not in name, f"bad extra version file name {name!r}"
+        (staging / name).write_bytes(data)
+    names = [*VERSION_FILES, *extra_files]
+    for name in names:
         with open(staging / name, "rb") as fh:
             os.fsync(fh.fileno())
     timings["write_s"] = time.perf_counter() - t0
     extra = dict(fields or {})
     extra.setdefault("recall", recall)
     manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
-                               faiss_version=faiss.__version__, files=describe_files(staging, list(VERSION_FILES)),
+                               faiss_version=faiss.__version__, files=describe_files(staging, names),
                                timings=timings, **extra)
     write_manifest(staging, manifest)
     fsync_dir(staging)
@@ -316,8 +323,11 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
             if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
                 raise ValueError(f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}")
         ckpt_sha = checkpoint_sha256(checkpoint)
+        records: dict = {}
         if rank == 0:   # the store keeps its own copy: the training directory may move after the build
             store.models.add_file(checkpoint, ckpt_sha)
+            for ds in datasets:   # file states as read, taken before embedding (see index/items.py)
+                records.update(dataset_records(ds))
         t0 = time.perf_counter()
         embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=shard_size, batch_size=batch_size,
                                   num_workers=num_workers, device=device, rank=rank, world=world, progress=progress)
@@ -330,7 +340,7 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
                                         margin=margin, force=force,
                                         activate=activate, keep=keep, memory_budget=memory_budget,
                                         target_recall=target_recall, fields=fields, embed_s=embed_s,
-                                        t_start=t_start, world=world, parent=_parent)
+                                        t_start=t_start, world=world, parent=_parent, records=records)
                 outcome = (version, None)
             except BaseException as err:  # noqa: BLE001 - re-raised below after telling the other ranks
                 outcome = (None, err)
@@ -343,7 +353,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
 
 
 def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, calibrator,
-                  margin, force, activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent) -> str:
+                  margin, force, activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent,
+                  records) -> str:
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
     for s, (ds, res) in enumerate(zip(datasets, results)):
@@ -372,7 +383,8 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     manifest_fields.update(fields or {})
     timings = {"embed_s": embed_s}
     version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
-                                     target_recall=target_recall, fields=manifest_fields, timings=timings)
+                                     target_recall=target_recall, fields=manifest_fields, timings=timings,
+                                     extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
     _stamp_total(staging, t_start)
     store.models.ensure(ckpt_sha, checkpoint)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
@@ -450,6 +462,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     duplicates = len(new_ids) - len(todo)
     if len(todo) == 0:
         raise ValueError(f"all {len(new_ids)} items of {ds!r} are already in {base_version.version}")
+    records = {**read_records(base_version.path), **dataset_records(ds, todo)}
     device = _resolve_device(device)
     encoder, info = load_checkpoint(ckpt, device=device)
     if encoder.embed_dim != base_version.dim:
@@ -482,7 +495,8 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
                                                 "skipped": len(res.skipped)})
     params = dict(m["params"])
     version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
-                                     target_recall=target_recall, fields=fields, timings={"embed_s": embed_s})
+                                     target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
+                                     extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
     _stamp_total(staging, t_start)
     store.models.ensure(sha, ckpt)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,

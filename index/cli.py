@@ -1,4 +1,4 @@
-"""`softsearch index build|rebuild|add|list|activate|rollback|verify|prune|export|import`.
+"""`softsearch index build|rebuild|add|sync|delete|list|activate|rollback|verify|prune|export|import`.
 
 User mistakes (bad values, missing files) print one `error: ...` line on stderr and return 2;
 a refused quality gate or a corrupt version returns 1. `--notify URL --token T` POSTs
@@ -23,6 +23,7 @@ from index.embed import dist_env
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
 from index.store import IndexStore
+from index.sync import delete_items, read_ids_file, sync_index
 from index.transfer import export_version, import_version
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,23 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--folder", default=None, help="shortcut for --dataset folder --split all --data-root DIR")
     sp.add_argument("--checkpoint", default=None, help="defaults to the base version's checkpoint")
     sp.add_argument("--base", default=None, help="version to extend (default: current)")
+
+    sp = sub.add_parser("sync", help="new version equal to an image folder's current files (only changes re-embedded)")
+    common(sp); notify(sp); embedding(sp)
+    sp.add_argument("--data-root", default=None, help="the folder (default: the one the base version was built from)")
+    sp.add_argument("--base", default=None, help="version to start from (default: current)")
+
+    sp = sub.add_parser("delete", help="new version without the items listed in a file (one id per line)")
+    common(sp); notify(sp)
+    sp.add_argument("--ids-file", required=True, help="text file with one item id per line")
+    sp.add_argument("--base", default=None, help="version to delete from (default: current)")
+    sp.add_argument("--ignore-missing", action="store_true", help="skip ids that are not in the version")
+    sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
+    sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
+    sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
+    sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                    help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
+    sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
 
     sp = sub.add_parser("list", help="list versions")
     common(sp)
@@ -321,6 +339,29 @@ def _run(args, evaluator, calibrator) -> int:
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
                             base=args.base, evaluator=evaluator, **_embed_opts(args))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
+        if not args.no_activate:
+            _notify(args, version)
+        return 0
+    if args.command == "sync":
+        version, counts = sync_index(args.root, args.data_root, base=args.base, evaluator=evaluator,
+                                     calibrator=calibrator, **_embed_opts(args))
+        if version == counts["base"]:
+            print(f"index sync: {version} is already in step with {counts['data_root']} "
+                  f"({counts['unchanged']} unchanged, {counts['touched']} touched, nothing to re-embed)")
+            return 0
+        print(_summary("sync", store, version, time.perf_counter() - t0, not args.no_activate)
+              + "; " + ", ".join(f"{counts[k]} {k}" for k in ("added", "removed", "modified", "retried", "touched",
+                                                                 "unchanged", "embedded")))
+        if not args.no_activate:
+            _notify(args, version)
+        return 0
+    if args.command == "delete":
+        version, counts = delete_items(args.root, read_ids_file(args.ids_file), base=args.base,
+                                       ignore_missing=args.ignore_missing, evaluator=evaluator, margin=args.margin,
+                                       force=args.force, activate=not args.no_activate, keep=args.keep,
+                                       target_recall=args.target_recall)
+        print(_summary("delete", store, version, time.perf_counter() - t0, not args.no_activate)
+              + f"; {counts['deleted']} deleted" + (f", {counts['missing']} ids not found" if counts["missing"] else ""))
         if not args.no_activate:
             _notify(args, version)
         return 0

@@ -1,0 +1,292 @@
+"""Keep an index version in step with a changing image folder (`sync`), and drop items (`delete`).
+
+`sync_index` makes a new version equal to the folder's current contents, re-embedding only what
+changed. Against the base version's `item_files.json` (index/items.py) every current file is
+
+    added      id not in the base                                -> embedded
+    retried    id the base had skipped (unreadable then)         -> embedded (skipped again if still bad)
+    unchanged  same size and mtime as recorded                   -> row reused, file not read
+    touched    size/mtime differ but the sha256 is the recorded one -> row reused
+    modified   the sha256 differs (or the base has no record)    -> re-embedded
+    removed    base id no longer in the folder                   -> dropped
+
+Rows come out in the folder's order, so the version equals a from-scratch build of the same
+folder with the same encoder (reused rows are the base's bytes). Item ids (folder-relative
+paths) are stable across versions. The FAISS index is rebuilt from the rows with the base's
+kind and parameters (search knob re-tuned), the search temperature recalibrated, and the
+version goes through the quality gate and activation like any build.
+
+`delete_items` makes a new version without the given ids (nothing is re-embedded).
+
+Quality gate: the serving version's own items may be gone from disk (that is why one syncs), so
+it cannot always be rebuilt for scoring. When scoring it fails and it uses the candidate's
+encoder, it is scored by its settings (encoder, search temperature) on the candidate's items.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate, _resolve_device,
+                         _source_record, _stamp_total, write_version)
+from index.embed import EmbedResult
+from index.items import ITEM_FILES, dataset_records, encode_records, file_record, read_records
+from index.models import checkpoint_record, model_relpath
+from index.store import IndexStore, IndexVersion
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncPlan:
+    """What a sync does with each current file (dataset indices) and each base id."""
+    added: list[int] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
+    modified: list[int] = field(default_factory=list)
+    touched: list[int] = field(default_factory=list)
+    unchanged: list[int] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unrecorded: int = 0                      # base items without a file record (counted in `modified`)
+    records: dict = field(default_factory=dict)   # id -> [size, mtime_ns, sha256] for every current file
+
+    @property
+    def to_embed(self) -> np.ndarray:
+        return np.array(sorted(self.added + self.retried + self.modified), dtype=np.int64)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.retried or self.modified or self.removed)
+
+    def counts(self) -> dict:
+        return {"added": len(self.added), "removed": len(self.removed), "modified": len(self.modified),
+                "retried": len(self.retried), "touched": len(self.touched), "unchanged": len(self.unchanged),
+                "unrecorded": self.unrecorded}
+
+
+def plan_sync(base: IndexVersion, dataset) -> SyncPlan:
+    """Classify the dataset's files against the base version (stat first; hash only what stat flags)."""
+    recorded = read_records(base.path)
+    in_base = set(base.ids)
+    skipped = {str(s.get("id")) for s in base.manifest.get("skipped") or []}
+    plan = SyncPlan()
+    now = dataset.item_ids()
+    for i, item in enumerate(now):
+        path = dataset.path(i)
+        if item not in in_base:
+            (plan.retried if item in skipped else plan.added).append(i)
+            continue
+        rec = recorded.get(item)
+        try:
+            st = path.stat()
+        except OSError:
+            plan.modified.append(i)   # vanished between listing and stat: embedding will skip and report it
+            continue
+        if rec is not None and rec[0] == st.st_size and rec[1] == st.st_mtime_ns:
+            plan.unchanged.append(i)
+            plan.records[item] = rec
+            continue
+        current = file_record(path)
+        if rec is not None and current is not None and current[2] == rec[2]:
+            plan.touched.append(i)
+            plan.records[item] = current
+            continue
+        plan.unrecorded += rec is None
+        plan.modified.append(i)
+    present = set(now)
+    plan.removed = [item for item in base.ids if item not in present]
+    return plan
+
+
+def _folder_dataset(base: IndexVersion, data_root):
+    from training.datasets import create_dataset
+
+    m = base.manifest
+    sources = m.get("sources") or [m["dataset"]]
+    folders = [s for s in sources if (s.get("spec") or {}).get("name") == "folder"]
+    if not folders:
+        raise ValueError(f"index version {base.version} was not built from an image folder "
+                         f"({', '.join(str(s['spec'].get('name')) for s in sources)}); sync follows folder datasets")
+    if len(sources) > 1:
+        logger.warning("index version %s has %d sources; the synced version holds the folder's files only",
+                       base.version, len(sources))
+    spec = dict(folders[0]["spec"], size=None)
+    if data_root is not None:
+        spec["root"] = str(Path(data_root).expanduser().resolve())
+    return create_dataset(**spec)
+
+
+def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_temperature", "search_temperature_source")) -> dict:
+    m = base.manifest
+    record = dict(checkpoint_record(m))
+    record.setdefault("model", model_relpath(record["sha256"]))
+    return {"checkpoint": record, **{k: m[k] for k in keys if k in m}}
+
+
+def _rebuild_params(base: IndexVersion, count: int) -> dict:
+    """The base's build parameters, with nlist capped for a collection that shrank."""
+    params = dict(base.manifest["params"])
+    if "nlist" in params:
+        params["nlist"] = min(int(params["nlist"]), max(1, count))
+        if "nprobe" in params:
+            params["nprobe"] = min(int(params["nprobe"]), params["nlist"])
+    return params
+
+
+def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
+    """The evaluator, falling back to scoring the serving version's settings on the candidate's items
+    when the serving version's own items can no longer be read (see the module docstring)."""
+    if evaluator is None:
+        return None
+
+    def gate(candidate: IndexVersion, serving: IndexVersion) -> dict:
+        try:
+            return evaluator(candidate, serving)
+        except (ValueError, FileNotFoundError) as err:
+            if checkpoint_record(serving.manifest).get("sha256") != sha:
+                raise
+            logger.info("serving version %s cannot be scored on its own items (%s); scoring its encoder and "
+                        "temperature on the candidate's items", serving.version, err)
+            manifest = {**candidate.manifest, "version": serving.version,
+                        "search_temperature": serving.manifest.get("search_temperature")}
+            view = IndexVersion(serving.path, manifest, candidate.index, candidate.ids, candidate.embeddings)
+            result = dict(evaluator(candidate, view))
+            result["serving_scored_on"] = f"the candidate's items (its own are gone: {err})"
+            return result
+
+    return gate
+
+
+def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Evaluator | None = None,
+               calibrator=None, margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True,
+               keep: int | None = None, target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
+               shard_size: int = 8192, device=None, progress: bool = True) -> tuple[str, dict]:
+    """New version = the folder's current contents (see the module docstring) -> (version, counts).
+
+    `data_root` defaults to the folder the base was built from. When nothing was added, removed
+    or modified the base version is returned unchanged (counts say so) and nothing is written.
+    """
+    t_start = time.perf_counter()
+    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
+    store = IndexStore(root)
+    base_version = store.load(base, verify=True, gpu=False)
+    dataset = _folder_dataset(base_version, data_root)
+    plan = plan_sync(base_version, dataset)
+    counts = {**plan.counts(), "base": base_version.version, "data_root": dataset.root}
+    if not plan.changed:
+        logger.info("%s is in step with %s (%d unchanged, %d touched)", base_version.version, dataset.root,
+                    len(plan.unchanged), len(plan.touched))
+        return base_version.version, {**counts, "embedded": 0, "skipped": 0, "count": len(base_version)}
+    todo = plan.to_embed
+    plan.records.update(dataset_records(dataset, todo))   # the states of the files about to be embedded
+    record = checkpoint_record(base_version.manifest)
+    device = _resolve_device(device)
+    encoder, _, sha = store.models.load_encoder(record, device=device, version=base_version.version)
+    if encoder.image_size != dataset.image_size:
+        raise ValueError(f"folder dataset image_size {dataset.image_size} differs from the encoder's {encoder.image_size}")
+    t0 = time.perf_counter()
+    if len(todo):
+        (res,), caches = _embed_sources(encoder, sha, [dataset], store, indices=[todo], shard_size=shard_size,
+                                        batch_size=batch_size, num_workers=num_workers, device=device, rank=0,
+                                        world=1, progress=progress)
+    else:
+        res, caches = EmbedResult(np.zeros((0, encoder.embed_dim), np.float32), np.zeros(0, np.int64)), []
+    embed_s = time.perf_counter() - t0
+    embeddings, ids = _assemble(base_version, dataset.item_ids(), plan.unchanged + plan.touched, res)
+    if not ids:
+        raise ValueError(f"no readable items left in {dataset.root} ({len(res.skipped)} skipped)")
+    reused = len(plan.unchanged) + len(plan.touched)
+    counts.update(embedded=int(len(res.rows)), skipped=len(res.skipped), count=len(ids), reused=reused)
+    source = _source_record(dataset, res, 0)
+    source.update(count=len(ids), embedded=int(len(res.rows)))
+    fields = _base_fields(base_version)
+    fields.update(dataset={"spec": source["spec"], "fingerprint": source["fingerprint"]}, sources=[source],
+                  skipped=[{"source": 0, **s} for s in res.skipped], skipped_count=len(res.skipped),
+                  parent=base_version.version, sync=counts)
+    version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
+                                     params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
+                                     fields=fields, timings={"embed_s": embed_s},
+                                     extra_files={ITEM_FILES: encode_records(plan.records, ids)})
+    _stamp_total(staging, t_start)
+    store.models.ensure(sha)
+    _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
+                       force=force, activate=activate, keep=keep, calibrator=calibrator)
+    for cache in caches:
+        shutil.rmtree(cache, ignore_errors=True)
+    logger.info("synced %s -> %s: %s", base_version.version, version, counts)
+    return version, counts
+
+
+def _assemble(base: IndexVersion, ids_now: list[str], reused: list[int], fresh: EmbedResult) -> tuple[np.ndarray, list[str]]:
+    """Rows in the folder's order (what a from-scratch build gives): reused base rows and fresh
+    embeddings; items in neither were skipped (unreadable)."""
+    base_row = {item: r for r, item in enumerate(base.ids)}
+    fresh_row = {int(i): k for k, i in enumerate(fresh.rows)}
+    keep = np.array(sorted(set(reused) | set(fresh_row)), dtype=np.int64)            # (M,) dataset indices
+    from_base = np.isin(keep, np.asarray(reused, dtype=np.int64))                      # (M,)
+    out = np.empty((len(keep), base.dim), dtype=np.float32)                            # (M, D)
+    if from_base.any():
+        out[from_base] = base.embeddings[np.array([base_row[ids_now[i]] for i in keep[from_base]])]
+    if (~from_base).any():
+        out[~from_base] = fresh.embeddings[np.array([fresh_row[int(i)] for i in keep[~from_base]])]
+    return out, [ids_now[i] for i in keep]
+
+
+def read_ids_file(path) -> list[str]:
+    """One item id per line (blank lines ignored; ids are kept exactly, spaces included)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ids file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err})") from err
+    ids = [line.rstrip("\r") for line in text.split("\n")]
+    ids = [i for i in ids if i.strip()]
+    if not ids:
+        raise ValueError(f"{path} names no item ids (one per line)")
+    return ids
+
+
+def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = False,
+                 evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
+                 activate: bool = True, keep: int | None = None, target_recall: float = 0.95) -> tuple[str, dict]:
+    """New version = `base` (default current) without the items `ids` -> (version, counts). No re-embedding."""
+    t_start = time.perf_counter()
+    _check_opts(1, 0, 1, target_recall, keep, margin)
+    store = IndexStore(root)
+    base_version = store.load(base, verify=True, gpu=False)
+    drop = set(ids)
+    missing = sorted(drop - set(base_version.ids))
+    if missing and not ignore_missing:
+        raise ValueError(f"{len(missing)} of the {len(drop)} ids are not in {base_version.version}, e.g. "
+                         f"{', '.join(repr(m) for m in missing[:3])} (--ignore-missing to drop the others anyway)")
+    keep_rows = np.array([r for r, item in enumerate(base_version.ids) if item not in drop], dtype=np.int64)
+    deleted = len(base_version) - len(keep_rows)
+    if deleted == 0:
+        raise ValueError(f"none of the ids are in {base_version.version}; nothing to delete")
+    if len(keep_rows) == 0:
+        raise ValueError(f"deleting every item of {base_version.version} would leave an empty index")
+    ids_kept = [base_version.ids[r] for r in keep_rows]
+    embeddings = np.ascontiguousarray(base_version.embeddings[keep_rows], dtype=np.float32)
+    m = base_version.manifest
+    counts = {"base": base_version.version, "deleted": deleted, "missing": len(missing), "count": len(ids_kept)}
+    fields = _base_fields(base_version, keys=("encoder", "lineage", "search_temperature", "search_temperature_source",
+                                              "dataset", "sources", "world_size"))
+    fields.update(skipped=m.get("skipped", []), skipped_count=m.get("skipped_count", 0), parent=base_version.version,
+                  deleted=counts)
+    records = read_records(base_version.path)
+    version, staging = write_version(store, embeddings, ids_kept, kind=base_version.kind,
+                                     params=_rebuild_params(base_version, len(ids_kept)), target_recall=target_recall,
+                                     fields=fields, extra_files={ITEM_FILES: encode_records(records, ids_kept)}
+                                     if records else None)
+    _stamp_total(staging, t_start)
+    sha = checkpoint_record(m)["sha256"]
+    store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
+    _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
+                       force=force, activate=activate, keep=keep)
+    return version, counts
