@@ -5,6 +5,8 @@ Every error is JSON `{"error": code, "detail": message}`: HTTP errors, validatio
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,10 +18,11 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import swap
 from api.batching import MicroBatcher
 from api.config import Settings
 from api.deps import ApiError
-from api.metrics import MetricsMiddleware, Registry
+from api.metrics import Metrics, MetricsMiddleware
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.routes import admin, health, index, items, search, web
 from search.searcher import NotReadyError, Searcher
@@ -115,8 +118,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     """Build the service. With no `searcher`, one is opened on settings.index_root and the
-    current version loaded if there is one; otherwise /readyz says 503 until an admin reload."""
-    metrics = Registry()
+    current version loaded if there is one; otherwise /readyz says 503 until a version is
+    activated (followed within watch_interval_s) or an admin reload."""
+    metrics = Metrics()
 
     def make_searcher() -> Searcher:
         if settings.index_root is None:
@@ -127,14 +131,23 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         try:
             searcher = make_searcher()
             searcher.load()
-        except (FileNotFoundError, ValueError, KeyError, OSError) as err:
+        except swap.LOAD_ERRORS as err:
             logger.warning("no index loaded at start-up (%s); /readyz is 503 until POST /v1/admin/reload", err)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        follower = None
+        if settings.index_root is not None and settings.watch_interval_s > 0:
+            follower = asyncio.get_running_loop().create_task(swap.follow_store(app, settings.watch_interval_s),
+                                                              name="softsearch-store-follower")
         yield
+        if follower is not None:
+            follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follower
         await app.state.batcher.aclose()
         app.state.batcher.shutdown()
+        metrics.close()
 
     app = FastAPI(
         title="softsearch",
@@ -153,14 +166,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
                                      settings.batch_max_wait_ms, metrics, workers=settings.batch_workers)
 
-    def index_info() -> tuple[str | None, int]:
-        s = app.state.searcher
-        if s is None or not s.ready:
-            return None, 0
-        snap = s.snapshot()
-        return snap.version, snap.count
-
-    metrics.bind_index(index_info)
+    metrics.observe_searcher(searcher)
 
     _install_error_handlers(app)
     for module in (search, items, index, health, admin, web):
@@ -172,6 +178,6 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
         app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc())
-    app.add_middleware(MetricsMiddleware, registry=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

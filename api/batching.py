@@ -23,7 +23,7 @@ import anyio.to_thread
 import numpy as np
 from PIL import Image
 
-from api.metrics import Registry
+from api.metrics import Metrics
 from search.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class MicroBatcher:
     """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
 
     def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
-                 max_wait_ms: float = 0.0, metrics: Registry | None = None, workers: int = 1):
+                 max_wait_ms: float = 0.0, metrics: Metrics | None = None, workers: int = 1):
         """`searcher` may be a callable returning the current Searcher (the app swaps it on reload)."""
         assert max_batch_size >= 1 and max_wait_ms >= 0 and workers >= 1, "bad batching settings"
         self._source = searcher

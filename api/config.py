@@ -51,6 +51,13 @@ class Settings(BaseModel):
                     "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
     )
     batch_workers: int = Field(2, ge=1, le=64, description="micro-batches in flight at once (threads)")
+    workers: int = Field(1, ge=1, le=64,
+                         description="serving processes sharing the port (they share the memory-mapped "
+                                     "embeddings and merge their metrics)")
+    watch_interval_s: float = Field(
+        1.0, ge=0.0, le=3600.0,
+        description="how often each process checks the store's current pointer and swaps to a new version; "
+                    "0 = only on POST /v1/admin/reload")
     rate_limit_rps: float = Field(0.0, ge=0.0, description="per-client token refill rate; 0 = off")
     rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
@@ -82,7 +89,7 @@ class Settings(BaseModel):
             raise ValueError("admin_token must be at least 8 characters (or unset to disable admin routes)")
         return v
 
-    @field_validator("batch_max_wait_ms", "rate_limit_rps")
+    @field_validator("batch_max_wait_ms", "rate_limit_rps", "watch_interval_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):

@@ -16,7 +16,7 @@ from PIL import Image
 
 from api.batching import MicroBatcher
 from api.config import Settings
-from api.metrics import Registry
+from api.metrics import Metrics
 from search.searcher import NotReadyError, Searcher, SearchSnapshot
 from training.transforms import to_uint8_rgb
 
@@ -35,7 +35,7 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_metrics(request: Request) -> Registry:
+def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
@@ -60,7 +60,7 @@ def get_batcher(request: Request, searcher: Annotated[Searcher, Depends(get_sear
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-MetricsDep = Annotated[Registry, Depends(get_metrics)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 SnapshotDep = Annotated[SearchSnapshot, Depends(get_snapshot)]
 BatcherDep = Annotated[MicroBatcher, Depends(get_batcher)]

@@ -1,17 +1,31 @@
 """`softsearch serve`: run the HTTP service with uvicorn.
 
-    softsearch serve --index ROOT [--host 127.0.0.1] [--port 8000] [--admin-token T] [--report PATH] ...
+    softsearch serve --index ROOT [--host 127.0.0.1] [--port 8000] [--admin-token T] [--workers N] ...
 
 Every option also reads from SOFTSEARCH_* environment variables (the CLI wins); invalid
 settings stop the command before the server starts, with `error: ...` and exit code 2.
+
+`--workers N` runs N uvicorn worker processes on one port. Each builds its own app from the
+same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file,
+so the page cache holds one copy for all of them; they merge their Prometheus samples through
+PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
+follows the store's `current` pointer (api/swap.py).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import logging
+import os
+import shutil
 import sys
+import tempfile
 
 logger = logging.getLogger(__name__)
+
+#: uvicorn restarts a worker that has not answered its health ping within this many seconds; a
+#: worker's start (torch import, index and encoder load) takes far longer than uvicorn's default 5 s.
+WORKER_START_TIMEOUT_S = 300
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
     p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
+    p.add_argument("--workers", type=int, help="serving processes on the same port (default 1)")
+    p.add_argument("--watch-interval-s", type=float,
+                   help="seconds between checks of the store's current pointer; 0 = admin reload only (default 1)")
     p.add_argument("--rate-limit-rps", type=float, help="per-client requests/s; 0 = off (default)")
     p.add_argument("--rate-limit-burst", type=int, help="per-client burst (default 20)")
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
@@ -35,8 +52,52 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _configure(settings) -> None:
+    """Logging and torch threads of one serving process."""
+    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    threads = settings.torch_threads
+    if threads is None and settings.workers > 1:  # N processes x torch's default threads oversubscribe the CPU
+        threads = max(1, (os.cpu_count() or 1) // settings.workers)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def worker_app():
+    """uvicorn factory for one worker process of `serve --workers N` (settings from SOFTSEARCH_*)."""
+    from api.app import create_app
+    from api.config import load_settings
+
+    settings = load_settings()
+    _configure(settings)
+    return create_app(settings)
+
+
+def _settings_env(settings) -> dict[str, str]:
+    """SOFTSEARCH_* variables that rebuild `settings` in a worker process."""
+    from api.config import ENV_PREFIX
+
+    return {ENV_PREFIX + name.upper(): str(value) for name, value in settings.model_dump().items() if value is not None}
+
+
+def _metrics_dir() -> tuple[str, bool]:
+    """(PROMETHEUS_MULTIPROC_DIR for the workers, whether we created it). An operator's directory is
+    kept, but sample files of earlier runs are removed so their counts do not add up with ours."""
+    from api.metrics import MULTIPROC_ENV
+
+    given = os.environ.get(MULTIPROC_ENV)
+    if not given:
+        return tempfile.mkdtemp(prefix="softsearch-metrics-"), True
+    os.makedirs(given, exist_ok=True)
+    for stale in glob.glob(os.path.join(given, "*.db")):
+        os.remove(stale)
+    return given, False
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse options, validate settings, build the app and run uvicorn until interrupted."""
+    """Parse options, validate settings, build the app(s) and run uvicorn until interrupted."""
     args = build_parser().parse_args(argv)
     from api.config import load_settings
 
@@ -45,22 +106,33 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    if settings.torch_threads is not None:
-        import torch
+    serve = dict(host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                 timeout_graceful_shutdown=10)
+    if settings.workers > 1:
+        from api.metrics import MULTIPROC_ENV
 
-        torch.set_num_threads(settings.torch_threads)
-
+        logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        metrics_dir, created = _metrics_dir()
+        os.environ[MULTIPROC_ENV] = metrics_dir
+        os.environ.update(_settings_env(settings))
+        logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)
+        try:
+            uvicorn.run("api.server:worker_app", factory=True, workers=settings.workers,
+                        timeout_worker_healthcheck=WORKER_START_TIMEOUT_S, **serve)
+        finally:
+            if created:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
+        return 0
+    _configure(settings)
     from api.app import create_app
 
     app = create_app(settings)
     if app.state.searcher is None or not app.state.searcher.ready:
         logger.warning("serving without an index: /readyz answers 503 until an index is loaded")
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.run(app, **serve)
     return 0
 
 

@@ -29,6 +29,6 @@ def readyz(request: Request):
 
 @router.get("/metrics", response_class=PlainTextResponse,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format 0.0.4"}})
-def metrics(registry: MetricsDep) -> PlainTextResponse:
-    """Request counts and latency histograms per route, batch sizes, index version and size."""
-    return PlainTextResponse(registry.render(), media_type=CONTENT_TYPE)
+def metrics(metrics: MetricsDep) -> PlainTextResponse:
+    """Request counts and latency histograms per route, batch sizes, index version and size (all workers)."""
+    return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)

@@ -45,7 +45,7 @@ async def search_image(
         result = await batcher.search_image(partial(decode_image, data, settings), k, temperature)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
-    metrics.queries.inc(kind="image")
+    metrics.queries.labels(kind="image").inc()
     return _response(result, k)
 
 
@@ -71,5 +71,5 @@ async def search_vector(
         result = await batcher.search_vector(vector.astype(np.float32), query.k, query.temperature)
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
-    metrics.queries.inc(kind="vector")
+    metrics.queries.labels(kind="vector").inc()
     return _response(result, query.k)

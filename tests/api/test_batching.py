@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 
 from api.batching import MicroBatcher
-from api.metrics import Registry
+from api.metrics import Metrics
 from search.searcher import Searcher
 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_gathered_queries_are_batched_and_exact(api_index, api_dataset, workers):
     searcher = Searcher(api_index["root"], load=True)
-    registry = Registry()
+    registry = Metrics()
     batcher = MicroBatcher(searcher, max_batch_size=8, max_wait_ms=50, metrics=registry, workers=workers)
     rng = np.random.default_rng(0)
     vectors = rng.normal(size=(10, searcher.snapshot().dim)).astype(np.float32)
@@ -32,7 +32,7 @@ def test_gathered_queries_are_batched_and_exact(api_index, api_dataset, workers)
 
     results = asyncio.run(go())
     batcher.shutdown()
-    counts, total, n = registry.batch_size.snapshot()
+    total, n = registry.sample("softsearch_batch_size_sum"), registry.sample("softsearch_batch_size_count")
     assert total == 16 and n < 16 and max(r.batch_size for r in results) > 1
     for r, v, k, t in zip(results[:10], vectors, ks, temps):
         ref = searcher.search_vectors(v[None], k, t)

@@ -1,0 +1,123 @@
+"""`softsearch serve --workers 2` in a subprocess: metrics scraped from any worker add up over both
+workers, and a new version reaches every worker (admin reload hits one; the other follows `current`)."""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from api_helpers import ADMIN_TOKEN, free_port, make_checkpoint, png_bytes
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from index.build import build_index
+from training.datasets import create_dataset
+
+WORKERS = 2
+
+
+def _per_worker_queries(metrics_dir) -> dict[str, float]:
+    """{pid: image queries that worker answered}, read from its own sample file."""
+    out = {}
+    for path in glob.glob(os.path.join(metrics_dir, "counter_*.db")):
+        pid = os.path.basename(path)[len("counter_"):-len(".db")]
+        out[pid] = sum(s.value for m in MultiProcessCollector.merge([path]) if m.name == "softsearch_queries"
+                       for s in m.samples if s.name == "softsearch_queries_total" and s.labels == {"kind": "image"})
+    return out
+
+
+def _scrape(url: str) -> dict:
+    text = httpx.get(url + "/metrics", headers={"Connection": "close"}, timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("#") and line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@pytest.mark.slow
+def test_workers_merge_metrics_and_follow_swaps(tmp_path):
+    ck_a = make_checkpoint(tmp_path / "a.safetensors", seed=21)
+    ck_b = make_checkpoint(tmp_path / "b.safetensors", seed=22)
+    root = tmp_path / "index"
+    v1 = build_index(ck_a, create_dataset("synthetic", split="train", size=64, seed=0), root, progress=False)
+    queries = create_dataset("synthetic", split="test", size=8, seed=0)
+    payloads = [png_bytes(queries.image(i)) for i in range(len(queries))]
+    metrics_dir = tmp_path / "metrics"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "api.server", "--index", str(root), "--port", str(port),
+                             "--workers", str(WORKERS), "--watch-interval-s", "0.2", "--admin-token", ADMIN_TOKEN,
+                             "--torch-threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env=env)
+
+    def search(i: int) -> httpx.Response:  # a fresh connection each time, so any worker may answer
+        return httpx.post(url + "/v1/search", files={"file": ("q.png", payloads[i % len(payloads)], "image/png")},
+                          data={"k": "5"}, headers={"Connection": "close"}, timeout=60)
+
+    try:
+        deadline = time.monotonic() + 180
+        while _scrape_ready(url) < WORKERS:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            assert time.monotonic() < deadline, "workers did not become ready"
+            time.sleep(0.5)
+        sent = 0
+        with ThreadPoolExecutor(8) as pool:
+            for _ in range(20):  # until both workers have answered some queries
+                codes = [r.status_code for r in pool.map(search, range(sent, sent + 16))]
+                assert codes == [200] * 16
+                sent += 16
+                per_worker = _per_worker_queries(metrics_dir)
+                if len(per_worker) == WORKERS and all(v > 0 for v in per_worker.values()):
+                    break
+        per_worker = _per_worker_queries(metrics_dir)
+        assert len(per_worker) == WORKERS and all(v > 0 for v in per_worker.values()), per_worker
+        assert sum(per_worker.values()) == sent
+        for _ in range(6):  # whichever worker answers the scrape reports the sum over both
+            m = _scrape(url)
+            assert m['softsearch_queries_total{kind="image"}'] == sent
+            assert m['softsearch_http_requests_total{method="POST",route="/v1/search",status="200"}'] == sent
+            assert m["softsearch_batch_size_sum"] == sent
+            assert m["softsearch_workers"] == WORKERS
+            assert m[f'softsearch_index_info{{version="{v1}"}}'] == 1
+
+        # a new version: the admin reload reaches one worker, the other follows the store's pointer
+        v2 = build_index(ck_b, create_dataset("synthetic", split="train", size=48, seed=0), root, progress=False)
+        r = httpx.post(url + "/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+        assert r.status_code == 200 and r.json()["version"] == v2, r.text
+        deadline = time.monotonic() + 30
+        with ThreadPoolExecutor(8) as pool:
+            while True:
+                bodies = [r.json() for r in pool.map(search, range(32))]
+                if all(b["version"] == v2 and b["count"] == 48 for b in bodies):
+                    break
+                assert all(b["version"] in (v1, v2) for b in bodies)
+                assert time.monotonic() < deadline, "a worker kept serving the old version"
+                time.sleep(0.2)
+        m = _scrape(url)
+        assert m[f'softsearch_index_info{{version="{v2}"}}'] == 1 and m[f'softsearch_index_info{{version="{v1}"}}'] == 0
+        assert m["softsearch_index_items"] == 48
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "server.log").read_text()
+
+
+def _scrape_ready(url: str) -> float:
+    """Live workers that have an index loaded (0 while the server is starting)."""
+    try:
+        m = _scrape(url)
+    except httpx.HTTPError:
+        return 0
+    return m.get("softsearch_workers", 0) if m.get("softsearch_ready") == 1 else 0
