@@ -78,17 +78,21 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--size", type=int, default=None, help="keep the first N items")
         sp.add_argument("--seed", type=int, default=0)
 
-    def embedding(sp):
-        sp.add_argument("--batch-size", type=int, default=256)
-        sp.add_argument("--num-workers", type=int, default=0)
-        sp.add_argument("--shard-size", type=int, default=8192, help="items per resumable embedding shard")
-        sp.add_argument("--device", default=None, help="torch device (default: cuda if available)")
-        sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
+    def activation(sp, tuned: bool = True):
+        if tuned:
+            sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
         sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
         sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
         sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                         help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
         sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
+
+    def embedding(sp):
+        sp.add_argument("--batch-size", type=int, default=256)
+        sp.add_argument("--num-workers", type=int, default=0)
+        sp.add_argument("--shard-size", type=int, default=8192, help="items per resumable embedding shard")
+        sp.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+        activation(sp)
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     def kind(sp, default):
@@ -133,12 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--ids-file", required=True, help="text file with one item id per line")
     sp.add_argument("--base", default=None, help="version to delete from (default: current)")
     sp.add_argument("--ignore-missing", action="store_true", help="skip ids that are not in the version")
-    sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
-    sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
-    sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
-    sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                    help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
-    sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
+    activation(sp)
 
     sp = sub.add_parser("list", help="list versions")
     common(sp)
@@ -169,11 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("import", help="import an exported archive; it becomes current through the quality gate")
     common(sp); notify(sp)
     sp.add_argument("archive")
-    sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses or cannot run")
-    sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                    help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
-    sp.add_argument("--no-activate", action="store_true", help="import without activating")
-    sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
+    activation(sp, tuned=False)   # --force also activates when the gate cannot run here
     return p
 
 

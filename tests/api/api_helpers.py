@@ -112,3 +112,51 @@ def percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return float("nan")
     return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))]
+
+
+class SearchClients:
+    """`clients` threads posting random query images to `url`/v1/search until the block ends.
+
+    `results` collects (query index, HTTP status or -1, JSON body or error text) of every request.
+    """
+
+    def __init__(self, url: str, payloads: list[bytes], clients: int, k: int):
+        self.url, self.payloads, self.k = url, payloads, k
+        self.results: list[tuple[int, int, object]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
+
+    def _run(self, seed: int) -> None:
+        import httpx
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        with httpx.Client(base_url=self.url, timeout=60) as http:
+            while not self._stop.is_set():
+                q = int(rng.integers(len(self.payloads)))
+                try:
+                    r = http.post("/v1/search", files={"file": ("q.png", self.payloads[q], "image/png")},
+                                  data={"k": str(self.k)})
+                    item = (q, r.status_code, r.json() if r.status_code == 200 else r.text)
+                except httpx.HTTPError as err:
+                    item = (q, -1, repr(err))
+                with self._lock:
+                    self.results.append(item)
+
+    def wait_for(self, more: int, timeout: float = 20.0) -> None:
+        """Block until `more` further requests have completed (or `timeout` seconds passed)."""
+        target = len(self.results) + more
+        deadline = time.monotonic() + timeout
+        while len(self.results) < target and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def __enter__(self) -> "SearchClients":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)

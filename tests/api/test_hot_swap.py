@@ -2,13 +2,12 @@
 is rebuilt and swapped 5 times; zero failed requests, every answer matches its reported version."""
 from __future__ import annotations
 
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-from api_helpers import ADMIN_TOKEN, ServerThread, make_checkpoint, png_bytes
+from api_helpers import ADMIN_TOKEN, SearchClients, ServerThread, make_checkpoint, png_bytes
 
 from api.app import create_app
 from api.config import Settings
@@ -49,29 +48,8 @@ def test_hot_swap_under_load(tmp_path):
     payloads = [png_bytes(im) for im in images]
 
     app = create_app(Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2))
-    results: list[tuple[int, int, dict | str]] = []  # (query, status, body)
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def client(seed: int, url: str) -> None:
-        rng = np.random.default_rng(seed)
-        with httpx.Client(base_url=url, timeout=60) as http:
-            while not stop.is_set():
-                q = int(rng.integers(len(payloads)))
-                try:
-                    r = http.post("/v1/search", files={"file": ("q.png", payloads[q], "image/png")},
-                                  data={"k": str(K)})
-                    item = (q, r.status_code, r.json() if r.status_code == 200 else r.text)
-                except httpx.HTTPError as err:
-                    item = (q, -1, repr(err))
-                with lock:
-                    results.append(item)
-
     versions = [first]
-    with ServerThread(app) as server:
-        threads = [threading.Thread(target=client, args=(i, server.url)) for i in range(CLIENTS)]
-        for t in threads:
-            t.start()
+    with ServerThread(app) as server, SearchClients(server.url, payloads, CLIENTS, K) as load:
         with httpx.Client(base_url=server.url, timeout=60) as admin:
             for ck, size in plan[1:SWAPS + 1]:
                 time.sleep(0.5)
@@ -79,13 +57,8 @@ def test_hot_swap_under_load(tmp_path):
                                             progress=False))
                 r = admin.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
                 assert r.status_code == 200 and r.json()["version"] == versions[-1], r.text
-                n0 = len(results)
-                deadline = time.monotonic() + 20
-                while len(results) < n0 + CLIENTS and time.monotonic() < deadline:  # queries on this version
-                    time.sleep(0.05)
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+                load.wait_for(CLIENTS)  # queries on this version
+    results = load.results
 
     failed = [r for r in results if r[1] != 200]
     assert not failed, failed[:5]

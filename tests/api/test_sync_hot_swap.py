@@ -4,13 +4,12 @@ the synced version; zero failed requests, and every answer matches the version i
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 
 import httpx
 import numpy as np
 import pytest
-from api_helpers import ADMIN_TOKEN, ServerThread, png_bytes
+from api_helpers import ADMIN_TOKEN, SearchClients, ServerThread, make_checkpoint, png_bytes
 from PIL import Image, ImageOps
 
 from api.app import create_app
@@ -39,8 +38,6 @@ def _expected(root, version, encoder_images):
 
 @pytest.mark.slow
 def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
-    from api_helpers import make_checkpoint
-
     ck = make_checkpoint(tmp_path / "encoder.safetensors", seed=21)
     every = make_image_folder(tmp_path / "every", count=70, classes=3, size=40)
     files = sorted(every.rglob("*.png"))
@@ -56,28 +53,8 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
     payloads = [png_bytes(im) for im in queries]
 
     app = create_app(Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2))
-    results: list[tuple[int, int, dict | str]] = []
-    lock = threading.Lock()
-    stop = threading.Event()
-
-    def client(seed: int, url: str) -> None:
-        rng = np.random.default_rng(seed)
-        with httpx.Client(base_url=url, timeout=60) as http:
-            while not stop.is_set():
-                q = int(rng.integers(len(payloads)))
-                try:
-                    r = http.post("/v1/search", files={"file": ("q.png", payloads[q], "image/png")}, data={"k": str(K)})
-                    item = (q, r.status_code, r.json() if r.status_code == 200 else r.text)
-                except httpx.HTTPError as err:
-                    item = (q, -1, repr(err))
-                with lock:
-                    results.append(item)
-
     versions = [first]
-    with ServerThread(app) as server:
-        threads = [threading.Thread(target=client, args=(i, server.url)) for i in range(CLIENTS)]
-        for t in threads:
-            t.start()
+    with ServerThread(app) as server, SearchClients(server.url, payloads, CLIENTS, K) as load:
         for step in range(2):
             time.sleep(0.5)
             current = sorted(folder.rglob("*.png"))
@@ -95,13 +72,8 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
             assert versions[-1] != versions[-2]
             with httpx.Client(base_url=server.url, timeout=30) as http:
                 assert http.get("/healthz").json()["version"] == versions[-1]   # the server follows
-            n0 = len(results)
-            deadline = time.monotonic() + 20
-            while len(results) < n0 + CLIENTS and time.monotonic() < deadline:
-                time.sleep(0.05)
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+            load.wait_for(CLIENTS)
+    results = load.results
 
     failed = [r for r in results if r[1] != 200]
     assert not failed, failed[:5]

@@ -15,18 +15,17 @@ from index.manifest import IndexCorruptError, file_sha256
 from index.models import load_version_encoder, model_relpath
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
-from training.datasets import create_dataset
 from training.encoder import embed
 
 
 @pytest.fixture(scope="module")
-def items():
-    return create_dataset("synthetic", split="train", size=48, seed=0)
+def items(tiny_synthetic):
+    return tiny_synthetic
 
 
 @pytest.fixture(scope="module")
-def more_items():
-    return create_dataset("synthetic", split="test", size=16, seed=0)
+def more_items(tiny_synthetic_test):
+    return tiny_synthetic_test
 
 
 def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_checkpoint, items, more_items):
