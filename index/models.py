@@ -192,16 +192,19 @@ class ModelStore:
         check_sha(sha)
         target = self.path(sha)
         source = record.get("path")
-        source_ok = bool(source) and Path(source).is_file() and _sha_of(Path(source)) == sha
+
+        def source_ok() -> bool:
+            return bool(source) and Path(source).is_file() and _sha_of(Path(source)) == sha
+
         if target.is_file():
             actual = _sha_of(target)
             if actual == sha:
                 return target
-            if not source_ok:
+            if not source_ok():
                 raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); restore it "
                                         f"from the original checkpoint or re-import the version")
             logger.warning("%s is damaged; restoring it from %s", target, source)
-        elif not source_ok:
+        elif not source_ok():
             where = f"the checkpoint it was built with ({source}) is gone or changed" if source else "no source is recorded"
             raise FileNotFoundError(
                 f"index version {version} needs encoder model {sha[:12]}..., which is not in {self.dir} and {where}; "
