@@ -1,5 +1,8 @@
 """Benchmark: one WEINCE training step vs one InfoNCE step (target: full-step ratio <= 1.10).
 
+``weince`` is the default paper variant (blend + two top-50 terms + the beta_t tail fit),
+``weince-blend`` the blend alone (``variant = "blend"``).
+
 Same small open_clip encoder (training/encoder.py defaults), same random two-view batch, AdamW.
 "full step" = encoder forward on both views + loss + backward + optimizer step; "loss only" =
 similarities + loss + backward from fixed embeddings (the part WEINCE changes). Timings are
@@ -67,7 +70,8 @@ def bench(batch_sizes: list[int], reps: int, device: str, tau: float = 0.1) -> l
         opt = torch.optim.AdamW(encoder.parameters(), lr=1e-4)
         view_a = torch.randn(bsz, 3, 32, 32, device=dev)
         view_b = view_a + 0.1 * torch.randn_like(view_a)
-        losses = {"infonce": create_loss("infonce"), "weince": create_loss("weince")}
+        losses = {"infonce": create_loss("infonce"), "weince": create_loss("weince"),
+                  "weince-blend": create_loss("weince", variant="blend")}
         full = {k: [] for k in losses}
         only = {k: [] for k in losses}
         with torch.no_grad():
@@ -84,13 +88,14 @@ def bench(batch_sizes: list[int], reps: int, device: str, tau: float = 0.1) -> l
         base_full = statistics.median(full["infonce"])
         base_only = statistics.median(only["infonce"])
         rows.append(row(f"full_step/B={bsz}/infonce", base_full, "s", None))
-        rows.append(row(f"full_step/B={bsz}/weince", statistics.median(full["weince"]), "s", base_full))
         rows.append(row(f"loss_only/B={bsz}/infonce", base_only, "s", None))
-        rows.append(row(f"loss_only/B={bsz}/weince", statistics.median(only["weince"]), "s", base_only))
-        # The full-step difference is the loss difference plus load noise; this row adds the (less
-        # noisy) measured loss-only difference to the InfoNCE step: the expected full-step ratio.
-        delta = statistics.median(only["weince"]) - base_only
-        rows.append(row(f"full_step/B={bsz}/weince_expected", base_full + delta, "s", base_full))
+        for name in ("weince", "weince-blend"):
+            rows.append(row(f"full_step/B={bsz}/{name}", statistics.median(full[name]), "s", base_full))
+            rows.append(row(f"loss_only/B={bsz}/{name}", statistics.median(only[name]), "s", base_only))
+            # The full-step difference is the loss difference plus load noise; this row adds the (less
+            # noisy) measured loss-only difference to the InfoNCE step: the expected full-step ratio.
+            delta = statistics.median(only[name]) - base_only
+            rows.append(row(f"full_step/B={bsz}/{name}_expected", base_full + delta, "s", base_full))
     return rows
 
 
