@@ -6,9 +6,7 @@ Route handlers stay a few lines long by taking `SettingsDep`, `SearcherDep`, `Ba
 from __future__ import annotations
 
 import hmac
-import io
 import logging
-import warnings
 from typing import Annotated
 
 from fastapi import Depends, Header, HTTPException, Request
@@ -18,7 +16,7 @@ from api.batching import MicroBatcher
 from api.config import Settings
 from api.metrics import Metrics
 from search.searcher import NotReadyError, Searcher, SearchSnapshot
-from training.transforms import to_uint8_rgb
+from training.images import ImageError, ImageLimits, load_query, load_rgb
 
 logger = logging.getLogger(__name__)
 
@@ -100,38 +98,30 @@ def check_k(k: int, settings: Settings) -> int:
     return k
 
 
-def decode_image(data: bytes, settings: Settings) -> Image.Image:
-    """Upload bytes -> RGB PIL image, or a 4xx naming the problem.
+# ImageError.code -> (HTTP status, API error code)
+_UPLOAD_ERRORS = {
+    "empty_file": (400, "empty_file"),
+    "file_too_large": (413, "upload_too_large"),
+    "image_too_large": (413, "image_too_large"),
+    "not_an_image": (400, "not_an_image"),
+    "corrupt_image": (400, "corrupt_image"),
+    "unreadable": (400, "not_an_image"),
+}
 
-    Checks size in bytes (413), that it is an image at all (400), width x height against
-    max_image_pixels before decoding any pixels (413, decompression-bomb guard), and that the
-    pixel data is complete (400 for truncated files).
+
+def decode_image(data: bytes, settings: Settings, side: int | None = None) -> Image.Image:
+    """Upload bytes -> RGB PIL image through training.images (the decode policy every path uses),
+    or a 4xx naming the problem: size in bytes (413), not an image (400), width x height over
+    max_image_pixels from the header before any pixel is decoded (413), truncated data (400).
+
+    With `side` (the image cache's resolution for the serving encoder) an image larger than
+    that is shrunk as the folder image cache shrinks indexed files (JPEG draft, reduce, resize),
+    so an uploaded copy of an indexed file gives that file's pixels.
     """
-    if len(data) == 0:
-        raise ApiError(400, "empty_file", "the uploaded file is empty")
-    if len(data) > settings.max_upload_bytes:
-        raise ApiError(413, "upload_too_large",
-                       f"upload is {len(data)} bytes, limit is {settings.max_upload_bytes} bytes")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        try:
-            img = Image.open(io.BytesIO(data))  # reads the header only
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise ApiError(413, "image_too_large", f"image too large to decode: {err}") from err
-        except Exception as err:  # noqa: BLE001 - PIL raises many types for junk input
-            raise ApiError(400, "not_an_image", f"the upload is not a readable image ({type(err).__name__})") from err
-        width, height = img.size
-        if width * height > settings.max_image_pixels:
-            raise ApiError(413, "image_too_large",
-                           f"image is {width}x{height} = {width * height} pixels, "
-                           f"limit is {settings.max_image_pixels} (decompression-bomb guard)")
-        if width < 1 or height < 1:
-            raise ApiError(400, "not_an_image", f"image has no pixels ({width}x{height})")
-        try:
-            img.load()
-            rgb = Image.fromarray(to_uint8_rgb(img))  # the conversion preprocess() would apply
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-            raise ApiError(413, "image_too_large", f"image too large to decode: {err}") from err
-        except Exception as err:  # noqa: BLE001 - truncated/corrupt data
-            raise ApiError(400, "corrupt_image", f"image data is truncated or corrupt: {err}") from err
-    return rgb
+    limits = ImageLimits(max_pixels=settings.max_image_pixels, max_bytes=settings.max_upload_bytes)
+    try:
+        pixels = load_query(data, side, limits) if side else load_rgb(data, limits)
+    except ImageError as err:
+        status, code = _UPLOAD_ERRORS.get(err.code, (400, "not_an_image"))
+        raise ApiError(status, code, str(err)) from err
+    return Image.fromarray(pixels)

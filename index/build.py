@@ -282,10 +282,16 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
     return version
 
 
+def _skipped_items(ds, res: EmbedResult, source: int) -> list[dict]:
+    """Every item of a source that is not indexed, once: files the dataset could not decode
+    (over a limit, unreadable: ``ds.skipped``, with a ``reason``) and items the embedding skipped."""
+    return [{"source": source, **item} for item in [*(getattr(ds, "skipped", None) or []), *res.skipped]]
+
+
 def _source_record(ds, res: EmbedResult, source: int) -> dict:
     return {"spec": ds.spec(), "fingerprint": ds.fingerprint(), "count": int(len(res.rows)),
-            "skipped": len(res.skipped), "source": source, "resumed_shards": res.resumed_shards,
-            "embed_s": res.seconds}
+            "skipped": len(_skipped_items(ds, res, source)), "source": source, "resumed_shards": res.resumed_shards,
+            "embed_s": res.seconds, "images_per_s": len(res.rows) / res.seconds if res.seconds > 0 else None}
 
 
 # ----------------------------------------------------------------------------- public API
@@ -361,7 +367,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
         all_ids = ds.item_ids()
         embeddings.append(res.embeddings)
         ids.extend(all_ids[int(i)] for i in res.rows)
-        skipped.extend({"source": s, **item} for item in res.skipped)
+        skipped.extend(_skipped_items(ds, res, s))
         sources.append(_source_record(ds, res, s))
     emb = np.concatenate(embeddings, axis=0)
     if emb.shape[0] == 0:
@@ -487,12 +493,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     m = base_version.manifest
     source_index = len(m.get("sources") or [m["dataset"]])
     sources = list(m.get("sources") or [m["dataset"]]) + [_source_record(ds, res, source_index)]
-    skipped = list(m.get("skipped", [])) + [{"source": source_index, **item} for item in res.skipped]
+    skipped = list(m.get("skipped", [])) + _skipped_items(ds, res, source_index)
     fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "lineage",
                                                   "search_temperature", "search_temperature_source", "world_size")}
     fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
-                                                "skipped": len(res.skipped)})
+                                                "skipped": len(_skipped_items(ds, res, source_index))})
     params = dict(m["params"])
     version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                      target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},

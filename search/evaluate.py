@@ -31,6 +31,7 @@ from search.report import plot_gap_vs_tau, plot_samples, summary_table, write_re
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.generators import create_generator
+from training.image_cache import summarise_skipped
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class EvalData:
     queries_description: str
     queries_same_as_db: bool
     notes: list[str] = field(default_factory=list)
+    query_skipped: list[dict] = field(default_factory=list)   # held-out files that could not be decoded
 
 
 def _device(name: str | None) -> torch.device:
@@ -216,8 +218,13 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int
                      "(the gap keeps them)")
     q_meta = _meta(qds, q_idx, gname, exclude)
     q_labels = None if qds.labels is None else np.asarray(qds.labels)[q_idx]
+    q_skipped = [] if same else list(getattr(qds, "skipped", None) or [])
+    if q_skipped:
+        notes.append(f"{len(q_skipped)} held-out file(s) skipped ({summarise_skipped(q_skipped)}); "
+                     "listed under queries.skipped_files")
     return EvalData(db_datasets, rows, db_meta, db_labels, _tensors(qds, q_idx), q_meta, q_labels, exclude, gen,
-                    db_desc, f"{qds.name}/{qds.split} ({q_idx.size} of {len(qds)})", bool(same), notes)
+                    db_desc, f"{qds.name}/{qds.split} ({q_idx.size} of {len(qds)})", bool(same), notes,
+                    q_skipped)
 
 
 def _ideal_recall(zq, zdb, data: EvalData, ks=(1, 5, 10), n_boot=1000, seed=0, device=None) -> dict:
@@ -385,9 +392,11 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
         "checkpoint": str(ckpt),
         "index": index_info,
         "database": {"description": data.database_description, "count": int(zdb.shape[0]),
-                     "datasets": [ds.spec() for ds in datasets]},
+                     "datasets": [ds.spec() for ds in datasets],
+                     "skipped": sum(len(getattr(ds, "skipped", None) or []) for ds in datasets)},
         "queries": {"description": data.queries_description, "count": int(zq.shape[0]),
-                    "same_as_database": data.queries_same_as_db},
+                    "same_as_database": data.queries_same_as_db, "skipped": len(data.query_skipped),
+                    "skipped_files": data.query_skipped},
         "generator": {"name": gen.name, "exact": bool(gen.exact), "description": gen.description,
                       "options": gen.options() if hasattr(gen, "options") else {}},
         "temperature_sources": {"serving": serving_src, "train": train_src},

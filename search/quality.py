@@ -49,7 +49,8 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
     return {"version": version.version, "recall_at_10": recall, "recall_kind": recall_kind, "gap": gap["kl"],
             "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
-            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0])}
+            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
+            "skipped_queries": len(data.query_skipped)}
 
 
 def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "auto", max_queries: int = 500,
@@ -113,7 +114,8 @@ def calibrate_version(candidate, queries=None, *, max_queries: int = 500, genera
         return None
     return {"temperature": result.temperature, "train_temperature": train_tau,
             "gap_at_train": result.gap_at_train["kl"], "gap_at_calibrated": result.gap_at_calibrated["kl"],
-            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0])}
+            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
+            "skipped_queries": len(data.query_skipped)}
 
 
 def _default_queries(version, cfg: EvalConfig):

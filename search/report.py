@@ -228,6 +228,10 @@ def write_report(out_dir, report: dict, figures: dict[str, bytes | None]) -> tup
 def summary_table(report: dict) -> str:
     """A short plain-text table for stdout."""
     lines = [f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})"]
+    queries, database = report.get("queries") or {}, report.get("database") or {}
+    if queries.get("skipped") or database.get("skipped"):
+        lines.append(f"skipped files (unreadable or over a limit): {queries.get('skipped', 0)} held-out, "
+                     f"{database.get('skipped', 0)} database; each listed with its reason in report.json")
     for name, m, lo, hi in metric_rows(report.get("metrics")):
         lines.append(f"  {name:<18} {m:8.4f}  [{lo:.4f}, {hi:.4f}]")
     for label, tau, ce, ce_se, h, kl, kl_se in gap_rows(report.get("gap", {})):

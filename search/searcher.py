@@ -263,7 +263,8 @@ class SearchSnapshot:
         """The stored image of an indexed item, recovered from the manifest's dataset spec."""
         self.row_of(item_id)  # KeyError if not indexed
         ds, i = self._sources()[item_id]  # KeyError if no source dataset holds it
-        return ds.image(i)
+        show = getattr(ds, "display_image", None)   # folders: the file itself, not the cached square
+        return show(i) if show is not None else ds.image(i)
 
 
 class Searcher:

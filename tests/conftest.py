@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)   # tests/image_files.py: generated awkward image files
 
 from training.datasets import create_dataset
 
@@ -102,3 +112,23 @@ def make_image_folder():
         return dest
 
     return make
+
+
+_CACHE_ENV = "SOFTSEARCH_CACHE_DIR"
+
+
+def pytest_configure(config):
+    """Image caches of this session go to a private temporary directory, never ~/.cache
+    (several suites run at once; each starts from an empty cache). Subprocesses inherit it."""
+    config._softsearch_cache = (tempfile.mkdtemp(prefix="softsearch-test-cache-"), os.environ.get(_CACHE_ENV))
+    os.environ[_CACHE_ENV] = config._softsearch_cache[0]
+
+
+def pytest_unconfigure(config):
+    path, before = getattr(config, "_softsearch_cache", (None, None))
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+        if before is None:
+            os.environ.pop(_CACHE_ENV, None)
+        else:
+            os.environ[_CACHE_ENV] = before

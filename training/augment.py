@@ -65,8 +65,14 @@ def sample_params(n: int, rng: np.random.Generator, config: AugmentConfig = Augm
             "brightness": bright, "contrast": contrast}
 
 
-def apply_params(x: torch.Tensor, params: dict[str, np.ndarray]) -> torch.Tensor:
-    """Apply given augmentation parameters to a preprocessed batch x (B, 3, S, S) -> same shape."""
+def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int | None = None) -> torch.Tensor:
+    """Apply augmentation parameters to a preprocessed batch x (B, 3, R, R) -> (B, 3, S, S).
+
+    S = out_size (default R). With R > S the crop is resampled on an R x R grid and then shrunk
+    to S with an antialiased bilinear resize, before the photometric jitter: a crop of side
+    fraction w then has R w / S source pixels per output pixel, >= 1.2 for the default crops
+    (w >= 0.61) at R = 2 S, so crops are not upsampled. With R = S: the plain one-pass transform.
+    """
     if x.ndim != 4:
         raise ValueError(f"expected a (B, C, H, W) batch, got shape {tuple(x.shape)}")
     b = x.shape[0]
@@ -82,8 +88,11 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray]) -> torch.Tensor
     theta[:, 0, 2] = p["cx"]
     theta[:, 1, 1] = p["h"]
     theta[:, 1, 2] = p["cy"]
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)                # (B, S, S, 2)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)                # (B, R, R, 2)
     y = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    if out_size is not None and int(out_size) != y.shape[-1]:
+        y = F.interpolate(y, size=(int(out_size), int(out_size)), mode="bilinear", align_corners=False,
+                          antialias=True)
     # photometric jitter on [0, 1] pixels: q = mean + c (b p - mean), then back to normalised
     pix = y * STD + MEAN
     pix = pix * p["brightness"].view(b, 1, 1, 1)
@@ -92,6 +101,7 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray]) -> torch.Tensor
     return ((pix.clamp(0.0, 1.0) - MEAN) / STD).contiguous()
 
 
-def random_augment(x: torch.Tensor, rng: np.random.Generator, config: AugmentConfig = AugmentConfig()) -> torch.Tensor:
-    """One random augmentation per sample of a preprocessed batch (B, 3, S, S)."""
-    return apply_params(x, sample_params(x.shape[0], rng, config))
+def random_augment(x: torch.Tensor, rng: np.random.Generator, config: AugmentConfig = AugmentConfig(),
+                   out_size: int | None = None) -> torch.Tensor:
+    """One random augmentation per sample of a preprocessed batch (B, 3, R, R) -> (B, 3, S, S)."""
+    return apply_params(x, sample_params(x.shape[0], rng, config), out_size)

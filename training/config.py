@@ -27,7 +27,7 @@ __all__ = ["TrainConfig", "load_train_config", "apply_overrides", "config_from_d
 
 # Fields that do not change the trained weights; excluded from the lineage hash.
 RUNTIME_FIELDS = ("out_dir", "log_every", "checkpoint_every", "device", "num_workers", "torch_threads", "progress",
-                  "stop_after")
+                  "stop_after", "cache_dir", "cache_workers")
 
 
 @dataclass
@@ -75,6 +75,10 @@ class TrainConfig:
     torch_threads: int | None = None
     progress: bool = True
     stop_after: int | None = None  # save and stop once this step is reached (time-sliced jobs); --resume continues
+    # file-backed datasets (folder): where the decoded-image cache lives (None -> $SOFTSEARCH_CACHE_DIR,
+    # else ~/.cache/softsearch) and how many processes decode it the first time (None -> CPU count)
+    cache_dir: str | None = None
+    cache_workers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.encoder, dict):
@@ -98,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"dataset_size must be positive, got {self.dataset_size}")
         if self.stop_after is not None and self.stop_after <= 0:
             raise ValueError(f"stop_after must be positive or unset, got {self.stop_after}")
+        if self.cache_workers is not None and self.cache_workers <= 0:
+            raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
         self.encoder.validate()

@@ -16,13 +16,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from training import synthetic
 from training._registry import make_register
 from training.generators import PositiveGenerator, create_generator
 from training.idx import read_idx
-from training.transforms import preprocess, to_uint8_rgb
+from training.image_cache import content_key, file_digests, open_or_build, summarise_skipped
+from training.images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageLimits, cache_resolution, load_rgb
+from training.transforms import preprocess
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class ImageDataset(torch.utils.data.Dataset):
     """Base class: map-style dataset of RGB images; ``ds[i]`` is the (3, S, S) encoder input."""
 
     name: str = "base"
+    file_backed: bool = False             # images come from files (decoded once into the image cache)
     split: str
     image_size: int
     labels: np.ndarray | None = None
@@ -91,6 +94,10 @@ class ImageDataset(torch.utils.data.Dataset):
         """The stored (or rendered) image as PIL RGB."""
         raise NotImplementedError
 
+    def display_image(self, i: int, max_side: int = 256) -> Image.Image:
+        """Item i for people to look at (thumbnails); the stored image unless a subclass has better."""
+        return self.image(i)
+
     def try_image(self, i: int) -> Image.Image | None:
         """Like image(i) but None when the item cannot be read (index builds skip it)."""
         try:
@@ -106,6 +113,10 @@ class ImageDataset(torch.utils.data.Dataset):
         """Preprocessed batch (B, 3, S, S) for item indices (subclasses vectorise this)."""
         idx = self._indices(indices)
         return preprocess([self.image(int(i)) for i in idx], self.image_size)
+
+    def augment_source(self, indices: Any) -> torch.Tensor:
+        """What augmentations crop from, (B, 3, R, R) with R >= image_size; they resize to image_size."""
+        return self.tensors(indices)
 
     def item_id(self, i: int) -> str:
         return f"{self.name}/{self.split}/{self._index(i)}"
@@ -289,7 +300,8 @@ IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", 
 
 @register_dataset("folder")
 class FolderDataset(ImageDataset):
-    """Every image file under a directory (recursive, sorted by path).
+    """Every image file under a directory (recursive, sorted by path), decoded once into the
+    memory-mapped image cache (training/image_cache.py) and read from there.
 
     Splits: ``"all"`` is every image under ``root``; ``"train"`` / ``"test"`` use ``root/train`` /
     ``root/test`` when that subdirectory exists (``"train"`` falls back to ``"all"`` otherwise, so
@@ -298,10 +310,20 @@ class FolderDataset(ImageDataset):
     are at least two such subfolders, the subfolder names are the classes (sorted) and the
     default generator is ``label``; otherwise there are no labels and it is ``instance``.
     ``labels=True/False`` forces the choice. ``size`` keeps the first ``size`` files.
+
+    Files over ``max_pixels`` / ``max_bytes`` (checked from the header) or unreadable are not
+    items: ``skipped`` lists each once with its reason, and one log line counts them. The cache
+    holds a ``cache_resolution(image_size)`` square per file; ``tensors`` resizes it to
+    ``image_size``, ``augment_source`` hands augmentations the full square. ``cache_dir``,
+    ``cache_workers`` and ``progress`` are runtime options (not part of ``spec``).
     """
 
+    file_backed = True
+
     def __init__(self, split: str = "all", root: str | None = None, size: int | None = None, seed: int = 0,
-                 image_size: int = DEFAULT_IMAGE_SIZE, labels: bool | None = None):
+                 image_size: int = DEFAULT_IMAGE_SIZE, labels: bool | None = None,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_BYTES,
+                 cache_dir: str | None = None, cache_workers: int | None = None, progress: bool = True):
         if root is None:
             raise ValueError("the folder dataset needs a root directory (--data-root)")
         root_path = Path(root).expanduser().resolve()
@@ -322,18 +344,34 @@ class FolderDataset(ImageDataset):
         self.root = str(root_path)
         self.seed = int(seed)
         self.image_size = _check_image_size(image_size)
-        rel = sorted(p.relative_to(base).as_posix() for p in base.rglob("*")
-                     if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        self.limits = ImageLimits(max_pixels=max_pixels, max_bytes=max_bytes)
+        files = sorted(p.relative_to(base).as_posix() for p in base.rglob("*")
+                       if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
         if size is not None:
-            rel = rel[:size]
-        if not rel:
+            files = files[:size]
+        if not files:
             raise ValueError(f"no image files ({', '.join(sorted(IMAGE_EXTENSIONS))}) under {base}")
         self._base = base
-        self._rel = rel
         self._prefix = base.relative_to(root_path).as_posix()  # "." or "train"/"test"
         self._size = size
         self._labels_option = labels
-        tops = [r.split("/")[0] if "/" in r else None for r in rel]
+        self._files = files                                     # every candidate file, cached or skipped
+        cache_root = None if cache_dir is None else Path(cache_dir).expanduser()
+        self._digests = file_digests(base, files, cache_root, progress=progress)
+        self.cache = open_or_build([base / f for f in files], [self._id_of(f) for f in files], self._digests,
+                                   cache_resolution(self.image_size), self.limits, cache_root=cache_root,
+                                   workers=cache_workers, progress=progress, label=f"folder/{split} images")
+        self._rows = np.flatnonzero(self.cache.ok)              # cache row of each item
+        self._rel = [files[int(r)] for r in self._rows]
+        self.skipped = [{"id": s["file"], "reason": s["reason"], "error": s["error"]} for s in self.cache.skipped]
+        if self.skipped:
+            log = logger.warning if self.cache.built else logger.info
+            log("folder/%s: %d of %d files skipped (%s); listed in %s", split, len(self.skipped), len(files),
+                summarise_skipped(self.skipped), self.cache.path / "index.json")
+        if not self._rel:
+            raise ValueError(f"none of the {len(files)} image files under {base} could be read "
+                             f"({summarise_skipped(self.skipped)}), e.g. {self.skipped[0]['error']}")
+        tops = [f.split("/")[0] if "/" in f else None for f in files]
         nested = all(t is not None for t in tops)
         classes = sorted(set(tops)) if nested else []
         use_labels = (nested and len(classes) >= 2) if labels is None else bool(labels)
@@ -341,9 +379,12 @@ class FolderDataset(ImageDataset):
             if not nested:
                 raise ValueError(f"labels=True but some images under {base} are not in class subfolders")
             index = {c: k for k, c in enumerate(classes)}
-            self.class_names = classes
-            self.labels = np.array([index[t] for t in tops], dtype=np.int64)
+            self.class_names = classes                          # from every file: ids do not depend on decodes
+            self.labels = np.array([index[tops[int(r)]] for r in self._rows], dtype=np.int64)
             self.labels.flags.writeable = False
+
+    def _id_of(self, rel: str) -> str:
+        return rel if self._prefix == "." else f"{self._prefix}/{rel}"
 
     def __len__(self) -> int:
         return len(self._rel)
@@ -353,37 +394,38 @@ class FolderDataset(ImageDataset):
         return self._base / self._rel[self._index(i)]
 
     def item_id(self, i: int) -> str:
-        rel = self._rel[self._index(i)]
-        return rel if self._prefix == "." else f"{self._prefix}/{rel}"
+        return self._id_of(self._rel[self._index(i)])
+
+    def images_batch(self, indices: Any) -> np.ndarray:
+        """The cached (B, R, R, 3) uint8 squares of items (R = cache_resolution(image_size))."""
+        return self.cache.images[self._rows[self._indices(indices)]]
 
     def image(self, i: int) -> Image.Image:
-        path = self.path(i)
-        if not path.is_file():
-            raise FileNotFoundError(f"image file {path} not found")
-        try:
-            with Image.open(path) as im:
-                im.load()
-                arr = to_uint8_rgb(im)
-        except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-            raise ValueError(f"cannot read image {path}: {exc}") from exc
-        return Image.fromarray(arr, mode="RGB")
+        """The stored image: the cached (R, R) RGB square of item i."""
+        return Image.fromarray(np.asarray(self.cache.images[self._rows[self._index(i)]]), mode="RGB")
+
+    def display_image(self, i: int, max_side: int = 256) -> Image.Image:
+        """Item i decoded from its file for people to look at (shorter side ~ max_side, same policy)."""
+        rgb = load_rgb(self.path(i), self.limits, min_side=max_side)
+        im = Image.fromarray(rgb, mode="RGB")
+        im.thumbnail((max_side, max_side), reducing_gap=2.0)
+        return im
+
+    def tensors(self, indices: Any) -> torch.Tensor:
+        return preprocess(self.images_batch(indices), self.image_size)
+
+    def augment_source(self, indices: Any) -> torch.Tensor:
+        """(B, 3, R, R) normalised cache squares: augmentations crop these, then resize to image_size."""
+        return preprocess(self.images_batch(indices), self.cache.resolution)
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "split": self.split, "root": self.root, "size": self._size,
-                "seed": self.seed, "image_size": self.image_size, "labels": self._labels_option}
+                "seed": self.seed, "image_size": self.image_size, "labels": self._labels_option,
+                "max_pixels": self.limits.max_pixels, "max_bytes": self.limits.max_bytes}
 
     def _content_digest(self, h: "hashlib._Hash") -> None:
-        # relative path + file bytes of every item, streamed (missing files hash as such)
-        for i, rel in enumerate(self._rel):
-            h.update(rel.encode() + b"\0")
-            path = self._base / rel
-            try:
-                with open(path, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(chunk)
-            except OSError:
-                h.update(b"<unreadable>")
-            h.update(b"\0")
+        # name and sha256 of every candidate file (skipped ones too: fixing a file changes the data)
+        h.update(content_key(self._files, self._digests).encode())
 
     def default_generator(self) -> PositiveGenerator:
         return create_generator("label" if self.labels is not None else "instance")

@@ -55,6 +55,14 @@ def log_i0(kappa: float) -> float:
     return float(np.log(i0e(kappa)) + kappa)
 
 
+def augmented_views(dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator,
+                    config: AugmentConfig) -> torch.Tensor:
+    """Random augmentations of items, cropped from the dataset's augmentation source (its cache
+    squares for file-backed datasets) and resized to the dataset's image_size: (B, 3, S, S)."""
+    source = getattr(dataset, "augment_source", dataset.tensors)
+    return random_augment(source(indices), rng, config, out_size=dataset.image_size)
+
+
 def _indices(indices: np.ndarray, n: int) -> np.ndarray:
     idx = np.asarray(indices, dtype=np.int64).reshape(-1)
     if idx.size and (idx.min() < 0 or idx.max() >= n):
@@ -198,10 +206,9 @@ class LabelGenerator(PositiveGenerator):
             raise ValueError(f"the label generator needs a labelled dataset, {dataset.name!r} has no labels")
         idx = _indices(indices, len(dataset))
         pos = self.positive_indices(dataset.labels, idx, rng)
-        a, b = dataset.tensors(idx), dataset.tensors(pos)
         if self.augment:
-            a, b = random_augment(a, rng, self.aug), random_augment(b, rng, self.aug)
-        return a, b
+            return augmented_views(dataset, idx, rng, self.aug), augmented_views(dataset, pos, rng, self.aug)
+        return dataset.tensors(idx), dataset.tensors(pos)
 
 
 @register_generator("instance")
@@ -230,8 +237,9 @@ class InstanceGenerator(PositiveGenerator):
     def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
                      rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = _indices(indices, len(dataset))
-        x = dataset.tensors(idx)
-        return random_augment(x, rng, self.aug), random_augment(x, rng, self.aug)
+        source = getattr(dataset, "augment_source", dataset.tensors)(idx)
+        return (random_augment(source, rng, self.aug, out_size=dataset.image_size),
+                random_augment(source, rng, self.aug, out_size=dataset.image_size))
 
 
 @register_generator("neighbour")
@@ -273,8 +281,7 @@ class NeighbourGenerator(InstanceGenerator):
         idx = _indices(indices, len(dataset))
         table = self.neighbour_table(dataset)
         pos = table[idx, rng.integers(0, self.k, size=idx.size)]
-        return (random_augment(dataset.tensors(idx), rng, self.aug),
-                random_augment(dataset.tensors(pos), rng, self.aug))
+        return augmented_views(dataset, idx, rng, self.aug), augmented_views(dataset, pos, rng, self.aug)
 
     def __getstate__(self) -> dict[str, Any]:  # weakrefs do not pickle (DataLoader workers, spawn)
         state = dict(self.__dict__)

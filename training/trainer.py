@@ -11,7 +11,8 @@ r's half of a 2-process batch is exactly the matching half of the single-process
 
 Output directory: `init.safetensors` (step-0 weights), `checkpoint.safetensors`,
 `train_state.safetensors` (optimizer, schedule and RNG state for `--resume`), `metrics.jsonl`
-(one JSON line per step), `config.json`.
+(one JSON line per step), `config.json`, and `skipped.json` when a folder dataset skipped files
+(each with its reason; one log line counts them).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ INIT_NAME = "init.safetensors"
 STATE_NAME = "train_state.safetensors"
 METRICS_NAME = "metrics.jsonl"
 CONFIG_NAME = "config.json"
+SKIPPED_NAME = "skipped.json"
 
 _DATA_TAG = 0x5EED  # separates the data RNG streams from other uses of the seed
 _NOISE_TAG = 0x1A6E
@@ -186,7 +188,7 @@ class _Run:
 
 
 def _build_data(config: TrainConfig):
-    from training.datasets import create_dataset
+    from training.datasets import DATASETS, create_dataset
     from training.generators import create_generator
 
     options = dict(config.dataset_options)
@@ -196,6 +198,8 @@ def _build_data(config: TrainConfig):
     if options["image_size"] != config.encoder.image_size:
         raise ValueError(f"dataset_options.image_size={options['image_size']} differs from "
                          f"encoder.image_size={config.encoder.image_size}")
+    if getattr(DATASETS.get(config.dataset), "file_backed", False):   # runtime options, not in the spec
+        options.update(cache_dir=config.cache_dir, cache_workers=config.cache_workers, progress=config.progress)
     dataset = create_dataset(config.dataset, split=config.split, root=config.data_root,
                              size=config.dataset_size, seed=config.dataset_seed, **options)
     if config.generator is None and not config.generator_options:
@@ -207,6 +211,22 @@ def _build_data(config: TrainConfig):
             gen_options.setdefault("kappa", config.kappa)
         generator = create_generator(name, **gen_options)
     return dataset, generator
+
+
+def _report_skipped(dataset, out: Path, info: DistInfo) -> None:
+    """One log line for the files a file-backed dataset skipped; rank 0 lists them in out/skipped.json."""
+    skipped = getattr(dataset, "skipped", None) or []
+    path = out / SKIPPED_NAME
+    if info.is_main:
+        path.unlink(missing_ok=True)
+    if not skipped:
+        return
+    from training.image_cache import summarise_skipped
+
+    if info.is_main:
+        path.write_text(json.dumps(skipped, indent=1) + "\n")
+        logger.warning("training on %d images of %s/%s; %d file(s) skipped (%s), listed in %s", len(dataset),
+                       dataset.name, dataset.split, len(skipped), summarise_skipped(skipped), path)
 
 
 def _param_groups(encoder: Encoder, schedule: nn.Module, weight_decay: float) -> list[dict]:
@@ -231,6 +251,7 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
 
     _seed_everything(config.seed)
     dataset, generator = _build_data(config)
+    _report_skipped(dataset, out, info)
     if config.batch_size % info.world_size:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the world size {info.world_size}")
     local = config.batch_size // info.world_size

@@ -1,6 +1,7 @@
 """The one image preprocessing path shared by training, index building and the API.
 
-Images become ``(B, 3, S, S)`` float32 tensors: RGB (grayscale repeated to 3 channels,
+Images become ``(B, 3, S, S)`` float32 tensors: RGB (grayscale repeated to 3 channels; PIL
+images of other modes converted by ``training.images.to_rgb_array``,
 because the open_clip towers' first convolution takes 3 channels), the shorter side resized
 to ``S`` and the longer side centre-cropped (a no-op for square images), scaled to [0, 1]
 and normalised with mean 0.5 / std 0.5, i.e. ``x = (p - 0.5) / 0.5`` in [-1, 1].
@@ -16,27 +17,14 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from training.images import to_rgb_array
+
 logger = logging.getLogger(__name__)
 
 MEAN = 0.5
 STD = 0.5
 
-__all__ = ["MEAN", "STD", "preprocess", "to_uint8_rgb", "denormalize"]
-
-
-def to_uint8_rgb(image: Image.Image) -> np.ndarray:
-    """PIL image -> (H, W, 3) uint8 array (palette, alpha, 16-bit and grayscale modes converted)."""
-    if not isinstance(image, Image.Image):
-        raise ValueError(f"expected a PIL image, got {type(image).__name__}")
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
-        # 16/32-bit grayscale: PIL's convert("RGB") clips instead of rescaling.
-        arr = np.asarray(image, dtype=np.float64)
-        hi = arr.max() if arr.size else 1.0
-        arr = np.clip(arr / (hi if hi > 255 else 255.0) * 255.0, 0, 255).round().astype(np.uint8)
-        return np.repeat(arr[:, :, None], 3, axis=2)
-    if image.mode != "RGB":
-        image = image.convert("RGBA").convert("RGB") if "transparency" in image.info else image.convert("RGB")
-    return np.asarray(image, dtype=np.uint8)
+__all__ = ["MEAN", "STD", "preprocess", "denormalize"]
 
 
 def _as_uint8_batch(images: np.ndarray) -> np.ndarray:
@@ -101,7 +89,7 @@ def preprocess(images: Image.Image | Sequence[Image.Image] | np.ndarray, image_s
         raise ValueError(f"expected PIL image(s) or a uint8 numpy array, got {type(images).__name__}")
     if len(images) == 0:
         return torch.empty(0, 3, image_size, image_size)
-    arrays = [to_uint8_rgb(im) for im in images]
+    arrays = [to_rgb_array(im) for im in images]  # transparency onto white, 16-bit scaled
     if all(a.shape == arrays[0].shape for a in arrays):
         return _normalise_uint8(np.stack(arrays), image_size)
     return torch.cat([_normalise_uint8(a[None], image_size) for a in arrays])

@@ -14,6 +14,7 @@ from api.deps import ApiError, BatcherDep, MetricsDep, SettingsDep, SnapshotDep,
     require_content_type
 from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, SearchResponse, \
     VectorQuery
+from training.images import cache_resolution
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def _response(result: QueryResult, k: int) -> SearchResponse:
 @router.post("/search", response_model=SearchResponse, responses=ERROR_RESPONSES,
              dependencies=[Depends(require_content_type("multipart/form-data"))])
 async def search_image(
-    settings: SettingsDep, batcher: BatcherDep, metrics: MetricsDep,
+    settings: SettingsDep, batcher: BatcherDep, snapshot: SnapshotDep, metrics: MetricsDep,
     file: Annotated[UploadFile, File(description="query image (PNG, JPEG, ...)")],
     k: Annotated[int, Form(ge=1, description="results to return, 1..max_k (server setting, default 100)")] = 10,
     temperature: Annotated[float | None, Form(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
@@ -41,8 +42,10 @@ async def search_image(
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     check_k(k, settings)
     data = await file.read(settings.max_upload_bytes + 1)
-    try:  # decoding runs in the batch thread (one thread hop per request, not two)
-        result = await batcher.search_image(partial(decode_image, data, settings), k, temperature)
+    # shrunk like an indexed file (training/images.py); decoded in the batch thread (one hop, not two)
+    side = cache_resolution(snapshot.encoder.image_size)
+    try:
+        result = await batcher.search_image(partial(decode_image, data, settings, side=side), k, temperature)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     metrics.queries.labels(kind="image").inc()

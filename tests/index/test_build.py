@@ -105,11 +105,12 @@ def test_unreadable_images_are_skipped_and_listed(tmp_path, tiny_checkpoint):
     full = (folder / "ok0.png").read_bytes()
     (folder / "truncated.png").write_bytes(full[: len(full) // 2])
     ds = create_dataset("folder", split="all", root=str(folder))
-    assert len(ds) == 8
+    assert len(ds) == 6 and len(ds.skipped) == 2      # refused at decode time, once, with a reason
     version = build_index(tiny_checkpoint, ds, tmp_path / "idx", batch_size=4, shard_size=3, progress=False)
     m = IndexStore(tmp_path / "idx").manifest(version)
-    assert m["count"] == 6 and m["skipped_count"] == 2
-    assert sorted(s["id"] for s in m["skipped"]) == ["garbage.png", "truncated.png"]
+    assert m["count"] == 6 and m["skipped_count"] == 2 and m["sources"][0]["skipped"] == 2
+    assert sorted((s["id"], s["reason"]) for s in m["skipped"]) == [("garbage.png", "not_an_image"),
+                                                                   ("truncated.png", "corrupt_image")]
     assert all(s["error"] for s in m["skipped"])
     assert sorted(IndexStore(tmp_path / "idx").load().ids) == [f"ok{i}.png" for i in range(6)]
 

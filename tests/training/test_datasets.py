@@ -17,6 +17,7 @@ from training.datasets import (
 )
 from training.idx import write_idx
 from training.synthetic import render, sample_latents
+from training.images import load_square
 from training.transforms import denormalize, preprocess
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -224,39 +225,54 @@ def image_folder(tmp_path):
 def test_folder_dataset(image_folder):
     ds = create_dataset("folder", split="all", root=str(image_folder))
     ids = ds.item_ids()
-    assert ids == ["cat/0.png", "cat/1.png", "cat/2.png", "cat/broken.png", "dog/0.png", "dog/1.png",
-                   "dog/sub/gray.png"]
+    assert ids == ["cat/0.png", "cat/1.png", "cat/2.png", "dog/0.png", "dog/1.png", "dog/sub/gray.png"]
+    assert [(s["id"], s["reason"]) for s in ds.skipped] == [("cat/broken.png", "not_an_image")]
+    assert "broken.png" in ds.skipped[0]["error"]
     assert ds.class_names == ["cat", "dog"]
-    np.testing.assert_array_equal(ds.labels, [0, 0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(ds.labels, [0, 0, 0, 1, 1, 1])
     assert ds.default_generator().name == "label"
-    np.testing.assert_array_equal(np.asarray(ds.image(1)), np.asarray(Image.open(image_folder / "cat/1.png")))
-    gray = np.asarray(ds.image(6))
+    # the stored image is the cached square (cache_resolution(32) = 64), decoded once from the file
+    assert ds.image(1).size == (64, 64)
+    np.testing.assert_array_equal(np.asarray(ds.image(1)), load_square(image_folder / "cat/1.png", 64))
+    # what people see is the file itself
+    np.testing.assert_array_equal(np.asarray(ds.display_image(1)), np.asarray(Image.open(image_folder / "cat/1.png")))
+    gray = np.asarray(ds.display_image(5))
     assert gray.shape == (9, 9, 3) and np.array_equal(gray[..., 0], gray[..., 2])
-    with pytest.raises(ValueError, match="broken.png"):
-        ds.image(3)
-    with pytest.raises(ValueError, match="broken.png"):
-        ds[3]
-    assert ds.try_image(3) is None and ds.try_image(0) is not None
-    assert ds.tensors([0, 4, 6]).shape == (3, 3, 32, 32)
+    # tensors: the cached squares resized to image_size, independently recomputed from the files
+    ref = preprocess(np.stack([load_square(image_folder / f, 64) for f in ("cat/0.png", "dog/0.png")]), 32)
+    torch.testing.assert_close(ds.tensors([0, 3]), ref, atol=0, rtol=0)
+    assert ds.augment_source([0, 3]).shape == (2, 3, 64, 64)
     again = create_dataset(**ds.spec())
     assert again.fingerprint() == ds.fingerprint() and again.item_ids() == ids
-    # content changes change the fingerprint
+    assert not again.cache.built and again.cache.path == ds.cache.path        # decoded once, opened after
+    # content changes change the fingerprint and the cache
     _png(image_folder / "dog" / "0.png", np.zeros((5, 5, 3), dtype=np.uint8))
-    assert create_dataset(**ds.spec()).fingerprint() != ds.fingerprint()
+    changed = create_dataset(**ds.spec())
+    assert changed.fingerprint() != ds.fingerprint() and changed.cache.path != ds.cache.path
+    np.testing.assert_array_equal(np.asarray(changed.image(3)), np.zeros((64, 64, 3), np.uint8))
 
 
-def test_folder_truncated_image(tmp_path):
+def test_folder_skips_bad_files_once_with_reasons(tmp_path):
+    """Over the pixel limit, truncated and not-an-image files are not items; each is listed once."""
+    import image_files as F
+
     root = tmp_path / "t"
     _png(root / "a.png", np.random.default_rng(0).integers(0, 256, size=(40, 40, 3), dtype=np.uint8))
     _png(root / "b.png", np.zeros((8, 8, 3), dtype=np.uint8))
-    raw = (root / "a.png").read_bytes()
-    (root / "a.png").write_bytes(raw[: len(raw) // 2])
+    expected = F.bad_files(root)
     ds = create_dataset("folder", split="all", root=str(root))
+    assert ds.item_ids() == ["a.png", "b.png"]
+    assert {s["id"]: s["reason"] for s in ds.skipped} == expected and len(ds.skipped) == 3
     assert ds.labels is None and ds.default_generator().name == "instance"
     np.testing.assert_array_equal(ds.metadata(), [0, 1])
-    with pytest.raises(ValueError, match="a.png"):
-        ds.image(0)
-    assert ds.try_image(0) is None
+    # a lower limit is part of the dataset (spec, fingerprint, cache key)
+    small = create_dataset("folder", split="all", root=str(root), max_pixels=1000)
+    assert small.item_ids() == ["b.png"] and small.spec()["max_pixels"] == 1000
+    assert small.fingerprint() != ds.fingerprint() and small.cache.path != ds.cache.path
+    (root / "b.png").unlink()
+    (root / "a.png").write_bytes(b"")
+    with pytest.raises(ValueError, match="none of the 4 image files"):
+        create_dataset("folder", split="all", root=str(root))
     _check_contract(_readable_only(tmp_path))
 
 

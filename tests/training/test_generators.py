@@ -272,6 +272,23 @@ def test_augment_centre_crop_matches_interpolate():
     torch.testing.assert_close(y[..., 1:-1, 1:-1], ref[..., 1:-1, 1:-1], atol=1e-5, rtol=0)
 
 
+def test_augment_from_a_larger_source():
+    """out_size < source side: crop on the source grid, then an antialiased resize to out_size."""
+    x = _batch(s=32)
+    down = F.interpolate(x, size=(16, 16), mode="bilinear", align_corners=False, antialias=True)
+    torch.testing.assert_close(apply_params(x, _params(3), out_size=16), down, atol=1e-5, rtol=0)
+    # a centred half crop: the central 16x16 block, bilinear x2 onto the source grid, then antialiased to 16
+    y = apply_params(x, _params(3, w=0.5, h=0.5), out_size=16)
+    up = F.interpolate(x[:, :, 8:24, 8:24], size=(32, 32), mode="bilinear", align_corners=False)
+    ref = F.interpolate(up, size=(16, 16), mode="bilinear", align_corners=False, antialias=True)
+    torch.testing.assert_close(y[..., 1:-1, 1:-1], ref[..., 1:-1, 1:-1], atol=1e-5, rtol=0)
+    # photometric jitter acts after the resize, on the output pixels
+    p = (down + 1) / 2
+    y = apply_params(x, _params(3, brightness=0.8), out_size=16)
+    torch.testing.assert_close((y + 1) / 2, (0.8 * p).clamp(0, 1), atol=1e-5, rtol=0)
+    assert random_augment(x, np.random.default_rng(0), out_size=16).shape == (3, 3, 16, 16)
+
+
 def test_augment_translation_shifts_pixels():
     x = _batch(s=16)
     # centre shifted by 2 px to the right (grid units: 2 px * 2/16)
