@@ -18,13 +18,18 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-# Debian packages the tests use: Fashion-MNIST IDX files and headless Chromium for the web-page test.
-# Installed only when missing and only where apt-get is usable (root); otherwise those tests skip with a reason.
+# Debian packages the tests use: Fashion-MNIST IDX files, the Tux Paint stamps (~800 real PNG clip-art
+# images in category folders: the image-folder tests and bench/folder.py) and headless Chromium for the
+# web-page test. Installed only when missing and only where apt-get is usable (root); otherwise those
+# tests skip with a reason.
 system-deps:
-	@if { [ ! -d /usr/share/datasets/fashion-mnist ] || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } \
+	@if { [ ! -d /usr/share/datasets/fashion-mnist ] || [ ! -d /usr/share/tuxpaint/stamps ] \
+	      || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; } \
 	    && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-	  echo "installing Debian packages: dataset-fashion-mnist chromium chromium-driver"; \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist chromium chromium-driver >/dev/null; } \
+	  echo "installing Debian packages: dataset-fashion-mnist tuxpaint-stamps-default chromium chromium-driver"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      dataset-fashion-mnist tuxpaint-stamps-default >/dev/null \
+	    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
 	    || echo "warning: apt-get failed; the real-data and browser tests will skip with a reason"; \
 	fi
 

@@ -145,3 +145,24 @@ def bad_files(folder: Path, tag: str = "") -> dict[str, str]:
     text_png(folder / f"notes{tag}.png")
     return {f"huge{tag}.png": "image_too_large", f"truncated{tag}.png": "corrupt_image",
             f"notes{tag}.png": "not_an_image"}
+
+
+TUXPAINT_STAMPS = Path("/usr/share/tuxpaint/stamps")
+
+
+def tuxpaint_folder(dst: Path, categories: list[str] | None = None, per_class: int | None = None,
+                    test_every: int = 5, src: Path = TUXPAINT_STAMPS) -> Path:
+    """A train/ + test/ image folder of symlinks to Debian's tuxpaint-stamps-default PNGs.
+
+    Classes are the stamp categories (first-level folders: animals, food, ...); within each,
+    the first `per_class` PNGs by path, every `test_every`-th of them into test/.
+    """
+    cats = categories or sorted(p.name for p in src.iterdir() if p.is_dir())
+    for cat in cats:
+        files = sorted((src / cat).rglob("*.png"))[:per_class]
+        for k, f in enumerate(files):
+            split = "test" if k % test_every == test_every - 1 else "train"
+            link = dst / split / cat / f.relative_to(src / cat)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f)
+    return dst

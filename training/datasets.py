@@ -364,10 +364,9 @@ class FolderDataset(ImageDataset):
         self._rows = np.flatnonzero(self.cache.ok)              # cache row of each item
         self._rel = [files[int(r)] for r in self._rows]
         self.skipped = [{"id": s["file"], "reason": s["reason"], "error": s["error"]} for s in self.cache.skipped]
-        if self.skipped:
-            log = logger.warning if self.cache.built else logger.info
-            log("folder/%s: %d of %d files skipped (%s); listed in %s", split, len(self.skipped), len(files),
-                summarise_skipped(self.skipped), self.cache.path / "index.json")
+        if self.skipped:   # info: each command that uses the dataset reports the skipped files its own way
+            logger.info("folder/%s: %d of %d files skipped (%s); listed in %s", split, len(self.skipped), len(files),
+                        summarise_skipped(self.skipped), self.cache.path / "index.json")
         if not self._rel:
             raise ValueError(f"none of the {len(files)} image files under {base} could be read "
                              f"({summarise_skipped(self.skipped)}), e.g. {self.skipped[0]['error']}")

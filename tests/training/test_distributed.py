@@ -123,11 +123,11 @@ def test_torchrun_two_processes_match_single_process(tmp_path):
     """(b) `torchrun --nproc-per-node 2` == one process with the same global batch, 20 steps."""
     common = ["--config", str(ROOT / "configs" / "tiny.toml"), "--set", "steps=20", "--set", "checkpoint_every=10"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    torchrun = Path(sys.executable).with_name("torchrun")
     # the same entry point as the `softsearch train` console script
     launcher = tmp_path / "softsearch_train.py"
     launcher.write_text("import sys\nfrom training.trainer import main\nsys.exit(main())\n")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(launcher),
+    # `python -m torch.distributed.run` is torchrun (also where a venv has no torchrun script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(launcher),
            *common, "--out", str(tmp_path / "ddp")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
