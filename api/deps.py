@@ -16,7 +16,7 @@ from api.batching import MicroBatcher
 from api.config import Settings
 from api.metrics import Metrics
 from search.searcher import NotReadyError, Searcher, SearchSnapshot
-from training.images import ImageError, ImageLimits, load_query, load_rgb
+from training.images import ImageError, ImageLimits, load_query, load_rgb, load_square
 
 logger = logging.getLogger(__name__)
 
@@ -109,18 +109,23 @@ _UPLOAD_ERRORS = {
 }
 
 
-def decode_image(data: bytes, settings: Settings, side: int | None = None) -> Image.Image:
+def decode_image(data: bytes, settings: Settings, side: int | None = None, square: bool = False) -> Image.Image:
     """Upload bytes -> RGB PIL image through training.images (the decode policy every path uses),
     or a 4xx naming the problem: size in bytes (413), not an image (400), width x height over
     max_image_pixels from the header before any pixel is decoded (413), truncated data (400).
 
-    With `side` (the image cache's resolution for the serving encoder) an image larger than
-    that is shrunk as the folder image cache shrinks indexed files (JPEG draft, reduce, resize),
-    so an uploaded copy of an indexed file gives that file's pixels.
+    `side` is the image cache's resolution for the serving encoder. With `square` (an index of
+    image files) every upload becomes the (side, side) square the cache holds for a file, so an
+    uploaded copy of an indexed file gets exactly its pixels; otherwise an upload larger than
+    `side` is shrunk to it (JPEG draft, reduce, resize) and a smaller one is kept as it is, as
+    the in-memory datasets' arrays are.
     """
     limits = ImageLimits(max_pixels=settings.max_image_pixels, max_bytes=settings.max_upload_bytes)
     try:
-        pixels = load_query(data, side, limits) if side else load_rgb(data, limits)
+        if side is None:
+            pixels = load_rgb(data, limits)
+        else:
+            pixels = load_square(data, side, limits) if square else load_query(data, side, limits)
     except ImageError as err:
         status, code = _UPLOAD_ERRORS.get(err.code, (400, "not_an_image"))
         raise ApiError(status, code, str(err)) from err

@@ -35,6 +35,7 @@ from PIL import Image
 
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
+from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder, embed
 from training.transforms import preprocess
 
@@ -217,6 +218,13 @@ class SearchSnapshot:
                 if not self._rows:
                     self._rows.update({iid: i for i, iid in enumerate(self.index.ids)})
         return self._rows[item_id]
+
+    @property
+    def file_backed(self) -> bool:
+        """The indexed items came from image files (decoded once into the image cache), so uploads
+        should be decoded the same way (training.images.load_square) to meet their indexed twins."""
+        specs = [src.get("spec") for src in self.manifest.get("sources") or [] if isinstance(src, dict)]
+        return any(dataset_is_file_backed(sp) for sp in specs or [self.dataset_spec()])
 
     def dataset_spec(self) -> dict | None:
         ds = self.manifest.get("dataset")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training.transforms import MEAN, STD
+from training.transforms import MEAN, STD, resize_center_crop
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
     """Apply augmentation parameters to a preprocessed batch x (B, 3, R, R) -> (B, 3, S, S).
 
     S = out_size (default R). With R > S the crop is resampled on an R x R grid and then shrunk
-    to S with an antialiased bilinear resize, before the photometric jitter: a crop of side
+    to S as ``preprocess`` shrinks (2 x 2 block means at R = 2 S), before the photometric jitter: a crop of side
     fraction w then has R w / S source pixels per output pixel, >= 1.2 for the default crops
     (w >= 0.61) at R = 2 S, so crops are not upsampled. With R = S: the plain one-pass transform.
     """
@@ -91,8 +91,7 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)                # (B, R, R, 2)
     y = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     if out_size is not None and int(out_size) != y.shape[-1]:
-        y = F.interpolate(y, size=(int(out_size), int(out_size)), mode="bilinear", align_corners=False,
-                          antialias=True)
+        y = resize_center_crop(y, int(out_size))   # 2x: 2x2 block means, as the plain views get
     # photometric jitter on [0, 1] pixels: q = mean + c (b p - mean), then back to normalised
     pix = y * STD + MEAN
     pix = pix * p["brightness"].view(b, 1, 1, 1)

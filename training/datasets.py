@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "ImageDataset", "ArrayImageDataset", "SyntheticDataset", "FashionMNISTDataset", "FolderDataset",
     "DATASETS", "register_dataset", "create_dataset", "FASHION_MNIST_ROOT", "FASHION_MNIST_CLASSES",
-    "IMAGE_EXTENSIONS",
+    "IMAGE_EXTENSIONS", "dataset_is_file_backed",
 ]
 
 DATASETS: dict[str, type["ImageDataset"]] = {}
@@ -54,6 +54,12 @@ def create_dataset(name: str, split: str = "train", root: str | None = None,
                               seed=int(seed), **options)
     except TypeError as exc:  # unexpected keyword option
         raise ValueError(f"bad options {options!r} for dataset {name!r}: {exc}") from exc
+
+
+def dataset_is_file_backed(spec: dict | None) -> bool:
+    """Whether the dataset a spec names reads image files (and so the image cache and its options)."""
+    name = spec.get("name") if isinstance(spec, dict) else None
+    return bool(getattr(DATASETS.get(name), "file_backed", False))
 
 
 def _check_image_size(image_size: Any) -> int:

@@ -200,10 +200,11 @@ def load_rgb(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *, min_s
 
 
 def fit_square(rgb: np.ndarray | Image.Image, side: int) -> np.ndarray:
-    """(H, W, 3) uint8 -> (side, side, 3) uint8: centre square crop, then antialiased bilinear resize.
+    """(H, W, 3) uint8 -> (side, side, 3) uint8: centre square crop, then resize to `side`.
 
     The same geometry as ``preprocess`` (shorter side to `side`, longer side centre-cropped).
-    Large shrinks first reduce by an integer box filter (``reducing_gap=2``), then resample.
+    Shrinks reduce by an integer box filter first (``reducing_gap=2``), then resample bilinearly;
+    an exact integer factor is k-fold pixel replication (enlarging) or k x k block means (shrinking).
     """
     if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side < 1:
         raise ValueError(f"side must be a positive integer, got {side!r}")
@@ -212,9 +213,18 @@ def fit_square(rgb: np.ndarray | Image.Image, side: int) -> np.ndarray:
         image = Image.fromarray(to_rgb_array(image))
     w, h = image.size
     s = min(w, h)
+    if side % s == 0 or s % side == 0:
+        # exact integer factor: integer centre crop, then k-fold pixel replication (which the k x k
+        # block means of preprocess undo exactly: an image of the tower's size stays exact) or
+        # k x k block means (PIL's reduce; what preprocess does for an exact k-fold reduction)
+        left, top = (w - s) // 2, (h - s) // 2
+        out = image.crop((left, top, left + s, top + s))
+        if s < side:
+            out = out.resize((int(side), int(side)), Image.Resampling.NEAREST)
+        elif s > side:
+            out = out.reduce(s // side)
+        return np.asarray(out, dtype=np.uint8)
     box = ((w - s) / 2, (h - s) / 2, (w + s) / 2, (h + s) / 2)
-    if w == h == side:
-        return np.asarray(image, dtype=np.uint8)
     out = image.resize((int(side), int(side)), Image.Resampling.BILINEAR, box=box, reducing_gap=2.0)
     return np.asarray(out, dtype=np.uint8)
 

@@ -188,7 +188,7 @@ class _Run:
 
 
 def _build_data(config: TrainConfig):
-    from training.datasets import DATASETS, create_dataset
+    from training.datasets import create_dataset, dataset_is_file_backed
     from training.generators import create_generator
 
     options = dict(config.dataset_options)
@@ -198,7 +198,7 @@ def _build_data(config: TrainConfig):
     if options["image_size"] != config.encoder.image_size:
         raise ValueError(f"dataset_options.image_size={options['image_size']} differs from "
                          f"encoder.image_size={config.encoder.image_size}")
-    if getattr(DATASETS.get(config.dataset), "file_backed", False):   # runtime options, not in the spec
+    if dataset_is_file_backed({"name": config.dataset}):   # runtime options, not part of the spec
         options.update(cache_dir=config.cache_dir, cache_workers=config.cache_workers, progress=config.progress)
     dataset = create_dataset(config.dataset, split=config.split, root=config.data_root,
                              size=config.dataset_size, seed=config.dataset_seed, **options)

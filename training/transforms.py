@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 MEAN = 0.5
 STD = 0.5
 
-__all__ = ["MEAN", "STD", "preprocess", "denormalize"]
+__all__ = ["MEAN", "STD", "preprocess", "resize_center_crop", "denormalize"]
 
 
 def _as_uint8_batch(images: np.ndarray) -> np.ndarray:
@@ -43,15 +43,25 @@ def _as_uint8_batch(images: np.ndarray) -> np.ndarray:
     raise ValueError(f"numpy images must be (B,H,W) or (B,H,W,C), got shape {images.shape}")
 
 
-def _resize_center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
-    """(B, C, H, W) float -> (B, C, size, size): shorter side to `size`, centre crop the longer."""
+def resize_center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, C, H, W) float -> (B, C, size, size): shorter side to `size`, centre crop the longer.
+
+    An exact k-fold reduction (both sides multiples of k, shorter side k * size) averages k x k
+    blocks (PIL's ``reduce``; the exact inverse of k-fold pixel replication, which is how the
+    image cache stores images of exactly ``size``); other sizes use antialiased bilinear.
+    """
     h, w = x.shape[-2:]
     if h == size and w == size:
         return x
-    scale = size / min(h, w)
-    nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
-    # antialias only matters (and is only supported for bilinear) when shrinking
-    x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=(nh < h or nw < w))
+    k = min(h, w) // size
+    if k >= 2 and min(h, w) == k * size and h % k == 0 and w % k == 0:
+        x = F.avg_pool2d(x, k)
+        nh, nw = h // k, w // k
+    else:
+        scale = size / min(h, w)
+        nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
+        # antialias only matters (and is only supported for bilinear) when shrinking
+        x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=(nh < h or nw < w))
     top, left = (nh - size) // 2, (nw - size) // 2
     return x[..., top:top + size, left:left + size]
 
@@ -64,7 +74,7 @@ def _normalise_uint8(batch: np.ndarray, image_size: int) -> torch.Tensor:
     x = torch.from_numpy(batch).permute(0, 3, 1, 2).float().div_(255.0)  # (B, C, H, W)
     if x.shape[1] == 1:
         x = x.expand(-1, 3, -1, -1)
-    x = _resize_center_crop(x, image_size)
+    x = resize_center_crop(x, image_size)
     x = x.clamp(0.0, 1.0)  # bilinear antialias can overshoot slightly
     return ((x - MEAN) / STD).contiguous()
 

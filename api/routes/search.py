@@ -42,10 +42,11 @@ async def search_image(
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     check_k(k, settings)
     data = await file.read(settings.max_upload_bytes + 1)
-    # shrunk like an indexed file (training/images.py); decoded in the batch thread (one hop, not two)
-    side = cache_resolution(snapshot.encoder.image_size)
+    # decoded as an indexed file was (training/images.py), in the batch thread (one hop, not two)
+    decode = partial(decode_image, data, settings, side=cache_resolution(snapshot.encoder.image_size),
+                     square=snapshot.file_backed)
     try:
-        result = await batcher.search_image(partial(decode_image, data, settings, side=side), k, temperature)
+        result = await batcher.search_image(decode, k, temperature)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     metrics.queries.labels(kind="image").inc()

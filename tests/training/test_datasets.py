@@ -252,6 +252,23 @@ def test_folder_dataset(image_folder):
     np.testing.assert_array_equal(np.asarray(changed.image(3)), np.zeros((64, 64, 3), np.uint8))
 
 
+def test_folder_images_at_the_tower_size_stay_exact(tmp_path):
+    """An image of exactly image_size reaches the encoder exactly as preprocess makes it from the
+    file (the cache replicates pixels 2x, tensors averages 2 x 2 blocks back); a multiple, up to
+    uint8 rounding."""
+    rng = np.random.default_rng(5)
+    imgs = {"a.png": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+            "b.png": rng.integers(0, 256, (32, 48, 3), dtype=np.uint8),      # non-square: centre crop
+            "c.png": rng.integers(0, 256, (128, 128, 3), dtype=np.uint8)}    # 4x: block means
+    for name, arr in imgs.items():
+        _png(tmp_path / "f" / name, arr)
+    ds = create_dataset("folder", split="all", root=str(tmp_path / "f"), image_size=32)
+    for i, name in enumerate(sorted(imgs)):
+        # c.png: the cache holds the 2x block means rounded to uint8: within one grey level (2/255)
+        tol = 2 / 255 if name == "c.png" else 1e-6
+        torch.testing.assert_close(ds.tensors([i])[0], preprocess(imgs[name][None], 32)[0], atol=tol, rtol=0)
+
+
 def test_folder_skips_bad_files_once_with_reasons(tmp_path):
     """Over the pixel limit, truncated and not-an-image files are not items; each is listed once."""
     import image_files as F
