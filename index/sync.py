@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate, _resolve_device,
-                         _source_record, _stamp_total, write_version)
+                         _skipped_items, _source_record, _stamp_total, write_version)
 from index.embed import EmbedResult
 from index.items import ITEM_FILES, dataset_records, encode_records, file_record, read_records
 from index.models import checkpoint_record, model_relpath
@@ -53,6 +54,9 @@ class SyncPlan:
     removed: list[str] = field(default_factory=list)
     unrecorded: int = 0                      # base items without a file record (counted in `modified`)
     records: dict = field(default_factory=dict)   # id -> [size, mtime_ns, sha256] for every current file
+    # files the dataset could not decode (over a limit, unreadable: never items) -> the category
+    # they would have had ("added", "retried" or "modified"); they end up skipped
+    undecodable: dict = field(default_factory=dict)
 
     @property
     def to_embed(self) -> np.ndarray:
@@ -60,12 +64,13 @@ class SyncPlan:
 
     @property
     def changed(self) -> bool:
-        return bool(self.added or self.retried or self.modified or self.removed)
+        return bool(self.added or self.retried or self.modified or self.removed or self.undecodable)
 
     def counts(self) -> dict:
-        return {"added": len(self.added), "removed": len(self.removed), "modified": len(self.modified),
-                "retried": len(self.retried), "touched": len(self.touched), "unchanged": len(self.unchanged),
-                "unrecorded": self.unrecorded}
+        bad = Counter(self.undecodable.values())
+        return {"added": len(self.added) + bad["added"], "removed": len(self.removed),
+                "modified": len(self.modified) + bad["modified"], "retried": len(self.retried) + bad["retried"],
+                "touched": len(self.touched), "unchanged": len(self.unchanged), "unrecorded": self.unrecorded}
 
 
 def plan_sync(base: IndexVersion, dataset) -> SyncPlan:
@@ -97,7 +102,10 @@ def plan_sync(base: IndexVersion, dataset) -> SyncPlan:
             continue
         plan.unrecorded += rec is None
         plan.modified.append(i)
-    present = set(now)
+    for bad in getattr(dataset, "skipped", None) or []:
+        item = str(bad["id"])
+        plan.undecodable[item] = "modified" if item in in_base else "retried" if item in skipped else "added"
+    present = set(now) | set(plan.undecodable)
     plan.removed = [item for item in base.ids if item not in present]
     return plan
 
@@ -198,14 +206,16 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     embed_s = time.perf_counter() - t0
     embeddings, ids = _assemble(base_version, dataset.item_ids(), plan.unchanged + plan.touched, res)
     if not ids:
-        raise ValueError(f"no readable items left in {dataset.root} ({len(res.skipped)} skipped)")
+        raise ValueError(f"no readable items left in {dataset.root} "
+                         f"({len(res.skipped) + len(getattr(dataset, 'skipped', []))} skipped)")
     reused = len(plan.unchanged) + len(plan.touched)
-    counts.update(embedded=int(len(res.rows)), skipped=len(res.skipped), count=len(ids), reused=reused)
+    skipped = _skipped_items(dataset, res, 0)   # undecodable files and embedding failures, once each
+    counts.update(embedded=int(len(res.rows)), skipped=len(skipped), count=len(ids), reused=reused)
     source = _source_record(dataset, res, 0)
     source.update(count=len(ids), embedded=int(len(res.rows)))
     fields = _base_fields(base_version)
     fields.update(dataset={"spec": source["spec"], "fingerprint": source["fingerprint"]}, sources=[source],
-                  skipped=[{"source": 0, **s} for s in res.skipped], skipped_count=len(res.skipped),
+                  skipped=skipped, skipped_count=len(skipped),
                   parent=base_version.version, sync=counts)
     version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
                                      params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,

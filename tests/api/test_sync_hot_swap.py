@@ -22,15 +22,18 @@ CLIENTS = 12
 K = 5
 
 
-def _expected(root, version, encoder_images):
-    """Brute-force top-K of every query against one version's stored embeddings."""
+def _expected(root, version, payloads):
+    """Brute-force top-K of every query against one version's stored embeddings (queries decoded
+    as the server decodes uploads to an index of image files: the image cache's square)."""
     from index.models import load_version_encoder
     from training.encoder import embed
+    from training.images import cache_resolution, load_square
     from training.transforms import preprocess
 
     v = IndexStore(root).load(version)
     enc, _, _ = load_version_encoder(v)
-    z = embed(enc, preprocess(encoder_images, enc.image_size), progress=False)
+    squares = np.stack([load_square(p, cache_resolution(enc.image_size)) for p in payloads])
+    z = embed(enc, preprocess(squares, enc.image_size), progress=False)
     s = z.astype(np.float64) @ np.asarray(v.embeddings, dtype=np.float64).T
     top = np.argsort(-s, axis=1, kind="stable")[:, :K]
     return [[v.ids[j] for j in row] for row in top]
@@ -79,7 +82,7 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
     assert not failed, failed[:5]
     seen = {body["version"] for _, _, body in results}
     assert seen <= set(versions) and versions[-1] in seen
-    expected = {v: _expected(root, v, queries) for v in seen}
+    expected = {v: _expected(root, v, payloads) for v in seen}
     for q, _, body in results:
         assert [h["id"] for h in body["results"]] == expected[body["version"]][q], (body["version"], q)
     gate = IndexStore(root).manifest(versions[-1])["quality_gate"]
