@@ -212,8 +212,8 @@ def cmd_report(args) -> int:
             vals = np.array([f["label_gap_at_calibrated_tau"] if m == "gap" else f[m][0] for f in figs])
             unit = "nats" if m == "gap" else "accuracy"
             rows.append(row(f"{objective}/mean/{m}", float(vals.mean()), f"{unit} (n={len(vals)} seeds)", None))
-            rows.append(row(f"{objective}/std/{m}", float(vals.std(ddof=1)) if len(vals) > 1 else 0.0,
-                            f"{unit} (n={len(vals)} seeds)", None))
+            if len(vals) > 1:  # a spread needs two seeds; one seed has none to report
+                rows.append(row(f"{objective}/std/{m}", float(vals.std(ddof=1)), f"{unit} (n={len(vals)} seeds)", None))
     for objective, base in PAIRS.items():
         for (o, seed), (_, pq) in sorted(runs.items()):
             if o != objective or (base, seed) not in runs:
@@ -223,6 +223,17 @@ def cmd_report(args) -> int:
                 d, lo, hi = paired_interval(pq[m], base_pq[m])
                 rows.append(row(f"{objective}-minus-{base}/seed{seed}/{m}", d,
                                 f"accuracy difference, 95% CI [{lo:+.4f}, {hi:+.4f}]", None))
+        # Across seeds: the paired difference per seed, its mean and sample std (seed-to-seed spread).
+        seeds = sorted(s for (o, s) in runs if o == objective and (base, s) in runs)
+        for m in ("knn200", "knn20", "knn20-t0.1", "gap"):
+            key = "label_gap_at_calibrated_tau"
+            diffs = np.array([(runs[(objective, s)][0][key] - runs[(base, s)][0][key]) if m == "gap"
+                              else (runs[(objective, s)][0][m][0] - runs[(base, s)][0][m][0]) for s in seeds])
+            if diffs.size:
+                spread = f", std {diffs.std(ddof=1):.4f}" if diffs.size > 1 else ""
+                unit = "nats" if m == "gap" else "accuracy"
+                rows.append(row(f"{objective}-minus-{base}/mean/{m}", float(diffs.mean()),
+                                f"{unit} difference over n={diffs.size} paired seeds{spread}", None))
     write_results("objectives_seeds", rows, "python bench/objectives_seeds.py report")
     return 0
 
