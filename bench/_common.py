@@ -31,13 +31,14 @@ def row(case: str, value: float, unit: str, baseline: float | None) -> dict:
     return {"case": case, "value": value, "unit": unit, "baseline": baseline, "ratio": ratio}
 
 
-def write_results(name: str, rows: list[dict], command: str | None = None) -> Path:
-    """Print a table and write bench/results/NAME.json in the project's shape."""
+def write_results(name: str, rows: list[dict], command: str | None = None, machine_note: str | None = None) -> Path:
+    """Print a table and write bench/results/NAME.json in the project's shape (`machine_note`, e.g. the
+    load other jobs put on the machine, is appended to the machine line)."""
     command = command or " ".join([Path(sys.executable).name] + sys.argv)
     out = {
         "name": name,
         "rows": rows,
-        "machine": machine(),
+        "machine": machine() + (f"; {machine_note}" if machine_note else ""),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.datasets import create_dataset
     from training.trainer import train
 
+    load_start = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="softsearch-bench-folder-"))
     folder = image_files.tuxpaint_folder(work / "stamps")
     cache_dir = work / "cache"
@@ -186,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         row("cache size (MiB)", cache_bytes / 2**20, "MiB", None),
         row("files (decoded + skipped)", float(n_files), "files", None),
     ]
-    write_results("folder", rows)
+    load = (f"shared with other jobs (a background training sweep and other engineers' tests): 1-min load "
+            f"average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end on {os.cpu_count()} cores; "
+            "the step ratio comes from interleaved rounds")
+    write_results("folder", rows, machine_note=load)
     print("machine shared with other jobs: the step ratio comes from interleaved rounds "
           f"({args.rounds} x {args.steps} steps per dataset, median of steps after the first of each round)")
     return 0

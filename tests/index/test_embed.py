@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from index.embed import collect_shards, dist_env, embed_dataset, prepare_cache
+from index.embed import CpuStreams, collect_shards, dist_env, embed_dataset, prepare_cache
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder, embed
 
@@ -102,3 +102,43 @@ def test_nan_images_are_skipped(tmp_path, encoder):
     res = embed_dataset(encoder, NaNy(base), tmp_path, shard_size=4, batch_size=6, progress=False)
     assert 5 not in res.rows and len(res.rows) == 11 and np.isfinite(res.embeddings).all()
     assert [s["index"] for s in res.skipped] == [5] and "non-finite" in res.skipped[0]["error"]
+
+
+class Recording(torch.nn.Module):
+    """Records, per forward, the calling thread's intra-op thread count and the input's layout."""
+
+    prefers_channels_last = True
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, []
+
+    def forward(self, x):
+        self.calls.append((torch.get_num_threads(), x.is_contiguous(memory_format=torch.channels_last), len(x)))
+        return self.inner(x)
+
+
+def test_cpu_streams_equal_one_forward(tmp_path, encoder):
+    """Chunks on single-threaded streams give one forward's rows; the process's thread count is restored."""
+    torch.manual_seed(1)
+    conv = create_encoder(EncoderConfig(image_size=32, width=16, layers=(1, 1, 1, 1), heads=2, embed_dim=16)).eval()
+    assert conv.prefers_channels_last and not encoder.prefers_channels_last    # ModifiedResNet vs ViT
+    x = torch.randn(100, 3, 32, 32)
+    with torch.inference_mode():
+        ref = conv(x)                                                         # one NCHW forward, all rows
+    before = torch.get_num_threads()
+    rec = Recording(conv)
+    streams = CpuStreams(rec, 2, chunk=16)
+    try:
+        got = streams(x)
+        assert torch.get_num_threads() == before
+    finally:
+        streams.close()
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert sorted(n for _, _, n in rec.calls) == [4] + [16] * 6
+    assert all(threads == 1 and channels_last for threads, channels_last, _ in rec.calls)
+    # the embedding loop uses them at batches larger than a chunk; same rows as the plain helper
+    base = create_dataset("synthetic", size=70, seed=0, image_size=32)
+    res = embed_dataset(conv, base, tmp_path, batch_size=64, progress=False)
+    np.testing.assert_allclose(res.embeddings, embed(conv, base.tensors(np.arange(70)), progress=False), atol=1e-6)
+    assert torch.get_num_threads() == before
