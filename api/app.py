@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from api import swap
 from api.batching import MicroBatcher
@@ -127,11 +129,13 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
         return Searcher(settings.index_root, device=settings.device)
 
+    load_error = None
     if searcher is None and settings.index_root is not None:
         try:
             searcher = make_searcher()
-            searcher.load()
-        except swap.LOAD_ERRORS as err:
+            swap.load_at_startup(searcher)   # through the store's activation rule
+        except swap.REFUSALS as err:
+            load_error = str(err)
             logger.warning("no index loaded at start-up (%s); /readyz is 503 until POST /v1/admin/reload", err)
 
     @asynccontextmanager
@@ -162,6 +166,8 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.searcher = searcher
     app.state.make_searcher = make_searcher
+    app.state.swap_lock = threading.Lock()   # one swap at a time (admin reloads, the follower)
+    app.state.load_error = load_error
 
     app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
                                      settings.batch_max_wait_ms, metrics, workers=settings.batch_workers)
@@ -177,7 +183,12 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
-        app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc())
+        app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc(),
+                           admin_token=settings.admin_token)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if settings.forwarded_allow_ips:
+        # outermost: the client address every layer below sees (the rate-limit key) is the
+        # X-Forwarded-For one only when the TCP peer is one of these trusted proxies
+        app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     return app
 

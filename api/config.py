@@ -35,7 +35,7 @@ class Settings(BaseModel):
     host: str = Field("127.0.0.1", description="bind address; loopback by default")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
     admin_token: str | None = Field(
-        None, description="bearer token for /v1/admin/*; unset disables the admin routes (404)"
+        None, description="bearer token for /v1/admin/*, at least 8 characters; unset disables the admin routes (404)"
     )
     max_k: int = Field(DEFAULT_MAX_K, ge=1, le=10_000, description="largest k a request may ask for")
     max_upload_bytes: int = Field(
@@ -60,6 +60,10 @@ class Settings(BaseModel):
                     "0 = only on POST /v1/admin/reload")
     rate_limit_rps: float = Field(0.0, ge=0.0, description="per-client token refill rate; 0 = off")
     rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
+    forwarded_allow_ips: str | None = Field(
+        None, description="comma-separated IP addresses / networks of trusted reverse proxies whose "
+                          "X-Forwarded-For / X-Forwarded-Proto are honoured (the rate-limit key becomes the client "
+                          "they forward for); unset = proxy headers ignored, clients keyed by the TCP peer")
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
     device: str = Field("cpu", description="torch device for the encoder")
     torch_threads: int | None = Field(
@@ -88,6 +92,21 @@ class Settings(BaseModel):
         if len(v) < 8:
             raise ValueError("admin_token must be at least 8 characters (or unset to disable admin routes)")
         return v
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _proxies(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        entries = [e.strip() for e in v.split(",") if e.strip()]
+        for entry in entries:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/24)") from None
+        return ",".join(entries)
 
     @field_validator("batch_max_wait_ms", "rate_limit_rps", "watch_interval_s")
     @classmethod
@@ -124,18 +143,22 @@ class Settings(BaseModel):
         return self.batch_max_size > 1
 
 
-def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+                  flags: Mapping[str, str] | None = None) -> Settings:
     """Build Settings from SOFTSEARCH_* env vars, then `overrides` (CLI values; None = not given).
 
-    Raises ValueError with one line per bad setting, naming its env var.
+    Raises ValueError with one line per bad setting, naming where the bad value came from: its
+    command-line flag (`flags[name]`, default --name-with-dashes) or its env var.
     """
     environ = os.environ if environ is None else environ
     fields = Settings.model_fields
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for name in fields:
         key = ENV_PREFIX + name.upper()
         if key in environ:
             values[name] = environ[key]
+            origin[name] = key
     unknown = sorted(
         k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in fields
     )
@@ -144,6 +167,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
     for name, value in (overrides or {}).items():
         if value is not None:
             values[name] = value
+            origin[name] = (flags or {}).get(name, "--" + name.replace("_", "-"))
     try:
         return Settings(**values)
     except ValidationError as exc:
@@ -153,5 +177,6 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             shown = values.get(name, "<default>")
             if name == "admin_token":
                 shown = "<hidden>"
-            lines.append(f"invalid setting {name} ({ENV_PREFIX}{name.upper()}={shown!s}): {err['msg']}")
+            where = origin.get(name, ENV_PREFIX + name.upper())
+            lines.append(f"invalid setting {name} ({where}={shown!s}): {err['msg']}")
         raise ValueError("; ".join(lines)) from None

@@ -1,11 +1,16 @@
 """Per-client token-bucket rate limit (off by default): 429 + Retry-After when a bucket is empty.
 
 A bucket holds at most `burst` tokens and refills at `rate` tokens per second; each request
-takes one. Clients are keyed by peer address (the service binds loopback; a proxy in front
-should do its own limiting). Health and metrics routes are never limited.
+takes one. Clients are keyed by the TCP peer address: `X-Forwarded-For` and friends are ignored
+unless the operator names trusted proxies (`serve --forwarded-allow-ips`), in which case
+uvicorn's ProxyHeadersMiddleware (outside this one) has already replaced the peer of requests from
+those proxies with the client they forward for. Health and metrics routes are never limited, and
+neither are admin requests carrying the right bearer token (an operator's reload must not wait
+behind, or be refused by, the search clients' buckets); wrong or missing tokens are charged.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import threading
@@ -16,6 +21,18 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 EXEMPT_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+ADMIN_PREFIX = "/v1/admin/"
+
+
+def is_admin(scope: Scope, token: str | None) -> bool:
+    """An admin route called with the configured bearer token (constant-time compare)."""
+    if token is None or not scope.get("path", "").startswith(ADMIN_PREFIX):
+        return False
+    for name, value in scope.get("headers") or ():
+        if name == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    return False
 
 
 class TokenBucketLimiter:
@@ -48,11 +65,12 @@ class TokenBucketLimiter:
 class RateLimitMiddleware:
     """ASGI middleware applying a TokenBucketLimiter to every non-exempt HTTP request."""
 
-    def __init__(self, app: ASGIApp, limiter: TokenBucketLimiter, on_limited: Callable[[], None] | None = None):
-        self.app, self.limiter, self.on_limited = app, limiter, on_limited
+    def __init__(self, app: ASGIApp, limiter: TokenBucketLimiter, on_limited: Callable[[], None] | None = None,
+                 admin_token: str | None = None):
+        self.app, self.limiter, self.on_limited, self.admin_token = app, limiter, on_limited, admin_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS:
+        if scope["type"] != "http" or scope.get("path") in EXEMPT_PATHS or is_admin(scope, self.admin_token):
             await self.app(scope, receive, send)
             return
         client = scope.get("client")

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", dest="index_root", help="index store root (SOFTSEARCH_INDEX_ROOT)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--admin-token", help="enables /v1/admin/* with this bearer token (SOFTSEARCH_ADMIN_TOKEN)")
+    p.add_argument("--admin-token", help="enables /v1/admin/* with this bearer token, at least 8 characters "
+                                         "(SOFTSEARCH_ADMIN_TOKEN); admin requests with it are never rate limited")
     p.add_argument("--max-k", type=int, help="largest k per request (default 100)")
     p.add_argument("--max-upload-bytes", type=int, help="largest upload in bytes (default 10 MiB)")
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
@@ -45,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between checks of the store's current pointer; 0 = admin reload only (default 1)")
     p.add_argument("--rate-limit-rps", type=float, help="per-client requests/s; 0 = off (default)")
     p.add_argument("--rate-limit-burst", type=int, help="per-client burst (default 20)")
+    p.add_argument("--forwarded-allow-ips", metavar="IPS",
+                   help="comma-separated addresses / networks of trusted reverse proxies: only requests from them "
+                        "have X-Forwarded-For honoured (rate-limit key = the forwarded client). Default: none, "
+                        "proxy headers are ignored and clients are keyed by the TCP peer")
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
     p.add_argument("--device", help="torch device for the encoder (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
@@ -98,18 +103,22 @@ def _metrics_dir() -> tuple[str, bool]:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, validate settings, build the app(s) and run uvicorn until interrupted."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from api.config import load_settings
 
+    flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     try:
-        settings = load_settings(vars(args))
+        settings = load_settings(vars(args), flags=flags)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     import uvicorn
 
+    # proxy headers are handled inside the app, only for --forwarded-allow-ips (uvicorn's own default
+    # would trust X-Forwarded-For from loopback, letting any local client pick its rate-limit bucket)
     serve = dict(host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                 timeout_graceful_shutdown=10)
+                 timeout_graceful_shutdown=10, proxy_headers=False)
     if settings.workers > 1:
         from api.metrics import MULTIPROC_ENV
 

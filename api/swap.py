@@ -1,4 +1,9 @@
-"""What this process serves: reloads (admin route and store follower) and the follower itself.
+"""What this process serves: reloads (admin route and store follower), start-up, and the follower.
+
+Every path goes through the store's activation rule (index.store: `IndexStore.activate` for a
+named version that is not current -- which moves `current`, so the server and the store never
+disagree -- and `IndexStore.serving_check` for the store's current version). A refused version is
+never loaded; the old one keeps serving.
 
 Every serving process follows the store's `current` pointer: a task polls it every
 `watch_interval_s` and swaps the new version in when it moves. With `serve --workers N` an
@@ -11,29 +16,85 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from index.store import ActivationRefused, IndexStore
 from search.searcher import ReloadResult, Searcher
 
 logger = logging.getLogger(__name__)
 
 #: What a load may raise for a bad or missing version (the old one keeps serving).
 LOAD_ERRORS = (FileNotFoundError, ValueError, KeyError, OSError)
+#: Everything that refuses a reload: load errors and the activation rule.
+REFUSALS = (*LOAD_ERRORS, ActivationRefused)
+_SWAP_LOCK = threading.Lock()   # fallback for apps built without create_app's own lock
 
 
-async def reload(app: FastAPI, version: str | None = None) -> tuple[Searcher, ReloadResult]:
-    """Load `version` (default: the store's current one) into the app's Searcher, creating it if
-    needed; counts the attempt in softsearch_index_reloads_total. Raises LOAD_ERRORS on refusal."""
+def _gate(store: IndexStore):
+    """The quality gate for a version with no gate result yet (gated at its first activation)."""
+    def gate(version: str) -> dict:
+        from index.build import gate_version
+        from search.quality import evaluate_version   # imported only when needed: it pulls in the evaluator
+
+        return gate_version(store, version, evaluate_version)
+
+    return gate
+
+
+def serve_version(searcher: Searcher, version: str | None = None, *, force: bool = False,
+                  path: str = "POST /v1/admin/reload") -> ReloadResult:
+    """Serve `version` (default: the store's current one) through the activation rule (blocking).
+
+    A version other than the store's current one is checked, loaded, made current in the store
+    (`IndexStore.activate`, recorded with `path`) and only then swapped in. ActivationRefused or a
+    load error leaves both the store and the served version as they were."""
+    store = searcher.store
+    current = store.current_version()
+    if version is None or version == current:
+        if current is None:
+            raise FileNotFoundError(f"no current index version under {store.root}; build and activate one first")
+        if force:
+            state = searcher.prepare(current)
+            store.activate(current, force=True, path=path, gate=_gate(store), verify=False)
+            return searcher.install(state)
+        store.serving_check(current)
+        return searcher.install(searcher.prepare(current))
+    store.check_activation(version, force=force)   # refuse before loading anything
+    state = searcher.prepare(version)              # verified and loaded, not served yet
+    store.activate(version, force=force, path=path, gate=_gate(store), verify=False)
+    return searcher.install(state)
+
+
+def load_at_startup(searcher: Searcher) -> ReloadResult | None:
+    """Serve the store's current version at start-up if the activation rule accepts it."""
+    current = searcher.store.current_version()
+    if current is None:
+        raise FileNotFoundError(f"no current index version under {searcher.store.root}; build one first")
+    return serve_version(searcher, current, path="start-up")
+
+
+async def reload(app: FastAPI, version: str | None = None, *, force: bool = False,
+                 path: str = "POST /v1/admin/reload") -> tuple[Searcher, ReloadResult]:
+    """Serve `version` (default: the store's current one) in the app's Searcher, creating it if
+    needed; counts the attempt in softsearch_index_reloads_total. Raises REFUSALS on refusal."""
     metrics = app.state.metrics
+    lock = getattr(app.state, "swap_lock", _SWAP_LOCK)
+
+    def run() -> tuple[Searcher, ReloadResult]:
+        with lock:   # one swap at a time per process: admin reloads and the follower never interleave
+            searcher = app.state.searcher or app.state.make_searcher()
+            app.state.searcher = searcher
+            return searcher, serve_version(searcher, version, force=force, path=path)
+
     try:
-        searcher = app.state.searcher or await run_in_threadpool(app.state.make_searcher)
-        app.state.searcher = searcher
-        result = await run_in_threadpool(searcher.reload, version)
-    except LOAD_ERRORS:
+        searcher, result = await run_in_threadpool(run)
+    except REFUSALS:
         metrics.reloads.labels(result="refused").inc()
         raise
+    app.state.load_error = None
     metrics.reloads.labels(result="changed" if result.changed else "unchanged").inc()
     metrics.observe_searcher(searcher)
     return searcher, result
@@ -41,10 +102,8 @@ async def reload(app: FastAPI, version: str | None = None) -> tuple[Searcher, Re
 
 async def follow_store(app: FastAPI, interval: float) -> None:
     """Poll the store's `current` every `interval` seconds and serve it (runs until cancelled)."""
-    from index.store import IndexStore
-
     store = IndexStore(app.state.settings.index_root)
-    refused: str | None = None  # a version that failed to load: not retried until `current` moves
+    refused: str | None = None  # a version that was refused: not retried until `current` moves
     while True:
         await asyncio.sleep(interval)
         app.state.metrics.update_process()
@@ -59,10 +118,10 @@ async def follow_store(app: FastAPI, interval: float) -> None:
                 refused = None
             continue
         try:
-            await reload(app, current)
+            await reload(app, current, path="follow")
             refused = None
             logger.info("following the store: now serving index version %s", current)
-        except LOAD_ERRORS as err:
+        except REFUSALS as err:
             refused = current
             logger.warning("store's current version %s refused (%s); still serving %s", current, err,
                            searcher.version if searcher is not None else None)

@@ -8,9 +8,13 @@ version loadable; a rerun resumes from the embedding shards already on disk.
 Quality gate: `evaluator(candidate, serving)` is injected by the caller (the search package;
 index/ cannot import search/). It gets two loaded `IndexVersion`s and returns a dict with at
 least ``"candidate"`` and ``"serving"``: scores where higher is better (plus anything else,
-e.g. ``"metric"``, stored verbatim). Activation is refused (QualityGateError) when
-``candidate < serving - margin`` unless `force`; the version is still committed, so it can
-be inspected or activated later with ``index activate --force``.
+e.g. ``"metric"``, stored verbatim; ``"index_recall": {"candidate": {"recall", "n_queries"}}`` is the
+recall@10 the candidate's FAISS index reaches on held-out queries). `gate_record` turns that, and
+the recall the index reaches against its target, into the manifest's ``quality_gate``; activation
+goes through `IndexStore.activate` (the one activation rule), which refuses (QualityGateError, an
+ActivationRefused) when ``candidate < serving - margin`` or the recall is below target, unless
+`force`. The version is still committed, so it can be inspected or activated later with
+``index activate --force``. A build that fails before its commit removes its staging directory.
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import ITEM_FILES, dataset_records, encode_records, read_records
 from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, IndexStore, IndexVersion,
-                         new_version_name)
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, ActivationRefused, IndexStore,
+                         IndexVersion, new_version_name, recall_check)
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +49,13 @@ TUNE_K = 10
 DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
 
 
-class QualityGateError(RuntimeError):
-    """The candidate version scored worse than the serving one; it was committed, not activated."""
+#: A refused activation (quality gate or recall below target; see index.store.activation_checks).
+QualityGateError = ActivationRefused
 
-    def __init__(self, version: str, comparison: dict):
-        self.version, self.comparison = version, comparison
-        super().__init__(f"quality gate refused activation of {version}: candidate {comparison.get('candidate'):.4g} "
-                         f"< serving {comparison.get('serving'):.4g} - margin {comparison.get('margin'):.4g} "
-                         f"({comparison.get('metric', 'score')}); use --force to activate anyway")
+
+class GateUnavailable(Exception):
+    """An evaluator could not score a version here (e.g. its dataset is not on this machine); the gate
+    records the reason and the activation rule refuses the version unless forced."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -208,26 +211,30 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     t0 = time.perf_counter()
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}")
     staging = store.staging_path(version)
-    faiss.write_index(index, str(staging / INDEX_FILE))
-    with open(staging / EMBEDDINGS_FILE, "wb") as fh:
-        np.save(fh, embeddings, allow_pickle=False)
-    (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
-    extra_files = dict(extra_files or {})
-    for name, data in extra_files.items():
-        assert name not in VERSION_FILES and "/" not in name, f"bad extra version file name {name!r}"
-        (staging / name).write_bytes(data)
-    names = [*VERSION_FILES, *extra_files]
-    for name in names:
-        with open(staging / name, "rb") as fh:
-            os.fsync(fh.fileno())
-    timings["write_s"] = time.perf_counter() - t0
-    extra = dict(fields or {})
-    extra.setdefault("recall", recall)
-    manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
-                               faiss_version=faiss.__version__, files=describe_files(staging, names),
-                               timings=timings, **extra)
-    write_manifest(staging, manifest)
-    fsync_dir(staging)
+    try:
+        faiss.write_index(index, str(staging / INDEX_FILE))
+        with open(staging / EMBEDDINGS_FILE, "wb") as fh:
+            np.save(fh, embeddings, allow_pickle=False)
+        (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
+        extra_files = dict(extra_files or {})
+        for name, data in extra_files.items():
+            assert name not in VERSION_FILES and "/" not in name, f"bad extra version file name {name!r}"
+            (staging / name).write_bytes(data)
+        names = [*VERSION_FILES, *extra_files]
+        for name in names:
+            with open(staging / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        timings["write_s"] = time.perf_counter() - t0
+        extra = dict(fields or {})
+        extra.setdefault("recall", recall)
+        manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
+                                   faiss_version=faiss.__version__, files=describe_files(staging, names),
+                                   timings=timings, **extra)
+        write_manifest(staging, manifest)
+        fsync_dir(staging)
+    except BaseException:
+        discard_staging(staging)
+        raise
     return version, staging
 
 
@@ -248,38 +255,91 @@ def _calibrate(staging: Path, calibrator: Calibrator) -> None:
                 result.get("train_temperature", float("nan")))
 
 
-def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
-                       margin: float, force: bool, activate: bool, keep: int | None,
-                       calibrator: Calibrator | None = None) -> str:
-    """Calibrate tau and run the quality gate (on the staged copy), commit into versions/, activate, prune."""
-    if calibrator is not None:
-        _calibrate(staging, calibrator)
-    serving_name = store.current_version()
-    comparison = None
-    if evaluator is not None and serving_name is not None:
-        candidate = IndexVersion.load(staging, verify=False, gpu=False)
-        serving = store.load(serving_name, verify=False, gpu=False)
-        t0 = time.perf_counter()
-        result = evaluator(candidate, serving)
+def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator: Evaluator | None, *,
+                margin: float = DEFAULT_MARGIN, force: bool = False) -> dict:
+    """The manifest's ``quality_gate`` for `candidate`: the evaluator's comparison with `serving` (when
+    both exist) and the recall check of its own FAISS index (index.store.recall_check).
+
+    The evaluator's keys stay at the top level (as it returned them); ``checks`` holds what the
+    activation rule reads: ``score`` (None when nothing was compared) and ``recall``."""
+    record: dict = {}
+    score = None
+    t0 = time.perf_counter()
+    if evaluator is not None and serving is not None:
+        try:
+            result = evaluator(candidate, serving)
+        except GateUnavailable as err:
+            recall = recall_check(candidate.manifest)
+            recall.pop("check", None)
+            return {"passed": False, "forced": bool(force), "serving_version": serving.version,
+                    "error": f"the quality gate cannot score this version here: {err}",
+                    "checks": {"score": None, "recall": recall}}
         if not isinstance(result, dict) or not {"candidate", "serving"} <= set(result):
             raise ValueError(f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}")
-        comparison = {k: v for k, v in result.items()}
-        comparison.update(serving_version=serving_name, margin=float(margin), forced=bool(force),
-                          seconds=time.perf_counter() - t0,
-                          passed=bool(float(result["candidate"]) >= float(result["serving"]) - margin))
-        manifest = read_manifest(staging)
-        manifest["quality_gate"] = comparison
-        write_manifest(staging, manifest)
+        record.update(result)
+        cand, serv = float(result["candidate"]), float(result["serving"])
+        score = {"metric": result.get("metric", "score"), "candidate": cand, "serving": serv, "margin": float(margin),
+                 "serving_version": serving.version, "passed": bool(cand >= serv - margin)}
+        record.update(serving_version=serving.version, margin=float(margin), seconds=time.perf_counter() - t0)
+    served = ((record.get("index_recall") or {}).get("candidate")) if record else None
+    recall = recall_check(candidate.manifest, served)
+    recall.pop("check", None)
+    passed = (score is None or score["passed"]) and recall["passed"] is not False
+    record.update(passed=bool(passed), forced=bool(force and not passed), checks={"score": score, "recall": recall})
+    if score is not None:
         logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
-                    "passed" if comparison["passed"] else "FAILED", result["candidate"], result["serving"], margin)
-    store.commit(staging, version)
-    if comparison is not None and not comparison["passed"] and not force:
-        raise QualityGateError(version, comparison)
+                    "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
+    logger.info("%s", recall["message"])
+    return record
+
+
+def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,
+                 margin: float = DEFAULT_MARGIN) -> dict:
+    """Gate a committed version against the store's current one (the `gate` of IndexStore.activate
+    for versions that have no gate result yet)."""
+    candidate = store.load(version, verify=False, gpu=False)
+    current = store.current_version()
+    serving = store.load(current, verify=False, gpu=False) if current not in (None, version) else None
+    return gate_record(candidate, serving, evaluator, margin=margin)
+
+
+def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
+                       margin: float, force: bool, activate: bool, keep: int | None,
+                       calibrator: Calibrator | None = None, path: str = "index build",
+                       t_start: float | None = None, model: tuple = ()) -> str:
+    """Stamp the total time, make sure the encoder `model` (sha256[, file]) is in the store, calibrate
+    tau, gate (on the staged copy), commit into versions/, then activate through the store's
+    activation rule and prune. Removes the staging directory when anything before the commit fails."""
+    try:
+        if t_start is not None:
+            _stamp_total(staging, t_start)
+        if model:
+            store.models.ensure(*model)
+        if calibrator is not None:
+            _calibrate(staging, calibrator)
+        serving_name = store.current_version()
+        candidate = IndexVersion.load(staging, verify=False, gpu=False)
+        serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
+        record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
+        manifest = read_manifest(staging)
+        manifest["quality_gate"] = record
+        write_manifest(staging, manifest)
+        store.commit(staging, version)
+    except BaseException:
+        discard_staging(staging)
+        raise
     if activate:
-        store.activate(version)
+        store.activate(version, force=force, path=path, verify=False)   # ActivationRefused when a check failed
         if keep is not None:
             store.prune(keep)
     return version
+
+
+def discard_staging(staging: Path) -> None:
+    """Remove a version's staging directory after a failed build (never embedding caches)."""
+    if Path(staging).is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+        logger.info("removed the staging directory of the failed build: %s", staging)
 
 
 def _skipped_items(ds, res: EmbedResult, source: int) -> list[dict]:
@@ -391,10 +451,10 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
                                      target_recall=target_recall, fields=manifest_fields, timings=timings,
                                      extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
-    _stamp_total(staging, t_start)
-    store.models.ensure(ckpt_sha, checkpoint)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                 activate=activate, keep=keep, calibrator=calibrator)
+                                 activate=activate, keep=keep, calibrator=calibrator,
+                                 path="index rebuild" if parent else "index build", t_start=t_start,
+                                 model=(ckpt_sha, checkpoint))
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version
@@ -503,10 +563,8 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                      target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
                                      extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
-    _stamp_total(staging, t_start)
-    store.models.ensure(sha, ckpt)
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                 activate=activate, keep=keep)
+                                 activate=activate, keep=keep, path="index add", t_start=t_start, model=(sha, ckpt))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     return version

@@ -1,9 +1,11 @@
-"""`softsearch index build|rebuild|add|sync|delete|list|activate|rollback|verify|prune|export|import`.
+"""`softsearch index build|rebuild|add|sync|delete|list|activate|rollback|verify|prune|gc|export|import`.
 
-User mistakes (bad values, missing files) print one `error: ...` line on stderr and return 2;
-a refused quality gate or a corrupt version returns 1. `--notify URL --token T` POSTs
-`{URL}/v1/admin/reload` after an activation so a running server swaps to the new version;
-a failed notification is reported but does not fail the command.
+Exit codes: 0 done; 1 activation refused by the activation rule (quality gate, or the index's
+recall@10 below --target-recall; `--force` overrides) or a corrupt version; 2 a user mistake (bad
+value, missing file: one `error: ...` line); 3 the store's `current` moved but the server given to
+`--notify` did not confirm it serves the new version. `--notify URL --token T` POSTs
+`{URL}/v1/admin/reload` after an activation, retrying on 429 / 5xx / connection errors
+(Retry-After, else exponential backoff) for up to --notify-timeout seconds.
 """
 from __future__ import annotations
 
@@ -18,17 +20,22 @@ import urllib.request
 from pathlib import Path
 
 from index import faiss_index
-from index.build import DEFAULT_MARGIN, QualityGateError, add_items, build_index, rebuild_index
+from index.build import DEFAULT_MARGIN, add_items, build_index, gate_version, rebuild_index
 from index.embed import dist_env
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
-from index.store import IndexStore
+from index.store import ActivationRefused, IndexStore
 from index.sync import delete_items, read_ids_file, sync_index
 from index.transfer import export_version, import_version
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "runs/index"
+DEFAULT_NOTIFY_TIMEOUT_S = 30.0
+#: Exit code when the server given to --notify did not confirm the new version.
+NOTIFY_FAILED = 3
+#: Answers worth retrying: the server is busy, restarting or behind a proxy that is.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -68,8 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
 
     def notify(sp):
-        sp.add_argument("--notify", metavar="URL", help="server base URL to POST /v1/admin/reload after activation")
-        sp.add_argument("--token", default=None, help="bearer token for --notify")
+        sp.add_argument("--notify", metavar="URL",
+                        help="server base URL to POST /v1/admin/reload after activation; exit 3 unless the server "
+                             "then reports the new version")
+        sp.add_argument("--token", default=None, help="the server's admin bearer token for --notify")
+        sp.add_argument("--notify-timeout", type=float, default=DEFAULT_NOTIFY_TIMEOUT_S, metavar="S",
+                        help="retry 429 / 5xx / connection errors for up to S seconds "
+                             f"(default {DEFAULT_NOTIFY_TIMEOUT_S:g})")
 
     def dataset(sp, required: bool):
         sp.add_argument("--dataset", required=required, help="synthetic | fashion-mnist | folder")
@@ -80,9 +92,12 @@ def _parser() -> argparse.ArgumentParser:
 
     def activation(sp, tuned: bool = True):
         if tuned:
-            sp.add_argument("--target-recall", type=float, default=0.95, help="recall@10 the search knob is tuned to")
+            sp.add_argument("--target-recall", type=float, default=0.95,
+                            help="recall@10 against exact search that the index must reach (the search knob is "
+                                 "tuned to it; below it the version is not activated, exit 1)")
         sp.add_argument("--keep", type=int, default=None, help="retain only the newest N versions (never current)")
-        sp.add_argument("--force", action="store_true", help="activate even if the quality gate refuses")
+        sp.add_argument("--force", action="store_true",
+                        help="activate even if the activation rule refuses (recorded as forced in history.json)")
         sp.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                         help=f"quality-gate tolerance in score units (default {DEFAULT_MARGIN})")
         sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
@@ -143,13 +158,16 @@ def _parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    sp = sub.add_parser("activate", help="make a version current")
+    force_help = ("activate even if the activation rule refuses (failed quality gate or recall below target); "
+                  "recorded as forced in history.json")
+    sp = sub.add_parser("activate", help="make a version current (through the activation rule; exit 1 if refused)")
     common(sp); notify(sp)
     sp.add_argument("version")
-    sp.add_argument("--force", action="store_true", help="activate even if its quality gate failed")
+    sp.add_argument("--force", action="store_true", help=force_help)
 
-    sp = sub.add_parser("rollback", help="re-activate the previously active version")
+    sp = sub.add_parser("rollback", help="re-activate the previously active version (through the activation rule)")
     common(sp); notify(sp)
+    sp.add_argument("--force", action="store_true", help=force_help)
 
     sp = sub.add_parser("verify", help="check every file of a version against its manifest checksums")
     common(sp)
@@ -159,6 +177,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("prune", help="delete old versions, keeping the newest N and the current one")
     common(sp)
     sp.add_argument("--keep", type=int, required=True)
+
+    sp = sub.add_parser("gc", help="remove staging directories left by killed builds (older than --max-age-s)")
+    common(sp)
+    sp.add_argument("--max-age-s", type=float, default=3600.0,
+                    help="only directories untouched this long (default 3600: a build may still be running)")
 
     sp = sub.add_parser("export", help="write one version and its encoder model into a single archive")
     common(sp)
@@ -172,30 +195,89 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def notify_server(url: str, token: str | None, version: str, timeout: float = 10.0) -> tuple[bool, str]:
-    """POST {url}/v1/admin/reload; returns (ok, message). Never raises."""
-    endpoint = url.rstrip("/") + "/v1/admin/reload"
-    request = urllib.request.Request(endpoint, data=json.dumps({"version": version}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+def _retry_after(headers) -> float | None:
+    value = (headers or {}).get("Retry-After")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return True, f"{endpoint}: HTTP {response.status}"
-    except urllib.error.HTTPError as err:
-        return False, f"{endpoint}: HTTP {err.code} {err.reason}"
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        return False, f"{endpoint}: {getattr(err, 'reason', err)}"
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
 
 
-def _notify(args, version: str | None) -> None:
+def _served_version(url: str, timeout: float) -> str | None:
+    """The version GET {url}/healthz reports (never rate limited), or None."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout) as response:
+            return json.loads(response.read() or b"{}").get("version")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def notify_server(url: str, token: str | None, version: str, *, wait_s: float = DEFAULT_NOTIFY_TIMEOUT_S,
+                  timeout: float = 10.0, sleep=time.sleep) -> tuple[bool, str]:
+    """POST {url}/v1/admin/reload {"version": version} until the server reports serving it -> (ok, message).
+
+    429 / 5xx / connection errors are retried after Retry-After (else 0.25 s doubling, at most 5 s)
+    for up to `wait_s` seconds; other answers (401, 403, 404, 409, ...) end at once. When the
+    reload never succeeded, /healthz decides (a server that follows the store may serve it anyway).
+    Never raises."""
+    endpoint = url.rstrip("/") + "/v1/admin/reload"
+    deadline = time.monotonic() + max(0.0, wait_s)
+    attempt = 0
+    while True:
+        attempt += 1
+        request = urllib.request.Request(endpoint, data=json.dumps({"version": version}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        if token:
+            request.add_header("Authorization", f"Bearer {token}")
+        wait = None
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                served = json.loads(response.read() or b"{}").get("version")
+            if served == version:
+                return True, f"{url} now serves {served} (HTTP 200, attempt {attempt})"
+            return False, f"{endpoint}: HTTP 200 but the server reports version {served!r}, not {version}"
+        except urllib.error.HTTPError as err:
+            try:
+                detail = json.loads(err.read() or b"{}").get("detail") or err.reason
+            except (ValueError, OSError, AttributeError):
+                detail = err.reason
+            reason = f"HTTP {err.code}: {detail}"
+            if err.code not in RETRY_STATUSES:
+                return False, f"{endpoint}: {reason}"
+            wait = _retry_after(err.headers)
+        except ValueError as err:   # not a URL at all: retrying cannot help
+            return False, f"{endpoint}: {err}"
+        except (urllib.error.URLError, OSError) as err:
+            reason = str(getattr(err, "reason", err))
+        delay = wait if wait is not None else min(0.25 * 2 ** (attempt - 1), 5.0)
+        left = deadline - time.monotonic()
+        if left <= 0.0:
+            break
+        logger.info("notify %s: %s; retrying in %.2f s", endpoint, reason, min(delay, left))
+        sleep(min(delay, left))
+    served = _served_version(url, timeout)
+    if served == version:
+        return True, f"{url} serves {version} (it followed the store; the reload answered {reason})"
+    return False, (f"{endpoint}: no success after {attempt} attempts in {wait_s:g} s ({reason}); "
+                   f"the server reports version {served!r}")
+
+
+def _notify(args, version: str | None) -> int:
+    """Tell the --notify server about `version` -> the command's exit code (0, or NOTIFY_FAILED)."""
     if not getattr(args, "notify", None) or version is None:
-        return
-    ok, message = notify_server(args.notify, args.token, version)
+        return 0
+    ok, message = notify_server(args.notify, args.token, version, wait_s=args.notify_timeout)
     if ok:
-        print(f"notified {message}")
-    else:
-        print(f"warning: server notification failed: {message}", file=sys.stderr)
+        print(f"notified: {message}")
+        return 0
+    print(f"error: the server did not confirm version {version} ({message}); the store's current is {version}",
+          file=sys.stderr)
+    return NOTIFY_FAILED
+
+
+def _gate(store: IndexStore, evaluator):
+    """The gate IndexStore.activate runs on a version that has no gate result yet."""
+    return lambda version: gate_version(store, version, evaluator)
 
 
 def _dataset(args, image_size: int | None):
@@ -264,11 +346,34 @@ def _embed_opts(args) -> dict:
                 margin=args.margin, activate=not args.no_activate, progress=not args.no_progress)
 
 
+def _figures(m: dict) -> dict:
+    """What `index list` and the summaries show of one manifest: the index's recall@10 against exact
+    search and its target (the activation rule's recall check), the gate's retrieval recall@10 by
+    exact search and through the served index, and the gate result."""
+    gate = m.get("quality_gate") or {}
+    recall = ((gate.get("checks") or {}).get("recall")) or {}
+    tuned = m.get("recall") or {}
+    exact = (gate.get("exact_recall_at_10") or {}).get("candidate")
+    served = (gate.get("recall_at_10") or {}).get("candidate") if exact is not None else None
+    return {"index_recall": recall.get("served", tuned.get("recall")), "target": recall.get("target", tuned.get("target")),
+            "recall_exact": exact, "recall_served": served, "gate": gate.get("passed"),
+            "metric": gate.get("metric"), "candidate": gate.get("candidate"), "serving": gate.get("serving")}
+
+
 def _summary(command: str, store: IndexStore, version: str, seconds: float, activated: bool) -> str:
     m = store.manifest(version)
+    f = _figures(m)
     state = "activated" if activated else "not activated"
-    recall = m.get("recall", {}).get("recall")
-    recall_s = f", recall@10 {recall:.3f}" if isinstance(recall, (int, float)) else ""
+    recall_s = ""
+    if isinstance(f["index_recall"], (int, float)):
+        recall_s = f", index recall@10 {f['index_recall']:.3f}"
+        if isinstance(f["target"], (int, float)):
+            recall_s += f" (target {f['target']:.2f})"
+    if isinstance(f["recall_exact"], (int, float)) and isinstance(f["recall_served"], (int, float)):
+        recall_s += f", retrieval recall@10 exact {f['recall_exact']:.3f} / served {f['recall_served']:.3f}"
+    if isinstance(f["candidate"], (int, float)) and isinstance(f["serving"], (int, float)):
+        recall_s += (f", gate {'pass' if f['gate'] else 'FAIL'} ({f['metric']} {f['candidate']:.4g} vs serving "
+                     f"{f['serving']:.4g})")
     return (f"index {command}: version {version} ({state}), {m['count']} items, kind {m['kind']}, "
             f"{m.get('skipped_count', 0)} skipped{recall_s}, {seconds:.1f} s")
 
@@ -279,10 +384,11 @@ def _list(store: IndexStore, as_json: bool) -> None:
     for v in store.versions():
         try:
             m = store.manifest(v)
+            last = store.last_activation(v) or {}
             rows.append({"version": v, "current": v == current, "count": m["count"], "kind": m["kind"],
                          "created": m["created"], "checkpoint": (m.get("checkpoint") or {}).get("sha256", "")[:12],
-                         "recall": (m.get("recall") or {}).get("recall"),
-                         "gate": (m.get("quality_gate") or {}).get("passed"), "status": "ok"})
+                         "recall": (m.get("recall") or {}).get("recall"), **_figures(m),
+                         "forced": bool(last.get("forced")), "status": "ok"})
         except IndexCorruptError as err:
             rows.append({"version": v, "current": v == current, "status": f"corrupt: {err}"})
     if as_json:
@@ -291,15 +397,24 @@ def _list(store: IndexStore, as_json: bool) -> None:
     if not rows:
         print(f"no versions under {store.root}")
         return
-    print(f"{'':1} {'version':<30} {'count':>9} {'kind':<8} {'recall':>6} {'gate':<5} {'checkpoint':<12} created")
+
+    def num(x, fmt=".3f"):
+        return "-" if not isinstance(x, (int, float)) else format(x, fmt)
+
+    print(f"{'':1} {'version':<30} {'count':>9} {'kind':<8} {'index@10':>8} {'target':>6} {'exact':>6} {'served':>6} "
+          f"{'gate':<6} {'checkpoint':<12} created")
     for r in rows:
         if r["status"] != "ok":
             print(f"{'*' if r['current'] else ' '} {r['version']:<30} {r['status']}")
             continue
-        recall = "-" if r["recall"] is None else f"{r['recall']:.3f}"
         gate = "-" if r["gate"] is None else ("pass" if r["gate"] else "FAIL")
-        print(f"{'*' if r['current'] else ' '} {r['version']:<30} {r['count']:>9} {r['kind']:<8} {recall:>6} "
-              f"{gate:<5} {r['checkpoint']:<12} {r['created']}")
+        gate += "!" if r["forced"] else ""
+        print(f"{'*' if r['current'] else ' '} {r['version']:<30} {r['count']:>9} {r['kind']:<8} "
+              f"{num(r['index_recall']):>8} {num(r['target'], '.2f'):>6} {num(r['recall_exact']):>6} "
+              f"{num(r['recall_served']):>6} {gate:<6} {r['checkpoint']:<12} {r['created']}")
+    print("index@10: recall@10 of the version's FAISS index against exact search (the gate needs >= target); "
+          "exact / served: the gate's retrieval recall@10 by exact search and through the index; "
+          "gate '!': activated by --force")
 
 
 def _run(args, evaluator, calibrator) -> int:
@@ -324,7 +439,7 @@ def _run(args, evaluator, calibrator) -> int:
         if rank == 0:
             print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
             if not args.no_activate:
-                _notify(args, version)
+                return _notify(args, version)
         return 0
     if args.command == "add":
         base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
@@ -334,9 +449,7 @@ def _run(args, evaluator, calibrator) -> int:
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
                             base=args.base, evaluator=evaluator, **_embed_opts(args))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
-        if not args.no_activate:
-            _notify(args, version)
-        return 0
+        return 0 if args.no_activate else _notify(args, version)
     if args.command == "sync":
         version, counts = sync_index(args.root, args.data_root, base=args.base, evaluator=evaluator,
                                      calibrator=calibrator, **_embed_opts(args))
@@ -347,9 +460,7 @@ def _run(args, evaluator, calibrator) -> int:
         print(_summary("sync", store, version, time.perf_counter() - t0, not args.no_activate)
               + "; " + ", ".join(f"{counts[k]} {k}" for k in ("added", "removed", "modified", "retried", "touched",
                                                                  "unchanged", "embedded")))
-        if not args.no_activate:
-            _notify(args, version)
-        return 0
+        return 0 if args.no_activate else _notify(args, version)
     if args.command == "delete":
         version, counts = delete_items(args.root, read_ids_file(args.ids_file), base=args.base,
                                        ignore_missing=args.ignore_missing, evaluator=evaluator, margin=args.margin,
@@ -357,27 +468,21 @@ def _run(args, evaluator, calibrator) -> int:
                                        target_recall=args.target_recall)
         print(_summary("delete", store, version, time.perf_counter() - t0, not args.no_activate)
               + f"; {counts['deleted']} deleted" + (f", {counts['missing']} ids not found" if counts["missing"] else ""))
-        if not args.no_activate:
-            _notify(args, version)
-        return 0
+        return 0 if args.no_activate else _notify(args, version)
     if args.command == "list":
         _list(store, args.json)
         return 0
     if args.command == "activate":
-        gate = store.manifest(args.version).get("quality_gate") or {}
-        if gate.get("passed") is False and not args.force:
-            raise ValueError(f"version {args.version} failed its quality gate "
-                             f"(candidate {gate.get('candidate')} vs serving {gate.get('serving')}); use --force")
-        store.load(args.version, verify=True, gpu=False)   # never point `current` at a corrupt version
-        store.activate(args.version)
-        print(f"activated {args.version}")
-        _notify(args, args.version)
-        return 0
+        entry = store.activate(args.version, force=args.force, path="index activate", gate=_gate(store, evaluator))
+        print(f"activated {args.version}" + (" (forced: " + "; ".join(entry["overridden"]) + ")"
+                                              if entry.get("forced") else ""))
+        return _notify(args, args.version)
     if args.command == "rollback":
-        version = store.rollback()
-        print(f"rolled back to {version}")
-        _notify(args, version)
-        return 0
+        version = store.rollback(force=args.force, path="index rollback", gate=_gate(store, evaluator))
+        entry = store.last_activation(version) or {}
+        print(f"rolled back to {version}" + (" (forced: " + "; ".join(entry["overridden"]) + ")"
+                                              if entry.get("forced") else ""))
+        return _notify(args, version)
     if args.command == "verify":
         targets = store.versions() if args.all else [args.version or store.current_version()]
         if targets == [None]:
@@ -398,6 +503,13 @@ def _run(args, evaluator, calibrator) -> int:
         removed = store.prune(args.keep)
         print(f"pruned {len(removed)} version(s)" + (": " + ", ".join(removed) if removed else ""))
         return 0
+    if args.command == "gc":
+        if not args.max_age_s >= 0:
+            raise ValueError(f"--max-age-s must be >= 0, got {args.max_age_s}")
+        removed = store.clean_staging(args.max_age_s)
+        print(f"removed {len(removed)} stale staging entr{'y' if len(removed) == 1 else 'ies'}"
+              + (": " + ", ".join(removed) if removed else ""))
+        return 0
     if args.command == "export":
         out = export_version(args.root, args.out, args.version)
         print(f"exported {args.version or store.current_version()} to {out} ({out.stat().st_size} bytes)")
@@ -407,9 +519,7 @@ def _run(args, evaluator, calibrator) -> int:
                                           force=args.force, activate=not args.no_activate, keep=args.keep)
         state = "activated" if store.current_version() == version else "not activated"
         print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
-        if state == "activated":
-            _notify(args, version)
-        return 0
+        return _notify(args, version) if state == "activated" else 0
     raise AssertionError(f"unhandled command {args.command}")
 
 
@@ -425,7 +535,7 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _run(args, evaluator, calibrator)
-    except QualityGateError as err:
+    except ActivationRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except (ValueError, FileNotFoundError) as err:

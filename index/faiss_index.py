@@ -444,3 +444,22 @@ def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) ->
         raise ValueError(f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes")
     m = default_pq_m(dim, min(per_vector, dim))
     return "ivf-pq", default_params("ivf-pq", dim, count, nlist=nlist, m=m)
+
+
+def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -> str:
+    """A hint naming what reaches a recall target when `kind` with `params` did not (for refusals).
+
+    `--kind auto` (`choose_kind`) picks flat or ivf-flat whenever the full vectors fit the memory
+    budget; both reach any target (flat is exact, IVF-Flat reaches 1.0 at nprobe = nlist)."""
+    auto, auto_params = choose_kind(max(count, 1), max(dim, 1)) if count and dim else ("flat", {})
+    if kind == "ivf-pq":
+        if auto != "ivf-pq":
+            return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors: it reaches recall@10 "
+                    f"{target:.2f}); or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
+        return f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget"
+    if kind == "hnsw":
+        return (f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) or --kind "
+                f"{'flat' if auto == 'flat' else auto} (--kind auto)")
+    if kind == "ivf-flat":
+        return "rebuild with --kind flat (exact) or fewer lists (--param nlist=...); --kind auto chooses " + auto
+    return "--kind flat is exact"

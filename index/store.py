@@ -9,6 +9,14 @@ Layout under `root`::
     history.json          activation stack (for rollback) and an action log
     .lock                 flock taken by every pointer / directory change
 
+Activation rule: `current` moves only through `IndexStore.activate` / `IndexStore.rollback`, which
+apply `activation_checks` to the version (its recorded quality-gate result, and the recall@10 its
+FAISS index reaches at the tuned search parameters against the version's target) and either refuse
+(ActivationRefused: which check, the figures, how to override) or move the pointer. `force`
+overrides a failed check; the override is logged in history.json with the time, the path that asked
+("index activate", "POST /v1/admin/reload", ...) and "forced": true. A serving process loads a
+version only if `serving_check` accepts it: it passes the rule, or its activation was forced.
+
 Version names sort by creation time: `YYYYmmddTHHMMSSmmmZ-<8 hex>`. A version appears in
 versions/ only by one `os.rename` of a fully written staging directory, so a build killed at
 any point leaves `current` and every listed version intact.
@@ -25,6 +33,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import faiss
@@ -42,6 +51,92 @@ EMBEDDINGS_FILE = "embeddings.npy"
 IDS_FILE = "ids.json"
 VERSION_FILES = (INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+#: How a refused activation is overridden, named in every refusal.
+FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
+#: A gate for a version that has none: gate(version name) -> its quality_gate record (index.build.gate_version).
+Gate = Callable[[str], dict]
+
+
+class ActivationRefused(RuntimeError):
+    """The activation rule refused a version (`failed`: the checks that failed); nothing changed.
+    Every command exits 1 on it; the admin reload answers 409."""
+
+    def __init__(self, version: str, failed: list[dict], hint: str = FORCE_HINT):
+        self.version, self.failed = version, failed
+        gate = next((c for c in failed if c["check"] == "quality gate"), {})
+        self.comparison = gate.get("record") or {}
+        super().__init__(f"activation of index version {version} refused: " + "; ".join(c["message"] for c in failed)
+                         + f"; {hint}")
+
+
+def _fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
+
+
+def recall_check(manifest: dict, served: dict | None = None) -> dict:
+    """The recall half of the rule: recall@10 of the version's own FAISS index at its tuned search
+    parameters (`faiss_index.search`, the call the server makes) against the target it was built for.
+
+    The figure is the gate's measurement on held-out queries (`served` or the recorded gate's
+    `checks.recall`) when there is one, else the build's tuning measurement on stored rows (each
+    query's own row excluded). {"check", "passed" (None: nothing recorded), "served", "tuned",
+    "target", "kind", "params", "measured_on", "message"}."""
+    tuned = manifest.get("recall") or {}
+    gate_recall = ((manifest.get("quality_gate") or {}).get("checks") or {}).get("recall") or {}
+    target = tuned.get("target", gate_recall.get("target"))
+    kind, params = manifest.get("kind"), dict(manifest.get("params") or {})
+    out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
+    if served is not None and served.get("recall") is not None:
+        out.update(served=float(served["recall"]), measured_on=f"{served.get('n_queries', '?')} held-out queries")
+    elif gate_recall.get("served") is not None:
+        out.update(served=float(gate_recall["served"]), measured_on=gate_recall.get("measured_on", "held-out queries"))
+    elif tuned.get("recall") is not None:
+        out.update(served=float(tuned["recall"]), measured_on=f"{tuned.get('sample', 'all')} stored rows (tuning)")
+    else:
+        out.update(served=None, measured_on=None)
+    if out["served"] is None or target is None:
+        out.update(passed=None, message="recall: not recorded")
+        return out
+    out["passed"] = bool(out["served"] >= float(target) - 1e-9)
+    described = f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'exact'})"
+    if out["passed"]:
+        out["message"] = (f"recall check: {described} reaches recall@10 {out['served']:.3f} >= target "
+                          f"{float(target):.3f} on {out['measured_on']}")
+    else:
+        out["message"] = (f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
+                          f"{float(target):.3f} on {out['measured_on']}; "
+                          + faiss_index.suggest_kind(kind, params, int(manifest.get("count", 0)),
+                                                     int(manifest.get("dim", 0)), float(target)))
+    return out
+
+
+def score_check(manifest: dict) -> dict:
+    """The quality-gate half of the rule: the recorded comparison with the version that was serving.
+    {"check", "passed" (None: the version has no gate result), "message", "record"}."""
+    gate = manifest.get("quality_gate")
+    out = {"check": "quality gate", "record": gate}
+    if not isinstance(gate, dict):
+        return {**out, "passed": None, "message": "quality gate: no result recorded"}
+    if gate.get("error"):
+        return {**out, "passed": False, "message": f"quality gate could not score it: {gate['error']}"}
+    # records written since the rule exists keep the comparison under checks.score (None: nothing
+    # was serving, or no evaluator); older ones have it at the top level
+    score = gate["checks"].get("score") if isinstance(gate.get("checks"), dict) else gate
+    if not score or score.get("candidate") is None or score.get("serving") is None:
+        passed = gate.get("passed") if score is gate else True
+        return {**out, "passed": passed, "message": "quality gate: nothing was serving to compare with"
+                if passed is not False else "quality gate failed"}
+    margin = float(score.get("margin") or 0.0)
+    passed = bool(float(score["candidate"]) >= float(score["serving"]) - margin)
+    return {**out, "passed": passed,
+            "message": f"quality gate {'passed' if passed else 'failed'} ({score.get('metric', 'score')}): candidate "
+                       f"{_fmt(score['candidate'])} {'>=' if passed else '<'} serving {_fmt(score['serving'])} - "
+                       f"margin {_fmt(margin)} (serving version {score.get('serving_version')})"}
+
+
+def activation_checks(manifest: dict) -> list[dict]:
+    """Both checks of the activation rule for one manifest (see `recall_check`, `score_check`)."""
+    return [score_check(manifest), recall_check(manifest)]
 
 
 def new_version_name(salt: str = "") -> str:
@@ -230,10 +325,19 @@ class IndexStore:
     def _write_current(self, version: str) -> None:
         atomic_write_text(self.current_file, version + "\n")
 
-    def _record(self, history: dict, action: str, version: str) -> None:
-        history.setdefault("log", []).append({"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                                              "action": action, "version": version})
+    def _record(self, history: dict, action: str, version: str, *, path: str | None = None,
+                previous: str | None = None, decision: dict | None = None) -> dict:
+        """Append one entry to the action log (activations: the path that asked, whether forced and
+        which checks the force overrode) and write history.json atomically."""
+        entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "action": action,
+                 "version": version}
+        if path is not None:
+            entry.update(path=path, previous=previous, forced=bool(decision and decision["forced"]))
+            if entry["forced"]:
+                entry["overridden"] = [c["message"] for c in decision["failed"]]
+        history.setdefault("log", []).append(entry)
         atomic_write_text(self.history_file, json.dumps(history, indent=2) + "\n")
+        return entry
 
     def commit(self, staging: str | os.PathLike, version: str) -> Path:
         """Move a fully written staging directory into versions/ with one atomic rename."""
@@ -249,10 +353,52 @@ class IndexStore:
         logger.info("committed index version %s", version)
         return target
 
-    def activate(self, version: str) -> None:
-        """Make `version` current (atomic pointer switch) and push it on the activation stack."""
-        self.path(version)
+    # ------------------------------------------------------------------ the activation rule
+    def check_activation(self, version: str, *, force: bool = False) -> dict:
+        """Apply the activation rule to `version` without changing anything.
+
+        Returns {"version", "checks", "failed", "forced"}; raises ActivationRefused when a check
+        failed and not `force`. A version with no gate result is judged on its recall alone here
+        (`activate` with a `gate` first gates it)."""
+        manifest = self.manifest(version)
+        checks = activation_checks(manifest)
+        failed = [c for c in checks if c["passed"] is False]
+        if failed and not force:
+            raise ActivationRefused(version, failed)
+        return {"version": version, "checks": checks, "failed": failed, "forced": bool(failed)}
+
+    def serving_check(self, version: str) -> dict:
+        """May a serving process load `version` (start-up, following `current`, a plain reload)?
+
+        Yes when it passes the activation rule, or when the activation that made it current was
+        forced (recorded in history.json); ActivationRefused otherwise (e.g. a pointer written by hand)."""
+        try:
+            return self.check_activation(version)
+        except ActivationRefused:
+            entry = self.last_activation(version)
+            if entry is not None and entry.get("forced") and self.current_version() == version:
+                return self.check_activation(version, force=True)
+            raise
+
+    def last_activation(self, version: str) -> dict | None:
+        """The newest history entry that made `version` current (activate / rollback), or None."""
+        for entry in reversed(self.history().get("log") or []):
+            if entry.get("action") in ("activate", "rollback") and entry.get("version") == version:
+                return entry
+        return None
+
+    def activate(self, version: str, *, force: bool = False, path: str = "library", gate: Gate | None = None,
+                 verify: bool = True) -> dict:
+        """Make `version` current through the activation rule -> the history entry written.
+
+        A version without a gate result is first gated with `gate` (recorded in its manifest).
+        `verify` re-checks every file's sha256 first (never point `current` at a corrupt version).
+        ActivationRefused (nothing changed) when a check fails and not `force`."""
+        self._gate_if_missing(version, gate)
+        if verify:
+            IndexVersion.load(self.path(version), verify=True, gpu=False)
         with self.lock():
+            decision = self.check_activation(version, force=force)
             history = self.history()
             current = self.current_version()
             stack = history["stack"]
@@ -261,33 +407,66 @@ class IndexStore:
             self._write_current(version)
             if not stack or stack[-1] != version:
                 stack.append(version)
-            self._record(history, "activate", version)
-        logger.info("activated index version %s (was %s)", version, current)
+            entry = self._record(history, "activate", version, path=path, previous=current, decision=decision)
+        self._log_activation(entry)
+        return entry
 
-    def rollback(self) -> str:
-        """Re-activate the version active before the current one; returns its name.
-
-        Versions deleted since (retention) are skipped; ValueError when none is left.
-        """
+    def rollback(self, *, force: bool = False, path: str = "library", gate: Gate | None = None,
+                 verify: bool = True) -> str:
+        """Re-activate the version active before the current one, through the activation rule;
+        returns its name. Versions deleted since (retention) are skipped; ValueError when none is left."""
+        target = self._rollback_target(self.history())[1]
+        self._gate_if_missing(target, gate)
+        if verify:
+            IndexVersion.load(self.path(target), verify=True, gpu=False)
         with self.lock():
             history = self.history()
-            stack = history["stack"]
+            stack, target = self._rollback_target(history)
+            decision = self.check_activation(target, force=force)
             current = self.current_version()
-            if current and (not stack or stack[-1] != current):
-                stack.append(current)
-            existing = set(self.versions())
-            if stack:
-                stack.pop()   # the current version
-            while stack and stack[-1] not in existing:
-                logger.info("rollback: skipping deleted version %s", stack[-1])
-                stack.pop()
-            if not stack:
-                raise ValueError(f"no earlier activated version to roll back to under {self.root}")
-            target = stack[-1]
+            history["stack"] = stack
             self._write_current(target)
-            self._record(history, "rollback", target)
-        logger.info("rolled back index from %s to %s", current, target)
+            entry = self._record(history, "rollback", target, path=path, previous=current, decision=decision)
+        self._log_activation(entry)
         return target
+
+    def _rollback_target(self, history: dict) -> tuple[list[str], str]:
+        """(the activation stack after rolling back, the version to roll back to)."""
+        stack = list(history["stack"])
+        current = self.current_version()
+        if current and (not stack or stack[-1] != current):
+            stack.append(current)
+        existing = set(self.versions())
+        if stack:
+            stack.pop()   # the current version
+        while stack and stack[-1] not in existing:
+            logger.info("rollback: skipping deleted version %s", stack[-1])
+            stack.pop()
+        if not stack:
+            raise ValueError(f"no earlier activated version to roll back to under {self.root}")
+        return stack, stack[-1]
+
+    def _gate_if_missing(self, version: str, gate: Gate | None) -> None:
+        """Gate a version that has no gate result (older stores, versions written without one) and
+        record the result in its manifest, so it is judged like any build (gated at first activation)."""
+        path = self.path(version)
+        if gate is None or isinstance(read_manifest(path).get("quality_gate"), dict):
+            return
+        record = gate(version)
+        with self.lock():
+            manifest = read_manifest(path)
+            manifest["quality_gate"] = record
+            write_manifest(path, manifest)
+        logger.info("gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED")
+
+    @staticmethod
+    def _log_activation(entry: dict) -> None:
+        if entry.get("forced"):
+            logger.warning("activated %s by force (%s): %s", entry["version"], entry["path"],
+                           "; ".join(entry.get("overridden") or []))
+        else:
+            logger.info("%s %s (was %s) via %s", "rolled back to" if entry["action"] == "rollback" else "activated",
+                        entry["version"], entry.get("previous"), entry["path"])
 
     def used_models(self) -> set[str]:
         """sha256 of every encoder model a committed or staged version names."""

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate, _resolve_device,
-                         _skipped_items, _source_record, _stamp_total, write_version)
+                         _skipped_items, _source_record, discard_staging, write_version)
 from index.embed import EmbedResult
 from index.items import ITEM_FILES, dataset_records, encode_records, file_record, read_records
 from index.models import checkpoint_record, model_relpath
@@ -221,10 +221,9 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
                                      params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
                                      fields=fields, timings={"embed_s": embed_s},
                                      extra_files={ITEM_FILES: encode_records(plan.records, ids)})
-    _stamp_total(staging, t_start)
-    store.models.ensure(sha)
     _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
-                       force=force, activate=activate, keep=keep, calibrator=calibrator)
+                       force=force, activate=activate, keep=keep, calibrator=calibrator, path="index sync",
+                       t_start=t_start, model=(sha,))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     logger.info("synced %s -> %s: %s", base_version.version, version, counts)
@@ -294,9 +293,12 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
                                      params=_rebuild_params(base_version, len(ids_kept)), target_recall=target_recall,
                                      fields=fields, extra_files={ITEM_FILES: encode_records(records, ids_kept)}
                                      if records else None)
-    _stamp_total(staging, t_start)
     sha = checkpoint_record(m)["sha256"]
-    store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
+    try:
+        store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
+    except BaseException:
+        discard_staging(staging)
+        raise
     _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
-                       force=force, activate=activate, keep=keep)
+                       force=force, activate=activate, keep=keep, path="index delete", t_start=t_start)
     return version, counts

@@ -28,11 +28,10 @@ import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
-from index.build import DEFAULT_MARGIN, Evaluator, _gate_and_activate
-from index.manifest import (MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files,
-                            write_manifest)
+from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate
+from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
-from index.store import IndexStore, check_version_name
+from index.store import ActivationRefused, IndexStore, check_version_name
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +176,6 @@ def _same_version(a: Path, b: Path) -> bool:
         return False
 
 
-class _GateUnavailable(Exception):
-    """The quality gate could not score the imported version here (e.g. its dataset is not on this machine)."""
-
-
 def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
                    force: bool = False, activate: bool = True, keep: int | None = None) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
@@ -253,25 +248,21 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
 
 def _activate_imported(store: IndexStore, version: str, staging: Path, *, evaluator, margin, force, activate,
                        keep) -> None:
+    """Gate, commit and activate an imported version. When the gate cannot score it here, that is
+    recorded in its manifest (so a plain 'index activate' refuses it too) and it is not activated
+    unless `force`."""
     def guarded(candidate, serving):
         try:
             return evaluator(candidate, serving)
         except (ValueError, FileNotFoundError, OSError) as err:
-            raise _GateUnavailable(str(err)) from err
+            raise GateUnavailable(str(err)) from err
 
     try:
         _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
-                           margin=margin, force=force, activate=activate, keep=keep)
-    except _GateUnavailable as err:
-        if force:
-            logger.warning("quality gate cannot score %s here (%s); activating it anyway (--force)", version, err)
-            _gate_and_activate(store, version, staging, evaluator=None, margin=margin, force=True,
-                               activate=activate, keep=keep)
-            return
-        manifest = read_manifest(staging)   # recorded, so a plain 'index activate' refuses it too
-        manifest["quality_gate"] = {"passed": False, "forced": False, "serving_version": store.current_version(),
-                                    "error": f"the quality gate cannot score this version here: {err}"}
-        write_manifest(staging, manifest)
-        store.commit(staging, version)
-        raise ValueError(f"imported {version} but did not activate it: the quality gate cannot score it here ({err}); "
-                         f"activate it with 'softsearch index activate {version} --force --root {store.root}'") from None
+                           margin=margin, force=force, activate=activate, keep=keep, path="index import")
+    except ActivationRefused as err:
+        error = (store.manifest(version).get("quality_gate") or {}).get("error")
+        if not error:
+            raise
+        raise ActivationRefused(version, err.failed, hint=f"imported {version} but did not activate it; activate it "
+                                f"with 'softsearch index activate {version} --force --root {store.root}'") from None

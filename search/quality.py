@@ -5,9 +5,15 @@
 encoder (the store's model the manifest names) and its own search temperature, on the same query images.
 Scores (higher is better):
 - "neg_gap": -mean KL(q || p) on the held-out queries, when the generator's r is exact
-  (latent, label) -- the quantity softsearch is about;
-- "recall_at_10": label recall@10 (or ideal-neighbour recall@10 without labels) otherwise.
-Both are always reported; "metric" says which one the gate compares.
+  (latent, label) -- the quantity softsearch is about (the server's normaliser is exact over every
+  stored row, so this does not depend on the FAISS index);
+- "recall_at_10": label recall@10 (or ideal-neighbour recall@10 without labels) of the neighbours
+  the version SERVES: its own FAISS index at its tuned search parameters, through
+  `IndexVersion.search` (the call the server makes), not exact kNN.
+Both are always reported, with the exact-kNN figure beside the served one (`exact_recall_at_10`);
+"metric" says which one the gate compares. `index_recall` is the recall@10 of each version's
+FAISS index against exact kNN on the same held-out queries: the activation rule compares the
+candidate's with the version's --target-recall (index.store.recall_check).
 """
 from __future__ import annotations
 
@@ -17,9 +23,9 @@ import time
 import numpy as np
 
 from search.calibration import calibrate_temperature
-from search.evaluate import EvalConfig, _device, _ideal_recall, encode, load_eval_data, version_database
+from search.evaluate import EvalConfig, _device, encode, load_eval_data, version_database
 from search.gap import softmax_gap
-from search.metrics import knn_search, recall_at_k, relevance
+from search.metrics import ideal_topk, knn_search, recall_at_k, relevance
 from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)
@@ -34,20 +40,46 @@ def _embedded_queries(version, cfg: EvalConfig, queries, device):
     return data, zq, np.asarray(version.embeddings)
 
 
+def _served_rows(version, zq: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray:
+    """(Q, k) rows the version's FAISS index returns (the server's call), -1 = none; a query's own row
+    (`exclude[q]`, queries drawn from the database) is dropped as exact kNN drops it."""
+    _, rows = version.search(np.ascontiguousarray(zq, dtype=np.float32), k + (exclude is not None))
+    out = np.full((rows.shape[0], k), -1, np.int64)
+    for q, r in enumerate(rows):
+        kept = r[(r >= 0) & (r != (exclude[q] if exclude is not None else -2))][:k]
+        out[q, :len(kept)] = kept
+    return out
+
+
+def _overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
+    """Mean over queries of |a[:k] & b[:k]| / k (rows < 0 never count)."""
+    return float(np.mean([np.intersect1d(x[:k][x[:k] >= 0], y[:k]).size / k for x, y in zip(a, b)]))
+
+
 def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
-    """recall@10 and the gap at the version's search temperature for one IndexVersion."""
+    """recall@10 (exact and through the served index), the index's own recall@10 and the gap at the
+    version's search temperature for one IndexVersion."""
     data, zq, zdb = _embedded_queries(version, cfg, queries, device)
     tau = float(cfg.temperature or version.manifest.get("search_temperature") or 0.1)
     k = min(10, zdb.shape[0] - (1 if data.query_exclude is not None else 0))
+    exclude = None if data.query_exclude is None else np.asarray(data.query_exclude, np.int64)
+    _, exact = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
+    served = _served_rows(version, zq, k, exclude)
     if data.query_labels is not None and data.db_labels is not None:
-        _, nbr = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
-        recall = float(recall_at_k(relevance(nbr, data.query_labels, data.db_labels), k).mean())
+        def recall_of(rows):
+            rel = relevance(np.where(rows >= 0, rows, 0), data.query_labels, data.db_labels) & (rows >= 0)
+            return float(recall_at_k(rel, k).mean())
         recall_kind = "label recall@10"
     else:
-        recall = _ideal_recall(zq, zdb, data, ks=(10,), n_boot=1, device=device)["ideal_recall@10"]["mean"]
+        ideal = ideal_topk(data.query_meta, data.db_meta, data.generator, k, exclude=data.query_exclude)
+
+        def recall_of(rows):
+            return _overlap(rows, ideal, k)
         recall_kind = "ideal-neighbour recall@10"
     gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
-    return {"version": version.version, "recall_at_10": recall, "recall_kind": recall_kind, "gap": gap["kl"],
+    return {"version": version.version, "recall_at_10": recall_of(served), "exact_recall_at_10": recall_of(exact),
+            "recall_kind": recall_kind, "index_recall_at_10": _overlap(served, exact, k), "kind": version.kind,
+            "params": dict(version.manifest.get("params") or {}), "gap": gap["kl"],
             "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
             "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
             "skipped_queries": len(data.query_skipped)}
@@ -83,6 +115,11 @@ def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "au
         "candidate": score(cand),
         "serving": score(serv),
         "recall_at_10": {"candidate": cand["recall_at_10"], "serving": None if serv is None else serv["recall_at_10"]},
+        "exact_recall_at_10": {"candidate": cand["exact_recall_at_10"],
+                               "serving": None if serv is None else serv["exact_recall_at_10"]},
+        "index_recall": {role: None if r is None else {"recall": r["index_recall_at_10"], "n_queries": r["n_queries"],
+                                                       "kind": r["kind"], "params": r["params"]}
+                         for role, r in (("candidate", cand), ("serving", serv))},
         "gap": {"candidate": cand["gap"], "serving": None if serv is None else serv["gap"]},
         "details": {"candidate": cand, "serving": serv},
         "seconds": time.perf_counter() - t0,

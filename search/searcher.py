@@ -234,7 +234,7 @@ class SearchSnapshot:
         return None
 
     def _sources(self) -> dict:
-        """id -> (dataset, index in it) over every dataset this version was built from (cached).
+        """id -> (dataset, index in it, its spec) over every dataset this version was built from (cached).
 
         Datasets are rebuilt from the manifest's specs (`sources`, else `dataset`)."""
         with self._lock:
@@ -249,7 +249,7 @@ class SearchSnapshot:
                 for spec in specs:
                     ds = create_dataset(**spec)
                     for i, iid in enumerate(ds.item_ids()):
-                        index_of.setdefault(iid, (ds, i))
+                        index_of.setdefault(iid, (ds, i, spec))   # each item names its own source
                 self._cache["index_of"] = index_of
             return self._cache["index_of"]
 
@@ -257,20 +257,21 @@ class SearchSnapshot:
         """Metadata of an indexed item; KeyError if the id is not in this version."""
         row = self.row_of(item_id)
         label = class_name = None
+        spec = self.dataset_spec()
         try:
-            ds, i = self._sources().get(item_id, (None, None))
+            ds, i, spec = self._sources().get(item_id, (None, None, spec))
             if ds is not None and getattr(ds, "labels", None) is not None:
                 label = int(ds.labels[i])
                 names = getattr(ds, "class_names", None)
                 class_name = names[label] if names and 0 <= label < len(names) else None
         except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
             logger.info("no dataset metadata for %s: %s", item_id, err)
-        return ItemInfo(item_id, row, self.version, label, class_name, self.dataset_spec())
+        return ItemInfo(item_id, row, self.version, label, class_name, spec)
 
     def item_image(self, item_id: str) -> Image.Image:
         """The stored image of an indexed item, recovered from the manifest's dataset spec."""
         self.row_of(item_id)  # KeyError if not indexed
-        ds, i = self._sources()[item_id]  # KeyError if no source dataset holds it
+        ds, i, _ = self._sources()[item_id]  # KeyError if no source dataset holds it
         show = getattr(ds, "display_image", None)   # folders: the file itself, not the cached square
         return show(i) if show is not None else ds.image(i)
 
@@ -342,26 +343,38 @@ class Searcher:
         encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store
         return encoder, sha, True
 
+    def prepare(self, version: str | None = None) -> SearchSnapshot | None:
+        """Load `version` (default: the store's current one) with its encoder into a snapshot that is
+        not served yet (None when it is the one being served). Raises if it cannot be loaded."""
+        old = self._state
+        if self.store is None:
+            raise ValueError("this Searcher has no IndexStore to reload from")
+        if old is not None and (version or self.store.current_version()) == old.version:
+            return None
+        new_version = self.store.load(version)
+        if old is not None and new_version.version == old.version:
+            return None
+        encoder, sha, _ = self._encoder_for(new_version, old)
+        return self._make_snapshot(encoder, sha, new_version)
+
+    def install(self, state: SearchSnapshot | None) -> ReloadResult:
+        """Serve a prepared snapshot (one attribute assignment; in-flight queries keep the old one)."""
+        old = self._state
+        if state is None:
+            return ReloadResult(old.version, old.version, False, False)
+        self._state = state  # the swap
+        fresh = old is None or state.encoder is not old.encoder
+        logger.info("index version %s loaded (%d items, dim %d, tau %g%s)", state.version, state.count,
+                    state.dim, state.temperature, ", new encoder" if fresh else "")
+        return ReloadResult(old.version if old else None, state.version, True, fresh)
+
     def load(self, version: str | None = None) -> ReloadResult:
         """Load `version` (default: the store's current one) with its encoder and swap it in.
 
         Raises (keeping the old snapshot) if the version cannot be loaded or is incompatible.
         """
         with self._swap_lock:  # one reload at a time; queries never take this lock
-            old = self._state
-            if self.store is None:
-                raise ValueError("this Searcher has no IndexStore to reload from")
-            if version is None and old is not None and self.store.current_version() == old.version:
-                return ReloadResult(old.version, old.version, False, False)
-            new_version = self.store.load(version)
-            if old is not None and new_version.version == old.version:
-                return ReloadResult(old.version, old.version, False, False)
-            encoder, sha, fresh = self._encoder_for(new_version, old)
-            state = self._make_snapshot(encoder, sha, new_version)
-            self._state = state  # the swap: one attribute assignment
-        logger.info("index version %s loaded (%d items, dim %d, tau %g%s)", state.version, state.count,
-                    state.dim, state.temperature, ", new encoder" if fresh else "")
-        return ReloadResult(old.version if old else None, state.version, True, fresh)
+            return self.install(self.prepare(version))
 
     reload = load
 

@@ -23,7 +23,9 @@ def readyz(request: Request):
     """200 once an index version and its encoder are loaded, else 503."""
     searcher = request.app.state.searcher
     if searcher is None or not searcher.ready:
-        return JSONResponse({"error": "not_ready", "detail": "no index loaded yet"}, status_code=503)
+        reason = getattr(request.app.state, "load_error", None)
+        return JSONResponse({"error": "not_ready", "detail": "no index loaded yet" + (f" ({reason})" if reason else "")},
+                            status_code=503)
     return HealthOut(status="ready", version=searcher.version)
 
 

@@ -25,4 +25,7 @@ def service_config(settings: SettingsDep, request: Request) -> ServiceConfigOut:
         max_k=settings.max_k, max_upload_bytes=settings.max_upload_bytes, batching=settings.batching_enabled,
         report_url="/report" if report is not None and report.is_file() else None,
         version=searcher.version if searcher is not None else None,
+        rate_limit={"rps": settings.rate_limit_rps, "burst": settings.rate_limit_burst,
+                    "key": "forwarded client from " + settings.forwarded_allow_ips if settings.forwarded_allow_ips
+                    else "TCP peer address"} if settings.rate_limit_enabled else None,
     )

@@ -76,10 +76,14 @@ class ServiceConfigOut(BaseModel):
     batching: bool
     report_url: str | None = Field(description="latest evaluation report, if the server has one")
     version: str | None
+    rate_limit: dict | None = Field(None, description="per-client token bucket {rps, burst, key}; null when off")
 
 
 class ReloadRequest(BaseModel):
-    version: str | None = Field(None, description="version to load; default: the store's current one")
+    version: str | None = Field(None, description="version to serve; default: the store's current one. A version "
+                                                  "that is not current is made current in the store too")
+    force: bool = Field(False, description="serve it even if the activation rule refuses it (failed quality gate, "
+                                           "recall below target); recorded as forced in the store's history")
 
 
 class ReloadOut(BaseModel):
@@ -88,6 +92,7 @@ class ReloadOut(BaseModel):
     changed: bool
     encoder_reloaded: bool
     count: int
+    store_current: str | None = Field(None, description="the store's current version (equals `version`)")
 
 
 class HealthOut(BaseModel):

@@ -44,7 +44,8 @@ class ServerThread:
     def __init__(self, app, port: int | None = None):
         self.port = port or free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on", limit_concurrency=1000))
+                                                    access_log=False, lifespan="on", limit_concurrency=1000,
+                                                    proxy_headers=False))   # as `softsearch serve`
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -225,7 +225,7 @@ def test_admin_auth(make_client, api_index):
     r = client.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 200, r.text
     assert r.json() == {"previous": api_index["version"], "version": api_index["version"], "changed": False,
-                        "encoder_reloaded": False, "count": INDEX_SIZE}
+                        "encoder_reloaded": False, "count": INDEX_SIZE, "store_current": api_index["version"]}
     r = client.post("/v1/admin/reload", json={"version": "20990101T000000000Z-00000000"},
                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 409 and api_index["version"] in r.json()["detail"]
@@ -371,4 +371,16 @@ def test_serve_main_rejects_bad_settings(capsys):
     from api.server import main
 
     assert main(["--port", "70000"]) == 2
-    assert "SOFTSEARCH_PORT" in capsys.readouterr().err
+    assert "(--port=70000)" in capsys.readouterr().err           # names the flag actually used
+    assert main(["--admin-token", "short"]) == 2
+    err = capsys.readouterr().err
+    assert "(--admin-token=<hidden>): " in err and "at least 8 characters" in err and "SOFTSEARCH_" not in err
+
+
+def test_bad_env_setting_names_the_variable(monkeypatch, capsys):
+    from api.server import build_parser, main
+
+    monkeypatch.setenv("SOFTSEARCH_ADMIN_TOKEN", "short")
+    assert main([]) == 2
+    assert "(SOFTSEARCH_ADMIN_TOKEN=<hidden>): " in capsys.readouterr().err
+    assert "at least 8 characters" in " ".join(build_parser().format_help().split())

@@ -26,7 +26,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         _Recorder.requests.append((self.path, self.headers.get("Authorization"), json.loads(body)))
         self.send_response(200)
         self.end_headers()
-        self.wfile.write(b"{}")
+        self.wfile.write(json.dumps({"version": json.loads(body)["version"]}).encode())   # as the API answers
 
     def log_message(self, *args):
         pass
@@ -85,10 +85,12 @@ def test_add_from_folder_and_failed_notify(tmp_path, tiny_checkpoint, capsys):
     for i in range(3):
         Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / f"n{i}.png")
     capsys.readouterr()
-    rc = main(["add", "--root", str(root), "--folder", str(folder), "--no-progress", "--notify", "http://127.0.0.1:9"])
-    assert rc == 0
+    rc = main(["add", "--root", str(root), "--folder", str(folder), "--no-progress", "--notify", "http://127.0.0.1:9",
+               "--notify-timeout", "0.6"])
+    assert rc == 3   # the store moved, the server did not confirm: exit 3 after retrying
     captured = capsys.readouterr()
-    assert "51 items" in captured.out and "warning: server notification failed" in captured.err
+    assert "51 items" in captured.out and "error: the server did not confirm version" in captured.err
+    assert "attempts" in captured.err
     assert IndexStore(root).load().ids[-3:] == ["n0.png", "n1.png", "n2.png"]
 
 
@@ -101,14 +103,17 @@ def test_quality_gate_exit_code(tmp_path, tiny_checkpoint, capsys):
     assert main(_build(root, tiny_checkpoint), evaluator=worse) == 0
     v1 = IndexStore(root).current_version()
     assert main(_build(root, tiny_checkpoint), evaluator=worse) == 1
-    assert "quality gate refused" in capsys.readouterr().err
+    assert "refused: quality gate failed (map@10)" in capsys.readouterr().err
     store = IndexStore(root)
     refused = [v for v in store.versions() if v != v1][0]
     assert store.current_version() == v1
-    assert main(["activate", "--root", str(root), refused]) == 2
-    assert "failed its quality gate" in capsys.readouterr().err
+    assert main(["activate", "--root", str(root), refused]) == 1          # gate refusals exit 1 everywhere
+    err = capsys.readouterr().err
+    assert "quality gate failed (map@10): candidate 0.1 < serving 0.9" in err and "--force" in err
     assert main(["activate", "--root", str(root), refused, "--force"]) == 0
     assert store.current_version() == refused
+    entry = store.history()["log"][-1]
+    assert entry["forced"] is True and entry["path"] == "index activate" and entry["version"] == refused
 
 
 @pytest.mark.parametrize("argv, message", [

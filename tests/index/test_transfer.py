@@ -75,12 +75,12 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     def unavailable(candidate, current):
         raise FileNotFoundError("image folder /elsewhere not found")
 
-    with pytest.raises(ValueError, match="did not activate .* cannot score it here .*elsewhere"):
+    with pytest.raises(QualityGateError, match="cannot score this version here: .*elsewhere.* did not activate it"):
         import_version(root2, exported["archive"], evaluator=unavailable)
     store2 = IndexStore(root2)
     assert store2.current_version() != exported["version"]
     assert store2.manifest(exported["version"])["quality_gate"]["passed"] is False   # 'activate' needs --force
-    assert main(["activate", "--root", str(root2), exported["version"]]) == 2
+    assert main(["activate", "--root", str(root2), exported["version"]]) == 1   # a gate refusal: exit 1
     assert main(["activate", "--root", str(root2), exported["version"], "--force"]) == 0
 
     root3 = tmp_path / "serving3"
