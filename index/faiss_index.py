@@ -454,8 +454,8 @@ def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -
     auto, auto_params = choose_kind(max(count, 1), max(dim, 1)) if count and dim else ("flat", {})
     if kind == "ivf-pq":
         if auto != "ivf-pq":
-            return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors: it reaches recall@10 "
-                    f"{target:.2f}); or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
+            return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors, which reach the target); "
+                    f"or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
         return f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget"
     if kind == "hnsw":
         return (f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) or --kind "
