@@ -178,7 +178,9 @@ def _parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--keep", type=int, required=True)
 
-    sp = sub.add_parser("gc", help="remove staging directories left by killed builds (older than --max-age-s)")
+    sp = sub.add_parser("gc", help="remove staging directories left by killed builds (older than --max-age-s)",
+                        description="Remove staging directories left by killed builds (a build that fails removes "
+                                    "its own); resumable embedding caches (staging/embed-*) are kept.")
     common(sp)
     sp.add_argument("--max-age-s", type=float, default=3600.0,
                     help="only directories untouched this long (default 3600: a build may still be running)")
@@ -213,7 +215,7 @@ def _served_version(url: str, timeout: float) -> str | None:
 
 
 def notify_server(url: str, token: str | None, version: str, *, wait_s: float = DEFAULT_NOTIFY_TIMEOUT_S,
-                  timeout: float = 10.0, sleep=time.sleep) -> tuple[bool, str]:
+                  timeout: float = 10.0, sleep=time.sleep, clock=time.monotonic) -> tuple[bool, str]:
     """POST {url}/v1/admin/reload {"version": version} until the server reports serving it -> (ok, message).
 
     429 / 5xx / connection errors are retried after Retry-After (else 0.25 s doubling, at most 5 s)
@@ -221,7 +223,7 @@ def notify_server(url: str, token: str | None, version: str, *, wait_s: float = 
     reload never succeeded, /healthz decides (a server that follows the store may serve it anyway).
     Never raises."""
     endpoint = url.rstrip("/") + "/v1/admin/reload"
-    deadline = time.monotonic() + max(0.0, wait_s)
+    deadline = clock() + max(0.0, wait_s)
     attempt = 0
     while True:
         attempt += 1
@@ -250,7 +252,7 @@ def notify_server(url: str, token: str | None, version: str, *, wait_s: float = 
         except (urllib.error.URLError, OSError) as err:
             reason = str(getattr(err, "reason", err))
         delay = wait if wait is not None else min(0.25 * 2 ** (attempt - 1), 5.0)
-        left = deadline - time.monotonic()
+        left = deadline - clock()
         if left <= 0.0:
             break
         logger.info("notify %s: %s; retrying in %.2f s", endpoint, reason, min(delay, left))

@@ -143,3 +143,127 @@ def test_argument_errors(tmp_path, tiny_checkpoint, capsys):
     assert parse_params(["nlist=4", "M=16"]) == {"nlist": 4, "M": 16}
     with pytest.raises(ValueError, match="bad memory size"):
         parse_bytes("lots")
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    """Answers the first `busy` reloads with `status` (+ Retry-After when set), then as the API does."""
+    plan: dict = {}
+
+    def do_POST(self):  # noqa: N802 - http.server API
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        _Flaky.plan["seen"] += 1
+        if _Flaky.plan["seen"] <= _Flaky.plan["busy"]:
+            self.send_response(_Flaky.plan["status"])
+            if _Flaky.plan.get("retry_after") is not None:
+                self.send_header("Retry-After", str(_Flaky.plan["retry_after"]))
+            self.end_headers()
+            self.wfile.write(json.dumps({"error": "x", "detail": "busy"}).encode())
+            return
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"version": body["version"]}).encode())
+
+    def do_GET(self):  # noqa: N802 - /healthz
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(json.dumps({"version": _Flaky.plan.get("healthz")}).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("status, retry_after, busy, expected_sleeps, ok", [
+    (429, 2, 2, [2.0, 2.0], True),                 # Retry-After honoured
+    (503, None, 3, [0.25, 0.5, 1.0], True),        # 5xx without it: doubling backoff
+    (409, None, 1, [], False),                     # refused: no retry
+    (403, None, 1, [], False),
+    (429, 3, 99, [3.0, 3.0, 3.0, 1.0], False),     # bounded: gives up when the time is spent
+])
+def test_notify_retries_what_can_pass_and_stops_in_time(status, retry_after, busy, expected_sleeps, ok):
+    from index.cli import notify_server
+
+    _Flaky.plan = {"seen": 0, "busy": busy, "status": status, "retry_after": retry_after, "healthz": "old"}
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    clock = [0.0]
+    sleeps = []
+
+    def sleep(s):   # virtual time: the retry schedule is checked without waiting for it
+        sleeps.append(round(s, 3))
+        clock[0] += s
+
+    try:
+        good, message = notify_server(f"http://127.0.0.1:{httpd.server_address[1]}", "t0ken-123", "V2",
+                                      wait_s=10.0, sleep=sleep, clock=lambda: clock[0])
+    finally:
+        httpd.shutdown()
+    assert good is ok and sleeps == expected_sleeps, (message, sleeps)
+    if ok:
+        assert "now serves V2" in message and f"attempt {busy + 1}" in message
+    else:
+        assert f"HTTP {status}" in message and ("'old'" in message or status in (403, 409))
+
+
+def test_failed_build_leaves_no_staging_and_gc_removes_stale(tmp_path, tiny_checkpoint, capsys):
+    import os
+
+    root = tmp_path / "idx"
+
+    def undecodable(candidate):   # the calibration step meets a file it cannot decode (after the write)
+        raise ValueError("image too large to decode: 30000 x 30000 pixels")
+
+    for _ in range(2):
+        assert main(_build(root, tiny_checkpoint), calibrator=undecodable) == 2
+        assert "image too large to decode" in capsys.readouterr().err
+    store = IndexStore(root)
+    assert store.versions() == [] and store.current_version() is None
+    left = [p.name for p in store.staging_dir.iterdir()]
+    assert all(name.startswith("embed-") for name in left), left   # only the resumable embedding cache
+    # a build killed outright leaves its directory: `index gc` removes it once it is older than an hour
+    stale, fresh = store.staging_path("20200101T000000000Z-deadbeef"), store.staging_path("20990101T000000000Z-cafe0000")
+    os.utime(stale, (0, 0))
+    assert main(["gc", "--root", str(root)]) == 0
+    assert "removed 1 stale staging entry: 20200101T000000000Z-deadbeef" in capsys.readouterr().out
+    assert not stale.exists() and fresh.exists() and all((store.staging_dir / n).exists() for n in left)
+    assert main(["gc", "--root", str(root), "--max-age-s", "-1"]) == 2
+
+
+def test_a_version_without_gate_result_is_gated_at_first_activation(tmp_path, tiny_checkpoint, capsys):
+    from index.manifest import read_manifest, write_manifest
+
+    root = tmp_path / "idx"
+    calls = []
+
+    def worse(candidate, serving):
+        calls.append((candidate.version, serving.version))
+        return {"candidate": 0.2, "serving": 0.7, "metric": "map@10"}
+
+    assert main(_build(root, tiny_checkpoint)) == 0
+    assert main(_build(root, tiny_checkpoint, "--no-activate")) == 0
+    store = IndexStore(root)
+    v1 = store.current_version()
+    (old,) = [v for v in store.versions() if v != v1]
+    manifest = read_manifest(store.path(old))
+    del manifest["quality_gate"]                 # as a store written before the gate existed
+    write_manifest(store.path(old), manifest)
+    capsys.readouterr()
+    assert main(["activate", "--root", str(root), old], evaluator=worse) == 1
+    assert calls == [(old, v1)] and store.current_version() == v1
+    assert "quality gate failed (map@10): candidate 0.2 < serving 0.7" in capsys.readouterr().err
+    gate = store.manifest(old)["quality_gate"]   # recorded: judged like any build from now on
+    assert gate["passed"] is False and gate["checks"]["score"]["serving_version"] == v1
+    assert main(["activate", "--root", str(root), old]) == 1 and len(calls) == 1   # not gated twice
+
+
+def test_help_states_the_rules(capsys):
+    from index.cli import _parser
+
+    for argv, needles in ((["build", "--help"], ["--target-recall", "not activated, exit 1", "recorded as forced"]),
+                          (["activate", "--help"], ["--force", "recorded as forced", "--notify-timeout", "exit 3"]),
+                          (["rollback", "--help"], ["--force", "activation rule"]),
+                          (["gc", "--help"], ["--max-age-s", "killed builds"])):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(argv)
+        text = " ".join(capsys.readouterr().out.split())
+        for needle in needles:
+            assert needle in text, (argv, needle)
