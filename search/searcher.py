@@ -4,8 +4,10 @@ Probabilities are the learned softmax search over the WHOLE database (papers.md 
 
     p(j | x) = exp(s_j / tau) / sum_l exp(s_l / tau),     s_j = z_x . z_j
 
-with the normaliser log Z = logsumexp_l(s_l / tau) computed exactly by a blocked, streaming
-logsumexp over every stored embedding (never approximated, never a Q x N matrix at once).
+with the normaliser log Z = logsumexp_l(s_l / tau) from search/normaliser.py: `exact` is a blocked,
+streaming logsumexp over every stored embedding (never a Q x N matrix at once); `bounded` scans a
+few lists of the index exactly and samples the rest, and every answer carries a bound that
+contains the exact value; `auto` (the default) is exact up to N * D = 1.28e8 and bounded above.
 tau is the request's temperature or the manifest's `search_temperature`.
 
 Hot swap: the loaded (encoder, index version) pair lives in ONE attribute holding an immutable
@@ -35,6 +37,7 @@ from PIL import Image
 
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
+from search.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
 from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder, embed
 from training.transforms import preprocess
@@ -48,8 +51,6 @@ __all__ = [
 
 #: Used only when a manifest carries no search temperature at all (logged as a warning).
 DEFAULT_TEMPERATURE = 0.1
-#: Embedding rows per block of the streaming logsumexp (memory is Q x BLOCK float64).
-DEFAULT_BLOCK = 16384
 
 
 class NotReadyError(RuntimeError):
@@ -67,13 +68,16 @@ class Hit:
 
 
 class SearchAnswer(list):
-    """list[list[Hit]] (one list per query) that also names the version and temperatures that answered."""
+    """list[list[Hit]] (one list per query) that also names the version and temperatures that answered,
+    and each query's log Z (`normalisers[i]`: value, bound, sampled interval, method)."""
 
-    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalizers: list[float]):
+    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalizers: list[float],
+                 normalisers: LogZ | None = None):
         super().__init__(hits)
         self.version = version
         self.temperatures = temperatures
         self.log_normalizers = log_normalizers
+        self.normalisers = normalisers if normalisers is not None else LogZ.exact(np.asarray(log_normalizers), 0)
 
 
 @dataclass(frozen=True)
@@ -94,25 +98,6 @@ class ReloadResult:
     version: str
     changed: bool
     encoder_reloaded: bool
-
-
-def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
-                   block: int = DEFAULT_BLOCK) -> np.ndarray:
-    """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
-
-    queries (Q, D), embeddings (N, D), temperatures (Q,) -> (Q,) float64. Running max keeps
-    every exp() in range, so tiny temperatures do not overflow.
-    """
-    q = np.asarray(queries, dtype=np.float32)
-    inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)  # (Q,)
-    m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
-    acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
-    for start in range(0, embeddings.shape[0], block):
-        logits = (q @ embeddings[start:start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
-        new_m = np.maximum(m, logits.max(axis=1))
-        acc = acc * np.exp(m - new_m) + np.exp(logits - new_m[:, None]).sum(axis=1)
-        m = new_m
-    return m + np.log(acc)
 
 
 def _manifest_temperature(manifest: dict) -> float:
@@ -136,6 +121,7 @@ class SearchSnapshot:
     index: IndexVersion
     temperature: float
     block: int = DEFAULT_BLOCK
+    normaliser: Normaliser | None = None                       # None: exact
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -178,7 +164,8 @@ class SearchSnapshot:
 
     def search(self, vectors: np.ndarray, k: int,
                temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
-        """Top-k of each query vector (normalised to unit length) with exact softmax probabilities."""
+        """Top-k of each query vector (normalised to unit length) with softmax probabilities over the
+        whole index (log Z from the snapshot's normaliser: exact, or bounded with its bound)."""
         q = np.asarray(vectors, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
@@ -197,8 +184,14 @@ class SearchSnapshot:
         if q.shape[0] == 0 or k_eff == 0:
             return SearchAnswer([[] for _ in range(q.shape[0])], self.version, taus.tolist(),
                                 [float("-inf")] * q.shape[0])
-        _, rows = self.index.search(q, k_eff)  # (Q, k) candidate rows, best first; -1 = none
-        log_z = log_normalizer(q, self.index.embeddings, taus, self.block)  # (Q,)
+        if self.normaliser is None:
+            _, rows = self.index.search(q, k_eff)  # (Q, k) candidate rows, best first; -1 = none
+            norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block), self.count)
+        else:  # one index search serves the hits and the normaliser's exactly-summed top rows
+            _, top = self.index.search(q, max(k_eff, min(self.normaliser.config.top_rows, self.count)))
+            rows = top[:, :k_eff]
+            norm = self.normaliser(q, self.index.embeddings, taus, self.block, top_rows=top)
+        log_z = norm.value  # (Q,)
         ids = self.index.ids
         hits: list[list[Hit]] = []
         for i in range(q.shape[0]):
@@ -208,7 +201,7 @@ class SearchSnapshot:
             s = self.index.embeddings[r] @ q[i]  # (k,)
             p = np.exp(s.astype(np.float64) / taus[i] - log_z[i])
             hits.append([Hit(ids[j], int(j), float(sj), float(pj)) for j, sj, pj in zip(r, s, p)])
-        return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist())
+        return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist(), norm)
 
     # ---------------------------------------------------------------- items
     def row_of(self, item_id: str) -> int:
@@ -284,12 +277,14 @@ class Searcher:
     """
 
     def __init__(self, root: str | Path | None = None, *, device: str = "cpu", load: bool = False,
-                 block: int = DEFAULT_BLOCK, store: IndexStore | None = None):
+                 block: int = DEFAULT_BLOCK, store: IndexStore | None = None,
+                 normaliser: NormaliserConfig | str | None = None):
         if store is None and root is None:
             raise ValueError("Searcher needs an index root or an IndexStore")
         self.store = store if store is not None else IndexStore(root)
         self.device = device
         self.block = int(block)
+        self.normaliser = NormaliserConfig.of(normaliser)  # exact | bounded | auto (default)
         self._state: SearchSnapshot | None = None
         self._swap_lock = threading.Lock()
         if load:
@@ -297,10 +292,12 @@ class Searcher:
 
     @classmethod
     def from_parts(cls, encoder: Encoder, version: IndexVersion, *, checkpoint_sha: str | None = None,
-                   store: IndexStore | None = None, block: int = DEFAULT_BLOCK) -> "Searcher":
+                   store: IndexStore | None = None, block: int = DEFAULT_BLOCK,
+                   normaliser: NormaliserConfig | str | None = None) -> "Searcher":
         """A Searcher over an already-loaded encoder and index version (no disk reads)."""
         self = cls.__new__(cls)
         self.store, self.device, self.block = store, "cpu", int(block)
+        self.normaliser = NormaliserConfig.of(normaliser)
         self._swap_lock = threading.Lock()
         self._state = self._make_snapshot(encoder, checkpoint_sha, version)
         return self
@@ -334,7 +331,10 @@ class Searcher:
             )
         if len(version.ids) != emb.shape[0]:
             raise ValueError(f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows")
-        return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block)
+        # built off to the side like the rest of the snapshot (bounded: one pass over the rows)
+        normaliser = Normaliser.for_version(emb, version.index, self.normaliser)
+        return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
+                              normaliser if normaliser.method != "exact" else None)
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
         sha = checkpoint_record(version.manifest).get("sha256")
@@ -364,8 +364,9 @@ class Searcher:
             return ReloadResult(old.version, old.version, False, False)
         self._state = state  # the swap
         fresh = old is None or state.encoder is not old.encoder
-        logger.info("index version %s loaded (%d items, dim %d, tau %g%s)", state.version, state.count,
-                    state.dim, state.temperature, ", new encoder" if fresh else "")
+        logger.info("index version %s loaded (%d items, dim %d, tau %g, %s normaliser%s)", state.version,
+                    state.count, state.dim, state.temperature,
+                    "exact" if state.normaliser is None else state.normaliser.method, ", new encoder" if fresh else "")
         return ReloadResult(old.version if old else None, state.version, True, fresh)
 
     def load(self, version: str | None = None) -> ReloadResult:

@@ -9,6 +9,7 @@ import torch
 
 from index.build import build_index
 from index.store import IndexStore
+from search.normaliser import NormaliserConfig
 from search.searcher import Searcher, log_normalizer
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.datasets import create_dataset
@@ -78,6 +79,30 @@ def test_search_vectors_matches_brute_force(store_setup, rng):
             np.testing.assert_allclose([h.probability for h in hits], probs[i], rtol=1e-4)
         assert np.all(np.diff([h.similarity for h in ans[0]]) <= 1e-6)  # best first
         np.testing.assert_allclose(full.sum(1), 1.0)
+
+
+def test_bounded_normaliser_answers_within_its_bound(store_setup, rng):
+    """normaliser="bounded" (k-means lists over a flat index): top-k as exact, p = exp(s/tau - log Z^),
+    and every query's bound contains the dense log Z; "auto" stays exact on a small index."""
+    assert Searcher(store_setup["root"], load=True).snapshot().normaliser is None  # auto -> exact
+    cfg = NormaliserConfig("bounded", head_rows=8, samples=64, top_rows=3, max_se=10.0)
+    searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
+    snap = searcher.snapshot()
+    assert snap.normaliser.method == "bounded" and "k-means" in snap.normaliser.stats.source
+    emb = snap.index.embeddings
+    q = rng.normal(size=(12, emb.shape[1])).astype(np.float32)
+    ans = searcher.search_vectors(q, k=5, temperature=0.5)
+    top, sims, _, _ = _brute(q, emb, 0.5, 5)
+    s = (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float64) @ emb.astype(np.float64).T
+    log_z = np.log(np.exp(s / 0.5).sum(1))
+    for i, hits in enumerate(ans):
+        est = ans.normalisers[i]
+        assert est.method == "bounded" and est.interval is not None and est.rows < snap.count
+        assert est.lower <= log_z[i] <= est.upper
+        assert ans.log_normalizers[i] == est.value
+        assert [h.row for h in hits] == top[i].tolist()
+        for h in hits:
+            assert h.probability == pytest.approx(np.exp(h.similarity / 0.5 - est.value), rel=1e-6)
 
 
 def test_k_larger_than_index_and_per_query_temperatures(store_setup, rng):

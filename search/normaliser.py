@@ -1,0 +1,641 @@
+"""The softmax normaliser log Z(x) = logsumexp_j s(x, y_j) / tau: exact, or bounded from a partition.
+
+``exact`` streams every stored embedding (``log_normalizer``): N x D multiply-adds per query, and
+the whole N x D float32 file resident while it runs. ``bounded`` reads only a few thousand rows:
+
+* **Partition.** The rows are grouped into lists l (the IVF index's own inverted lists, else a
+  k-means over the embeddings). Per list, computed once per index version (``ListStats``):
+  size n_l, mean mu_l, radius R_l = max_j |y_j - mu_l| and lam_l = largest eigenvalue of the
+  list covariance (1/n_l) sum_j (y_j - mu_l)(y_j - mu_l)^T.
+* **Per-list bound.** For a query x write t_j = <x, y_j - mu_l> / tau. Over the list, t has mean
+  exactly 0, t_j <= b_l = |x| R_l / tau and mean t_j^2 <= v_l = |x|^2 lam_l / tau^2 (<= b_l^2). So
+  S_l = sum_{j in l} exp(s_j / tau) = n_l exp(<x, mu_l> / tau) * mean_j exp(t_j) with
+
+      1  <=  mean_j exp(t_j)  <=  B(b, v) = (b^2 exp(-v / b) + v exp(b)) / (b^2 + v)
+
+  The lower bound is Jensen's inequality. The upper one is Bennett's (1962) sharp bound for a
+  variable <= b with mean 0 and variance <= v: the quadratic q(t) through (-v/b, e^{-v/b}) and
+  (b, e^b), tangent at -v/b, lies above e^t on (-inf, b], so mean exp(t) <= mean q(t), which
+  depends only on the mean and the second moment and is largest at the two-point law on
+  {-v/b, b}. B increases with v, and B(b, b^2) = cosh(b) is the plain range bound.
+* **Head.** Lists in decreasing order of their upper bound n_l exp(<x, mu_l>/tau) B_l are scanned
+  exactly until `head_rows` rows are read, and so are the `top_rows` rows the ANN index ranks first
+  (the heaviest terms): H = sum over these rows of exp(s_j / tau). A list with h of its rows already
+  summed keeps valid bounds on the rest: Jensen on the rest's mean (n_l <x, mu_l> - sum of their
+  s) / (n_l - h) below, U_l - H_l above.
+* **Deterministic bound.** log Z lies in [log(H + sum_tail L_l), log(H + sum_tail U_l)] with
+  L_l = n_l exp(<x, mu_l>/tau) and U_l = L_l B_l, widened by the float32 rounding of the dot
+  products (|fl(x.y) - x.y| <= gamma_D |x| |y|, gamma_D = D u / (1 - D u), u = 2^-24), so it holds
+  for the real-arithmetic value of the stored float32 rows and for the float32 `exact` result.
+* **Sampled estimate.** M rows are drawn from the tail lists with replacement: list l with
+  probability L_l / sum_tail L, a row uniformly within it. Then T = sum_tail S_l is estimated
+  without bias by  T^ = (sum_tail L) * mean_i exp((s_i - <x, mu_{l_i}>) / tau), and the stated
+  interval is the normal one, T^ +- z_{(1+level)/2} * se, se the sample standard deviation over
+  sqrt(M). Lists expecting >= 2 draws are strata of their own (fixed allocation), which removes the
+  between-list variance. The estimate and the interval are clipped to the deterministic bound
+  (which can only help: the exact value is known to be inside). Draws are seeded by the query's
+  bytes and tau, so one query always gets the same answer.
+* **Fallback.** The normal interval needs a sample that sees the mass: when the within-list spread
+  of s / tau is large (low tau, diffuse lists) a few rare rows carry Z and the sample's standard
+  error is large. A query whose se(log Z^) = se(T^) / (H + T^) exceeds `max_se` (0.02 nats) is
+  computed exactly instead (one streaming pass for all such queries of a batch); its answer says
+  `exact`. So `bounded` returns either a sampled estimate of standard error <= max_se or the exact
+  value, and always a bound that contains the exact value.
+
+The estimate is log(H + T^); probabilities are p_j = exp(s_j / tau - log Z^), and the bound on
+log Z gives p_j within [exp(s_j/tau - upper), exp(s_j/tau - lower)].
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Literal
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
+    "log_normalizer", "bounded_log_normalizer", "choose_method",
+]
+
+METHODS = ("exact", "bounded", "auto")
+#: Embedding rows per block of the exact streaming logsumexp (memory is Q x BLOCK float64).
+DEFAULT_BLOCK = 16384
+#: `auto` keeps `exact` while one query costs at most this many multiply-adds (N * D): N = 10^6 at
+#: D = 128, about 25 ms per query on one core of the development machine, 512 MB of embeddings.
+AUTO_EXACT_MAX_MACS = 128 * 1_000_000
+_U32 = 2.0 ** -24  # unit roundoff of float32
+
+
+def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+                   block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
+
+    queries (Q, D), embeddings (N, D), temperatures (Q,) -> (Q,) float64. Running max keeps
+    every exp() in range, so tiny temperatures do not overflow.
+    """
+    q = np.asarray(queries, dtype=np.float32)
+    inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)  # (Q,)
+    m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
+    acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
+    for start in range(0, embeddings.shape[0], block):
+        logits = (q @ embeddings[start:start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
+        new_m = np.maximum(m, logits.max(axis=1))
+        acc = acc * np.exp(m - new_m) + np.exp(logits - new_m[:, None]).sum(axis=1)
+        m = new_m
+    return m + np.log(acc)
+
+
+@dataclass(frozen=True)
+class NormaliserConfig:
+    """How log Z is computed. `method`: exact | bounded | auto (exact while N * D <= exact_max_macs).
+
+    head_rows: rows scanned exactly per query (whole lists, best upper bound first);
+    samples: tail rows drawn per query for the estimate; level: coverage of the sampled interval;
+    max_se: a query whose estimate has a larger standard error (nats) is computed exactly instead;
+    top_rows: rows the ANN index ranks first, summed exactly too (heavy terms out of the sample).
+    """
+
+    method: Literal["exact", "bounded", "auto"] = "auto"
+    head_rows: int = 4096
+    samples: int = 4096
+    level: float = 0.95
+    max_se: float = 0.02
+    top_rows: int = 100
+    exact_max_macs: int = AUTO_EXACT_MAX_MACS
+    kmeans_seed: int = 1234
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"normaliser must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.head_rows < 0 or self.samples < 2:
+            raise ValueError(f"normaliser head_rows must be >= 0 and samples >= 2, got {self.head_rows}, "
+                             f"{self.samples}")
+        if not self.max_se > 0 or self.top_rows < 0:
+            raise ValueError(f"normaliser max_se must be > 0 and top_rows >= 0, got {self.max_se}, {self.top_rows}")
+        if not 0 < self.level < 1:
+            raise ValueError(f"normaliser level must be in (0, 1), got {self.level}")
+
+    @classmethod
+    def of(cls, value: "NormaliserConfig | str | None") -> "NormaliserConfig":
+        """A config from a config, a method name, or None (the default, auto)."""
+        if isinstance(value, NormaliserConfig):
+            return value
+        return cls() if value is None else cls(method=value)
+
+
+def choose_method(count: int, dim: int, config: NormaliserConfig) -> str:
+    """`exact` or `bounded` for an index of `count` rows of `dim` under `config` (resolves auto)."""
+    if config.method != "auto":
+        return config.method
+    return "exact" if count * dim <= config.exact_max_macs else "bounded"
+
+
+# ----------------------------------------------------------------------------- per-list statistics
+
+
+@dataclass(frozen=True, eq=False)
+class ListStats:
+    """A partition of the rows into lists and each list's size, mean, radius and top eigenvalue."""
+
+    offsets: np.ndarray   # (L + 1,) int64; list l holds order[offsets[l]:offsets[l + 1]]
+    order: np.ndarray     # (N,) int32/int64 rows grouped by list
+    where: np.ndarray     # (N,) uint16/int32 list of each row
+    means: np.ndarray     # (L, D) float32 list means mu_l (the matmul operand)
+    radius: np.ndarray    # (L,) float64 max_j |y_j - mu_l|, rounded up
+    lam: np.ndarray       # (L,) float64 largest eigenvalue of the list covariance, rounded up
+    source: str           # where the partition came from, for logs and bench output
+    seconds: float = 0.0  # time taken to compute
+
+    @property
+    def counts(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def lists(self) -> int:
+        return int(self.means.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in (self.offsets, self.order, self.where, self.means, self.radius, self.lam)))
+
+    @classmethod
+    def build(cls, embeddings: np.ndarray, index=None, lists: int | None = None, seed: int = 1234,
+              chunk_rows: int = 1 << 18, progress: bool = False) -> "ListStats":
+        """Statistics of `embeddings` (N, D) over the inverted lists of `index` when it is a CPU IVF
+        index holding rows 0..N-1, else over a k-means partition with `lists` (default ~sqrt N) cells."""
+        t0 = time.perf_counter()
+        n = int(embeddings.shape[0])
+        # read through a private mapping of the same file where there is one, dropped afterwards, so
+        # this one-off pass does not leave the whole file counted in the serving mapping's RSS
+        view = _private_view(embeddings)
+        grouped = _ivf_lists(index, n) if index is not None else None
+        if grouped is not None:
+            order, offsets = grouped
+            source = f"IVF lists of the index ({len(offsets) - 1})"
+        else:
+            k = int(lists or max(1, round(math.sqrt(n))))
+            order, offsets = _kmeans_lists(view, k, seed)
+            source = f"k-means over the embeddings ({k} lists)"
+        means, radius, lam = _list_moments(view, order, offsets, chunk_rows, progress)
+        del view
+        stats = cls(offsets, order, _row_lists(order, offsets), means, radius, lam, source, time.perf_counter() - t0)
+        logger.info("normaliser statistics: %s, %d rows, %.1f MB, %.1f s", source, n, stats.nbytes / 2**20,
+                    stats.seconds)
+        return stats
+
+    def save(self, path) -> None:
+        """Write the statistics to an .npz file (load them back with `ListStats.load`)."""
+        np.savez(path, offsets=self.offsets, order=self.order, means=self.means, radius=self.radius, lam=self.lam,
+                 source=np.array(self.source), seconds=np.array(self.seconds))
+
+    @classmethod
+    def load(cls, path) -> "ListStats":
+        with np.load(path, allow_pickle=False) as f:
+            offsets, order = f["offsets"], f["order"]
+            return cls(offsets, order, _row_lists(order, offsets), f["means"], f["radius"], f["lam"],
+                       str(f["source"]), float(f["seconds"]))
+
+
+def _row_lists(order: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """(N,) list of each row, in the smallest integer type that holds the list count."""
+    lists = len(offsets) - 1
+    where = np.empty(len(order), dtype=np.uint16 if lists <= 2**16 else np.int32)
+    where[order] = np.repeat(np.arange(lists, dtype=where.dtype), np.diff(offsets))
+    return where
+
+
+def _private_view(embeddings: np.ndarray) -> np.ndarray:
+    """A fresh read-only memory map of the file behind `embeddings` (a np.memmap of a .npy), else itself."""
+    filename = getattr(embeddings, "filename", None)
+    if filename:
+        try:
+            view = np.load(filename, mmap_mode="r", allow_pickle=False)
+            if view.shape == embeddings.shape and view.dtype == embeddings.dtype:
+                return view
+        except (OSError, ValueError):
+            pass
+    return embeddings
+
+
+def _ivf_lists(index, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(order, offsets) from a CPU faiss IVF index whose ids are the rows 0..n-1; None otherwise."""
+    import faiss
+
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except (RuntimeError, TypeError, AttributeError):
+        return None
+    invlists = ivf.invlists
+    sizes = np.array([invlists.list_size(l) for l in range(ivf.nlist)], dtype=np.int64)
+    if int(sizes.sum()) != n:
+        return None
+    order = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    for l in np.flatnonzero(sizes):
+        ids = faiss.rev_swig_ptr(invlists.get_ids(int(l)), int(sizes[l]))
+        order[offsets[l]:offsets[l + 1]] = ids
+    seen = np.zeros(n, dtype=bool)
+    seen[order] = True  # every row exactly once (sizes sum to n, so "all seen" suffices)
+    if order.min() < 0 or order.max() >= n or not seen.all():
+        return None
+    return order, offsets
+
+
+def _kmeans_lists(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets) of a faiss k-means partition (trained on <= 64 k rows, assigned in blocks)."""
+    import faiss
+
+    n, d = embeddings.shape
+    k = max(1, min(k, n))
+    rng = np.random.default_rng(seed)
+    sample = np.sort(rng.choice(n, size=min(n, 64 * k), replace=False))
+    km = faiss.Kmeans(d, k, niter=10, seed=seed, verbose=False, spherical=False)
+    km.train(np.ascontiguousarray(embeddings[sample], dtype=np.float32))
+    assign = np.empty(n, dtype=np.int64)
+    for start in range(0, n, 1 << 16):
+        block = np.ascontiguousarray(embeddings[start:start + (1 << 16)], dtype=np.float32)
+        assign[start:start + len(block)] = km.index.search(block, 1)[1][:, 0]
+    order = np.argsort(assign, kind="stable").astype(np.int32 if n < 2**31 else np.int64)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=k))])
+    return order, offsets
+
+
+def _list_moments(embeddings: np.ndarray, order: np.ndarray, offsets: np.ndarray, chunk_rows: int,
+                  progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per list (float64): mean, radius max |y - mu|, largest covariance eigenvalue; rows are read in
+    chunks of whole lists (each chunk gathered in ascending row order, for the memory map)."""
+    lists = len(offsets) - 1
+    d = embeddings.shape[1]
+    means = np.zeros((lists, d))
+    radius = np.zeros(lists)
+    lam = np.zeros(lists)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=int(offsets[-1]), unit="row", desc="normaliser statistics")
+    l0 = 0
+    while l0 < lists:
+        l1 = int(np.searchsorted(offsets, offsets[l0] + chunk_rows, side="right")) - 1
+        l1 = min(max(l1, l0 + 1), lists)
+        rows = order[offsets[l0]:offsets[l1]]
+        perm = np.argsort(rows, kind="stable")
+        block = np.empty((len(rows), d))
+        block[perm] = embeddings[rows[perm]]  # (rows, D) float64, grouped by list
+        base = offsets[l0]
+        for l in range(l0, l1):
+            y = block[offsets[l] - base:offsets[l + 1] - base]  # (n_l, D)
+            if len(y) == 0:
+                continue
+            mu = y.mean(axis=0)
+            c = y - mu
+            means[l] = mu
+            radius[l] = math.sqrt(float(np.max(np.einsum("ij,ij->i", c, c))))
+            if len(y) > 1:
+                lam[l] = float(np.linalg.eigvalsh(c.T @ c / len(y))[-1])
+        if bar is not None:
+            bar.update(len(rows))
+        l0 = l1
+    if bar is not None:
+        bar.close()
+    # Round up: float64 rounding of these sums is ~1e-16 relative; eigvalsh is backward stable
+    # (error <= ~D * 1e-16 * |C|), so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds.
+    radius = radius * (1 + 1e-9) + 1e-12
+    lam = np.maximum(lam, 0.0) * (1 + 1e-9) + 1e-12
+    lam = np.minimum(lam, radius ** 2)  # variance along a unit direction <= max squared distance
+    return means.astype(np.float32), radius, lam
+
+
+# ----------------------------------------------------------------------------- the bound
+
+
+def bennett_log_bound(b: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """log B(b, v), B = (b^2 exp(-v/b) + v exp(b)) / (b^2 + v): the largest mean exp(t) over laws of
+    t <= b with mean 0 and mean t^2 <= v (Bennett 1962). B = 1 when b = 0 or v = 0."""
+    b = np.asarray(b, dtype=np.float64)
+    v = np.minimum(np.asarray(v, dtype=np.float64), b * b)
+    out = np.zeros(np.broadcast(b, v).shape)
+    ok = (b > 0) & (v > 0)
+    bb, vv = np.broadcast_to(b, out.shape)[ok], np.broadcast_to(v, out.shape)[ok]
+    out[ok] = np.logaddexp(2 * np.log(bb) - vv / bb, np.log(vv) + bb) - np.log(bb * bb + vv)
+    return np.maximum(out, 0.0)  # never below Jensen's 1 (rounding)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class LogZEstimate:
+    """One query's log Z: the value used for probabilities, a bound that contains the exact value,
+    and (bounded only) the sampled interval at `level`. `rows` = embedding rows read."""
+
+    value: float
+    lower: float
+    upper: float
+    method: str
+    interval: tuple[float, float] | None = None
+    level: float | None = None
+    rows: int = 0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "value": self.value, "lower": self.lower, "upper": self.upper,
+                "interval": list(self.interval) if self.interval is not None else None,
+                "level": self.level, "rows": self.rows}
+
+
+@dataclass(frozen=True, eq=False)
+class LogZ:
+    """log Z of a batch of queries: (Q,) float64 arrays (interval NaN when not sampled)."""
+
+    value: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    method: str
+    interval_lower: np.ndarray = field(default=None)  # type: ignore[assignment]
+    interval_upper: np.ndarray = field(default=None)  # type: ignore[assignment]
+    level: float | None = None
+    rows: np.ndarray = field(default=None)  # type: ignore[assignment]
+    exact_mask: np.ndarray = field(default=None)  # type: ignore[assignment]  # (Q,) bool: computed exactly
+
+    @classmethod
+    def exact(cls, value: np.ndarray, count: int) -> "LogZ":
+        value = np.asarray(value, dtype=np.float64)
+        nan = np.full(value.shape, np.nan)
+        return cls(value, value, value, "exact", nan, nan, None, np.full(value.shape, count, dtype=np.int64),
+                   np.ones(value.shape, dtype=bool))
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __getitem__(self, i: int) -> LogZEstimate:
+        lo, hi = self.interval_lower[i], self.interval_upper[i]
+        interval = None if math.isnan(lo) else (float(lo), float(hi))
+        method = "exact" if self.exact_mask[i] else self.method
+        return LogZEstimate(float(self.value[i]), float(self.lower[i]), float(self.upper[i]), method,
+                            interval, self.level if interval is not None else None, int(self.rows[i]))
+
+
+def _query_seed(x: np.ndarray, tau: float) -> int:
+    digest = hashlib.blake2b(np.ascontiguousarray(x, dtype=np.float32).tobytes()
+                             + np.float64(tau).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _gather(embeddings: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """embeddings[rows] for ascending `rows` (a forward sweep over the memory map), (R, D) float32."""
+    return np.take(embeddings, rows, axis=0)
+
+
+def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
+                           temperatures: np.ndarray, config: NormaliserConfig | None = None,
+                           top_rows: np.ndarray | None = None) -> LogZ:
+    """log Z estimate, deterministic bound and sampled interval for each query (see module doc).
+
+    queries (Q, D) float32 (unit or near-unit), embeddings (N, D), temperatures (Q,);
+    top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ."""
+    config = config or NormaliserConfig(method="bounded")
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    taus = np.asarray(temperatures, dtype=np.float64)
+    n_q, d = q.shape
+    counts = stats.counts
+    log_n = np.full(len(counts), -np.inf)
+    np.log(counts, out=log_n, where=counts > 0)
+    gamma = d * _U32 / (1 - d * _U32)
+    z = NormalDist().inv_cdf((1 + config.level) / 2)
+    centre = (q @ stats.means.T).astype(np.float64)  # (Q, L) <x, mu_l> (float32 products)
+    out = {name: np.empty(n_q) for name in ("value", "lower", "upper", "ilo", "ihi")}
+    rows_read = np.zeros(n_q, dtype=np.int64)
+    fallback: list[int] = []
+    slacks = np.zeros(n_q)
+    for i in range(n_q):
+        x, tau = q[i], float(taus[i])
+        xn = float(np.linalg.norm(x.astype(np.float64)))
+        # |<x, mu_l> computed - exact| <= (gamma + u) |x| |mu_l|; the exact path's fl(s_j) and ours
+        # differ from s_j by <= gamma |x| (|y_j| ~ 1): one slack in the exponent covers all of them.
+        slack = slacks[i] = (3 * gamma + 2 * _U32) * xn * 1.0001 / tau
+        log_lo = log_n + centre[i] / tau                                                        # log L_l
+        log_hi = log_lo + bennett_log_bound(xn * stats.radius / tau, xn * xn * stats.lam / tau ** 2)  # log U_l
+        head, tail = _split_head(log_hi, counts, config.head_rows)
+        in_head = np.zeros(len(counts), dtype=bool)
+        in_head[head] = True
+        parts = [stats.order[stats.offsets[l]:stats.offsets[l + 1]] for l in head]
+        known = np.zeros(0, dtype=np.int64)  # index-ranked rows outside the head lists
+        if top_rows is not None:
+            r = np.unique(top_rows[i][top_rows[i] >= 0])
+            known = r[~in_head[stats.where[r]]]
+        rows = np.sort(np.concatenate(parts + [known.astype(stats.order.dtype)])) if parts or len(known) \
+            else np.zeros(0, dtype=np.int64)
+        s = (_gather(embeddings, rows) @ x).astype(np.float64)  # (H,)
+        log_h = _logsumexp(s / tau)
+        rows_read[i] = len(rows)
+        lo_t, hi_t = log_lo[tail], log_hi[tail]
+        if len(known):
+            lo_t, hi_t = _without_known(lo_t, hi_t, tail, rows, s, known, stats, centre[i], tau, slack)
+        tail_lo, tail_hi = _logsumexp(lo_t), _logsumexp(hi_t)   # log sum_tail of lower / upper
+        lower = np.logaddexp(log_h, tail_lo) - slack
+        upper = np.logaddexp(log_h, tail_hi) + slack
+        if not np.isfinite(tail_hi):  # everything summed exactly: exact up to rounding
+            value, ilo, ihi = float(np.logaddexp(log_h, tail_lo)), np.nan, np.nan
+        else:
+            log_t, log_se, m = _sample_tail(x, tau, embeddings, stats, tail, log_lo[tail], centre[i],
+                                            config.samples, known)
+            rows_read[i] += m
+            # standard error of log Z^ (delta method: se(T^) / (H + T^)); too large -> exact
+            if not math.isfinite(log_t) or log_se - np.logaddexp(log_h, log_t) > math.log(config.max_se):
+                fallback.append(i)
+            log_t_lo = log_t + math.log1p(-z * math.exp(log_se - log_t)) if z * math.exp(log_se - log_t) < 1 \
+                else -math.inf
+            log_t_hi = float(np.logaddexp(log_t, math.log(z) + log_se))
+            # estimate and interval clipped to the deterministic bound on the tail
+            log_t, log_t_lo, log_t_hi = (min(max(v, tail_lo), tail_hi) for v in (log_t, log_t_lo, log_t_hi))
+            value = float(np.logaddexp(log_h, log_t))
+            # (no rounding slack here: the interval is statistical, and the slack is a worst case
+            # ~100x the typical float32 error, which would only inflate its coverage)
+            ilo = max(float(np.logaddexp(log_h, log_t_lo)), lower)
+            ihi = min(float(np.logaddexp(log_h, log_t_hi)), upper)
+        out["value"][i], out["lower"][i], out["upper"][i] = value, lower, upper
+        out["ilo"][i], out["ihi"][i] = ilo, ihi
+    exact = np.zeros(n_q, dtype=bool)
+    if fallback:  # one streaming pass for every query whose sample was too noisy
+        exact[fallback] = True
+        value = log_normalizer(q[fallback], embeddings, taus[fallback])
+        out["value"][fallback] = value
+        out["lower"][fallback] = value - slacks[fallback]   # float32 rounding of the exact pass
+        out["upper"][fallback] = value + slacks[fallback]
+        out["ilo"][fallback] = out["ihi"][fallback] = np.nan
+        rows_read[fallback] += embeddings.shape[0]
+    return LogZ(out["value"], out["lower"], out["upper"], "bounded", out["ilo"], out["ihi"], config.level, rows_read,
+                exact)
+
+
+def _without_known(lo_t: np.ndarray, hi_t: np.ndarray, tail: np.ndarray, rows: np.ndarray, s: np.ndarray,
+                   known: np.ndarray, stats: ListStats, centre: np.ndarray, tau: float,
+                   slack: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tail-list log bounds on the rows NOT already summed, for lists holding `known` rows.
+
+    With h known rows of list l (sum of their similarities sigma, their exp-sum H_l), the rest has
+    mean similarity (n_l <x, mu_l> - sigma) / (n_l - h), so by Jensen its sum is >= (n_l - h) *
+    exp(that / tau) (rounding of the difference amplified by at most (n_l + h) / (n_l - h)); and it
+    is S_l - H_l <= U_l - H_l."""
+    lo_t, hi_t = lo_t.copy(), hi_t.copy()
+    s_known = s[np.searchsorted(rows, known)]              # exact similarities of the known rows
+    lists = stats.where[known].astype(np.int64)
+    uniq, inv = np.unique(lists, return_inverse=True)
+    h = np.bincount(inv).astype(np.float64)
+    sigma = np.bincount(inv, weights=s_known)
+    log_h_l = np.array([_logsumexp(s_known[inv == j] / tau) for j in range(len(uniq))])
+    pos = np.searchsorted(tail, uniq)                      # tail is sorted (flatnonzero)
+    n = stats.counts[uniq].astype(np.float64)
+    rest = n - h
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mean_rest = (n * centre[uniq] - sigma) / rest
+        extra = slack * ((n + h) / rest - 1)
+        lo = np.where(rest > 0, np.log(rest) + mean_rest / tau - extra, -np.inf)
+        gap = hi_t[pos] + np.log1p(-np.exp(np.minimum(log_h_l - hi_t[pos], 0.0)))  # log(U_l - H_l)
+    lo_t[pos] = lo
+    hi_t[pos] = np.where(rest > 0, np.maximum(np.nan_to_num(gap, nan=-np.inf), lo), -np.inf)
+    return lo_t, hi_t
+
+
+def _split_head(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(head lists, tail lists): non-empty lists by decreasing upper bound until head_rows rows."""
+    nonempty = np.flatnonzero(counts > 0)
+    if head_rows <= 0:
+        return np.zeros(0, dtype=np.int64), nonempty
+    # only the best ~head_rows / min list size lists can make the head: partial sort those
+    smallest = max(1, int(counts[nonempty].min()))
+    cand = min(len(nonempty), head_rows // smallest + 1)
+    if cand < len(nonempty):
+        part = nonempty[np.argpartition(-log_hi[nonempty], cand - 1)[:cand]]
+    else:
+        part = nonempty
+    part = part[np.argsort(-log_hi[part], kind="stable")]
+    cum = np.cumsum(counts[part])
+    take = int(np.searchsorted(cum, head_rows, side="left")) + 1  # lists until >= head_rows rows
+    head = part[:take]
+    mask = np.ones(len(counts), dtype=bool)
+    mask[head] = False
+    mask &= counts > 0
+    return head, np.flatnonzero(mask)
+
+
+def _sample_tail(x: np.ndarray, tau: float, embeddings: np.ndarray, stats: ListStats, tail: np.ndarray,
+                 log_lo: np.ndarray, centre: np.ndarray, samples: int,
+                 known: np.ndarray) -> tuple[float, float, int]:
+    """Stratified importance sample of log T over the tail lists and its normal interval.
+
+    With pi_l = L_l / sum_tail L, a list expecting M pi_l >= 2 draws is its own stratum with
+    m_l = floor(M pi_l) draws; the other lists form one pooled stratum drawn with replacement
+    (list ~ pi, row uniform) with the remaining draws. Per stratum the mean of
+    w = exp((s - <x, mu_l>) / tau) estimates S_l / L_l (pooled: sum_pool S / sum_pool L), so
+    T^ = sum_strata (L of the stratum) * mean w, Var^ = sum_strata L^2 * var(w) / m (strata are
+    independent). Strata remove the between-list part of the variance of plain sampling. A drawn
+    row among `known` (already summed exactly) weighs 0, so T^ estimates the rest of the tail.
+    Returns (log T^, log se, rows read)."""
+    rng = np.random.default_rng(_query_seed(x, tau))
+    shift = float(log_lo.max())
+    weight = np.exp(log_lo - shift)                              # L_l / max L, (T,)
+    pi = weight / weight.sum()
+    alloc = np.floor(samples * pi).astype(np.int64)
+    strat = alloc >= 2
+    pooled = ~strat
+    rest = samples - int(alloc[strat].sum())
+    if pooled.any() and rest < 2:  # keep two draws for the pool (its variance needs them)
+        big = np.flatnonzero(strat)[np.argsort(-alloc[strat])]
+        for j in big:
+            if rest >= 2:
+                break
+            give = min(2 - rest, int(alloc[j]) - 2)
+            alloc[j] -= give
+            rest += give
+    strata = np.flatnonzero(strat)
+    counts_s = alloc[strata]
+    picks = [np.repeat(strata, counts_s)]
+    sid = [np.repeat(np.arange(len(strata)), counts_s)]
+    if pooled.any() and rest > 0:
+        pool = np.flatnonzero(pooled)
+        p_pool = pi[pool] / pi[pool].sum()
+        picks.append(pool[rng.choice(len(pool), size=rest, p=p_pool)])
+        sid.append(np.full(rest, len(strata)))
+        stratum_weight = np.concatenate([weight[strata], [weight[pool].sum()]])
+    else:
+        stratum_weight = weight[strata]
+    local = np.concatenate(picks)                                # index into `tail`, (M,)
+    sid = np.concatenate(sid)
+    lists = tail[local]
+    n_l = stats.counts[lists]
+    within = np.minimum((rng.random(len(lists)) * n_l).astype(np.int64), n_l - 1)
+    rows = stats.order[stats.offsets[lists] + within]
+    by_row = np.argsort(rows, kind="stable")                     # read the rows in file order
+    rows, lists, sid = rows[by_row], lists[by_row], sid[by_row]
+    s = _gather(embeddings, rows) @ x                            # (M,) float32
+    log_w = (s.astype(np.float64) - centre[lists]) / tau         # log exp(t): S-weight over L-weight
+    top = float(log_w.max())
+    w = np.exp(log_w - top)                                      # scaled weights
+    if len(known):
+        w[np.isin(rows, known)] = 0.0
+    m = np.bincount(sid, minlength=len(stratum_weight)).astype(np.float64)
+    mean = np.bincount(sid, weights=w, minlength=len(stratum_weight)) / m
+    dev = w - mean[sid]
+    var = np.bincount(sid, weights=dev * dev, minlength=len(stratum_weight)) / np.maximum(m - 1, 1)
+    est = float(np.dot(stratum_weight, mean))
+    se = math.sqrt(float(np.dot(stratum_weight ** 2, var / m)))
+    base = shift + top
+    if est <= 0:  # every draw was a known row: no information beyond the bound
+        return -math.inf, math.inf, len(rows)
+    return base + math.log(est), (base + math.log(se) if se > 0 else -math.inf), len(rows)
+
+
+def _logsumexp(a: np.ndarray) -> float:
+    if a.size == 0:
+        return -math.inf
+    m = float(np.max(a))
+    if not math.isfinite(m):
+        return m
+    return m + math.log(float(np.exp(a - m).sum()))
+
+
+# ----------------------------------------------------------------------------- the per-version object
+
+
+class Normaliser:
+    """The normaliser of one index version: the resolved method and, for `bounded`, its ListStats."""
+
+    def __init__(self, config: NormaliserConfig, method: str, stats: ListStats | None = None):
+        assert method in ("exact", "bounded"), method
+        assert method == "exact" or stats is not None, "bounded needs list statistics"
+        self.config, self.method, self.stats = config, method, stats
+
+    @classmethod
+    def for_version(cls, embeddings: np.ndarray, index=None, config: NormaliserConfig | str | None = None,
+                    progress: bool = False) -> "Normaliser":
+        """Resolve `auto` for these embeddings and build list statistics when the result is bounded."""
+        config = NormaliserConfig.of(config)
+        n, d = embeddings.shape
+        method = choose_method(n, d, config)
+        if method == "bounded" and n < 2:
+            method = "exact"
+        stats = ListStats.build(embeddings, index, seed=config.kmeans_seed, progress=progress) \
+            if method == "bounded" else None
+        return cls(config, method, stats)
+
+    def __call__(self, queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+                 block: int = DEFAULT_BLOCK, top_rows: np.ndarray | None = None) -> LogZ:
+        """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them exactly)."""
+        if self.method == "exact":
+            return LogZ.exact(log_normalizer(queries, embeddings, temperatures, block), int(embeddings.shape[0]))
+        return bounded_log_normalizer(queries, embeddings, self.stats, temperatures, self.config, top_rows)
+
+    def describe(self) -> dict:
+        out = {"method": self.method, "requested": self.config.method}
+        if self.stats is not None:
+            out.update(partition=self.stats.source, head_rows=self.config.head_rows, samples=self.config.samples,
+                       level=self.config.level, stats_bytes=self.stats.nbytes)
+        return out
