@@ -127,7 +127,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     def make_searcher() -> Searcher:
         if settings.index_root is None:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
-        return Searcher(settings.index_root, device=settings.device)
+        return Searcher(settings.index_root, device=settings.device, normaliser=settings.normaliser)
 
     load_error = None
     if searcher is None and settings.index_root is not None:

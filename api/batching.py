@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image
 
 from api.metrics import Metrics
+from search.normaliser import LogZEstimate
 from search.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class QueryResult:
     log_normalizer: float
     batch_size: int
     count: int  # items in the version that answered
+    normaliser: LogZEstimate | None = None  # how log Z was computed, its bound and sampled interval
 
 
 @dataclass
@@ -85,7 +87,7 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
         answer = snapshot.search(vecs[valid], k_max, [batch[i].temperature for i in valid])
         for j, i in enumerate(valid):
             out[i] = QueryResult(answer[j][: batch[i].k], answer.version, answer.temperatures[j],
-                                 answer.log_normalizers[j], len(valid), snapshot.count)
+                                 answer.log_normalizers[j], len(valid), snapshot.count, answer.normalisers[j])
     return out  # type: ignore[return-value]
 
 

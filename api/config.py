@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -72,6 +72,10 @@ class Settings(BaseModel):
                     "on small or oversubscribed CPUs, where spinning OpenMP threads fight each other",
     )
     log_level: str = Field("info", description="uvicorn / logging level")
+    normaliser: Literal["exact", "bounded", "auto"] = Field(
+        "auto", description="softmax normaliser log Z: exact (every embedding per query), bounded (a few IVF "
+                            "lists + a sampled tail; the response carries a bound that contains the exact value) "
+                            "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)")
 
     @field_validator("host")
     @classmethod

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="torch device for the encoder (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--log-level", help="info, warning, debug, ...")
+    p.add_argument("--normaliser", choices=("exact", "bounded", "auto"),
+                   help="log Z per query: exact (scan every embedding), bounded (IVF lists + sampled tail, with a "
+                        "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)")
     return p
 
 

@@ -18,8 +18,19 @@ class HitOut(BaseModel):
     row: int = Field(description="row of the item in this index version")
     similarity: float = Field(description="cosine similarity s = z_query . z_item, in [-1, 1]")
     probability: float = Field(
-        description="learned softmax search p(j|x) = exp(s_j/tau) / sum_l exp(s_l/tau) over the WHOLE index (exact)"
+        description="learned softmax search p(j|x) = exp(s_j/tau) / sum_l exp(s_l/tau) over the WHOLE index "
+                    "(exact, or with the bounded normaliser's estimate of the sum: see `normaliser`)"
     )
+
+
+class NormaliserOut(BaseModel):
+    method: str = Field(description="how log Z was computed: exact, or bounded (sampled tail)")
+    lower: float = Field(description="deterministic lower bound on the exact log Z")
+    upper: float = Field(description="deterministic upper bound on the exact log Z")
+    interval: list[float] | None = Field(
+        None, description="sampled [lower, upper] interval of log Z at `level` (bounded only)")
+    level: float | None = Field(None, description="coverage of the sampled interval")
+    rows: int = Field(description="embedding rows read for this query's log Z")
 
 
 class SearchResponse(BaseModel):
@@ -27,7 +38,9 @@ class SearchResponse(BaseModel):
     k: int
     count: int = Field(description="items in that index version (the softmax runs over all of them)")
     temperature: float = Field(description="tau used for the probabilities")
-    log_normalizer: float = Field(description="log sum_l exp(s_l / tau), exact")
+    log_normalizer: float = Field(description="log sum_l exp(s_l / tau): exact, or the bounded estimate")
+    normaliser: NormaliserOut | None = Field(
+        None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
     results: list[HitOut]
 

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Depends, File, Form, UploadFile
 from api.batching import QueryResult
 from api.deps import ApiError, BatcherDep, MetricsDep, SettingsDep, SnapshotDep, check_k, decode_image, \
     require_content_type
-from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, SearchResponse, \
-    VectorQuery
+from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, NormaliserOut, \
+    SearchResponse, VectorQuery
 from training.images import cache_resolution
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,8 @@ def _response(result: QueryResult, k: int) -> SearchResponse:
     return SearchResponse(
         version=result.version, k=k, count=result.count, temperature=result.temperature,
         log_normalizer=result.log_normalizer, batch_size=result.batch_size,
+        normaliser=None if (n := result.normaliser) is None else NormaliserOut(
+            method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows),
         results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
                  for h in result.hits],
     )
