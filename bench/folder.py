@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,11 +106,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="Fashion-MNIST items (the step cost does not depend on it; the neighbour table does)")
     p.add_argument("--embed-repeats", type=int, default=3)
     p.add_argument("--rss-steps", type=int, default=20)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (runs, indexes, cache)")
     p.add_argument("--child-train", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_train:
         return child_peak_rss(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    work = Path(tempfile.mkdtemp(prefix="softsearch-bench-folder-"))
+    try:
+        return _bench(args, work)
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)   # ~0.9 GB of runs, indexes and caches
+
+
+def _bench(args, work: Path) -> int:
     import torch
 
     from index.build import build_index
@@ -119,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     from training.trainer import train
 
     load_start = os.getloadavg()[0]
-    work = Path(tempfile.mkdtemp(prefix="softsearch-bench-folder-"))
     folder = image_files.tuxpaint_folder(work / "stamps")
     cache_dir = work / "cache"
     base = _config("folder", str(folder), work / "x", 1, args.fashion_size, cache_dir)
