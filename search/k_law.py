@@ -13,7 +13,10 @@ R = sum_j r(x, y_j)/(k+1) the same risk is, by symmetry,
 and risk_k - ce_k = E_marg[(R - 1) H(q, p)] = E_marg[(R - 1)(H - c)] for any constant c,
 because E_marg[R] = 1. Both R - 1 and H - E[H] are O(k^{-1/2}), so the difference is O(1/k),
 and the estimator with c = mean H has per-sample spread O(1/k): the k x difference curve can be
-resolved to high precision. (The expected H(q, p) over databases that *contain* the positive,
+resolved to high precision. The report uses this one estimator throughout: on each set of marginal
+databases, gap = mean (R - 1)(H - c), E H = mean H and risk = E H + gap (= mean [R H - c (R - 1)],
+the symmetric risk with R - 1 as a control variate), each with a 95 % interval (1.96 se); the plain
+Monte-Carlo risk with sampled positives is kept as an independent check. (The expected H(q, p) over databases that *contain* the positive,
 reported as `ce_with_positive`, equals risk_k exactly by the same symmetry: a check, not the law.)
 
 Two samplers: `LatentSampler` draws synthetic latents directly (von Mises positives, uniform
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from scipy import stats
 from scipy.special import i0e, logsumexp
 from tqdm import tqdm
 
@@ -123,7 +127,8 @@ class PoolSampler:
 
 @dataclass
 class KLawResult:
-    """Per-k means and standard errors of the curves; `diff = risk - ce_marginal` (control-variate estimator)."""
+    """Per-k means and standard errors of the curves. `diff` = risk - E H(q,p) by the control-variate estimator
+    mean (R - 1)(H - c) and `risk_cv` = ce_marginal + diff on the same draws; `risk` is plain Monte Carlo."""
 
     ks: np.ndarray
     risk: np.ndarray
@@ -136,6 +141,8 @@ class KLawResult:
     ce_with_positive_se: np.ndarray
     diff: np.ndarray
     diff_se: np.ndarray
+    risk_cv: np.ndarray = field(default_factory=lambda: np.empty(0))
+    risk_cv_se: np.ndarray = field(default_factory=lambda: np.empty(0))
     undefined_fraction: np.ndarray = field(default_factory=lambda: np.empty(0))
     n_queries: int = 0
 
@@ -150,11 +157,42 @@ class KLawResult:
     def to_dict(self) -> dict:
         out = {name: getattr(self, name).tolist() for name in (
             "ks", "risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal", "ce_marginal_se",
-            "ce_with_positive", "ce_with_positive_se", "diff", "diff_se", "undefined_fraction")}
+            "ce_with_positive", "ce_with_positive_se", "diff", "diff_se", "risk_cv", "risk_cv_se",
+            "undefined_fraction")}
         out["k_times_diff"] = self.k_times_diff.tolist()
         out["k_times_diff_se"] = self.k_times_diff_se.tolist()
         out["n_queries"] = self.n_queries
+        out["estimator"] = ESTIMATOR
+        out["summary"] = k_law_summary(self)
         return out
+
+
+ESTIMATOR = ("control variate on marginal databases: gap = mean (R - 1)(H - mean H), risk = E H(q,p) + gap; "
+             "intervals 1.96 se")
+
+
+def k_law_summary(result: KLawResult, p_flat: float = 0.01) -> dict:
+    """What the k x gap curve shows: flat (consistent with a constant) over the upper half of k, or not.
+
+    Flatness: chi^2 of k x gap about its inverse-variance weighted mean over k >= the median k
+    (independent draws per k), p > `p_flat`."""
+    ks, kd, se = result.ks, result.k_times_diff, result.k_times_diff_se
+    upper = ks >= np.median(ks)
+    w = 1.0 / np.maximum(se[upper], 1e-300) ** 2
+    mean = float(np.sum(w * kd[upper]) / np.sum(w))
+    chi2 = float(np.sum(w * (kd[upper] - mean) ** 2))
+    dof = int(upper.sum()) - 1
+    p = float(stats.chi2.sf(chi2, dof)) if dof > 0 else float("nan")
+    k0 = int(ks[upper][0])
+    lo, hi = float(kd.min()), float(kd.max())
+    if dof > 0 and p > p_flat:
+        text = (f"k × gap is flat at {mean:.3g} ± {1.96 / math.sqrt(np.sum(w)):.2g} for k ≥ {k0} "
+                f"(chi2 p = {p:.2g}): the gap shrinks as 1/k there")
+    else:
+        text = (f"k × gap is not flat for k ≥ {k0} (chi2 p = {p:.2g}; it spans {lo:.3g} to {hi:.3g} over "
+                f"k = {int(ks[0])}..{int(ks[-1])}): no 1/k regime is reached on this range")
+    return {"flat": bool(dof > 0 and p > p_flat), "from_k": k0, "weighted_mean": mean, "chi2": chi2, "dof": dof,
+            "p_value": p, "min": lo, "max": hi, "text": text}
 
 
 def _cross_entropy(logits: np.ndarray, log_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +220,7 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
     rng = np.random.default_rng(seed)
     cols = {name: [] for name in ("risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal",
                                   "ce_marginal_se", "ce_with_positive", "ce_with_positive_se", "diff", "diff_se",
-                                  "undefined_fraction")}
+                                  "risk_cv", "risk_cv_se", "undefined_fraction")}
     for k in tqdm(ks, desc="k-law", disable=not logger.isEnabledFor(logging.INFO)):
         nll, h_m, r_m, h_p = [], [], [], []
         # smaller query batches for large k keep each (batch, k+1, D) block near 256 x 1025
@@ -200,8 +238,9 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
         h_filled = np.where(undefined, c, h_m)         # databases with r = 0 everywhere: impute the mean
         sym = np.where(undefined, 0.0, r_m * h_filled)  # R H, with R = 0 where undefined
         dvals = (r_m - 1.0) * (h_filled - c)           # E[(R - 1)(H - c)] = risk - ce
+        cv = sym - c * (r_m - 1.0)                     # R H - c (R - 1) = H + (R - 1)(H - c): mean = ce + diff
         for name, v in (("risk", nll), ("risk_symmetric", sym), ("ce_marginal", h_filled), ("diff", dvals),
-                        ("ce_with_positive", h_p[np.isfinite(h_p)])):
+                        ("ce_with_positive", h_p[np.isfinite(h_p)]), ("risk_cv", cv)):
             mean, se = _mean_se(v)
             cols[name].append(mean)
             cols[f"{name}_se"].append(se)
@@ -210,28 +249,34 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
     return KLawResult(ks=ks, n_queries=n_queries, **{k_: np.asarray(v) for k_, v in cols.items()})
 
 
-def plot_k_law(result: KLawResult, title: str = "InfoNCE risk vs search cross-entropy") -> bytes:
-    """PNG bytes: the two curves vs k (left) and k x (risk - H(q,p)) with +-2 se (right)."""
+def plot_k_law(result: KLawResult) -> bytes:
+    """PNG bytes: risk and E H(q,p) vs k (left) and k x gap (right), the table's estimator with 95 % intervals;
+    the right title is `k_law_summary`'s sentence."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.0))
     ks = result.ks
-    a1.errorbar(ks, result.risk, 2 * result.risk_se, fmt="o-", ms=3, label="InfoNCE risk (k negatives)")
-    a1.errorbar(ks, result.ce_marginal, 2 * result.ce_marginal_se, fmt="s--", ms=3, label="E H(q,p), k+1 items")
+    z = 1.96
+    a1.errorbar(ks, result.risk_cv, z * result.risk_cv_se, fmt="o-", ms=3, capsize=2, label="InfoNCE risk (k negatives)")
+    a1.errorbar(ks, result.ce_marginal, z * result.ce_marginal_se, fmt="s--", ms=3, capsize=2,
+                label="E H(q,p) over k+1 random items")
+    a1.plot(ks, result.risk, "x", ms=5, color="C0", alpha=0.6, label="risk, plain Monte Carlo (check)")
     a1.set_xscale("log", base=2)
-    a1.set_xlabel("k")
+    a1.set_xlabel("k (negatives)")
     a1.set_ylabel("nats")
-    a1.legend(fontsize=8)
-    a1.set_title(title, fontsize=9)
-    a2.errorbar(ks, result.k_times_diff, 2 * result.k_times_diff_se, fmt="o-", ms=3, color="C3")
+    a1.legend(fontsize=7)
+    a1.set_title("InfoNCE risk and search cross-entropy", fontsize=9)
+    a2.errorbar(ks, result.k_times_diff, z * result.k_times_diff_se, fmt="o-", ms=3, capsize=2, color="C3")
     a2.axhline(0, color="grey", lw=0.5)
     a2.set_xscale("log", base=2)
-    a2.set_xlabel("k")
-    a2.set_ylabel("k x (risk - E H(q,p))")
-    a2.set_title("O(1/k) law: bounded means the gap is O(1/k)", fontsize=9)
+    a2.set_xlabel("k (negatives)")
+    a2.set_ylabel("k × (risk − E H(q,p))  [nats]")
+    a2.set_title("\n".join(textwrap.wrap(k_law_summary(result)["text"], 62)), fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from search.k_law import LatentSampler, PoolSampler, k_law, plot_k_law
+from search.k_law import KLawResult, LatentSampler, PoolSampler, k_law, k_law_summary, plot_k_law
 from search_refs import Labels, VonMises, oracle
 
 KS = (1, 4, 16, 64, 256, 1024)
@@ -57,6 +57,28 @@ def test_pool_sampler_consistent():
     lab = k_law(PoolSampler(oracle(qlat), np.arange(60) % 3, oracle(dlat), np.arange(800) % 3, Labels(), 0.5),
                 ks=(1, 64), n_queries=500)
     assert lab.undefined_fraction[0] > 0.3 and lab.undefined_fraction[1] == 0.0
+
+
+def test_table_estimator_adds_up_and_matches_plain_risk(oracle_law):
+    """The one estimator of the table and plot: risk_cv = E H + gap exactly; plain MC risk agrees within noise."""
+    r = oracle_law
+    np.testing.assert_allclose(r.risk_cv, r.ce_marginal + r.diff, rtol=1e-10, atol=1e-12)
+    z = np.abs(r.risk - r.risk_cv) / np.sqrt(r.risk_se ** 2 + r.risk_cv_se ** 2)
+    assert np.all(z < 4.5), z
+    d = r.to_dict()
+    assert "control variate" in d["estimator"] and d["summary"]["text"]
+
+
+def test_summary_says_what_the_curve_shows(oracle_law):
+    flat = k_law_summary(oracle_law)
+    assert flat["flat"] and "flat at" in flat["text"] and flat["from_k"] == 64
+    ks = np.array([1, 4, 16, 64, 256, 1024])
+    grow = np.array([-0.5, -2.0, -6.0, -10.0, -14.0, -18.0])  # still growing, small se
+    fake = KLawResult(ks=ks, risk=ks * 0.0, risk_se=ks * 0.0, risk_symmetric=ks * 0.0, risk_symmetric_se=ks * 0.0,
+                      ce_marginal=ks * 0.0, ce_marginal_se=ks * 0.0, ce_with_positive=ks * 0.0,
+                      ce_with_positive_se=ks * 0.0, diff=grow / ks, diff_se=0.3 / ks)
+    s = k_law_summary(fake)
+    assert not s["flat"] and "not flat" in s["text"] and "-18" in s["text"]
 
 
 def test_plot_and_bad_input(oracle_law):
