@@ -20,14 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from index.build import training_temperature
+from index.manifest import file_sha256
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore
 from search.calibration import calibrate_temperature
-from search.diagnostics import gaussianity, plot_qq, plot_tail, tail_diagnostics
 from search.gap import ideal_and_learned, softmax_gap
 from search.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
 from search.metrics import bootstrap_ci, ideal_topk, knn_search, retrieval_metrics
+from search.normality import gaussianity, plot_qq
 from search.report import plot_gap_vs_tau, plot_samples, summary_table, write_report
+from search.tail import plot_daic, plot_tail, plot_threshold_stability, tail_diagnostics
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.generators import create_generator
@@ -68,6 +70,9 @@ class EvalConfig:
     batch_size: int = 256
     device: str | None = None
     n_samples: int = 3
+    n_projections: int = 64
+    mardia_null: int = 199
+    tail_queries: int = 256
 
 
 @dataclass
@@ -286,32 +291,42 @@ def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np
         figs["k_law"] = plot_k_law(kl)
 
     if hq is not None and hq.shape[0] >= 8:
-        rep["gaussianity"] = gaussianity(hq, seed=cfg.seed)
+        rep["gaussianity"] = gaussianity(hq, n_projections=cfg.n_projections, n_null=cfg.mardia_null, seed=cfg.seed)
         proj = hq @ rng.normal(size=hq.shape[1])
         figs["qq"] = plot_qq({"coordinate 0": hq[:, 0], "coordinate 1": hq[:, 1 % hq.shape[1]],
                               "random projection": proj, "norm |h|": np.linalg.norm(hq, axis=1)})
-    tq = kq[: min(kq.size, 256)]
-    qrow_meta, db_sub_meta = data.query_meta[tq], data.db_meta[kd]
-    excl = None if data.query_exclude is None else data.query_exclude[tq]
-
-    def negatives(qi, di):
-        mask = np.ones((qi.size, di.size), dtype=bool)
-        if gen.name == "label":
-            mask &= qrow_meta[qi][:, None] != db_sub_meta[di][None, :]
-        if gen.name == "instance":
-            mask &= qrow_meta[qi][:, None] != db_sub_meta[di][None, :]
-        if excl is not None:
-            mask &= excl[qi][:, None] != kd[di][None, :]
-        return mask
-
+    tq = kq[: min(kq.size, cfg.tail_queries)]
     try:
-        tail = tail_diagnostics(zq[tq], zdb[kd], negatives, n_boot=min(200, cfg.n_boot), seed=cfg.seed)
+        neg, rule = negative_pairs(gen, data.query_meta[tq], data.db_meta[kd],
+                                   None if data.query_exclude is None else data.query_exclude[tq], kd)
+        tail = tail_diagnostics(zq[tq], zdb[kd], neg, n_boot=min(200, cfg.n_boot), seed=cfg.seed)
+        figs["threshold_stability"] = plot_threshold_stability(tail["gpd"])
         figs["tail"] = plot_tail(tail)
+        if tail["weibull_gumbel"]:
+            figs["daic"] = plot_daic(tail["weibull_gumbel"]["daic_values"])
         rep["tail"] = {k: v for k, v in tail.items() if k != "exceedances"}
+        rep["tail"]["negatives_rule"] = rule
     except ValueError as err:
         logger.warning("tail diagnostics skipped: %s", err)
         rep["tail"] = None
     return rep, figs
+
+
+def negative_pairs(gen, query_meta, db_meta, query_rows=None, db_rows=None) -> tuple[np.ndarray, str]:
+    """(Q, N) bool mask of the pairs that are negatives for the tail statistics, and the rule in words.
+
+    Generators with a support (label, instance, neighbour: r = 0 off it): negatives are the pairs with r = 0.
+    The latent generator has r > 0 everywhere: negatives are the pairs with r <= 1, i.e. y is no likelier
+    as x's positive than as a random draw. A query that is itself a database item never counts its own row."""
+    log_r = np.asarray(gen.log_ratio(query_meta, db_meta), np.float64)
+    if gen.name == "latent":
+        mask, rule = log_r <= 0.0, "pairs with r(x, y) <= 1 (y no likelier as a positive of x than at random)"
+    else:
+        mask, rule = np.isneginf(log_r), "pairs with r(x, y) = 0 (outside the generator's positives)"
+    if query_rows is not None and db_rows is not None:
+        mask &= np.asarray(query_rows)[:, None] != np.asarray(db_rows)[None, :]
+        rule += "; a query's own database row excluded"
+    return mask, rule
 
 
 def version_database(version) -> tuple[list, list[tuple[int, int]]]:
@@ -345,7 +360,8 @@ def _load_database(cfg: EvalConfig, device):
         datasets, rows = version_database(version)
         encoder, info, _ = load_version_encoder(version, device=device)   # the store's own copy of the weights
         ckpt = store.models.path(checkpoint_record(manifest)["sha256"])
-        return encoder, info, ckpt, version.embeddings, datasets, rows, {"root": str(cfg.index), "version": version.version}, manifest
+        return (encoder, info, ckpt, version.embeddings, datasets, rows,
+                {"root": display_path(cfg.index), "version": version.version}, manifest)
     if cfg.checkpoint is None or cfg.dataset is None:
         raise ValueError("give --index ROOT, or --checkpoint C with --dataset NAME")
     ckpt = Path(cfg.checkpoint)
@@ -389,8 +405,11 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
     part, figs = evaluate_embeddings(cfg, data, zdb, zq, hq, train_tau, serving_tau)
     gen = data.generator
     report = {
-        "checkpoint": str(ckpt),
+        "checkpoint": checkpoint_description(ckpt, info, manifest),
         "index": index_info,
+        "settings": {"embed_dim": int(zdb.shape[1]), "n_boot": cfg.n_boot, "seed": cfg.seed,
+                     "n_projections": cfg.n_projections, "mardia_null": cfg.mardia_null,
+                     "k_law_samples": cfg.k_law_samples, "tail_queries": cfg.tail_queries},
         "database": {"description": data.database_description, "count": int(zdb.shape[0]),
                      "datasets": [ds.spec() for ds in datasets],
                      "skipped": sum(len(getattr(ds, "skipped", None) or []) for ds in datasets)},
@@ -426,11 +445,37 @@ def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
                                         "other": other["gap"][label]["cross_entropy"]}
     rows["calibrated tau"] = {"this": this["temperatures"]["calibrated"], "other": other["temperatures"]["calibrated"]}
     rows["training tau"] = {"this": this["temperatures"]["train"], "other": other["temperatures"]["train"]}
-    return {"checkpoint": str(cfg.compare), "rows": rows, "other": other}
+    return {"checkpoint": checkpoint_description(cfg.compare, info2), "rows": rows, "other": other}
+
+
+def display_path(path) -> str:
+    """A path for a report: as given when relative, relative to the working directory when under it, else its name."""
+    p = Path(path)
+    if not p.is_absolute():
+        return str(p)
+    try:
+        return str(p.relative_to(Path.cwd()))
+    except ValueError:
+        return p.name
+
+
+def checkpoint_description(path, info: dict, manifest: dict | None = None) -> dict:
+    """The encoder as a report names it: file name, sha256, step and the training settings that shape the
+    statistics (loss, temperature schedule, Gaussianity regulariser weight); never an absolute path."""
+    record = checkpoint_record(manifest) if manifest is not None else {}
+    tc = info.get("train_config") or {}
+    return {
+        "file": Path(record.get("path") or path).name,
+        "sha256": record.get("sha256") or file_sha256(path),
+        "step": info.get("step", record.get("step")),
+        "training": {k: tc.get(k) for k in ("loss", "schedule", "schedule_options", "steps", "batch_size",
+                                            "gaussian_reg", "gaussian_reg_decay") if k in tc},
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="softsearch eval", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_argument_group("database")
     src.add_argument("--index", help="index root: evaluate its current (or --version) version")
     src.add_argument("--version", help="index version (default: the current one)")
@@ -453,7 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-k-law", dest="k_law", action="store_false", help="skip the 1/k law (faster)")
     p.add_argument("--k-law-samples", type=int, default=2000, help="Monte-Carlo draws per k")
     p.add_argument("--compare", help="second checkpoint (e.g. the initial one) for a before/after table")
-    p.add_argument("--n-boot", type=int, default=1000)
+    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the metric CIs (tail: at most 200)")
+    p.add_argument("--n-projections", type=int, default=64, help="random projections tested for normality")
+    p.add_argument("--mardia-null", type=int, default=199,
+                   help="simulated Gaussian samples for Mardia's p-values (0: closed forms only)")
+    p.add_argument("--tail-queries", type=int, default=256, help="queries in the tail statistics")
     p.add_argument("--seed", type=int, default=0, help="query subsampling, bootstrap and Monte-Carlo seed")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", help="torch device (default: cuda if available)")

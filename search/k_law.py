@@ -13,10 +13,15 @@ R = sum_j r(x, y_j)/(k+1) the same risk is, by symmetry,
 and risk_k - ce_k = E_marg[(R - 1) H(q, p)] = E_marg[(R - 1)(H - c)] for any constant c,
 because E_marg[R] = 1. Both R - 1 and H - E[H] are O(k^{-1/2}), so the difference is O(1/k),
 and the estimator with c = mean H has per-sample spread O(1/k): the k x difference curve can be
-resolved to high precision. The report uses this one estimator throughout: on each set of marginal
-databases, gap = mean (R - 1)(H - c), E H = mean H and risk = E H + gap (= mean [R H - c (R - 1)],
-the symmetric risk with R - 1 as a control variate), each with a 95 % interval (1.96 se); the plain
-Monte-Carlo risk with sampled positives is kept as an independent check. (The expected H(q, p) over databases that *contain* the positive,
+resolved to high precision at large k. At small k the plain difference NLL - H of each draw (the
+positive's -log p(0|x) on one database, H on its marginal twin with the same negatives) is the
+more precise one, so the report uses one estimator throughout, their per-draw combination
+
+    e = w (NLL - H) + (1 - w)(R - 1)(H - c),  w = argmin Var(e) = (V_b - C_ab) / (V_a + V_b - 2 C_ab)
+
+(unbiased for risk - ce for any fixed w; w estimated from the draws, clipped to [0, 1]):
+gap = mean e, E H = mean H, risk = mean (H + e), each with a 95 % interval (1.96 se); the plain
+Monte-Carlo risk alone is kept as a check. (The expected H(q, p) over databases that *contain* the positive,
 reported as `ce_with_positive`, equals risk_k exactly by the same symmetry: a check, not the law.)
 
 Two samplers: `LatentSampler` draws synthetic latents directly (von Mises positives, uniform
@@ -127,8 +132,9 @@ class PoolSampler:
 
 @dataclass
 class KLawResult:
-    """Per-k means and standard errors of the curves. `diff` = risk - E H(q,p) by the control-variate estimator
-    mean (R - 1)(H - c) and `risk_cv` = ce_marginal + diff on the same draws; `risk` is plain Monte Carlo."""
+    """Per-k means and standard errors of the curves. `diff` = risk - E H(q,p) by the combined estimator
+    (module doc; weight `diff_weight` on the plain difference), `risk_est` = ce_marginal + diff on the same
+    draws; `risk` is the plain Monte-Carlo risk alone."""
 
     ks: np.ndarray
     risk: np.ndarray
@@ -141,8 +147,11 @@ class KLawResult:
     ce_with_positive_se: np.ndarray
     diff: np.ndarray
     diff_se: np.ndarray
-    risk_cv: np.ndarray = field(default_factory=lambda: np.empty(0))
-    risk_cv_se: np.ndarray = field(default_factory=lambda: np.empty(0))
+    risk_est: np.ndarray = field(default_factory=lambda: np.empty(0))
+    risk_est_se: np.ndarray = field(default_factory=lambda: np.empty(0))
+    diff_weight: np.ndarray = field(default_factory=lambda: np.empty(0))
+    diff_plain_se: np.ndarray = field(default_factory=lambda: np.empty(0))
+    diff_cv_se: np.ndarray = field(default_factory=lambda: np.empty(0))
     undefined_fraction: np.ndarray = field(default_factory=lambda: np.empty(0))
     n_queries: int = 0
 
@@ -157,8 +166,8 @@ class KLawResult:
     def to_dict(self) -> dict:
         out = {name: getattr(self, name).tolist() for name in (
             "ks", "risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal", "ce_marginal_se",
-            "ce_with_positive", "ce_with_positive_se", "diff", "diff_se", "risk_cv", "risk_cv_se",
-            "undefined_fraction")}
+            "ce_with_positive", "ce_with_positive_se", "diff", "diff_se", "risk_est", "risk_est_se",
+            "diff_weight", "diff_plain_se", "diff_cv_se", "undefined_fraction")}
         out["k_times_diff"] = self.k_times_diff.tolist()
         out["k_times_diff_se"] = self.k_times_diff_se.tolist()
         out["n_queries"] = self.n_queries
@@ -167,7 +176,8 @@ class KLawResult:
         return out
 
 
-ESTIMATOR = ("control variate on marginal databases: gap = mean (R - 1)(H - mean H), risk = E H(q,p) + gap; "
+ESTIMATOR = ("per draw, e = w (NLL - H) + (1 - w)(R - 1)(H - mean H) with the variance-minimising w "
+             "(plain difference and control variate combined); gap = mean e, risk = E H(q,p) + gap; "
              "intervals 1.96 se")
 
 
@@ -220,7 +230,8 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
     rng = np.random.default_rng(seed)
     cols = {name: [] for name in ("risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal",
                                   "ce_marginal_se", "ce_with_positive", "ce_with_positive_se", "diff", "diff_se",
-                                  "risk_cv", "risk_cv_se", "undefined_fraction")}
+                                  "risk_est", "risk_est_se", "undefined_fraction")}
+    weights, plain_se, cv_se = [], [], []
     for k in tqdm(ks, desc="k-law", disable=not logger.isEnabledFor(logging.INFO)):
         nll, h_m, r_m, h_p = [], [], [], []
         # smaller query batches for large k keep each (batch, k+1, D) block near 256 x 1025
@@ -237,16 +248,24 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
         c = float(np.mean(h_m[~undefined])) if (~undefined).any() else 0.0
         h_filled = np.where(undefined, c, h_m)         # databases with r = 0 everywhere: impute the mean
         sym = np.where(undefined, 0.0, r_m * h_filled)  # R H, with R = 0 where undefined
-        dvals = (r_m - 1.0) * (h_filled - c)           # E[(R - 1)(H - c)] = risk - ce
-        cv = sym - c * (r_m - 1.0)                     # R H - c (R - 1) = H + (R - 1)(H - c): mean = ce + diff
+        plain = nll - h_filled                         # E = risk - ce (same negatives in both databases)
+        cv = (r_m - 1.0) * (h_filled - c)              # E[(R - 1)(H - c)] = risk - ce
+        cov = np.cov(plain, cv)                        # (2, 2)
+        den = cov[0, 0] + cov[1, 1] - 2 * cov[0, 1]
+        w = float(np.clip((cov[1, 1] - cov[0, 1]) / den, 0.0, 1.0)) if den > 0 else 0.0
+        dvals = w * plain + (1.0 - w) * cv
+        weights.append(w)
+        plain_se.append(_mean_se(plain)[1])
+        cv_se.append(_mean_se(cv)[1])
         for name, v in (("risk", nll), ("risk_symmetric", sym), ("ce_marginal", h_filled), ("diff", dvals),
-                        ("ce_with_positive", h_p[np.isfinite(h_p)]), ("risk_cv", cv)):
+                        ("ce_with_positive", h_p[np.isfinite(h_p)]), ("risk_est", h_filled + dvals)):
             mean, se = _mean_se(v)
             cols[name].append(mean)
             cols[f"{name}_se"].append(se)
         cols["undefined_fraction"].append(float(undefined.mean()))
         logger.info("k=%d risk %.4f ce %.4f k*diff %.4f", k, cols["risk"][-1], cols["ce_marginal"][-1], k * cols["diff"][-1])
-    return KLawResult(ks=ks, n_queries=n_queries, **{k_: np.asarray(v) for k_, v in cols.items()})
+    return KLawResult(ks=ks, n_queries=n_queries, diff_weight=np.asarray(weights), diff_plain_se=np.asarray(plain_se),
+                      diff_cv_se=np.asarray(cv_se), **{k_: np.asarray(v) for k_, v in cols.items()})
 
 
 def plot_k_law(result: KLawResult) -> bytes:
@@ -262,18 +281,22 @@ def plot_k_law(result: KLawResult) -> bytes:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.0))
     ks = result.ks
     z = 1.96
-    a1.errorbar(ks, result.risk_cv, z * result.risk_cv_se, fmt="o-", ms=3, capsize=2, label="InfoNCE risk (k negatives)")
+    a1.errorbar(ks, result.risk_est, z * result.risk_est_se, fmt="o-", ms=3, capsize=2, label="InfoNCE risk (k negatives)")
     a1.errorbar(ks, result.ce_marginal, z * result.ce_marginal_se, fmt="s--", ms=3, capsize=2,
                 label="E H(q,p) over k+1 random items")
-    a1.plot(ks, result.risk, "x", ms=5, color="C0", alpha=0.6, label="risk, plain Monte Carlo (check)")
-    a1.set_xscale("log", base=2)
+    a1.plot(ks, result.risk, "x", ms=5, color="k", alpha=0.6, label="risk, plain Monte Carlo alone (check)")
+    from matplotlib.ticker import NullLocator
+
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(int(k)) for k in ks], fontsize=7)
+        ax.xaxis.set_minor_locator(NullLocator())
     a1.set_xlabel("k (negatives)")
     a1.set_ylabel("nats")
     a1.legend(fontsize=7)
     a1.set_title("InfoNCE risk and search cross-entropy", fontsize=9)
     a2.errorbar(ks, result.k_times_diff, z * result.k_times_diff_se, fmt="o-", ms=3, capsize=2, color="C3")
     a2.axhline(0, color="grey", lw=0.5)
-    a2.set_xscale("log", base=2)
     a2.set_xlabel("k (negatives)")
     a2.set_ylabel("k × (risk − E H(q,p))  [nats]")
     a2.set_title("\n".join(textwrap.wrap(k_law_summary(result)["text"], 62)), fontsize=8)

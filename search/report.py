@@ -1,7 +1,8 @@
 """Evaluation report: plots (PNG bytes), one self-contained HTML page, report.json, a stdout table.
 
 The HTML embeds every plot as a base64 PNG so the file can be mailed or archived alone.
-Section ids (tested): generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
+Section ids (tested): settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
+Every plot has a caption underneath (<figcaption>); the settings table states n, d and every test's setup.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
+SECTIONS = ("settings", "generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
 
 
 def _plt():
@@ -54,18 +55,33 @@ def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40)
     return _png(fig)
 
 
+def log_axis(ax, axis: str = "x") -> None:
+    """Readable log axis: labelled major ticks only (decades, or 1-2-5 steps when the range is under two
+    decades), unlabelled minor ticks, plain numbers."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    lo, hi = (ax.get_xlim() if axis == "x" else ax.get_ylim())
+    decades = math.log10(max(hi, 1e-300) / max(lo, 1e-300))
+    a.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades >= 2 else (1.0, 2.0, 5.0)))
+    a.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10))))
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    a.set_minor_formatter(NullFormatter())
+
+
 def plot_gap_vs_tau(curve_tau, curve_kl, tau_star: float, train_tau: float | None, serving_tau: float | None = None) -> bytes:
     """Mean KL(q||p) against tau (log x) with tau* (and the training / serving tau) marked."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5.0, 3.4))
+    fig, ax = plt.subplots(figsize=(5.4, 3.5))
     ax.plot(curve_tau, curve_kl, "o-", ms=3)
-    ax.axvline(tau_star, color="C2", ls="--", label=f"calibrated tau* = {tau_star:.4g}")
+    ax.axvline(tau_star, color="C2", ls="--", label=f"calibrated τ* = {tau_star:.4g}")
     if train_tau is not None:
-        ax.axvline(train_tau, color="C3", ls=":", label=f"training tau = {train_tau:.4g}")
+        ax.axvline(train_tau, color="C3", ls=":", label=f"training τ = {train_tau:.4g}")
     if serving_tau is not None and serving_tau not in (train_tau, tau_star):
-        ax.axvline(serving_tau, color="C4", ls="-.", label=f"serving tau = {serving_tau:.4g}")
+        ax.axvline(serving_tau, color="C4", ls="-.", label=f"serving τ = {serving_tau:.4g}")
     ax.set_xscale("log")
-    ax.set_xlabel("tau")
+    log_axis(ax, "x")
+    ax.set_xlabel("search temperature τ")
     ax.set_ylabel("mean KL(q || p)  [nats]")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -82,12 +98,6 @@ def _fmt(v, digits: int = 4) -> str:
     if isinstance(v, (float, np.floating)):
         return "nan" if math.isnan(v) else f"{v:.{digits}g}"
     return html.escape(str(v))
-
-
-def _img(png: bytes | None, alt: str) -> str:
-    if not png:
-        return f"<p class='note'>{html.escape(alt)}: not available</p>"
-    return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -112,19 +122,225 @@ def gap_rows(gaps: dict) -> list[list]:
     return rows
 
 
+def _figure(png: bytes | None, alt: str, caption: str) -> str:
+    """An embedded plot with its caption underneath (or a note when the plot is missing)."""
+    if not png:
+        return f"<p class='note'>{html.escape(alt)}: not available</p>"
+    return (f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
+            f"<figcaption>{caption}</figcaption></figure>")
+
+
+def _pct(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.3g} %"
+
+
+def _checkpoint_text(ck) -> str:
+    if not isinstance(ck, dict):
+        return _fmt(ck)
+    sha = (ck.get("sha256") or "")[:12]
+    return f"{_fmt(ck.get('file'))} (sha256 {html.escape(sha)}…, step {_fmt(ck.get('step'))})"
+
+
+def _training_text(ck) -> str:
+    t = (ck.get("training") if isinstance(ck, dict) else None) or {}
+    parts = []
+    if t.get("loss"):
+        parts.append(f"loss {_fmt(t['loss'])}")
+    if t.get("schedule"):
+        opts = ", ".join(f"{k}={_fmt(v)}" for k, v in (t.get("schedule_options") or {}).items())
+        parts.append(f"temperature schedule {_fmt(t['schedule'])} ({opts})")
+    if t.get("steps"):
+        parts.append(f"{_fmt(t['steps'])} steps of batch {_fmt(t.get('batch_size'))}")
+    if "gaussian_reg" in t:
+        parts.append(f"Gaussianity regulariser weight alpha_0 = {_fmt(t['gaussian_reg'])} "
+                     f"(decay {_fmt(t.get('gaussian_reg_decay'))} steps)")
+    else:
+        parts.append("Gaussianity regulariser weight: not recorded in the checkpoint")
+    return "; ".join(parts)
+
+
+def _settings(report: dict) -> str:
+    db, q = report.get("database", {}), report.get("queries", {})
+    st, temps = report.get("settings", {}), report.get("temperatures", {})
+    src = report.get("temperature_sources", {})
+    ga = report.get("gaussianity") or {}
+    idx = report.get("index")
+    kl_note = report.get("k_law_note")
+    tail = report.get("tail") or {}
+    rows = [
+        ["database", f"{_fmt(db.get('description'))}: {_fmt(db.get('count'))} items"],
+        ["queries", f"{_fmt(q.get('description'))}"],
+        ["embedding dimension d", _fmt(st.get("embed_dim"))],
+        ["encoder", _checkpoint_text(report.get("checkpoint"))],
+        ["training", _training_text(report.get("checkpoint"))],
+    ]
+    if idx:
+        rows.append(["index", f"{_fmt(idx.get('root'))}, version {_fmt(idx.get('version'))}"])
+    rows += [
+        ["search temperature", f"serving τ = {_fmt(temps.get('serving'))} ({_fmt(src.get('serving'))}); training "
+                               f"τ = {_fmt(temps.get('train'))}"],
+        ["normality tests", f"n = {_fmt(ga.get('n'))} query features, d = {_fmt(ga.get('d'))}, level "
+                            f"{_pct(ga.get('alpha'))}; {_fmt(st.get('n_projections'))} random projections; Mardia "
+                            f"null from {_fmt(st.get('mardia_null'))} Gaussian samples" if ga else "not computed"],
+        ["1/k law", _fmt(kl_note)],
+        ["tail", (f"{_fmt((tail.get('gpd') or {}).get('n_queries'))} queries × "
+                  f"{_fmt((tail.get('gpd') or {}).get('n_items'))} items; negatives: {_fmt(tail.get('negatives_rule'))}")
+         if tail else "not computed"],
+        ["bootstrap", f"{_fmt(st.get('n_boot'))} resamples of the queries (metrics), "
+                      f"{_fmt(((tail.get('gpd') or {}).get('fits') or [{}])[0].get('n_boot'))} (tail); seed "
+                      f"{_fmt(st.get('seed'))}"],
+    ]
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td class='l'>{v}</td></tr>" for k, v in rows)
+    return f"<section id='settings'><h2>Data and settings</h2><table>{body}</table></section>"
+
+
+def _k_law_section(report: dict, figures: dict) -> list[str]:
+    kl = report.get("k_law")
+    out = ["<section id='k-law'><h2>InfoNCE risk vs search cross-entropy: the O(1/k) law</h2>"]
+    if not (kl and kl.get("ks")):
+        out.append(f"<p class='note'>skipped: {_fmt(report.get('k_law_note', 'not computed'))}</p></section>")
+        return out
+    summary = (kl.get("summary") or {}).get("text", "")
+    out.append(f"<p><b>{html.escape(summary)}</b></p>")
+    out.append(f"<p class='note'>Estimator (table and plot): {_fmt(kl.get('estimator'))}. "
+               f"{_fmt(report.get('k_law_note'))}.</p>")
+    z = 1.96
+    rows = []
+    for i, k in enumerate(kl["ks"]):
+        rows.append([k, kl["ce_marginal"][i], z * kl["ce_marginal_se"][i], kl["risk_est"][i], z * kl["risk_est_se"][i],
+                     kl["diff"][i], z * kl["diff_se"][i], kl["k_times_diff"][i], z * kl["k_times_diff_se"][i],
+                     kl["risk"][i], z * kl["risk_se"][i]])
+    out.append(_table(["k", "E H(q,p)", "±", "risk", "±", "gap = risk − E H", "±", "k × gap", "±",
+                       "risk, plain MC (check)", "±"], rows))
+    out.append(_figure(figures.get("k_law"), "k law",
+                       "Left: InfoNCE risk with k negatives and the expected search cross-entropy E H(q,p) over "
+                       "random databases of k + 1 items, both from the table's estimator, with 95 % intervals; "
+                       "crosses: the plain Monte-Carlo risk with sampled positives alone (a check). Right: k × gap, "
+                       "the table's column with its 95 % intervals; the title states what the curve shows."))
+    out.append("</section>")
+    return out
+
+
+def _gaussianity_section(report: dict, figures: dict) -> list[str]:
+    ga = report.get("gaussianity")
+    out = ["<section id='gaussianity'><h2>Gaussianity of the representation</h2>"]
+    if not ga:
+        out.append("<p class='note'>not computed (needs pre-normalisation features of at least 8 queries)</p>")
+    else:
+        n, d = ga["n"], ga["d"]
+        c, p = ga["coordinates"], ga["projections"]
+        out.append(f"<p>Pre-normalisation features h of n = {n} held-out queries, d = {d}; every test at level "
+                   f"{_pct(ga.get('alpha', 0.05))}. Norm concentration: coefficient of variation of |h| = "
+                   f"{_fmt(ga['norm_cv'])}.</p>")
+        rows = [["D'Agostino K², per coordinate", f"{n} × {c['n_tests']} coordinates", _pct(c["alpha"]),
+                 _pct(c["k2_fraction_not_rejected"]), _pct(c["expected_fraction_not_rejected"])],
+                ["Anderson-Darling, per coordinate", f"{n} × {c['n_tests']} coordinates", _pct(c["alpha"]),
+                 _pct(c["ad_fraction_not_rejected"]), _pct(c["expected_fraction_not_rejected"])],
+                ["D'Agostino K², random projections", f"{n} × {p['n_tests']} projections", _pct(p["alpha"]),
+                 _pct(p["k2_fraction_not_rejected"]), _pct(p["expected_fraction_not_rejected"])],
+                ["Anderson-Darling, random projections", f"{n} × {p['n_tests']} projections", _pct(p["alpha"]),
+                 _pct(p["ad_fraction_not_rejected"]), _pct(p["expected_fraction_not_rejected"])]]
+        out.append(_table(["test", "data (n × columns)", "level", "columns not rejected", "expected if Gaussian"],
+                          rows))
+        m = ga.get("mardia")
+        if m:
+            rows = [["skewness b1", f"{m['n']} × rank {m['rank']} (of d = {m['d']})", _pct(m["alpha"]), m["skewness"],
+                     m["skewness_z"], m["skewness_pvalue_chi2"], m["skewness_pvalue"]],
+                    ["kurtosis b2", f"{m['n']} × rank {m['rank']} (of d = {m['d']})", _pct(m["alpha"]), m["kurtosis"],
+                     m["kurtosis_z"], m["kurtosis_pvalue_normal"], m["kurtosis_pvalue"]]]
+            out.append("<h3>Mardia's multivariate tests</h3>")
+            out.append(_table(["statistic", "data (n × rank)", "level", "value", "z (finite-sample moments)",
+                               "p (closed form)", "p (simulated null)"], rows))
+            floor = 1 / (m["n_null"] + 1) if m.get("n_null") else None
+            out.append(f"<p class='note'>p-values from {html.escape(m['calibration'])}"
+                       + (f" (smallest attainable p: {floor:.3g}; kurtosis two-sided)" if floor else "")
+                       + f". Kurtosis z uses the exact null mean {_fmt(m['kurtosis_expected'])} and sd "
+                         f"{_fmt(m['kurtosis_sd'])}; the skewness closed form is the small-sample corrected χ² "
+                         f"with {int(m['skewness_dof'])} degrees of freedom, whose variance is too small at this "
+                         f"(n, rank), hence the simulated null. Verdict at {_pct(m['alpha'])}: "
+                       + ("<b>rejected</b>" if m["rejected"] else "not rejected") + ".</p>")
+    out.append(_figure(figures.get("qq"), "QQ plots",
+                       f"Normal QQ plots of the standardised pre-normalisation features of the "
+                       f"{_fmt((ga or {}).get('n'))} held-out queries: two coordinates, one random projection and "
+                       f"the norm |h|. Points on the diagonal are Gaussian."))
+    out.append("</section>")
+    return out
+
+
+def _tail_section(report: dict, figures: dict) -> list[str]:
+    tail = report.get("tail")
+    out = ["<section id='tail'><h2>Extreme-value tail of negative similarities</h2>"]
+    if not tail:
+        out.append("<p class='note'>not computed</p></section>")
+        return out
+    gp = tail["gpd"]
+    fits, k = gp["fits"], gp["chosen"]
+    ch = fits[k]
+    nb = ch["n_boot"]
+    out.append(_figure(figures.get("threshold_stability"), "threshold stability",
+                       f"Threshold stability. Left: GPD shape ξ fitted by maximum likelihood to the negative "
+                       f"similarities above each threshold u (top axis: u as a quantile of all "
+                       f"{_fmt(gp['n_pairs'])} negative pairs), with 95 % intervals from {nb} bootstrap resamples of "
+                       f"the {_fmt(gp['n_queries'])} queries; circled: the chosen threshold. Right: the fitted "
+                       f"endpoint u + σ/(−ξ) (none when ξ ≥ 0) and the fit constrained to an endpoint within the "
+                       f"cosine bound s ≤ 1."))
+    within = "within" if ch["endpoint_within_bound"] else "<b>outside</b>"
+    out.append(f"<p>Chosen threshold u = {_fmt(ch['threshold'])} (quantile {_fmt(ch['quantile'])}, "
+               f"{ch['n_exceedances']} excesses from {ch['n_queries']} queries): {html.escape(gp['chosen_reason'])}. "
+               f"There ξ = {_fmt(ch['xi'])} [{_fmt(ch['xi_low'])}, {_fmt(ch['xi_high'])}]; the fitted endpoint "
+               f"{_fmt(ch['endpoint'])} is {within} the bound 1"
+               + ("" if ch["endpoint_within_bound"] else
+                  f"; constrained to it, ξ = {_fmt(ch['xi_constrained'])} (likelihood-ratio statistic "
+                  f"{_fmt(ch['lr_bound'])})") + ".</p>")
+    rows = []
+    for i, f in enumerate(fits):
+        rows.append([("▶ " if i == k else "") + f"{f['quantile']:.3g}", f["threshold"], f["n_exceedances"], f["xi"],
+                     f["xi_low"], f["xi_high"], f["endpoint"], "yes" if f["endpoint_within_bound"] else "no",
+                     _pct(f["endpoint_boot_fraction_within_bound"]), f["xi_constrained"], f["lr_bound"]])
+    out.append(_table(["quantile", "threshold u", "excesses", "ξ", "95 % low", "95 % high", "endpoint",
+                       "endpoint ≤ 1", "bootstrap endpoints ≤ 1", "ξ (endpoint ≤ 1)", "LR"], rows))
+    out.append(f"<p class='note'>Negatives: {_fmt(tail.get('negatives_rule'))}; "
+               f"{_fmt(tail.get('negatives_per_query'))} per query on average. LR: twice the log-likelihood "
+               f"drop when the endpoint is held within the bound.</p>")
+    out.append(_figure(figures.get("tail"), "tail fit",
+                       f"Survival of the negative similarities above the chosen threshold u = {_fmt(ch['threshold'])} "
+                       f"({ch['n_exceedances']} excesses, log scale) and the fitted generalised Pareto law."))
+    wg = tail.get("weibull_gumbel")
+    if wg:
+        out.append("<h3>Weibull vs Gumbel domain, per query</h3>")
+        rows = [["ΔAIC = AIC(Gumbel) − AIC(Weibull), median", wg["daic_median"]],
+                ["ΔAIC mean (se)", f"{_fmt(wg['daic_mean'])} ({_fmt(wg['daic_se'])})"],
+                ["queries favouring Weibull (ΔAIC > 0)", _pct(wg["fraction_weibull"])],
+                ["clearly Weibull (ΔAIC > 2)", _pct(wg["fraction_weibull_decisive"])],
+                ["clearly Gumbel (ΔAIC < −2)", _pct(wg["fraction_gumbel_decisive"])],
+                ["power-law exponent β, median", wg["beta_median"]],
+                ["WEINCE's least-squares proxy (not an AIC): median", wg["proxy_daic_median"]],
+                ["WEINCE's proxy: fraction > 0", _pct(wg["proxy_fraction_weibull"])]]
+        out.append(_table(["statistic", "value"], rows))
+        out.append(f"<p class='note'>{wg['n_queries']} queries, top m = {wg['m']} negatives each, "
+                   f"{html.escape(wg['method'])}: Gumbel = exponential excesses over the (m+1)-th similarity, "
+                   f"Weibull = a power law F(δ) ∝ δ^β in the shortfall δ = 1 − s (endpoint at the bound); one "
+                   f"parameter each, so ΔAIC = 2 (log L_Weibull − log L_Gumbel).</p>")
+        out.append(_figure(figures.get("daic"), "dAIC histogram",
+                           f"Per-query ΔAIC of the top {wg['m']} negatives; right of 0 favours the Weibull (bounded) "
+                           f"tail, |ΔAIC| > 2 is the usual threshold for a clear preference."))
+    out.append("</section>")
+    return out
+
+
 def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
     """One self-contained HTML page for a report dict (as written to report.json) and its figures."""
     g = report.get("generator", {})
+    nq = (report.get("queries") or {}).get("count")
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>softsearch evaluation</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto;padding:1em}"
         "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "th{background:#eee}.note{color:#555;font-size:90%}.warn{color:#a40}img{max-width:100%}</style></head><body>",
+        "th{background:#eee;white-space:nowrap}td.l{text-align:left}.note{color:#555;font-size:90%}.warn{color:#a40}"
+        "img{max-width:100%}figure{margin:1em 0}figcaption{color:#333;font-size:90%;max-width:900px}</style>"
+        "</head><body>",
         "<h1>softsearch evaluation</h1>",
-        f"<p class='note'>database: {_fmt(report.get('database', {}).get('description'))} "
-        f"({_fmt(report.get('database', {}).get('count'))} items); queries: "
-        f"{_fmt(report.get('queries', {}).get('description'))} ({_fmt(report.get('queries', {}).get('count'))}); "
-        f"checkpoint: {_fmt(report.get('checkpoint'))}</p>",
+        _settings(report),
         "<section id='generator'><h2>Positive generator</h2>",
         f"<p><b>{_fmt(g.get('name'))}</b>: {_fmt(g.get('description'))}</p>",
         f"<p>log r is <b>{'exact' if g.get('exact') else 'an approximation'}</b>"
@@ -132,7 +348,7 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
            "approximations") + ".</p></section>",
         "<section id='metrics'><h2>Retrieval metrics</h2>",
         f"<p class='note'>{_fmt(report.get('metrics_note'))}; mean and "
-        f"{100 * (1 - report.get('metrics', {}).get('alpha', 0.05)):.0f} % bootstrap CI over queries.</p>",
+        f"{100 * (1 - report.get('metrics', {}).get('alpha', 0.05)):.0f} % bootstrap CI over {_fmt(nq)} queries.</p>",
         _table(["metric", "mean", "CI low", "CI high"], metric_rows(report.get("metrics"))),
         "</section>",
         "<section id='gap'><h2>Cross-entropy gap H(q,p) - H(q)</h2>",
@@ -141,55 +357,27 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
         "<section id='calibration'><h2>Temperature calibration</h2>",
         f"<p>calibrated tau* = {_fmt(report.get('calibration', {}).get('temperature'))} (training tau "
         f"{_fmt(report.get('calibration', {}).get('train_temperature'))})</p>",
-        _img(figures.get("gap_vs_tau"), "gap vs tau"), "</section>",
+        _figure(figures.get("gap_vs_tau"), "gap vs tau",
+                f"Mean KL(q‖p) over the {_fmt(nq)} held-out queries against the search temperature τ (log axis); "
+                "dashed: the calibrated τ* that minimises the held-out cross-entropy; dotted: the training τ; "
+                "dash-dotted: the serving τ when it differs."),
+        "</section>",
         "<section id='samples'><h2>Ideal vs learned search for sample queries</h2>",
-        _img(figures.get("samples"), "sample queries"), "</section>",
-        "<section id='k-law'><h2>InfoNCE risk vs search cross-entropy: the O(1/k) law</h2>",
+        _figure(figures.get("samples"), "sample queries",
+                "Ideal q(j|x) (bars) and learned p(j|x) at the serving τ (red) over the database items with the "
+                "largest q, for the first held-out queries; the title gives each query's KL(q‖p)."),
+        "</section>",
     ]
-    kl = report.get("k_law")
-    if kl and kl.get("ks"):
-        parts.append(_table(["k", "risk", "se", "E H(q,p)", "se", "k x diff", "se"],
-                            [[k, a, b, c, d, e, f] for k, a, b, c, d, e, f in zip(
-                                kl["ks"], kl["risk"], kl["risk_se"], kl["ce_marginal"], kl["ce_marginal_se"],
-                                kl["k_times_diff"], kl["k_times_diff_se"])]))
-        parts.append(_img(figures.get("k_law"), "k law"))
-    else:
-        parts.append(f"<p class='note'>skipped: {_fmt(report.get('k_law_note', 'not computed'))}</p>")
-    parts.append("</section><section id='gaussianity'><h2>Gaussianity of the representation</h2>")
-    ga = report.get("gaussianity")
-    if ga:
-        rows = [["norm CV (pre-normalisation)", ga["norm_cv"]],
-                ["coordinates not rejected (K^2)", ga["coordinates"]["k2_fraction_not_rejected"]],
-                ["coordinates not rejected (Anderson-Darling)", ga["coordinates"]["ad_fraction_not_rejected"]],
-                ["random projections not rejected (K^2)", ga["projections"]["k2_fraction_not_rejected"]],
-                ["random projections not rejected (Anderson-Darling)", ga["projections"]["ad_fraction_not_rejected"]]]
-        if ga.get("mardia"):
-            rows += [["Mardia dimension (covariance rank)", ga["mardia"].get("rank")],
-                     ["Mardia skewness (p-value)", ga["mardia"]["skewness_pvalue"]],
-                     ["Mardia kurtosis z", ga["mardia"]["kurtosis_z"]],
-                     ["Mardia kurtosis (p-value)", ga["mardia"]["kurtosis_pvalue"]]]
-        parts.append(_table(["statistic", "value"], rows))
-    parts.append(_img(figures.get("qq"), "QQ plots"))
-    parts.append("</section><section id='tail'><h2>Extreme-value tail of negative similarities</h2>")
-    tail = report.get("tail")
-    if tail:
-        gp = tail["gpd"]
-        rows = [["GPD shape xi", gp["xi"]], ["xi CI low", gp["xi_low"]], ["xi CI high", gp["xi_high"]],
-                ["finite endpoint (CI below 0)", gp["finite_endpoint"]], ["endpoint", gp["endpoint"]],
-                ["threshold", gp["threshold"]], ["exceedances", gp["n_exceedances"]]]
-        wg = tail.get("weibull_gumbel")
-        if wg:
-            rows += [["Weibull-vs-Gumbel dAIC (median)", wg["daic_median"]],
-                     ["fraction of queries favouring Weibull", wg["fraction_weibull"]]]
-        parts.append(_table(["statistic", "value"], rows))
-    parts.append(_img(figures.get("tail"), "tail fit"))
-    parts.append("</section><section id='compare'><h2>Before / after</h2>")
+    parts += _k_law_section(report, figures)
+    parts += _gaussianity_section(report, figures)
+    parts += _tail_section(report, figures)
+    parts.append("<section id='compare'><h2>Before / after</h2>")
     cmp_ = report.get("compare")
     if cmp_:
         names = [k for k in cmp_["rows"]]
         parts.append(_table(["quantity", "this checkpoint", "compared checkpoint"],
                             [[n, cmp_["rows"][n]["this"], cmp_["rows"][n]["other"]] for n in names]))
-        parts.append(f"<p class='note'>compared checkpoint: {_fmt(cmp_.get('checkpoint'))}</p>")
+        parts.append(f"<p class='note'>compared checkpoint: {_checkpoint_text(cmp_.get('checkpoint'))}</p>")
     else:
         parts.append("<p class='note'>no --compare checkpoint given</p>")
     parts.append("</section></body></html>")
@@ -242,6 +430,24 @@ def summary_table(report: dict) -> str:
         # index build stores a calibrated tau; this shows when the serving one came from elsewhere
         lines.append(f"  calibrated tau* = {cal:.4g} differs from the serving tau {serving:.4g}; "
                      f"to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}")
+    ga = (report.get("gaussianity") or {}).get("mardia")
+    if ga:
+        lines.append(f"  Mardia (n={ga['n']}, rank {ga['rank']}, {ga['calibration']}): skewness z={ga['skewness_z']:.3g} "
+                     f"p={ga['skewness_pvalue']:.3g}, kurtosis z={ga['kurtosis_z']:.3g} p={ga['kurtosis_pvalue']:.3g}")
+    tail = report.get("tail")
+    if tail:
+        gp = tail["gpd"]
+        ch = gp["fits"][gp["chosen"]]
+        lines.append(f"  tail: GPD xi={ch['xi']:.3f} [{ch['xi_low']:.3f}, {ch['xi_high']:.3f}] at u={ch['threshold']:.4g} "
+                     f"(quantile {ch['quantile']:.3g}); xi over thresholds {min(f['xi'] for f in gp['fits']):.3f}.."
+                     f"{max(f['xi'] for f in gp['fits']):.3f}; endpoint {ch['endpoint']:.4g}")
+        wg = tail.get("weibull_gumbel")
+        if wg:
+            lines.append(f"  Weibull vs Gumbel (MLE, m={wg['m']}): median dAIC {wg['daic_median']:.3g}, "
+                         f"{100 * wg['fraction_weibull']:.0f} % of queries favour Weibull")
+    kl = report.get("k_law")
+    if kl and kl.get("summary"):
+        lines.append(f"  1/k law: {kl['summary']['text']}")
     if report.get("compare"):
         lines.append("  before/after (this vs compared):")
         for n, r in report["compare"]["rows"].items():

@@ -66,9 +66,10 @@ def _profile_max(sums: np.ndarray, counts: np.ndarray, theta: np.ndarray) -> tup
         h = np.where(ok, 0.5 * (l0 - l2) / np.where(ok, den, -1.0), 0.0)        # |h| <= 1/2
     nb = np.where(h >= 0, jp, jm)
     frac = np.abs(h)
-    th = np.where(ok, th + frac * (theta[nb] - theta[j]), th)
-    x = np.where(ok, x + frac * (xi[rows, nb] - x), x)
-    l1 = np.where(ok, l1 - 0.25 * (l0 - l2) * h, l1)
+    with np.errstate(invalid="ignore"):  # rows without a finite neighbour keep their grid value
+        th = np.where(ok, th + frac * (theta[nb] - theta[j]), th)
+        x = np.where(ok, x + frac * (xi[rows, nb] - x), x)
+        l1 = np.where(ok, l1 - 0.25 * (l0 - l2) * h, l1)
     bad = ~np.isfinite(ll[rows, j])
     th[bad], x[bad], l1[bad] = np.nan, np.nan, np.nan
     return th, x, l1, j
@@ -290,7 +291,7 @@ def plot_threshold_stability(gpd: dict) -> bytes:
     a1.plot(u[k], xi[k], "o", ms=11, mfc="none", mec="C3", mew=1.5, label="chosen threshold")
     a1.axhline(0, color="grey", lw=0.6)
     a1.set_xlabel("threshold u (similarity)")
-    a1.set_ylabel("GPD shape xi")
+    a1.set_ylabel("GPD shape ξ")
     a1.legend(fontsize=7)
     top = a1.secondary_xaxis("top")
     top.set_xticks(u[:: max(1, len(u) // 5)], [f"{f['quantile']:.3g}" for f in fits[:: max(1, len(u) // 5)]],
@@ -299,10 +300,10 @@ def plot_threshold_stability(gpd: dict) -> bytes:
     ep = np.array([f["endpoint"] for f in fits])
     epc = np.array([f["endpoint_constrained"] for f in fits])
     a2.plot(u, np.where(np.isfinite(ep), ep, np.nan), "o-", ms=4, label="unconstrained fit")
-    a2.plot(u, epc, "s--", ms=3, label="fit constrained to s <= 1")
+    a2.plot(u, epc, "s--", ms=3, label="fit constrained to s ≤ 1")
     a2.axhline(gpd["bound"], color="C3", lw=0.8, ls=":", label="cosine bound s = 1")
     a2.set_xlabel("threshold u (similarity)")
-    a2.set_ylabel("fitted endpoint u + sigma / (-xi)")
+    a2.set_ylabel("fitted endpoint u + σ / (−ξ)")
     a2.legend(fontsize=7)
     fig.tight_layout()
     return _png(fig)
@@ -318,7 +319,7 @@ def plot_tail(tail: dict) -> bytes:
     ax.semilogy(exc + g["threshold"], surv, ".", ms=2, label=f"empirical ({exc.size} excesses)")
     grid = np.linspace(0, exc.max() if exc.size else 1, 200)
     ax.semilogy(grid + g["threshold"], stats.genpareto.sf(grid, g["xi"], 0, g["scale"]), "r-",
-                label=f"GPD xi = {g['xi']:.3f} [{g['xi_low']:.3f}, {g['xi_high']:.3f}]")
+                label=f"GPD ξ = {g['xi']:.3f} [{g['xi_low']:.3f}, {g['xi_high']:.3f}]")
     ax.set_xlabel("negative similarity s")
     ax.set_ylabel("P(S > s | S > u)")
     ax.legend(fontsize=7)
@@ -333,7 +334,7 @@ def plot_daic(daic) -> bytes:
     fig, ax = plt.subplots(figsize=(5.0, 3.2))
     ax.hist(d, bins=min(40, max(10, d.size // 8)), color="C0", alpha=0.8)
     ax.axvline(0, color="k", lw=0.8)
-    ax.set_xlabel("dAIC = AIC(Gumbel) - AIC(Weibull)   (> 0 favours Weibull)")
+    ax.set_xlabel("ΔAIC = AIC(Gumbel) − AIC(Weibull)   (> 0 favours Weibull)")
     ax.set_ylabel("queries")
     fig.tight_layout()
     return _png(fig)

@@ -37,6 +37,13 @@ def _check_html(path, sections=SECTIONS, n_img=5):
     imgs = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
     assert len(imgs) >= n_img
     assert "http://" not in text and "https://" not in text  # self-contained
+    # every plot has a caption underneath; the tail section opens with the threshold-stability plot
+    assert text.count("<figcaption>") == len(imgs)
+    tail = text.split("<section id='tail'>", 1)[1]
+    assert tail.index("alt='threshold stability'") < tail.index("<table")
+    settings = text.split("<section id='settings'>", 1)[1].split("</section>", 1)[0]
+    for needed in ("embedding dimension d", "regulariser weight", "random projections", "level 5 %"):
+        assert needed in settings, needed
     return text
 
 
@@ -51,6 +58,13 @@ def test_eval_checkpoint_synthetic_matches_library(ckpts, tmp_path, capsys):
     rep = json.loads((out / "report.json").read_text())
     text = _check_html(out / "report.html")
     assert "exact" in text and rep["generator"]["name"] == "latent"
+    assert str(tmp_path) not in text and str(tmp_path) not in json.dumps(rep)  # no absolute paths
+    assert rep["checkpoint"]["file"] == "a.safetensors" and rep["compare"]["checkpoint"]["file"] == "b.safetensors"
+    ga, tail = rep["gaussianity"], rep["tail"]
+    assert ga["n"] == 24 and ga["d"] == 8 and ga["mardia"]["n_null"] == 199 and ga["projections"]["n_projections"] == 64
+    assert "r(x, y) <= 1" in tail["negatives_rule"] and tail["gpd"]["n_queries"] == 24
+    assert tail["weibull_gumbel"]["n_queries"] == 24 and "maximum likelihood" in tail["weibull_gumbel"]["method"]
+    assert rep["k_law"]["summary"]["text"] in text
     # independent recomputation with the contract's embed() and the library functions
     enc, _ = load_checkpoint(a)
     db = create_dataset("synthetic", "train", size=64, seed=0)
@@ -83,7 +97,7 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
                  "--k-law-samples", "100", "--temperature", "0.3"]) == 0
     rep = json.loads((out / "report.json").read_text())
     _check_html(out / "report.html")
-    assert rep["generator"]["name"] == "label" and rep["index"]["root"] == str(root)
+    assert rep["generator"]["name"] == "label" and rep["index"]["root"] == root.name  # no absolute paths in a report
     enc, _ = load_checkpoint(a)
     qs = create_dataset("fashion-mnist", "test", size=30, seed=0)
     zq, zdb = embed(enc, qs, progress=False), embed(enc, db, progress=False)
