@@ -48,9 +48,21 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+EXPERIMENTS = {
+    "anneal": "Langevin temperature annealing on a planted InfoNCE landscape (log vs exp vs cosine schedules)",
+}
+EXPERIMENT_USAGE = ("usage: softsearch experiment NAME [options]\n\nexperiments:\n"
+                    + "".join(f"  {k:<10} {v}\n" for k, v in EXPERIMENTS.items())
+                    + "\n`softsearch experiment NAME --help` lists each experiment's options.\n")
+
+
 def _experiment(argv: list[str]) -> int:
-    if not argv or argv[0] != "anneal":
-        raise ValueError("unknown experiment; available: 'softsearch experiment anneal'")
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(EXPERIMENT_USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {argv[0]!r}; available: {', '.join(EXPERIMENTS)} "
+                         "(softsearch experiment --help)")
     from training.anneal_experiment import main as anneal_main
 
     return anneal_main(argv[1:])

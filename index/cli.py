@@ -103,9 +103,11 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-activate", action="store_true", help="commit the version without activating it")
 
     def embedding(sp):
-        sp.add_argument("--batch-size", type=int, default=256)
-        sp.add_argument("--num-workers", type=int, default=0)
-        sp.add_argument("--shard-size", type=int, default=8192, help="items per resumable embedding shard")
+        sp.add_argument("--batch-size", type=int, default=256, help="images per forward pass (default 256)")
+        sp.add_argument("--num-workers", type=int, default=0, help="DataLoader decode workers (default 0)")
+        sp.add_argument("--shard-size", type=int, default=8192,
+                        help="items per resumable embedding shard (default 8192); under torchrun shard s is "
+                             "embedded by rank s %% WORLD_SIZE")
         sp.add_argument("--device", default=None, help="torch device (default: cuda if available)")
         activation(sp)
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")

@@ -190,6 +190,16 @@ def _item_id(dataset, i: int) -> str:
         return str(i)
 
 
+def _ranges(shards: list[int]) -> str:
+    """'0-3, 8' style listing of shard numbers (a step > 1 is written as 0,2..8)."""
+    if not shards:
+        return "none"
+    if len(shards) > 2 and len({b - a for a, b in zip(shards, shards[1:])}) == 1:
+        step = shards[1] - shards[0]
+        return f"{shards[0]}-{shards[-1]}" if step == 1 else f"{shards[0]},{shards[1]}..{shards[-1]}"
+    return ", ".join(map(str, shards))
+
+
 def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.ndarray, *, shard_size: int = 8192,
                  batch_size: int = 256, num_workers: int = 0, device=None, rank: int = 0, world_size: int = 1,
                  progress: bool = True) -> int:
@@ -197,7 +207,11 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
     cache_dir = Path(cache_dir)
     indices = np.asarray(indices, dtype=np.int64)
     n_shards = shard_count(len(indices), shard_size)
-    mine = [s for s in range(n_shards) if s % world_size == rank and not _shard_done(cache_dir, s)]
+    assigned = [s for s in range(n_shards) if s % world_size == rank]
+    mine = [s for s in assigned if not _shard_done(cache_dir, s)]
+    logger.info("embedding %d items in %d shard(s) of %d over %d rank(s) (shard s on rank s %% %d): rank %d: "
+                "shards [%s] (%d to embed, %d already on disk)", len(indices), n_shards, shard_size, world_size,
+                world_size, rank, _ranges(assigned), len(mine), len(assigned) - len(mine))
     if not mine:
         return 0
     device = torch.device(device) if device is not None else next(encoder.parameters()).device

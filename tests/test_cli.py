@@ -30,6 +30,38 @@ def test_unknown_experiment_is_one_line(capsys) -> None:
     assert capsys.readouterr().err.startswith("error: unknown experiment")
 
 
+def test_experiment_help_lists_experiments(capsys) -> None:
+    from api.cli import EXPERIMENTS
+
+    assert main(["experiment", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in EXPERIMENTS) and "anneal" in out
+    assert main(["experiment"]) == 2 and "usage: softsearch experiment" in capsys.readouterr().out
+
+
+def test_help_shows_defaults(capsys) -> None:
+    """index build states its shard size; train lists every schedule's options with their defaults."""
+    for argv in (["index", "build", "--help"], ["train", "--help"]):
+        try:
+            rc = main(argv)
+        except SystemExit as exit_:  # argparse's --help
+            rc = exit_.code
+        assert rc in (0, None)
+    out = capsys.readouterr().out
+    assert "(default 8192)" in out
+    assert "cosine     tau_min = 0.1, tau_max = 1.0, period = 400.0" in out
+    assert "schedule_options={tau_min" in out
+
+
+def test_switching_schedule_hints_at_replacing_its_options(capsys) -> None:
+    """configs/tiny.toml sets schedule_options = {tau = 0.2}; cosine does not take tau."""
+    assert main(["train", "--config", "configs/tiny.toml", "--set", 'schedule="cosine"', "--set", "steps=1",
+                 "--set", 'out_dir="/nonexistent/never-written"']) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "'cosine' takes tau_min, tau_max, period" in err
+    assert "--set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'" in err
+
+
 def test_console_script_missing_config_exits_2_without_traceback(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "api.cli", "train", "--config", str(tmp_path / "nope.toml")],

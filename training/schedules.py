@@ -31,6 +31,31 @@ SCHEDULES: dict[str, type["TemperatureSchedule"]] = {}
 register_schedule = make_register(SCHEDULES, "schedule")
 
 
+def schedule_options(name: str) -> dict:
+    """The options schedule ``name`` takes, with their defaults (from its constructor)."""
+    import inspect
+
+    sig = inspect.signature(SCHEDULES[name].__init__)
+    return {p.name: p.default for p in list(sig.parameters.values())[1:] if p.default is not inspect.Parameter.empty}
+
+
+def _toml(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return repr(value) if not isinstance(value, bool) else str(value).lower()
+
+
+def describe_schedules() -> str:
+    """One line per registered schedule: its options with defaults (for --help)."""
+    lines = []
+    for name in sorted(SCHEDULES):
+        opts = ", ".join(f"{k} = {_toml(v)}" for k, v in schedule_options(name).items())
+        lines.append(f"  {name:<10} {opts}")
+    return "\n".join(lines)
+
+
 def create_schedule(name: str, **options) -> "TemperatureSchedule":
     """Build the schedule registered as ``name`` with keyword ``options``."""
     if name not in SCHEDULES:
@@ -38,7 +63,13 @@ def create_schedule(name: str, **options) -> "TemperatureSchedule":
     try:
         return SCHEDULES[name](**options)
     except TypeError as exc:  # unknown / missing keyword -> user error naming the options
-        raise ValueError(f"bad options for schedule {name!r}: {options!r} ({exc})") from exc
+        takes = schedule_options(name)
+        inline = ", ".join(f"{k} = {_toml(v)}" for k, v in takes.items() if k != "steps_per_epoch" and v is not None
+                           and not (isinstance(v, float) and math.isinf(v)))
+        raise ValueError(f"bad options for schedule {name!r}: {options!r} ({exc}). {name!r} takes "
+                         f"{', '.join(takes)}; an options table inherited from a config file must be replaced "
+                         f"whole, e.g. --set 'schedule_options={{{inline}}}' (noise_options for a noise "
+                         f"schedule)") from exc
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> float:

@@ -511,10 +511,17 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from training.schedules import describe_schedules
+
     parser = argparse.ArgumentParser(
         prog="softsearch train",
         description="Train a contrastive image encoder from a TOML config. Runs unchanged under "
                     "`torchrun --nproc-per-node N` (batch_size is the global batch).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="temperature schedules (schedule = NAME, options in [schedule_options]; the same for\n"
+               "noise_schedule / [noise_options]), with their defaults:\n" + describe_schedules() +
+               "\n\nswitching schedule replaces the options table whole, e.g.\n"
+               "  --set schedule='\"cosine\"' --set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
     )
     parser.add_argument("--config", help="TOML config file (configs/synthetic.toml, ...); defaults if omitted")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -142,3 +142,22 @@ def test_cpu_streams_equal_one_forward(tmp_path, encoder):
     res = embed_dataset(conv, base, tmp_path, batch_size=64, progress=False)
     np.testing.assert_allclose(res.embeddings, embed(conv, base.tensors(np.arange(70)), progress=False), atol=1e-6)
     assert torch.get_num_threads() == before
+
+
+def test_logs_the_shard_split_per_rank(tmp_path, encoder, caplog):
+    """Each rank says which shards are its (s % world) and how many are left to embed."""
+    import logging
+
+    from index.embed import embed_shards
+
+    base = create_dataset("synthetic", size=50, seed=0)
+    with caplog.at_level(logging.INFO, logger="index.embed"):
+        assert embed_shards(encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2,
+                            progress=False) == 2                           # shards 1 and 3 of 0..4
+    msg = [r.getMessage() for r in caplog.records if "shard" in r.getMessage()][-1]
+    assert "50 items in 5 shard(s) of 10 over 2 rank(s)" in msg
+    assert "rank 1: shards [1, 3] (2 to embed, 0 already on disk)" in msg
+    with caplog.at_level(logging.INFO, logger="index.embed"):   # a rerun finds them done
+        assert embed_shards(encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2,
+                            progress=False) == 0
+    assert "(0 to embed, 2 already on disk)" in caplog.records[-1].getMessage()

@@ -70,6 +70,18 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
     assert "runs in global basin" in capsys.readouterr().out
 
 
+def test_seed_option_changes_the_noise_and_is_recorded(tmp_path):
+    runs = {}
+    for seed in (1, 2):
+        out = tmp_path / str(seed)
+        assert main(["--steps", "60", "--seeds", "1", "--particles", "8", "--schedules", "log", "--seed", str(seed),
+                     "--out", str(out), "--no-plot"]) == 0
+        runs[seed] = json.loads((out / "anneal.json").read_text())
+    assert runs[1]["config"]["seed"] == 1 and runs[2]["config"]["seed"] == 2
+    assert runs[1]["results"][0]["trajectory_global_half"] != runs[2]["results"][0]["trajectory_global_half"] or \
+        runs[1]["results"][0]["final_energy_gap"] != runs[2]["results"][0]["final_energy_gap"]
+
+
 def test_bad_schedule_name():
     with pytest.raises(ValueError, match="warm"):
         run_experiment(AnnealConfig(schedules=("warm",)))
