@@ -31,7 +31,6 @@ pool of embeddings with the pool-normalised ratio r~(x, y_j) = r(x, y_j) / mean_
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 from dataclasses import dataclass, field
@@ -41,6 +40,8 @@ import numpy as np
 from scipy import stats
 from scipy.special import i0e, logsumexp
 from tqdm import tqdm
+
+from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -273,11 +274,7 @@ def plot_k_law(result: KLawResult) -> bytes:
     the right title is `k_law_summary`'s sentence."""
     import textwrap
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.0))
     ks = result.ks
     z = 1.96
@@ -301,7 +298,4 @@ def plot_k_law(result: KLawResult) -> bytes:
     a2.set_ylabel("k × (risk − E H(q,p))  [nats]")
     a2.set_title("\n".join(textwrap.wrap(k_law_summary(result)["text"], 62)), fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)

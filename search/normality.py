@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import functools
-import io
 import logging
 import math
 
 import numpy as np
 import torch
 from scipy import stats
+
+from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 
@@ -184,11 +185,7 @@ def gaussianity(features, alpha: float = 0.05, n_projections: int = 64, max_dims
 
 def plot_qq(samples: dict[str, np.ndarray]) -> bytes:
     """PNG bytes: normal QQ plots of standardised 1-D samples, one panel per name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = max(len(samples), 1)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.2), squeeze=False)
     for ax, (name, x) in zip(axes[0], samples.items()):
@@ -201,7 +198,4 @@ def plot_qq(samples: dict[str, np.ndarray]) -> bytes:
         ax.set_xlabel("normal quantile")
     axes[0][0].set_ylabel("standardised sample quantile")
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig)

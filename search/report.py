@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import json
 import logging
 import math
@@ -16,30 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
+from search.figures import png_bytes, pyplot
+
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("settings", "generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    _plt().close(fig)
-    return buf.getvalue()
-
-
 def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40) -> bytes:
     """Ideal q(j|x) vs learned p(j|x) for a few queries: the `top` database items by q, in q order."""
-    plt = _plt()
+    plt = pyplot()
     n = q.shape[0]
     fig, axes = plt.subplots(1, n, figsize=(3.4 * n, 3.0), squeeze=False)
     for ax, qi, pi, title in zip(axes[0], q, p, titles):
@@ -52,7 +37,7 @@ def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40)
     axes[0][0].set_ylabel("probability")
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def log_axis(ax, axis: str = "x") -> None:
@@ -71,7 +56,7 @@ def log_axis(ax, axis: str = "x") -> None:
 
 def plot_gap_vs_tau(curve_tau, curve_kl, tau_star: float, train_tau: float | None, serving_tau: float | None = None) -> bytes:
     """Mean KL(q||p) against tau (log x) with tau* (and the training / serving tau) marked."""
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.4, 3.5))
     ax.plot(curve_tau, curve_kl, "o-", ms=3)
     ax.axvline(tau_star, color="C2", ls="--", label=f"calibrated τ* = {tau_star:.4g}")
@@ -85,7 +70,7 @@ def plot_gap_vs_tau(curve_tau, curve_kl, tau_star: float, train_tau: float | Non
     ax.set_ylabel("mean KL(q || p)  [nats]")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def _fmt(v, digits: int = 4) -> str:

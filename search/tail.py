@@ -24,7 +24,6 @@ reported beside it as the loss's proxy; it is not an AIC.)
 """
 from __future__ import annotations
 
-import io
 import logging
 import math
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from scipy import stats
 
+from search.figures import png_bytes, pyplot
 from training.weince import tail_fit
 
 logger = logging.getLogger(__name__)
@@ -262,25 +262,9 @@ def tail_diagnostics(query_emb, db_emb, negatives=None, top_m: int = 32, n_boot:
     return out
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    _plt().close(fig)
-    return buf.getvalue()
-
-
 def plot_threshold_stability(gpd: dict) -> bytes:
     """PNG bytes: xi with its bootstrap interval (left) and the fitted endpoint (right) against the threshold."""
-    plt = _plt()
+    plt = pyplot()
     fits = gpd["fits"]
     u = np.array([f["threshold"] for f in fits])
     xi = np.array([f["xi"] for f in fits])
@@ -306,12 +290,12 @@ def plot_threshold_stability(gpd: dict) -> bytes:
     a2.set_ylabel("fitted endpoint u + σ / (−ξ)")
     a2.legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_tail(tail: dict) -> bytes:
     """PNG bytes: empirical survival of the excesses over the chosen threshold vs the fitted GPD (log y)."""
-    plt = _plt()
+    plt = pyplot()
     g = tail["gpd"]["fits"][tail["gpd"]["chosen"]]
     exc = np.asarray(tail["exceedances"])
     fig, ax = plt.subplots(figsize=(5.0, 3.5))
@@ -324,12 +308,12 @@ def plot_tail(tail: dict) -> bytes:
     ax.set_ylabel("P(S > s | S > u)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_daic(daic) -> bytes:
     """PNG bytes: histogram of the per-query dAIC (Gumbel - Weibull) with 0 marked."""
-    plt = _plt()
+    plt = pyplot()
     d = np.asarray(daic, np.float64)
     fig, ax = plt.subplots(figsize=(5.0, 3.2))
     ax.hist(d, bins=min(40, max(10, d.size // 8)), color="C0", alpha=0.8)
@@ -337,4 +321,4 @@ def plot_daic(daic) -> bytes:
     ax.set_xlabel("ΔAIC = AIC(Gumbel) − AIC(Weibull)   (> 0 favours Weibull)")
     ax.set_ylabel("queries")
     fig.tight_layout()
-    return _png(fig)
+    return png_bytes(fig)
