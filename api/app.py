@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from api import swap
-from api.batching import MicroBatcher
+from api.batching import ActiveRequests, ActiveRequestsMiddleware, MicroBatcher
 from api.config import Settings
 from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
@@ -169,8 +169,10 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.swap_lock = threading.Lock()   # one swap at a time (admin reloads, the follower)
     app.state.load_error = load_error
 
+    active = ActiveRequests()
     app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
-                                     settings.batch_max_wait_ms, metrics, workers=settings.batch_workers)
+                                     settings.batch_max_wait_ms, metrics, workers=settings.batch_workers,
+                                     active=active)
 
     metrics.observe_searcher(searcher)
 
@@ -179,7 +181,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    # add_middleware wraps: the last added (metrics) is outermost, so it also counts 413s and 429s
+    # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so they count 413s and 429s
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
@@ -187,8 +189,9 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
                            admin_token=settings.admin_token)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.forwarded_allow_ips:
-        # outermost: the client address every layer below sees (the rate-limit key) is the
+        # outside the limits: the client address every layer below sees (the rate-limit key) is the
         # X-Forwarded-For one only when the TCP peer is one of these trusted proxies
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
+    app.add_middleware(ActiveRequestsMiddleware, active=active)  # outermost: counts every request
     return app
 

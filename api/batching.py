@@ -1,13 +1,16 @@
 """Micro-batching: concurrent queries share one encoder forward and one index search.
 
-Requests go into an asyncio queue; a worker task takes the first waiting request, waits up
-to `max_wait_ms` for up to `max_batch_size - 1` more, and runs the batch in a dedicated
-thread (so the event loop stays free): one snapshot of the searcher, one `encode` of all
-images, one `search` with the largest k, then each request gets its own top-k prefix.
-While a batch runs, new requests queue up, so under load batches fill by themselves; with
-`max_wait_ms == 0` (the default) that adaptive batching is all there is, and a lone query
-never waits. `workers` batches may run at once (torch releases the GIL, so they use
-separate cores).
+Requests go into an asyncio queue; once one of `workers` batch threads is free, a dispatcher
+task takes the first waiting request, waits up to `max_wait_ms` for up to `max_batch_size - 1`
+more, and runs the batch in that thread (so the event loop stays free): one snapshot of the
+searcher, one `encode` of all images, one `search` with the largest k, then each request gets
+its own top-k prefix. While every thread is busy, new requests queue up, so under load batches
+fill by themselves; with `max_wait_ms == 0` (the default) that adaptive batching is all there
+is, and a query that finds the queue empty and a thread free skips the queue altogether (it
+would form a batch of one anyway). A query that is the only HTTP request in the process runs on
+the event loop itself: at one client the request never changes threads (on a loaded machine each
+wake-up of another thread waits for a time slice). `workers` batches may run at once (torch
+releases the GIL, so they use separate cores).
 `max_batch_size == 1` disables batching: each query runs directly in the thread pool.
 """
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 import anyio.to_thread
 import numpy as np
 from PIL import Image
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.metrics import Metrics
 from search.normaliser import LogZEstimate
@@ -45,7 +50,7 @@ class QueryResult:
 
 @dataclass
 class _Pending:
-    image: Image.Image | Callable[[], Image.Image] | None  # an image, or a decoder run in the batch thread
+    image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray] | None  # image/pixels, or a decoder
     vector: np.ndarray | None
     k: int
     temperature: float | None
@@ -57,7 +62,7 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
     n = len(batch)
     out: list[QueryResult | Exception | None] = [None] * n
     vecs = np.zeros((n, snapshot.dim), dtype=np.float32)  # (B, D)
-    images: dict[int, Image.Image] = {}
+    images: dict[int, Image.Image | np.ndarray] = {}
     for i, p in enumerate(batch):
         if p.image is None:
             continue
@@ -91,12 +96,39 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
     return out  # type: ignore[return-value]
 
 
+class ActiveRequests:
+    """HTTP requests this process has received and not yet answered (ActiveRequestsMiddleware counts)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class ActiveRequestsMiddleware:
+    """ASGI middleware keeping `ActiveRequests.count` (outermost, so a request counts from its headers on)."""
+
+    def __init__(self, app: ASGIApp, active: ActiveRequests):
+        self.app, self.active = app, active
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.active.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active.count -= 1
+
+
 class MicroBatcher:
     """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
 
     def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
-                 max_wait_ms: float = 0.0, metrics: Metrics | None = None, workers: int = 1):
-        """`searcher` may be a callable returning the current Searcher (the app swaps it on reload)."""
+                 max_wait_ms: float = 0.0, metrics: Metrics | None = None, workers: int = 1,
+                 active: ActiveRequests | None = None):
+        """`searcher` may be a callable returning the current Searcher (the app swaps it on reload).
+        With `active` (the app's request count), a query that is the only request in the process
+        runs on the event loop itself (see `_submit`)."""
         assert max_batch_size >= 1 and max_wait_ms >= 0 and workers >= 1, "bad batching settings"
         self._source = searcher
         self.max_batch_size = int(max_batch_size)
@@ -106,7 +138,11 @@ class MicroBatcher:
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="softsearch-batch")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue | None = None
+        self._slots: asyncio.Semaphore | None = None  # free batch threads (<= workers batches in flight)
         self._tasks: list[asyncio.Task] = []
+        self._running: set[asyncio.Task] = set()
+        self._active = active
+        self.inline_answers = 0  # queries answered on the event loop (the lone-request path)
 
     def snapshot(self) -> SearchSnapshot:
         """The current searcher's snapshot; NotReadyError if none is loaded."""
@@ -119,7 +155,7 @@ class MicroBatcher:
     def enabled(self) -> bool:
         return self.max_batch_size > 1
 
-    async def search_image(self, image: Image.Image | Callable[[], Image.Image], k: int,
+    async def search_image(self, image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray], k: int,
                            temperature: float | None = None) -> QueryResult:
         """Search with one image; `image` may be a zero-argument decoder (its errors are re-raised here)."""
         return await self._submit(_Pending(image, None, k, temperature, None))  # type: ignore[arg-type]
@@ -136,12 +172,30 @@ class MicroBatcher:
                 raise result
             return result
         self._ensure_worker()
+        if self.max_wait == 0 and self._active is not None and not self._running and self._queue.empty():
+            # One pass of the loop lets requests that arrived with this one start (and count); if it is
+            # still the only request and nothing runs, answer it here: no thread hop there and back,
+            # each of which waits for a time slice on a busy machine. It holds the loop for one query.
+            await asyncio.sleep(0)
+            if self._active.count <= 1 and not self._running and self._queue.empty():
+                result = _run_batch(snapshot, [pending])[0]
+                self.inline_answers += 1
+                self._observe(1)
+                if isinstance(result, Exception):
+                    raise result
+                return result
         pending.future = asyncio.get_running_loop().create_future()
-        await self._queue.put(pending)  # type: ignore[union-attr]
+        if self.max_wait == 0 and self._queue.empty() and not self._slots.locked():  # type: ignore[union-attr]
+            # nothing to batch with and a batch thread is free: run now, without the queue's
+            # round trip through the dispatcher task (the batch of one it would form anyway)
+            await self._slots.acquire()  # type: ignore[union-attr]  (free: returns at once)
+            self._start(snapshot, [pending])
+        else:
+            await self._queue.put(pending)  # type: ignore[union-attr]
         return await pending.future
 
     def _ensure_worker(self) -> None:
-        """Start the worker on the running loop (test clients may run each request on a new loop)."""
+        """Start the dispatcher on the running loop (test clients may run each request on a new loop)."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop or not self._tasks or any(t.done() for t in self._tasks):
             for t in self._tasks:
@@ -149,16 +203,19 @@ class MicroBatcher:
                     t.cancel()
             self._loop = loop
             self._queue = asyncio.Queue()
-            self._tasks = [loop.create_task(self._work(), name=f"softsearch-batcher-{i}") for i in range(self.workers)]
+            self._slots = asyncio.Semaphore(self.workers)
+            self._running = set()
+            self._tasks = [loop.create_task(self._dispatch(), name="softsearch-batcher")]
 
     def _observe(self, size: int) -> None:
         if self.metrics is not None:
             self.metrics.batch_size.observe(size)
 
-    async def _collect(self) -> list[_Pending]:
+    async def _collect(self, first: _Pending) -> list[_Pending]:
+        """`first` plus whatever waits in the queue, waiting up to max_wait for up to max_batch_size."""
         queue = self._queue
         assert queue is not None
-        batch = [await queue.get()]
+        batch = [first]
         deadline = time.monotonic() + self.max_wait
         while len(batch) < self.max_batch_size:
             try:
@@ -175,20 +232,42 @@ class MicroBatcher:
                 break
         return [p for p in batch if not p.future.done()]  # drop cancelled (client went away)
 
-    async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
+    async def _dispatch(self) -> None:
+        """Take the first waiting query once a batch thread is free, gather the batch, start it."""
+        queue, slots = self._queue, self._slots
+        assert queue is not None and slots is not None
         while True:
-            batch = await self._collect()
-            if not batch:
-                continue
+            first = await queue.get()
+            await slots.acquire()  # while every thread is busy, the queue fills: that is the batch
             try:
-                snapshot = self.snapshot()
-                results = await loop.run_in_executor(self._executor, _run_batch, snapshot, batch)
-            except asyncio.CancelledError:
-                for p in batch:
-                    if not p.future.done():
-                        p.future.cancel()
+                batch = await self._collect(first)
+            except BaseException:
+                slots.release()
                 raise
+            try:
+                snapshot = self.snapshot() if batch else None
+            except NotReadyError as err:
+                for p in batch:
+                    p.future.set_exception(err)
+                snapshot = None
+            if snapshot is None:
+                slots.release()
+            else:
+                self._start(snapshot, batch)
+
+    def _start(self, snapshot: SearchSnapshot, batch: list[_Pending]) -> None:
+        """Run `batch` in a batch thread (its slot is held) and answer its futures when done."""
+        task = asyncio.get_running_loop().create_task(self._run(snapshot, batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, snapshot: SearchSnapshot, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        slots = self._slots
+        assert slots is not None
+        try:
+            try:
+                results = await loop.run_in_executor(self._executor, _run_batch, snapshot, batch)
             except Exception as err:  # noqa: BLE001 - isolate a bad request: retry one by one
                 if len(batch) == 1:
                     results = [err]
@@ -197,22 +276,29 @@ class MicroBatcher:
                     results = []
                     for p in batch:
                         try:
-                            snapshot = self.snapshot()
-                            results.append((await loop.run_in_executor(self._executor, _run_batch, snapshot, [p]))[0])
+                            one = await loop.run_in_executor(self._executor, _run_batch, self.snapshot(), [p])
+                            results.append(one[0])
                         except Exception as one_err:  # noqa: BLE001
                             results.append(one_err)
-            self._observe(len(batch))
-            for p, r in zip(batch, results):
-                if p.future.done():
-                    continue
-                if isinstance(r, Exception):
-                    p.future.set_exception(r)
-                else:
-                    p.future.set_result(r)
+        except asyncio.CancelledError:
+            for p in batch:
+                if not p.future.done():
+                    p.future.cancel()
+            raise
+        finally:
+            slots.release()
+        self._observe(len(batch))
+        for p, r in zip(batch, results):
+            if p.future.done():
+                continue
+            if isinstance(r, Exception):
+                p.future.set_exception(r)
+            else:
+                p.future.set_result(r)
 
     async def aclose(self) -> None:
-        """Stop the worker (app shutdown)."""
-        for task in self._tasks:
+        """Stop the dispatcher and running batches (app shutdown)."""
+        for task in [*self._tasks, *self._running]:
             if not task.done():
                 task.cancel()
                 try:
@@ -220,6 +306,7 @@ class MicroBatcher:
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001
                     pass
         self._tasks = []
+        self._running = set()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

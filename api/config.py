@@ -68,8 +68,8 @@ class Settings(BaseModel):
     device: str = Field("cpu", description="torch device for the encoder")
     torch_threads: int | None = Field(
         None, ge=1, le=1024,
-        description="torch intra-op threads for the serve process (None = torch default); 1 is much faster "
-                    "on small or oversubscribed CPUs, where spinning OpenMP threads fight each other",
+        description="torch intra-op threads per serving process (None = cores / (workers x batch_workers), "
+                    "at least 1, so concurrent batches do not oversubscribe the CPU with spinning OpenMP threads)",
     )
     log_level: str = Field("info", description="uvicorn / logging level")
     normaliser: Literal["exact", "bounded", "auto"] = Field(

@@ -2,15 +2,18 @@
 
 Route handlers stay a few lines long by taking `SettingsDep`, `SearcherDep`, `BatcherDep`,
 `MetricsDep` and the `require_*` guards from here. HTTP errors live only in the api package.
+The dependencies are `async def` although none of them awaits: FastAPI runs a plain `def`
+dependency in its thread pool, one thread hop each (five per search request).
 """
 from __future__ import annotations
 
 import hmac
 import logging
+from dataclasses import dataclass
 from typing import Annotated
 
+import numpy as np
 from fastapi import Depends, Header, HTTPException, Request
-from PIL import Image
 
 from api.batching import MicroBatcher
 from api.config import Settings
@@ -29,15 +32,15 @@ class ApiError(HTTPException):
         self.code = code
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_metrics(request: Request) -> Metrics:
+async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
-def get_searcher(request: Request) -> Searcher:
+async def get_searcher(request: Request) -> Searcher:
     """The app's Searcher; 503 until an index and encoder are loaded."""
     searcher: Searcher | None = request.app.state.searcher
     if searcher is None or not searcher.ready:
@@ -45,7 +48,7 @@ def get_searcher(request: Request) -> Searcher:
     return searcher
 
 
-def get_snapshot(searcher: Annotated[Searcher, Depends(get_searcher)]) -> SearchSnapshot:
+async def get_snapshot(searcher: Annotated[Searcher, Depends(get_searcher)]) -> SearchSnapshot:
     """One (encoder, index version) snapshot for the whole request."""
     try:
         return searcher.snapshot()
@@ -53,7 +56,7 @@ def get_snapshot(searcher: Annotated[Searcher, Depends(get_searcher)]) -> Search
         raise ApiError(503, "not_ready", str(err)) from err
 
 
-def get_batcher(request: Request, searcher: Annotated[Searcher, Depends(get_searcher)]) -> MicroBatcher:
+async def get_batcher(request: Request, searcher: Annotated[Searcher, Depends(get_searcher)]) -> MicroBatcher:
     return request.app.state.batcher
 
 
@@ -64,19 +67,53 @@ SnapshotDep = Annotated[SearchSnapshot, Depends(get_snapshot)]
 BatcherDep = Annotated[MicroBatcher, Depends(get_batcher)]
 
 
+@dataclass(frozen=True)
+class SearchContext:
+    """What a search route needs, resolved by ONE dependency (each dependency FastAPI solves costs
+    Python time on the per-request path)."""
+
+    settings: Settings
+    batcher: MicroBatcher
+    snapshot: SearchSnapshot
+    metrics: Metrics
+
+
+def search_context(content_type: str):
+    """Dependency factory for the search routes: 415 unless the media type is `content_type`, 503
+    until an index is loaded, else the request's SearchContext (one snapshot for the whole query)."""
+
+    async def resolve(request: Request) -> SearchContext:
+        _check_media(request, (content_type,))
+        state = request.app.state
+        searcher: Searcher | None = state.searcher
+        if searcher is None or not searcher.ready:
+            raise ApiError(503, "not_ready", "no index is loaded yet; see GET /readyz")
+        try:
+            snapshot = searcher.snapshot()
+        except NotReadyError as err:
+            raise ApiError(503, "not_ready", str(err)) from err
+        return SearchContext(state.settings, state.batcher, snapshot, state.metrics)
+
+    return resolve
+
+
+def _check_media(request: Request, allowed: tuple[str, ...]) -> None:
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media not in allowed:
+        raise ApiError(415, "unsupported_media_type",
+                       f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}")
+
+
 def require_content_type(*allowed: str):
     """Dependency factory: 415 unless the request's media type is one of `allowed`."""
 
-    def check(request: Request) -> None:
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media not in allowed:
-            raise ApiError(415, "unsupported_media_type",
-                           f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}")
+    async def check(request: Request) -> None:
+        _check_media(request, allowed)
 
     return check
 
 
-def require_admin(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
+async def require_admin(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:
     """Bearer-token guard for /v1/admin/*: 404 when no token is configured (routes disabled),
     401 without credentials, 403 with wrong ones. Compared in constant time."""
     if settings.admin_token is None:
@@ -109,8 +146,8 @@ _UPLOAD_ERRORS = {
 }
 
 
-def decode_image(data: bytes, settings: Settings, side: int | None = None, square: bool = False) -> Image.Image:
-    """Upload bytes -> RGB PIL image through training.images (the decode policy every path uses),
+def decode_image(data: bytes, settings: Settings, side: int | None = None, square: bool = False) -> np.ndarray:
+    """Upload bytes -> (H, W, 3) uint8 RGB pixels through training.images (the decode policy every path uses),
     or a 4xx naming the problem: size in bytes (413), not an image (400), width x height over
     max_image_pixels from the header before any pixel is decoded (413), truncated data (400).
 
@@ -129,4 +166,4 @@ def decode_image(data: bytes, settings: Settings, side: int | None = None, squar
     except ImageError as err:
         status, code = _UPLOAD_ERRORS.get(err.code, (400, "not_an_image"))
         raise ApiError(status, code, str(err)) from err
-    return Image.fromarray(pixels)
+    return pixels

@@ -154,6 +154,18 @@ class MetricsMiddleware:
 
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app, self.metrics = app, metrics
+        self._children: dict[tuple[str, str, str], tuple] = {}  # labels -> (counter, histogram) children
+
+    def _observe(self, template: str, method: str, status: str, seconds: float) -> None:
+        key = (template, method, status)
+        children = self._children.get(key)
+        if children is None:  # labels() validates and locks on every call: once per label set instead
+            children = (self.metrics.requests.labels(template, method, status),
+                        self.metrics.latency.labels(template, method))
+            if len(self._children) < 4096:  # route templates bound the label sets; this bounds the cache
+                self._children[key] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,7 +183,4 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            template = _route_label(scope)
-            method = scope.get("method", "GET")
-            self.metrics.requests.labels(template, method, str(status)).inc()
-            self.metrics.latency.labels(template, method).observe(time.perf_counter() - start)
+            self._observe(_route_label(scope), scope.get("method", "GET"), str(status), time.perf_counter() - start)

@@ -89,8 +89,9 @@ def in_process_baseline(root: Path, payloads: list[bytes], duration: float, batc
             "n": len(lat) * batch}
 
 
-def run_load(url: str, clients: int, duration: float, payloads: list[bytes]) -> dict:
-    """`clients` threads POST random query images for `duration` seconds."""
+def run_load(url: str, clients: int, duration: float, payloads: list[bytes], path: str = "/v1/search",
+             keep_latencies: bool = False) -> dict:
+    """`clients` threads POST random query images to `path` for `duration` seconds (closed loop)."""
     lat: list[float] = []
     errors = 0
     lock = threading.Lock()
@@ -105,7 +106,7 @@ def run_load(url: str, clients: int, duration: float, payloads: list[bytes]) -> 
                 data = payloads[int(rng.integers(len(payloads)))]
                 t0 = time.perf_counter()
                 try:
-                    ok = http.post("/v1/search", files={"file": ("q.png", data, "image/png")},
+                    ok = http.post(path, files={"file": ("q.png", data, "image/png")},
                                    data={"k": "10"}).status_code == 200
                 except httpx.HTTPError:
                     ok = False
@@ -121,8 +122,11 @@ def run_load(url: str, clients: int, duration: float, payloads: list[bytes]) -> 
         t.join()
     elapsed = time.perf_counter() - start
     lat.sort()
-    return {"qps": len(lat) / elapsed, "p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat),
-            "errors": errors}
+    out = {"qps": len(lat) / elapsed, "p50": percentile(lat, 50), "p99": percentile(lat, 99), "n": len(lat),
+           "errors": errors, "elapsed": elapsed}
+    if keep_latencies:
+        out["latencies"] = lat
+    return out
 
 
 def free_port() -> int:

@@ -82,6 +82,12 @@ def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np
     """
     q = np.asarray(queries, dtype=np.float32)
     inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)  # (Q,)
+    if isinstance(embeddings, np.memmap):  # the same mapped pages, without np.memmap's per-operation overhead
+        embeddings = embeddings.view(np.ndarray)
+    if 0 < embeddings.shape[0] <= block:  # one block: log Z = m + log sum_l exp(logit_l - m), m = max_l logit_l
+        logits = (q @ embeddings.T).astype(np.float64) * inv_tau[:, None]  # (Q, N)
+        m = logits.max(axis=1)
+        return m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
     m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
     acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
     for start in range(0, embeddings.shape[0], block):

@@ -38,8 +38,9 @@ from PIL import Image
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
+from search.inference import InferenceEncoder
 from training.datasets import dataset_is_file_backed
-from training.encoder import Encoder, embed
+from training.encoder import Encoder
 from training.transforms import preprocess
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class SearchSnapshot:
     temperature: float
     block: int = DEFAULT_BLOCK
     normaliser: Normaliser | None = None                       # None: exact
+    runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -142,16 +144,23 @@ class SearchSnapshot:
     def manifest(self) -> dict:
         return self.index.manifest
 
-    def encode(self, images: Sequence[Image.Image]) -> np.ndarray:
-        """PIL images -> unit embeddings (B, D) float32, one encoder forward."""
+    def encode(self, images: Sequence[Image.Image | np.ndarray]) -> np.ndarray:
+        """PIL images or (H, W, 3) uint8 RGB arrays -> unit embeddings (B, D) float32, one encoder forward."""
         if len(images) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        x = preprocess(list(images), self.encoder.image_size)  # (B, 3, S, S)
-        return embed(self.encoder, x, batch_size=max(1, len(images)), progress=False)
+        if all(isinstance(im, np.ndarray) for im in images) and len({im.shape for im in images}) == 1:
+            x = preprocess(np.stack(images), self.encoder.image_size)  # one vectorised resize for the batch
+        else:
+            x = preprocess([im if isinstance(im, Image.Image) else Image.fromarray(im) for im in images],
+                           self.encoder.image_size)  # (B, 3, S, S)
+        runner = self.runner if self.runner is not None else InferenceEncoder(self.encoder, optimise=False)
+        return runner(x)
 
     def resolve_temperatures(self, n: int, temperature: float | Sequence[float | None] | None) -> np.ndarray:
         """Per-query tau: the given value(s), None -> the manifest's search temperature."""
-        if temperature is None or isinstance(temperature, (int, float, np.floating)):
+        if temperature is None:
+            return np.full(n, self.temperature, dtype=np.float64)
+        if isinstance(temperature, (int, float, np.floating)):
             temps = [temperature] * n
         else:
             temps = list(temperature)
@@ -193,14 +202,16 @@ class SearchSnapshot:
             norm = self.normaliser(q, self.index.embeddings, taus, self.block, top_rows=top)
         log_z = norm.value  # (Q,)
         ids = self.index.ids
+        emb = self.index.embeddings
+        emb = emb.view(np.ndarray) if isinstance(emb, np.memmap) else emb  # same pages, no subclass overhead
         hits: list[list[Hit]] = []
         for i in range(q.shape[0]):
             r = rows[i][rows[i] >= 0].astype(np.int64)
             # exact similarities (the index may be approximate, e.g. PQ scores); same values
             # the normaliser summed, so probabilities are consistent with log Z
-            s = self.index.embeddings[r] @ q[i]  # (k,)
+            s = emb[r] @ q[i]  # (k,)
             p = np.exp(s.astype(np.float64) / taus[i] - log_z[i])
-            hits.append([Hit(ids[j], int(j), float(sj), float(pj)) for j, sj, pj in zip(r, s, p)])
+            hits.append([Hit(ids[j], j, sj, pj) for j, sj, pj in zip(r.tolist(), s.tolist(), p.tolist())])
         return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist(), norm)
 
     # ---------------------------------------------------------------- items
@@ -278,13 +289,14 @@ class Searcher:
 
     def __init__(self, root: str | Path | None = None, *, device: str = "cpu", load: bool = False,
                  block: int = DEFAULT_BLOCK, store: IndexStore | None = None,
-                 normaliser: NormaliserConfig | str | None = None):
+                 normaliser: NormaliserConfig | str | None = None, optimise_encoder: bool = True):
         if store is None and root is None:
             raise ValueError("Searcher needs an index root or an IndexStore")
         self.store = store if store is not None else IndexStore(root)
         self.device = device
         self.block = int(block)
         self.normaliser = NormaliserConfig.of(normaliser)  # exact | bounded | auto (default)
+        self.optimise_encoder = bool(optimise_encoder)  # serve a traced copy of the encoder (search/inference.py)
         self._state: SearchSnapshot | None = None
         self._swap_lock = threading.Lock()
         if load:
@@ -293,11 +305,13 @@ class Searcher:
     @classmethod
     def from_parts(cls, encoder: Encoder, version: IndexVersion, *, checkpoint_sha: str | None = None,
                    store: IndexStore | None = None, block: int = DEFAULT_BLOCK,
-                   normaliser: NormaliserConfig | str | None = None) -> "Searcher":
+                   normaliser: NormaliserConfig | str | None = None,
+                   optimise_encoder: bool = True) -> "Searcher":
         """A Searcher over an already-loaded encoder and index version (no disk reads)."""
         self = cls.__new__(cls)
         self.store, self.device, self.block = store, "cpu", int(block)
         self.normaliser = NormaliserConfig.of(normaliser)
+        self.optimise_encoder = bool(optimise_encoder)
         self._swap_lock = threading.Lock()
         self._state = self._make_snapshot(encoder, checkpoint_sha, version)
         return self
@@ -319,7 +333,8 @@ class Searcher:
             raise NotReadyError("no index loaded yet")
         return state
 
-    def _make_snapshot(self, encoder: Encoder, sha: str | None, version: IndexVersion) -> SearchSnapshot:
+    def _make_snapshot(self, encoder: Encoder, sha: str | None, version: IndexVersion,
+                       runner: InferenceEncoder | None = None) -> SearchSnapshot:
         dim = version.manifest.get("dim")
         emb = version.embeddings
         if emb.ndim != 2 or (dim is not None and int(dim) != emb.shape[1]):
@@ -333,8 +348,11 @@ class Searcher:
             raise ValueError(f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows")
         # built off to the side like the rest of the snapshot (bounded: one pass over the rows)
         normaliser = Normaliser.for_version(emb, version.index, self.normaliser)
+        if runner is None or runner.encoder is not encoder:
+            runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
+            logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
-                              normaliser if normaliser.method != "exact" else None)
+                              normaliser if normaliser.method != "exact" else None, runner)
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
         sha = checkpoint_record(version.manifest).get("sha256")
@@ -354,8 +372,8 @@ class Searcher:
         new_version = self.store.load(version)
         if old is not None and new_version.version == old.version:
             return None
-        encoder, sha, _ = self._encoder_for(new_version, old)
-        return self._make_snapshot(encoder, sha, new_version)
+        encoder, sha, fresh = self._encoder_for(new_version, old)
+        return self._make_snapshot(encoder, sha, new_version, None if fresh or old is None else old.runner)
 
     def install(self, state: SearchSnapshot | None) -> ReloadResult:
         """Serve a prepared snapshot (one attribute assignment; in-flight queries keep the old one)."""

@@ -62,3 +62,92 @@ def test_bad_vector_in_a_batch_fails_alone(api_index):
     assert isinstance(b, ValueError) and "dimension" in str(b)
     assert isinstance(c, ValueError) and "NaN" in str(c)
     assert [h.id for h in a.hits[:2]] == [h.id for h in d.hits]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_lone_queries_skip_the_queue_and_batches_never_exceed_the_threads(api_index, monkeypatch, workers):
+    """max_wait 0: a query that finds the queue empty and a thread free runs at once as a batch of
+    one; under a burst, at most `workers` batches run at the same time and the rest share batches."""
+    import threading
+    import time
+
+    import api.batching as batching
+
+    searcher = Searcher(api_index["root"], load=True)
+    registry = Metrics()
+    batcher = MicroBatcher(searcher, max_batch_size=8, max_wait_ms=0, metrics=registry, workers=workers)
+    lock = threading.Lock()
+    running, peak = [0], [0]
+    real = batching._run_batch
+
+    def counted(snapshot, batch):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.02)  # long enough for the burst to queue up behind the busy threads
+        try:
+            return real(snapshot, batch)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(batching, "_run_batch", counted)
+    rng = np.random.default_rng(1)
+    vectors = rng.normal(size=(20, searcher.snapshot().dim)).astype(np.float32)
+
+    async def go():
+        try:
+            alone = [await batcher.search_vector(v, 5) for v in vectors[:4]]  # one after another
+            burst = await asyncio.gather(*[batcher.search_vector(v, 5) for v in vectors[4:]])
+            return alone, burst
+        finally:
+            await batcher.aclose()
+
+    alone, burst = asyncio.run(go())
+    batcher.shutdown()
+    assert [r.batch_size for r in alone] == [1, 1, 1, 1]
+    assert peak[0] == workers
+    assert max(r.batch_size for r in burst) > 1
+    assert registry.sample("softsearch_batch_size_sum") == 20
+    for r, v in zip(alone + list(burst), vectors):
+        ref = searcher.search_vectors(v[None], 5)
+        assert [h.id for h in r.hits] == [h.id for h in ref[0]]
+        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref[0]], rtol=1e-5)
+
+
+def test_only_request_runs_on_the_event_loop(api_index):
+    """With a request count: the only active request is answered on the loop (no thread), the same
+    answer as the searcher's; with another request active it goes to the batch threads."""
+    import threading
+
+    from api.batching import ActiveRequests
+
+    searcher = Searcher(api_index["root"], load=True)
+    active = ActiveRequests()
+    batcher = MicroBatcher(searcher, max_batch_size=8, max_wait_ms=0, workers=1, active=active)
+    v = np.random.default_rng(2).normal(size=searcher.snapshot().dim).astype(np.float32)
+    threads_used = []
+    real = searcher.snapshot().search
+
+    async def go(count: int):
+        active.count = count
+        try:
+            return await batcher.search_vector(v, 6, 0.2)
+        finally:
+            active.count = 0
+
+    snap = searcher.snapshot()
+    object.__setattr__(snap, "search", lambda *a, **kw: threads_used.append(threading.get_ident()) or real(*a, **kw))
+    loop_thread = threading.get_ident()
+    try:
+        alone = asyncio.run(go(1))
+        assert batcher.inline_answers == 1 and threads_used == [loop_thread]
+        crowded = asyncio.run(go(2))
+        assert batcher.inline_answers == 1 and threads_used[1] != loop_thread
+    finally:
+        object.__delattr__(snap, "search")
+        batcher.shutdown()
+    ref = searcher.search_vectors(v[None], 6, 0.2)[0]
+    for r in (alone, crowded):
+        assert [h.id for h in r.hits] == [h.id for h in ref] and r.batch_size == 1
+        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref], rtol=1e-6)

@@ -1,0 +1,208 @@
+"""Resident memory of `softsearch serve` at N = 10^6 with an IVF-PQ index.
+
+The acceptance bound is "index file + model + 300 MiB". "Model" is measured, not guessed: the RSS
+of the same server (same encoder, same code, torch and its libraries) on a 2000-item store, i.e.
+what serving that model costs before the index grows. The 10^6 store is bench/_scale.py's
+(d = 128, IVF-PQ nlist 1024, 32-byte codes: index.faiss ~ 40 MB; embeddings.npy 488 MiB).
+
+Each figure is read from /proc/PID/status (VmRSS = RssAnon + RssFile + RssShmem, VmHWM = peak)
+and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mapping them):
+
+- after load: the server answers /readyz (index, ids and encoder loaded, embeddings mapped);
+- after queries: `--queries` image uploads later. Every query's exact normaliser (log Z over all
+  N rows, search/searcher.py) reads the whole memory-mapped embeddings file, so its pages are
+  resident as *file* pages: the OS page cache, shared by every process mapping the file and
+  reclaimable, not a private copy. RssAnon is what the process holds privately;
+- `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
+  machine's real cost of the two) against two separate single-worker servers (2 x RSS).
+
+    .venv/bin/python bench/serve_memory.py [--root /tmp/softsearch-million] [--queries 64]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from _common import row, write_results
+from _scale import MILLION, encoder_checkpoint, synthetic_store
+from http_load import free_port
+
+logger = logging.getLogger("bench.serve_memory")
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+BUDGET_MIB = 300
+
+
+def proc_memory(pid: int) -> dict[str, int]:
+    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem (status) and Pss (smaps_rollup) of `pid`, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(value.split()[0]) * 1024
+    with open(f"/proc/{pid}/smaps_rollup") as fh:
+        for line in fh:
+            key, _, value = line.partition(":")
+            if key == "Pss":
+                out["Pss"] = int(value.split()[0]) * 1024
+    return out
+
+
+def workers_of(pid: int) -> list[int]:
+    """uvicorn's worker processes under `pid` (multiprocessing spawn children; not its resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        kids = [int(c) for c in fh.read().split()]
+    out = []
+    for kid in kids:
+        try:
+            with open(f"/proc/{kid}/cmdline", "rb") as fh:
+                if b"spawn_main" in fh.read():
+                    out.append(kid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def payloads(n: int, image_size: int) -> list[bytes]:
+    from training.datasets import create_dataset
+
+    ds = create_dataset("synthetic", split="test", size=n, seed=0, image_size=image_size, resolution=image_size)
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        ds.image(i).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+class Serve:
+    """`python -m api.server` on `root` until /readyz answers (every worker, with --workers)."""
+
+    def __init__(self, root: Path, workers: int = 1, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers = workers
+        self.cmd = [sys.executable, "-m", "api.server", "--index", str(root), "--port", str(self.port),
+                    "--log-level", "warning", "--torch-threads", "1", "--workers", str(workers), *extra]
+
+    def __enter__(self) -> "Serve":
+        self.tmp = tempfile.TemporaryDirectory(prefix="serve_memory_metrics_")
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.tmp.name, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200 and len(self.pids()) == self.workers:
+                    if self.workers == 1 or self._live_workers() == self.workers:
+                        return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("server not ready in 600 s")
+
+    def _live_workers(self) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
+            if line.startswith("softsearch_workers "):
+                return float(line.split()[-1])
+        return 0.0
+
+    def pids(self) -> list[int]:
+        """The processes holding the index: the server itself, or its uvicorn workers."""
+        return [self.proc.pid] if self.workers == 1 else workers_of(self.proc.pid)
+
+    def query(self, data: list[bytes], n: int) -> None:
+        for i in range(n):   # a fresh connection each time, so every worker gets some
+            r = httpx.post(self.url + "/v1/search", files={"file": ("q.png", data[i % len(data)], "image/png")},
+                           data={"k": "10"}, headers={"Connection": "close"}, timeout=120)
+            r.raise_for_status()
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.tmp.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "softsearch-million",
+                   help="directory for the at-scale stores (built once, reused)")
+    p.add_argument("--queries", type=int, default=64)
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args.root.mkdir(parents=True, exist_ok=True)
+    ck = encoder_checkpoint(args.root / "scale_encoder.safetensors")
+    big, big_version = synthetic_store(args.root / "million", MILLION, checkpoint=ck)
+    small, _ = synthetic_store(args.root / "small", 2000, kind="flat", checkpoint=ck)
+    vdir = big / "versions" / big_version
+    index_bytes = (vdir / "index.faiss").stat().st_size
+    emb_bytes = (vdir / "embeddings.npy").stat().st_size
+    ids_bytes = (vdir / "ids.json").stat().st_size
+    from training.checkpoint import load_checkpoint
+
+    data = payloads(16, load_checkpoint(ck)[0].image_size)
+
+    with Serve(small) as s:
+        s.query(data, args.queries)
+        model = proc_memory(s.proc.pid)
+    budget = index_bytes + model["VmRSS"] + BUDGET_MIB * MIB
+    rows = [row("index.faiss (N=1e6, IVF-PQ)", index_bytes / MIB, "MiB", None),
+            row("embeddings.npy (N=1e6, d=128, memory-mapped)", emb_bytes / MIB, "MiB", None),
+            row("ids.json (N=1e6)", ids_bytes / MIB, "MiB", None),
+            row("model: serve RSS on a 2000-item store", model["VmRSS"] / MIB, "MiB", None),
+            row("budget: index file + model + 300 MiB", budget / MIB, "MiB", None)]
+    extra = tuple(args.serve_arg)
+    with Serve(big, extra=extra) as s:
+        loaded = proc_memory(s.proc.pid)
+        t0 = time.perf_counter()
+        s.query(data, args.queries)
+        per_query = (time.perf_counter() - t0) / args.queries
+        queried = proc_memory(s.proc.pid)
+    for label, m in (("after load", loaded), (f"after {args.queries} queries", queried)):
+        rows += [row(f"serve N=1e6 RSS {label}", m["VmRSS"] / MIB, "MiB", budget / MIB),
+                 row(f"serve N=1e6 RssAnon {label} (private)", m["RssAnon"] / MIB, "MiB", None),
+                 row(f"serve N=1e6 RssFile {label} (mapped files: libraries, embeddings)", m["RssFile"] / MIB, "MiB",
+                     None),
+                 row(f"serve N=1e6 RSS growth over the model {label}", (m["VmRSS"] - model["VmRSS"]) / MIB, "MiB",
+                     (index_bytes + BUDGET_MIB * MIB) / MIB),
+                 row(f"serve N=1e6 RssAnon growth over the model {label}", (m["RssAnon"] - model["RssAnon"]) / MIB,
+                     "MiB", (index_bytes + BUDGET_MIB * MIB) / MIB)]
+    rows += [row("serve N=1e6 peak RSS (VmHWM)", queried["VmHWM"] / MIB, "MiB", budget / MIB),
+             row("serve N=1e6 seconds per query (1 client, exact normaliser)", per_query, "s", None)]
+
+    with Serve(big, workers=2, extra=extra) as s:
+        s.query(data, args.queries)
+        per_worker = [proc_memory(pid) for pid in s.pids()]
+        supervisor = proc_memory(s.proc.pid)
+    rows.append(row("--workers 2: supervisor process RSS (holds no model or index)", supervisor["VmRSS"] / MIB, "MiB",
+                    None))
+    for i, m in enumerate(per_worker):
+        rows += [row(f"--workers 2: worker {i} RSS after queries", m["VmRSS"] / MIB, "MiB", budget / MIB),
+                 row(f"--workers 2: worker {i} Pss after queries", m["Pss"] / MIB, "MiB", None)]
+    rows.append(row("--workers 2: sum of Pss (machine cost) vs two single servers' RSS",
+                    sum(m["Pss"] for m in per_worker) / MIB, "MiB", 2 * queried["VmRSS"] / MIB))
+    note = f"1-min load average {os.getloadavg()[0]:.1f} at the end; serve options: {' '.join(extra) or 'defaults'}"
+    write_results("serve_memory", rows, machine_note=note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
