@@ -16,10 +16,13 @@ per-list statistics are built once. Queries are fresh draws from the same genera
   queries: exact = index search (k = 10) + `log_normalizer` over all N (the baseline: what serving
   does without this module); bounded = index search (k = 100 top rows) + `bounded_log_normalizer`.
   At batch 1 and at batch 32 (exact amortises its scan over the batch).
-* resident memory: a fresh child process per method loads the index file, memory-maps the
-  embeddings (and loads the statistics for bounded), answers --rss-queries queries and reports how much VmRSS
-  (file-backed pages of the memory map included), RssFile and VmHWM grew over the process right
-  after its imports (torch and faiss alone are ~1 GiB there, the same for both).
+* past RAM: a fresh child process per method first evicts the embedding file from the page cache
+  (posix_fadvise DONTNEED), then loads the index file, memory-maps the embeddings (bounded: loads
+  the statistics and advises MADV_RANDOM, as serving does), answers queries (bounded
+  --rss-queries, exact 1: a second would find the file cached) and reports the storage bytes read
+  per query (/proc/self/io read_bytes), the time per query from that cold start, and how much
+  VmRSS (memory-map pages included), RssFile and VmHWM grew over the process right after its
+  imports (torch and faiss alone are ~1 GiB there, the same for both).
 
     .venv/bin/python bench/normaliser.py                      # N = 1e6 and 1e7 (~30 min on 2 cores)
     .venv/bin/python bench/normaliser.py --sizes 1000000      # N = 1e6 only
@@ -46,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import RESULTS_DIR, row, write_results  # noqa: E402
 from index_kinds import clustered  # noqa: E402
 
-from search.normaliser import (ListStats, NormaliserConfig, bounded_log_normalizer,  # noqa: E402
-                               log_normalizer)
+from search.normaliser import (ListStats, NormaliserConfig, advise_random,  # noqa: E402
+                               bounded_log_normalizer, log_normalizer)
 
 D = 128
 CHUNK = 500_000
@@ -115,27 +118,43 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (page-cache misses, mmap faults included)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
 def child(args) -> int:
-    """Child mode: load index + memory map (+ statistics), answer queries with one method, print RSS."""
+    """Child mode: evict the embedding file from the page cache (the collection is 'past RAM'), load
+    index + memory map (+ statistics), answer queries with one method; print RSS, storage reads, time."""
     work = Path(args.workdir)
     faiss.omp_set_num_threads(1)
+    fd = os.open(work / "emb.npy", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drops the clean cached pages nobody maps
+    os.close(fd)
     base = _status()
     index = faiss.read_index(str(work / "index.faiss"))
     faiss.extract_index_ivf(index).nprobe = args.nprobe
     emb = np.load(work / "emb.npy", mmap_mode="r")
     q = np.load(work / "queries.npy")[: args.child_queries]
     taus = np.full(len(q), args.taus[0])
-    if args.child == "exact":
-        for i in range(len(q)):
+    if args.child == "bounded":
+        stats = ListStats.load(work / "stats.npz")
+        advise_random(emb)  # as Normaliser.for_version does when serving bounded
+        cfg = NormaliserConfig("bounded")
+    read0, t0 = _read_bytes(), time.perf_counter()
+    for i in range(len(q)):
+        if args.child == "exact":
             search(index, q[i:i + 1], 10)
             log_normalizer(q[i:i + 1], emb, taus[i:i + 1])
-    else:
-        stats = ListStats.load(work / "stats.npz")
-        cfg = NormaliserConfig("bounded")
-        for i in range(len(q)):
+        else:
             top = search(index, q[i:i + 1], cfg.top_rows)
             bounded_log_normalizer(q[i:i + 1], emb, stats, taus[i:i + 1], cfg, top)
-    print(json.dumps({**_status(), "base_rss": base["VmRSS"], "base_file": base["RssFile"]}))
+    seconds, read = time.perf_counter() - t0, _read_bytes() - read0
+    print(json.dumps({**_status(), "base_rss": base["VmRSS"], "base_file": base["RssFile"],
+                      "read_per_query": read / len(q), "seconds_per_query": seconds / len(q)}))
     return 0
 
 
@@ -232,8 +251,12 @@ def run_size(n: int, args, rows: list[dict]) -> None:
 
     # ---- resident memory, fresh processes
     del emb, index, stats
-    rss_e = child_rss(args, "exact", args.rss_queries)
+    rss_e = child_rss(args, "exact", 1)  # a second exact query would find the file cached again
     rss_b = child_rss(args, "bounded", args.rss_queries)
+    rows.append(row(f"{tag} cold file: storage read per query, bounded ({args.rss_queries} q) vs exact (1 q)",
+                    rss_b["read_per_query"] / 2**20, "MiB", rss_e["read_per_query"] / 2**20))
+    rows.append(row(f"{tag} cold file: time per query, bounded vs exact", 1e3 * rss_b["seconds_per_query"], "ms",
+                    1e3 * rss_e["seconds_per_query"]))
     # RSS added by serving (index + memory map + statistics + work), over the process after its imports
     for key, what in (("VmRSS", "serving RSS added after queries"), ("RssFile", "of which file-backed (memory map)"),
                       ("VmHWM", "peak RSS added")):

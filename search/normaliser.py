@@ -61,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
-    "log_normalizer", "bounded_log_normalizer", "choose_method",
+    "log_normalizer", "bounded_log_normalizer", "choose_method", "advise_random",
 ]
 
 METHODS = ("exact", "bounded", "auto")
@@ -228,6 +228,25 @@ def _private_view(embeddings: np.ndarray) -> np.ndarray:
         except (OSError, ValueError):
             pass
     return embeddings
+
+
+def advise_random(embeddings: np.ndarray) -> bool:
+    """madvise(MADV_RANDOM) on the memory map behind `embeddings`: bounded reads scattered rows, and
+    without this advice every fault also maps (fault-around) and reads ahead its neighbours, so the
+    process would soon hold the whole file resident. True if the advice was given."""
+    if getattr(embeddings, "filename", None) is None or not embeddings.size:
+        return False
+    try:
+        import ctypes
+        import mmap
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        page = mmap.PAGESIZE
+        start = embeddings.ctypes.data // page * page
+        length = embeddings.ctypes.data + embeddings.nbytes - start
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_RANDOM) == 0
+    except (OSError, AttributeError):  # not POSIX / no madvise: only a residency hint is lost
+        return False
 
 
 def _ivf_lists(index, n: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -628,8 +647,10 @@ class Normaliser:
         method = choose_method(n, d, config)
         if method == "bounded" and n < 2:
             method = "exact"
-        stats = ListStats.build(embeddings, index, seed=config.kmeans_seed, progress=progress) \
-            if method == "bounded" else None
+        stats = None
+        if method == "bounded":
+            stats = ListStats.build(embeddings, index, seed=config.kmeans_seed, progress=progress)
+            advise_random(embeddings)
         return cls(config, method, stats)
 
     def __call__(self, queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
