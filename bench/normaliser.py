@@ -233,8 +233,7 @@ def run_size(n: int, args, rows: list[dict]) -> None:
 
     # ---- time per query, interleaved: exact (baseline) vs bounded, full Searcher path
     tq = q_all[: args.timing_queries]
-    tau = args.taus[0]
-    for batch in args.batches:
+    for tau, batch in ((tau, batch) for tau in args.taus for batch in args.batches):
         t_exact = t_bounded = 0.0
         count = 0
         for start in tqdm(range(0, len(tq), batch), desc=f"timing batch {batch}", unit="call"):
@@ -247,7 +246,7 @@ def run_size(n: int, args, rows: list[dict]) -> None:
         ms_e, ms_b = 1e3 * t_exact / count, 1e3 * t_bounded / count
         rows.append(row(f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact",
                         ms_b, "ms", ms_e))
-        print(f"{tag} batch {batch}: bounded {ms_b:.2f} ms, exact {ms_e:.2f} ms, {ms_e / ms_b:.1f}x", flush=True)
+        print(f"{tag} tau={tau} batch {batch}: bounded {ms_b:.2f} ms, exact {ms_e:.2f} ms, {ms_e / ms_b:.1f}x", flush=True)
 
     # ---- resident memory, fresh processes
     del emb, index, stats
@@ -272,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     p.add_argument("--taus", type=float, nargs="+", default=[0.1, 0.05])
     p.add_argument("--queries", type=int, default=1000, help="accuracy queries per size (exact reference for each)")
-    p.add_argument("--timing-queries", type=int, default=64)
+    p.add_argument("--timing-queries", type=int, default=48)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--rss-queries", type=int, default=20, help="queries each memory-measuring child answers")
     p.add_argument("--nlist", type=int, default=4096)

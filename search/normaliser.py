@@ -35,6 +35,10 @@ the whole N x D float32 file resident while it runs. ``bounded`` reads only a fe
   between-list variance. The estimate and the interval are clipped to the deterministic bound
   (which can only help: the exact value is known to be inside). Draws are seeded by the query's
   bytes and tau, so one query always gets the same answer.
+* **Two stages.** Where the first sample's se(log Z^) = se(T^) / (H + T^) exceeds `target_se`
+  (0.0125 nats, i.e. a median error ~0.008), it was a pilot: a fresh sample of M (se / target)^2
+  * 1.2 rows (at most `max_samples`) replaces it. Given its size the fresh sample is independent of
+  the pilot, so its estimate is unbiased and its interval keeps its level.
 * **Fallback.** The normal interval needs a sample that sees the mass: when the within-list spread
   of s / tau is large (low tau, diffuse lists) a few rare rows carry Z and the sample's standard
   error is large. A query whose se(log Z^) = se(T^) / (H + T^) exceeds `max_se` (0.02 nats) is
@@ -104,7 +108,9 @@ class NormaliserConfig:
 
     head_rows: rows scanned exactly per query (whole lists, best upper bound first);
     samples: tail rows drawn per query for the estimate; level: coverage of the sampled interval;
-    max_se: a query whose estimate has a larger standard error (nats) is computed exactly instead;
+    target_se: when the first sample's standard error of log Z exceeds it (nats), a fresh sample of
+    up to max_samples rows sized to reach it replaces it (a two-stage design);
+    max_se: a query whose estimate still has a larger standard error (nats) is computed exactly;
     top_rows: rows the ANN index ranks first, summed exactly too (heavy terms out of the sample).
     """
 
@@ -114,6 +120,8 @@ class NormaliserConfig:
     level: float = 0.95
     max_se: float = 0.02
     top_rows: int = 100
+    target_se: float = 0.0125
+    max_samples: int = 32768
     exact_max_macs: int = AUTO_EXACT_MAX_MACS
     kmeans_seed: int = 1234
 
@@ -123,8 +131,9 @@ class NormaliserConfig:
         if self.head_rows < 0 or self.samples < 2:
             raise ValueError(f"normaliser head_rows must be >= 0 and samples >= 2, got {self.head_rows}, "
                              f"{self.samples}")
-        if not self.max_se > 0 or self.top_rows < 0:
-            raise ValueError(f"normaliser max_se must be > 0 and top_rows >= 0, got {self.max_se}, {self.top_rows}")
+        if not self.max_se > 0 or self.top_rows < 0 or not self.target_se > 0:
+            raise ValueError(f"normaliser max_se and target_se must be > 0 and top_rows >= 0, got {self.max_se}, "
+                             f"{self.target_se}, {self.top_rows}")
         if not 0 < self.level < 1:
             raise ValueError(f"normaliser level must be in (0, 1), got {self.level}")
 
@@ -469,9 +478,19 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
         if not np.isfinite(tail_hi):  # everything summed exactly: exact up to rounding
             value, ilo, ihi = float(np.logaddexp(log_h, tail_lo)), np.nan, np.nan
         else:
+            rng = np.random.default_rng(_query_seed(x, tau))
             log_t, log_se, m = _sample_tail(x, tau, embeddings, stats, tail, log_lo[tail], centre[i],
-                                            config.samples, known)
+                                            config.samples, known, rng)
             rows_read[i] += m
+            se_log = math.exp(log_se - np.logaddexp(log_h, log_t)) if math.isfinite(log_t) else math.inf
+            if se_log > config.target_se and config.samples < config.max_samples:
+                # two-stage: the first sample was a pilot that sizes a fresh one (se ~ 1/sqrt(M));
+                # the estimate and interval come from the fresh draws alone, so they stay valid
+                grow = (se_log / config.target_se) ** 2 * 1.2 if math.isfinite(se_log) else math.inf
+                more = int(min(config.max_samples, math.ceil(config.samples * min(grow, 1e9))))
+                log_t, log_se, m = _sample_tail(x, tau, embeddings, stats, tail, log_lo[tail], centre[i],
+                                                more, known, rng)
+                rows_read[i] += m
             # standard error of log Z^ (delta method: se(T^) / (H + T^)); too large -> exact
             if not math.isfinite(log_t) or log_se - np.logaddexp(log_h, log_t) > math.log(config.max_se):
                 fallback.append(i)
@@ -553,7 +572,7 @@ def _split_head(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> tuple
 
 def _sample_tail(x: np.ndarray, tau: float, embeddings: np.ndarray, stats: ListStats, tail: np.ndarray,
                  log_lo: np.ndarray, centre: np.ndarray, samples: int,
-                 known: np.ndarray) -> tuple[float, float, int]:
+                 known: np.ndarray, rng: np.random.Generator) -> tuple[float, float, int]:
     """Stratified importance sample of log T over the tail lists and its normal interval.
 
     With pi_l = L_l / sum_tail L, a list expecting M pi_l >= 2 draws is its own stratum with
@@ -564,7 +583,6 @@ def _sample_tail(x: np.ndarray, tau: float, embeddings: np.ndarray, stats: ListS
     independent). Strata remove the between-list part of the variance of plain sampling. A drawn
     row among `known` (already summed exactly) weighs 0, so T^ estimates the rest of the tail.
     Returns (log T^, log se, rows read)."""
-    rng = np.random.default_rng(_query_seed(x, tau))
     shift = float(log_lo.max())
     weight = np.exp(log_lo - shift)                              # L_l / max L, (T,)
     pi = weight / weight.sum()

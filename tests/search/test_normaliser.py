@@ -212,6 +212,27 @@ def test_estimate_and_top10_probabilities_vs_exact(data, stats_ivf, rng):
     assert np.median(np.abs(p_est / p_exact - 1)) < 0.01
 
 
+def test_two_stage_sample_reaches_its_target_se(data, stats_ivf):
+    """A pilot whose se(log Z) exceeds target_se is replaced by a larger fresh sample: the intervals
+    shrink to ~2 z target_se, the error with them, and the fresh sample still covers."""
+    rng = np.random.default_rng(3)
+    q = _queries(data, rng, 400)
+    taus = np.full(len(q), 0.1)
+    ref = _dense_log_z(q, data, taus)
+    top = _top_rows(data, q, 20)
+    one = NormaliserConfig("bounded", 200, 256, top_rows=20, max_se=1.0, max_samples=256)
+    two = NormaliserConfig("bounded", 200, 256, top_rows=20, max_se=1.0, target_se=0.005)
+    a = bounded_log_normalizer(q, data, stats_ivf, taus, one, top)
+    b = bounded_log_normalizer(q, data, stats_ivf, taus, two, top)
+    width_a = np.median(a.interval_upper - a.interval_lower)
+    width_b = np.median(b.interval_upper - b.interval_lower)
+    assert width_a > 4 * 1.96 * 0.005 and width_b < 2.6 * 1.96 * 0.005   # pilot too wide; fresh ~ target
+    assert np.median(np.abs(b.value - ref)) < 0.5 * np.median(np.abs(a.value - ref))
+    assert b.rows.mean() > a.rows.mean() + 1000
+    covered = (b.interval_lower <= ref) & (ref <= b.interval_upper)
+    assert binom.ppf(0.0005, len(q), 0.95) <= covered.sum()
+
+
 def test_noisy_sample_falls_back_to_exact(data, stats_ivf, rng):
     """Uniform directions at tau = 0.02 over diffuse lists: a few rows carry Z and the sample's
     standard error is large, so those queries are answered exactly (and say so)."""
@@ -232,7 +253,7 @@ def test_noisy_sample_falls_back_to_exact(data, stats_ivf, rng):
 def test_same_query_same_answer_and_reads_few_rows(data, stats_ivf, rng):
     q = _queries(data, rng, 8)
     taus = np.full(len(q), 0.1)
-    cfg = NormaliserConfig("bounded", 300, 500, max_se=1.0)  # never falls back
+    cfg = NormaliserConfig("bounded", 300, 500, max_se=1.0, max_samples=500)  # one stage, never falls back
     a = bounded_log_normalizer(q, data, stats_ivf, taus, cfg)
     b = bounded_log_normalizer(q[::-1].copy(), data, stats_ivf, taus, cfg)
     np.testing.assert_array_equal(a.value, b.value[::-1])   # seeded by the query, not by batch position

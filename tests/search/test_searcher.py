@@ -85,7 +85,7 @@ def test_bounded_normaliser_answers_within_its_bound(store_setup, rng):
     """normaliser="bounded" (k-means lists over a flat index): top-k as exact, p = exp(s/tau - log Z^),
     and every query's bound contains the dense log Z; "auto" stays exact on a small index."""
     assert Searcher(store_setup["root"], load=True).snapshot().normaliser is None  # auto -> exact
-    cfg = NormaliserConfig("bounded", head_rows=8, samples=64, top_rows=3, max_se=10.0)
+    cfg = NormaliserConfig("bounded", head_rows=8, samples=64, top_rows=3, max_se=10.0, max_samples=64)
     searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
     snap = searcher.snapshot()
     assert snap.normaliser.method == "bounded" and "k-means" in snap.normaliser.stats.source
