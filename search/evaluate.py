@@ -80,7 +80,7 @@ class EvalData:
     """Database and query side, shared by the main encoder and a --compare encoder."""
 
     datasets: list                  # database source datasets
-    rows: list[tuple[int, int]]     # db row -> (source, item index)
+    rows: np.ndarray                # (N, 2) int64: db row -> (source, item index)
     db_meta: np.ndarray
     db_labels: np.ndarray | None
     query_images: torch.Tensor      # (Q, 3, S, S) preprocessed
@@ -147,7 +147,7 @@ def _make_generator(cfg: EvalConfig, ds):
     return create_generator(name)
 
 
-def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int]], queries=None) -> EvalData:
+def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> EvalData:
     """Database metadata and the held-out query images for `db_datasets` indexed by `rows`.
 
     `queries` (an ImageDataset) overrides the query dataset named by `cfg`."""
@@ -155,8 +155,8 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int
     ds0 = db_datasets[0]
     gen = _make_generator(cfg, ds0)
     gname = gen.name
-    src = np.array([s for s, _ in rows], dtype=np.int64)
-    item = np.array([i for _, i in rows], dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)   # (N, 2) (source, item); a list of pairs works too
+    src, item = rows[:, 0], rows[:, 1]
     n = len(rows)
     parts_meta, parts_lab = [], []
     for s, ds in enumerate(db_datasets):
@@ -217,8 +217,10 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows: list[tuple[int, int
     exclude = None
     if same:
         # the queries are database items: leave each query's own row out of its neighbour list
-        pos = {(s, i): r for r, (s, i) in enumerate(rows)}
-        exclude = np.array([pos.get((same[0], int(i)), -1) for i in q_idx], dtype=np.int64)
+        row_of = np.full(len(db_datasets[same[0]]), -1, dtype=np.int64)   # item of that source -> db row
+        where = np.flatnonzero(src == same[0])
+        row_of[item[where]] = where
+        exclude = row_of[q_idx]
         notes.append("queries are items of the database: their own rows are excluded from the neighbour lists "
                      "(the gap keeps them)")
     q_meta = _meta(qds, q_idx, gname, exclude)
@@ -329,8 +331,11 @@ def negative_pairs(gen, query_meta, db_meta, query_rows=None, db_rows=None) -> t
     return mask, rule
 
 
-def version_database(version) -> tuple[list, list[tuple[int, int]]]:
-    """Rebuild an index version's source datasets from its manifest -> (datasets, db row -> (source, item))."""
+def version_database(version) -> tuple[list, np.ndarray]:
+    """Rebuild an index version's source datasets from its manifest -> (datasets, (N, 2) int64 array:
+    db row -> (source, item)). When the version's ids are its one dataset's ids in order (every
+    `index build` of one dataset), the rows are that order, without an id -> item table (at N = 10^6
+    the table and its tuples alone held ~200 MB)."""
     manifest = version.manifest
     sources = manifest.get("sources") or [manifest["dataset"]]
     datasets = []
@@ -339,6 +344,10 @@ def version_database(version) -> tuple[list, list[tuple[int, int]]]:
         if s.get("fingerprint") and ds.fingerprint() != s["fingerprint"]:
             raise ValueError(f"dataset {s['spec']} no longer matches the index's fingerprint {s['fingerprint'][:12]}")
         datasets.append(ds)
+    if len(datasets) == 1 and len(datasets[0]) == len(version.ids) and datasets[0].item_ids() == version.ids:
+        rows = np.zeros((len(version.ids), 2), dtype=np.int64)
+        rows[:, 1] = np.arange(len(version.ids))
+        return datasets, rows
     lookup: dict[str, tuple[int, int]] = {}
     for si, ds in enumerate(datasets):
         for i, item_id in enumerate(ds.item_ids()):
@@ -346,7 +355,7 @@ def version_database(version) -> tuple[list, list[tuple[int, int]]]:
     missing = [i for i in version.ids if i not in lookup]
     if missing:
         raise ValueError(f"{len(missing)} index ids are not in the manifest's datasets, e.g. {missing[0]!r}")
-    return datasets, [lookup[i] for i in version.ids]
+    return datasets, np.array([lookup[i] for i in version.ids], dtype=np.int64).reshape(-1, 2)
 
 
 def _load_database(cfg: EvalConfig, device):
@@ -367,13 +376,13 @@ def _load_database(cfg: EvalConfig, device):
     ckpt = Path(cfg.checkpoint)
     encoder, info = load_checkpoint(ckpt, device=device)
     ds = create_dataset(cfg.dataset, cfg.split, root=cfg.data_root, size=cfg.size, seed=cfg.dataset_seed)
-    return encoder, info, ckpt, None, [ds], [(0, i) for i in range(len(ds))], None, None
+    rows = np.stack([np.zeros(len(ds), np.int64), np.arange(len(ds), dtype=np.int64)], axis=1)   # (N, 2)
+    return encoder, info, ckpt, None, [ds], rows, None, None
 
 
 def _embed_db(encoder, data: EvalData, cfg: EvalConfig, device) -> np.ndarray:
     out = np.empty((len(data.rows), encoder.embed_dim), dtype=np.float32)
-    src = np.array([s for s, _ in data.rows])
-    item = np.array([i for _, i in data.rows])
+    src, item = data.rows[:, 0], data.rows[:, 1]
     for s, ds in enumerate(data.datasets):
         where = np.flatnonzero(src == s)
         for b0 in range(0, where.size, 4096):

@@ -190,7 +190,11 @@ class ArrayImageDataset(ImageDataset):
 
 @register_dataset("synthetic")
 class SyntheticDataset(ArrayImageDataset):
-    """Rendered torus images (see training/synthetic.py); metadata = latent angles (N, 3)."""
+    """Rendered torus images (see training/synthetic.py); metadata = latent angles (N, 3).
+
+    The pixels are rendered on first use: users of the metadata alone (`softsearch eval` on an
+    index, whose embeddings are stored) never hold them (N = 10^6 at 32 px: 3 GB). The fingerprint
+    hashes the same bytes either way, rendering block by block when the images are not held."""
 
     def __init__(self, split: str = "train", root: str | None = None, size: int | None = None, seed: int = 0,
                  kappa: float = 8.0, image_size: int = DEFAULT_IMAGE_SIZE, resolution: int = synthetic.RESOLUTION,
@@ -208,10 +212,35 @@ class SyntheticDataset(ArrayImageDataset):
         self.resolution = int(resolution)
         n = synthetic.DEFAULT_SIZES[split] if size is None else int(size)
         self.latents = synthetic.sample_latents(n, self.seed, split)          # (N, 3) float64
-        self._images = synthetic.render(self.latents, self.resolution)         # (N, R, R, 3) uint8
         self.latents.flags.writeable = False
-        self._images.flags.writeable = False
-        logger.debug("rendered synthetic/%s: %d images (seed %d)", split, n, self.seed)
+        self._rendered: np.ndarray | None = None
+
+    @property
+    def _images(self) -> np.ndarray:
+        """(N, R, R, 3) uint8, rendered on first access."""
+        if self._rendered is None:
+            images = synthetic.render(self.latents, self.resolution)
+            images.flags.writeable = False
+            self._rendered = images
+            logger.debug("rendered synthetic/%s: %d images (seed %d)", self.split, len(images), self.seed)
+        return self._rendered
+
+    def __len__(self) -> int:
+        return int(self.latents.shape[0])
+
+    def _content_digest(self, h: "hashlib._Hash") -> None:
+        if self._rendered is not None:
+            super()._content_digest(h)
+            return
+        # the bytes ArrayImageDataset hashes (image array, then latents), rendered in blocks that are a
+        # multiple of render()'s own block, so every pixel is computed exactly as in one render() call
+        n, r = len(self), self.resolution
+        h.update(str((n, r, r, 3)).encode() + np.dtype(np.uint8).str.encode())
+        step = 16 * 2048
+        for start in range(0, n, step):
+            h.update(np.ascontiguousarray(synthetic.render(self.latents[start:start + step], r)).data)
+        h.update(str(self.latents.shape).encode() + self.latents.dtype.str.encode())
+        h.update(np.ascontiguousarray(self.latents).data)
 
     def render_latents(self, latents: np.ndarray) -> torch.Tensor:
         """Render arbitrary latents with this dataset's settings -> (B, 3, S, S) preprocessed."""

@@ -326,3 +326,28 @@ def test_folder_splits_and_errors(tmp_path):
     _png(flat / "c" / "b.png", np.zeros((4, 4, 3), dtype=np.uint8))
     with pytest.raises(ValueError, match="class subfolders"):
         create_dataset("folder", split="all", root=str(flat), labels=True)
+
+
+def test_synthetic_pixels_rendered_on_first_use_with_the_same_fingerprint():
+    """Metadata and the fingerprint need no pixels; the streamed digest equals sha256 over the full
+    rendered array (hashlib over the very bytes ArrayImageDataset hashes), across render blocks."""
+    import hashlib
+
+    from training import synthetic
+
+    n = 2 * 16 * 2048 + 77  # more than one digest block, a ragged last one
+    lazy = create_dataset("synthetic", split="train", size=n, seed=5, resolution=8, image_size=8)
+    assert len(lazy) == n and lazy.latents.shape == (n, 3) and lazy._rendered is None
+    fp = lazy.fingerprint()
+    assert lazy._rendered is None  # hashed block by block, nothing kept
+
+    images = synthetic.render(lazy.latents, 8)
+    h = hashlib.sha256(json.dumps(lazy.spec(), sort_keys=True).encode())
+    for arr in (images, lazy.latents):
+        h.update(str(arr.shape).encode() + arr.dtype.str.encode())
+        h.update(np.ascontiguousarray(arr).data)
+    assert fp == h.hexdigest()
+
+    eager = create_dataset("synthetic", split="train", size=n, seed=5, resolution=8, image_size=8)
+    np.testing.assert_array_equal(eager.images_batch([0, n - 1]), images[[0, n - 1]])  # renders now
+    assert eager._rendered is not None and eager.fingerprint() == fp
