@@ -9,10 +9,11 @@ Each figure is read from /proc/PID/status (VmRSS = RssAnon + RssFile + RssShmem,
 and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mapping them):
 
 - after load: the server answers /readyz (index, ids and encoder loaded, embeddings mapped);
-- after queries: `--queries` image uploads later. Every query's exact normaliser (log Z over all
-  N rows, search/searcher.py) reads the whole memory-mapped embeddings file, so its pages are
-  resident as *file* pages: the OS page cache, shared by every process mapping the file and
-  reclaimable, not a private copy. RssAnon is what the process holds privately;
+- after queries: `--queries` image uploads later. With the exact normaliser (what `auto` picks at
+  N * d = 1.28e8) every query's log Z reads all N rows of the memory-mapped embeddings file, so
+  its pages are resident as *file* pages: the OS page cache, shared by every process mapping the
+  file and reclaimable, not a private copy. RssAnon is what the process holds privately. The
+  `bounded` normaliser (search/normaliser.py) reads a few IVF lists per query instead;
 - `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
   machine's real cost of the two) against two separate single-worker servers (2 x RSS).
 
@@ -99,6 +100,13 @@ class Serve:
         self.tmp = tempfile.TemporaryDirectory(prefix="serve_memory_metrics_")
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.tmp.name, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            return self._wait()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def _wait(self) -> "Serve":
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -127,6 +135,11 @@ class Serve:
             r = httpx.post(self.url + "/v1/search", files={"file": ("q.png", data[i % len(data)], "image/png")},
                            data={"k": "10"}, headers={"Connection": "close"}, timeout=120)
             r.raise_for_status()
+            self.last = r.json()
+
+    def normaliser_method(self) -> str:
+        """How the server computed log Z for a query (the response's normaliser.method)."""
+        return self.last.get("normaliser", {}).get("method", "exact")
 
     def __exit__(self, *exc) -> None:
         self.proc.terminate()
@@ -143,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "softsearch-million",
                    help="directory for the at-scale stores (built once, reused)")
     p.add_argument("--queries", type=int, default=64)
+    p.add_argument("--normalisers", nargs="+", default=["auto", "bounded"], choices=["auto", "exact", "bounded"],
+                   help="one 10^6 server per normaliser (auto is exact at this N * d); --workers 2 uses the first")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50")
     args = p.parse_args(argv)
@@ -170,25 +185,33 @@ def main(argv: list[str] | None = None) -> int:
             row("model: serve RSS on a 2000-item store", model["VmRSS"] / MIB, "MiB", None),
             row("budget: index file + model + 300 MiB", budget / MIB, "MiB", None)]
     extra = tuple(args.serve_arg)
-    with Serve(big, extra=extra) as s:
-        loaded = proc_memory(s.proc.pid)
-        t0 = time.perf_counter()
-        s.query(data, args.queries)
-        per_query = (time.perf_counter() - t0) / args.queries
-        queried = proc_memory(s.proc.pid)
-    for label, m in (("after load", loaded), (f"after {args.queries} queries", queried)):
-        rows += [row(f"serve N=1e6 RSS {label}", m["VmRSS"] / MIB, "MiB", budget / MIB),
-                 row(f"serve N=1e6 RssAnon {label} (private)", m["RssAnon"] / MIB, "MiB", None),
-                 row(f"serve N=1e6 RssFile {label} (mapped files: libraries, embeddings)", m["RssFile"] / MIB, "MiB",
-                     None),
-                 row(f"serve N=1e6 RSS growth over the model {label}", (m["VmRSS"] - model["VmRSS"]) / MIB, "MiB",
-                     (index_bytes + BUDGET_MIB * MIB) / MIB),
-                 row(f"serve N=1e6 RssAnon growth over the model {label}", (m["RssAnon"] - model["RssAnon"]) / MIB,
-                     "MiB", (index_bytes + BUDGET_MIB * MIB) / MIB)]
-    rows += [row("serve N=1e6 peak RSS (VmHWM)", queried["VmHWM"] / MIB, "MiB", budget / MIB),
-             row("serve N=1e6 seconds per query (1 client, exact normaliser)", per_query, "s", None)]
+    queried_default = None
+    for normaliser in args.normalisers:
+        tag = f"serve N=1e6 --normaliser {normaliser}"
+        with Serve(big, extra=("--normaliser", normaliser, *extra)) as s:
+            loaded = proc_memory(s.proc.pid)
+            t0 = time.perf_counter()
+            s.query(data, args.queries)
+            per_query = (time.perf_counter() - t0) / args.queries
+            queried = proc_memory(s.proc.pid)
+            method = s.normaliser_method()
+        queried_default = queried_default or queried
+        rows.append(row(f"{tag}: normaliser used at this N and d", {"exact": 0, "bounded": 1}[method], "0 exact / 1 bounded",
+                        None))
+        for label, m in (("after load", loaded), (f"after {args.queries} queries", queried)):
+            rows += [row(f"{tag}: RSS {label}", m["VmRSS"] / MIB, "MiB", budget / MIB),
+                     row(f"{tag}: RssAnon {label} (private)", m["RssAnon"] / MIB, "MiB", None),
+                     row(f"{tag}: RssFile {label} (mapped files: libraries, embeddings)", m["RssFile"] / MIB,
+                         "MiB", None),
+                     row(f"{tag}: RSS growth over the model {label}", (m["VmRSS"] - model["VmRSS"]) / MIB, "MiB",
+                         (index_bytes + BUDGET_MIB * MIB) / MIB),
+                     row(f"{tag}: RssAnon growth over the model {label}", (m["RssAnon"] - model["RssAnon"]) / MIB,
+                         "MiB", (index_bytes + BUDGET_MIB * MIB) / MIB)]
+        rows += [row(f"{tag}: peak RSS (VmHWM)", queried["VmHWM"] / MIB, "MiB", budget / MIB),
+                 row(f"{tag}: seconds per query (1 client, upload to answer)", per_query, "s", None)]
+    queried = queried_default
 
-    with Serve(big, workers=2, extra=extra) as s:
+    with Serve(big, workers=2, extra=("--normaliser", args.normalisers[0], *extra)) as s:
         s.query(data, args.queries)
         per_worker = [proc_memory(pid) for pid in s.pids()]
         supervisor = proc_memory(s.proc.pid)
@@ -197,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, m in enumerate(per_worker):
         rows += [row(f"--workers 2: worker {i} RSS after queries", m["VmRSS"] / MIB, "MiB", budget / MIB),
                  row(f"--workers 2: worker {i} Pss after queries", m["Pss"] / MIB, "MiB", None)]
-    rows.append(row("--workers 2: sum of Pss (machine cost) vs two single servers' RSS",
+    rows.append(row(f"--workers 2 (--normaliser {args.normalisers[0]}): sum of Pss (machine cost) vs two single "
+                    "servers' RSS",
                     sum(m["Pss"] for m in per_worker) / MIB, "MiB", 2 * queried["VmRSS"] / MIB))
     note = f"1-min load average {os.getloadavg()[0]:.1f} at the end; serve options: {' '.join(extra) or 'defaults'}"
     write_results("serve_memory", rows, machine_note=note)
