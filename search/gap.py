@@ -375,10 +375,17 @@ def softmax_gap_dense(query_emb, db_emb, query_meta, db_meta, generator, tempera
     return GapResult(ce, h, ce - h, float(temperature), getattr(generator, "name", None))
 
 
+DENSE_BLOCK = 65536  # database rows converted to float64 at a time by ideal_and_learned
+
+
 def ideal_and_learned(query_emb, db_emb, query_meta, db_meta, generator, temperature: float) -> tuple[np.ndarray, np.ndarray]:
     """(q, p) as dense (Q, N) rows, for plotting a few sample queries in reports."""
     zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
-    s = zq.astype(np.float64) @ zn.astype(np.float64).T / float(temperature)
+    q64 = zq.astype(np.float64)
+    s = np.empty((zq.shape[0], zn.shape[0]))  # (Q, N) float64; the database is converted block by block,
+    for n0 in range(0, zn.shape[0], DENSE_BLOCK):  # never as a whole N x D float64 copy (1 GB at 10^6 x 128)
+        s[:, n0:n0 + DENSE_BLOCK] = q64 @ zn[n0:n0 + DENSE_BLOCK].astype(np.float64).T
+    s /= float(temperature)
     p = np.exp(s - _lse(s)[:, None])
     lr = np.asarray(generator.log_ratio(query_meta, db_meta), dtype=np.float64)
     log_zq = _lse(lr)

@@ -242,5 +242,20 @@ def ideal_topk(query_meta, db_meta, generator, k: int, exclude: np.ndarray | Non
             ex = np.asarray(exclude[q0 : q0 + bq])
             has = ex >= 0
             lr[np.flatnonzero(has), ex[has]] = -np.inf
-        out[q0 : q0 + lr.shape[0]] = np.argsort(-lr, axis=1, kind="stable")[:, :k]
+        out[q0 : q0 + lr.shape[0]] = _top_k_stable(lr, k)
+    return out
+
+
+def _top_k_stable(values: np.ndarray, k: int) -> np.ndarray:
+    """(B, k) columns of the k largest values per row, ties by column order: the first k columns of a
+    stable descending argsort, from a partition (O(N)) and a stable sort of the candidates only
+    (every column tied with the k-th largest value, so ties at the cut keep their order)."""
+    n = values.shape[1]
+    if k >= n:
+        return np.argsort(-values, axis=1, kind="stable")[:, :k]
+    kth = -np.partition(-values, k - 1, axis=1)[:, k - 1]  # (B,) the k-th largest value of each row
+    out = np.empty((values.shape[0], k), dtype=np.int64)
+    for i in range(values.shape[0]):
+        cand = np.flatnonzero(values[i] >= kth[i])  # ascending columns: >= k of them
+        out[i] = cand[np.argsort(-values[i, cand], kind="stable")[:k]]
     return out

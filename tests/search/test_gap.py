@@ -77,6 +77,20 @@ def test_q_and_p_are_distributions():
     np.testing.assert_allclose(q.sum(1), 1.0, rtol=1e-12)
 
 
+def test_dense_rows_are_blocked_over_the_database(monkeypatch):
+    """ideal_and_learned converts the database to float64 in blocks: the same p as one dense product."""
+    import search.gap as gap_module
+
+    qlat, dlat = RNG.uniform(0, 2 * np.pi, (4, 3)), RNG.uniform(0, 2 * np.pi, (103, 3))
+    zq, zn = oracle(qlat).astype(np.float32), oracle(dlat).astype(np.float32)
+    s = zq.astype(np.float64) @ zn.astype(np.float64).T / 0.2
+    ref = np.exp(s - s.max(1, keepdims=True))
+    ref /= ref.sum(1, keepdims=True)
+    monkeypatch.setattr(gap_module, "DENSE_BLOCK", 10)   # 11 blocks, the last one ragged
+    _, p = ideal_and_learned(zq, zn, qlat, dlat, VonMises(2.0), 0.2)
+    np.testing.assert_allclose(p, ref, rtol=1e-12)
+
+
 def test_bad_inputs():
     z = unit(RNG.normal(size=(4, 3)))
     with pytest.raises(ValueError, match="temperature"):
