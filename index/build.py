@@ -33,10 +33,11 @@ from index import faiss_index
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
                          prepare_cache)
 from index.items import ITEM_FILES, dataset_records, encode_records, read_records
+from index.list_stats import ListStats
 from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, VERSION_FILES, ActivationRefused, IndexStore,
-                         IndexVersion, new_version_name, recall_check)
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, ActivationRefused,
+                         IndexStore, IndexVersion, new_version_name, recall_check)
 
 logger = logging.getLogger(__name__)
 
@@ -176,8 +177,9 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
 
     `embeddings` must be unit rows; `kind="auto"` applies `choose_kind`. Pass a filled `index`
     (with `params`) to skip building (used by `add_items`). `extra_files` ({name: bytes}, e.g.
-    item_files.json) are written beside the index and checksummed like it. Returns (version,
-    staging dir); nothing is visible in versions/ until `IndexStore.commit`.
+    item_files.json) are written beside the index and checksummed like it, and so are the bounded
+    normaliser's list statistics (`LIST_STATS_FILE`, from 2 rows up), so serving never recomputes
+    them. Returns (version, staging dir); nothing is visible in versions/ until `IndexStore.commit`.
     """
     timings = dict(timings or {})
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
@@ -207,6 +209,11 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     if recall.get("param"):
         params[recall["param"]] = recall["value"]
     timings["tune_s"] = time.perf_counter() - t0
+    # the bounded normaliser's statistics belong to the artifact (an index version holds what serving
+    # it needs); a partition needs 2 rows (the normaliser serves 1 row exactly)
+    stats = ListStats.build(embeddings, index, progress=n >= 1 << 20) if n >= 2 else None
+    if stats is not None:
+        timings["list_stats_s"] = stats.seconds
 
     t0 = time.perf_counter()
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}")
@@ -218,15 +225,23 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
         (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
         extra_files = dict(extra_files or {})
         for name, data in extra_files.items():
-            assert name not in VERSION_FILES and "/" not in name, f"bad extra version file name {name!r}"
+            assert name not in (*VERSION_FILES, LIST_STATS_FILE) and "/" not in name, \
+                f"bad extra version file name {name!r}"
             (staging / name).write_bytes(data)
         names = [*VERSION_FILES, *extra_files]
+        if stats is not None:
+            with open(staging / LIST_STATS_FILE, "wb") as fh:
+                stats.save(fh)
+            names.append(LIST_STATS_FILE)
         for name in names:
             with open(staging / name, "rb") as fh:
                 os.fsync(fh.fileno())
         timings["write_s"] = time.perf_counter() - t0
         extra = dict(fields or {})
         extra.setdefault("recall", recall)
+        if stats is not None:
+            extra["normaliser_stats"] = {"file": LIST_STATS_FILE, "partition": stats.source, "lists": stats.lists,
+                                         "seconds": stats.seconds}
         manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
                                    faiss_version=faiss.__version__, files=describe_files(staging, names),
                                    timings=timings, **extra)

@@ -1,6 +1,7 @@
 """The self-describing `manifest.json` of an index version: create, read, write, verify.
 
-A version directory holds `index.faiss`, `embeddings.npy`, `ids.json` and `manifest.json`.
+A version directory holds `index.faiss`, `embeddings.npy`, `ids.json`, `manifest.json` and, since
+they are stored, `normaliser_stats.npz` (index/list_stats.py).
 The manifest lists the sha256 of every other file; loading recomputes them so a corrupt or
 truncated file is refused (IndexCorruptError) and the caller can keep the previous version.
 The manifest itself is validated by parsing and by its required fields.
@@ -24,7 +25,7 @@ FORMAT_VERSION = 1
 REQUIRED_FIELDS = ("format", "format_version", "version", "created", "count", "dim", "metric",
                    "normalised", "kind", "params", "faiss_version", "files")
 # Fields that `update_manifest_fields` may never change: they describe the stored bytes.
-FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder"}
+FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder", "normaliser_stats"}
 
 
 class IndexCorruptError(ValueError):

@@ -2,7 +2,8 @@
 
 Layout under `root`::
 
-    versions/<version>/   immutable: manifest.json, index.faiss, embeddings.npy, ids.json
+    versions/<version>/   immutable: manifest.json, index.faiss, embeddings.npy, ids.json,
+                          normaliser_stats.npz (per-list statistics, index/list_stats.py), ...
     models/<sha256>.safetensors   encoder weights, content-addressed, shared by versions (index/models.py)
     staging/<name>/       builds in progress (embedding shards, a version being written)
     current               the serving version's name; replaced atomically (tmp, fsync, os.replace)
@@ -33,6 +34,7 @@ import os
 import re
 import shutil
 import uuid
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,7 @@ import faiss
 import numpy as np
 
 from index import faiss_index
+from index.list_stats import ListStats
 from index.manifest import (FROZEN_FIELDS, IndexCorruptError, atomic_write_text, fsync_dir, read_manifest,
                             verify_files, write_manifest)
 from index.models import DEFAULT_GRACE_S, ModelStore, checkpoint_record
@@ -50,6 +53,8 @@ INDEX_FILE = "index.faiss"
 EMBEDDINGS_FILE = "embeddings.npy"
 IDS_FILE = "ids.json"
 VERSION_FILES = (INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE)
+#: The bounded normaliser's per-list statistics; in every version written since they are stored.
+LIST_STATS_FILE = "normaliser_stats.npz"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 #: How a refused activation is overridden, named in every refusal.
 FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
@@ -214,6 +219,24 @@ class IndexVersion:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def list_stats(self) -> ListStats | None:
+        """The version's stored per-list statistics (`LIST_STATS_FILE`), None when its manifest lists
+        none (written before they were stored). IndexCorruptError when the file is unreadable or
+        does not describe this version (rows, dimension, lists): a damaged version file is refused,
+        as at `load` (whose checksum check already refuses a changed one)."""
+        if LIST_STATS_FILE not in self.manifest.get("files", {}):
+            return None
+        path = self.path / LIST_STATS_FILE
+        try:
+            stats = ListStats.load(path)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+            raise IndexCorruptError(f"{path}: cannot read the normaliser statistics ({err})") from err
+        problems = stats.problems(len(self.ids), int(self.embeddings.shape[1]), self.index)
+        if problems:
+            raise IndexCorruptError(f"{path} does not describe this version: " + "; ".join(problems))
+        logger.info("normaliser statistics from %s: %s", path.name, stats.source)
+        return stats
 
     @property
     def dim(self) -> int:

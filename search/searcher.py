@@ -346,8 +346,10 @@ class Searcher:
             )
         if len(version.ids) != emb.shape[0]:
             raise ValueError(f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows")
-        # built off to the side like the rest of the snapshot (bounded: one pass over the rows)
-        normaliser = Normaliser.for_version(emb, version.index, self.normaliser)
+        # built off to the side like the rest of the snapshot (bounded: the version's stored list
+        # statistics; one pass over the rows for a version written before they were stored)
+        normaliser = Normaliser.for_version(emb, version.index, self.normaliser,
+                                            stored=getattr(version, "list_stats", None))
         if runner is None or runner.encoder is not encoder:
             runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)

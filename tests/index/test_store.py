@@ -9,7 +9,8 @@ import pytest
 
 from index.build import write_version
 from index.manifest import IndexCorruptError, file_sha256
-from index.store import EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, IndexStore, IndexVersion, check_version_name
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, IndexStore, IndexVersion,
+                         check_version_name)
 from index_refs import brute_force, unit_vectors
 
 
@@ -65,7 +66,7 @@ def test_manifest_contents(tmp_path):
     assert m["version"] == version and m["count"] == 100 and m["dim"] == 8
     assert m["metric"] == "inner_product" and m["normalised"] is True and m["kind"] == "flat"
     assert m["faiss_version"] == faiss.__version__ and m["search_temperature"] == 0.07
-    assert set(m["files"]) == {INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE}
+    assert set(m["files"]) == {INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE, LIST_STATS_FILE}
     for name, info in m["files"].items():      # recorded checksums are the real ones
         path = store.path(version) / name
         assert info["sha256"] == file_sha256(path) and info["bytes"] == path.stat().st_size

@@ -13,7 +13,7 @@ from index.build import QualityGateError, build_index
 from index.cli import main
 from index.manifest import file_sha256
 from index.models import load_version_encoder, model_relpath
-from index.store import IndexStore
+from index.store import LIST_STATS_FILE, IndexStore
 from index.transfer import EXPORT_INDEX, export_version, import_version
 from training.datasets import create_dataset
 from training.encoder import embed
@@ -43,8 +43,12 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     dst = IndexStore(tmp_path / "new")
     assert (version, existed) == (exported["version"], False) and dst.current_version() == version
     a, b = src.load(version), dst.load(version)
+    assert LIST_STATS_FILE in a.manifest["files"]       # the normaliser's statistics travel with the version
     for name in a.manifest["files"]:
         assert file_sha256(a.path / name) == file_sha256(b.path / name)
+    sa, sb = a.list_stats(), b.list_stats()
+    for field in ("offsets", "order", "where", "means", "radius", "lam"):
+        np.testing.assert_array_equal(getattr(sa, field), getattr(sb, field))
     assert a.manifest == b.manifest
     sha = a.manifest["checkpoint"]["sha256"]
     assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha

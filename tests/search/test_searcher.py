@@ -105,6 +105,44 @@ def test_bounded_normaliser_answers_within_its_bound(store_setup, rng):
             assert h.probability == pytest.approx(np.exp(h.similarity / 0.5 - est.value), rel=1e-6)
 
 
+def test_bounded_serving_uses_the_versions_stored_statistics(store_setup, tmp_path, monkeypatch, caplog):
+    """A version written by `index build` carries its list statistics: the Searcher takes them from
+    the file (ListStats.build is never called); a version written before that computes them once."""
+    import logging
+    import shutil
+
+    from index.list_stats import ListStats
+    from index.manifest import read_manifest, write_manifest
+    from index.store import LIST_STATS_FILE
+
+    root = tmp_path / "index"
+    shutil.copytree(store_setup["root"], root)
+    built = []
+    real_build = ListStats.build.__func__
+
+    def counting_build(cls, *args, **kw):
+        built.append(args[0].shape)
+        return real_build(cls, *args, **kw)
+
+    monkeypatch.setattr(ListStats, "build", classmethod(counting_build))
+    searcher = Searcher(root, load=True, normaliser="bounded")
+    stats = searcher.snapshot().normaliser.stats
+    assert built == []                                          # loaded, not rebuilt
+    fresh = real_build(ListStats, np.asarray(searcher.snapshot().index.embeddings), searcher.snapshot().index.index)
+    for name in ("offsets", "order", "where", "means", "radius", "lam"):
+        np.testing.assert_array_equal(getattr(stats, name), getattr(fresh, name))
+    vdir = root / "versions" / store_setup["v1"]
+    manifest = read_manifest(vdir)                              # as written before the statistics were stored
+    del manifest["files"][LIST_STATS_FILE]
+    write_manifest(vdir, manifest)
+    with caplog.at_level(logging.INFO, logger="search.normaliser"):
+        legacy = Searcher(root, load=True, normaliser="bounded").snapshot().normaliser.stats
+    assert built == [(96, 16)] and any("stores no normaliser statistics" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(legacy.means, stats.means)
+    built.clear()
+    assert Searcher(root, load=True, normaliser="exact").snapshot().normaliser is None and built == []
+
+
 def test_k_larger_than_index_and_per_query_temperatures(store_setup, rng):
     searcher = Searcher(store_setup["root"], load=True)
     n = searcher.snapshot().count
