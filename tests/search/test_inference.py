@@ -1,6 +1,7 @@
-"""InferenceEncoder (the serving forward) against the eager encoder it was traced from."""
+"""InferenceEncoder (the serving forward: ONNX Runtime, TorchScript) against the eager encoder it copies."""
 from __future__ import annotations
 
+import builtins
 import threading
 
 import numpy as np
@@ -28,11 +29,17 @@ def _images(n: int, size: int, seed: int = 1) -> torch.Tensor:
     return torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
+BACKENDS = ["onnxruntime", "torchscript"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", sorted(TOWERS))
-def test_traced_encoder_matches_eager(name):
+def test_serving_copy_matches_eager(name, backend):
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
     enc = _encoder(name)
-    fast = InferenceEncoder(enc)
-    assert fast.kind == "torchscript"
+    fast = InferenceEncoder(enc, backends=(backend,))
+    assert fast.kind == backend
     for n in (1, 5, 17):  # batch sizes other than the trace's (2)
         x = _images(n, enc.image_size, seed=n)
         ref = embed(enc, x, progress=False)
@@ -41,6 +48,24 @@ def test_traced_encoder_matches_eager(name):
         np.testing.assert_allclose(z, ref, atol=1e-5)
         np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
     assert fast(_images(0, enc.image_size)).shape == (0, enc.embed_dim)
+
+
+def test_default_prefers_onnxruntime_then_torchscript(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    enc = _encoder("vit")
+    assert InferenceEncoder(enc).kind == "onnxruntime"
+    real_import = builtins.__import__
+
+    def without_onnxruntime(name, *args, **kwargs):
+        if name == "onnxruntime" or name.startswith("onnxruntime."):
+            raise ImportError("no onnxruntime here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_onnxruntime)
+    fallback = InferenceEncoder(enc)
+    assert fallback.kind == "torchscript"
+    x = _images(3, enc.image_size)
+    np.testing.assert_allclose(fallback(x), embed(enc, x, progress=False), atol=1e-5)
 
 
 def test_eager_when_not_optimised_or_tracing_fails(monkeypatch):
@@ -55,12 +80,13 @@ def test_eager_when_not_optimised_or_tracing_fails(monkeypatch):
         raise RuntimeError("cannot trace this tower")
 
     monkeypatch.setattr(torch.jit, "trace", broken)
+    monkeypatch.setattr(torch.onnx, "export", broken)
     failed = InferenceEncoder(enc)
     assert failed.kind == "eager"
     np.testing.assert_array_equal(failed(x), ref)
 
 
-def test_traced_copy_refused_when_it_disagrees(monkeypatch):
+def test_copy_refused_when_it_disagrees(monkeypatch):
     monkeypatch.setattr(inference, "PROBE_TOL", -1.0)   # no copy can be within a negative tolerance
     enc = _encoder("resnet")
     fast = InferenceEncoder(enc)
@@ -69,9 +95,13 @@ def test_traced_copy_refused_when_it_disagrees(monkeypatch):
     np.testing.assert_array_equal(fast(x), embed(enc, x, progress=False))
 
 
-def test_concurrent_calls_agree():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_calls_agree(backend):
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
     enc = _encoder("resnet")
-    fast = InferenceEncoder(enc)
+    fast = InferenceEncoder(enc, backends=(backend,))
+    assert fast.kind == backend
     inputs = [_images(1 + i % 3, enc.image_size, seed=i) for i in range(12)]
     refs = [embed(enc, x, progress=False) for x in inputs]
     out: dict[int, np.ndarray] = {}
