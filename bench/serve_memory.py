@@ -16,6 +16,10 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
   `bounded` normaliser (search/normaliser.py) reads a few IVF lists per query instead;
 - `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
   machine's real cost of the two) against two separate single-worker servers (2 x RSS).
+- the cost of releasing the pages the normaliser read (search/normaliser.py `release_pages`, what
+  keeps the mapped file out of the RSS after queries): time per query of `log_normalizer` and of
+  `bounded_log_normalizer` on the 10^6 memory map with and without it, interleaved in one process
+  (one BLAS thread, like the servers), the baseline without.
 
     .venv/bin/python bench/serve_memory.py [--root /tmp/softsearch-million] [--queries 64]
 """
@@ -151,6 +155,38 @@ class Serve:
         self.tmp.cleanup()
 
 
+def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, list[float]]:
+    """Seconds per one-query log Z call on the version's memory map, {"<method> <release|keep>": [per
+    round]}; rounds alternate which goes first, and each starts with one untimed call, so `keep` is
+    measured in its steady state (every page already mapped) and `release` in its own."""
+    import numpy as np
+
+    from index.store import IndexVersion
+    from search.normaliser import NormaliserConfig, bounded_log_normalizer, log_normalizer
+
+    version = IndexVersion.load(vdir, verify=False, gpu=False)
+    emb, stats = version.embeddings, version.list_stats()
+    rng = np.random.default_rng(0)
+    q = np.asarray(emb[np.sort(rng.choice(len(version), per_round, replace=False))])
+    q = q + 0.05 * rng.standard_normal(q.shape).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    tau = np.array([float(version.manifest.get("search_temperature", 0.1))])
+    cfg = NormaliserConfig("bounded")
+    calls = {"exact": lambda x, release: log_normalizer(x, emb, tau, release=release),
+             "bounded": lambda x, release: bounded_log_normalizer(x, emb, stats, tau, cfg, release=release)}
+    out: dict[str, list[float]] = {}
+    for r in range(rounds):
+        for method, call in calls.items():
+            for release in ((True, False) if r % 2 == 0 else (False, True)):
+                call(q[:1], release)
+                t0 = time.perf_counter()
+                for i in range(per_round):
+                    call(q[i:i + 1], release)
+                out.setdefault(f"{method} {'release' if release else 'keep'}", []).append(
+                    (time.perf_counter() - t0) / per_round)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "softsearch-million",
@@ -160,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="one 10^6 server per normaliser (auto is exact at this N * d); --workers 2 uses the first")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50")
+    p.add_argument("--release-cost", type=Path, default=None, help=argparse.SUPPRESS)  # the timing subprocess
     args = p.parse_args(argv)
+    if args.release_cost is not None:
+        import json
+
+        print(json.dumps(release_cost(args.release_cost)))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args.root.mkdir(parents=True, exist_ok=True)
@@ -223,6 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(row(f"--workers 2 (--normaliser {args.normalisers[0]}): sum of Pss (machine cost) vs two single "
                     "servers' RSS",
                     sum(m["Pss"] for m in per_worker) / MIB, "MiB", 2 * queried["VmRSS"] / MIB))
+    import json
+    import statistics
+
+    timing = subprocess.run([sys.executable, __file__, "--release-cost", str(vdir)], check=True, capture_output=True,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cost = json.loads(timing.stdout.strip().splitlines()[-1])
+    for method in ("exact", "bounded"):
+        released, kept = (statistics.median(cost[f"{method} {k}"]) for k in ("release", "keep"))
+        rows.append(row(f"{method} log Z per query, N=1e6 memory map, in-process: pages released after reading "
+                        f"(baseline: kept mapped; median of {len(cost[f'{method} keep'])} interleaved rounds)",
+                        released, "s", kept))
     note = f"1-min load average {os.getloadavg()[0]:.1f} at the end; serve options: {' '.join(extra) or 'defaults'}"
     write_results("serve_memory", rows, machine_note=note)
     return 0

@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
-    "log_normalizer", "bounded_log_normalizer", "choose_method", "advise_random",
+    "log_normalizer", "bounded_log_normalizer", "choose_method", "advise_random", "release_pages", "releasable",
 ]
 
 METHODS = ("exact", "bounded", "auto")
@@ -79,24 +79,31 @@ _U32 = 2.0 ** -24  # unit roundoff of float32
 
 
 def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
-                   block: int = DEFAULT_BLOCK) -> np.ndarray:
+                   block: int = DEFAULT_BLOCK, release: bool = True) -> np.ndarray:
     """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
 
     queries (Q, D), embeddings (N, D), temperatures (Q,) -> (Q,) float64. Running max keeps
-    every exp() in range, so tiny temperatures do not overflow.
+    every exp() in range, so tiny temperatures do not overflow. With `release`, each block of a
+    read-only memory map is unmapped from the process once read (`release_pages`), so the scan
+    leaves at most one block resident in it instead of the whole file.
     """
     q = np.asarray(queries, dtype=np.float32)
     inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)  # (Q,)
+    mapped = embeddings if release and releasable(embeddings) else None
     if isinstance(embeddings, np.memmap):  # the same mapped pages, without np.memmap's per-operation overhead
         embeddings = embeddings.view(np.ndarray)
     if 0 < embeddings.shape[0] <= block:  # one block: log Z = m + log sum_l exp(logit_l - m), m = max_l logit_l
         logits = (q @ embeddings.T).astype(np.float64) * inv_tau[:, None]  # (Q, N)
+        if mapped is not None:
+            release_pages(mapped)
         m = logits.max(axis=1)
         return m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
     m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
     acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
     for start in range(0, embeddings.shape[0], block):
         logits = (q @ embeddings[start:start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
+        if mapped is not None:
+            release_pages(mapped, start, start + block)
         new_m = np.maximum(m, logits.max(axis=1))
         acc = acc * np.exp(m - new_m) + np.exp(logits - new_m[:, None]).sum(axis=1)
         m = new_m
@@ -156,23 +163,68 @@ def choose_method(count: int, dim: int, config: NormaliserConfig) -> str:
 # ----------------------------------------------------------------------------- memory-map residency
 
 
-def advise_random(embeddings: np.ndarray) -> bool:
-    """madvise(MADV_RANDOM) on the memory map behind `embeddings`: bounded reads scattered rows, and
-    without this advice every fault also maps (fault-around) and reads ahead its neighbours, so the
-    process would soon hold the whole file resident. True if the advice was given."""
-    if getattr(embeddings, "filename", None) is None or not embeddings.size:
-        return False
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """madvise(2) on [start, start + length) (start page-aligned; the kernel rounds length up to
+    whole pages); False where there is no madvise (not POSIX) or it fails."""
+    global _LIBC
     try:
         import ctypes
-        import mmap
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        page = mmap.PAGESIZE
-        start = embeddings.ctypes.data // page * page
-        length = embeddings.ctypes.data + embeddings.nbytes - start
-        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_RANDOM) == 0
-    except (OSError, AttributeError):  # not POSIX / no madvise: only a residency hint is lost
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        return _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+    except (OSError, AttributeError):  # only a residency hint is lost
         return False
+
+
+_LIBC = None
+
+
+def advise_random(embeddings: np.ndarray) -> bool:
+    """madvise(MADV_RANDOM) on the memory map behind `embeddings`: bounded reads scattered rows, so
+    a fault on a page not yet in the page cache should not read ahead its neighbours. (It does not
+    stop a fault from mapping the pages around it: on current kernels one read can map a whole
+    large folio, up to 2 MiB, so a few thousand scattered rows map the whole file; `release_pages`
+    after each query is what keeps them out of the process.) True if the advice was given."""
+    if getattr(embeddings, "filename", None) is None or not embeddings.size:
+        return False
+    import mmap
+
+    start = embeddings.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    return _madvise(start, embeddings.ctypes.data + embeddings.nbytes - start, getattr(mmap, "MADV_RANDOM", 1))
+
+
+def releasable(embeddings: np.ndarray) -> bool:
+    """True for a read-only, file-backed, C-contiguous memory map (np.load(..., mmap_mode="r")):
+    the only kind `release_pages` touches (an in-RAM array, or a writable or copy-on-write map, is
+    left alone)."""
+    return (isinstance(embeddings, np.memmap) and getattr(embeddings, "mode", None) == "r"
+            and getattr(embeddings, "filename", None) is not None and embeddings.size > 0
+            and embeddings.flags.c_contiguous)
+
+
+def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = None) -> bool:
+    """Unmap from this process the pages of the memory map `embeddings` that hold rows [start, stop)
+    (all rows by default): madvise(MADV_DONTNEED). True if released; False (a no-op) unless
+    `releasable(embeddings)`.
+
+    Why: pages of a file mapping that a process has read stay mapped in it, and count in its RSS,
+    until it unmaps them, so a server that scans all N rows per query soon shows the whole file in
+    its RSS. For a read-only shared file mapping MADV_DONTNEED only drops this process's page-table
+    entries: the data stays in the OS page cache (shared, reclaimable) and a later read of those
+    rows faults the same bytes back in, so it is safe while other threads read them too.
+    The range is rounded out to whole pages, all inside the mapping (it covers the file's last page)."""
+    if not releasable(embeddings):
+        return False
+    import mmap
+
+    n = embeddings.shape[0]
+    stop = n if stop is None else min(int(stop), n)
+    if stop <= start:
+        return False
+    row, base = embeddings.strides[0], embeddings.ctypes.data
+    lo = (base + int(start) * row) // mmap.PAGESIZE * mmap.PAGESIZE
+    return _madvise(lo, base + stop * row - lo, getattr(mmap, "MADV_DONTNEED", 4))
 
 
 # ----------------------------------------------------------------------------- the bound
@@ -257,11 +309,14 @@ def _gather(embeddings: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
                            temperatures: np.ndarray, config: NormaliserConfig | None = None,
-                           top_rows: np.ndarray | None = None) -> LogZ:
+                           top_rows: np.ndarray | None = None, release: bool = True) -> LogZ:
     """log Z estimate, deterministic bound and sampled interval for each query (see module doc).
 
     queries (Q, D) float32 (unit or near-unit), embeddings (N, D), temperatures (Q,);
-    top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ."""
+    top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ.
+    With `release`, the scattered rows a query read from a read-only memory map are unmapped from
+    the process after it (`release_pages` over the whole map: one call, its cost is in the pages
+    it drops), so the process does not come to hold the whole file across queries."""
     config = config or NormaliserConfig(method="bounded")
     q = np.ascontiguousarray(queries, dtype=np.float32)
     taus = np.asarray(temperatures, dtype=np.float64)
@@ -334,10 +389,12 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
             ihi = min(float(np.logaddexp(log_h, log_t_hi)), upper)
         out["value"][i], out["lower"][i], out["upper"][i] = value, lower, upper
         out["ilo"][i], out["ihi"][i] = ilo, ihi
+        if release:
+            release_pages(embeddings)
     exact = np.zeros(n_q, dtype=bool)
     if fallback:  # one streaming pass for every query whose sample was too noisy
         exact[fallback] = True
-        value = log_normalizer(q[fallback], embeddings, taus[fallback])
+        value = log_normalizer(q[fallback], embeddings, taus[fallback], release=release)
         out["value"][fallback] = value
         out["lower"][fallback] = value - slacks[fallback]   # float32 rounding of the exact pass
         out["upper"][fallback] = value + slacks[fallback]
