@@ -302,9 +302,28 @@ def _query_seed(x: np.ndarray, tau: float) -> int:
     return int.from_bytes(digest, "little")
 
 
-def _gather(embeddings: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """embeddings[rows] for ascending `rows` (a forward sweep over the memory map), (R, D) float32."""
-    return np.take(embeddings, rows, axis=0)
+#: Bytes of a memory map a gather reads before it releases them (`_gather`): one read can map a
+#: whole large folio (up to 2 MiB), so a few thousand scattered rows would map the whole file at once.
+GATHER_SPAN_BYTES = 16 << 20
+
+
+def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
+            span_bytes: int = GATHER_SPAN_BYTES) -> np.ndarray:
+    """embeddings[rows] for ascending `rows` (a forward sweep over the memory map), (R, D) float32.
+    With `release` (and a releasable map), rows are read one `span_bytes` stretch of the file at a
+    time and each stretch is released once read, so the process never maps more than ~one stretch."""
+    if not release or len(rows) == 0 or not releasable(embeddings):
+        return np.take(embeddings, rows, axis=0)
+    span = max(1, span_bytes // embeddings.strides[0])              # rows per stretch
+    out = np.empty((len(rows), embeddings.shape[1]), dtype=embeddings.dtype)
+    view = embeddings.view(np.ndarray)
+    stretch = rows // span
+    cuts = np.flatnonzero(np.diff(stretch)) + 1
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)]):
+        np.take(view, rows[a:b], axis=0, out=out[a:b])
+        k = int(stretch[a])
+        release_pages(embeddings, k * span, (k + 1) * span)
+    return out
 
 
 def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
@@ -314,9 +333,9 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
 
     queries (Q, D) float32 (unit or near-unit), embeddings (N, D), temperatures (Q,);
     top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ.
-    With `release`, the scattered rows a query read from a read-only memory map are unmapped from
-    the process after it (`release_pages` over the whole map: one call, its cost is in the pages
-    it drops), so the process does not come to hold the whole file across queries."""
+    With `release`, the scattered rows read from a read-only memory map are unmapped from the
+    process as they are read (`_gather`, 16 MiB stretches) and after each query (`release_pages`
+    over the whole map), so the process holds neither the whole file across queries nor during one."""
     config = config or NormaliserConfig(method="bounded")
     q = np.ascontiguousarray(queries, dtype=np.float32)
     taus = np.asarray(temperatures, dtype=np.float64)
@@ -349,7 +368,7 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
             known = r[~in_head[stats.where[r]]]
         rows = np.sort(np.concatenate(parts + [known.astype(stats.order.dtype)])) if parts or len(known) \
             else np.zeros(0, dtype=np.int64)
-        s = (_gather(embeddings, rows) @ x).astype(np.float64)  # (H,)
+        s = (_gather(embeddings, rows, release) @ x).astype(np.float64)  # (H,)
         log_h = _logsumexp(s / tau)
         rows_read[i] = len(rows)
         lo_t, hi_t = log_lo[tail], log_hi[tail]
@@ -363,7 +382,7 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
         else:
             rng = np.random.default_rng(_query_seed(x, tau))
             log_t, log_se, m = _sample_tail(x, tau, embeddings, stats, tail, log_lo[tail], centre[i],
-                                            config.samples, known, rng)
+                                            config.samples, known, rng, release)
             rows_read[i] += m
             se_log = math.exp(log_se - np.logaddexp(log_h, log_t)) if math.isfinite(log_t) else math.inf
             if se_log > config.target_se and config.samples < config.max_samples:
@@ -372,7 +391,7 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
                 grow = (se_log / config.target_se) ** 2 * 1.2 if math.isfinite(se_log) else math.inf
                 more = int(min(config.max_samples, math.ceil(config.samples * min(grow, 1e9))))
                 log_t, log_se, m = _sample_tail(x, tau, embeddings, stats, tail, log_lo[tail], centre[i],
-                                                more, known, rng)
+                                                more, known, rng, release)
                 rows_read[i] += m
             # standard error of log Z^ (delta method: se(T^) / (H + T^)); too large -> exact
             if not math.isfinite(log_t) or log_se - np.logaddexp(log_h, log_t) > math.log(config.max_se):
@@ -457,7 +476,7 @@ def _split_head(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> tuple
 
 def _sample_tail(x: np.ndarray, tau: float, embeddings: np.ndarray, stats: ListStats, tail: np.ndarray,
                  log_lo: np.ndarray, centre: np.ndarray, samples: int,
-                 known: np.ndarray, rng: np.random.Generator) -> tuple[float, float, int]:
+                 known: np.ndarray, rng: np.random.Generator, release: bool = False) -> tuple[float, float, int]:
     """Stratified importance sample of log T over the tail lists and its normal interval.
 
     With pi_l = L_l / sum_tail L, a list expecting M pi_l >= 2 draws is its own stratum with
@@ -503,7 +522,7 @@ def _sample_tail(x: np.ndarray, tau: float, embeddings: np.ndarray, stats: ListS
     rows = stats.order[stats.offsets[lists] + within]
     by_row = np.argsort(rows, kind="stable")                     # read the rows in file order
     rows, lists, sid = rows[by_row], lists[by_row], sid[by_row]
-    s = _gather(embeddings, rows) @ x                            # (M,) float32
+    s = _gather(embeddings, rows, release) @ x                   # (M,) float32
     log_w = (s.astype(np.float64) - centre[lists]) / tau         # log exp(t): S-weight over L-weight
     top = float(log_w.max())
     w = np.exp(log_w - top)                                      # scaled weights

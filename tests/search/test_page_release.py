@@ -82,3 +82,27 @@ def test_bounded_reads_leave_no_rows_mapped(mapped):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
     bounded_log_normalizer(q, mm, stats, taus, cfg, release=False)
     assert mapping_rss(mm) > 100 * PAGE                                       # the rows it read, left mapped
+
+
+def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
+    """Scattered rows are read one stretch of the file at a time and each stretch released once read:
+    just before every release the mapping holds at most ~one stretch (plus a large folio at either end)."""
+    from search import normaliser
+
+    x, mm = mapped
+    rows = np.sort(np.random.default_rng(2).choice(N, 3000, replace=False))
+    span = 1 << 20                                                            # 1 MiB stretches: 8 of them
+    seen = []
+    real = normaliser.release_pages
+
+    def watched(emb, start=0, stop=None):
+        seen.append(mapping_rss(emb))
+        return real(emb, start, stop)
+
+    monkeypatch.setattr(normaliser, "release_pages", watched)
+    real(mm)
+    got = normaliser._gather(mm, rows, release=True, span_bytes=span)
+    np.testing.assert_array_equal(got, x[rows])
+    assert len(seen) == 8 and max(seen) <= span + 2 * (2 << 20) and mapping_rss(mm) <= 2 * PAGE
+    normaliser._gather(mm, rows)                                              # no release: the rows stay mapped
+    assert mapping_rss(mm) > 4 * span
