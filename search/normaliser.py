@@ -223,8 +223,17 @@ def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = Non
     if stop <= start:
         return False
     row, base = embeddings.strides[0], embeddings.ctypes.data
-    lo = (base + int(start) * row) // mmap.PAGESIZE * mmap.PAGESIZE
-    return _madvise(lo, base + stop * row - lo, getattr(mmap, "MADV_DONTNEED", 4))
+    return _release_bytes(embeddings, base + int(start) * row, base + stop * row)
+
+
+def _release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
+    """MADV_DONTNEED on the addresses [lo, hi) of the releasable map `embeddings`, clipped to it."""
+    import mmap
+
+    base = embeddings.ctypes.data
+    lo = max(lo, base) // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(hi, base + embeddings.nbytes)
+    return hi > lo and _madvise(lo, hi - lo, getattr(mmap, "MADV_DONTNEED", 4))
 
 
 # ----------------------------------------------------------------------------- the bound
@@ -304,25 +313,30 @@ def _query_seed(x: np.ndarray, tau: float) -> int:
 
 #: Bytes of a memory map a gather reads before it releases them (`_gather`): one read can map a
 #: whole large folio (up to 2 MiB), so a few thousand scattered rows would map the whole file at once.
+#: A multiple of 2 MiB: stretches start at 2 MiB-aligned addresses, so a release never splits a
+#: huge-page mapping (which would make every later fault map 4 KiB pages, several times slower).
 GATHER_SPAN_BYTES = 16 << 20
+_HUGE = 2 << 20
 
 
 def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
-            span_bytes: int = GATHER_SPAN_BYTES) -> np.ndarray:
+            span_bytes: int | None = None) -> np.ndarray:
     """embeddings[rows] for ascending `rows` (a forward sweep over the memory map), (R, D) float32.
-    With `release` (and a releasable map), rows are read one `span_bytes` stretch of the file at a
+    With `release` (and a releasable map), rows are read one `span_bytes` stretch of addresses at a
     time and each stretch is released once read, so the process never maps more than ~one stretch."""
     if not release or len(rows) == 0 or not releasable(embeddings):
         return np.take(embeddings, rows, axis=0)
-    span = max(1, span_bytes // embeddings.strides[0])              # rows per stretch
+    span = max(_HUGE, (span_bytes or GATHER_SPAN_BYTES) // _HUGE * _HUGE)
+    base = embeddings.ctypes.data
+    origin = base // _HUGE * _HUGE
     out = np.empty((len(rows), embeddings.shape[1]), dtype=embeddings.dtype)
     view = embeddings.view(np.ndarray)
-    stretch = rows // span
+    stretch = (base - origin + rows.astype(np.int64) * embeddings.strides[0]) // span
     cuts = np.flatnonzero(np.diff(stretch)) + 1
     for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)]):
         np.take(view, rows[a:b], axis=0, out=out[a:b])
-        k = int(stretch[a])
-        release_pages(embeddings, k * span, (k + 1) * span)
+        lo = origin + int(stretch[a]) * span
+        _release_bytes(embeddings, lo, lo + span)
     return out
 
 

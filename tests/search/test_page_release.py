@@ -91,18 +91,18 @@ def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
 
     x, mm = mapped
     rows = np.sort(np.random.default_rng(2).choice(N, 3000, replace=False))
-    span = 1 << 20                                                            # 1 MiB stretches: 8 of them
     seen = []
-    real = normaliser.release_pages
+    real = normaliser._release_bytes
 
-    def watched(emb, start=0, stop=None):
+    def watched(emb, lo, hi):
         seen.append(mapping_rss(emb))
-        return real(emb, start, stop)
+        return real(emb, lo, hi)
 
-    monkeypatch.setattr(normaliser, "release_pages", watched)
-    real(mm)
+    release_pages(mm)
+    monkeypatch.setattr(normaliser, "_release_bytes", watched)
+    span = 2 << 20                                                            # 2 MiB stretches of an 8 MiB file
     got = normaliser._gather(mm, rows, release=True, span_bytes=span)
     np.testing.assert_array_equal(got, x[rows])
-    assert len(seen) == 8 and max(seen) <= span + 2 * (2 << 20) and mapping_rss(mm) <= 2 * PAGE
+    assert len(seen) in (4, 5) and max(seen) <= 2 * span + PAGE and mapping_rss(mm) <= 2 * PAGE  # (folios may straddle)
     normaliser._gather(mm, rows)                                              # no release: the rows stay mapped
-    assert mapping_rss(mm) > 4 * span
+    assert mapping_rss(mm) >= x.nbytes // 2
