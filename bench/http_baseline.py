@@ -264,6 +264,8 @@ def run_case(name: str, case: dict, args) -> list[dict]:
                     order.reverse()
                 qps = {}
                 for label, server in order:
+                    if args.warmup > 0:  # discarded: the server that sat idle during the other's run warms up first
+                        run_load(server.url, c, args.warmup, bodies, server.search_path)
                     before = batch_stats(server) if label == "product" else None
                     res = run_load(server.url, c, args.duration, bodies, server.search_path)
                     if res["errors"]:
@@ -297,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=4.0, help="seconds per server per round and client count")
+    p.add_argument("--warmup", type=float, default=1.0,
+                   help="seconds of discarded load before each timed run (same clients), so neither server is "
+                        "timed straight out of idling through the other's run")
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of both servers")
     p.add_argument("--folder-checkpoint", type=Path)
     p.add_argument("--synthetic-checkpoint", type=Path)
@@ -315,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     note = (f"shared with other work: 1-min load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at "
             f"the end (5-min {load_end[1]:.1f}); both servers torch threads {args.torch_threads}; "
-            f"{args.rounds} interleaved rounds x {args.duration:g} s per server and client count")
+            f"{args.rounds} interleaved rounds x {args.duration:g} s per server and client count, each after "
+            f"{args.warmup:g} s of discarded warm-up load")
     write_results("http_baseline", rows, machine_note=note)
     return 0
 
