@@ -27,6 +27,7 @@ from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.routes import admin, health, index, items, search, web
+from search.normaliser import NormaliserConfig
 from search.searcher import NotReadyError, Searcher
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,8 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     def make_searcher() -> Searcher:
         if settings.index_root is None:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
-        return Searcher(settings.index_root, device=settings.device, normaliser=settings.normaliser)
+        normaliser = NormaliserConfig(method=settings.normaliser, release_pages=not settings.keep_mapped_pages)
+        return Searcher(settings.index_root, device=settings.device, normaliser=normaliser)
 
     load_error = None
     if searcher is None and settings.index_root is not None:

@@ -76,6 +76,10 @@ class Settings(BaseModel):
         "auto", description="softmax normaliser log Z: exact (every embedding per query), bounded (a few IVF "
                             "lists + a sampled tail; the response carries a bound that contains the exact value) "
                             "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)")
+    keep_mapped_pages: bool = Field(
+        False, description="keep the embeddings memory map's pages mapped once the normaliser has read them: "
+                           "no refaults (faster log Z, notably bounded), but the file counts in the process RSS "
+                           "(shared, reclaimable page cache); default: released after each read")
 
     @field_validator("host")
     @classmethod

@@ -124,6 +124,7 @@ class SearchSnapshot:
     block: int = DEFAULT_BLOCK
     normaliser: Normaliser | None = None                       # None: exact
     runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
+    release_pages: bool = True                                  # exact scan: unmap the map's pages once read
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -195,7 +196,8 @@ class SearchSnapshot:
                                 [float("-inf")] * q.shape[0])
         if self.normaliser is None:
             _, rows = self.index.search(q, k_eff)  # (Q, k) candidate rows, best first; -1 = none
-            norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block), self.count)
+            norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block, release=self.release_pages),
+                              self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
             _, top = self.index.search(q, max(k_eff, min(self.normaliser.config.top_rows, self.count)))
             rows = top[:, :k_eff]
@@ -354,7 +356,8 @@ class Searcher:
             runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
-                              normaliser if normaliser.method != "exact" else None, runner)
+                              normaliser if normaliser.method != "exact" else None, runner,
+                              release_pages=self.normaliser.release_pages)
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
         sha = checkpoint_record(version.manifest).get("sha256")

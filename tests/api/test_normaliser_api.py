@@ -50,3 +50,16 @@ def test_bad_normaliser_setting_stops_start_up(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--normaliser", "approx"])
     assert exc.value.code == 2 and "--normaliser" in capsys.readouterr().err
+
+
+def test_keep_mapped_pages_setting_reaches_the_searcher(make_client):
+    from api.server import build_parser
+
+    args = build_parser().parse_args(["--keep-mapped-pages"])
+    assert load_settings(vars(args), environ={}).keep_mapped_pages is True
+    assert load_settings(vars(build_parser().parse_args([])), environ={}).keep_mapped_pages is False
+    assert load_settings(environ={"SOFTSEARCH_KEEP_MAPPED_PAGES": "true"}).keep_mapped_pages is True
+    for keep in (False, True):
+        client = make_client(keep_mapped_pages=keep)
+        snapshot = client.app.state.searcher.snapshot()
+        assert snapshot.release_pages is (not keep)

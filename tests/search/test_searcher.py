@@ -289,3 +289,38 @@ def test_from_parts_and_not_ready(store_setup, rng):
     assert not empty.ready and empty.version is None
     with pytest.raises(NotReadyError):
         empty.search_vectors(q, 3)
+
+
+
+def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeypatch):
+    """NormaliserConfig.release_pages (False = serve --keep-mapped-pages) is what the exact scan and the
+    bounded estimate are called with; the answers do not depend on it (tests/search/test_page_release.py
+    checks the pages themselves)."""
+    import search.normaliser as normaliser_module
+    import search.searcher as searcher_module
+
+    seen = []
+    real_exact, real_bounded = searcher_module.log_normalizer, normaliser_module.bounded_log_normalizer
+
+    def exact_spy(*args, **kwargs):
+        seen.append(("exact", kwargs.get("release")))
+        return real_exact(*args, **kwargs)
+
+    def bounded_spy(*args, **kwargs):
+        seen.append(("bounded", kwargs.get("release")))
+        return real_bounded(*args, **kwargs)
+
+    monkeypatch.setattr(searcher_module, "log_normalizer", exact_spy)
+    monkeypatch.setattr(normaliser_module, "bounded_log_normalizer", bounded_spy)
+    answers = {}
+    for method in ("exact", "bounded"):
+        for release in (True, False):
+            cfg = NormaliserConfig(method, release_pages=release, head_rows=8, samples=64, max_se=10.0,
+                                   max_samples=64)
+            searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
+            q = np.random.default_rng(7).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
+            ans = searcher.search_vectors(q, k=5, temperature=0.5)
+            answers[method, release] = (ans.log_normalizers, [[(h.row, h.probability) for h in hits] for hits in ans])
+    assert seen == [("exact", True), ("exact", False), ("bounded", True), ("bounded", False)]
+    assert answers["exact", True] == answers["exact", False]
+    assert answers["bounded", True] == answers["bounded", False]
