@@ -42,7 +42,7 @@ import httpx
 import torch
 
 from _common import row, write_results
-from http_load import free_port, percentile, query_payloads
+from http_load import BOUNDARY, free_port, multipart, percentile, query_payloads, run_load
 
 logger = logging.getLogger("bench.http_baseline")
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,67 +129,6 @@ class Proc:
             self.proc.wait()
 
 
-BOUNDARY = "softsearch-bench-boundary"
-
-
-def multipart(payload: bytes) -> bytes:
-    """The POST body a browser form sends: the image as `file`, k = TOP (built once per query image)."""
-    head = (f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="q.png"\r\n'
-            f"Content-Type: image/png\r\n\r\n").encode()
-    tail = f'\r\n--{BOUNDARY}\r\nContent-Disposition: form-data; name="k"\r\n\r\n{TOP}\r\n--{BOUNDARY}--\r\n'
-    return head + payload + tail.encode()
-
-
-def run_load(url: str, clients: int, duration: float, bodies: list[bytes], path: str) -> dict:
-    """Closed loop: `clients` threads, each on its own keep-alive connection, POST a random pre-encoded
-    query and read the whole answer before sending the next. http.client with bodies built once costs
-    the client ~0.1 ms per request (httpx: ~1 ms), so on a 2-core machine the client takes little of
-    the CPU the servers compete for."""
-    import http.client
-    import threading
-
-    host, port = url.removeprefix("http://").split(":")
-    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
-    lat: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    start = time.perf_counter()
-    stop_at = start + duration
-
-    def worker(seed: int) -> None:
-        nonlocal errors
-        rng = random.Random(seed)
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        mine, bad = [], 0
-        try:
-            while time.perf_counter() < stop_at:
-                body = bodies[rng.randrange(len(bodies))]
-                t0 = time.perf_counter()
-                try:
-                    conn.request("POST", path, body, headers)
-                    resp = conn.getresponse()
-                    resp.read()
-                    bad += resp.status != 200
-                except (OSError, http.client.HTTPException):
-                    bad += 1
-                    conn.close()
-                    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-                mine.append(time.perf_counter() - t0)
-        finally:
-            conn.close()
-        with lock:
-            lat.extend(mine)
-            errors += bad
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    return {"qps": len(lat) / elapsed, "n": len(lat), "errors": errors, "elapsed": elapsed, "latencies": lat}
-
-
 def top(server: Proc, payload: bytes) -> list[tuple[str, float]]:
     """[(id, similarity)] of the top TOP answers."""
     r = httpx.post(server.url + server.search_path, files={"file": ("q.png", payload, "image/png")},
@@ -249,7 +188,7 @@ def run_case(name: str, case: dict, args) -> list[dict]:
         rows += [row(f"{name}: queries with the same top-{TOP} ids (ties at the cut in either order)",
                      sum(t for _, t in checks), "queries", n),
                  row(f"{name}: queries with identical top-{TOP} id lists", sum(i for i, _ in checks), "queries", n)]
-        bodies = [multipart(p) for p in case["payloads"]]
+        bodies = [multipart(p, TOP) for p in case["payloads"]]
         for server in (product, plain):
             run_load(server.url, 4, 1.0, bodies, server.search_path)  # warm-up
         lat = {(s, c): [] for s in ("product", "plain") for c in args.clients}
