@@ -128,7 +128,8 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     def make_searcher() -> Searcher:
         if settings.index_root is None:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
-        normaliser = NormaliserConfig(method=settings.normaliser, release_pages=not settings.keep_mapped_pages)
+        release = {"auto": None, "release": True, "keep": False}[settings.mapped_pages]
+        normaliser = NormaliserConfig(method=settings.normaliser, release_pages=release)
         return Searcher(settings.index_root, device=settings.device, normaliser=normaliser)
 
     load_error = None

@@ -76,10 +76,11 @@ class Settings(BaseModel):
         "auto", description="softmax normaliser log Z: exact (every embedding per query), bounded (a few IVF "
                             "lists + a sampled tail; the response carries a bound that contains the exact value) "
                             "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)")
-    keep_mapped_pages: bool = Field(
-        False, description="keep the embeddings memory map's pages mapped once the normaliser has read them: "
-                           "no refaults (faster log Z, notably bounded), but the file counts in the process RSS "
-                           "(shared, reclaimable page cache); default: released after each read")
+    mapped_pages: Literal["auto", "release", "keep"] = Field(
+        "auto", description="the embeddings memory map's pages once the normaliser has read them: release "
+                            "(unmapped from the process: its RSS stays ~index + model), keep (no refaults, but "
+                            "every page read counts in the RSS as shared page cache) or auto (release after the "
+                            "exact scan, keep the bounded estimate's scattered reads)")
 
     @field_validator("host")
     @classmethod

@@ -58,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--normaliser", choices=("exact", "bounded", "auto"),
                    help="log Z per query: exact (scan every embedding), bounded (IVF lists + sampled tail, with a "
                         "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)")
-    p.add_argument("--keep-mapped-pages", action="store_true", default=None,
-                   help="keep the embeddings' memory-mapped pages in the process once read: faster log Z (no "
-                        "refaults), but the whole file counts in the RSS; default: released after each read")
+    p.add_argument("--mapped-pages", choices=("auto", "release", "keep"),
+                   help="embeddings pages once the normaliser has read them: release (the RSS stays ~index + "
+                        "model), keep (no refaults; read pages count in the RSS) or auto (release after the "
+                        "exact scan, keep bounded's scattered reads; default)")
     return p
 
 

@@ -120,10 +120,12 @@ class NormaliserConfig:
     up to max_samples rows sized to reach it replaces it (a two-stage design);
     max_se: a query whose estimate still has a larger standard error (nats) is computed exactly;
     top_rows: rows the ANN index ranks first, summed exactly too (heavy terms out of the sample);
-    release_pages: unmap the memory map's pages from the process once read (`release_pages`), so a
-    serving process's RSS holds neither the whole file after queries nor during one; False keeps
-    them mapped: no refaults (exact 1.0-1.3x, bounded up to ~6x faster at N = 1e6), but every page
-    once read counts in the RSS (shared, reclaimable page cache).
+    release_pages: unmap the memory map's pages from the process once read (`release_pages`), so the
+    file's pages do not pile up in the process's RSS (they stay in the shared, reclaimable page
+    cache); False keeps them mapped (no refaults); None (default) releases after the exact scan's
+    sequential blocks (measured 1.0-1.2x its time at N = 1e6 and 1e7) and keeps the bounded
+    estimate's scattered reads mapped (releasing them refaults whole 2 MiB folios: 2x at N = 1e6,
+    ~6x at 1e7, bench/normaliser.py).
     """
 
     method: Literal["exact", "bounded", "auto"] = "auto"
@@ -136,7 +138,11 @@ class NormaliserConfig:
     max_samples: int = 32768
     exact_max_macs: int = AUTO_EXACT_MAX_MACS
     kmeans_seed: int = 1234
-    release_pages: bool = True
+    release_pages: bool | None = None
+
+    def releases(self, method: str) -> bool:
+        """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""
+        return self.release_pages if self.release_pages is not None else method == "exact"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -347,15 +353,17 @@ def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
 
 def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
                            temperatures: np.ndarray, config: NormaliserConfig | None = None,
-                           top_rows: np.ndarray | None = None, release: bool = True) -> LogZ:
+                           top_rows: np.ndarray | None = None, release: bool | None = None) -> LogZ:
     """log Z estimate, deterministic bound and sampled interval for each query (see module doc).
 
     queries (Q, D) float32 (unit or near-unit), embeddings (N, D), temperatures (Q,);
     top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ.
-    With `release`, the scattered rows read from a read-only memory map are unmapped from the
-    process as they are read (`_gather`, 16 MiB stretches) and after each query (`release_pages`
-    over the whole map), so the process holds neither the whole file across queries nor during one."""
+    With `release` (default: `config.releases("bounded")`, i.e. keep unless release_pages=True), the
+    scattered rows read from a read-only memory map are unmapped from the process as they are read
+    (`_gather`, 16 MiB stretches) and after each query (`release_pages` over the whole map), so the
+    process holds neither the whole file across queries nor during one."""
     config = config or NormaliserConfig(method="bounded")
+    release = config.releases("bounded") if release is None else bool(release)
     q = np.ascontiguousarray(queries, dtype=np.float32)
     taus = np.asarray(temperatures, dtype=np.float64)
     n_q, d = q.shape
@@ -605,13 +613,14 @@ class Normaliser:
                  block: int = DEFAULT_BLOCK, top_rows: np.ndarray | None = None) -> LogZ:
         """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them exactly)."""
         if self.method == "exact":
-            value = log_normalizer(queries, embeddings, temperatures, block, release=self.config.release_pages)
+            value = log_normalizer(queries, embeddings, temperatures, block, release=self.config.releases("exact"))
             return LogZ.exact(value, int(embeddings.shape[0]))
         return bounded_log_normalizer(queries, embeddings, self.stats, temperatures, self.config, top_rows,
-                                      release=self.config.release_pages)
+                                      release=self.config.releases("bounded"))
 
     def describe(self) -> dict:
-        out = {"method": self.method, "requested": self.config.method, "release_pages": self.config.release_pages}
+        out = {"method": self.method, "requested": self.config.method,
+               "release_pages": self.config.releases(self.method)}
         if self.stats is not None:
             out.update(partition=self.stats.source, head_rows=self.config.head_rows, samples=self.config.samples,
                        level=self.config.level, stats_bytes=self.stats.nbytes)

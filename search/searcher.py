@@ -357,7 +357,7 @@ class Searcher:
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
                               normaliser if normaliser.method != "exact" else None, runner,
-                              release_pages=self.normaliser.release_pages)
+                              release_pages=self.normaliser.releases("exact"))
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
         sha = checkpoint_record(version.manifest).get("sha256")

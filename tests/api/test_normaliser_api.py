@@ -52,14 +52,19 @@ def test_bad_normaliser_setting_stops_start_up(capsys):
     assert exc.value.code == 2 and "--normaliser" in capsys.readouterr().err
 
 
-def test_keep_mapped_pages_setting_reaches_the_searcher(make_client):
-    from api.server import build_parser
+def test_mapped_pages_setting_reaches_the_searcher(make_client, capsys):
+    from api.server import build_parser, main
 
-    args = build_parser().parse_args(["--keep-mapped-pages"])
-    assert load_settings(vars(args), environ={}).keep_mapped_pages is True
-    assert load_settings(vars(build_parser().parse_args([])), environ={}).keep_mapped_pages is False
-    assert load_settings(environ={"SOFTSEARCH_KEEP_MAPPED_PAGES": "true"}).keep_mapped_pages is True
-    for keep in (False, True):
-        client = make_client(keep_mapped_pages=keep)
-        snapshot = client.app.state.searcher.snapshot()
-        assert snapshot.release_pages is (not keep)
+    args = build_parser().parse_args(["--mapped-pages", "keep"])
+    assert load_settings(vars(args), environ={}).mapped_pages == "keep"
+    assert load_settings(vars(build_parser().parse_args([])), environ={}).mapped_pages == "auto"
+    assert load_settings(environ={"SOFTSEARCH_MAPPED_PAGES": "release"}).mapped_pages == "release"
+    with pytest.raises(SystemExit) as exc:
+        main(["--mapped-pages", "sometimes"])
+    assert exc.value.code == 2 and "--mapped-pages" in capsys.readouterr().err
+    # (setting, normaliser) -> does the exact scan / the bounded estimate release the pages it read
+    for setting, exact, bounded in (("auto", True, False), ("release", True, True), ("keep", False, False)):
+        snapshot = make_client(mapped_pages=setting).app.state.searcher.snapshot()
+        assert snapshot.release_pages is exact                                   # auto -> exact here
+        bounded_snapshot = make_client(mapped_pages=setting, normaliser="bounded").app.state.searcher.snapshot()
+        assert bounded_snapshot.normaliser.describe()["release_pages"] is bounded

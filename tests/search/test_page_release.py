@@ -75,7 +75,7 @@ def test_bounded_reads_leave_no_rows_mapped(mapped):
     taus = np.full(6, 0.1)
     cfg = NormaliserConfig("bounded", head_rows=2000, samples=1024, max_samples=4096)
     release_pages(mm)
-    got = bounded_log_normalizer(q, mm, stats, taus, cfg)
+    got = bounded_log_normalizer(q, mm, stats, taus, cfg, release=True)
     assert mapping_rss(mm) <= 2 * PAGE
     ref = bounded_log_normalizer(q, x, stats, taus, cfg)
     for name in ("value", "lower", "upper", "interval_lower", "interval_upper", "rows"):

@@ -293,8 +293,8 @@ def test_from_parts_and_not_ready(store_setup, rng):
 
 
 def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeypatch):
-    """NormaliserConfig.release_pages (False = serve --keep-mapped-pages) is what the exact scan and the
-    bounded estimate are called with; the answers do not depend on it (tests/search/test_page_release.py
+    """NormaliserConfig.release_pages (serve --mapped-pages release | keep | auto) is what the exact scan and
+    the bounded estimate are called with; the answers do not depend on it (tests/search/test_page_release.py
     checks the pages themselves)."""
     import search.normaliser as normaliser_module
     import search.searcher as searcher_module
@@ -314,13 +314,15 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     monkeypatch.setattr(normaliser_module, "bounded_log_normalizer", bounded_spy)
     answers = {}
     for method in ("exact", "bounded"):
-        for release in (True, False):
+        for release in (True, False, None):
             cfg = NormaliserConfig(method, release_pages=release, head_rows=8, samples=64, max_se=10.0,
                                    max_samples=64)
             searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
             q = np.random.default_rng(7).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
             ans = searcher.search_vectors(q, k=5, temperature=0.5)
             answers[method, release] = (ans.log_normalizers, [[(h.row, h.probability) for h in hits] for hits in ans])
-    assert seen == [("exact", True), ("exact", False), ("bounded", True), ("bounded", False)]
-    assert answers["exact", True] == answers["exact", False]
-    assert answers["bounded", True] == answers["bounded", False]
+    # None (auto): the exact scan releases, the bounded estimate's scattered reads stay mapped
+    assert seen == [("exact", True), ("exact", False), ("exact", True), ("bounded", True), ("bounded", False),
+                    ("bounded", False)]
+    assert answers["exact", True] == answers["exact", False] == answers["exact", None]
+    assert answers["bounded", True] == answers["bounded", False] == answers["bounded", None]
