@@ -15,8 +15,9 @@ per-list statistics are built once. Queries are fresh draws from the same genera
 * time per query, the full Searcher path of each method, interleaved call by call on the same
   queries: exact = index search (k = 10) + `log_normalizer` over all N (the baseline: what serving
   does without this module); bounded = index search (k = 100 top rows) + `bounded_log_normalizer`.
-  At batch 1 and at batch 32 (exact amortises its scan over the batch). Each with the serving
-  default (pages of the memory map released once read) and with pages kept mapped.
+  At batch 1 and at batch 32 (exact amortises its scan over the batch). Each method runs with the
+  memory map's pages released once read and kept mapped; rows give the three `serve --mapped-pages`
+  settings: auto (the default: exact releases, bounded keeps), release, keep.
 * past RAM: a fresh child process per method first evicts the embedding file from the page cache
   (posix_fadvise DONTNEED), then loads the index file, memory-maps the embeddings (bounded: loads
   the statistics and advises MADV_RANDOM, as serving does), answers queries (bounded
@@ -141,15 +142,16 @@ def child(args) -> int:
     emb = np.load(work / "emb.npy", mmap_mode="r")
     q = np.load(work / "queries.npy")[: args.child_queries]
     taus = np.full(len(q), args.taus[0])
-    if args.child == "bounded":
+    if args.child != "exact":
         stats = ListStats.load(work / "stats.npz")
         advise_random(emb)  # as Normaliser.for_version does when serving bounded
-        cfg = NormaliserConfig("bounded")
+        # serving default (--mapped-pages auto: bounded keeps its pages mapped) or --mapped-pages release
+        cfg = NormaliserConfig("bounded", release_pages=True if args.child == "bounded-release" else None)
     read0, t0 = _read_bytes(), time.perf_counter()
     for i in range(len(q)):
         if args.child == "exact":
             search(index, q[i:i + 1], 10)
-            log_normalizer(q[i:i + 1], emb, taus[i:i + 1])
+            log_normalizer(q[i:i + 1], emb, taus[i:i + 1], release=NormaliserConfig("exact").releases("exact"))
         else:
             top = search(index, q[i:i + 1], cfg.top_rows)
             bounded_log_normalizer(q[i:i + 1], emb, stats, taus[i:i + 1], cfg, top)
@@ -232,35 +234,37 @@ def run_size(n: int, args, rows: list[dict]) -> None:
               f"{inside.mean():.3f}, coverage {cov.mean() if len(cov) else float('nan'):.3f}, "
               f"fallback {got.exact_mask.mean():.3f}", flush=True)
 
-    # ---- time per query, interleaved: exact (baseline) vs bounded, full Searcher path; each with the
-    # serving default (pages of the memory map released after they are read: RSS stays bounded) and
-    # with pages kept mapped (--keep-mapped-pages: no refaults, the file counts in the RSS once read)
+    # ---- time per query, interleaved: exact (baseline) vs bounded, full Searcher path, each with the
+    # memory map's pages released once read and kept mapped; rows for the three --mapped-pages settings
+    # (auto, the serving default: exact releases, bounded keeps; release; keep)
     tq = q_all[: args.timing_queries]
+    settings = {"auto (serving default)": ("release", "keep"), "release": ("release", "release"),
+                "keep": ("keep", "keep")}
     for tau, batch in ((tau, batch) for tau in args.taus for batch in args.batches):
-        t = {(m, rel): 0.0 for m in ("exact", "bounded") for rel in (True, False)}
+        t = {(m, how): 0.0 for m in ("exact", "bounded") for how in ("release", "keep")}
         count = 0
         for start in tqdm(range(0, len(tq), batch), desc=f"timing batch {batch}", unit="call"):
             x = np.ascontiguousarray(tq[start:start + batch])
             taus = np.full(len(x), tau)
-            for rel in ((True, False) if start % 2 == 0 else (False, True)):
-                t["exact", rel] += timed(lambda: (search(index, x, 10), log_normalizer(x, emb, taus, release=rel)))
-                t["bounded", rel] += timed(lambda: bounded_log_normalizer(x, emb, stats, taus, cfg,
+            for how in (("release", "keep") if (start // batch) % 2 == 0 else ("keep", "release")):
+                rel = how == "release"
+                t["exact", how] += timed(lambda: (search(index, x, 10), log_normalizer(x, emb, taus, release=rel)))
+                t["bounded", how] += timed(lambda: bounded_log_normalizer(x, emb, stats, taus, cfg,
                                                                           search(index, x, cfg.top_rows), release=rel))
             count += len(x)
         ms = {key: 1e3 * v / count for key, v in t.items()}
-        rows.append(row(f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact",
-                        ms["bounded", True], "ms", ms["exact", True]))
-        rows.append(row(f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact, "
-                        f"pages kept mapped", ms["bounded", False], "ms", ms["exact", False]))
-        print(f"{tag} tau={tau} batch {batch}: bounded {ms['bounded', True]:.2f} ms, exact {ms['exact', True]:.2f} ms "
-              f"({ms['exact', True] / ms['bounded', True]:.1f}x); pages kept mapped: bounded "
-              f"{ms['bounded', False]:.2f}, exact {ms['exact', False]:.2f} "
-              f"({ms['exact', False] / ms['bounded', False]:.1f}x)", flush=True)
+        for setting, (exact_how, bounded_how) in settings.items():
+            rows.append(row(f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact, "
+                            f"--mapped-pages {setting}", ms["bounded", bounded_how], "ms", ms["exact", exact_how]))
+        print(f"{tag} tau={tau} batch {batch}: " + "; ".join(
+            f"{how}: bounded {ms['bounded', how]:.2f} ms, exact {ms['exact', how]:.2f} ms" for how in ("release", "keep"))
+            + f"; default {ms['exact', 'release'] / ms['bounded', 'keep']:.1f}x", flush=True)
 
     # ---- resident memory, fresh processes
     del emb, index, stats
     rss_e = child_rss(args, "exact", 1)  # a second exact query would find the file cached again
     rss_b = child_rss(args, "bounded", args.rss_queries)
+    rss_br = child_rss(args, "bounded-release", args.rss_queries)
     rows.append(row(f"{tag} cold file: storage read per query, bounded ({args.rss_queries} q) vs exact (1 q)",
                     rss_b["read_per_query"] / 2**20, "MiB", rss_e["read_per_query"] / 2**20))
     rows.append(row(f"{tag} cold file: time per query, bounded vs exact", 1e3 * rss_b["seconds_per_query"], "ms",
@@ -272,7 +276,10 @@ def run_size(n: int, args, rows: list[dict]) -> None:
         base_b = rss_b["base_rss"] if key != "RssFile" else rss_b["base_file"]
         rows.append(row(f"{tag} {what}, bounded vs exact", (rss_b[key] - base_b) / 2**20, "MiB",
                         (rss_e[key] - base_e) / 2**20))
-    print(f"{tag} RSS: bounded {rss_b}, exact {rss_e}", flush=True)
+        base_br = rss_br["base_rss"] if key != "RssFile" else rss_br["base_file"]
+        rows.append(row(f"{tag} {what}, bounded --mapped-pages release vs bounded (default, pages kept)",
+                        (rss_br[key] - base_br) / 2**20, "MiB", (rss_b[key] - base_b) / 2**20))
+    print(f"{tag} RSS: bounded {rss_b}, bounded release {rss_br}, exact {rss_e}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/tmp/softsearch-bench-normaliser")
     p.add_argument("--keep", action="store_true", help="keep the generated files")
     p.add_argument("--name", default="normaliser")
-    p.add_argument("--child", choices=["exact", "bounded"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=["exact", "bounded", "bounded-release"], help=argparse.SUPPRESS)
     p.add_argument("--child-queries", type=int, default=10, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

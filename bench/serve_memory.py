@@ -13,7 +13,9 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
   N * d = 1.28e8) every query's log Z reads all N rows of the memory-mapped embeddings file, so
   its pages are resident as *file* pages: the OS page cache, shared by every process mapping the
   file and reclaimable, not a private copy. RssAnon is what the process holds privately. The
-  `bounded` normaliser (search/normaliser.py) reads a few IVF lists per query instead;
+  `bounded` normaliser (search/normaliser.py) reads a few IVF lists per query instead. Servers:
+  auto, bounded, and bounded with `--mapped-pages release` (the default `auto` setting releases the
+  exact scan's pages once read and keeps the bounded estimate's scattered reads mapped);
 - `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
   machine's real cost of the two) against two separate single-worker servers (2 x RSS).
 - the cost of releasing the pages the normaliser read (search/normaliser.py `release_pages`, what
@@ -195,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "softsearch-million",
                    help="directory for the at-scale stores (built once, reused)")
     p.add_argument("--queries", type=int, default=64)
-    p.add_argument("--normalisers", nargs="+", default=["auto", "bounded"], choices=["auto", "exact", "bounded"],
-                   help="one 10^6 server per normaliser (auto is exact at this N * d); --workers 2 uses the first")
+    p.add_argument("--normalisers", nargs="+", default=["auto", "bounded", "bounded:release"],
+                   choices=["auto", "exact", "bounded", "auto:keep", "exact:keep", "bounded:release"],
+                   help="one 10^6 server per normaliser[:--mapped-pages setting] (auto is exact at this N * d; "
+                        "the default --mapped-pages auto releases the exact scan's pages and keeps bounded's); "
+                        "--workers 2 uses the first")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50")
     p.add_argument("--release-cost", type=Path, default=None, help=argparse.SUPPRESS)  # the timing subprocess
@@ -231,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
             row("budget: index file + model + 300 MiB", budget / MIB, "MiB", None)]
     extra = tuple(args.serve_arg)
     queried_default = None
-    for normaliser in args.normalisers:
-        tag = f"serve N=1e6 --normaliser {normaliser}"
-        with Serve(big, extra=("--normaliser", normaliser, *extra)) as s:
+    for variant in args.normalisers:
+        normaliser, _, pages = variant.partition(":")
+        flags = ("--normaliser", normaliser) + (("--mapped-pages", pages) if pages else ())
+        tag = f"serve N=1e6 {' '.join(flags)}"
+        with Serve(big, extra=(*flags, *extra)) as s:
             loaded = proc_memory(s.proc.pid)
             t0 = time.perf_counter()
             s.query(data, args.queries)
@@ -258,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                  row(f"{tag}: seconds per query (1 client, upload to answer)", per_query, "s", None)]
     queried = queried_default
 
-    with Serve(big, workers=2, extra=("--normaliser", args.normalisers[0], *extra)) as s:
+    first, _, first_pages = args.normalisers[0].partition(":")
+    first_flags = ("--normaliser", first) + (("--mapped-pages", first_pages) if first_pages else ())
+    with Serve(big, workers=2, extra=(*first_flags, *extra)) as s:
         s.query(data, args.queries)
         per_worker = [proc_memory(pid) for pid in s.pids()]
         supervisor = proc_memory(s.proc.pid)
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, m in enumerate(per_worker):
         rows += [row(f"--workers 2: worker {i} RSS after queries", m["VmRSS"] / MIB, "MiB", budget / MIB),
                  row(f"--workers 2: worker {i} Pss after queries", m["Pss"] / MIB, "MiB", None)]
-    rows.append(row(f"--workers 2 (--normaliser {args.normalisers[0]}): sum of Pss (machine cost) vs two single "
+    rows.append(row(f"--workers 2 ({' '.join(first_flags)}): sum of Pss (machine cost) vs two single "
                     "servers' RSS",
                     sum(m["Pss"] for m in per_worker) / MIB, "MiB", 2 * queried["VmRSS"] / MIB))
     import json
