@@ -10,7 +10,8 @@ Every kind uses inner product on L2-normalised rows, so scores are cosine simila
                8 bits); search knob ``nprobe``. Compact but lossy: recall can plateau.
 - ``hnsw``     IndexHNSWFlat with METRIC_INNER_PRODUCT; search knob ``efSearch``.
 
-GPU: one code path. When ``faiss.get_num_gpus() > 0`` training and adding run on
+GPU: one code path. When FAISS is a GPU build (``faiss-gpu``, the ``gpu`` extra) and
+``faiss.get_num_gpus() > 0``, training and adding run on
 ``faiss.index_cpu_to_all_gpus`` (sharded over every visible GPU) and the result is brought
 back with ``index_gpu_to_cpu`` so what is written to disk is always a CPU index. HNSW has no
 GPU implementation in FAISS and always stays on the CPU.
@@ -138,9 +139,14 @@ def _is_cpu(index: faiss.Index) -> bool:
     return not type(faiss.downcast_index(index)).__name__.startswith(("Gpu", "IndexShards", "IndexReplicas"))
 
 
+def gpu_count() -> int:
+    """GPUs FAISS can use: 0 with the CPU build (``faiss-cpu`` has no GPU classes)."""
+    return faiss.get_num_gpus() if hasattr(faiss, "StandardGpuResources") else 0
+
+
 def use_gpu(kind: str) -> bool:
-    """True when GPUs are visible and FAISS has a GPU version of this kind (not HNSW)."""
-    return faiss.get_num_gpus() > 0 and kind != "hnsw"
+    """True when FAISS sees GPUs and has a GPU version of this kind (not HNSW)."""
+    return gpu_count() > 0 and kind != "hnsw"
 
 
 def to_gpu(index: faiss.Index) -> faiss.Index:
@@ -214,7 +220,7 @@ def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed:
     if use_gpu(kind):
         try:
             built = _train_add_gpu(index, sample, vectors)
-        except RuntimeError as err:  # e.g. a PQ layout the GPU kernels do not support
+        except (RuntimeError, AttributeError) as err:  # e.g. a PQ layout the GPU kernels do not support
             logger.warning("GPU build of %s failed (%s); building on the CPU", kind, err)
     if built is None:
         if not index.is_trained:
