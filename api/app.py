@@ -27,8 +27,8 @@ from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.routes import admin, health, index, items, search, web
-from search.normaliser import NormaliserConfig
-from search.searcher import NotReadyError, Searcher
+from search.serving.normaliser import NormaliserConfig
+from search.serving.searcher import NotReadyError, Searcher
 
 logger = logging.getLogger(__name__)
 

@@ -29,8 +29,8 @@ from PIL import Image
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.metrics import Metrics
-from search.normaliser import LogZEstimate
-from search.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
+from search.serving.normaliser import LogZEstimate
+from search.serving.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ def _train(argv: list[str]) -> int:
 
 def _index(argv: list[str]) -> int:
     from index.cli import main as index_main
-    from search.quality import calibrate_version, evaluate_version
+    from search.evaluation.quality import calibrate_version, evaluate_version
 
     return index_main(argv, evaluator=evaluate_version, calibrator=calibrate_version)
 
 
 def _eval(argv: list[str]) -> int:
-    from search.evaluate import main as eval_main
+    from search.evaluation.evaluate import main as eval_main
 
     return eval_main(argv)
 

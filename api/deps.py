@@ -18,7 +18,7 @@ from fastapi import Depends, Header, HTTPException, Request
 from api.batching import MicroBatcher
 from api.config import Settings
 from api.metrics import Metrics
-from search.searcher import NotReadyError, Searcher, SearchSnapshot
+from search.serving.searcher import NotReadyError, Searcher, SearchSnapshot
 from training.images import ImageError, ImageLimits, load_query, load_rgb, load_square
 
 logger = logging.getLogger(__name__)

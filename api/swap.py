@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from index.store import ActivationRefused, IndexStore
-from search.searcher import ReloadResult, Searcher
+from search.serving.searcher import ReloadResult, Searcher
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def _gate(store: IndexStore):
     """The quality gate for a version with no gate result yet (gated at its first activation)."""
     def gate(version: str) -> dict:
         from index.build import gate_version
-        from search.quality import evaluate_version   # imported only when needed: it pulls in the evaluator
+        from search.evaluation.quality import evaluate_version   # imported only when needed: it pulls in the evaluator
 
         return gate_version(store, version, evaluate_version)
 

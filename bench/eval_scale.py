@@ -1,7 +1,7 @@
 """`softsearch eval` on an index of 10^6 items: wall time and peak resident memory.
 
 The store is bench/_scale.py's (synthetic latents, d = 128, IVF-PQ; embeddings.npy 488 MiB). The
-eval reads the database embeddings from the version's memory map (search/evaluate.py), streams
+eval reads the database embeddings from the version's memory map (search/evaluation/evaluate.py), streams
 the exact gap, the calibration and the neighbour search over row blocks, and never holds a second
 N x d copy. Each eval runs in a child process (`python -m api.cli eval ...`); its peak RSS is the
 child's VmHWM (getrusage of the waited child).

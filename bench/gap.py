@@ -1,11 +1,11 @@
-"""Benchmark the streaming cross-entropy gap (search/gap.py) against a plain matrix product.
+"""Benchmark the streaming cross-entropy gap (search/evaluation/gap.py) against a plain matrix product.
 
 Throughput: time of one (Q, d) x (d, N) fp32 matrix product on the device divided by the time of
 `softmax_gap` on the same shapes (the fraction of matmul throughput the exact gap reaches; target
 >= 0.5), for the latent generator (log r computed on the device) and the label fast path.
 A second baseline runs the same products tile by tile and discards them (no Q x N output
 to write: at N = 1e6 the plain product spends most of its time writing 16 GB), the stricter
-reference. The default path (fused tile kernels on CPU at these sizes, search/fused.py) is also timed
+reference. The default path (fused tile kernels on CPU at these sizes, search/evaluation/fused.py) is also timed
 against the eager online-max walk (`fused=False`). Memory: peak memory of `softmax_gap` vs the dense reference `softmax_gap_dense` at the same shape
 (GPU: torch peak allocation; CPU: peak RSS growth of a fresh child process). The dense reference
 is measured only while its estimated footprint (about 8 float64 Q x N matrices) fits
@@ -73,7 +73,7 @@ def _peak_rss_bytes() -> int:
 
 def _child_peak(kind: str, q: int, n: int, conn) -> None:
     """Run one variant in a fresh process and send back its peak RSS growth in bytes."""
-    from search.gap import softmax_gap, softmax_gap_dense
+    from search.evaluation.gap import softmax_gap, softmax_gap_dense
     from training.generators import create_generator
 
     zq, zn, lq, ln, _, _ = make_data(q, n)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="gap", help="results file bench/results/NAME.json")
     p.add_argument("--no-eager", action="store_true", help="skip the eager (fused=False) comparison rows")
     args = p.parse_args(argv)
-    from search.gap import softmax_gap
+    from search.evaluation.gap import softmax_gap
     from training.generators import create_generator
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

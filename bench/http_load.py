@@ -73,7 +73,7 @@ def in_process_baseline(root: Path, payloads: list[bytes], duration: float, batc
     Latency is per call; qps counts queries."""
     from PIL import Image
 
-    from search.searcher import Searcher
+    from search.serving.searcher import Searcher
 
     searcher = Searcher(root, load=True)
     lat: list[float] = []

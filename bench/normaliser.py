@@ -1,4 +1,4 @@
-"""Bounded vs exact softmax normaliser (search/normaliser.py) on clustered embeddings, d = 128.
+"""Bounded vs exact softmax normaliser (search/serving/normaliser.py) on clustered embeddings, d = 128.
 
 For each N (default 1e6 and 1e7): clustered unit vectors (bench/index_kinds.clustered: 256 centres,
 cosine ~0.7 to the centre) are written in chunks to a .npy memory map under --workdir (1e7 x 128
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import RESULTS_DIR, row, write_results  # noqa: E402
 from index_kinds import clustered  # noqa: E402
 
-from search.normaliser import (ListStats, NormaliserConfig, advise_random,  # noqa: E402
+from search.serving.normaliser import (ListStats, NormaliserConfig, advise_random,  # noqa: E402
                                bounded_log_normalizer, log_normalizer)
 
 D = 128

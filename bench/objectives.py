@@ -12,7 +12,7 @@ grey-pixel neighbours, both augmented), same step budget and seed; only the obje
 Labels are used only to evaluate: kNN accuracy of test queries against the train database
 (k=200 weighted by exp(s/0.07), and k=20 with the same weights), recall@10 (a same-label item in
 the top 10), precision@10 and the label cross-entropy gap KL(q || p) of the softmax search at the
-training tau and at the calibrated tau (search/gap.py, search/calibration.py). Baseline: cosine
+training tau and at the calibrated tau (search/evaluation/gap.py, search/evaluation/calibration.py). Baseline: cosine
 kNN (k=5 majority) on raw 784-d pixels, on the same subsets and on the full 60k/10k split.
 
     .venv/bin/python bench/objectives.py [--steps 300] [--db-size 10000] [--queries 2000] [--config C]
@@ -33,9 +33,9 @@ _HERE = Path(__file__).resolve().parent
 import numpy as np
 
 from _common import row, write_results
-from search.calibration import calibrate_temperature
-from search.gap import softmax_gap
-from search.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, recall_at_k, relevance
+from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.gap import softmax_gap
+from search.evaluation.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, recall_at_k, relevance
 from training.checkpoint import load_checkpoint
 from training.config import load_train_config
 from training.datasets import create_dataset

@@ -18,7 +18,7 @@ import numpy as np
 
 from _common import row, write_results
 from objectives import unit_pixels
-from search.metrics import knn_accuracy, knn_search
+from search.evaluation.metrics import knn_accuracy, knn_search
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed

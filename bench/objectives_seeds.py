@@ -90,8 +90,8 @@ def train_run(objective: str, seed: int, runs_dir: Path, steps: int, batch_size:
 
 def evaluate_run(ckpt: Path, objective: str, seed: int, data_root: str | None) -> tuple[dict, dict]:
     """Full 60k / 10k evaluation of one checkpoint: (figures, per-query arrays)."""
-    from search.calibration import calibrate_temperature
-    from search.metrics import bootstrap_ci, knn_accuracy, knn_search
+    from search.evaluation.calibration import calibrate_temperature
+    from search.evaluation.metrics import bootstrap_ci, knn_accuracy, knn_search
     from training.checkpoint import load_checkpoint
     from training.datasets import create_dataset
     from training.encoder import embed

@@ -13,12 +13,12 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
   N * d = 1.28e8) every query's log Z reads all N rows of the memory-mapped embeddings file, so
   its pages are resident as *file* pages: the OS page cache, shared by every process mapping the
   file and reclaimable, not a private copy. RssAnon is what the process holds privately. The
-  `bounded` normaliser (search/normaliser.py) reads a few IVF lists per query instead. Servers:
+  `bounded` normaliser (search/serving/normaliser.py) reads a few IVF lists per query instead. Servers:
   auto, bounded, and bounded with `--mapped-pages release` (the default `auto` setting releases the
   exact scan's pages once read and keeps the bounded estimate's scattered reads mapped);
 - `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
   machine's real cost of the two) against two separate single-worker servers (2 x RSS).
-- the cost of releasing the pages the normaliser read (search/normaliser.py `release_pages`, what
+- the cost of releasing the pages the normaliser read (search/serving/normaliser.py `release_pages`, what
   keeps the mapped file out of the RSS after queries): time per query of `log_normalizer` and of
   `bounded_log_normalizer` on the 10^6 memory map with and without it, interleaved in one process
   (one BLAS thread, like the servers), the baseline without.
@@ -167,7 +167,7 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     import numpy as np
 
     from index.store import IndexVersion
-    from search.normaliser import NormaliserConfig, bounded_log_normalizer, log_normalizer
+    from search.serving.normaliser import NormaliserConfig, bounded_log_normalizer, log_normalizer
 
     version = IndexVersion.load(vdir, verify=False, gpu=False)
     emb, stats = version.embeddings, version.list_stats()

@@ -1,4 +1,4 @@
-"""The serving forward (search/inference.py) per backend against the eager torch encoder.
+"""The serving forward (search/serving/inference.py) per backend against the eager torch encoder.
 
 For each tower — the default ViT (configs/synthetic.toml's) and configs/folder.toml's 32-pixel
 ResNet — and each batch size (1: a lone request; 8 and 32: micro-batches under load), CPU time of
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from _common import row, write_results
-from search.inference import InferenceEncoder
+from search.serving.inference import InferenceEncoder
 from training.config import load_train_config
 from training.encoder import create_encoder
 

@@ -2,7 +2,7 @@
 
 The rows are grouped into lists l (the IVF index's own inverted lists, else a k-means partition of
 ~sqrt N cells); per list: size n_l, mean mu_l, radius R_l = max_j |y_j - mu_l| and lam_l = largest
-eigenvalue of the list covariance (1/n_l) sum_j (y_j - mu_l)(y_j - mu_l)^T (search/normaliser.py
+eigenvalue of the list covariance (1/n_l) sum_j (y_j - mu_l)(y_j - mu_l)^T (search/serving/normaliser.py
 turns these into bounds on log Z). They depend only on the stored rows and the index, so they are
 computed once when a version is written (`index.build.write_version`) and stored in it as
 `normaliser_stats.npz`, checksummed by the manifest like every other file: a serving process loads

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from api.cli import main
 from api.config import Settings
-from search.gap import softmax_gap_dense
+from search.evaluation.gap import softmax_gap_dense
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed

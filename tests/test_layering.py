@@ -40,5 +40,31 @@ def test_imports_flow_left_to_right(package: str) -> None:
 
 def test_checker_catches_a_violation(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from api.app import create_app\n    import search.gap\n")
+    bad.write_text("def f():\n    from api.app import create_app\n    import search.evaluation.gap\n")
     assert imported_packages(bad) == {"api", "search"}
+
+
+def test_search_serving_and_evaluation_never_import_each_other() -> None:
+    """search.serving is what a server loads and search.evaluation is offline measurement: neither
+    imports the other, so a server process never loads the evaluation stack."""
+    bad = []
+    for half, other in (("serving", "evaluation"), ("evaluation", "serving")):
+        files = sorted((ROOT / "search" / half).rglob("*.py"))
+        assert files, half
+        for path in files:
+            for node in ast.walk(ast.parse(path.read_text())):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                bad += [f"{path.relative_to(ROOT)} imports {m}" for m in mods if m.startswith(f"search.{other}")]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_serving_process_loads_no_evaluation_module() -> None:
+    """What `softsearch serve` imports (the app, its CLI, the swapper) pulls in no search.evaluation module."""
+    import subprocess
+    import sys
+
+    code = ("import sys, api.app, api.cli, api.swap, api.batching; "
+            "print(sorted(m for m in sys.modules if m.startswith('search.evaluation')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,7 +1,7 @@
 """Positive generators: how a positive y ~ p(y | x) is drawn, and the ideal log r(x, y) it implies.
 
 ``log r(x, y) = log p(y | x) - log p(y)`` defines the ideal softmax search
-``q(j | x) = r(x, y_j) / sum_l r(x, y_l)`` that search/gap.py compares the learned one with.
+``q(j | x) = r(x, y_j) / sum_l r(x, y_l)`` that search/evaluation/gap.py compares the learned one with.
 
 * ``latent``  (synthetic): every latent angle perturbed by von Mises(0, kappa) and re-rendered;
   ``log r = sum_i [kappa cos(th'_i - th_i) - log I0(kappa)]`` (uniform marginal on the torus). Exact.

@@ -8,7 +8,7 @@ import pytest
 
 from api.batching import MicroBatcher
 from api.metrics import Metrics
-from search.searcher import Searcher
+from search.serving.searcher import Searcher
 
 
 @pytest.mark.parametrize("workers", [1, 2])

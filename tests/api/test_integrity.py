@@ -28,7 +28,7 @@ from api.app import create_app
 from api.cli import main as softsearch
 from api.config import Settings
 from index.store import IndexStore
-from search.metrics import ideal_topk
+from search.evaluation.metrics import ideal_topk
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed

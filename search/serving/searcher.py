@@ -4,7 +4,7 @@ Probabilities are the learned softmax search over the WHOLE database (papers.md 
 
     p(j | x) = exp(s_j / tau) / sum_l exp(s_l / tau),     s_j = z_x . z_j
 
-with the normaliser log Z = logsumexp_l(s_l / tau) from search/normaliser.py: `exact` is a blocked,
+with the normaliser log Z = logsumexp_l(s_l / tau) from search/serving/normaliser.py: `exact` is a blocked,
 streaming logsumexp over every stored embedding (never a Q x N matrix at once); `bounded` scans a
 few lists of the index exactly and samples the rest, and every answer carries a bound that
 contains the exact value; `auto` (the default) is exact up to N * D = 1.28e8 and bounded above.
@@ -37,8 +37,8 @@ from PIL import Image
 
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
-from search.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
-from search.inference import InferenceEncoder
+from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
+from search.serving.inference import InferenceEncoder
 from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
 from training.transforms import preprocess
@@ -298,7 +298,7 @@ class Searcher:
         self.device = device
         self.block = int(block)
         self.normaliser = NormaliserConfig.of(normaliser)  # exact | bounded | auto (default)
-        self.optimise_encoder = bool(optimise_encoder)  # serve a traced copy of the encoder (search/inference.py)
+        self.optimise_encoder = bool(optimise_encoder)  # serve a traced copy of the encoder (search/serving/inference.py)
         self._state: SearchSnapshot | None = None
         self._swap_lock = threading.Lock()
         if load:

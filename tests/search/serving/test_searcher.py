@@ -9,8 +9,8 @@ import torch
 
 from index.build import build_index
 from index.store import IndexStore
-from search.normaliser import NormaliserConfig
-from search.searcher import Searcher, log_normalizer
+from search.serving.normaliser import NormaliserConfig
+from search.serving.searcher import Searcher, log_normalizer
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder, embed
@@ -135,7 +135,7 @@ def test_bounded_serving_uses_the_versions_stored_statistics(store_setup, tmp_pa
     manifest = read_manifest(vdir)                              # as written before the statistics were stored
     del manifest["files"][LIST_STATS_FILE]
     write_manifest(vdir, manifest)
-    with caplog.at_level(logging.INFO, logger="search.normaliser"):
+    with caplog.at_level(logging.INFO, logger="search.serving.normaliser"):
         legacy = Searcher(root, load=True, normaliser="bounded").snapshot().normaliser.stats
     assert built == [(96, 16)] and any("stores no normaliser statistics" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(legacy.means, stats.means)
@@ -273,7 +273,7 @@ def test_inflight_queries_finish_on_their_snapshot(store_setup, rng):
 
 
 def test_from_parts_and_not_ready(store_setup, rng):
-    from search.searcher import NotReadyError
+    from search.serving.searcher import NotReadyError
 
     version = IndexStore(store_setup["root"]).load(store_setup["v1"])
     enc, _ = load_checkpoint(store_setup["ck_a"])
@@ -296,8 +296,8 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     """NormaliserConfig.release_pages (serve --mapped-pages release | keep | auto) is what the exact scan and
     the bounded estimate are called with; the answers do not depend on it (tests/search/test_page_release.py
     checks the pages themselves)."""
-    import search.normaliser as normaliser_module
-    import search.searcher as searcher_module
+    import search.serving.normaliser as normaliser_module
+    import search.serving.searcher as searcher_module
 
     seen = []
     real_exact, real_bounded = searcher_module.log_normalizer, normaliser_module.bounded_log_normalizer

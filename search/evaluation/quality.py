@@ -22,10 +22,10 @@ import time
 
 import numpy as np
 
-from search.calibration import calibrate_temperature
-from search.evaluate import EvalConfig, _device, encode, load_eval_data, version_database
-from search.gap import softmax_gap
-from search.metrics import ideal_topk, knn_search, recall_at_k, relevance
+from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.evaluate import EvalConfig, _device, encode, load_eval_data, version_database
+from search.evaluation.gap import softmax_gap
+from search.evaluation.metrics import ideal_topk, knn_search, recall_at_k, relevance
 from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from search.gap import softmax_gap
-from search.quality import evaluate_version
+from search.evaluation.gap import softmax_gap
+from search.evaluation.quality import evaluate_version
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder, embed
@@ -63,8 +63,8 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
 
     from index.build import build_index
     from index.store import IndexStore
-    from search.calibration import calibrate_temperature
-    from search.quality import calibrate_version
+    from search.evaluation.calibration import calibrate_temperature
+    from search.evaluation.quality import calibrate_version
 
     ck = _ckpt(tmp_path / "a.safetensors", 0, 0.5)
     db = create_dataset("synthetic", "train", size=64, seed=0)

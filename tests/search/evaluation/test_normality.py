@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from search.normality import (
+from search.evaluation.normality import (
     coordinate_normality, gaussianity, mardia, mardia_null, norm_concentration, plot_qq, projection_normality,
     univariate_normality,
 )

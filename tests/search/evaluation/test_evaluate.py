@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from search.calibration import calibrate_temperature
-from search.evaluate import main
-from search.gap import softmax_gap
-from search.metrics import retrieval_metrics
-from search.report import SECTIONS
+from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.evaluate import main
+from search.evaluation.gap import softmax_gap
+from search.evaluation.metrics import retrieval_metrics
+from search.evaluation.report import SECTIONS
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder, embed
@@ -134,7 +134,7 @@ def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
     """A folder without a test/ split: queries are database items, their own rows excluded."""
     from PIL import Image
 
-    from search.metrics import knn_search, relevance, recall_at_k
+    from search.evaluation.metrics import knn_search, relevance, recall_at_k
 
     a, _ = ckpts
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import minimize_scalar
 
-from search.gap import GapResult, softmax_gap
+from search.evaluation.gap import GapResult, softmax_gap
 
 logger = logging.getLogger(__name__)
 

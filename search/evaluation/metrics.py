@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from search.gap import _Rows
+from search.evaluation.gap import _Rows
 
 logger = logging.getLogger(__name__)
 

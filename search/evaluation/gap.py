@@ -10,7 +10,7 @@ with log Z_p = logsumexp_j s_j / tau and log Z_q = logsumexp_j log r_j. `softmax
 holds a Q x N matrix: it walks (block_q, block_n) tiles with an online log-sum-exp and
 carries the q-weighted sums rescaled whenever the running max moves. Matmuls run in fp32,
 the running sums in float64. For the label and latent generators on large problems the tiles
-instead go through one compiled pass with fixed shifts (search/fused.py, `fused=`).
+instead go through one compiled pass with fixed shifts (search/evaluation/fused.py, `fused=`).
 `softmax_gap_dense` is the obviously-correct reference.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from scipy.special import i0e
 
-from search.fused import UNDERFLOW_PER_ITEM, TileSums, fused_supported
+from search.evaluation.fused import UNDERFLOW_PER_ITEM, TileSums, fused_supported
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
 def _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSums | None = None) -> np.ndarray:
     """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles.
 
-    With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/fused.py);
+    With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/evaluation/fused.py);
     rows whose total could have lost mass to underflow are redone with the online max."""
     if tile_sums is not None:
         out, redo = _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, tile_sums)
@@ -236,7 +236,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     The label generator takes an O(QN) fast path with no ideal matrix; the von Mises latent
     generator computes log r on the device as m kappa (u_q . u_n) - m log I0(kappa) with u the
     oracle embedding; any other generator is called per tile through `log_ratio`.
-    `fused` (label and latent paths): True compiles one-pass tile kernels (search/fused.py), False
+    `fused` (label and latent paths): True compiles one-pass tile kernels (search/evaluation/fused.py), False
     keeps the eager online-max walk, None decides (CPU and Q * N >= FUSED_MIN_PAIRS).
     """
     zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
@@ -272,7 +272,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
 
 def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, tile_sums: TileSums):
     """(H(q,p), H(q), rows to redo) for the latent generator with fixed shifts: one fused pass per
-    tile (search/fused.py); s/tau <= |x_q| max|y| and log r <= |u_q| max|u_n| bound every term."""
+    tile (search/evaluation/fused.py); s/tau <= |x_q| max|y| and log r <= |u_q| max|u_n| bound every term."""
     nq, nn = zq.shape[0], zn.shape[0]
     ce, h = np.empty(nq, dtype=np.float64), np.empty(nq, dtype=np.float64)
     redo = np.zeros(nq, dtype=bool)

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import search.inference as inference
-from search.inference import InferenceEncoder
+import search.serving.inference as inference
+from search.serving.inference import InferenceEncoder
 from training.encoder import EncoderConfig, create_encoder, embed
 
 TOWERS = {

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from search.gap import softmax_gap, softmax_gap_dense, ideal_and_learned
+from search.evaluation.gap import softmax_gap, softmax_gap_dense, ideal_and_learned
 from search_refs import VonMises, GenericLatent, Labels, Instance, oracle, unit
 
 RNG = np.random.default_rng(0)
@@ -79,7 +79,7 @@ def test_q_and_p_are_distributions():
 
 def test_dense_rows_are_blocked_over_the_database(monkeypatch):
     """ideal_and_learned converts the database to float64 in blocks: the same p as one dense product."""
-    import search.gap as gap_module
+    import search.evaluation.gap as gap_module
 
     qlat, dlat = RNG.uniform(0, 2 * np.pi, (4, 3)), RNG.uniform(0, 2 * np.pi, (103, 3))
     zq, zn = oracle(qlat).astype(np.float32), oracle(dlat).astype(np.float32)
@@ -145,7 +145,7 @@ def test_generic_path_only_sees_tiles():
     _assert_close(res, softmax_gap_dense(zq, zd, qm, dm, gen, 0.2))
 
 
-# --- fused fixed-shift tile kernels (search/fused.py) ---------------------------------------
+# --- fused fixed-shift tile kernels (search/evaluation/fused.py) ---------------------------------------
 
 def _fused_case(rng, q=150, n=2600, d=24):
     zq, zd = unit(rng.normal(size=(q, d))), unit(rng.normal(size=(n, d)))
@@ -157,7 +157,7 @@ def _fused_case(rng, q=150, n=2600, d=24):
 def test_fixed_shift_eager_matches_dense_including_underflow_rows(tau, monkeypatch):
     """fused=True without a compiler runs the same fixed-shift formula eagerly; at tau = 0.004 the
     shift |x| max|y| = 250 underflows whole rows, which must be detected and redone exactly."""
-    import search.gap as gap_mod
+    import search.evaluation.gap as gap_mod
 
     monkeypatch.setattr(gap_mod, "fused_supported", lambda dev: True)
     monkeypatch.setattr(gap_mod.TileSums, "_failed", False)  # restored after the test
@@ -180,13 +180,13 @@ def test_fixed_shift_eager_matches_dense_including_underflow_rows(tau, monkeypat
 @pytest.mark.slow
 def test_compiled_tile_kernels_match_eager_and_dense():
     """The torch.compile'd kernels (full tiles) and the eager edges give the dense answer."""
-    from search.fused import TileSums, fused_supported
+    from search.evaluation.fused import TileSums, fused_supported
 
     import torch
 
     if not fused_supported(torch.device("cpu")):
         pytest.skip("no C++ compiler for torch.compile on this machine")
-    from search.fused import latent_sums, partition_sum
+    from search.evaluation.fused import latent_sums, partition_sum
 
     g = torch.Generator().manual_seed(0)
     lp, uq, un = torch.randn(32, 1024, generator=g) * 4, torch.randn(32, 6, generator=g), torch.randn(1024, 6, generator=g)
@@ -212,8 +212,8 @@ def test_compiled_tile_kernels_match_eager_and_dense():
 def test_fused_auto_and_opt_out(monkeypatch):
     import torch
 
-    import search.gap as gap_mod
-    from search.fused import fused_supported
+    import search.evaluation.gap as gap_mod
+    from search.evaluation.fused import fused_supported
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(gap_mod, "fused_supported", lambda dev: True)

@@ -1,4 +1,4 @@
-"""search/normaliser.py releases the pages of a memory-mapped embeddings file it has read
+"""search/serving/normaliser.py releases the pages of a memory-mapped embeddings file it has read
 (`release_pages`, madvise MADV_DONTNEED): the mapping's resident size in /proc/self/smaps stays
 below a block after an exact or bounded log Z, and the values equal the in-RAM computation."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from search.normaliser import (ListStats, NormaliserConfig, bounded_log_normalizer, log_normalizer, release_pages,
+from search.serving.normaliser import (ListStats, NormaliserConfig, bounded_log_normalizer, log_normalizer, release_pages,
                                releasable)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").is_file(),
@@ -87,7 +87,7 @@ def test_bounded_reads_leave_no_rows_mapped(mapped):
 def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
     """Scattered rows are read one stretch of the file at a time and each stretch released once read:
     just before every release the mapping holds at most ~one stretch (plus a large folio at either end)."""
-    from search import normaliser
+    from search.serving import normaliser
 
     x, mm = mapped
     rows = np.sort(np.random.default_rng(2).choice(N, 3000, replace=False))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from search.tail import (
+from search.evaluation.tail import (
     choose_threshold, gpd_fit, gpd_threshold_fit, gpd_threshold_stability, plot_daic, plot_tail,
     plot_threshold_stability, tail_diagnostics, weibull_gumbel, weibull_gumbel_mle,
 )

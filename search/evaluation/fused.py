@@ -1,4 +1,4 @@
-"""Fused one-pass tile sums for the streaming gap (search/gap.py), compiled with torch.compile.
+"""Fused one-pass tile sums for the streaming gap (search/evaluation/gap.py), compiled with torch.compile.
 
 The eager tile walk makes a dozen passes over every (bq, bn) tile (max, shift, exp, sum, for both
 the learned and the ideal side): on a CPU it is bound by memory traffic and reaches about a fifth

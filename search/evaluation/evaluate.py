@@ -23,13 +23,13 @@ from index.build import training_temperature
 from index.manifest import file_sha256
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore
-from search.calibration import calibrate_temperature
-from search.gap import ideal_and_learned, softmax_gap
-from search.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
-from search.metrics import bootstrap_ci, ideal_topk, knn_search, retrieval_metrics
-from search.normality import gaussianity, plot_qq
-from search.report import plot_gap_vs_tau, plot_samples, summary_table, write_report
-from search.tail import plot_daic, plot_tail, plot_threshold_stability, tail_diagnostics
+from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.gap import ideal_and_learned, softmax_gap
+from search.evaluation.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
+from search.evaluation.metrics import bootstrap_ci, ideal_topk, knn_search, retrieval_metrics
+from search.evaluation.normality import gaussianity, plot_qq
+from search.evaluation.report import plot_gap_vs_tau, plot_samples, summary_table, write_report
+from search.evaluation.tail import plot_daic, plot_tail, plot_threshold_stability, tail_diagnostics
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.generators import create_generator

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from search.k_law import KLawResult, LatentSampler, PoolSampler, k_law, k_law_summary, plot_k_law
+from search.evaluation.k_law import KLawResult, LatentSampler, PoolSampler, k_law, k_law_summary, plot_k_law
 from search_refs import Labels, VonMises, oracle
 
 KS = (1, 4, 16, 64, 256, 1024)

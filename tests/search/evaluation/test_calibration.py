@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from search.calibration import calibrate_temperature
-from search.gap import softmax_gap_dense
+from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.gap import softmax_gap_dense
 from search_refs import Labels, VonMises, oracle, unit
 
 RNG = np.random.default_rng(2)

@@ -1,4 +1,4 @@
-"""search/normaliser.py against independent computations: float64 dense logsumexp over every row,
+"""search/serving/normaliser.py against independent computations: float64 dense logsumexp over every row,
 per-list moments by plain numpy, the Bennett inequality on explicit laws, and coverage counts."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from scipy.special import logsumexp
 from scipy.stats import binom
 
-from search.normaliser import (ListStats, Normaliser, NormaliserConfig, bennett_log_bound, bounded_log_normalizer,
+from search.serving.normaliser import (ListStats, Normaliser, NormaliserConfig, bennett_log_bound, bounded_log_normalizer,
                                choose_method, log_normalizer)
 
 D = 32

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from search.metrics import (
+from search.evaluation.metrics import (
     average_precision_at_k, bootstrap_ci, knn_accuracy, knn_search, n_relevant, precision_at_k,
     recall_at_k, relevance, retrieval_metrics,
 )
@@ -110,7 +110,7 @@ def test_ideal_topk_matches_sorting():
     rng = np.random.default_rng(5)
     qm, dm = rng.uniform(0, 6.28, (9, 2)), rng.uniform(0, 6.28, (70, 2))
     gen = VonMises(2.0)
-    from search.metrics import ideal_topk
+    from search.evaluation.metrics import ideal_topk
 
     got = ideal_topk(qm, dm, gen, 6, exclude=np.r_[3, -1, 5, -1, -1, -1, -1, -1, 0], max_elements=150)
     lr = gen.log_ratio(qm, dm)
@@ -122,7 +122,7 @@ def test_ideal_topk_matches_sorting():
 def test_top_k_by_partition_equals_the_stable_argsort():
     """ideal_topk's selection: the first k of a stable descending argsort, ties (many, and -inf)
     kept in column order, also when the tie straddles the cut."""
-    from search.metrics import _top_k_stable
+    from search.evaluation.metrics import _top_k_stable
 
     rng = np.random.default_rng(3)
     for trial in range(300):

@@ -1,0 +1,24 @@
+"""search.evaluation: offline measurement of a version — the exact streaming cross-entropy gap between the
+learned and the ideal softmax search, the O(1/k) law, temperature calibration, retrieval metrics,
+representation diagnostics (normality, tails) and the HTML report. Loaded lazily (PEP 562)."""
+from __future__ import annotations
+
+import importlib
+
+_HOMES = {
+    "CalibrationResult": "search.evaluation.calibration", "calibrate_temperature": "search.evaluation.calibration",
+    "GapResult": "search.evaluation.gap", "softmax_gap": "search.evaluation.gap",
+    "softmax_gap_dense": "search.evaluation.gap",
+    "KLawResult": "search.evaluation.k_law", "k_law": "search.evaluation.k_law",
+    "bootstrap_ci": "search.evaluation.metrics", "knn_accuracy": "search.evaluation.metrics",
+    "map_at_k": "search.evaluation.metrics", "precision_at_k": "search.evaluation.metrics",
+    "recall_at_k": "search.evaluation.metrics",
+    "evaluate_version": "search.evaluation.quality",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'search.evaluation' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
