@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -89,6 +90,16 @@ def _clip_range(tau_min: float, tau_max: float) -> tuple[float, float]:
     if tau_max < tau_min:
         raise ValueError(f"tau_max ({tau_max}) must be >= tau_min ({tau_min})")
     return tau_min, tau_max
+
+
+def _clip(schedule: "TemperatureSchedule", tau: float, step) -> float:
+    """tau clipped to [tau_min, tau_max]; warns once when the floor ends an annealing schedule."""
+    if tau < schedule.tau_min and not getattr(schedule, "_floor_warned", False):
+        schedule._floor_warned = True
+        warnings.warn(f"{schedule.name} schedule: the floor tau_min={schedule.tau_min} takes over at step {step}; "
+                      f"from here the temperature is constant and the schedule no longer anneals "
+                      f"(set tau_min = 0 to keep annealing)", RuntimeWarning, stacklevel=3)
+    return min(max(tau, schedule.tau_min), schedule.tau_max)
 
 
 class TemperatureSchedule(nn.Module):
@@ -177,13 +188,15 @@ class LogSchedule(TemperatureSchedule):
     """Logarithmic annealing of the inverse temperature (the guaranteed one, papers.md section 3).
 
     1/tau_t = 1/tau_0 + log(1 + t/t_0) / c, then tau_t clipped to [tau_min, tau_max].
-    With tau_0 = c / log(t_0) (pass ``tau_0=None``, needs t_0 > 1) this is exactly the paper's
+    With tau_0 = c / log(t_0) (``tau_0=None``, the default; needs t_0 > 1) this is exactly the paper's
     1/T_t = log(t + t_0) / c, since log(t_0) + log(1 + t/t_0) = log(t + t_0). For convergence to the
     global minimisers c must exceed the energy-barrier depth (in loss units for a noise schedule).
+    The floor tau_min is off by default: a floor stops the annealing the guarantee rests on, so when a
+    configured floor takes over a warning names the step.
     """
 
-    def __init__(self, tau_0: float | None = 1.0, t_0: float = 1.0, c: float = 1.0,
-                 tau_min: float = 0.01, tau_max: float = float("inf"), steps_per_epoch: int = 1) -> None:
+    def __init__(self, tau_0: float | None = None, t_0: float = 2.0, c: float = 1.0,
+                 tau_min: float = 0.0, tau_max: float = float("inf"), steps_per_epoch: int = 1) -> None:
         t_0 = _positive("t_0", t_0)
         c = _positive("c", c)
         if tau_0 is None:
@@ -198,7 +211,7 @@ class LogSchedule(TemperatureSchedule):
     def temperature(self, step: int | float) -> float:
         t = self._time(step)
         inv = 1.0 / self.tau_0 + math.log1p(t / self.t_0) / self.c
-        return min(max(1.0 / inv, self.tau_min), self.tau_max)
+        return _clip(self, 1.0 / inv, step)
 
 
 @register_schedule("exp")
@@ -219,7 +232,7 @@ class ExpSchedule(TemperatureSchedule):
         t = self._time(step)
         # tau_0 * gamma^t computed in log space so huge t underflows cleanly to 0.
         tau = self.tau_0 * math.exp(t * math.log(self.gamma)) if self.gamma < 1 else self.tau_0
-        return min(max(tau, self.tau_min), self.tau_max)
+        return _clip(self, tau, step)
 
 
 @register_schedule("cosine")

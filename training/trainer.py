@@ -267,7 +267,9 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
 
         # Same noise seed on every rank: the parameters must stay identical across replicas.
         noise_gen = torch.Generator(device=info.device).manual_seed(config.seed + _NOISE_TAG)
-        noise = LangevinNoise(create_schedule(config.noise_schedule, **config.noise_options), generator=noise_gen)
+        # A floor ends annealing, so decaying noise schedules (log, exp) default to none: T_t -> 0.
+        noise_options = ({"tau_min": 0.0} if config.noise_schedule in ("log", "exp") else {}) | config.noise_options
+        noise = LangevinNoise(create_schedule(config.noise_schedule, **noise_options), generator=noise_gen)
     optimizer = torch.optim.AdamW(_param_groups(encoder, schedule, config.weight_decay), lr=config.lr)
     model: nn.Module = encoder
     if info.enabled:

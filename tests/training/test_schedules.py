@@ -1,6 +1,8 @@
 """Temperature schedules: closed-form values, registry coverage, learnable gradient, validation."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -46,7 +48,8 @@ def test_exp_matches_formula():
     s = create_schedule("exp", tau_0=0.8, gamma=0.99, tau_min=0.0)
     for t in (0, 1, 17, 500):
         assert s.temperature(t) == pytest.approx(0.8 * 0.99**t)
-    assert create_schedule("exp", tau_0=0.8, gamma=0.99, tau_min=0.05).temperature(10**4) == 0.05
+    with pytest.warns(RuntimeWarning, match="no longer anneals"):
+        assert create_schedule("exp", tau_0=0.8, gamma=0.99, tau_min=0.05).temperature(10**4) == 0.05
 
 
 def test_cosine_matches_kukleva():
@@ -86,3 +89,27 @@ def test_bad_options_raise_value_error(name, opts):
 def test_negative_step_raises():
     with pytest.raises(ValueError, match="step"):
         create_schedule("fixed").temperature(-1)
+
+
+def test_default_log_schedule_is_the_papers_and_keeps_annealing_for_a_million_steps():
+    """Defaults: 1/T_t = log(t + t_0) / c with t_0 = 2, c = 1 and no floor, so T strictly decreases
+    at every checked step up to 10^6 and equals the closed form."""
+    s = create_schedule("log")
+    steps = np.unique(np.concatenate([np.arange(0, 2000), np.geomspace(2000, 10**6, 400).astype(int), [10**5]]))
+    temps = np.array([s.temperature(int(t)) for t in steps])
+    np.testing.assert_allclose(temps, 1.0 / np.log(steps + 2.0), rtol=1e-12)
+    assert np.all(np.diff(temps) < 0)
+    assert temps[-1] < temps[steps.tolist().index(10**5)]
+
+
+def test_a_floor_that_ends_annealing_warns_once_with_the_step():
+    s = create_schedule("log", tau_0=1.0, t_0=1.0, c=1.0, tau_min=0.3)
+    with pytest.warns(RuntimeWarning, match=r"takes over at step \d+"):
+        for t in range(0, 50):
+            s.temperature(t)
+    # the step named is the first one where the unclipped value falls below the floor
+    first = next(t for t in range(50) if 1.0 / (1.0 + math.log1p(t)) < 0.3)
+    fresh = create_schedule("log", tau_0=1.0, t_0=1.0, c=1.0, tau_min=0.3)
+    with pytest.warns(RuntimeWarning, match=f"at step {first};"):
+        for t in range(50):
+            fresh.temperature(t)

@@ -465,3 +465,24 @@ def test_slope_penalty_neutralises_a_degenerate_tail():
     g = torch.Generator().manual_seed(73)
     d = torch.rand(4, 40, generator=g, dtype=torch.float64)
     assert torch.equal(tail_fit(d, burn=2, gumbel="loglog").daic, tail_fit(d, burn=2, gumbel="loglog", slope_penalty=True).daic)
+
+
+def test_float32_fit_sse_matches_float64_residuals():
+    """dAIC in float32 agrees with a float64 numpy fit of the same rows: the SSE is the sum of squared
+    residuals, not Syy - b Sxy (which cancels in float32 when the fit is good)."""
+    rng = np.random.default_rng(7)
+    m, rows = 256, 64
+    # near-exact power-law tails (R^2 ~ 1): the regime where the shortcut formula loses digits
+    quantiles = np.arange(1, m + 1) / (m + 1)
+    d = np.sort(quantiles ** (1.0 / 3.0) * 0.5 * np.exp(1e-3 * rng.standard_normal((rows, m))), axis=1)
+    fit = tail_fit(torch.tensor(d, dtype=torch.float32), presorted=True)
+    dd = torch.tensor(d, dtype=torch.float32).double().numpy().clip(1e-6)
+    y = np.log(np.arange(1, m + 1) / (m + 1))
+
+    def sse(x):
+        xc, yc = x - x.mean(), y - y.mean()
+        b = (xc * yc).sum() / (xc * xc).sum()
+        return ((yc - b * xc) ** 2).sum()
+
+    ref = np.array([m * (np.log(sse(row)) - np.log(sse(np.log(row)))) for row in dd])
+    np.testing.assert_allclose(fit.daic.numpy(), ref, rtol=2e-4, atol=2e-4)
