@@ -23,6 +23,7 @@ from index.build import training_temperature
 from index.manifest import file_sha256
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore
+from search.evaluation.baselines import RAW_PIXELS, baseline_comparison, per_query_precision, raw_pixel_features, centred_unit
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.gap import ideal_and_learned, softmax_gap
 from search.evaluation.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
@@ -431,9 +432,43 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
         "notes": data.notes,
         **part,
     }
+    compared = None
     if cfg.compare is not None:
         report["compare"] = _compare(cfg, data, part, device)
+        compared = report["compare"].pop("embeddings")
+    if data.query_labels is not None and data.db_labels is not None:
+        report["baselines"] = _baselines(cfg, data, zdb, zq, compared, device)
     return report, figs
+
+
+def _raw_pixel_db(data: EvalData) -> np.ndarray:
+    """Raw-pixel features of every database item, in database row order."""
+    src, item = data.rows[:, 0], data.rows[:, 1]
+    out = None
+    for s, ds in enumerate(data.datasets):
+        where = np.flatnonzero(src == s)
+        for b0 in range(0, where.size, 4096):
+            sel = where[b0 : b0 + 4096]
+            feats = raw_pixel_features(_tensors(ds, item[sel]))
+            if out is None:
+                out = np.empty((len(data.rows), feats.shape[1]), np.float32)
+            out[sel] = feats
+    return out
+
+
+def _baselines(cfg: EvalConfig, data: EvalData, zdb, zq, compared, device) -> dict:
+    """The trained encoder against raw pixels (and the --compare checkpoint): paired label precision."""
+    ks = (10, 1)
+
+    def precisions(q, db):
+        return tuple(per_query_precision(q, db, data.query_labels, data.db_labels, k, data.query_exclude, device)
+                     for k in ks)
+
+    pix_db, pix_q = centred_unit(_raw_pixel_db(data), raw_pixel_features(data.query_images))
+    rows = {RAW_PIXELS: precisions(pix_q, pix_db)}
+    if compared is not None:
+        rows["compared checkpoint (--compare)"] = precisions(compared[1], compared[0])
+    return baseline_comparison(rows, precisions(zq, zdb), ks=ks, n_boot=cfg.n_boot, seed=cfg.seed)
 
 
 def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
@@ -454,7 +489,8 @@ def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
                                         "other": other["gap"][label]["cross_entropy"]}
     rows["calibrated tau"] = {"this": this["temperatures"]["calibrated"], "other": other["temperatures"]["calibrated"]}
     rows["training tau"] = {"this": this["temperatures"]["train"], "other": other["temperatures"]["train"]}
-    return {"checkpoint": checkpoint_description(cfg.compare, info2), "rows": rows, "other": other}
+    return {"checkpoint": checkpoint_description(cfg.compare, info2), "rows": rows, "other": other,
+            "embeddings": (zdb2, zq2)}
 
 
 def display_path(path) -> str:

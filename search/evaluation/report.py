@@ -1,7 +1,7 @@
 """Evaluation report: plots (PNG bytes), one self-contained HTML page, report.json, a stdout table.
 
 The HTML embeds every plot as a base64 PNG so the file can be mailed or archived alone.
-Section ids (tested): settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
+Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
 Every plot has a caption underneath (<figcaption>); the settings table states n, d and every test's setup.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from search.evaluation.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("settings", "generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
+SECTIONS = ("baselines", "settings", "generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
 
 
 def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40) -> bytes:
@@ -313,6 +313,34 @@ def _tail_section(report: dict, figures: dict) -> list[str]:
     return out
 
 
+def baseline_rows(baselines: dict | None) -> list[list]:
+    """[[name, prec@10, prec@1, trained - it @10 (mean), low, high], ...] for the baselines table."""
+    if not baselines:
+        return []
+    k0, k1 = baselines["ks"]
+    out = [["trained encoder (this checkpoint)", baselines["trained"][f"precision@{k0}"],
+            baselines["trained"][f"precision@{k1}"], None, None, None]]
+    for r in baselines["rows"]:
+        d = r[f"difference@{k0}"]
+        out.append([r["name"], r[f"precision@{k0}"], r[f"precision@{k1}"], d["mean"], d["low"], d["high"]])
+    return out
+
+
+def _baselines_section(report: dict) -> list[str]:
+    """The verdict first, then the plain searches a user could run instead (paired over queries)."""
+    b = report.get("baselines")
+    if not b:
+        return ["<section id='baselines'><p class='note'>no label baselines: the database or the queries have "
+                "no class labels</p></section>"]
+    k0, k1 = b["ks"]
+    return ["<section id='baselines'>",
+            f"<p class='verdict'><b>{html.escape(b.get('verdict', ''))}</b> (label precision@{k0} on "
+            f"{b['n_queries']} held-out queries; paired 95 % bootstrap interval over queries)</p>",
+            _table(["search", f"precision@{k0}", f"precision@{k1}", f"trained - it @{k0}", "CI low", "CI high"],
+                   baseline_rows(b)),
+            "</section>"]
+
+
 def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
     """One self-contained HTML page for a report dict (as written to report.json) and its figures."""
     g = report.get("generator", {})
@@ -325,6 +353,7 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
         "img{max-width:100%}figure{margin:1em 0}figcaption{color:#333;font-size:90%;max-width:900px}</style>"
         "</head><body>",
         "<h1>softsearch evaluation</h1>",
+        *_baselines_section(report),
         _settings(report),
         "<section id='generator'><h2>Positive generator</h2>",
         f"<p><b>{_fmt(g.get('name'))}</b>: {_fmt(g.get('description'))}</p>",
@@ -400,7 +429,13 @@ def write_report(out_dir, report: dict, figures: dict[str, bytes | None]) -> tup
 
 def summary_table(report: dict) -> str:
     """A short plain-text table for stdout."""
-    lines = [f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})"]
+    lines = []
+    if (report.get("baselines") or {}).get("verdict"):
+        lines.append(report["baselines"]["verdict"])
+        for name, p10, p1, d, lo, hi in baseline_rows(report["baselines"])[1:]:
+            lines.append(f"  {name:<42} precision@10 {p10:.4f}  precision@1 {p1:.4f}  trained - it {d:+.4f} "
+                         f"[{lo:+.4f}, {hi:+.4f}]")
+    lines.append(f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})")
     queries, database = report.get("queries") or {}, report.get("database") or {}
     if queries.get("skipped") or database.get("skipped"):
         lines.append(f"skipped files (unreadable or over a limit): {queries.get('skipped', 0)} held-out, "

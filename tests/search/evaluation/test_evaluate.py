@@ -104,6 +104,26 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
     m = retrieval_metrics(zq, zdb, qs.labels, db.labels, n_boot=50)
     assert rep["metrics"]["recall@10"]["mean"] == pytest.approx(m["recall@10"]["mean"])
     assert rep["metrics"]["knn5_majority"]["mean"] == pytest.approx(m["knn5_majority"]["mean"])
+    # baselines: the trained row is the report's own precision@10, the raw-pixel row an independent
+    # numpy search over 32x32 grey thumbnails (28 px Fashion-MNIST upsampled, then box-averaged)
+    b = rep["baselines"]
+    assert b["trained"]["precision@10"] == pytest.approx(m["precision@10"]["mean"])
+    import torch.nn.functional as F
+
+    def thumbs(ds):
+        x = torch.stack([ds[i] for i in range(len(ds))]).float().mean(1, keepdim=True)
+        return F.interpolate(x, size=(32, 32), mode="area").flatten(1).numpy().astype(np.float64)
+
+    pdb_, pq = thumbs(db), thumbs(qs)
+    mu = pdb_.mean(0)
+    a = (pdb_ - mu) / np.linalg.norm(pdb_ - mu, axis=1, keepdims=True)
+    c = (pq - mu) / np.linalg.norm(pq - mu, axis=1, keepdims=True)
+    top = np.argsort(-(c @ a.T), axis=1, kind="stable")[:, :10]
+    raw = (db.labels[top] == qs.labels[:, None]).mean(1)
+    row = b["rows"][0]
+    assert row["name"].startswith("raw pixels") and row["precision@10"] == pytest.approx(raw.mean(), abs=0.01)
+    assert row["difference@10"]["low"] <= row["difference@10"]["mean"] <= row["difference@10"]["high"]
+    assert b["verdict"].startswith("training ") and b["verdict"] in (out / "report.html").read_text()
     # the label gap's ideal entropy is log n_c (closed form)
     counts = np.bincount(db.labels, minlength=10)
     assert rep["gap"]["serving"]["ideal_entropy"] == pytest.approx(np.mean(np.log(counts[qs.labels])), rel=1e-9)

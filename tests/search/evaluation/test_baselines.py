@@ -1,0 +1,56 @@
+"""The raw-pixel baseline and the paired comparison against independent numpy computations."""
+import numpy as np
+import pytest
+import torch
+
+from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
+                                         raw_pixel_features, verdict)
+
+
+def test_raw_pixel_features_are_grey_area_thumbnails():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 3, 64, 64)).astype(np.float32)
+    got = raw_pixel_features(torch.from_numpy(x))
+    grey = x.mean(axis=1)                                              # (3, 64, 64)
+    ref = grey.reshape(3, 32, 2, 32, 2).mean(axis=(2, 4)).reshape(3, -1)  # 2x2 box average
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_raw_pixel_precision_matches_brute_force_numpy():
+    rng = np.random.default_rng(1)
+    n, q, d = 120, 30, 16
+    labels = rng.integers(0, 4, n)
+    centres = rng.normal(size=(4, d)) * 2
+    db = centres[labels] + rng.normal(size=(n, d))
+    qlab = rng.integers(0, 4, q)
+    queries = centres[qlab] + rng.normal(size=(q, d))
+    zdb, zq = centred_unit(db.astype(np.float32), queries.astype(np.float32))
+    got = per_query_precision(zq, zdb, qlab, labels, k=10)
+    mu = db.mean(0)
+    a = (db - mu) / np.linalg.norm(db - mu, axis=1, keepdims=True)
+    b = (queries - mu) / np.linalg.norm(queries - mu, axis=1, keepdims=True)
+    top = np.argsort(-(b @ a.T), axis=1)[:, :10]
+    ref = (labels[top] == qlab[:, None]).mean(1)
+    np.testing.assert_allclose(got, ref)
+    # excluding each query's own row (queries drawn from the database)
+    own = rng.choice(n, q, replace=False)
+    got_ex = per_query_precision(zdb[own], zdb, labels[own], labels, k=5, exclude=own)
+    s = a[own] @ a.T
+    s[np.arange(q), own] = -np.inf
+    top = np.argsort(-s, axis=1)[:, :5]
+    np.testing.assert_allclose(got_ex, (labels[top] == labels[own][:, None]).mean(1))
+
+
+def test_paired_difference_and_verdict_follow_the_interval():
+    rng = np.random.default_rng(2)
+    base = rng.uniform(0.2, 0.5, 200)
+    better = np.clip(base + 0.15 + rng.normal(0, 0.02, 200), 0, 1)
+    out = baseline_comparison({RAW_PIXELS: (base, base)}, (better, better), n_boot=500)
+    d = out["rows"][0]["difference@10"]
+    assert d["mean"] == pytest.approx(float(np.mean(better - base)))
+    assert 0 < d["low"] < d["mean"] < d["high"]
+    assert out["verdict"].startswith("training improved precision@10 over raw pixels")
+    worse = baseline_comparison({RAW_PIXELS: (better, better)}, (base, base), n_boot=500)
+    assert "it is worse by -0.1" in worse["verdict"]
+    same = verdict("precision@10", RAW_PIXELS, {"mean": 0.01, "low": -0.02, "high": 0.04})
+    assert "did not clearly improve" in same and "includes 0" in same
