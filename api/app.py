@@ -139,7 +139,12 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
             swap.load_at_startup(searcher)   # through the store's activation rule
         except swap.REFUSALS as err:
             load_error = str(err)
-            logger.warning("no index loaded at start-up (%s); /readyz is 503 until POST /v1/admin/reload", err)
+            fixes = [f"`softsearch index build --root {settings.index_root} ...` (picked up within "
+                     f"{settings.watch_interval_s:g} s)"] if settings.watch_interval_s > 0 else []
+            if settings.admin_token:
+                fixes.append("POST /v1/admin/reload")
+            logger.warning("no index loaded at start-up (%s); /readyz is 503 until %s", err,
+                           " or ".join(fixes) or "a restart (no watcher, no admin token)")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

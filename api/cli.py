@@ -29,14 +29,30 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
+def _evaluate_version(*args, **kwargs):
+    """The index quality gate's evaluator, imported when a command first gates a version (not for --help)."""
+    from search.evaluation.quality import evaluate_version
+
+    return evaluate_version(*args, **kwargs)
+
+
+def _calibrate_version(*args, **kwargs):
+    from search.evaluation.quality import calibrate_version
+
+    return calibrate_version(*args, **kwargs)
+
+
 def _index(argv: list[str]) -> int:
     from index.cli import main as index_main
-    from search.evaluation.quality import calibrate_version, evaluate_version
 
-    return index_main(argv, evaluator=evaluate_version, calibrator=calibrate_version)
+    return index_main(argv, evaluator=_evaluate_version, calibrator=_calibrate_version)
 
 
 def _eval(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):   # the parser alone: no torch, FAISS or scipy for --help
+        from search.evaluation.eval_args import build_parser
+
+        return build_parser().parse_args(argv) and 0
     from search.evaluation.evaluate import main as eval_main
 
     return eval_main(argv)

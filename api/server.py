@@ -119,6 +119,29 @@ def _metrics_dir() -> tuple[str, bool]:
     return given, False
 
 
+def _port_problem(host: str, port: int) -> str | None:
+    """Bind the address once, before the model loads (seconds), so a busy port fails at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: TIME_WAIT is fine
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            return f"cannot listen on {host}:{port}: {err.strerror or err} (another server on that port? try --port)"
+    return None
+
+
+def _startup_problem(settings) -> str | None:
+    """A setting no running server could recover from: a busy port, or an index path that is not there."""
+    root = settings.index_root
+    if root is not None and not root.exists():
+        return (f"--index {root} does not exist; build a version there first "
+                f"(softsearch index build --root {root} ...) or fix the path")
+    return _port_problem(settings.host, settings.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse options, validate settings, build the app(s) and run uvicorn until interrupted."""
     parser = build_parser()
@@ -130,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(vars(args), flags=flags)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    problem = _startup_problem(settings)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -1,18 +1,26 @@
 """softsearch.index: FAISS indexes of encoder embeddings in immutable, checksummed versions with
 an atomically switched `current` pointer and the encoder weights inside the store; build,
 rebuild, add, sync, delete, export, import, activate, rollback."""
-from index.build import QualityGateError, add_items, build_index, rebuild_index
-from index.faiss_index import choose_kind, create_index, exact_neighbours, recall_at_k, tune
-from index.list_stats import ListStats
-from index.manifest import IndexCorruptError
-from index.models import ModelStore, load_version_encoder
-from index.store import IndexStore, IndexVersion
-from index.sync import delete_items, sync_index
-from index.transfer import export_version, import_version
+from __future__ import annotations
 
-__all__ = [
-    "IndexCorruptError", "IndexStore", "IndexVersion", "ListStats", "ModelStore", "QualityGateError",
-    "add_items", "build_index", "choose_kind", "create_index", "delete_items", "exact_neighbours",
-    "export_version", "import_version", "load_version_encoder", "rebuild_index", "recall_at_k",
-    "sync_index", "tune",
-]
+import importlib
+
+_HOMES = {
+    "QualityGateError": "index.build", "add_items": "index.build", "build_index": "index.build",
+    "rebuild_index": "index.build",
+    "choose_kind": "index.faiss_index", "create_index": "index.faiss_index", "exact_neighbours": "index.faiss_index",
+    "recall_at_k": "index.faiss_index", "tune": "index.faiss_index",
+    "ListStats": "index.list_stats", "IndexCorruptError": "index.manifest",
+    "ModelStore": "index.models", "load_version_encoder": "index.models",
+    "IndexStore": "index.store", "IndexVersion": "index.store",
+    "delete_items": "index.sync", "sync_index": "index.sync",
+    "export_version": "index.transfer", "import_version": "index.transfer",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    """Resolve public names on first use (PEP 562): `import index` loads neither torch nor FAISS."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'index' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)

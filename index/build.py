@@ -36,7 +36,7 @@ from index.items import ITEM_FILES, dataset_records, encode_records, read_record
 from index.list_stats import ListStats
 from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, ActivationRefused,
+from index.store import (DEFAULT_MARGIN, EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, ActivationRefused,
                          IndexStore, IndexVersion, new_version_name, recall_check)
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ Calibrator = Callable[[IndexVersion], "dict | None"]
 DEFAULT_TEMPERATURE = 0.1   # used only when a checkpoint records no training temperature
 TUNE_QUERIES = 1000
 TUNE_K = 10
-DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
 
 
 #: A refused activation (quality gate or recall below target; see index.store.activation_checks).

@@ -20,13 +20,11 @@ import urllib.request
 from pathlib import Path
 
 from index import faiss_index
-from index.build import DEFAULT_MARGIN, add_items, build_index, gate_version, rebuild_index
-from index.embed import dist_env
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
-from index.store import ActivationRefused, IndexStore
-from index.sync import delete_items, read_ids_file, sync_index
-from index.transfer import export_version, import_version
+from index.store import DEFAULT_MARGIN, ActivationRefused, IndexStore, require_store
+# torch-backed modules (index.build, index.embed, index.sync, index.transfer) are imported where a command
+# runs them, so `softsearch index ... --help` loads neither torch nor the encoders.
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +279,8 @@ def _notify(args, version: str | None) -> int:
 
 def _gate(store: IndexStore, evaluator):
     """The gate IndexStore.activate runs on a version that has no gate result yet."""
+    from index.build import gate_version
+
     return lambda version: gate_version(store, version, evaluator)
 
 
@@ -421,9 +421,20 @@ def _list(store: IndexStore, as_json: bool) -> None:
           "gate '!': activated by --force")
 
 
+# Commands that create a store when its root is missing; every other one needs an existing store.
+CREATES_STORE = ("build", "import")
+
+
 def _run(args, evaluator, calibrator) -> int:
+    if args.command not in CREATES_STORE:
+        require_store(args.root)
     store = IndexStore(args.root)
     t0 = time.perf_counter()
+    from index.build import add_items, build_index, rebuild_index
+    from index.embed import dist_env
+    from index.sync import delete_items, read_ids_file, sync_index
+    from index.transfer import export_version, import_version
+
     rank = dist_env()[0]
     if args.command in ("build", "rebuild"):
         fields = {}

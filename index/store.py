@@ -263,6 +263,18 @@ class IndexVersion:
         return out
 
 
+DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
+
+def require_store(root) -> Path:
+    """The root of an existing store, or FileNotFoundError with one line saying what is wrong (a typo or a
+    file) and how to create one; commands that read a store never create a mistyped root."""
+    root = Path(root)
+    if not root.is_dir():
+        what = "does not exist" if not root.exists() else "is not a directory"
+        raise FileNotFoundError(f"index root {root} {what}; create one with `softsearch index build --root {root} ...`")
+    return root
+
+
 class IndexStore:
     """Versions of an index under one root; see the module docstring for the layout."""
 

@@ -70,3 +70,47 @@ def test_console_script_missing_config_exits_2_without_traceback(tmp_path) -> No
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert "nope.toml" in proc.stderr
+
+
+def test_serve_refuses_a_missing_index_and_a_busy_port_before_loading_anything(tmp_path, capsys) -> None:
+    """Both fail at once with one line and exit 2: no model is loaded, no server keeps running unready."""
+    import socket
+
+    assert main(["serve", "--index", str(tmp_path / "typo"), "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --index") and "does not exist" in err
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--index", str(tmp_path), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_store_commands_on_a_typo_or_a_file_are_one_line(tmp_path) -> None:
+    """`index list|verify --root <typo>` and `eval --index <a file>` exit 2 with one `error:` line."""
+    afile = tmp_path / "file.txt"
+    afile.write_text("x")
+    for argv in (["index", "list", "--root", str(tmp_path / "typo")], ["index", "verify", "--root", str(afile)],
+                 ["eval", "--index", str(afile), "--out", str(tmp_path / "e")]):
+        out = subprocess.run([sys.executable, "-m", "api.cli", *argv], capture_output=True, text=True)
+        lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+        assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, (argv, out.stderr)
+        assert "index root" in lines[0]
+    assert not (tmp_path / "typo").exists()   # a typo creates nothing
+
+
+def test_help_of_eval_serve_and_every_index_command_loads_no_torch() -> None:
+    """--help builds only the parser: no torch, open_clip or scipy (measured 0.1-0.3 s vs ~2 s with them)."""
+    import json
+
+    subs = ["build", "rebuild", "add", "sync", "delete", "list", "activate", "rollback", "verify", "prune", "gc",
+            "export", "import"]
+    cases = [["eval", "--help"], ["serve", "--help"]] + [["index", s, "--help"] for s in subs]
+    code = ("import json, sys\nfrom api.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+            "print('LOADED', sorted(m for m in ('torch', 'open_clip', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "LOADED []"

@@ -33,6 +33,17 @@ class NormaliserOut(BaseModel):
     rows: int = Field(description="embedding rows read for this query's log Z")
 
 
+class PeakednessOut(BaseModel):
+    top1_probability: float = Field(description="p of the first hit")
+    uniform_probability: float = Field(description="1 / count: every item equally likely")
+    top1_vs_uniform: float = Field(description="top1_probability * count; near 1 means no preference at all")
+    topk_mass: float = Field(description="sum of the returned hits' probabilities")
+    effective_candidates_at_most: float = Field(
+        description="upper bound on exp(H(p)) over the whole index: how many items share the probability")
+    near_uniform: bool = Field(description="top-1 below twice uniform: the search barely tells items apart")
+    hint: str = Field(description="the same in plain words")
+
+
 class SearchResponse(BaseModel):
     version: str = Field(description="index version that answered")
     k: int
@@ -42,6 +53,7 @@ class SearchResponse(BaseModel):
     normaliser: NormaliserOut | None = Field(
         None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
+    peakedness: PeakednessOut | None = Field(None, description="how peaked p(.|x) is compared with uniform")
     results: list[HitOut]
 
 

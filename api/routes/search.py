@@ -12,7 +12,8 @@ from fastapi import APIRouter, Depends, File, Form, Response, UploadFile
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
 from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, NormaliserOut, \
-    SearchResponse, VectorQuery
+    PeakednessOut, SearchResponse, VectorQuery
+from search.serving.peakedness import peakedness
 from training.images import cache_resolution
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ def _response(result: QueryResult, k: int) -> Response:
             method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows),
         results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
                  for h in result.hits],
+        peakedness=PeakednessOut(**vars(peakedness([h.probability for h in result.hits], result.count)))
+        if result.count > 0 else None,
     )
     return Response(body.model_dump_json(), media_type="application/json")
 

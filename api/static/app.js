@@ -57,7 +57,13 @@ function render(body) {
   $("result-meta").textContent =
     `version ${body.version} · ${body.count} items · tau ${body.temperature.toPrecision(3)}`;
   $("version").textContent = "index " + body.version;
-  const pmax = Math.max(...body.results.map((h) => h.probability), 1e-12);
+  // Bars are absolute (width = p): a near-uniform search shows near-empty bars, as it should.
+  const peak = body.peakedness;
+  const hint = $("peakedness");
+  if (hint) {
+    hint.textContent = peak ? peak.hint : "";
+    hint.className = peak && peak.near_uniform ? "warn" : "note";
+  }
   body.results.forEach((hit, rank) => {
     const card = document.createElement("div");
     card.className = "result";
@@ -72,7 +78,7 @@ function render(body) {
     sim.textContent = `similarity ${hit.similarity.toFixed(4)}`;
     const prob = document.createElement("div");
     prob.textContent = `probability ${hit.probability.toPrecision(3)}`;
-    card.append(img, id, sim, bar("sim", (hit.similarity + 1) / 2), prob, bar("prob", hit.probability / pmax));
+    card.append(img, id, sim, bar("sim", (hit.similarity + 1) / 2), prob, bar("prob", hit.probability));
     grid.appendChild(card);
   });
   grid.dataset.count = String(body.results.length);

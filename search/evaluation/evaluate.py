@@ -9,7 +9,6 @@ Writes OUT/report.json and one self-contained OUT/report.html, prints a short ta
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,8 +21,9 @@ import torch.nn.functional as F
 from index.build import training_temperature
 from index.manifest import file_sha256
 from index.models import checkpoint_record, load_version_encoder
-from index.store import IndexStore
+from index.store import IndexStore, require_store
 from search.evaluation.baselines import RAW_PIXELS, baseline_comparison, per_query_precision, raw_pixel_features, centred_unit
+from search.evaluation.eval_args import build_parser
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.gap import ideal_and_learned, softmax_gap
 from search.evaluation.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
@@ -364,7 +364,7 @@ def _load_database(cfg: EvalConfig, device):
     if cfg.index is not None:
         if cfg.checkpoint is not None or cfg.dataset is not None:
             raise ValueError("--index takes its checkpoint and dataset from the manifest; drop --checkpoint/--dataset")
-        store = IndexStore(cfg.index)
+        store = IndexStore(require_store(cfg.index))
         version = store.load(cfg.version, verify=True, gpu=False)
         manifest = version.manifest
         datasets, rows = version_database(version)
@@ -516,42 +516,6 @@ def checkpoint_description(path, info: dict, manifest: dict | None = None) -> di
         "training": {k: tc.get(k) for k in ("loss", "schedule", "schedule_options", "steps", "batch_size",
                                             "gaussian_reg", "gaussian_reg_decay") if k in tc},
     }
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch eval", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    src = p.add_argument_group("database")
-    src.add_argument("--index", help="index root: evaluate its current (or --version) version")
-    src.add_argument("--version", help="index version (default: the current one)")
-    src.add_argument("--checkpoint", help="encoder checkpoint (with --dataset) instead of --index")
-    src.add_argument("--dataset", help="database dataset name (with --checkpoint)")
-    src.add_argument("--split", default="train")
-    src.add_argument("--data-root", help="dataset root directory")
-    src.add_argument("--size", type=int, help="database size (default: the split's)")
-    src.add_argument("--dataset-seed", type=int, default=0, help="dataset seed (synthetic rendering)")
-    q = p.add_argument_group("queries")
-    q.add_argument("--queries-dataset", help="held-out query dataset (default: the database's)")
-    q.add_argument("--queries-split", default="test")
-    q.add_argument("--queries-root")
-    q.add_argument("--queries-size", type=int)
-    q.add_argument("--max-queries", type=int, default=1000)
-    p.add_argument("--generator", choices=["latent", "label", "instance"], help="default: the dataset's")
-    p.add_argument("--kappa", type=float, help="von Mises concentration of the latent generator")
-    p.add_argument("--temperature", type=float, help="search tau (default: manifest's, else training tau)")
-    p.add_argument("--out", default="eval_report", help="output directory for report.json / report.html")
-    p.add_argument("--no-k-law", dest="k_law", action="store_false", help="skip the 1/k law (faster)")
-    p.add_argument("--k-law-samples", type=int, default=2000, help="Monte-Carlo draws per k")
-    p.add_argument("--compare", help="second checkpoint (e.g. the initial one) for a before/after table")
-    p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples for the metric CIs (tail: at most 200)")
-    p.add_argument("--n-projections", type=int, default=64, help="random projections tested for normality")
-    p.add_argument("--mardia-null", type=int, default=199,
-                   help="simulated Gaussian samples for Mardia's p-values (0: closed forms only)")
-    p.add_argument("--tail-queries", type=int, default=256, help="queries in the tail statistics")
-    p.add_argument("--seed", type=int, default=0, help="query subsampling, bootstrap and Monte-Carlo seed")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--device", help="torch device (default: cuda if available)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,6 +69,12 @@ def test_vector_round_trip_and_temperature(client, api_index, api_dataset):
     assert [h["row"] for h in body["results"]] == top.tolist()  # scaling the vector changes nothing
     np.testing.assert_allclose([h["probability"] for h in body["results"]], p[0, top], rtol=1e-4)
     assert body["temperature"] == 0.5
+    # peakedness against the dense reference: top-1 vs uniform, and the exp(H) bound from the top-4 holds
+    peak, full = body["peakedness"], p[0]
+    assert peak["top1_vs_uniform"] == pytest.approx(full.max() * full.size, rel=1e-4)
+    assert peak["topk_mass"] == pytest.approx(full[top].sum(), rel=1e-4)
+    assert peak["effective_candidates_at_most"] >= np.exp(-(full * np.log(full)).sum()) * (1 - 1e-4)
+    assert peak["near_uniform"] == (full.max() * full.size < 2)
 
 
 def test_index_items_health_and_page(client, api_index, api_dataset):

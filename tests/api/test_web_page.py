@@ -55,6 +55,17 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
             assert cards[0].get_attribute("data-id") == api_dataset.item_id(item)
             assert "similarity 1.0000" in cards[0].text or "similarity 0.9999" in cards[0].text
             assert driver.find_element(By.ID, "results").get_attribute("data-version") == api_index["version"]
+            # probability bars are absolute: each bar's width is 100 p % (not scaled to the top hit), and the
+            # peakedness line says how far the top hit is above uniform
+            widths = driver.execute_script(
+                "return Array.from(document.querySelectorAll('#results .bar.prob span')).map(s => s.style.width);")
+            probs = driver.execute_script(
+                "return Array.from(document.querySelectorAll('#results .result')).map(c => c.innerText);")
+            shown = [float(t.split("probability ")[1].split()[0]) for t in probs]
+            assert len(widths) == 12
+            for w, p in zip(widths, shown):
+                assert abs(float(w.rstrip("%")) - 100 * p) <= 0.06 + 0.01 * 100 * p
+            assert "as probable as a random item" in driver.find_element(By.ID, "peakedness").text
             # thumbnails of the results actually loaded
             wait.until(lambda d: d.execute_script(
                 "return Array.from(document.querySelectorAll('#results img')).every(i => i.complete && i.naturalWidth > 0)"))

@@ -179,7 +179,8 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
     build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=16), synthetic, progress=False)
     for argv, message in ((["sync", "--root", str(synthetic)], "not built from an image folder"),
                           (["sync", "--root", str(root), "--data-root", str(tmp_path / "gone")], "not found"),
-                          (["sync", "--root", str(tmp_path / "empty")], "no current index version")):
+                          (["sync", "--root", str(tmp_path / "empty")], "empty does not exist"),
+                          (["sync", "--root", str(tmp_path)], "no current index version")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err

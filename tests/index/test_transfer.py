@@ -177,7 +177,8 @@ def test_cli_export_import_and_user_errors(tmp_path, exported, capsys):
     (tmp_path / "junk.tar").write_bytes(b"not a tar at all")
     for argv, text in ((["import", "--root", str(tmp_path / "c"), str(tmp_path / "junk.tar")], "not a tar archive"),
                        (["import", "--root", str(tmp_path / "c"), str(tmp_path / "nope.tar")], "archive not found"),
-                       (["export", "--root", str(tmp_path / "empty"), "--out", str(out)], "no current index version")):
+                       (["export", "--root", str(tmp_path / "empty"), "--out", str(out)], "empty does not exist"),
+                       (["export", "--root", str(tmp_path), "--out", str(out)], "no current index version")):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert text in err and err.count("\n") == 1 and "Traceback" not in err
