@@ -187,6 +187,10 @@ class _Run:
     lineage: dict
 
 
+#: `generator = "auto"`: the label generator when the dataset has classes, else the pixel-neighbour one.
+AUTO_GENERATOR = "auto"
+
+
 def _build_data(config: TrainConfig):
     from training.datasets import create_dataset, dataset_is_file_backed
     from training.generators import create_generator
@@ -207,6 +211,11 @@ def _build_data(config: TrainConfig):
     else:
         name = config.generator or dataset.default_generator().name
         gen_options = dict(config.generator_options)
+        if name == AUTO_GENERATOR:
+            # Class folders, when present, are the positives (the held-out test/ split keeps the evaluation
+            # honest); otherwise an image and one of its nearest grey-pixel neighbours, with these options.
+            name, gen_options = ("label", {}) if dataset.labels is not None else ("neighbour", gen_options)
+            logger.info("generator auto -> %s (%s)", name, "class folders found" if name == "label" else "no classes")
         if name == "latent" and config.kappa is not None:
             gen_options.setdefault("kappa", config.kappa)
         generator = create_generator(name, **gen_options)

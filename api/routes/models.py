@@ -54,6 +54,8 @@ class SearchResponse(BaseModel):
         None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
     peakedness: PeakednessOut | None = Field(None, description="how peaked p(.|x) is compared with uniform")
+    self_rank: int | None = Field(None, description="search by stored item only: the item's own 1-based rank "
+                                                    "among the hits (null when it is not within k + 1)")
     results: list[HitOut]
 
 
@@ -63,6 +65,15 @@ class VectorQuery(BaseModel):
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
     temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                       description="softmax temperature; default: the index's search_temperature")
+
+
+class ItemQuery(BaseModel):
+    model_config = {"extra": "forbid"}
+    id: str = Field(min_length=1, description="id of an indexed item: its stored embedding is the query")
+    k: int = Field(10, ge=1, description="results to return, 1..max_k")
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                      description="softmax temperature; default: the index's search_temperature")
+    include_self: bool = Field(False, strict=True, description="keep the item itself in `results`")
 
 
 class ItemSummary(BaseModel):

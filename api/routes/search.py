@@ -1,6 +1,7 @@
-"""POST /v1/search (image upload) and POST /v1/search/vector (JSON embedding)."""
+"""POST /v1/search (image upload), POST /v1/search/vector (JSON embedding), POST /v1/search/item (stored item)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -12,7 +13,7 @@ from fastapi import APIRouter, Depends, File, Form, Response, UploadFile
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
 from api.routes.models import ERROR_RESPONSES, MAX_TEMPERATURE, MIN_TEMPERATURE, HitOut, NormaliserOut, \
-    PeakednessOut, SearchResponse, VectorQuery
+    ItemQuery, PeakednessOut, SearchResponse, VectorQuery
 from search.serving.peakedness import peakedness
 from training.images import cache_resolution
 
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["search"])
 
 
-def _response(result: QueryResult, k: int) -> Response:
+def _response(result: QueryResult, k: int, self_rank: int | None = None) -> Response:
     """The SearchResponse as JSON, validated once and serialised by pydantic (returned as a model,
     FastAPI would validate it a second time and encode it again in Python: ~3x the time)."""
     body = SearchResponse(
@@ -33,6 +34,7 @@ def _response(result: QueryResult, k: int) -> Response:
                  for h in result.hits],
         peakedness=PeakednessOut(**vars(peakedness([h.probability for h in result.hits], result.count)))
         if result.count > 0 else None,
+        self_rank=self_rank,
     )
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -84,3 +86,29 @@ async def search_vector(
         raise ApiError(422, "bad_vector", str(err)) from err
     ctx.metrics.queries.labels(kind="vector").inc()
     return _response(result, query.k)
+
+
+@router.post("/search/item", response_model=SearchResponse, responses=ERROR_RESPONSES)
+async def search_item(
+    query: ItemQuery, ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
+) -> Response:
+    """Top-k similar to an indexed item, searched with its stored embedding (no decode, no re-encode).
+
+    The item itself (normally rank 1) is reported as `self_rank` and left out of `results` unless
+    `include_self`; its probability is the same p(j|x) as for any other hit."""
+    snapshot = ctx.snapshot
+    check_k(query.k, ctx.settings)
+    try:
+        row = snapshot.row_of(query.id)
+    except KeyError as err:
+        raise ApiError(404, "item_not_found", f"no item {query.id!r} in index version {snapshot.version}") from err
+    vector = np.asarray(snapshot.index.embeddings[row], dtype=np.float64)
+    vector = vector / np.linalg.norm(vector)
+    wanted = query.k if query.include_self else min(query.k + 1, snapshot.count)
+    result = await ctx.batcher.search_vector(vector.astype(np.float32), wanted, query.temperature)
+    ranks = [i for i, h in enumerate(result.hits) if h.id == query.id]
+    self_rank = ranks[0] + 1 if ranks else None
+    if not query.include_self:
+        result = dataclasses.replace(result, hits=[h for h in result.hits if h.id != query.id][: query.k])
+    ctx.metrics.queries.labels(kind="item").inc()
+    return _response(result, query.k, self_rank)

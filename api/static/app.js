@@ -34,10 +34,7 @@ async function loadSamples() {
     img.title = item.id;
     img.dataset.id = item.id;
     img.className = "sample";
-    img.addEventListener("click", async () => {
-      const blob = await (await fetch(item.thumbnail_url)).blob();
-      search(blob, item.id + ".png");
-    });
+    img.addEventListener("click", () => searchItem(item.id, item.thumbnail_url));
     box.appendChild(img);
   }
 }
@@ -78,27 +75,54 @@ function render(body) {
     sim.textContent = `similarity ${hit.similarity.toFixed(4)}`;
     const prob = document.createElement("div");
     prob.textContent = `probability ${hit.probability.toPrecision(3)}`;
-    card.append(img, id, sim, bar("sim", (hit.similarity + 1) / 2), prob, bar("prob", hit.probability));
+    const similar = document.createElement("button");
+    similar.type = "button";
+    similar.className = "similar";
+    similar.textContent = "similar to this";
+    similar.addEventListener("click", () => searchItem(hit.id, img.src));
+    card.append(img, id, sim, bar("sim", (hit.similarity + 1) / 2), prob, bar("prob", hit.probability), similar);
     grid.appendChild(card);
   });
   grid.dataset.count = String(body.results.length);
   grid.dataset.version = body.version;
 }
 
-async function search(blob, name) {
+function chosenK() {
+  return Math.min(Math.max(parseInt($("k").value || "12", 10), 1), maxK);
+}
+
+function showPreview(src) {
   const preview = $("query-preview");
-  preview.src = URL.createObjectURL(blob);
+  preview.src = src;
   preview.hidden = false;
+}
+
+// A stored item searches with its stored embedding (POST /v1/search/item): no upload, no re-encode.
+// The picked item is kept in the results (include_self), so it shows first with its own probability.
+function searchItem(itemId, thumbnailUrl) {
+  showPreview(thumbnailUrl);
+  const body = { id: itemId, k: chosenK(), include_self: true };
+  const t = $("temperature").value;
+  if (t) body.temperature = parseFloat(t);
+  return runQuery(() => fetch("/v1/search/item", {
+    method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }));
+}
+
+async function search(blob, name) {
+  showPreview(URL.createObjectURL(blob));
   const form = new FormData();
   form.append("file", blob, name || "query.png");
-  const k = Math.min(Math.max(parseInt($("k").value || "12", 10), 1), maxK);
-  form.append("k", String(k));
+  form.append("k", String(chosenK()));
   const t = $("temperature").value;
   if (t) form.append("temperature", t);
+  return runQuery(() => fetch("/v1/search", { method: "POST", body: form }));
+}
+
+async function runQuery(send) {
   setStatus("searching…");
   const t0 = performance.now();
   try {
-    const r = await fetch("/v1/search", { method: "POST", body: form });
+    const r = await send();
     const body = await r.json();
     if (!r.ok) { setStatus(`${r.status} ${body.error}: ${body.detail}`, true); return; }
     render(body);

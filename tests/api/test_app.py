@@ -390,3 +390,29 @@ def test_bad_env_setting_names_the_variable(monkeypatch, capsys):
     assert main([]) == 2
     assert "(SOFTSEARCH_ADMIN_TOKEN=<hidden>): " in capsys.readouterr().err
     assert "at least 8 characters" in " ".join(build_parser().format_help().split())
+
+
+def test_search_by_stored_item_equals_searching_its_stored_vector(client, api_index, api_dataset):
+    """POST /v1/search/item == /v1/search/vector with the item's stored embedding (ids and p to 1e-6),
+    minus the item itself, which is reported as self_rank; include_self keeps it; unknown id is 404."""
+    from index.store import IndexStore
+
+    version = IndexStore(api_index["root"]).load(api_index["version"], verify=False, gpu=False)
+    for row in (0, 7):
+        item_id = version.ids[row]
+        vec = np.asarray(version.embeddings[row], dtype=np.float64)
+        ref = client.post("/v1/search/vector", json={"vector": vec.tolist(), "k": 6, "temperature": 0.3}).json()
+        got = client.post("/v1/search/item", json={"id": item_id, "k": 5, "temperature": 0.3})
+        assert got.status_code == 200, got.text
+        body = got.json()
+        expected = [h for h in ref["results"] if h["id"] != item_id][:5]
+        assert [h["id"] for h in body["results"]] == [h["id"] for h in expected]
+        np.testing.assert_allclose([h["probability"] for h in body["results"]],
+                                   [h["probability"] for h in expected], rtol=1e-6, atol=1e-12)
+        assert body["self_rank"] == 1 + [h["id"] for h in ref["results"]].index(item_id)
+        both = client.post("/v1/search/item", json={"id": item_id, "k": 6, "temperature": 0.3,
+                                                     "include_self": True}).json()
+        assert [h["id"] for h in both["results"]] == [h["id"] for h in ref["results"]]
+    r = client.post("/v1/search/item", json={"id": "no/such/item", "k": 3})
+    assert r.status_code == 404 and r.json()["error"] == "item_not_found"
+    assert client.post("/v1/search/item", json={"id": version.ids[0], "k": 3, "include_self": 0}).status_code == 422

@@ -76,6 +76,10 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
             sample.click()
             first_id = "const c = document.querySelector('#results .result'); return c && c.dataset.id;"
             wait.until(lambda d: d.execute_script(first_id) == picked)  # JS: no stale element races
+            # "similar to this" on the third card searches by that stored item: it comes back first
+            third = driver.execute_script("return document.querySelectorAll('#results .result')[2].dataset.id;")
+            driver.execute_script("document.querySelectorAll('#results .result button.similar')[2].click();")
+            wait.until(lambda d: d.execute_script(first_id) == third)
             driver.save_screenshot(str(tmp_path / "web_page.png"))
         finally:
             driver.quit()
