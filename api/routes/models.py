@@ -8,6 +8,18 @@ MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 
 
+OFFSET_DOC = "skip this many ranked hits (after the cut-offs): stable pages of k; k + offset <= max_k"
+MIN_PROBABILITY_DOC = "drop hits whose probability p(j|x) is below this value"
+MASS_DOC = "top-p: keep the shortest prefix of hits whose probabilities sum to at least this value"
+
+
+class PageQuery(BaseModel):
+    """Cut-offs and paging shared by the JSON search routes."""
+    offset: int = Field(0, ge=0, description=OFFSET_DOC)
+    min_probability: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC)
+    mass: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)
+
+
 class ErrorResponse(BaseModel):
     error: str = Field(description="short machine-readable code, e.g. not_an_image, k_out_of_range")
     detail: str = Field(description="what was wrong, naming the bad value")
@@ -54,12 +66,15 @@ class SearchResponse(BaseModel):
         None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
     peakedness: PeakednessOut | None = Field(None, description="how peaked p(.|x) is compared with uniform")
+    offset: int = Field(0, description="ranked hits skipped before `results`")
+    n_passed: int = Field(description="ranked hits (among the k + offset fetched) that passed min_probability / mass")
+    more_may_pass: bool = Field(description="every fetched hit passed: more items beyond them may pass too")
     self_rank: int | None = Field(None, description="search by stored item only: the item's own 1-based rank "
                                                     "among the hits (null when it is not within k + 1)")
     results: list[HitOut]
 
 
-class VectorQuery(BaseModel):
+class VectorQuery(PageQuery):
     vector: list[float] = Field(min_length=1, max_length=65536,
                                 description="query embedding, length = index dim; normalised to unit length")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
@@ -67,7 +82,7 @@ class VectorQuery(BaseModel):
                                       description="softmax temperature; default: the index's search_temperature")
 
 
-class ItemQuery(BaseModel):
+class ItemQuery(PageQuery):
     model_config = {"extra": "forbid"}
     id: str = Field(min_length=1, description="id of an indexed item: its stored embedding is the query")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")

@@ -416,3 +416,40 @@ def test_search_by_stored_item_equals_searching_its_stored_vector(client, api_in
     r = client.post("/v1/search/item", json={"id": "no/such/item", "k": 3})
     assert r.status_code == 404 and r.json()["error"] == "item_not_found"
     assert client.post("/v1/search/item", json={"id": version.ids[0], "k": 3, "include_self": 0}).status_code == 422
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cut_offs_and_pages_match_a_dense_reference(client, api_index, api_dataset, seed):
+    """min_probability, mass and offset on /v1/search/vector against the dense softmax over all items."""
+    rng = np.random.default_rng(seed)
+    _, s, p, z = _reference(api_index, [api_dataset.image(int(rng.integers(0, 50)))], tau=0.1)
+    order = np.argsort(-s[0], kind="stable")
+    ranked = p[0, order]
+    k, offset = int(rng.integers(1, 8)), int(rng.integers(0, 8))
+    j = int(rng.integers(0, 12))
+    min_p = float(np.sqrt(ranked[j] * ranked[j + 1]))   # between two ranks: float32 vs float64 cannot flip it
+    mass = float(rng.uniform(0.1, 0.9))
+    for extra, passes in (({"min_probability": min_p}, ranked >= min_p),
+                          ({"mass": mass}, np.r_[0.0, np.cumsum(ranked)[:-1]] < mass),
+                          ({}, np.ones(ranked.size, bool))):
+        body = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": k, "offset": offset,
+                                                      "temperature": 0.1, **extra}).json()
+        n_pass = int(np.argmin(passes)) if not passes.all() else ranked.size   # passing hits form a prefix
+        fetched = min(k + offset, ranked.size)
+        want = order[: min(n_pass, fetched)][offset : offset + k]
+        assert [h["row"] for h in body["results"]] == want.tolist(), extra
+        assert body["n_passed"] == min(n_pass, fetched) and body["offset"] == offset
+        np.testing.assert_allclose([h["probability"] for h in body["results"]], p[0, want], rtol=1e-4)
+    # pages are stable: two pages of k equal one page of 2k
+    first = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "temperature": 0.1}).json()
+    second = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "offset": 3,
+                                                    "temperature": 0.1}).json()
+    both = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 6, "temperature": 0.1}).json()
+    assert [h["id"] for h in first["results"] + second["results"]] == [h["id"] for h in both["results"]]
+
+
+def test_k_plus_offset_is_bounded_by_max_k(client, api_dataset):
+    r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 90, "offset": 20})
+    assert r.status_code == 422 and "k + offset" in r.json()["detail"]
+    r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 5, "mass": 0})
+    assert r.status_code == 422
