@@ -1,6 +1,6 @@
 """Shared API-layer pieces: the error type, `Annotated` dependency aliases, input decoding.
 
-Route handlers stay a few lines long by taking `SettingsDep`, `SearcherDep`, `BatcherDep`,
+Route handlers stay a few lines long by taking `SettingsDep`,
 `MetricsDep` and the `require_*` guards from here. HTTP errors live only in the api package.
 The dependencies are `async def` although none of them awaits: FastAPI runs a plain `def`
 dependency in its thread pool, one thread hop each (five per search request).
@@ -56,15 +56,9 @@ async def get_snapshot(searcher: Annotated[Searcher, Depends(get_searcher)]) -> 
         raise ApiError(503, "not_ready", str(err)) from err
 
 
-async def get_batcher(request: Request, searcher: Annotated[Searcher, Depends(get_searcher)]) -> MicroBatcher:
-    return request.app.state.batcher
-
-
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
-SearcherDep = Annotated[Searcher, Depends(get_searcher)]
 SnapshotDep = Annotated[SearchSnapshot, Depends(get_snapshot)]
-BatcherDep = Annotated[MicroBatcher, Depends(get_batcher)]
 
 
 @dataclass(frozen=True)
@@ -102,15 +96,6 @@ def _check_media(request: Request, allowed: tuple[str, ...]) -> None:
     if media not in allowed:
         raise ApiError(415, "unsupported_media_type",
                        f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}")
-
-
-def require_content_type(*allowed: str):
-    """Dependency factory: 415 unless the request's media type is one of `allowed`."""
-
-    async def check(request: Request) -> None:
-        _check_media(request, allowed)
-
-    return check
 
 
 async def require_admin(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:

@@ -34,17 +34,17 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
                          prepare_cache)
 from index.items import ITEM_FILES, dataset_records, encode_records, read_records
 from index.list_stats import ListStats
-from index.manifest import create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
+from index.manifest import DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
 from index.store import (DEFAULT_MARGIN, EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, ActivationRefused,
                          IndexStore, IndexVersion, new_version_name, recall_check)
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
 Evaluator = Callable[[IndexVersion, IndexVersion], dict]
 # calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
 Calibrator = Callable[[IndexVersion], "dict | None"]
-DEFAULT_TEMPERATURE = 0.1   # used only when a checkpoint records no training temperature
 TUNE_QUERIES = 1000
 TUNE_K = 10
 
@@ -110,14 +110,6 @@ def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recal
         raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-
-
-def _resolve_device(device):
-    import torch
-
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *, indices: list | None = None,
@@ -397,7 +389,7 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
     _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
-        device = _resolve_device(device if device is not None else dist_device)
+        device = default_device(device if device is not None else dist_device)
         encoder, info = load_checkpoint(checkpoint, device=device)
         for ds in datasets:
             if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
@@ -543,7 +535,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     if len(todo) == 0:
         raise ValueError(f"all {len(new_ids)} items of {ds!r} are already in {base_version.version}")
     records = {**read_records(base_version.path), **dataset_records(ds, todo)}
-    device = _resolve_device(device)
+    device = default_device(device)
     encoder, info = load_checkpoint(ckpt, device=device)
     if encoder.embed_dim != base_version.dim:
         raise ValueError(f"checkpoint embeds to {encoder.embed_dim} dims, index has {base_version.dim}")

@@ -17,6 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
+#: Search temperature when neither the manifest nor the checkpoint records one.
+DEFAULT_TEMPERATURE = 0.1
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"

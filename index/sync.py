@@ -33,12 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate, _resolve_device,
+from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate,
                          _skipped_items, _source_record, discard_staging, write_version)
 from index.embed import EmbedResult
 from index.items import ITEM_FILES, dataset_records, encode_records, file_record, read_records
 from index.models import checkpoint_record, model_relpath
 from index.store import IndexStore, IndexVersion
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     todo = plan.to_embed
     plan.records.update(dataset_records(dataset, todo))   # the states of the files about to be embedded
     record = checkpoint_record(base_version.manifest)
-    device = _resolve_device(device)
+    device = default_device(device)
     encoder, _, sha = store.models.load_encoder(record, device=device, version=base_version.version)
     if encoder.image_size != dataset.image_size:
         raise ValueError(f"folder dataset image_size {dataset.image_size} differs from the encoder's {encoder.image_size}")

@@ -69,6 +69,14 @@ class DistInfo:
         return self.rank == 0
 
 
+def default_device(device=None) -> torch.device:
+    """`device` as a torch.device, or CUDA when available and the CPU otherwise (the one default every
+    evaluation, search and index path uses)."""
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """"auto" -> cuda:LOCAL_RANK if available, else cpu; "cuda" -> cuda:LOCAL_RANK."""
     if device == "auto":

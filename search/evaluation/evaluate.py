@@ -35,6 +35,7 @@ from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
 from training.generators import create_generator
 from training.image_cache import summarise_skipped
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -94,10 +95,6 @@ class EvalData:
     queries_same_as_db: bool
     notes: list[str] = field(default_factory=list)
     query_skipped: list[dict] = field(default_factory=list)   # held-out files that could not be decoded
-
-
-def _device(name: str | None) -> torch.device:
-    return torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _tensors(ds, idx: np.ndarray) -> torch.Tensor:
@@ -252,7 +249,7 @@ def _ideal_recall(zq, zdb, data: EvalData, ks=(1, 5, 10), n_boot=1000, seed=0, d
 def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np.ndarray, hq: np.ndarray | None,
                         train_tau: float, serving_tau: float, full: bool = True) -> tuple[dict, dict]:
     """All numbers for one encoder's embeddings -> (report part, figures)."""
-    dev = _device(cfg.device)
+    dev = default_device(cfg.device)
     rep: dict = {}
     figs: dict = {}
     gen = data.generator
@@ -398,7 +395,7 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
         raise ValueError(f"--max-queries must be >= 2, got {cfg.max_queries}")
     if cfg.temperature is not None and not cfg.temperature > 0:
         raise ValueError(f"--temperature must be positive, got {cfg.temperature}")
-    device = _device(cfg.device)
+    device = default_device(cfg.device)
     encoder, info, ckpt, zdb, datasets, rows, index_info, manifest = _load_database(cfg, device)
     data = load_eval_data(cfg, datasets, rows)
     if zdb is None:

@@ -25,6 +25,7 @@ import torch
 from scipy.special import i0e
 
 from search.evaluation.fused import UNDERFLOW_PER_ITEM, TileSums, fused_supported
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,6 @@ class GapResult:
             out[f"{name}_se"] = float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
         out["gap"], out["gap_se"] = out["kl"], out["kl_se"]
         return out
-
-
-def _device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature):
@@ -243,7 +238,7 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     if block_q < 1 or block_n < 1:
         raise ValueError(f"block sizes must be positive, got block_q={block_q}, block_n={block_n}")
     temperature = float(temperature)
-    dev = _device(device)
+    dev = default_device(device)
     gname = getattr(generator, "name", type(generator).__name__)
     kappa = _latent_kappa(generator)
     tile_sums = None

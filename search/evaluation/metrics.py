@@ -19,16 +19,11 @@ import numpy as np
 import torch
 
 from search.evaluation.gap import _Rows
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
 Predicate = Callable[[np.ndarray, np.ndarray], np.ndarray]
-
-
-def _device(device) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65536,
@@ -49,7 +44,7 @@ def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65
         exclude = np.asarray(exclude, dtype=np.int64)
         if exclude.shape != (zq.shape[0],):
             raise ValueError(f"exclude has shape {exclude.shape}, expected ({zq.shape[0]},)")
-    dev = _device(device)
+    dev = default_device(device)
     rq, rn = _Rows(zq, dev), _Rows(zn, dev)
     scores = np.empty((zq.shape[0], k), dtype=np.float32)
     rows = np.empty((zq.shape[0], k), dtype=np.int64)

@@ -23,7 +23,8 @@ import time
 import numpy as np
 
 from search.evaluation.calibration import calibrate_temperature
-from search.evaluation.evaluate import EvalConfig, _device, encode, load_eval_data, version_database
+from search.evaluation.evaluate import EvalConfig, encode, load_eval_data, version_database
+from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
 from search.evaluation.metrics import ideal_topk, knn_search, recall_at_k, relevance
 from index.models import load_version_encoder
@@ -97,7 +98,7 @@ def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "au
     if metric not in ("auto", "neg_gap", "recall_at_10"):
         raise ValueError(f"metric must be 'auto', 'neg_gap' or 'recall_at_10', got {metric!r}")
     t0 = time.perf_counter()
-    dev = _device(device)
+    dev = default_device(device)
     cfg = EvalConfig(max_queries=max_queries, generator=generator, temperature=temperature, seed=seed,
                      batch_size=batch_size, device=None if device is None else str(device))
     if queries is None:
@@ -138,7 +139,7 @@ def calibrate_version(candidate, queries=None, *, max_queries: int = 500, genera
     `temperature` as the manifest's `search_temperature`, which the API uses for probabilities.
     Returns None when the generator gives no finite gap (nothing to calibrate against).
     """
-    dev = _device(device)
+    dev = default_device(device)
     cfg = EvalConfig(max_queries=max_queries, generator=generator, seed=seed, batch_size=batch_size,
                      device=None if device is None else str(device))
     if queries is None:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from index.manifest import DEFAULT_TEMPERATURE
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
@@ -51,7 +52,6 @@ __all__ = [
 ]
 
 #: Used only when a manifest carries no search temperature at all (logged as a warning).
-DEFAULT_TEMPERATURE = 0.1
 
 
 class NotReadyError(RuntimeError):
