@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -161,7 +162,9 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         app.state.batcher.shutdown()
         metrics.close()
 
-    app = FastAPI(
+    # /docs and /redoc from the Swagger UI and ReDoc files packaged in fastapi-offline (no CDN: they
+    # render on a machine without internet)
+    app = FastAPIOffline(
         title="softsearch",
         version="1",
         summary="Image similarity search with exact softmax probabilities over the whole index.",

@@ -81,6 +81,18 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
             driver.execute_script("document.querySelectorAll('#results .result button.similar')[2].click();")
             wait.until(lambda d: d.execute_script(first_id) == third)
             driver.save_screenshot(str(tmp_path / "web_page.png"))
+
+            # the API docs render from packaged files (no CDN: this browser has no network): Swagger UI
+            # lists the search routes, ReDoc renders the title and an operation
+            driver.get(server.url + "/docs")
+            wait.until(lambda d: d.execute_script(
+                "return document.querySelectorAll('.swagger-ui .opblock').length") >= 5)
+            paths = driver.execute_script(
+                "return Array.from(document.querySelectorAll('.opblock-summary-path')).map(e => e.innerText);")
+            assert any("/v1/search/item" in p for p in paths), paths
+            driver.get(server.url + "/redoc")
+            wait.until(lambda d: d.execute_script(
+                "return !!document.querySelector('redoc h1') && document.body.innerText.includes('search')"))
         finally:
             driver.quit()
     assert (tmp_path / "web_page.png").stat().st_size > 1000
