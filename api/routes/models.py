@@ -1,7 +1,7 @@
 """Request and response bodies of the v1 API (they document the OpenAPI schema)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 #: Temperatures a client may ask for; outside this range exp(s / tau) is numerically meaningless.
 MIN_TEMPERATURE = 1e-4
@@ -133,7 +133,7 @@ class ServiceConfigOut(BaseModel):
 class ReloadRequest(BaseModel):
     version: str | None = Field(None, description="version to serve; default: the store's current one. A version "
                                                   "that is not current is made current in the store too")
-    force: bool = Field(False, description="serve it even if the activation rule refuses it (failed quality gate, "
+    force: StrictBool = Field(False, description="serve it even if the activation rule refuses it (failed quality gate, "
                                            "recall below target); recorded as forced in the store's history")
 
 
