@@ -11,11 +11,17 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from api.deps import ApiError, SnapshotDep
-from api.routes.models import ERROR_RESPONSES, ItemOut, ItemSample, ItemSummary
+from api.routes.models import ERROR_RESPONSES, ErrorResponse, ItemOut, ItemSample, ItemSummary
 
 router = APIRouter(prefix="/v1/items", tags=["items"])
 
 THUMBNAIL_MAX_SIDE = 256
+
+
+# the item routes also answer 404 (no such id in the served version, or its image cannot be rebuilt)
+ITEM_RESPONSES = {**ERROR_RESPONSES,
+                  404: {"model": ErrorResponse, "description": "no such item in the served version, or its "
+                                                                "image cannot be recovered"}}
 
 
 def thumbnail_url(item_id: str) -> str:
@@ -50,7 +56,7 @@ def _png(snapshot, item_id: str) -> bytes:
 
 
 @router.get("/{item_id:path}/thumbnail", response_class=Response, responses={
-    200: {"content": {"image/png": {}}, "description": "the stored image as PNG"}, **ERROR_RESPONSES})
+    200: {"content": {"image/png": {}}, "description": "the stored image as PNG"}, **ITEM_RESPONSES})
 async def item_thumbnail(item_id: str, snapshot: SnapshotDep) -> Response:
     """The item's stored image (PNG, longest side <= 256), rebuilt from the manifest's dataset spec."""
     png = await run_in_threadpool(_png, snapshot, item_id)
@@ -58,7 +64,7 @@ async def item_thumbnail(item_id: str, snapshot: SnapshotDep) -> Response:
                                                            "X-Index-Version": snapshot.version})
 
 
-@router.get("/{item_id:path}", response_model=ItemOut, responses=ERROR_RESPONSES)
+@router.get("/{item_id:path}", response_model=ItemOut, responses=ITEM_RESPONSES)
 def item_metadata(item_id: str, snapshot: SnapshotDep) -> ItemOut:
     """Metadata of one indexed item."""
     try:
