@@ -34,11 +34,16 @@ system-deps:
 	fi
 
 # Train on the built-in synthetic dataset, build the index, evaluate (before/after training), then serve.
+# Each stage prints its elapsed time; STEPS=N trains N steps instead of the config's 600 (e.g. STEPS=100
+# for a quick look).
+STEPS ?=
+STAGE = @start=$$(date +%s); trap 'echo "[demo] $(1): $$(( $$(date +%s) - start )) s"' EXIT;
 demo: venv
-	$(BIN)/softsearch train --config configs/synthetic.toml --set out_dir=$(RUN)/train
-	$(BIN)/softsearch index build --root $(RUN)/index --checkpoint $(RUN)/train/checkpoint.safetensors \
-	    --dataset synthetic --split train
-	$(BIN)/softsearch eval --index $(RUN)/index --queries-dataset synthetic --queries-split test \
+	$(call STAGE,train) $(BIN)/softsearch train --config configs/synthetic.toml --set out_dir=$(RUN)/train \
+	    $(if $(STEPS),--set steps=$(STEPS))
+	$(call STAGE,index build) $(BIN)/softsearch index build --root $(RUN)/index \
+	    --checkpoint $(RUN)/train/checkpoint.safetensors --dataset synthetic --split train
+	$(call STAGE,eval) $(BIN)/softsearch eval --index $(RUN)/index --queries-dataset synthetic --queries-split test \
 	    --compare $(RUN)/train/init.safetensors --out $(RUN)/eval
 	@echo "serving http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(BIN)/softsearch serve --index $(RUN)/index --host 127.0.0.1 --port $(PORT) --report $(RUN)/eval/report.html

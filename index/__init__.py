@@ -3,7 +3,7 @@ an atomically switched `current` pointer and the encoder weights inside the stor
 rebuild, add, sync, delete, export, import, activate, rollback."""
 from __future__ import annotations
 
-import importlib
+from index.lazy import lazy_exports
 
 _HOMES = {
     "QualityGateError": "index.build", "add_items": "index.build", "build_index": "index.build",
@@ -18,9 +18,4 @@ _HOMES = {
 }
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    """Resolve public names on first use (PEP 562): `import index` loads neither torch nor FAISS."""
-    if name not in _HOMES:
-        raise AttributeError(f"module 'index' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_exports(__name__, _HOMES)   # `import index` loads neither torch nor FAISS

@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import importlib
 
-_HOMES = {
+from index.lazy import lazy_exports
+
+_SERVING_HOMES = {
     "Hit": "search.serving.searcher", "Searcher": "search.serving.searcher",
     "ListStats": "search.serving.normaliser", "LogZ": "search.serving.normaliser",
     "Normaliser": "search.serving.normaliser", "NormaliserConfig": "search.serving.normaliser",
     "bounded_log_normalizer": "search.serving.normaliser", "log_normalizer": "search.serving.normaliser",
-    "CalibrationResult": "search.evaluation.calibration", "calibrate_temperature": "search.evaluation.calibration",
-    "GapResult": "search.evaluation.gap", "softmax_gap": "search.evaluation.gap",
-    "softmax_gap_dense": "search.evaluation.gap",
-    "KLawResult": "search.evaluation.k_law", "k_law": "search.evaluation.k_law",
-    "bootstrap_ci": "search.evaluation.metrics", "knn_accuracy": "search.evaluation.metrics",
-    "map_at_k": "search.evaluation.metrics", "precision_at_k": "search.evaluation.metrics",
-    "recall_at_k": "search.evaluation.metrics",
-    "evaluate_version": "search.evaluation.quality",
 }
-__all__ = sorted(_HOMES)
+__all__ = sorted(_SERVING_HOMES)   # the evaluation names are search.evaluation's __all__
+_serving = lazy_exports(__name__, _SERVING_HOMES)
 
 
 def __getattr__(name: str):
-    if name not in _HOMES:
+    """Serving names resolve here; any other public name is looked up in search.evaluation (itself lazy),
+    which is imported only then, so a server importing `search` never loads it."""
+    if name in _SERVING_HOMES:
+        return _serving(name)
+    if name.startswith("_"):
         raise AttributeError(f"module 'search' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+    return getattr(importlib.import_module("search.evaluation"), name)

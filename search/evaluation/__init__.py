@@ -3,7 +3,7 @@ learned and the ideal softmax search, the O(1/k) law, temperature calibration, r
 representation diagnostics (normality, tails) and the HTML report. Loaded lazily (PEP 562)."""
 from __future__ import annotations
 
-import importlib
+from index.lazy import lazy_exports
 
 _HOMES = {
     "CalibrationResult": "search.evaluation.calibration", "calibrate_temperature": "search.evaluation.calibration",
@@ -17,8 +17,4 @@ _HOMES = {
 }
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str):
-    if name not in _HOMES:
-        raise AttributeError(f"module 'search.evaluation' has no attribute {name!r}")
-    return getattr(importlib.import_module(_HOMES[name]), name)
+__getattr__ = lazy_exports(__name__, _HOMES)
