@@ -180,7 +180,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("gc", help="remove staging directories left by killed builds (older than --max-age-s)",
                         description="Remove staging directories left by killed builds (a build that fails removes "
-                                    "its own); resumable embedding caches (staging/embed-*) are kept.")
+                                    "its own), .trash-<version>/ left by a killed prune and .current.*.tmp left by a "
+                                    "kill during a pointer write; resumable embedding caches (staging/embed-*) "
+                                    "are kept.")
     common(sp)
     sp.add_argument("--max-age-s", type=float, default=3600.0,
                     help="only directories untouched this long (default 3600: a build may still be running)")

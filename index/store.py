@@ -549,16 +549,28 @@ class IndexStore:
         return removed
 
     def clean_staging(self, max_age_s: float = 3600.0) -> list[str]:
-        """Delete version directories in staging/ untouched for `max_age_s` (left by killed builds).
+        """Delete leftovers untouched for `max_age_s`: version directories in staging/ (killed builds),
+        `.trash-<version>/` (a killed prune, already out of versions/) and `.<file>.*.tmp` (a write of
+        `current` or the history killed before its rename). The root-level ones go under the store lock,
+        so a write in progress is never touched.
 
         Embedding caches (`staging/embed-*`) are kept: they let a rerun of that build resume.
         """
-        if not self.staging_dir.is_dir():
-            return []
         import time
 
         removed = []
         now = time.time()
+        with self.lock():
+            for p in self.root.iterdir() if self.root.is_dir() else []:
+                stale = now - p.lstat().st_mtime > max_age_s
+                if stale and p.is_dir() and p.name.startswith(".trash-"):
+                    shutil.rmtree(p, ignore_errors=True)
+                    removed.append(p.name)
+                elif stale and p.is_file() and p.name.startswith(".") and p.name.endswith(".tmp"):
+                    p.unlink(missing_ok=True)
+                    removed.append(p.name)
+        if not self.staging_dir.is_dir():
+            return removed
         for p in self.staging_dir.iterdir():
             if p.is_dir() and not p.name.startswith("embed-") and now - p.stat().st_mtime > max_age_s:
                 shutil.rmtree(p, ignore_errors=True)

@@ -188,3 +188,25 @@ def test_clean_staging_removes_only_stale_version_dirs(tmp_path):
         os.utime(p, (0, 0))
     assert store.clean_staging(max_age_s=60) == [old_version.name]
     assert fresh.is_dir() and cache.is_dir() and not old_version.exists()
+
+
+def test_gc_removes_trash_and_pointer_temp_files_left_by_kills(tmp_path):
+    """A prune killed after its rename leaves `.trash-<version>/`; a kill during the pointer write leaves
+    `.current.*.tmp`: gc removes both once older than its age, keeps fresh ones and the lock file."""
+    import os
+
+    store = IndexStore(tmp_path)
+    store.ensure()
+    trash = tmp_path / ".trash-20200101T000000000Z-00000000"
+    (trash / "sub").mkdir(parents=True)
+    (trash / "sub" / "index.faiss").write_bytes(b"x" * 100)
+    tmp_pointer = tmp_path / ".current.k2j3h4.tmp"
+    tmp_pointer.write_text("20200101T000000000Z-00000000")
+    fresh = tmp_path / ".history.json.zz.tmp"
+    fresh.write_text("{}")
+    for p in (trash, tmp_pointer):
+        os.utime(p, (0, 0))
+    removed = store.clean_staging(max_age_s=60)
+    assert sorted(removed) == sorted([trash.name, tmp_pointer.name])
+    assert not trash.exists() and not tmp_pointer.exists() and fresh.exists() and (tmp_path / ".lock").exists()
+    assert fresh.name in store.clean_staging(max_age_s=0) and not fresh.exists()
