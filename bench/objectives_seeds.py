@@ -55,12 +55,28 @@ OBJECTIVES: dict[str, dict] = {
     "anneal-langevin": {"loss": "infonce", "loss_options": {}, "schedule": "log",
                         "schedule_options": {"tau_0": 0.5, "t_0": 10.0, "c": 1.0, "tau_min": 0.1},
                         "noise_schedule": "log", "noise_options": LANGEVIN},
+    # issue 31, the tau sweep: WEINCE (paper variant) and InfoNCE at tau 0.2 / 0.1 ...
+    "weince-paper-t0.2": {"loss": "weince", "loss_options": {"variant": "paper"},
+                          "schedule": "fixed", "schedule_options": {"tau": 0.2}},
+    "weince-paper-t0.1": {"loss": "weince", "loss_options": {"variant": "paper"},
+                          "schedule": "fixed", "schedule_options": {"tau": 0.1}},
+    "infonce-t0.1": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1}},
+    # ... and annealed InfoNCE (temperature only, no Langevin noise) ending at each tau: the log schedule
+    # 1/tau_t = 1/tau_0 + log(1 + t/t_0)/c with c = log(1 + 2000/t_0) / (1/tau_end - 1/tau_0), floor off.
+    **{f"anneal-infonce-t{end}": {"loss": "infonce", "loss_options": {}, "schedule": "log",
+                                  "schedule_options": {"tau_0": start, "t_0": 10.0, "tau_min": 0.0,
+                                                       "c": float(np.log1p(STEPS / 10.0) / (1 / end - 1 / start))}}
+       for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))},
 }
 # The sweep's order: the paper's own comparison (3 + 3 seeds at tau 0.5) first.
 DEFAULT_QUEUE = ([("infonce-t0.5", s) for s in range(3)] + [("weince-paper-t0.5", s) for s in range(3)]
                  + [(o, s) for o in ("infonce-t0.2", "weince-blend-t0.2", "anneal-langevin") for s in range(2)])
 # WEINCE vs the InfoNCE run at the same tau and seed
-PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2"}
+PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2",
+         "weince-paper-t0.2": "infonce-t0.2", "weince-paper-t0.1": "infonce-t0.1"}
+# issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
+TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
+             "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")
 
 
 def run_name(objective: str, seed: int) -> str:
