@@ -93,6 +93,16 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
 }
 
 
+# what to install when a command's heavy dependency is missing (exit code 3)
+INSTALL_HINTS = {
+    "faiss": "pip install faiss-cpu (or, on a GPU machine, the gpu extra: README 'Install size and GPUs')",
+    "torch": "pip install -e . (torch is a core dependency)",
+    "torchvision": "pip install -e . (torchvision is a core dependency)",
+    "open_clip": "pip install -e . (open_clip_torch is a core dependency)",
+    "onnxruntime": "pip install -e . (onnxruntime is a core dependency)",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `softsearch ARGV`; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -112,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         # User mistakes (bad paths, bad values) get one line, never a traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        # A missing heavy dependency (a venv without FAISS, say) is an install problem: say which and how.
+        if (exc.name or "").split(".")[0] not in INSTALL_HINTS:
+            raise
+        print(f"error: {exc.name} is not installed; {INSTALL_HINTS[exc.name.split('.')[0]]}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

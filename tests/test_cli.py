@@ -114,3 +114,15 @@ def test_help_of_eval_serve_and_every_index_command_loads_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "LOADED []"
+
+
+def test_a_missing_faiss_is_one_line_naming_the_package(tmp_path) -> None:
+    """A venv without FAISS (None in sys.modules makes `import faiss` fail as if absent): exit 3, one line."""
+    code = ("import sys; sys.modules['faiss'] = None\n"
+            "from api.cli import main\n"
+            f"sys.exit(main(['index', 'list', '--root', {str(tmp_path / 'store')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    err = proc.stderr.strip()
+    assert proc.returncode == 3, proc.stderr
+    assert err.startswith("error: faiss is not installed; pip install faiss-cpu") and "\n" not in err
+    assert "Traceback" not in proc.stderr
