@@ -469,3 +469,48 @@ def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -
     if kind == "ivf-flat":
         return "rebuild with --kind flat (exact) or fewer lists (--param nlist=...); --kind auto chooses " + auto
     return "--kind flat is exact"
+
+
+def subset_selector(mask: np.ndarray) -> tuple[faiss.IDSelector, np.ndarray]:
+    """A FAISS ID selector admitting the rows where ``mask`` is true, and the bitmap it reads.
+
+    IDSelectorBitmap tests bit i as (bitmap[i >> 3] >> (i & 7)) & 1, i.e. little-endian bit order
+    within each byte; the caller must keep the returned bitmap alive while the selector is used."""
+    bits = np.packbits(np.asarray(mask, dtype=bool), bitorder="little")
+    return faiss.IDSelectorBitmap(int(np.asarray(mask).size), faiss.swig_ptr(bits)), bits
+
+
+def search_subset(index: faiss.Index, queries: np.ndarray, k: int, mask: np.ndarray,
+                  nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k inner-product search restricted INSIDE FAISS to the rows where ``mask`` is true.
+
+    The selector rides on the search parameters (SearchParametersIVF / SearchParametersHNSW /
+    SearchParameters), so a selective filter still returns k hits from the subset instead of the
+    few survivors of post-filtering an unfiltered top-k. ``nprobe`` overrides the IVF probe count
+    (selective filters on IVF-PQ may need more lists). Without it the probe budget grows as the subset
+    shrinks, nprobe / selectivity lists (HNSW: efSearch / selectivity candidates), so about as many
+    subset rows are visited as an unfiltered search visits rows. Returns (scores, rows) as ``search``."""
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != (index.ntotal,):
+        raise ValueError(f"mask must have one entry per stored row ({index.ntotal}), got {mask.shape}")
+    x = _as_float32(queries, index.d, "queries")
+    k = int(min(k, int(mask.sum())))
+    if k < 1:
+        return np.zeros((x.shape[0], 0), np.float32), np.zeros((x.shape[0], 0), np.int64)
+    sel, bits = subset_selector(mask)
+    selectivity = float(mask.mean())
+    inner = faiss.downcast_index(index)
+    if isinstance(inner, faiss.IndexIVF):
+        probe = nprobe or min(inner.nlist, math.ceil(inner.nprobe / selectivity))
+        params = faiss.SearchParametersIVF(sel=sel, nprobe=int(probe))
+    elif isinstance(inner, faiss.IndexHNSW):
+        ef = min(index.ntotal, math.ceil(max(int(inner.hnsw.efSearch), k) / selectivity))
+        params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(ef))
+    else:
+        params = faiss.SearchParameters(sel=sel)
+    scores, rows = index.search(x, k, params=params)
+    del bits  # the selector read it during search
+    missing = rows < 0
+    scores[missing] = -np.inf
+    keep = ~missing.all(axis=0)
+    return scores[:, keep], rows[:, keep]

@@ -1,0 +1,43 @@
+"""Softmax probabilities restricted to a filtered subset F of the index.
+
+p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau): the exact normaliser is the log-sum-exp
+over the subset's stored rows only (streamed in blocks of gathered rows, running max for range).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from index.faiss_index import search_subset
+
+BLOCK = 65_536
+
+
+def subset_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+                          mask: np.ndarray, block: int = BLOCK) -> np.ndarray:
+    """Exact log sum_{l: mask_l} exp(q . e_l / tau_q) per query; (Q,) float64, -inf for an empty subset."""
+    q = np.asarray(queries, dtype=np.float32)
+    inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)
+    rows = np.flatnonzero(np.asarray(mask, dtype=bool))
+    m = np.full(q.shape[0], -np.inf)  # running max of logits
+    acc = np.zeros(q.shape[0])        # running sum of exp(logit - m)
+    for start in range(0, rows.size, block):
+        logits = (q @ np.asarray(embeddings[rows[start:start + block]]).T).astype(np.float64) * inv_tau[:, None]
+        new_m = np.maximum(m, logits.max(axis=1))
+        acc = acc * np.exp(m - new_m) + np.exp(logits - new_m[:, None]).sum(axis=1)
+        m = new_m
+    with np.errstate(divide="ignore"):
+        return m + np.log(acc)
+
+
+def filtered_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray,
+                    temperature: float, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k of the subset (searched inside FAISS) with probabilities renormalised over the subset.
+
+    Returns (probabilities (Q, k') float64, rows (Q, k')); p = exp(s / tau - log Z_F)."""
+    scores, rows = search_subset(index, queries, k, mask, nprobe=nprobe)
+    tau = np.full(np.asarray(queries).shape[0], float(temperature))
+    log_z = subset_log_normalizer(queries, embeddings, tau, mask)
+    with np.errstate(invalid="ignore"):
+        p = np.exp(scores.astype(np.float64) / tau[:, None] - log_z[:, None])
+    p[rows < 0] = 0.0
+    return p, rows
