@@ -29,6 +29,7 @@ from PIL import Image
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.metrics import Metrics
+from search.serving.filters import Filter
 from search.serving.normaliser import LogZEstimate
 from search.serving.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
 
@@ -46,6 +47,7 @@ class QueryResult:
     batch_size: int
     count: int  # items in the version that answered
     normaliser: LogZEstimate | None = None  # how log Z was computed, its bound and sampled interval
+    matched: int | None = None  # filtered searches: items passing the filter (the softmax runs over them)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class _Pending:
     k: int
     temperature: float | None
     future: asyncio.Future
+    filter: Filter | None = None   # restrict the search to the rows passing it
 
 
 def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryResult | Exception]:
@@ -86,13 +89,23 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
         else:
             vecs[i] = v
     valid = [i for i in range(n) if out[i] is None]
-    # (rows whose decode failed keep their exception; the rest share one search)
-    if valid:
-        k_max = max(batch[i].k for i in valid)
-        answer = snapshot.search(vecs[valid], k_max, [batch[i].temperature for i in valid])
-        for j, i in enumerate(valid):
+    # (rows whose decode failed keep their exception; the rest share one search per filter)
+    groups: dict[str | None, list[int]] = {}
+    for i in valid:
+        groups.setdefault(None if batch[i].filter is None else batch[i].filter.key, []).append(i)
+    for key, members in groups.items():
+        try:
+            mask = None if key is None else snapshot.filter_mask(batch[members[0]].filter)
+            k_max = max(batch[i].k for i in members)
+            answer = snapshot.search(vecs[members], k_max, [batch[i].temperature for i in members], mask=mask)
+        except Exception as err:  # noqa: BLE001 - e.g. a filter the swapped-in version cannot run
+            for i in members:
+                out[i] = err
+            continue
+        for j, i in enumerate(members):
             out[i] = QueryResult(answer[j][: batch[i].k], answer.version, answer.temperatures[j],
-                                 answer.log_normalizers[j], len(valid), snapshot.count, answer.normalisers[j])
+                                 answer.log_normalizers[j], len(valid), snapshot.count, answer.normalisers[j],
+                                 None if mask is None else int(np.count_nonzero(mask)))
     return out  # type: ignore[return-value]
 
 
@@ -156,12 +169,13 @@ class MicroBatcher:
         return self.max_batch_size > 1
 
     async def search_image(self, image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray], k: int,
-                           temperature: float | None = None) -> QueryResult:
+                           temperature: float | None = None, filter: Filter | None = None) -> QueryResult:
         """Search with one image; `image` may be a zero-argument decoder (its errors are re-raised here)."""
-        return await self._submit(_Pending(image, None, k, temperature, None))  # type: ignore[arg-type]
+        return await self._submit(_Pending(image, None, k, temperature, None, filter))  # type: ignore[arg-type]
 
-    async def search_vector(self, vector: np.ndarray, k: int, temperature: float | None = None) -> QueryResult:
-        return await self._submit(_Pending(None, vector, k, temperature, None))  # type: ignore[arg-type]
+    async def search_vector(self, vector: np.ndarray, k: int, temperature: float | None = None,
+                            filter: Filter | None = None) -> QueryResult:
+        return await self._submit(_Pending(None, vector, k, temperature, None, filter))  # type: ignore[arg-type]
 
     async def _submit(self, pending: _Pending) -> QueryResult:
         snapshot = self.snapshot()  # NotReadyError early, before queueing

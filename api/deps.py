@@ -70,14 +70,15 @@ class SearchContext:
     batcher: MicroBatcher
     snapshot: SearchSnapshot
     metrics: Metrics
+    media: str = ""   # the request's content type (routes that take two)
 
 
-def search_context(content_type: str):
-    """Dependency factory for the search routes: 415 unless the media type is `content_type`, 503
-    until an index is loaded, else the request's SearchContext (one snapshot for the whole query)."""
+def search_context(*content_types: str):
+    """Dependency factory for the search routes: 415 unless the media type is one of `content_types`,
+    503 until an index is loaded, else the request's SearchContext (one snapshot for the whole query)."""
 
     async def resolve(request: Request) -> SearchContext:
-        _check_media(request, (content_type,))
+        media = _check_media(request, content_types)
         state = request.app.state
         searcher: Searcher | None = state.searcher
         if searcher is None or not searcher.ready:
@@ -86,16 +87,18 @@ def search_context(content_type: str):
             snapshot = searcher.snapshot()
         except NotReadyError as err:
             raise ApiError(503, "not_ready", str(err)) from err
-        return SearchContext(state.settings, state.batcher, snapshot, state.metrics)
+        return SearchContext(state.settings, state.batcher, snapshot, state.metrics, media)
 
     return resolve
 
 
-def _check_media(request: Request, allowed: tuple[str, ...]) -> None:
+def _check_media(request: Request, allowed: tuple[str, ...]) -> str:
+    """The request's media type, or 415 unless it is one of `allowed`."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media not in allowed:
         raise ApiError(415, "unsupported_media_type",
                        f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}")
+    return media
 
 
 async def require_admin(settings: SettingsDep, authorization: Annotated[str | None, Header()] = None) -> None:

@@ -32,7 +32,8 @@ import numpy as np
 from index import faiss_index
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
                          prepare_cache)
-from index.items import ITEM_FILES, dataset_records, encode_records, read_records
+from index.items import dataset_records, read_records
+from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
 from index.manifest import DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
@@ -369,12 +370,13 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
                 activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
                 target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
                 shard_size: int = 8192, device=None, fields: dict | None = None, progress: bool = True,
-                _parent: str | None = None) -> str:
+                metadata: Metadata | None = None, _parent: str | None = None) -> str:
     """Embed `dataset` (one ImageDataset or a list) with `checkpoint` and write a new version.
 
     Returns the version name (activated unless `activate=False`; QualityGateError when the
     evaluator refuses it). The manifest's ``search_temperature`` is, in order of precedence: one
     given in `fields`, the `calibrator`'s held-out optimum, the checkpoint's training temperature.
+    `metadata` adds user fields to the built-in per-item ones (index/metadata.py).
     Under torchrun every rank embeds its shards; rank 0 builds, and all ranks return the version.
     """
     from training.checkpoint import checkpoint_sha256, load_checkpoint
@@ -396,10 +398,15 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
                 raise ValueError(f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}")
         ckpt_sha = checkpoint_sha256(checkpoint)
         records: dict = {}
+        item_metadata = Metadata.empty()
         if rank == 0:   # the store keeps its own copy: the training directory may move after the build
             store.models.add_file(checkpoint, ckpt_sha)
             for ds in datasets:   # file states as read, taken before embedding (see index/items.py)
                 records.update(dataset_records(ds))
+                item_metadata = item_metadata.merge(dataset_metadata(ds))
+            if metadata is not None:
+                item_metadata = item_metadata.merge(metadata)
+                report_unknown_ids(metadata, [i for ds in datasets for i in ds.item_ids()], "--metadata")
         t0 = time.perf_counter()
         embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=shard_size, batch_size=batch_size,
                                   num_workers=num_workers, device=device, rank=rank, world=world, progress=progress)
@@ -412,7 +419,8 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
                                         margin=margin, force=force,
                                         activate=activate, keep=keep, memory_budget=memory_budget,
                                         target_recall=target_recall, fields=fields, embed_s=embed_s,
-                                        t_start=t_start, world=world, parent=_parent, records=records)
+                                        t_start=t_start, world=world, parent=_parent, records=records,
+                                        metadata=item_metadata)
                 outcome = (version, None)
             except BaseException as err:  # noqa: BLE001 - re-raised below after telling the other ranks
                 outcome = (None, err)
@@ -426,7 +434,7 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
 
 def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, calibrator,
                   margin, force, activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent,
-                  records) -> str:
+                  records, metadata) -> str:
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
     for s, (ds, res) in enumerate(zip(datasets, results)):
@@ -456,7 +464,8 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     timings = {"embed_s": embed_s}
     version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
                                      target_recall=target_recall, fields=manifest_fields, timings=timings,
-                                     extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
+                                     extra_files=item_files(records, metadata, ids))
+
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                                  activate=activate, keep=keep, calibrator=calibrator,
                                  path="index rebuild" if parent else "index build", t_start=t_start,
@@ -497,13 +506,15 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
             logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
                            src["spec"], current)
         datasets.append(ds)
+    carried = user_fields(read_metadata(store.path(current)))   # the user's fields survive a rebuild
+    opts["metadata"] = carried.merge(opts["metadata"]) if opts.get("metadata") is not None else carried
     return build_index(checkpoint, datasets, root, kind=kind or manifest["kind"], _parent=current, **opts)
 
 
 def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
               margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True, keep: int | None = None,
               target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0, shard_size: int = 8192,
-              device=None, progress: bool = True) -> str:
+              device=None, progress: bool = True, metadata: Metadata | None = None) -> str:
     """New version = `base` (default current) + the items of `dataset`, without re-embedding old rows.
 
     Uses the base's checkpoint (its sha256 must still match; a different `checkpoint` would mix
@@ -535,6 +546,10 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     if len(todo) == 0:
         raise ValueError(f"all {len(new_ids)} items of {ds!r} are already in {base_version.version}")
     records = {**read_records(base_version.path), **dataset_records(ds, todo)}
+    item_metadata = read_metadata(base_version.path).merge(dataset_metadata(ds, todo))
+    if metadata is not None:
+        item_metadata = item_metadata.merge(metadata)
+        report_unknown_ids(metadata, list(base_version.ids) + new_ids, "--metadata")
     device = default_device(device)
     encoder, info = load_checkpoint(ckpt, device=device)
     if encoder.embed_dim != base_version.dim:
@@ -568,7 +583,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     params = dict(m["params"])
     version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                      target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
-                                     extra_files={ITEM_FILES: encode_records(records, ids)} if records else None)
+                                     extra_files=item_files(records, item_metadata, ids))
     version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                                  activate=activate, keep=keep, path="index add", t_start=t_start, model=(sha, ckpt))
     for cache in caches:

@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="items per resumable embedding shard (default 8192); under torchrun shard s is "
                              "embedded by rank s %% WORLD_SIZE")
         sp.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+        sp.add_argument("--metadata", default=None, metavar="FILE",
+                        help="per-item user fields to filter on: JSON Lines ({\"id\": ..., \"field\": value} per line) "
+                             "or CSV with an 'id' column; stored in the version beside the built-in fields")
         activation(sp)
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -349,7 +352,17 @@ def _build_checkpoint(args, store: IndexStore):
 def _embed_opts(args) -> dict:
     return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
                 device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
-                margin=args.margin, activate=not args.no_activate, progress=not args.no_progress)
+                margin=args.margin, activate=not args.no_activate, progress=not args.no_progress,
+                metadata=_user_metadata(args))
+
+
+def _user_metadata(args):
+    """The --metadata file's fields (read once per command), or None."""
+    if not getattr(args, "metadata", None):
+        return None
+    from index.metadata import load_user_metadata
+
+    return load_user_metadata(args.metadata)
 
 
 def _figures(m: dict) -> dict:

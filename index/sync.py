@@ -36,7 +36,8 @@ import numpy as np
 from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate,
                          _skipped_items, _source_record, discard_staging, write_version)
 from index.embed import EmbedResult
-from index.items import ITEM_FILES, dataset_records, encode_records, file_record, read_records
+from index.items import dataset_records, file_record, read_records
+from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
 from index.models import checkpoint_record, model_relpath
 from index.store import IndexStore, IndexVersion
 from training.distributed import default_device
@@ -173,8 +174,11 @@ def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
 def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Evaluator | None = None,
                calibrator=None, margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True,
                keep: int | None = None, target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
-               shard_size: int = 8192, device=None, progress: bool = True) -> tuple[str, dict]:
+               shard_size: int = 8192, device=None, progress: bool = True,
+               metadata: Metadata | None = None) -> tuple[str, dict]:
     """New version = the folder's current contents (see the module docstring) -> (version, counts).
+
+    `metadata` adds or updates user fields (a new version is written for it even when no file changed).
 
     `data_root` defaults to the folder the base was built from. When nothing was added, removed
     or modified the base version is returned unchanged (counts say so) and nothing is written.
@@ -186,12 +190,16 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     dataset = _folder_dataset(base_version, data_root)
     plan = plan_sync(base_version, dataset)
     counts = {**plan.counts(), "base": base_version.version, "data_root": dataset.root}
-    if not plan.changed:
+    if not plan.changed and metadata is None:
         logger.info("%s is in step with %s (%d unchanged, %d touched)", base_version.version, dataset.root,
                     len(plan.unchanged), len(plan.touched))
         return base_version.version, {**counts, "embedded": 0, "skipped": 0, "count": len(base_version)}
     todo = plan.to_embed
     plan.records.update(dataset_records(dataset, todo))   # the states of the files about to be embedded
+    item_metadata = read_metadata(base_version.path).merge(dataset_metadata(dataset, todo))
+    if metadata is not None:
+        item_metadata = item_metadata.merge(metadata)
+        report_unknown_ids(metadata, dataset.item_ids(), "--metadata")
     record = checkpoint_record(base_version.manifest)
     device = default_device(device)
     encoder, _, sha = store.models.load_encoder(record, device=device, version=base_version.version)
@@ -221,7 +229,7 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
                                      params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
                                      fields=fields, timings={"embed_s": embed_s},
-                                     extra_files={ITEM_FILES: encode_records(plan.records, ids)})
+                                     extra_files=item_files(plan.records, item_metadata, ids))
     _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
                        force=force, activate=activate, keep=keep, calibrator=calibrator, path="index sync",
                        t_start=t_start, model=(sha,))
@@ -289,11 +297,10 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
                                               "dataset", "sources", "world_size"))
     fields.update(skipped=m.get("skipped", []), skipped_count=m.get("skipped_count", 0), parent=base_version.version,
                   deleted=counts)
-    records = read_records(base_version.path)
     version, staging = write_version(store, embeddings, ids_kept, kind=base_version.kind,
                                      params=_rebuild_params(base_version, len(ids_kept)), target_recall=target_recall,
-                                     fields=fields, extra_files={ITEM_FILES: encode_records(records, ids_kept)}
-                                     if records else None)
+                                     fields=fields, extra_files=item_files(read_records(base_version.path),
+                                                                           read_metadata(base_version.path), ids_kept))
     sha = checkpoint_record(m)["sha256"]
     try:
         store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit

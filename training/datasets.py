@@ -430,6 +430,10 @@ class FolderDataset(ImageDataset):
     def item_id(self, i: int) -> str:
         return self._id_of(self._rel[self._index(i)])
 
+    def relative_path(self, i: int) -> str:
+        """Item i's POSIX path under the split's folder (its first folder is the class folder)."""
+        return self._rel[self._index(i)]
+
     def images_batch(self, indices: Any) -> np.ndarray:
         """The cached (B, R, R, 3) uint8 squares of items (R = cache_resolution(image_size))."""
         return self.cache.images[self._rows[self._indices(indices)]]

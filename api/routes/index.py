@@ -13,7 +13,8 @@ router = APIRouter(prefix="/v1", tags=["index"])
 def index_manifest(snapshot: SnapshotDep) -> IndexOut:
     """The manifest of the index version now answering queries."""
     return IndexOut(version=snapshot.version, count=snapshot.count, dim=snapshot.dim,
-                    temperature=snapshot.temperature, manifest=snapshot.manifest)
+                    temperature=snapshot.temperature, fields=snapshot.metadata_fields,
+                    categories=snapshot.metadata_categories(), manifest=snapshot.manifest)
 
 
 @router.get("/config", response_model=ServiceConfigOut)

@@ -72,4 +72,4 @@ def item_metadata(item_id: str, snapshot: SnapshotDep) -> ItemOut:
     except KeyError as err:
         raise ApiError(404, "item_not_found", f"no item {item_id!r} in index version {snapshot.version}") from err
     return ItemOut(id=info.id, row=info.row, version=info.version, label=info.label, class_name=info.class_name,
-                   dataset=info.dataset, thumbnail_url=thumbnail_url(info.id))
+                   dataset=info.dataset, thumbnail_url=thumbnail_url(info.id), fields=snapshot.item_fields(info.row))

@@ -11,6 +11,11 @@ MAX_TEMPERATURE = 1e4
 OFFSET_DOC = "skip this many ranked hits (after the cut-offs): stable pages of k; k + offset <= max_k"
 MIN_PROBABILITY_DOC = "drop hits whose probability p(j|x) is below this value"
 MASS_DOC = "top-p: keep the shortest prefix of hits whose probabilities sum to at least this value"
+FILTER_DOC = ("restrict the search to items whose metadata pass this filter (searched inside the index; "
+              "probabilities become p(j|x,F) over the passing items): {\"class\": \"apps\"}, "
+              "{\"field\": {\"in\": [...]}}, {\"size\": {\"gte\": 1000, \"lt\": 5000}}, "
+              "{\"path\": {\"prefix\": \"a/\"}}, {\"and\"|\"or\": [...]}, {\"not\": {...}}; "
+              "GET /v1/index lists the fields and their types")
 
 
 class PageQuery(BaseModel):
@@ -18,6 +23,7 @@ class PageQuery(BaseModel):
     offset: int = Field(0, ge=0, description=OFFSET_DOC)
     min_probability: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC)
     mass: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)
+    filter: dict | None = Field(None, description=FILTER_DOC)
 
 
 class ErrorResponse(BaseModel):
@@ -61,7 +67,8 @@ class SearchResponse(BaseModel):
     k: int
     count: int = Field(description="items in that index version (the softmax runs over all of them)")
     temperature: float = Field(description="tau used for the probabilities")
-    log_normalizer: float = Field(description="log sum_l exp(s_l / tau): exact, or the bounded estimate")
+    log_normalizer: float | None = Field(description="log sum_l exp(s_l / tau): exact, or the bounded estimate; "
+                                                     "null when a filter matches no item")
     normaliser: NormaliserOut | None = Field(
         None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
@@ -71,6 +78,8 @@ class SearchResponse(BaseModel):
     more_may_pass: bool = Field(description="every fetched hit passed: more items beyond them may pass too")
     self_rank: int | None = Field(None, description="search by stored item only: the item's own 1-based rank "
                                                     "among the hits (null when it is not within k + 1)")
+    matched: int | None = Field(None, description="filtered searches: items passing the filter; the softmax "
+                                                  "(and log_normalizer) runs over these only")
     results: list[HitOut]
 
 
@@ -80,6 +89,31 @@ class VectorQuery(PageQuery):
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
     temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                       description="softmax temperature; default: the index's search_temperature")
+
+
+#: Queries one /v1/search/batch request may carry.
+MAX_BATCH_QUERIES = 256
+
+
+class BatchVectorQuery(PageQuery):
+    model_config = {"extra": "forbid"}
+    vectors: list[list[float]] = Field(min_length=1, max_length=MAX_BATCH_QUERIES,
+                                       description="query embeddings, each of length = index dim")
+    k: int = Field(10, ge=1, description="results per query, 1..max_k")
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
+                                      description="softmax temperature; default: the index's search_temperature")
+
+
+class BatchImageForm(PageQuery):
+    """The form fields of a multipart /v1/search/batch (the images are the `files` parts)."""
+    model_config = {"extra": "forbid"}
+    k: int = Field(10, ge=1)
+    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False)
+
+
+class BatchResponse(BaseModel):
+    responses: list[SearchResponse] = Field(description="one answer per query, in request order, each what the "
+                                                        "single-query route would return")
 
 
 class ItemQuery(PageQuery):
@@ -111,6 +145,7 @@ class ItemOut(BaseModel):
     class_name: str | None = None
     dataset: dict | None = Field(None, description="dataset spec the image is recovered from")
     thumbnail_url: str
+    fields: dict = Field(default_factory=dict, description="the item's metadata fields (what filters select on)")
 
 
 class IndexOut(BaseModel):
@@ -118,6 +153,12 @@ class IndexOut(BaseModel):
     count: int
     dim: int
     temperature: float = Field(description="default search temperature (manifest search_temperature)")
+    fields: dict[str, str] = Field(default_factory=dict,
+                                   description="metadata fields a `filter` may use, with their types "
+                                               "(str, int, float, bool)")
+    categories: dict[str, list[str]] = Field(default_factory=dict,
+                                             description="distinct values of the string fields that have at most "
+                                                         "100 (e.g. the class folders), for filter pickers")
     manifest: dict
 
 

@@ -1,6 +1,8 @@
-"""POST /v1/search (image upload), POST /v1/search/vector (JSON embedding), POST /v1/search/item (stored item)."""
+"""POST /v1/search (image upload), /v1/search/vector (JSON embedding), /v1/search/item (stored item) and
+/v1/search/batch (several images or vectors); each takes a metadata `filter` and probability cut-offs."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -8,13 +10,18 @@ from functools import partial
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Depends, File, Form, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Request, Response, UploadFile
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile as StarletteUpload
 
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
-from api.routes.models import ERROR_RESPONSES, MASS_DOC, MAX_TEMPERATURE, MIN_PROBABILITY_DOC, MIN_TEMPERATURE, \
-    OFFSET_DOC, HitOut, NormaliserOut, ItemQuery, PeakednessOut, SearchResponse, VectorQuery
+from api.routes.models import ERROR_RESPONSES, FILTER_DOC, MASS_DOC, MAX_BATCH_QUERIES, MAX_TEMPERATURE, \
+    MIN_PROBABILITY_DOC, MIN_TEMPERATURE, OFFSET_DOC, BatchImageForm, BatchResponse, BatchVectorQuery, HitOut, \
+    ItemQuery, NormaliserOut, PeakednessOut, SearchResponse, VectorQuery
 from search.serving.cutoffs import cut_and_page
+from search.serving.filters import Filter, FilterError, parse_filter
 from search.serving.peakedness import peakedness
 from training.images import cache_resolution
 
@@ -32,28 +39,59 @@ def _fetch_count(k: int, offset: int, settings) -> int:
     return k + offset
 
 
+def _filter(spec, snapshot) -> Filter | None:
+    """The request's filter parsed against the served version's metadata fields (422 naming the field)."""
+    if spec is None or spec == "":
+        return None
+    try:
+        return parse_filter(spec, snapshot.metadata_fields)
+    except FilterError as err:
+        raise ApiError(422, "bad_filter", str(err)) from err
+
+
+def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.ndarray:
+    """A query embedding checked against the served version (422 naming the problem), unit length, float32."""
+    if len(values) != snapshot.dim:
+        raise ApiError(422, "bad_vector", f"{where} has {len(values)} values; the index dimension is {snapshot.dim}")
+    if not all(math.isfinite(v) for v in values):
+        raise ApiError(422, "bad_vector", f"{where} contains NaN or inf")
+    vector = np.asarray(values, dtype=np.float64)
+    if np.abs(vector).max() > np.finfo(np.float32).max:
+        raise ApiError(422, "bad_vector", f"{where} values overflow float32")
+    if not np.any(vector):
+        raise ApiError(422, "bad_vector", f"{where} has zero norm")
+    return (vector / np.linalg.norm(vector)).astype(np.float32)  # in float64 first: tiny values must not underflow
+
+
 def _response(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
               min_probability: float | None = None, mass: float | None = None) -> Response:
     """The SearchResponse as JSON, validated once and serialised by pydantic (returned as a model,
-    FastAPI would validate it a second time and encode it again in Python: ~3x the time).
+    FastAPI would validate it a second time and encode it again in Python: ~3x the time)."""
+    body = _body(result, k, self_rank, offset, min_probability, mass)
+    return Response(body.model_dump_json(), media_type="application/json")
 
-    `result.hits` are the ranked hits fetched; the cut-offs and the page are applied here, and the
-    peakedness is measured on the ranked hits before paging."""
+
+def _body(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
+          min_probability: float | None = None, mass: float | None = None) -> SearchResponse:
+    """One query's SearchResponse. `result.hits` are the ranked hits fetched; the cut-offs and the page
+    are applied here, and the peakedness is measured on the ranked hits before paging."""
     ranked = result.hits
+    population = result.count if result.matched is None else result.matched   # what the softmax runs over
     page = cut_and_page([h.probability for h in ranked], k, offset, min_probability, mass,
-                        fetched_all=len(ranked) >= result.count)
+                        fetched_all=len(ranked) >= population)
     body = SearchResponse(
         version=result.version, k=k, count=result.count, temperature=result.temperature,
-        log_normalizer=result.log_normalizer, batch_size=result.batch_size,
-        normaliser=None if (n := result.normaliser) is None else NormaliserOut(
+        log_normalizer=result.log_normalizer if population > 0 else None, batch_size=result.batch_size,
+        normaliser=None if (n := result.normaliser) is None or population == 0 else NormaliserOut(
             method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows),
         results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
                  for h in ranked[page.start : page.stop]],
-        peakedness=PeakednessOut(**vars(peakedness([h.probability for h in ranked], result.count)))
-        if result.count > 0 else None,
+        peakedness=PeakednessOut(**vars(peakedness([h.probability for h in ranked], population)))
+        if population > 0 else None,
         self_rank=self_rank, offset=offset, n_passed=page.n_passed, more_may_pass=page.more_may_pass,
+        matched=result.matched,
     )
-    return Response(body.model_dump_json(), media_type="application/json")
+    return body
 
 
 @router.post("/search", response_model=SearchResponse, responses=ERROR_RESPONSES)
@@ -67,16 +105,18 @@ async def search_image(
     min_probability: Annotated[float | None, Form(ge=0.0, le=1.0, allow_inf_nan=False,
                                                   description=MIN_PROBABILITY_DOC)] = None,
     mass: Annotated[float | None, Form(gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)] = None,
+    filter: Annotated[str | None, Form(description=FILTER_DOC + " (as JSON text)")] = None,
 ) -> Response:
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     settings, snapshot = ctx.settings, ctx.snapshot
     fetch = _fetch_count(k, offset, settings)
+    flt = _filter(filter, snapshot)
     data = await file.read(settings.max_upload_bytes + 1)
     # decoded as an indexed file was (training/images.py), where the query runs (batch thread or, alone, the loop)
     decode = partial(decode_image, data, settings, side=cache_resolution(snapshot.encoder.image_size),
                      square=snapshot.file_backed)
     try:
-        result = await ctx.batcher.search_image(decode, fetch, temperature)
+        result = await ctx.batcher.search_image(decode, fetch, temperature, flt)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     ctx.metrics.queries.labels(kind="image").inc()
@@ -90,19 +130,10 @@ async def search_vector(
     """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length)."""
     snapshot = ctx.snapshot
     fetch = _fetch_count(query.k, query.offset, ctx.settings)
-    if len(query.vector) != snapshot.dim:
-        raise ApiError(422, "bad_vector",
-                       f"vector has {len(query.vector)} values; the index dimension is {snapshot.dim}")
-    if not all(math.isfinite(v) for v in query.vector):
-        raise ApiError(422, "bad_vector", "vector contains NaN or inf")
-    vector = np.asarray(query.vector, dtype=np.float64)
-    if np.abs(vector).max() > np.finfo(np.float32).max:
-        raise ApiError(422, "bad_vector", "vector values overflow float32")
-    if not np.any(vector):
-        raise ApiError(422, "bad_vector", "vector has zero norm")
-    vector = vector / np.linalg.norm(vector)  # in float64 first: tiny values must not underflow to 0
+    flt = _filter(query.filter, snapshot)
+    vector = _unit_vector(query.vector, snapshot)
     try:
-        result = await ctx.batcher.search_vector(vector.astype(np.float32), fetch, query.temperature)
+        result = await ctx.batcher.search_vector(vector, fetch, query.temperature, flt)
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
     ctx.metrics.queries.labels(kind="vector").inc()
@@ -119,6 +150,7 @@ async def search_item(
     `include_self`; its probability is the same p(j|x) as for any other hit."""
     snapshot = ctx.snapshot
     fetch = _fetch_count(query.k, query.offset, ctx.settings)
+    flt = _filter(query.filter, snapshot)
     try:
         row = snapshot.row_of(query.id)
     except KeyError as err:
@@ -126,7 +158,10 @@ async def search_item(
     vector = np.asarray(snapshot.index.embeddings[row], dtype=np.float64)
     vector = vector / np.linalg.norm(vector)
     wanted = fetch if query.include_self else min(fetch + 1, snapshot.count)
-    result = await ctx.batcher.search_vector(vector.astype(np.float32), wanted, query.temperature)
+    try:
+        result = await ctx.batcher.search_vector(vector.astype(np.float32), wanted, query.temperature, flt)
+    except ValueError as err:
+        raise ApiError(422, "bad_query", str(err)) from err
     ranks = [i for i, h in enumerate(result.hits) if h.id == query.id]
     self_rank = ranks[0] + 1 if ranks else None
     if not query.include_self:   # the item leaves the ranking; the others keep their probabilities
@@ -134,3 +169,83 @@ async def search_item(
     ctx.metrics.queries.labels(kind="item").inc()
     return _response(result, query.k, self_rank, offset=query.offset, min_probability=query.min_probability,
                      mass=query.mass)
+
+
+def _batch_openapi() -> dict:
+    """The two request bodies /v1/search/batch accepts (FastAPI cannot declare both from parameters)."""
+    form = BatchImageForm.model_json_schema()
+    form["properties"] = {"files": {"type": "array", "items": {"type": "string", "format": "binary"},
+                                    "minItems": 1, "maxItems": MAX_BATCH_QUERIES, "description": "query images"},
+                          **{k: v for k, v in form["properties"].items() if k != "filter"},
+                          "filter": {"type": "string", "description": FILTER_DOC + " (as JSON text)"}}
+    form["required"] = ["files"]
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": BatchVectorQuery.model_json_schema()},
+        "multipart/form-data": {"schema": form}}}}
+
+
+@router.post("/search/batch", response_model=BatchResponse, responses=ERROR_RESPONSES, openapi_extra=_batch_openapi())
+async def search_batch(
+    request: Request,
+    ctx: Annotated[SearchContext, Depends(search_context("application/json", "multipart/form-data"))],
+) -> Response:
+    """Several queries in one request: images (multipart, repeated `files` parts) or vectors (JSON
+    `vectors`), with one k, temperature, filter and cut-offs for all. Each is answered exactly as the
+    single-query route would answer it; together they share encoder forwards and index searches."""
+    snapshot = ctx.snapshot
+    if ctx.media == "application/json":
+        try:
+            query = BatchVectorQuery.model_validate_json(await request.body())
+        except ValidationError as err:
+            raise _request_error(err, "body") from err
+        fetch = _fetch_count(query.k, query.offset, ctx.settings)
+        flt = _filter(query.filter, snapshot)
+        vectors = [_unit_vector(v, snapshot, f"vectors[{i}]") for i, v in enumerate(query.vectors)]
+        jobs = [ctx.batcher.search_vector(v, fetch, query.temperature, flt) for v in vectors]
+        kind = "vector"
+    else:
+        query, flt, jobs = await _image_batch(request, ctx)
+        kind = "image"
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    for i, r in enumerate(results):
+        if isinstance(r, ApiError):
+            raise ApiError(r.status_code, r.code, f"{'files' if kind == 'image' else 'vectors'}[{i}]: {r.detail}")
+        if isinstance(r, ValueError):
+            raise ApiError(422, "bad_query", f"query {i}: {r}")
+        if isinstance(r, BaseException):
+            raise r
+    ctx.metrics.queries.labels(kind=f"batch_{kind}").inc(len(results))
+    body = BatchResponse(responses=[_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
+                                          mass=query.mass) for r in results])
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _request_error(err: ValidationError, where: str) -> RequestValidationError:
+    """A pydantic error of a hand-parsed body, located as FastAPI locates its own (`body`, field, ...)."""
+    return RequestValidationError([{**e, "loc": (where, *e.get("loc", ()))} for e in err.errors()])
+
+
+async def _image_batch(request: Request, ctx: SearchContext):
+    """(form fields, filter, one search job per uploaded image) of a multipart batch."""
+    settings, snapshot = ctx.settings, ctx.snapshot
+    form = await request.form(max_files=MAX_BATCH_QUERIES, max_fields=16)
+    files = [f for f in form.getlist("files") if isinstance(f, StarletteUpload)]
+    if not files:
+        raise ApiError(422, "no_files", "a multipart batch needs one or more `files` parts (images)")
+    fields = {k: v for k, v in form.multi_items() if k != "files"}
+    if any(not isinstance(v, str) for v in fields.values()):
+        raise ApiError(422, "bad_form", "only `files` parts may be files")
+    text_filter = fields.pop("filter", None)
+    try:
+        query = BatchImageForm.model_validate({k: (None if v == "" else v) for k, v in fields.items()})
+    except ValidationError as err:
+        raise _request_error(err, "form") from err
+    fetch = _fetch_count(query.k, query.offset, settings)
+    flt = _filter(text_filter, snapshot)
+    side, square = cache_resolution(snapshot.encoder.image_size), snapshot.file_backed
+    jobs = []
+    for upload in files:
+        data = await upload.read(settings.max_upload_bytes + 1)
+        decode = partial(decode_image, data, settings, side=side, square=square)
+        jobs.append(ctx.batcher.search_image(decode, fetch, query.temperature, flt))
+    return query, flt, jobs

@@ -3,6 +3,8 @@
 
 const $ = (id) => document.getElementById(id);
 let maxK = 100;
+let lastQuery = null;   // {kind: "item", id, thumb} or {kind: "image", blob, name}: re-run on filter / page change
+let offset = 0;
 
 function setStatus(text, isError) {
   const el = $("status");
@@ -19,6 +21,33 @@ async function loadConfig() {
     if (cfg.report_url) { $("report-link").href = cfg.report_url; $("report-link").hidden = false; }
     $("version").textContent = cfg.version ? "index " + cfg.version : "no index loaded";
   } catch (e) { $("version").textContent = "service unreachable"; }
+}
+
+// The class picker lists the index's class values (GET /v1/index `categories`); hidden when it has none.
+async function loadFields() {
+  const r = await fetch("/v1/index");
+  if (!r.ok) return;
+  const body = await r.json();
+  const classes = (body.categories || {})["class"] || [];
+  const select = $("filter-class");
+  select.length = 1;
+  for (const c of classes) select.add(new Option(c, c));
+  select.parentElement.hidden = classes.length === 0;
+  $("filter-prefix").parentElement.hidden = !("path" in (body.fields || {}));
+}
+
+// The filter, cut-off and page every search route takes.
+function searchOptions() {
+  const parts = [];
+  if ($("filter-class").value) parts.push({ "class": $("filter-class").value });
+  if ($("filter-prefix").value) parts.push({ path: { prefix: $("filter-prefix").value } });
+  const opts = { k: chosenK(), offset: offset };
+  if (parts.length) opts.filter = parts.length === 1 ? parts[0] : { and: parts };
+  const t = $("temperature").value;
+  if (t) opts.temperature = parseFloat(t);
+  const minP = $("min-probability").value;
+  if (minP) opts.min_probability = parseFloat(minP);
+  return opts;
 }
 
 async function loadSamples() {
@@ -52,7 +81,8 @@ function render(body) {
   const grid = $("results");
   grid.textContent = "";
   $("result-meta").textContent =
-    `version ${body.version} · ${body.count} items · tau ${body.temperature.toPrecision(3)}`;
+    `version ${body.version} · ${body.count} items · tau ${body.temperature.toPrecision(3)}` +
+    (body.matched === null || body.matched === undefined ? "" : ` · ${body.matched} match the filter`);
   $("version").textContent = "index " + body.version;
   // Bars are absolute (width = p): a near-uniform search shows near-empty bars, as it should.
   const peak = body.peakedness;
@@ -75,6 +105,7 @@ function render(body) {
     sim.textContent = `similarity ${hit.similarity.toFixed(4)}`;
     const prob = document.createElement("div");
     prob.textContent = `probability ${hit.probability.toPrecision(3)}`;
+    id.textContent = `${body.offset + rank + 1}. ${hit.id}`;
     const similar = document.createElement("button");
     similar.type = "button";
     similar.className = "similar";
@@ -85,6 +116,14 @@ function render(body) {
   });
   grid.dataset.count = String(body.results.length);
   grid.dataset.version = body.version;
+  // pages of k: "next" while the page was full and more hits may pass the cut-off
+  const pager = $("pager");
+  const more = body.results.length === body.k && body.offset + body.k < maxK &&
+               (body.more_may_pass || body.n_passed > body.offset + body.k);
+  pager.hidden = body.offset === 0 && !more;
+  $("prev-page").disabled = body.offset === 0;
+  $("next-page").disabled = !more;
+  $("page-info").textContent = `results ${body.offset + 1}–${body.offset + body.results.length}`;
 }
 
 function chosenK() {
@@ -100,21 +139,33 @@ function showPreview(src) {
 // A stored item searches with its stored embedding (POST /v1/search/item): no upload, no re-encode.
 // The picked item is kept in the results (include_self), so it shows first with its own probability.
 function searchItem(itemId, thumbnailUrl) {
-  showPreview(thumbnailUrl);
-  const body = { id: itemId, k: chosenK(), include_self: true };
-  const t = $("temperature").value;
-  if (t) body.temperature = parseFloat(t);
-  return runQuery(() => fetch("/v1/search/item", {
-    method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }));
+  offset = 0;
+  lastQuery = { kind: "item", id: itemId, thumb: thumbnailUrl };
+  return rerun();
 }
 
 async function search(blob, name) {
-  showPreview(URL.createObjectURL(blob));
+  offset = 0;
+  lastQuery = { kind: "image", blob: blob, name: name || "query.png" };
+  return rerun();
+}
+
+// Run the last query again with the current filter, cut-off and page.
+function rerun() {
+  if (!lastQuery) return;
+  const opts = searchOptions();
+  if (lastQuery.kind === "item") {
+    showPreview(lastQuery.thumb);
+    const body = Object.assign({ id: lastQuery.id, include_self: true }, opts);
+    return runQuery(() => fetch("/v1/search/item", {
+      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }));
+  }
+  showPreview(URL.createObjectURL(lastQuery.blob));
   const form = new FormData();
-  form.append("file", blob, name || "query.png");
-  form.append("k", String(chosenK()));
-  const t = $("temperature").value;
-  if (t) form.append("temperature", t);
+  form.append("file", lastQuery.blob, lastQuery.name);
+  for (const [key, value] of Object.entries(opts)) {
+    form.append(key, key === "filter" ? JSON.stringify(value) : String(value));
+  }
   return runQuery(() => fetch("/v1/search", { method: "POST", body: form }));
 }
 
@@ -147,8 +198,14 @@ function setupDrop() {
     if (f) search(f, f.name);
   });
   $("shuffle").addEventListener("click", loadSamples);
+  for (const id of ["filter-class", "filter-prefix", "min-probability", "k", "temperature"]) {
+    $(id).addEventListener("change", () => { offset = 0; rerun(); });
+  }
+  $("prev-page").addEventListener("click", () => { offset = Math.max(0, offset - chosenK()); rerun(); });
+  $("next-page").addEventListener("click", () => { offset += chosenK(); rerun(); });
 }
 
 setupDrop();
 loadConfig();
+loadFields();
 loadSamples();

@@ -36,10 +36,13 @@ import numpy as np
 from PIL import Image
 
 from index.manifest import DEFAULT_TEMPERATURE
+from index.metadata import MetadataColumns, read_metadata
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
+from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
+from search.serving.subset import subset_log_normalizer, subset_top_rows
 from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
 from training.transforms import preprocess
@@ -51,7 +54,10 @@ __all__ = [
     "ItemInfo", "log_normalizer", "DEFAULT_TEMPERATURE",
 ]
 
-#: Used only when a manifest carries no search temperature at all (logged as a warning).
+#: Filter masks a snapshot keeps (N bytes each).
+FILTER_CACHE = 64
+#: Default candidates per hit for PQ indexes, re-ranked by exact similarity.
+RERANK_PQ = 4
 
 
 class NotReadyError(RuntimeError):
@@ -145,6 +151,15 @@ class SearchSnapshot:
     def manifest(self) -> dict:
         return self.index.manifest
 
+    @property
+    def rerank(self) -> int:
+        """Candidates per hit re-scored exactly from the stored vectors: the manifest's `rerank` parameter,
+        else RERANK_PQ for compressed (PQ) indexes, whose code order is not the exact order, and 1."""
+        value = (self.manifest.get("params") or {}).get("rerank")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+        return RERANK_PQ if "pq" in str(self.manifest.get("kind", "")) else 1
+
     def encode(self, images: Sequence[Image.Image | np.ndarray]) -> np.ndarray:
         """PIL images or (H, W, 3) uint8 RGB arrays -> unit embeddings (B, D) float32, one encoder forward."""
         if len(images) == 0:
@@ -173,9 +188,13 @@ class SearchSnapshot:
         return out
 
     def search(self, vectors: np.ndarray, k: int,
-               temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+               temperature: float | Sequence[float | None] | None = None, mask: np.ndarray | None = None
+               ) -> SearchAnswer:
         """Top-k of each query vector (normalised to unit length) with softmax probabilities over the
-        whole index (log Z from the snapshot's normaliser: exact, or bounded with its bound)."""
+        whole index (log Z from the snapshot's normaliser: exact, or bounded with its bound).
+
+        With `mask` ((N,) bool, from `filter_mask`) the search is restricted to those rows inside FAISS
+        and p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau), log Z summed exactly over F."""
         q = np.asarray(vectors, dtype=np.float32)
         if q.ndim == 1:
             q = q[None, :]
@@ -190,17 +209,22 @@ class SearchSnapshot:
             raise ValueError("query vector has zero norm")
         q = np.ascontiguousarray(q / norms[:, None], dtype=np.float32)  # cosine similarity
         taus = self.resolve_temperatures(q.shape[0], temperature)
-        k_eff = min(int(k), self.count)
+        population = self.count if mask is None else int(np.count_nonzero(mask))
+        k_eff = min(int(k), population)
         if q.shape[0] == 0 or k_eff == 0:
             return SearchAnswer([[] for _ in range(q.shape[0])], self.version, taus.tolist(),
                                 [float("-inf")] * q.shape[0])
-        if self.normaliser is None:
-            _, rows = self.index.search(q, k_eff)  # (Q, k) candidate rows, best first; -1 = none
+        wanted = min(population, k_eff * self.rerank)   # candidates re-scored exactly below
+        if mask is not None:   # filtered: selector inside FAISS, exact normaliser over the subset
+            rows = subset_top_rows(self.index.index, self.index.embeddings, q, wanted, mask)
+            norm = LogZ.exact(subset_log_normalizer(q, self.index.embeddings, taus, mask), population)
+        elif self.normaliser is None:
+            _, rows = self.index.search(q, wanted)  # (Q, k') candidate rows, best first; -1 = none
             norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block, release=self.release_pages),
                               self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
-            _, top = self.index.search(q, max(k_eff, min(self.normaliser.config.top_rows, self.count)))
-            rows = top[:, :k_eff]
+            _, top = self.index.search(q, max(wanted, min(self.normaliser.config.top_rows, self.count)))
+            rows = top[:, :wanted]
             norm = self.normaliser(q, self.index.embeddings, taus, self.block, top_rows=top)
         log_z = norm.value  # (Q,)
         ids = self.index.ids
@@ -210,11 +234,65 @@ class SearchSnapshot:
         for i in range(q.shape[0]):
             r = rows[i][rows[i] >= 0].astype(np.int64)
             # exact similarities (the index may be approximate, e.g. PQ scores); same values
-            # the normaliser summed, so probabilities are consistent with log Z
-            s = emb[r] @ q[i]  # (k,)
+            # the normaliser summed, so probabilities are consistent with log Z. The candidates are
+            # ranked by them (re-ranking: PQ order is not the exact order), then cut to k.
+            s = emb[r] @ q[i]  # (k',)
+            order = np.argsort(-s, kind="stable")[:k_eff]
+            r, s = r[order], s[order]
             p = np.exp(s.astype(np.float64) / taus[i] - log_z[i])
             hits.append([Hit(ids[j], j, sj, pj) for j, sj, pj in zip(r.tolist(), s.tolist(), p.tolist())])
         return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist(), norm)
+
+    # ---------------------------------------------------------------- metadata and filters
+    @property
+    def metadata_columns(self) -> MetadataColumns:
+        """The version's per-item fields as row-aligned columns (read once, on first use)."""
+        with self._lock:
+            if "columns" not in self._cache:
+                self._cache["columns"] = MetadataColumns.build(read_metadata(self.index.path), self.index.ids)
+            return self._cache["columns"]
+
+    @property
+    def metadata_fields(self) -> dict[str, str]:
+        """{field: type} a filter may use on this version."""
+        return dict(self.metadata_columns.types)
+
+    def metadata_categories(self, limit: int = 100) -> dict[str, list[str]]:
+        """The distinct values of each string field that has at most `limit` of them (e.g. `class`)."""
+        cols = self.metadata_columns
+        out = {}
+        for name, kind in cols.types.items():
+            if kind == "str":
+                values = np.unique(cols.values[name][cols.present[name]])
+                if values.size <= limit:
+                    out[name] = values.tolist()
+        return out
+
+    def item_fields(self, row: int) -> dict:
+        """The metadata fields of the item at `row` ({field: value}, missing ones left out)."""
+        cols = self.metadata_columns
+        out = {}
+        for name, kind in cols.types.items():
+            if cols.present[name][row]:
+                value = cols.values[name][row]
+                out[name] = {"str": str, "int": int, "float": float, "bool": bool}[kind](value)
+        return out
+
+    def filter_mask(self, flt: Filter) -> np.ndarray:
+        """(N,) bool rows passing `flt` (the last FILTER_CACHE masks are kept: repeated filters are free)."""
+        columns = self.metadata_columns
+        with self._lock:
+            masks = self._cache.setdefault("masks", {})
+            if flt.key in masks:
+                masks[flt.key] = masks.pop(flt.key)   # most recently used last
+                return masks[flt.key]
+        mask = flt.mask(columns)
+        mask.flags.writeable = False
+        with self._lock:
+            masks[flt.key] = mask
+            while len(masks) > FILTER_CACHE:
+                masks.pop(next(iter(masks)))
+        return mask
 
     # ---------------------------------------------------------------- items
     def row_of(self, item_id: str) -> int:

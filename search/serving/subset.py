@@ -29,15 +29,29 @@ def subset_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatu
         return m + np.log(acc)
 
 
-def filtered_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray,
-                    temperature: float, nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k of the subset (searched inside FAISS) with probabilities renormalised over the subset.
+def subset_top_rows(index, embeddings: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray) -> np.ndarray:
+    """(Q, k') rows of the top-k within the subset: FAISS with an ID selector, or an exact scan of the
+    subset's rows where the index cannot take a selector (GPU indexes)."""
+    try:
+        return search_subset(index, queries, k, mask)[1]
+    except RuntimeError:   # faiss: selector not supported by this index type
+        rows = np.flatnonzero(np.asarray(mask, dtype=bool))
+        k = min(int(k), rows.size)
+        scores = np.asarray(queries, dtype=np.float32) @ np.asarray(embeddings[rows]).T   # (Q, |F|)
+        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
+        return rows[np.take_along_axis(top, order, axis=1)]
 
-    Returns (probabilities (Q, k') float64, rows (Q, k')); p = exp(s / tau - log Z_F)."""
-    scores, rows = search_subset(index, queries, k, mask, nprobe=nprobe)
-    tau = np.full(np.asarray(queries).shape[0], float(temperature))
-    log_z = subset_log_normalizer(queries, embeddings, tau, mask)
-    with np.errstate(invalid="ignore"):
-        p = np.exp(scores.astype(np.float64) / tau[:, None] - log_z[:, None])
+
+def filtered_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray,
+                    temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """Array-level form of `SearchSnapshot.search(..., mask=)` (benchmarks, tests): the subset's top-k with
+    exact similarities and p(j | x, F) = exp(s_j / tau - log Z_F). Returns (probabilities (Q, k'), rows)."""
+    q = np.asarray(queries, dtype=np.float32)
+    rows = subset_top_rows(index, embeddings, q, k, mask)
+    tau = np.full(q.shape[0], float(temperature))
+    log_z = subset_log_normalizer(q, embeddings, tau, mask)
+    sims = np.einsum("qd,qkd->qk", q.astype(np.float64), np.asarray(embeddings)[np.maximum(rows, 0)].astype(np.float64))
+    p = np.exp(sims / tau[:, None] - log_z[:, None])
     p[rows < 0] = 0.0
     return p, rows

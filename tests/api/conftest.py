@@ -35,6 +35,26 @@ def api_index(tmp_path_factory, api_dataset):
     return {"root": root, "checkpoint": ck, "version": version, "base": base}
 
 
+@pytest.fixture(scope="session")
+def folder_index(tmp_path_factory, make_image_folder):
+    """{root, folder, version, ids}: a flat index over 60 real PNG files in 3 class folders, with a user
+    `rating` field (id n has rating n % 5) from a CSV metadata file."""
+    from index.metadata import load_user_metadata
+    from index.store import IndexStore
+
+    base = tmp_path_factory.mktemp("filters_api")
+    folder = make_image_folder(base / "photos", count=60, classes=3, size=40)
+    ck = make_checkpoint(base / "encoder.safetensors", seed=5)
+    ids = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png"))
+    user = base / "user.csv"
+    user.write_text("id,rating\n" + "".join(f"{i},{n % 5}\n" for n, i in enumerate(ids)))
+    root = base / "index"
+    ds = create_dataset("folder", split="all", root=str(folder), image_size=32)
+    build_index(ck, ds, root, progress=False, metadata=load_user_metadata(user))
+    version = IndexStore(root).load(verify=False, gpu=False)
+    return {"root": root, "folder": folder, "version": version, "ids": ids}
+
+
 @pytest.fixture
 def make_client(api_index):
     """make_client(**settings) -> TestClient over the shared index (lifespan run, closed afterwards)."""

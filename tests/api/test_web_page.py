@@ -96,3 +96,57 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
         finally:
             driver.quit()
     assert (tmp_path / "web_page.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
+def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
+    """Class picker (from GET /v1/index), path prefix, probability threshold and pages, in the browser."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    os.environ.setdefault("SE_OFFLINE", "true")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    ids_js = "return Array.from(document.querySelectorAll('#results .result')).map(c => c.dataset.id);"
+    app = create_app(Settings(index_root=folder_index["root"], admin_token=ADMIN_TOKEN))
+    with ServerThread(app) as server:
+        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        try:
+            driver.set_page_load_timeout(60)
+            driver.get(server.url + "/")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#filter-class option")) == 4)
+            Select(driver.find_element(By.ID, "filter-class")).select_by_value("class1")
+            driver.find_element(By.ID, "file").send_keys(str(folder_index["folder"] / folder_index["ids"][0]))
+            wait.until(lambda d: (ids := d.execute_script(ids_js)) and len(ids) == 12
+                       and all(i.startswith("class1/") for i in ids))
+            assert "20 match the filter" in driver.find_element(By.ID, "result-meta").text
+            first_page = driver.execute_script(ids_js)
+            driver.find_element(By.ID, "next-page").click()   # results 13..20 of the 20 in class1
+            wait.until(lambda d: (ids := d.execute_script(ids_js)) and ids != first_page and len(ids) == 8)
+            assert set(driver.execute_script(ids_js)).isdisjoint(first_page)
+            assert driver.find_element(By.ID, "next-page").get_attribute("disabled") is not None
+            # a path prefix on top of the class: nothing else matches; then a threshold cuts the page short
+            Select(driver.find_element(By.ID, "filter-class")).select_by_value("")
+            prefix = driver.find_element(By.ID, "filter-prefix")
+            prefix.send_keys("class2/")
+            prefix.send_keys("\t")   # change event
+            wait.until(lambda d: (ids := d.execute_script(ids_js)) and all(i.startswith("class2/") for i in ids)
+                       and len(ids) == 12)
+            texts_js = "return Array.from(document.querySelectorAll('#results .result')).map(c => c.innerText);"
+            shown = [float(t.split("probability ")[1].split()[0]) for t in driver.execute_script(texts_js)]
+            j = next(j for j in range(2, 11) if shown[j] > shown[j + 1])   # a cut between two distinct values
+            threshold = driver.find_element(By.ID, "min-probability")
+            threshold.send_keys(f"{(shown[j] + shown[j + 1]) / 2:.6g}")
+            threshold.send_keys("\t")
+            wait.until(lambda d: len(d.execute_script(ids_js)) == j + 1)
+            assert "results 1–%d" % (j + 1) in driver.find_element(By.ID, "page-info").text
+        finally:
+            driver.quit()

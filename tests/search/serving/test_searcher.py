@@ -326,3 +326,63 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
                     ("bounded", False)]
     assert answers["exact", True] == answers["exact", False] == answers["exact", None]
     assert answers["bounded", True] == answers["bounded", False] == answers["bounded", None]
+
+
+@pytest.mark.parametrize("kind, params", [("flat", {}), ("ivf-flat", {"nlist": 4}), ("hnsw", {"M": 8})])
+def test_filtered_search_equals_brute_force_over_the_subset(store_setup, tmp_path, rng, kind, params):
+    """p(j | x, F) = exp(s_j/tau) / sum_{l in F} exp(s_l/tau), the top-k taken within F, for a user
+    field filter (stored with the version) and an arbitrary 10 % subset."""
+    from index.metadata import Metadata
+    from search.serving.filters import parse_filter
+
+    root = tmp_path / kind
+    ids = store_setup["ds"].item_ids()
+    user = Metadata({"group": "int"}, {iid: {"group": n % 3} for n, iid in enumerate(ids)})
+    build_index(store_setup["ck_a"], store_setup["ds"], root, kind=kind, params=params, progress=False, force=True,
+                metadata=user)
+    s = Searcher(root, load=True)
+    snap = s.snapshot()
+    assert snap.metadata_fields == {"group": "int"}
+    flt = parse_filter({"group": 1}, snap.metadata_fields)
+    class_mask = snap.filter_mask(flt)
+    np.testing.assert_array_equal(class_mask, [ids.index(i) % 3 == 1 for i in snap.index.ids])
+    assert snap.filter_mask(flt) is class_mask            # cached
+    random_mask = np.zeros(snap.count, bool)
+    random_mask[rng.choice(snap.count, size=10, replace=False)] = True
+    emb = np.asarray(snap.index.embeddings)
+    q = rng.normal(size=(6, snap.dim)).astype(np.float32)
+    for mask in (class_mask, random_mask):
+        sub = np.flatnonzero(mask)
+        k = min(5, sub.size)
+        answer = snap.search(q, k, 0.3, mask=mask)
+        top, sims, p_top, _ = _brute(q, emb[sub], 0.3, k)
+        for i in range(q.shape[0]):
+            assert [h.row for h in answer[i]] == sub[top[i]].tolist()
+            np.testing.assert_allclose([h.probability for h in answer[i]], p_top[i], rtol=1e-6, atol=1e-9)
+            np.testing.assert_allclose([h.similarity for h in answer[i]], sims[i], atol=1e-5)
+    empty = np.zeros(snap.count, bool)
+    assert snap.search(q[:1], 5, mask=empty)[0] == []
+
+
+def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, rng):
+    """An IVF-PQ version answers with its candidates ordered by exact similarity (RERANK_PQ x k of them), so
+    its top-k is at least as close to brute force as the PQ code order, and always sorted."""
+    from index import faiss_index as fi
+    from search.serving.searcher import RERANK_PQ
+
+    root = tmp_path / "pq"
+    build_index(store_setup["ck_a"], store_setup["ds"], root, kind="ivf-pq", params={"nlist": 4, "m": 4},
+                progress=False, force=True)
+    snap = Searcher(root, load=True).snapshot()
+    assert snap.rerank == RERANK_PQ
+    emb = np.asarray(snap.index.embeddings)
+    q = rng.normal(size=(40, snap.dim)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    answer = snap.search(q, 5, 0.3)
+    exact = np.argsort(-(q @ emb.T), axis=1, kind="stable")[:, :5]
+    _, pq_rows = fi.search(snap.index.index, q, 5)
+    served = np.array([[h.row for h in hits] for hits in answer])
+    for hits in answer:
+        sims = [h.similarity for h in hits]
+        assert sims == sorted(sims, reverse=True)
+    assert fi.recall_at_k(served, exact, 5) >= fi.recall_at_k(pq_rows, exact, 5)
