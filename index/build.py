@@ -18,6 +18,7 @@ ActivationRefused) when ``candidate < serving - margin`` or the recall is below 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,8 +31,9 @@ import faiss
 import numpy as np
 
 from index import faiss_index
+from index.disk import BLOCK, DiskFull, on_disk, writing
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
-                         prepare_cache)
+                         prepare_cache, shard_count)
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
@@ -116,22 +118,30 @@ def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recal
 def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *, indices: list | None = None,
                    shard_size: int, batch_size: int, num_workers: int, device, rank: int, world: int,
                    progress: bool) -> tuple[list[EmbedResult], list[Path]] | None:
-    """Embed every source into its own resumable cache; rank 0 gets the results, others None."""
+    """Embed every source into its own resumable cache; rank 0 gets the results, others None.
+    On a full disk the caches written so far are removed (DiskFull)."""
     results, caches = [], []
     for s, ds in enumerate(datasets):
         idx = np.arange(len(ds), dtype=np.int64) if indices is None or indices[s] is None else np.asarray(indices[s], np.int64)
         key = cache_key(ckpt_sha, ds.fingerprint(), idx, shard_size)
         cache = store.staging_dir / f"embed-{key}"
         resumed = 0
-        if rank == 0:
-            store.ensure()
-            resumed = prepare_cache(cache, key, idx, shard_size)
-        barrier()
-        t0 = time.perf_counter()
-        if len(idx):
-            embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=batch_size,
-                         num_workers=num_workers, device=device, rank=rank, world_size=world, progress=progress)
-        barrier()
+        caches.append(cache)
+        # the build needs the cache (N x D float32 rows, two files a shard), then a version of about twice
+        # the rows (embeddings.npy and an index as large) and ~16 B a row of ids and statistics; add / sync
+        # versions also hold the base's rows, not counted here
+        rows = len(idx) * encoder.embed_dim * 4
+        needed = 3 * rows + 16 * len(idx) + (2 * shard_count(len(idx), shard_size) + 16) * BLOCK
+        with released_on_disk_full(caches), writing(cache, needed=needed):
+            if rank == 0:
+                store.ensure()
+                resumed = prepare_cache(cache, key, idx, shard_size)
+            barrier()
+            t0 = time.perf_counter()
+            if len(idx):
+                embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=batch_size,
+                             num_workers=num_workers, device=device, rank=rank, world_size=world, progress=progress)
+            barrier()
         if rank == 0:
             res = collect_shards(cache, idx, shard_size, encoder.embed_dim)
             res.seconds = time.perf_counter() - t0
@@ -139,6 +149,25 @@ def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *,
             results.append(res)
             caches.append(cache)
     return (results, caches) if rank == 0 else None
+
+
+@contextlib.contextmanager
+def released_on_disk_full(caches: list[Path]):
+    """A build that runs out of space removes the embedding caches it wrote: they hold the space, and a
+    rerun cannot get past the full disk without it (a killed build keeps them, to resume). A failure
+    after the caches were complete needed their bytes too: they are added to DiskFull.needed."""
+    try:
+        yield
+    except DiskFull as err:
+        caches = [Path(c) for c in caches if Path(c).is_dir()]
+        inside = err.filename is not None and any(c in Path(err.filename).parents for c in caches)
+        held = sum(p.stat().st_blocks * 512 for c in caches for p in c.rglob("*") if p.is_file())
+        if err.needed is not None and not inside:
+            err.needed += held
+        for cache in caches:
+            shutil.rmtree(cache, ignore_errors=True)
+            logger.info("disk full: removed the embedding cache %s", cache)
+        raise
 
 
 def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: float, seed: int = 0) -> dict:
@@ -210,24 +239,33 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     t0 = time.perf_counter()
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}")
     staging = store.staging_path(version)
+    # roughly what the version takes on disk: embeddings.npy, an index of at most as many bytes (flat; PQ
+    # is smaller, HNSW links add ~10 %), the ids, extra files, statistics and the manifest (~ its fields)
+    needed = sum(map(on_disk, (embeddings.nbytes + 128, embeddings.nbytes + 1024, sum(len(i) + 4 for i in ids),
+                               *map(len, (extra_files or {}).values()), stats.nbytes + 1024 if stats else 0,
+                               len(json.dumps(fields or {}, default=str)) + 8192)))
     try:
-        faiss.write_index(index, str(staging / INDEX_FILE))
-        with open(staging / EMBEDDINGS_FILE, "wb") as fh:
+        with writing(staging / INDEX_FILE, needed):
+            faiss.write_index(index, str(staging / INDEX_FILE))
+        with writing(staging / EMBEDDINGS_FILE, needed), open(staging / EMBEDDINGS_FILE, "wb") as fh:
             np.save(fh, embeddings, allow_pickle=False)
-        (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
+        with writing(staging / IDS_FILE, needed):
+            (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
         extra_files = dict(extra_files or {})
         for name, data in extra_files.items():
             assert name not in (*VERSION_FILES, LIST_STATS_FILE) and "/" not in name, \
                 f"bad extra version file name {name!r}"
-            (staging / name).write_bytes(data)
+            with writing(staging / name, needed):
+                (staging / name).write_bytes(data)
         names = [*VERSION_FILES, *extra_files]
         if stats is not None:
-            with open(staging / LIST_STATS_FILE, "wb") as fh:
+            with writing(staging / LIST_STATS_FILE, needed), open(staging / LIST_STATS_FILE, "wb") as fh:
                 stats.save(fh)
             names.append(LIST_STATS_FILE)
-        for name in names:
-            with open(staging / name, "rb") as fh:
-                os.fsync(fh.fileno())
+        with writing(staging, needed):
+            for name in names:
+                with open(staging / name, "rb") as fh:
+                    os.fsync(fh.fileno())
         timings["write_s"] = time.perf_counter() - t0
         extra = dict(fields or {})
         extra.setdefault("recall", recall)
@@ -237,7 +275,8 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
         manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
                                    faiss_version=faiss.__version__, files=describe_files(staging, names),
                                    timings=timings, **extra)
-        write_manifest(staging, manifest)
+        with writing(staging, needed):
+            write_manifest(staging, manifest)
         fsync_dir(staging)
     except BaseException:
         discard_staging(staging)
@@ -462,14 +501,14 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
     }
     manifest_fields.update(fields or {})
     timings = {"embed_s": embed_s}
-    version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
-                                     target_recall=target_recall, fields=manifest_fields, timings=timings,
-                                     extra_files=item_files(records, metadata, ids))
-
-    version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                 activate=activate, keep=keep, calibrator=calibrator,
-                                 path="index rebuild" if parent else "index build", t_start=t_start,
-                                 model=(ckpt_sha, checkpoint))
+    with released_on_disk_full(caches):
+        version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
+                                         target_recall=target_recall, fields=manifest_fields, timings=timings,
+                                         extra_files=item_files(records, metadata, ids))
+        version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                                     activate=activate, keep=keep, calibrator=calibrator,
+                                     path="index rebuild" if parent else "index build", t_start=t_start,
+                                     model=(ckpt_sha, checkpoint))
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version
@@ -581,11 +620,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
                                                 "skipped": len(_skipped_items(ds, res, source_index))})
     params = dict(m["params"])
-    version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
-                                     target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
-                                     extra_files=item_files(records, item_metadata, ids))
-    version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                 activate=activate, keep=keep, path="index add", t_start=t_start, model=(sha, ckpt))
+    with released_on_disk_full(caches):
+        version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
+                                         target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
+                                         extra_files=item_files(records, item_metadata, ids))
+        version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                                     activate=activate, keep=keep, path="index add", t_start=t_start, model=(sha, ckpt))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     return version

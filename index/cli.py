@@ -3,7 +3,9 @@
 Exit codes: 0 done; 1 activation refused by the activation rule (quality gate, or the index's
 recall@10 below --target-recall; `--force` overrides) or a corrupt version; 2 a user mistake (bad
 value, missing file: one `error: ...` line); 3 the store's `current` moved but the server given to
-`--notify` did not confirm it serves the new version. `--notify URL --token T` POSTs
+`--notify` did not confirm it serves the new version; 4 the filesystem failed (disk full, I/O error,
+permission, read-only: one `error: ...` line naming the path and, for a full disk, the free and the
+needed space; what the command staged is removed and `current` is unchanged). `--notify URL --token T` POSTs
 `{URL}/v1/admin/reload` after an activation, retrying on 429 / 5xx / connection errors
 (Retry-After, else exponential backoff) for up to --notify-timeout seconds.
 """
@@ -20,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from index import faiss_index
+from index.disk import describe as describe_os_error
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
 from index.store import DEFAULT_MARGIN, ActivationRefused, IndexStore, require_store
@@ -32,6 +35,8 @@ DEFAULT_ROOT = "runs/index"
 DEFAULT_NOTIFY_TIMEOUT_S = 30.0
 #: Exit code when the server given to --notify did not confirm the new version.
 NOTIFY_FAILED = 3
+#: Exit code when the filesystem failed under a command (disk full, I/O error, permission, read-only).
+STORAGE_FAILED = 4
 #: Answers worth retrying: the server is busy, restarting or behind a proxy that is.
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -571,6 +576,11 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (NotADirectoryError, IsADirectoryError):
+        raise   # a path the user named is wrong: the caller's user-mistake line (exit 2)
+    except OSError as err:   # the disk, not the user: no traceback, its own exit code
+        print(f"error: {describe_os_error(err, args.root)}", file=sys.stderr)
+        return STORAGE_FAILED
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Callable
 
+from index.disk import writing
+
 #: Search temperature when neither the manifest nor the checkpoint records one.
 DEFAULT_TEMPERATURE = 0.1
 
@@ -68,17 +70,18 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
 
     Readers see either the old file or the complete new one, also after a crash mid-write."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with writing(path):   # a full disk: DiskFull naming `path`
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
+                write(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
     fsync_dir(path.parent)
 
 

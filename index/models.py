@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from index.disk import writing
 from index.manifest import IndexCorruptError, file_sha256, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -132,9 +133,10 @@ class ModelStore:
             return sha
         tmp = self._tmp()
         try:
-            shutil.copyfile(checkpoint, tmp)
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
+            with writing(target, needed=checkpoint.stat().st_size):
+                shutil.copyfile(checkpoint, tmp)
+                with open(tmp, "rb") as fh:
+                    os.fsync(fh.fileno())
             copied = file_sha256(tmp)
             if copied != sha:
                 raise ValueError(f"checkpoint {checkpoint} changed while it was copied into the store "

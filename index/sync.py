@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate,
-                         _skipped_items, _source_record, discard_staging, write_version)
+                         _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
@@ -226,13 +226,14 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     fields.update(dataset={"spec": source["spec"], "fingerprint": source["fingerprint"]}, sources=[source],
                   skipped=skipped, skipped_count=len(skipped),
                   parent=base_version.version, sync=counts)
-    version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
-                                     params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
-                                     fields=fields, timings={"embed_s": embed_s},
-                                     extra_files=item_files(plan.records, item_metadata, ids))
-    _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
-                       force=force, activate=activate, keep=keep, calibrator=calibrator, path="index sync",
-                       t_start=t_start, model=(sha,))
+    with released_on_disk_full(caches):
+        version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
+                                         params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
+                                         fields=fields, timings={"embed_s": embed_s},
+                                         extra_files=item_files(plan.records, item_metadata, ids))
+        _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
+                           force=force, activate=activate, keep=keep, calibrator=calibrator, path="index sync",
+                           t_start=t_start, model=(sha,))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     logger.info("synced %s -> %s: %s", base_version.version, version, counts)

@@ -29,6 +29,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate
+from index.disk import writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
 from index.store import ActivationRefused, IndexStore, check_version_name
@@ -70,7 +71,8 @@ def export_version(root, out, version: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with tarfile.open(tmp, f"w:{_compression(out)}", format=tarfile.PAX_FORMAT) as tar:
+        with writing(out, needed=sum(f["bytes"] for f in index["files"].values())), \
+                tarfile.open(tmp, f"w:{_compression(out)}", format=tarfile.PAX_FORMAT) as tar:
             data = (json.dumps(index, indent=2) + "\n").encode()
             info = _tar_info(EXPORT_INDEX, len(data))
             tar.addfile(info, io.BytesIO(data))
@@ -150,20 +152,23 @@ def _read_index(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> di
     return index
 
 
-def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path) -> None:
-    """Stream one member to `target`, hashing as it goes; ValueError on a size or checksum mismatch."""
+def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
+             needed: int | None = None) -> None:
+    """Stream one member to `target`, hashing as it goes; ValueError on a size or checksum mismatch,
+    DiskFull (naming `needed`, the import's bytes) when the disk fills."""
     if member.size != expected["bytes"]:
         raise ValueError(f"archive member {member.name} has {member.size} bytes, the export index says "
                          f"{expected['bytes']}")
-    target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     source = tar.extractfile(member)
-    with open(target, "wb") as out:
-        for chunk in iter(lambda: source.read(1 << 20), b""):
-            digest.update(chunk)
-            out.write(chunk)
-        out.flush()
-        os.fsync(out.fileno())
+    with writing(target, needed):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "wb") as out:
+            for chunk in iter(lambda: source.read(1 << 20), b""):
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
     if digest.hexdigest() != expected["sha256"]:
         raise ValueError(f"archive member {member.name} fails its checksum (sha256 {digest.hexdigest()[:12]}... != "
                          f"{expected['sha256'][:12]}...); the archive is damaged")
@@ -219,9 +224,10 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
                 raise ValueError(f"archive does not match its export index (missing {missing[:5]}, unlisted {extra[:5]})")
             if model_relpath(model) not in listed_files or f"versions/{version}/{MANIFEST_NAME}" not in listed_files:
                 raise ValueError("archive lacks the version manifest or the encoder model")
+            needed = sum(int(index["files"][name]["bytes"]) for name in listed_files)
             for name in sorted(listed_files):
                 try:
-                    _extract(tar, members[name], index["files"][name], work / name)
+                    _extract(tar, members[name], index["files"][name], work / name, needed)
                 except (tarfile.TarError, EOFError, zlib.error) as err:
                     raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
         staged = work / "versions" / version
