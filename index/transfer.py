@@ -28,7 +28,7 @@ import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
-from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate
+from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate, gate_version
 from index.disk import writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
@@ -187,7 +187,9 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
 
     The version is committed, then activated only if the quality gate passes against the serving
     version (or `force`). When the gate cannot run here (for example the version's dataset is
-    not on this machine) the version is committed but not activated, unless `force`.
+    not on this machine) the version is committed but not activated, unless `force`. A rerun after
+    a kill between the commit and the activation finishes that activation (the gate result the
+    first run recorded decides), so an import is rerunnable at any point.
     """
     archive = Path(archive)
     if not archive.is_file():
@@ -241,6 +243,10 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
             if not _same_version(store.path(version), staged):
                 raise ValueError(f"a different index version named {version} already exists under {root}")
             logger.info("index version %s is already in %s", version, root)
+            if activate and store.current_version() != version:
+                # committed by a run killed before its activation (or imported with activate=False)
+                _activate_imported(store, version, None, evaluator=evaluator, margin=margin, force=force,
+                                   activate=activate, keep=keep)
             return version, True
         target = store.staging_path(version)
         shutil.rmtree(target)
@@ -252,9 +258,10 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _activate_imported(store: IndexStore, version: str, staging: Path, *, evaluator, margin, force, activate,
+def _activate_imported(store: IndexStore, version: str, staging: Path | None, *, evaluator, margin, force, activate,
                        keep) -> None:
-    """Gate, commit and activate an imported version. When the gate cannot score it here, that is
+    """Gate, commit and activate an imported version (`staging` None: already committed, activate it,
+    through the gate result recorded at its commit). When the gate cannot score it here, that is
     recorded in its manifest (so a plain 'index activate' refuses it too) and it is not activated
     unless `force`."""
     def guarded(candidate, serving):
@@ -264,8 +271,14 @@ def _activate_imported(store: IndexStore, version: str, staging: Path, *, evalua
             raise GateUnavailable(str(err)) from err
 
     try:
-        _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
-                           margin=margin, force=force, activate=activate, keep=keep, path="index import")
+        if staging is not None:
+            _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
+                               margin=margin, force=force, activate=activate, keep=keep, path="index import")
+        else:
+            gate = None if evaluator is None else (lambda v: gate_version(store, v, guarded, margin))
+            store.activate(version, force=force, path="index import", gate=gate)
+            if keep is not None:
+                store.prune(keep)
     except ActivationRefused as err:
         error = (store.manifest(version).get("quality_gate") or {}).get("error")
         if not error:

@@ -93,6 +93,44 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     assert IndexStore(root3).current_version() == exported["version"]
 
 
+def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path, exported, other_checkpoint, items,
+                                                                        capsys):
+    """A kill between an import's commit and its activation leaves the version committed with its gate
+    result and `current` unmoved: the state activate=False writes (the same steps, minus the last).
+    Rerunning the import finishes the activation; the recorded gate still decides."""
+    root = tmp_path / "serving"
+    serving = build_index(other_checkpoint, items, root, progress=False)
+    store = IndexStore(root)
+    version = exported["version"]
+    assert import_version(root, exported["archive"], activate=False) == (version, False)
+    assert store.current_version() == serving and version in store.versions()
+    capsys.readouterr()
+    assert main(["import", str(exported["archive"]), "--root", str(root), "--no-activate"]) == 0
+    assert "(already present), not activated" in capsys.readouterr().out and store.current_version() == serving
+    assert main(["import", str(exported["archive"]), "--root", str(root)]) == 0
+    assert f"imported {version} into {root} (already present), activated" in capsys.readouterr().out
+    assert store.current_version() == version
+    entry = store.last_activation(version)
+    assert entry["path"] == "index import" and entry["previous"] == serving and not entry["forced"]
+    assert store.rollback() == serving                  # the activation stack knows the import came after
+    assert not any((root / "staging").iterdir())
+
+    # a first run whose gate refused the version: the rerun refuses it too (exit 1), `current` stays
+    root2 = tmp_path / "serving2"
+    serving2 = build_index(other_checkpoint, items, root2, progress=False)
+
+    def worse(candidate, current):
+        return {"metric": "score", "candidate": 0.1, "serving": 0.9}
+
+    import_version(root2, exported["archive"], evaluator=worse, activate=False)
+    with pytest.raises(QualityGateError):
+        import_version(root2, exported["archive"], evaluator=worse)
+    assert main(["import", str(exported["archive"]), "--root", str(root2)]) == 1
+    assert IndexStore(root2).current_version() == serving2
+    assert main(["import", str(exported["archive"]), "--root", str(root2), "--force"]) == 0
+    assert IndexStore(root2).current_version() == version
+
+
 def _members(archive) -> list[tuple[tarfile.TarInfo, bytes | None]]:
     with tarfile.open(archive, "r:*") as tar:
         return [(m, tar.extractfile(m).read() if m.isfile() else None) for m in tar.getmembers()]
