@@ -74,6 +74,10 @@ class ActivationRefused(RuntimeError):
                          + f"; {hint}")
 
 
+class VersionExists(ValueError):
+    """`IndexStore.commit` of a name that versions/ already holds (e.g. a concurrent import won)."""
+
+
 def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
 
@@ -381,7 +385,7 @@ class IndexStore:
         self.ensure()
         with self.lock():
             if target.exists():
-                raise ValueError(f"index version {version!r} already exists under {self.root}")
+                raise VersionExists(f"index version {version!r} already exists under {self.root}")
             fsync_dir(staging)
             os.rename(staging, target)
             fsync_dir(self.versions_dir)
@@ -507,8 +511,9 @@ class IndexStore:
         """sha256 of every encoder model a committed or staged version names."""
         used = set()
         dirs = [self.versions_dir / v for v in self.versions()]
-        if self.staging_dir.is_dir():
-            dirs += [p for p in self.staging_dir.iterdir() if (p / "manifest.json").is_file()]
+        if self.staging_dir.is_dir():   # builds in staging/<version>/, imports in staging/import-*/versions/<version>/
+            dirs += [p for p in [*self.staging_dir.iterdir(), *self.staging_dir.glob("import-*/versions/*")]
+                     if (p / "manifest.json").is_file()]
         for d in dirs:
             try:
                 sha = checkpoint_record(read_manifest(d)).get("sha256")

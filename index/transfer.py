@@ -32,7 +32,7 @@ from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_ac
 from index.disk import writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
-from index.store import ActivationRefused, IndexStore, check_version_name
+from index.store import ActivationRefused, IndexStore, VersionExists, check_version_name
 
 logger = logging.getLogger(__name__)
 
@@ -174,13 +174,6 @@ def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, targ
                          f"{expected['sha256'][:12]}...); the archive is damaged")
 
 
-def _same_version(a: Path, b: Path) -> bool:
-    try:
-        return read_manifest(a)["files"] == read_manifest(b)["files"]
-    except IndexCorruptError:
-        return False
-
-
 def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
                    force: bool = False, activate: bool = True, keep: int | None = None) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
@@ -239,21 +232,23 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
             raise IndexCorruptError(f"{archive}: the manifest names version {manifest['version']} / model "
                                     f"{checkpoint_record(manifest).get('sha256')}, the export index {version} / {model}")
         store.models.adopt(work / model_relpath(model), model)
-        if version in store.versions():
-            if not _same_version(store.path(version), staged):
-                raise ValueError(f"a different index version named {version} already exists under {root}")
-            logger.info("index version %s is already in %s", version, root)
-            if activate and store.current_version() != version:
-                # committed by a run killed before its activation (or imported with activate=False)
-                _activate_imported(store, version, None, evaluator=evaluator, margin=margin, force=force,
+        if version not in store.versions():
+            # gated and committed from this import's own staging directory: the commit's rename, under the
+            # store lock, decides between concurrent imports of one archive (the loser goes on below)
+            try:
+                _activate_imported(store, version, staged, evaluator=evaluator, margin=margin, force=force,
                                    activate=activate, keep=keep)
-            return version, True
-        target = store.staging_path(version)
-        shutil.rmtree(target)
-        os.rename(staged, target)
-        _activate_imported(store, version, target, evaluator=evaluator, margin=margin, force=force,
-                           activate=activate, keep=keep)
-        return version, False
+                return version, False
+            except VersionExists:
+                logger.info("a concurrent import committed index version %s first", version)
+        if store.manifest(version)["files"] != manifest["files"]:
+            raise ValueError(f"a different index version named {version} already exists under {root}")
+        logger.info("index version %s is already in %s", version, root)
+        if activate and store.current_version() != version:
+            # committed by a run killed before its activation, a concurrent import, or activate=False
+            _activate_imported(store, version, None, evaluator=evaluator, margin=margin, force=force,
+                               activate=activate, keep=keep)
+        return version, True
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

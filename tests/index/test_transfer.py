@@ -228,3 +228,33 @@ def test_copied_store_needs_nothing_outside_it(tmp_path, exported):
     index = json.loads(json.dumps(IndexStore(copy).manifest(exported["version"])))
     assert str(exported["root"]) not in json.dumps({k: v for k, v in index.items() if k != "checkpoint"})
     load_version_encoder(IndexStore(copy).load())
+
+
+def test_concurrent_imports_of_one_archive_serialise(tmp_path, exported):
+    """Two imports of one archive at once (threads: each takes the store's flock on its own file
+    descriptor, as two processes do): both succeed, one commits the version, and it is current."""
+    import threading
+
+    for round_ in range(4):
+        root = tmp_path / f"r{round_}"
+        start = threading.Barrier(2)
+        results, errors = [], []
+
+        def run():
+            start.wait()
+            try:
+                results.append(import_version(root, exported["archive"]))
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [], errors
+        assert sorted(existed for _, existed in results) == [False, True]
+        store = IndexStore(root)
+        assert store.versions() == [exported["version"]] and store.current_version() == exported["version"]
+        store.load(exported["version"], verify=True, gpu=False)
+        assert not any((root / "staging").iterdir())
