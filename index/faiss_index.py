@@ -197,6 +197,21 @@ def normalise(x: np.ndarray) -> np.ndarray:
     return x / norms
 
 
+def _allow_small_training(index: faiss.Index, kind: str, n_train: int) -> None:
+    """Train on fewer points than FAISS's k-means wants (39 a centroid) without its stderr "WARNING
+    clustering N points to K centroids": said once in the log instead, since small collections are
+    expected and the recall check after the build measures what the quantizer gives."""
+    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
+    parts = [("coarse quantizer", ivf.cp, ivf.nlist)]
+    if kind == "ivf-pq":
+        parts.append(("PQ codebooks", ivf.pq.cp, ivf.pq.ksub))
+    for what, cp, k in parts:
+        if n_train < k * cp.min_points_per_centroid:
+            logger.info("%s: %s trained on %d points for %d centroids (FAISS suggests %d); the recall check "
+                        "measures the result", kind, what, n_train, k, k * cp.min_points_per_centroid)
+            cp.min_points_per_centroid = 1
+
+
 def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed: int = 0,
           **params) -> tuple[faiss.Index, dict]:
     """Create, train and fill an index of `kind` with unit `vectors`; returns a CPU index and params.
@@ -216,6 +231,8 @@ def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed:
         limit = min(n, train_sample or wanted)
         if limit < n:
             sample = vectors[np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))]
+    if not index.is_trained:
+        _allow_small_training(index, kind, len(sample))
     built = None
     if use_gpu(kind):
         try:

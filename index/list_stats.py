@@ -173,7 +173,9 @@ def _kmeans_lists(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray
     k = max(1, min(k, n))
     rng = np.random.default_rng(seed)
     sample = np.sort(rng.choice(n, size=min(n, 64 * k), replace=False))
-    km = faiss.Kmeans(d, k, niter=10, seed=seed, verbose=False, spherical=False)
+    # ~sqrt(N) lists give sqrt(N) points a list: below 1521 rows that is under FAISS's 39, which makes it
+    # print "WARNING clustering N points to K centroids"; any partition serves the bound, so it is noise here
+    km = faiss.Kmeans(d, k, niter=10, seed=seed, verbose=False, spherical=False, min_points_per_centroid=1)
     km.train(np.ascontiguousarray(embeddings[sample], dtype=np.float32))
     assign = np.empty(n, dtype=np.int64)
     for start in range(0, n, 1 << 16):

@@ -200,7 +200,9 @@ def gpd_threshold_stability(s, negatives=None, quantiles=THRESHOLD_QUANTILES, bo
 
 def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) -> dict:
     """Per-row Weibull (power law at the bound) vs Gumbel (exponential) MLE of the top-m excesses over the
-    (m+1)-th value; `top_similarities` (Q, m+1), any order. See the module doc for both likelihoods."""
+    (m+1)-th value; `top_similarities` (Q, m+1), any order. See the module doc for both likelihoods.
+    A row whose (m+1)-th value is at the bound (duplicates of the query among its negatives) has no tail
+    to fit: its figures are NaN and `at_bound` marks it."""
     s = -np.sort(-np.asarray(top_similarities, np.float64), axis=1)  # descending
     if s.ndim != 2 or s.shape[1] < 4:
         raise ValueError(f"need (Q, m+1) top similarities with m >= 3, got shape {s.shape}")
@@ -209,7 +211,8 @@ def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) 
     m = s.shape[1] - 1
     top, ref = s[:, :m], s[:, m]
     y = top - ref[:, None]                                   # (Q, m) excesses >= 0
-    t = bound - ref                                          # (Q,) shortfall of the reference
+    at_bound = ~(bound - ref > eps)                          # (Q,) nothing left between the reference and the bound
+    t = np.where(at_bound, 1.0, bound - ref)                 # (Q,) shortfall of the reference (1: placeholder)
     delta = np.clip(bound - top, eps, None)                  # (Q, m) shortfalls
     logu = np.log(np.minimum(delta / t[:, None], 1.0))       # log(delta / t) <= 0
     beta = m / np.maximum(-logu.sum(1), 1e-300)
@@ -218,15 +221,26 @@ def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) 
     lam = 1.0 / np.maximum(y.mean(1), 1e-300)
     ll_g = m * np.log(lam) - m
     daic = 2 * (ll_w - ll_g)
-    return {"daic": daic, "beta": beta, "rate": lam, "loglik_weibull": ll_w, "loglik_gumbel": ll_g, "m": m}
+    for a in (daic, beta, lam, ll_w, ll_g):
+        a[at_bound] = np.nan
+    return {"daic": daic, "beta": beta, "rate": lam, "loglik_weibull": ll_w, "loglik_gumbel": ll_g, "m": m,
+            "at_bound": at_bound}
 
 
-def weibull_gumbel(top_similarities, bound: float = 1.0) -> dict:
-    """Summary over queries of `weibull_gumbel_mle`, with WEINCE's least-squares proxy beside it."""
+def weibull_gumbel(top_similarities, bound: float = 1.0) -> dict | None:
+    """Summary over queries of `weibull_gumbel_mle`, with WEINCE's least-squares proxy beside it. Queries
+    whose m+1 nearest negatives sit at the bound (duplicate images) are left out and counted
+    (`n_at_bound`, said once in the log); None when no query is left."""
     r = weibull_gumbel_mle(top_similarities, bound)
-    daic = r["daic"]
-    proxy = tail_fit(torch.as_tensor(np.clip(bound - np.asarray(top_similarities, np.float64)[:, :r["m"]], 1e-6, None)),
-                     burn=1)
+    ok = ~r["at_bound"]
+    if not ok.all():
+        logger.info("tail: %d of %d queries have their %d nearest negatives at similarity %g (duplicate images); "
+                    "left out of the Weibull-vs-Gumbel fit", int((~ok).sum()), ok.size, r["m"] + 1, bound)
+    if not ok.any():
+        return None
+    daic = r["daic"][ok]
+    top = np.asarray(top_similarities, np.float64)[ok]
+    proxy = tail_fit(torch.as_tensor(np.clip(bound - top[:, :r["m"]], 1e-6, None)), burn=1)
     pd = proxy.daic.numpy()
     return {
         "daic_mean": float(daic.mean()), "daic_median": float(np.median(daic)),
@@ -234,7 +248,7 @@ def weibull_gumbel(top_similarities, bound: float = 1.0) -> dict:
         "fraction_weibull": float(np.mean(daic > 0)),
         # |dAIC| > 2: the usual rule of thumb for one model being clearly better
         "fraction_weibull_decisive": float(np.mean(daic > 2)), "fraction_gumbel_decisive": float(np.mean(daic < -2)),
-        "beta_median": float(np.median(r["beta"])),
+        "beta_median": float(np.median(r["beta"][ok])), "n_at_bound": int((~ok).sum()),
         "m": int(r["m"]), "n_queries": int(daic.size), "method": "maximum likelihood (conditional on the (m+1)-th)",
         "proxy_daic_median": float(np.median(pd)), "proxy_fraction_weibull": float(np.mean(pd > 0)),
         "proxy_source": "training.weince.tail_fit (least squares on the log empirical CDF; not an AIC)",

@@ -206,3 +206,24 @@ def test_every_kind_marks_non_finite_queries_in_their_results(kind, n_queries):
         assert rows[-1, -1] < 0 or not np.isfinite(scores[-1, 0]), (kind, bad)
         with pytest.raises(ValueError, match="NaN or inf"):
             fi.search(index, q, 5)
+
+
+def test_small_training_sets_are_explained_in_the_log_not_warned_on_stderr(capfd, caplog):
+    """FAISS's k-means prints "WARNING clustering N points to K centroids" (C stderr) below 39 points a
+    centroid; a small collection is expected, so builds say it once in the log instead, and the
+    normaliser statistics' k-means partition (any partition serves it) says nothing."""
+    import logging
+
+    from index.list_stats import ListStats
+
+    db = unit_vectors(300, 16, 0)
+    capfd.readouterr()
+    with caplog.at_level(logging.INFO, logger="index.faiss_index"):
+        for kind, params in (("ivf-flat", {"nlist": 16}), ("ivf-pq", {"nlist": 8, "m": 4, "nbits": 8})):
+            index, _ = fi.build(kind, db, **params)
+            assert index.ntotal == 300
+        ListStats.build(db[:40])
+    assert "WARNING clustering" not in capfd.readouterr().err
+    said = [r.getMessage() for r in caplog.records if "FAISS suggests" in r.getMessage()]
+    assert any("coarse quantizer trained on 300 points for 16 centroids (FAISS suggests 624)" in m for m in said), said
+    assert any("PQ codebooks trained on 300 points for 256 centroids" in m for m in said), said

@@ -152,6 +152,29 @@ def test_weibull_vs_gumbel_domains():
         weibull_gumbel_mle(np.full((2, 5), 1.5))
 
 
+def test_queries_with_duplicates_at_the_bound_are_left_out_without_warnings():
+    """A query whose m+1 nearest negatives are duplicates of it (similarity 1) has no tail: it is left out
+    (counted), with no numpy divide-by-zero warning, and the rest is summarised as if it were absent."""
+    import warnings
+
+    rng = np.random.default_rng(3)
+    s = 1 - rng.uniform(size=(6, 300)) ** (1 / 3)
+    top = -np.sort(-s, axis=1)[:, :21]
+    with_dups = top.copy()
+    with_dups[[1, 4]] = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = weibull_gumbel_mle(with_dups)
+        w = weibull_gumbel(with_dups)
+        assert weibull_gumbel(np.ones((3, 21))) is None
+    assert r["at_bound"].tolist() == [False, True, False, False, True, False]
+    assert np.isnan(r["daic"][[1, 4]]).all() and np.isfinite(np.delete(r["daic"], [1, 4])).all()
+    alone = weibull_gumbel(top[[0, 2, 3, 5]])
+    assert w["n_at_bound"] == 2 and alone["n_at_bound"] == 0 and w["n_queries"] == 4
+    for key in ("daic_mean", "daic_median", "beta_median", "proxy_daic_median", "fraction_weibull"):
+        assert w[key] == pytest.approx(alone[key], rel=1e-12)
+
+
 def test_bundle_on_sphere_and_plots():
     rng = np.random.default_rng(2)
     z = rng.normal(size=(300, 8))
