@@ -3,8 +3,8 @@ left on that filesystem and roughly the space the operation needed (`softsearch 
 
 Writers wrap their writes in `writing(path, needed)`: a full disk becomes `DiskFull` (an OSError
 naming the path and the bytes needed) whichever way the library underneath reports it -- ENOSPC /
-EDQUOT, numpy's short write without an errno, FAISS's RuntimeError -- and any other OSError without
-a file name gets `path`. `describe` turns one into the CLI's `error:` line.
+EDQUOT, numpy's short write without an errno, FAISS's RuntimeError, safetensors' SafetensorError --
+and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line.
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def is_space_error(err: BaseException) -> bool:
         text = str(err)
         # numpy's ndarray.tofile reports a short write with no errno: "N requested and M written"
         return err.errno in SPACE_ERRNOS or (err.errno is None and "requested and" in text and "written" in text)
-    # FAISS's file writer: RuntimeError "... write error in PATH: a != b (No space left on device)"
-    return isinstance(err, RuntimeError) and any(t in str(err) for t in _SPACE_TEXTS)
+    # FAISS's file writer: RuntimeError "... write error in PATH: a != b (No space left on device)";
+    # safetensors: SafetensorError "... IoError(Os { code: 28, kind: StorageFull, ... })"
+    return isinstance(err, Exception) and (any(t in str(err) for t in _SPACE_TEXTS) or "StorageFull" in str(err))
 
 
 @contextlib.contextmanager
@@ -47,7 +48,7 @@ def writing(path, needed: int | None = None):
         if needed is not None and (err.needed or 0) < needed:
             err.needed = int(needed)
         raise
-    except (OSError, RuntimeError) as err:
+    except Exception as err:  # noqa: BLE001 - only a full disk is translated; everything else re-raised as is
         if is_space_error(err):
             where = err.filename if isinstance(err, OSError) and err.filename else path
             raise DiskFull(where, needed) from err

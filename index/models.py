@@ -286,6 +286,7 @@ def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pr
     from training.checkpoint import save_checkpoint
 
     path = Path(directory) / f"pretrained-{os.getpid()}-{time.time_ns()}{MODEL_SUFFIX}"
-    save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage)
+    with writing(path, needed=sum(t.numel() * t.element_size() for t in encoder.state_dict().values())):
+        save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage)
     return path
 

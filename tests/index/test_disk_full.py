@@ -164,3 +164,43 @@ def test_other_os_errors_name_the_path(tmp_path, two_versions, capsys):
         assert IndexStore(ro / "store").current_version() == new
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_each_writer_reports_a_full_disk_as_DiskFull(small_fs):
+    """The libraries under the store each report a full disk their own way (ENOSPC, numpy's short write
+    without an errno, FAISS's RuntimeError, safetensors' SafetensorError); `writing` names the path
+    and the space needed for every one of them, and leaves other errors alone."""
+    import faiss
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from index.disk import DiskFull, writing
+
+    _fill(small_fs, 0)
+    big = np.ones((20000, 16), np.float32)                   # 1.2 MiB: cannot fit
+
+    def plain(path):
+        with open(path, "wb") as fh:
+            fh.write(big.tobytes())
+
+    def numpy_save(path):
+        with open(path, "wb") as fh:
+            np.save(fh, big)
+
+    def faiss_write(path):
+        index = faiss.IndexFlatIP(16)
+        index.add(big)
+        faiss.write_index(index, str(path))
+
+    def safetensors_save(path):
+        save_file({"w": torch.from_numpy(big)}, str(path))
+
+    for write in (plain, numpy_save, faiss_write, safetensors_save):
+        path = small_fs / f"{write.__name__}.bin"
+        with pytest.raises(DiskFull) as info, writing(path, needed=big.nbytes):
+            write(path)
+        assert info.value.filename == str(path) and info.value.needed == big.nbytes, write.__name__
+        path.unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="not a disk problem"), writing(small_fs / "x"):
+        raise ValueError("not a disk problem")
