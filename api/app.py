@@ -27,7 +27,7 @@ from api.config import Settings
 from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
-from api.routes import admin, health, index, items, search, web
+from api.routes import admin, duplicates, health, index, items, search, web
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import NotReadyError, Searcher
 
@@ -188,7 +188,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     metrics.observe_searcher(searcher)
 
     _install_error_handlers(app)
-    for module in (search, items, index, health, admin, web):
+    for module in (search, items, index, duplicates, health, admin, web):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

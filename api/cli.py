@@ -16,6 +16,7 @@ commands:
   index SUBCOMMAND    build | rebuild | add | sync | delete | list | activate | rollback | verify |
                       prune | export | import
   eval                evaluate an index or checkpoint: retrieval metrics, cross-entropy gap, report
+  dedup               near-duplicate groups of an index version at a calibrated probability
   serve               serve the HTTP API and web page
   experiment anneal   Langevin temperature-annealing experiment on free unit embeddings
 
@@ -58,6 +59,12 @@ def _eval(argv: list[str]) -> int:
     return eval_main(argv)
 
 
+def _dedup(argv: list[str]) -> int:
+    from search.duplicates.job import main as dedup_main
+
+    return dedup_main(argv)
+
+
 def _serve(argv: list[str]) -> int:
     from api.server import main as serve_main
 
@@ -88,6 +95,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
     "index": _index,
     "eval": _eval,
+    "dedup": _dedup,
     "serve": _serve,
     "experiment": _experiment,
 }

@@ -315,6 +315,10 @@ class IndexStore:
             raise ValueError(f"unknown index version {version!r} under {self.root} (latest: {known})")
         return p
 
+    def duplicates_path(self, version: str, suffix: str = ".json") -> Path:
+        """Where `softsearch dedup` keeps a version's duplicate groups (`.json`) and their page (`.html`)."""
+        return self.root / "duplicates" / f"{check_version_name(version)}{suffix}"
+
     def staging_path(self, name: str) -> Path:
         """A directory under staging/ (created)."""
         p = self.staging_dir / check_version_name(name)
@@ -542,6 +546,8 @@ class IndexStore:
                 trash = self.root / f".trash-{name}"
                 os.rename(self.versions_dir / name, trash)
                 shutil.rmtree(trash, ignore_errors=True)
+                for suffix in (".json", ".html"):   # its duplicate scan, if one was made
+                    self.duplicates_path(name, suffix).unlink(missing_ok=True)
                 removed.append(name)
             if removed:
                 fsync_dir(self.versions_dir)

@@ -116,6 +116,35 @@ class BatchResponse(BaseModel):
                                                         "single-query route would return")
 
 
+class DuplicatePairOut(BaseModel):
+    a: str
+    b: str
+    p_ab: float = Field(description="p(b | a): the model's probability that a's original is b")
+    p_ba: float = Field(description="p(a | b)")
+    similarity: float
+
+
+class DuplicateGroupOut(BaseModel):
+    ids: list[str]
+    rows: list[int]
+    confidence: float = Field(description="min over members of the probability that its original is among the others")
+    pairs: list[DuplicatePairOut]
+
+
+class DuplicatesOut(BaseModel):
+    version: str
+    created: str
+    count: int = Field(description="items in the version")
+    threshold: float = Field(description="probability a candidate set had to reach")
+    temperature: float = Field(description="duplicate temperature fitted on edited copies of this collection")
+    bias: float = Field(description="score of the 'no original in the index' option")
+    ece: float = Field(description="held-out expected calibration error of the fitted probabilities")
+    target_precision: float
+    total_groups: int
+    offset: int
+    groups: list[DuplicateGroupOut]
+
+
 class ItemQuery(PageQuery):
     model_config = {"extra": "forbid"}
     id: str = Field(min_length=1, description="id of an indexed item: its stored embedding is the query")

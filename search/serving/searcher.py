@@ -42,7 +42,7 @@ from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
 from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
-from search.serving.subset import subset_log_normalizer, subset_top_rows
+from search.serving.subset import subset_search
 from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
 from training.transforms import preprocess
@@ -216,8 +216,8 @@ class SearchSnapshot:
                                 [float("-inf")] * q.shape[0])
         wanted = min(population, k_eff * self.rerank)   # candidates re-scored exactly below
         if mask is not None:   # filtered: selector inside FAISS, exact normaliser over the subset
-            rows = subset_top_rows(self.index.index, self.index.embeddings, q, wanted, mask)
-            norm = LogZ.exact(subset_log_normalizer(q, self.index.embeddings, taus, mask), population)
+            rows, log_z_subset = subset_search(self.index.index, self.index.embeddings, q, wanted, mask, taus)
+            norm = LogZ.exact(log_z_subset, population)
         elif self.normaliser is None:
             _, rows = self.index.search(q, wanted)  # (Q, k') candidate rows, best first; -1 = none
             norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block, release=self.release_pages),
@@ -351,6 +351,12 @@ class SearchSnapshot:
         except (FileNotFoundError, ValueError, KeyError, ImportError) as err:
             logger.info("no dataset metadata for %s: %s", item_id, err)
         return ItemInfo(item_id, row, self.version, label, class_name, spec)
+
+    def item_source(self, item_id: str) -> tuple[Any, int]:
+        """(dataset, index in it) an indexed item comes from; KeyError if no source dataset holds it."""
+        self.row_of(item_id)
+        ds, i, _ = self._sources()[item_id]
+        return ds, i
 
     def item_image(self, item_id: str) -> Image.Image:
         """The stored image of an indexed item, recovered from the manifest's dataset spec."""

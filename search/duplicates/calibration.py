@@ -1,0 +1,191 @@
+"""The duplicate temperature: p(j | x) calibrated as "j is the original that x was copied from".
+
+Model (a softmax over the index with a "no original here" option of score b):
+
+    p(j | x) = exp(s_j / tau) / (exp(b / tau) + sum_l exp(s_l / tau)),   p(none | x) = exp(b / tau) / (same)
+
+(tau, b) are fitted by maximum likelihood -- a proper scoring rule, so the fitted probabilities are
+calibrated -- on two kinds of queries made from the collection itself: edited copies of sampled items
+(their original is indexed: the true answer is that item) and indexed items searched against the
+index without themselves (no copy of theirs is planted: the true answer is "none"; their nearest
+neighbours are the same-class look-alikes that must not count as duplicates). Each query keeps its top
+similarities exactly and the rest as a fine histogram, so log Z at any (tau, b) costs O(TOP + BINS).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.special import logsumexp
+
+logger = logging.getLogger(__name__)
+
+TOP = 256                 # similarities per query kept exactly
+BIN_WIDTH = 1e-3          # histogram of the rest over [-1, 1]
+EDGES = np.linspace(-1.0, 1.0, int(round(2.0 / BIN_WIDTH)) + 1)
+CENTRES = 0.5 * (EDGES[:-1] + EDGES[1:])
+ECE_BINS = 15
+MAX_THRESHOLD = 0.9999
+
+
+@dataclass
+class QueryScores:
+    """One calibration query: its top similarities (descending) with their rows, the histogram of the
+    others, and the row of its true original (-1: none is indexed)."""
+
+    top: np.ndarray
+    top_rows: np.ndarray
+    tail_counts: np.ndarray
+    source: int
+
+    def log_z(self, tau: float, bias: float) -> float:
+        """log(exp(b/tau) + sum_l exp(s_l/tau)) from the exact top and the histogram of the rest."""
+        nz = self.tail_counts > 0
+        parts = [np.array([bias / tau]), self.top / tau, CENTRES[nz] / tau + np.log(self.tail_counts[nz])]
+        return float(logsumexp(np.concatenate(parts)))
+
+
+def query_scores(similarities: np.ndarray, source: int, exclude: int | None = None) -> QueryScores:
+    """QueryScores from one query's similarities to every indexed row (`exclude`: a row left out, the
+    query item itself when it is indexed)."""
+    s = np.asarray(similarities, dtype=np.float64).copy()
+    if exclude is not None:
+        s[exclude] = -np.inf
+    k = min(TOP, int(np.isfinite(s).sum()))
+    top_rows = np.argpartition(-s, k - 1)[:k] if k < s.size else np.arange(s.size)
+    top_rows = top_rows[np.argsort(-s[top_rows], kind="stable")]
+    top_rows = top_rows[np.isfinite(s[top_rows])]
+    rest = np.ones(s.size, bool)
+    rest[top_rows] = False
+    rest &= np.isfinite(s)
+    counts, _ = np.histogram(np.clip(s[rest], -1.0, 1.0), bins=EDGES)
+    return QueryScores(s[top_rows], top_rows.astype(np.int64), counts.astype(np.float64), int(source))
+
+
+@dataclass
+class DuplicateCalibration:
+    """Fitted (temperature, bias), the threshold for a target precision, and how well it holds out."""
+
+    temperature: float
+    bias: float
+    threshold: float
+    target_precision: float
+    ece: float                       # expected calibration error of the top-1 probability, held-out queries
+    held_out: int
+    reliability: list[dict] = field(default_factory=list)   # per bin: mean predicted, observed, count
+    positives: list[float] = field(default_factory=list)    # held-out top-1 p of copies (their original)
+    negatives: list[float] = field(default_factory=list)    # held-out top-1 p of items with no copy
+    fitted_on: int = 0
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("temperature", "bias", "threshold", "target_precision", "ece",
+                                              "held_out", "fitted_on", "reliability", "positives", "negatives")}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DuplicateCalibration":
+        return cls(**{k: data[k] for k in ("temperature", "bias", "threshold", "target_precision", "ece",
+                                           "held_out")},
+                   **{k: data.get(k, []) for k in ("reliability", "positives", "negatives")},
+                   fitted_on=int(data.get("fitted_on", 0)))
+
+
+class _Stacked:
+    """All queries as arrays, so the likelihood at one (tau, b) is a few vectorised operations."""
+
+    def __init__(self, queries: list[QueryScores]):
+        n = len(queries)
+        self.top = np.full((n, TOP), -np.inf)
+        for i, q in enumerate(queries):
+            self.top[i, : q.top.size] = q.top
+        counts = np.stack([q.tail_counts for q in queries])
+        used = np.flatnonzero(counts.sum(axis=0) > 0)
+        with np.errstate(divide="ignore"):
+            self.log_counts = np.log(counts[:, used])
+        self.centres = CENTRES[used]
+        self.is_copy = np.array([q.source >= 0 for q in queries])
+        # the original's similarity (an original outside the kept top has similarity <= the last kept one;
+        # counting it at -1 gives it (almost) zero probability, the honest worst case)
+        self.source_sim = np.array([q.top[np.flatnonzero(q.top_rows == q.source)[0]]
+                                    if q.source >= 0 and (q.top_rows == q.source).any() else -1.0 for q in queries])
+
+    def nll(self, params: np.ndarray) -> float:
+        tau, bias = float(np.exp(params[0])), float(params[1])
+        logits = np.concatenate([np.full((self.top.shape[0], 1), bias / tau), self.top / tau,
+                                 self.centres / tau + self.log_counts], axis=1)
+        log_z = logsumexp(logits, axis=1)
+        chosen = np.where(self.is_copy, self.source_sim / tau, bias / tau)
+        return float(np.mean(log_z - chosen))
+
+
+def fit(queries: list[QueryScores]) -> tuple[float, float]:
+    """(tau, b) maximising the likelihood of the true answers (Nelder-Mead over log tau and b)."""
+    stacked = _Stacked(queries)
+    best = None
+    for tau0, b0 in ((0.01, 0.9), (0.05, 0.8), (0.003, 0.97)):
+        result = minimize(stacked.nll, np.array([np.log(tau0), b0]), method="Nelder-Mead",
+                          options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 4000})
+        if best is None or result.fun < best.fun:
+            best = result
+    return float(np.exp(best.x[0])), float(best.x[1])
+
+
+def top1(q: QueryScores, tau: float, bias: float) -> tuple[float, bool]:
+    """(p of the most probable indexed item, whether it is the true original)."""
+    if q.top.size == 0:
+        return 0.0, False
+    p = float(np.exp(q.top[0] / tau - q.log_z(tau, bias)))
+    return p, bool(q.source >= 0 and q.top_rows[0] == q.source)
+
+
+def expected_calibration_error(conf: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS
+                               ) -> tuple[float, list[dict]]:
+    """ECE = sum_b |B|/n |mean conf - accuracy| over equal-width bins, and the reliability table."""
+    conf, correct = np.asarray(conf, float), np.asarray(correct, float)
+    which = np.minimum((conf * bins).astype(int), bins - 1)
+    ece, table = 0.0, []
+    for b in range(bins):
+        sel = which == b
+        if sel.any():
+            gap = abs(conf[sel].mean() - correct[sel].mean())
+            ece += sel.mean() * gap
+            table.append({"lower": b / bins, "upper": (b + 1) / bins, "predicted": float(conf[sel].mean()),
+                          "observed": float(correct[sel].mean()), "count": int(sel.sum())})
+    return float(ece), table
+
+
+def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float) -> float:
+    """The smallest p at which pairs with top-1 p >= it are correct at least `target` of the time on the
+    calibration queries -- never below `target` itself (a calibrated p >= target is that sure)."""
+    order = np.argsort(-np.asarray(conf), kind="stable")
+    conf, correct = np.asarray(conf)[order], np.asarray(correct, float)[order]
+    precision = np.cumsum(correct) / np.arange(1, conf.size + 1)
+    ok = np.flatnonzero(precision >= target)
+    if not ok.size:
+        logger.warning("no threshold reaches precision %.3g on the calibration queries; using p >= %.3g", target, target)
+        return float(target)
+    # the longest prefix (lowest threshold) whose precision still meets the target
+    return min(max(float(target), float(conf[ok[-1]])), MAX_THRESHOLD)
+
+
+def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: int = 0) -> DuplicateCalibration:
+    """Fit on a random half of the queries, measure ECE and the score distributions on the other half;
+    the threshold comes from all of them."""
+    if len(queries) < 20:
+        raise ValueError(f"duplicate calibration needs at least 20 queries, got {len(queries)}")
+    order = np.random.default_rng(seed).permutation(len(queries))
+    fit_part, held = [queries[i] for i in order[: len(order) // 2]], [queries[i] for i in order[len(order) // 2:]]
+    tau, bias = fit(fit_part)
+    scored = [top1(q, tau, bias) for q in held]
+    conf = np.array([c for c, _ in scored])
+    correct = np.array([ok for _, ok in scored])
+    ece, table = expected_calibration_error(conf, correct)
+    everything = [top1(q, tau, bias) for q in queries]
+    threshold = threshold_for_precision(np.array([c for c, _ in everything]), np.array([ok for _, ok in everything]),
+                                        target_precision)
+    return DuplicateCalibration(
+        temperature=tau, bias=bias, threshold=threshold, target_precision=float(target_precision), ece=ece,
+        held_out=len(held), reliability=table, fitted_on=len(fit_part),
+        positives=[float(c) for (c, _), q in zip(scored, held) if q.source >= 0],
+        negatives=[float(c) for (c, _), q in zip(scored, held) if q.source < 0])

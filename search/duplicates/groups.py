@@ -1,0 +1,159 @@
+"""Duplicate groups of an index version at a calibrated probability threshold P.
+
+For each item i (searched with its stored embedding against the index without itself) the model's
+probabilities p(j | i) use the duplicate temperature and the "none" option (calibration.py). Its
+candidate set S_i is the shortest prefix of its ranked neighbours whose probabilities sum to at
+least P -- "at least P sure that i's original is among these" -- kept only when it has at most
+`max_group` items (a diffuse answer means no copy). Items i and j are linked when each is in the
+other's set (mutual: a look-alike that attracts i does not link it unless it is also drawn to i),
+and groups are the cliques of that graph: each connected component is split greedily into groups
+where every member is linked to every other, so a chain A-B-C with A and C unlinked never becomes
+one group. A group is kept when every member is at least P sure that its original is among the
+others (its confidence, `describe_group`).
+
+Candidates come from the ANN index (top-k per item, never N^2 pairs); log Z is bounded from the
+top-k (lower: those k alone; upper: every other item at the k-th similarity), and only an item whose
+set differs between the two bounds gets an exact pass over the stored vectors. Memory is
+O(block * N_block + N * max_group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.special import logsumexp
+from tqdm.auto import tqdm
+
+from search.duplicates.calibration import DuplicateCalibration
+
+SCAN_BLOCK = 65_536
+
+
+@dataclass
+class CandidateSet:
+    """S_i: rows and their p(j | i), most probable first; `exact` says whether log Z was summed exactly."""
+
+    rows: np.ndarray
+    probabilities: np.ndarray
+    similarities: np.ndarray
+    exact: bool
+
+
+def _prefix(p: np.ndarray, threshold: float, max_group: int) -> int:
+    """Length of the shortest prefix of `p` (descending) with mass >= threshold, 0 if none within max_group."""
+    reached = np.flatnonzero(np.cumsum(p[:max_group]) >= threshold)
+    return int(reached[0]) + 1 if reached.size else 0
+
+
+def log_z_without_self(embeddings: np.ndarray, queries: np.ndarray, self_rows: np.ndarray, tau: float,
+                       bias: float, block: int = SCAN_BLOCK) -> np.ndarray:
+    """Exact log(exp(b/tau) + sum_{l != self} exp(s_l/tau)) per query, streamed over the stored rows."""
+    q = np.asarray(queries, dtype=np.float32)
+    acc = np.full(q.shape[0], bias / tau)
+    for start in range(0, embeddings.shape[0], block):
+        logits = (q @ np.asarray(embeddings[start:start + block]).T).astype(np.float64) / tau
+        mine = (self_rows >= start) & (self_rows < start + logits.shape[1])
+        logits[np.flatnonzero(mine), self_rows[mine] - start] = -np.inf
+        acc = np.logaddexp(acc, logsumexp(logits, axis=1))
+    return acc
+
+
+def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshold: float, k: int = 32,
+                   max_group: int = 8, block: int = 1024, progress: bool = True) -> tuple[dict[int, CandidateSet], int]:
+    """{row: S_row} for the given rows (only non-empty sets), and how many rows needed an exact log Z."""
+    tau, bias = calibration.temperature, calibration.bias
+    emb = version.embeddings
+    n = int(emb.shape[0])
+    rows = np.asarray(rows, dtype=np.int64)
+    k = min(int(k), n - 1)
+    out: dict[int, CandidateSet] = {}
+    exact_scans = 0
+    if k < 1:
+        return out, 0
+    bar = tqdm(total=rows.size, desc="duplicate candidates", unit="item", disable=not progress)
+    for start in range(0, rows.size, block):
+        mine = rows[start:start + block]
+        z = np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32)
+        _, found = version.search(z, k + 1)
+        cand = np.full((mine.size, k), -1, np.int64)
+        for i in range(mine.size):   # drop the item itself (and FAISS's -1 fill)
+            others = found[i][(found[i] >= 0) & (found[i] != mine[i])][:k]
+            cand[i, : others.size] = others
+        valid = cand >= 0
+        sims = np.einsum("qd,qkd->qk", z.astype(np.float64), np.asarray(emb[np.maximum(cand, 0)], dtype=np.float64))
+        sims[~valid] = -np.inf
+        order = np.argsort(-sims, axis=1, kind="stable")   # exact order (the index may be approximate)
+        cand, sims = np.take_along_axis(cand, order, 1), np.take_along_axis(sims, order, 1)
+        logits = sims / tau
+        # bounds on log Z: the top-k alone (lower), every other item at the k-th similarity (upper)
+        log_lo = np.logaddexp(bias / tau, logsumexp(logits, axis=1))
+        rest = n - 1 - valid.sum(axis=1)
+        kth = np.where(np.isfinite(sims[:, -1]), sims[:, -1], -1.0)
+        with np.errstate(divide="ignore"):
+            log_hi = np.logaddexp(log_lo, np.log(np.maximum(rest, 0)) + kth / tau)
+        need_exact = []
+        decided: dict[int, float] = {}
+        for i in range(mine.size):
+            longest = _prefix(np.exp(logits[i] - log_lo[i]), threshold, max_group)   # most generous p
+            if longest == 0:
+                continue                                   # even the upper bound on p reaches no set
+            shortest = _prefix(np.exp(logits[i] - log_hi[i]), threshold, max_group)
+            if shortest == longest:
+                decided[i] = log_hi[i]
+            else:
+                need_exact.append(i)
+        if need_exact:
+            idx = np.array(need_exact)
+            exact = log_z_without_self(emb, z[idx], mine[idx], tau, bias)
+            decided.update({int(i): float(v) for i, v in zip(idx, exact)})
+            exact_scans += idx.size
+        for i, log_z in decided.items():
+            p = np.exp(logits[i] - log_z)
+            m = _prefix(p, threshold, max_group)
+            if m:
+                out[int(mine[i])] = CandidateSet(cand[i, :m].copy(), p[:m].copy(), sims[i, :m].copy(),
+                                                 exact=i in need_exact)
+        bar.update(mine.size)
+    bar.close()
+    return out, exact_scans
+
+
+def mutual_groups(sets: dict[int, CandidateSet]) -> list[list[int]]:
+    """Groups (lists of rows) from mutual links, each a clique: components split greedily, members with
+    more links first."""
+    links: dict[int, set[int]] = {}
+    for i, cs in sets.items():
+        for j in cs.rows.tolist():
+            if j in sets and i in sets[j].rows.tolist():
+                links.setdefault(i, set()).add(j)
+                links.setdefault(j, set()).add(i)
+    groups, assigned = [], set()
+    for node in sorted(links, key=lambda r: (-len(links[r]), r)):
+        if node in assigned:
+            continue
+        group = [node]
+        for other in sorted(links[node] - assigned, key=lambda r: (-len(links[r]), r)):
+            if all(other in links[g] for g in group):
+                group.append(other)
+        if len(group) > 1:
+            groups.append(sorted(group))
+            assigned.update(group)
+    return sorted(groups, key=lambda g: (-len(g), g))
+
+
+def describe_group(group: list[int], sets: dict[int, CandidateSet], ids: list[str]) -> dict:
+    """JSON record of one group: ids, rows, each pair's p both ways and similarity, and the confidence
+    min_i sum_{j in group, j != i} p(j | i)."""
+    def p_of(a: int, b: int) -> tuple[float, float]:
+        cs = sets[a]
+        hit = np.flatnonzero(cs.rows == b)
+        return (float(cs.probabilities[hit[0]]), float(cs.similarities[hit[0]])) if hit.size else (0.0, float("nan"))
+
+    pairs = []
+    for x, a in enumerate(group):
+        for b in group[x + 1:]:
+            p_ab, s = p_of(a, b)
+            p_ba, _ = p_of(b, a)
+            pairs.append({"a": ids[a], "b": ids[b], "p_ab": p_ab, "p_ba": p_ba, "similarity": s})
+    confidence = min(sum(p_of(a, b)[0] for b in group if b != a) for a in group)
+    return {"ids": [ids[r] for r in group], "rows": group, "confidence": confidence, "pairs": pairs}

@@ -1,0 +1,160 @@
+"""`softsearch dedup`: calibrate the duplicate temperature on the collection, find the groups, write them.
+
+    softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--out FILE]
+
+Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
+(the page at /duplicates), and a copy to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from index.manifest import atomic_write, utc_now
+from index.store import IndexStore, require_store
+from search.duplicates.calibration import QueryScores, calibrate, query_scores
+from search.duplicates.edits import edited_copy
+from search.duplicates.groups import candidate_sets, describe_group, mutual_groups
+from search.duplicates.page import render_page
+from training.images import cache_resolution, load_query, load_rgb, load_square
+
+logger = logging.getLogger(__name__)
+FORMAT = "softsearch-duplicates"
+QUERY_BLOCK = 64
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="softsearch dedup", description="near-duplicate groups of an index version at "
+                                "a calibrated probability", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--index", required=True, help="index store root")
+    p.add_argument("--version", default=None, help="version to scan (default: the current one)")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="probability P a duplicate set must reach (default: from --precision on the calibration)")
+    p.add_argument("--precision", type=float, default=0.99, help="target pair precision that picks the default P")
+    p.add_argument("--calibration-items", type=int, default=300,
+                   help="items copied with random edits (and as many left without a copy) to fit the temperature")
+    p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
+    p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def source_bytes(snapshot, item_id: str) -> bytes:
+    """The item's original bytes: the file for folders, the stored image as PNG otherwise."""
+    ds, i = snapshot.item_source(item_id)
+    path = getattr(ds, "path", None)
+    if callable(path):
+        return Path(path(i)).read_bytes()
+    buf = io.BytesIO()
+    ds.image(i).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def embed_bytes(snapshot, payloads: list[bytes]) -> np.ndarray:
+    """Embed image bytes exactly as the server embeds an upload of them (training/images.py decode)."""
+    side = cache_resolution(snapshot.encoder.image_size)
+    decode = load_square if snapshot.file_backed else load_query
+    return snapshot.encode([decode(b, side) for b in payloads])
+
+
+def _similarities(snapshot, z: np.ndarray) -> np.ndarray:
+    emb = snapshot.index.embeddings
+    return np.concatenate([z @ np.asarray(emb[s:s + 65536]).T for s in range(0, emb.shape[0], 65536)], axis=1)
+
+
+def calibration_queries(snapshot, items: int, seed: int, progress: bool = True) -> list[QueryScores]:
+    """Edited copies of `items` sampled items (their original is the answer) and `items` other items
+    searched without themselves (no original: the answer is "none")."""
+    from tqdm.auto import tqdm
+
+    n = snapshot.count
+    rng = np.random.default_rng(seed)
+    m = min(int(items), n // 2)
+    if m < 10:
+        raise ValueError(f"index version {snapshot.version} has {n} items; duplicate calibration needs at least 20")
+    picked = rng.permutation(n)
+    sources, loners = picked[:m], picked[m:2 * m]
+    ids = snapshot.index.ids
+    queries: list[QueryScores] = []
+    for start in tqdm(range(0, m, QUERY_BLOCK), desc="calibration copies", disable=not progress):
+        rows = sources[start:start + QUERY_BLOCK]
+        # decoded as indexing decodes (EXIF orientation, transparency on white), then edited
+        copies = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
+        sims = _similarities(snapshot, embed_bytes(snapshot, copies))
+        queries += [query_scores(sims[j], source=int(r)) for j, r in enumerate(rows)]
+    for start in range(0, m, QUERY_BLOCK):
+        rows = loners[start:start + QUERY_BLOCK]
+        sims = _similarities(snapshot, np.asarray(snapshot.index.embeddings[rows], dtype=np.float32))
+        queries += [query_scores(sims[j], source=-1, exclude=int(r)) for j, r in enumerate(rows)]
+    return queries
+
+
+def find_duplicates(snapshot, calibration, *, threshold: float | None = None, rows=None, k: int = 32,
+                    max_group: int = 8, progress: bool = True) -> dict:
+    """The duplicate groups among `rows` (default: every item) and whatever they link to."""
+    version = snapshot.index
+    p = float(calibration.threshold if threshold is None else threshold)
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"threshold must be in (0, 1), got {p}")
+    rows = np.arange(snapshot.count) if rows is None else np.asarray(rows, dtype=np.int64)
+    t0 = time.perf_counter()
+    sets, exact = candidate_sets(version, calibration, rows, threshold=p, k=k, max_group=max_group,
+                                 progress=progress)
+    needed = sorted({int(j) for cs in sets.values() for j in cs.rows} - set(rows.tolist()))
+    if needed:   # the other side of each link (scans of only some rows: index add / sync)
+        more, more_exact = candidate_sets(version, calibration, needed, threshold=p, k=k, max_group=max_group,
+                                          progress=False)
+        sets.update(more)
+        exact += more_exact
+    # a clique split off a larger component may leave a member less than p sure: such groups are dropped
+    groups = [g for g in (describe_group(g, sets, version.ids) for g in mutual_groups(sets)) if g["confidence"] >= p]
+    if rows.size < snapshot.count:
+        asked = set(rows.tolist())
+        groups = [g for g in groups if asked & set(g["rows"])]
+    return {"threshold": p, "groups": groups, "items_scanned": int(rows.size), "exact_log_z": int(exact),
+            "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from search.serving.searcher import Searcher
+
+    root = require_store(args.index)
+    store = IndexStore(root)
+    version = args.version or store.current_version()
+    if version is None:
+        raise FileNotFoundError(f"no current index version under {root}; build one first (softsearch index build)")
+    searcher = Searcher(root)
+    searcher.load(version)
+    snapshot = searcher.snapshot()
+    if args.threshold is not None and not 0.0 < args.threshold < 1.0:
+        raise ValueError(f"--threshold must be in (0, 1), got {args.threshold}")
+    if not 0.0 < args.precision < 1.0:
+        raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
+    queries = calibration_queries(snapshot, args.calibration_items, args.seed, progress=not args.no_progress)
+    calib = calibrate(queries, target_precision=args.precision, seed=args.seed)
+    found = find_duplicates(snapshot, calib, threshold=args.threshold, k=args.k, max_group=args.max_group,
+                            progress=not args.no_progress)
+    result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
+              "temperature": calib.temperature, "bias": calib.bias, "calibration": calib.to_json(),
+              "k": args.k, "max_group": args.max_group, **found}
+    path = store.duplicates_path(version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=1)
+    atomic_write(path, lambda fh: fh.write(text))
+    atomic_write(store.duplicates_path(version, ".html"), lambda fh: fh.write(render_page(result, snapshot)))
+    if args.out:
+        Path(args.out).write_text(text)
+    grouped = sum(len(g["ids"]) for g in result["groups"])
+    print(f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
+          f"(duplicate temperature {calib.temperature:.4g}, held-out ECE {calib.ece:.3f}); {path}")
+    return 0

@@ -1,0 +1,72 @@
+"""`softsearch dedup` on a real folder with planted edited copies, then GET /v1/duplicates and /duplicates."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from api_helpers import make_checkpoint
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from api.app import create_app
+from api.cli import main
+from api.client import SoftsearchClient, SoftsearchError
+from api.config import Settings
+from index.store import IndexStore
+from search.duplicates.edits import edited_copy
+from training.images import load_rgb
+
+
+@pytest.fixture(scope="module")
+def scanned(tmp_path_factory, make_image_folder):
+    base = tmp_path_factory.mktemp("dedup")
+    folder = make_image_folder(base / "photos", count=40, classes=2, size=48)
+    rng = np.random.default_rng(0)
+    originals = sorted(folder.rglob("*.png"))[:4]
+    for path in originals:
+        data, _ = edited_copy(Image.fromarray(load_rgb(path)), rng)
+        path.with_name(path.stem + ".copy.jpg" if data[:2] == b"\xff\xd8" else path.stem + ".copy.png").write_bytes(data)
+    ck = make_checkpoint(base / "enc.safetensors", seed=1)
+    root = base / "index"
+    assert main(["index", "build", "--root", str(root), "--checkpoint", str(ck), "--dataset", "folder", "--split", "all",
+                 "--data-root", str(folder), "--no-progress"]) == 0
+    return {"root": root, "folder": folder, "out": base / "dups.json"}
+
+
+def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
+    root = scanned["root"]
+    store = IndexStore(root)
+    version = store.current_version()
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        ss = SoftsearchClient(http=http)
+        with pytest.raises(SoftsearchError) as err:          # not scanned yet: 404 saying what to run
+            ss._call("GET", "/v1/duplicates")
+        assert err.value.status == 404 and "softsearch dedup" in err.value.detail
+        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
+                     "--out", str(scanned["out"]), "--no-progress"]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert line.startswith(f"dedup {version}:") and "held-out ECE" in line
+        data = json.loads(store.duplicates_path(version).read_text())
+        assert data == json.loads(scanned["out"].read_text())
+        assert data["threshold"] == 0.5 and data["count"] == 44 and data["temperature"] > 0
+        cal = data["calibration"]
+        assert cal["fitted_on"] + cal["held_out"] == 30 and 0 <= cal["ece"] <= 1
+        for g in data["groups"]:   # every member's original is among the others with p >= the threshold
+            assert len(g["ids"]) >= 2 and g["confidence"] >= 0.5 - 1e-9
+            assert all(p["p_ab"] > 0 and p["p_ba"] > 0 for p in g["pairs"])
+        body = ss._call("GET", "/v1/duplicates", params={"limit": 1}).json()
+        assert body["version"] == version and body["total_groups"] == len(data["groups"])
+        assert body["groups"] == data["groups"][:1]
+        page = ss.http.get("/duplicates")
+        assert page.status_code == 200 and "Duplicates in index version" in page.text and "data:image/png" in page.text
+
+
+def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
+    for argv, needle in ((["--threshold", "1.5"], "--threshold must be in (0, 1)"),
+                         (["--precision", "0"], "--precision must be in (0, 1)")):
+        assert main(["dedup", "--index", str(scanned["root"]), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0]
+    assert main(["dedup", "--index", str(tmp_path / "nope")]) == 2
+    assert "error:" in capsys.readouterr().err
