@@ -43,10 +43,18 @@ def _calibrate_version(*args, **kwargs):
     return calibrate_version(*args, **kwargs)
 
 
+def _report_duplicates(root, base: str | None, version: str) -> None:
+    """After `index add | sync`: which new items duplicate indexed ones (needs an earlier `softsearch dedup`)."""
+    from search.duplicates.job import report_new_duplicates
+
+    report_new_duplicates(root, base, version)
+
+
 def _index(argv: list[str]) -> int:
     from index.cli import main as index_main
 
-    return index_main(argv, evaluator=_evaluate_version, calibrator=_calibrate_version)
+    return index_main(argv, evaluator=_evaluate_version, calibrator=_calibrate_version,
+                      on_new_items=_report_duplicates)
 
 
 def _eval(argv: list[str]) -> int:

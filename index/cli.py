@@ -445,7 +445,7 @@ def _list(store: IndexStore, as_json: bool) -> None:
 CREATES_STORE = ("build", "import")
 
 
-def _run(args, evaluator, calibrator) -> int:
+def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command not in CREATES_STORE:
         require_store(args.root)
     store = IndexStore(args.root)
@@ -481,9 +481,12 @@ def _run(args, evaluator, calibrator) -> int:
         if base is None:
             raise FileNotFoundError(f"no current index version under {args.root} to add to")
         image_size = (base.get("encoder") or {}).get("image_size")
+        base_version = args.base or store.current_version()
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
                             base=args.base, evaluator=evaluator, **_embed_opts(args))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
+        if on_new_items is not None:
+            on_new_items(args.root, base_version, version)
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "sync":
         version, counts = sync_index(args.root, args.data_root, base=args.base, evaluator=evaluator,
@@ -495,6 +498,8 @@ def _run(args, evaluator, calibrator) -> int:
         print(_summary("sync", store, version, time.perf_counter() - t0, not args.no_activate)
               + "; " + ", ".join(f"{counts[k]} {k}" for k in ("added", "removed", "modified", "retried", "touched",
                                                                  "unchanged", "embedded")))
+        if on_new_items is not None:
+            on_new_items(args.root, counts["base"], version)
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "delete":
         version, counts = delete_items(args.root, read_ids_file(args.ids_file), base=args.base,
@@ -558,9 +563,10 @@ def _run(args, evaluator, calibrator) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def main(argv: list[str] | None = None, evaluator=None, calibrator=None) -> int:
+def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_items=None) -> int:
     """Entry point of `softsearch index ...`; `evaluator` is the quality gate and `calibrator` the
-    search-temperature calibration (see index.build), both injected by the caller."""
+    search-temperature calibration (see index.build), both injected by the caller, as is
+    `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report)."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -569,7 +575,7 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _run(args, evaluator, calibrator)
+        return _run(args, evaluator, calibrator, on_new_items)
     except ActivationRefused as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -124,6 +124,54 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
             "seconds": time.perf_counter() - t0}
 
 
+def latest_calibration(store: IndexStore, checkpoint_sha: str | None):
+    """The newest dedup calibration of a version embedded by the same encoder (None if there is none)."""
+    from index.models import checkpoint_record
+    from search.duplicates.calibration import DuplicateCalibration
+
+    for version in reversed(store.versions()):
+        path = store.duplicates_path(version)
+        if not path.is_file():
+            continue
+        try:
+            if checkpoint_record(store.manifest(version)).get("sha256") != checkpoint_sha:
+                continue
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, KeyError):
+            continue
+        return version, DuplicateCalibration.from_json(data["calibration"]), float(data["threshold"])
+    return None
+
+
+def report_new_duplicates(root, base: str | None, version: str, progress: bool = False) -> dict | None:
+    """Print (and return) the groups that items new in `version` (not in `base`) form with indexed items,
+    at the calibration of the newest dedup scan made with the same encoder; None without one."""
+    from index.models import checkpoint_record
+    from search.serving.searcher import Searcher
+
+    store = IndexStore(root)
+    if version is None or version == base:
+        return None
+    found = latest_calibration(store, checkpoint_record(store.manifest(version)).get("sha256"))
+    if found is None:
+        logger.info("no dedup scan with this encoder yet: run 'softsearch dedup --index %s' to find duplicates", root)
+        return None
+    scanned, calib, threshold = found
+    searcher = Searcher(root)
+    searcher.load(version)
+    snapshot = searcher.snapshot()
+    old = set(store.load(base, verify=False, gpu=False).ids) if base else set()
+    new_rows = [r for r, i in enumerate(snapshot.index.ids) if i not in old]
+    result = find_duplicates(snapshot, calib, threshold=threshold, rows=new_rows, progress=progress)
+    for g in result["groups"]:
+        fresh = [i for i in g["ids"] if i not in old]
+        print(f"duplicate: {', '.join(fresh)} ~ {', '.join(i for i in g['ids'] if i in old) or '(each other)'} "
+              f"(confidence {g['confidence']:.3f})")
+    print(f"{len(result['groups'])} duplicate groups among {len(new_rows)} new items (p >= {threshold:.3g}, "
+          f"calibration of {scanned})")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from search.serving.searcher import Searcher

@@ -70,3 +70,28 @@ def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
         assert len(err) == 1 and needle in err[0]
     assert main(["dedup", "--index", str(tmp_path / "nope")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys):
+    """After `softsearch dedup`, `index add` says which new items duplicate indexed ones (a byte-identical
+    copy of an indexed file has similarity 1 to it: its group must include that file)."""
+    import shutil
+
+    root = scanned["root"]
+    if not IndexStore(root).duplicates_path(IndexStore(root).current_version()).is_file():
+        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
+                     "--no-progress"]) == 0
+    extra = tmp_path / "extra"   # class folders like the indexed ones (the quality gate scores by class)
+    originals = sorted(scanned["folder"].rglob("*.png"))[10:12]
+    for n, original in enumerate(originals):
+        (extra / f"class{n}").mkdir(parents=True)
+        shutil.copy2(original, extra / f"class{n}" / f"again{n}.png")
+    capsys.readouterr()
+    assert main(["index", "add", "--root", str(root), "--dataset", "folder", "--split", "all",
+                 "--data-root", str(extra), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "duplicate groups among 2 new items" in out
+    for n, original in enumerate(originals):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"duplicate: class{n}/again{n}.png")), None)
+        if line is not None:
+            assert original.relative_to(scanned["folder"]).as_posix() in line
