@@ -203,6 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("import", help="import an exported archive; it becomes current through the quality gate")
     common(sp); notify(sp)
     sp.add_argument("archive")
+    sp.add_argument("--max-bytes", default="64G", metavar="SIZE",
+                    help="refuse an archive that states more than SIZE bytes in all (e.g. 500M, 200G; default 64G); "
+                         "it is also refused when its stated size exceeds the free space")
     activation(sp, tuned=False)   # --force also activates when the gate cannot run here
     return p
 
@@ -556,7 +559,8 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         return 0
     if args.command == "import":
         version, existed = import_version(args.root, args.archive, evaluator=evaluator, margin=args.margin,
-                                          force=args.force, activate=not args.no_activate, keep=args.keep)
+                                          force=args.force, activate=not args.no_activate, keep=args.keep,
+                                          max_bytes=parse_bytes(args.max_bytes))
         state = "activated" if store.current_version() == version else "not activated"
         print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
         return _notify(args, version) if state == "activated" else 0

@@ -7,11 +7,17 @@ Archive layout (plain tar, or gzip when the name ends in .gz / .tgz)::
     versions/<version>/manifest.json, index.faiss, embeddings.npy, ids.json, ...
     models/<sha256>.safetensors            the encoder weights the version names
 
-Import trusts nothing in the archive: only regular files at exactly those paths are accepted
-(absolute paths, `..`, symlinks, hard links, devices and unlisted members are refused before
-anything is written), each member is streamed into staging while its sha256 is computed and
-compared with the export index, then the version is checked against its own manifest and the
-model against its name. The version becomes current only through the quality gate (or `force`).
+Import trusts nothing in the archive. The export index must come first; its stated sizes are held
+to a total limit (`max_bytes`, DEFAULT_MAX_IMPORT_BYTES) and to the free space on the store's
+filesystem before anything is read further. Then every tar header is checked as it is met, before
+the member's data is decompressed: only regular files at exactly the listed paths, each with the
+size the index states (absolute paths, `..`, links, devices, unlisted members and a header that
+disagrees with its stated size are refused before anything is written). The version manifest is
+staged first and must list the same sizes and checksums as the export index; then each member is
+streamed into staging while its bytes are counted (stopping at the first byte past its stated
+size) and its sha256 computed, with the free space checked before each member. The version is
+then checked against its own manifest and the model against its name, and becomes current only
+through the quality gate (or `force`).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate, gate_version
-from index.disk import writing
+from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
 from index.store import ActivationRefused, IndexStore, VersionExists, check_version_name
@@ -40,6 +46,9 @@ EXPORT_FORMAT = "softsearch-index-export"
 EXPORT_FORMAT_VERSION = 1
 EXPORT_INDEX = "softsearch-export.json"
 MAX_INDEX_BYTES = 1 << 20
+#: the most bytes an import writes unless told otherwise (`index import --max-bytes`): a version of
+#: 10 million 512-d float32 embeddings with its index and model is about 41 GB
+DEFAULT_MAX_IMPORT_BYTES = 64 << 30
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -124,14 +133,15 @@ def _check_member(member: tarfile.TarInfo) -> None:
         raise ValueError(f"archive member {name!r} escapes the store ('..' or empty path parts); refused")
     if member.issym() or member.islnk():
         raise ValueError(f"archive member {name!r} is a link (to {member.linkname!r}); refused")
-    if not member.isfile():
+    if member.type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
         raise ValueError(f"archive member {name!r} is not a regular file; refused")
 
 
-def _read_index(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> dict:
-    info = members.get(EXPORT_INDEX)
-    if info is None:
-        raise ValueError(f"not a softsearch index export: {EXPORT_INDEX} is missing")
+def _read_index(tar: tarfile.TarFile, info: tarfile.TarInfo | None) -> dict:
+    """The export index, which must be the archive's first member (so sizes are known before any data)."""
+    if info is None or info.name != EXPORT_INDEX:
+        raise ValueError(f"not a softsearch index export: {EXPORT_INDEX} is not its first member")
+    _check_member(info)
     if info.size > MAX_INDEX_BYTES:
         raise ValueError(f"{EXPORT_INDEX} is {info.size} bytes; refusing more than {MAX_INDEX_BYTES}")
     try:
@@ -147,36 +157,99 @@ def _read_index(tar: tarfile.TarFile, members: dict[str, tarfile.TarInfo]) -> di
     check_sha(index.get("model"))
     files = index.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
+                                              and type(v["bytes"]) is int and v["bytes"] >= 0
                                               for v in files.values()):
-        raise ValueError(f"{EXPORT_INDEX} lists no valid files")
+        raise ValueError(f"{EXPORT_INDEX} lists no valid files (each needs a sha256 and a byte count >= 0)")
     return index
+
+
+def _check_space(index: dict, work: Path, max_bytes: int | None) -> int:
+    """The bytes the import will write (on disk, whole blocks), refused before any is written when over
+    `max_bytes` (ValueError) or over the free space on the store's filesystem (DiskFull)."""
+    stated = sum(f["bytes"] for f in index["files"].values())
+    if max_bytes is not None and stated > max_bytes:
+        raise ValueError(f"the archive states {stated} bytes ({format_bytes(stated)}), over the import limit of "
+                         f"{max_bytes} ({format_bytes(max_bytes)}); raise it with --max-bytes if it is expected")
+    needed = sum(on_disk(f["bytes"]) for f in index["files"].values())
+    free = free_bytes(work)
+    if free is not None and free < needed:
+        raise DiskFull(work, needed)
+    return needed
+
+
+def _read_headers(tar: tarfile.TarFile, index: dict) -> dict[str, tarfile.TarInfo]:
+    """Every member after the export index, each header checked as it is read -- before tarfile
+    decompresses its way past that member's data -- against the layout and its stated size."""
+    version, model, files = index["version"], index["model"], index["files"]
+    members: dict[str, tarfile.TarInfo] = {}
+    while True:
+        member = tar.next()
+        if member is None:
+            return members
+        _check_member(member)
+        name = member.name
+        if name in members or name == EXPORT_INDEX:
+            raise ValueError(f"archive member {name!r} appears twice; refused")
+        if not _allowed(name, version, model):
+            raise ValueError(f"archive members outside the export layout refused: [{name!r}]")
+        if name not in files:
+            raise ValueError(f"archive does not match its export index (unlisted {name!r})")
+        if member.size != files[name]["bytes"]:
+            raise ValueError(f"archive member {name} has {member.size} bytes, the export index says "
+                             f"{files[name]['bytes']}; refused before writing it")
+        members[name] = member
 
 
 def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
              needed: int | None = None) -> None:
-    """Stream one member to `target`, hashing as it goes; ValueError on a size or checksum mismatch,
-    DiskFull (naming `needed`, the import's bytes) when the disk fills."""
-    if member.size != expected["bytes"]:
-        raise ValueError(f"archive member {member.name} has {member.size} bytes, the export index says "
-                         f"{expected['bytes']}")
+    """Stream one member to `target`, counting and hashing as it goes; ValueError at the first byte past
+    its stated size or on a checksum mismatch, DiskFull (naming `needed`, the import's bytes) when the disk
+    fills."""
+    limit = expected["bytes"]
     digest = hashlib.sha256()
     source = tar.extractfile(member)
+    written = 0
     with writing(target, needed):
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as out:
-            for chunk in iter(lambda: source.read(1 << 20), b""):
+            for chunk in iter(lambda: source.read(min(1 << 20, limit - written + 1)), b""):
+                written += len(chunk)
+                if written > limit:
+                    raise ValueError(f"archive member {member.name} is larger than the {limit} bytes its export "
+                                     "index states; refused")
                 digest.update(chunk)
                 out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
+    if written != limit:
+        raise ValueError(f"archive member {member.name} has {written} bytes, the export index says {limit}")
     if digest.hexdigest() != expected["sha256"]:
         raise ValueError(f"archive member {member.name} fails its checksum (sha256 {digest.hexdigest()[:12]}... != "
                          f"{expected['sha256'][:12]}...); the archive is damaged")
 
 
+def _check_manifest_files(path: Path, version: str, files: dict) -> None:
+    """The staged version manifest must list exactly the version's files the export index states."""
+    try:
+        listed = json.loads(path.read_text(encoding="utf-8")).get("files")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise IndexCorruptError(f"{path} is not a valid manifest ({err})") from err
+    prefix = f"versions/{version}/"
+    stated = {n[len(prefix):]: files[n] for n in files if n.startswith(prefix) and n != prefix + MANIFEST_NAME}
+    if not isinstance(listed, dict) or {n: (v.get("bytes"), v.get("sha256")) for n, v in listed.items()
+                                        if isinstance(v, dict)} != {n: (v["bytes"], v["sha256"])
+                                                                    for n, v in stated.items()}:
+        raise ValueError(f"the version manifest in the archive lists other files or sizes than its export index; "
+                         "refused")
+
+
 def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
-                   force: bool = False, activate: bool = True, keep: int | None = None) -> tuple[str, bool]:
+                   force: bool = False, activate: bool = True, keep: int | None = None,
+                   max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
+
+    At most `max_bytes` are written (None: no limit but the free space); see the module docstring for
+    what is checked, and when.
 
     The version is committed, then activated only if the quality gate passes against the serving
     version (or `force`). When the gate cannot run here (for example the version's dataset is
@@ -198,33 +271,38 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
             raise ValueError(f"{archive} is not a tar archive ({reason})") from err
         with tar:
             try:
-                listed = tar.getmembers()
-            except (tarfile.TarError, OSError, EOFError) as err:
+                index = _read_index(tar, tar.next())
+                version, model = index["version"], index["model"]
+                needed = _check_space(index, work, max_bytes)
+                members = _read_headers(tar, index)
+            except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
+                if isinstance(err, DiskFull):
+                    raise
                 raise ValueError(f"{archive} is damaged or truncated ({str(err).splitlines()[0]})") from err
-            members: dict[str, tarfile.TarInfo] = {}
-            for member in listed:
-                _check_member(member)
-                if member.name in members:
-                    raise ValueError(f"archive member {member.name!r} appears twice; refused")
-                members[member.name] = member
-            index = _read_index(tar, members)
-            version, model = index["version"], index["model"]
-            unexpected = sorted(n for n in members if not _allowed(n, version, model))
-            if unexpected:
-                raise ValueError(f"archive members outside the export layout refused: {unexpected[:5]}")
             listed_files = set(index["files"])
-            if set(members) - {EXPORT_INDEX} != listed_files:
+            if set(members) != listed_files:
                 missing = sorted(listed_files - set(members))
-                extra = sorted(set(members) - {EXPORT_INDEX} - listed_files)
-                raise ValueError(f"archive does not match its export index (missing {missing[:5]}, unlisted {extra[:5]})")
-            if model_relpath(model) not in listed_files or f"versions/{version}/{MANIFEST_NAME}" not in listed_files:
+                raise ValueError(f"archive does not match its export index (missing {missing[:5]})")
+            manifest_name = f"versions/{version}/{MANIFEST_NAME}"
+            if model_relpath(model) not in listed_files or manifest_name not in listed_files:
                 raise ValueError("archive lacks the version manifest or the encoder model")
-            needed = sum(int(index["files"][name]["bytes"]) for name in listed_files)
-            for name in sorted(listed_files):
+            if members[manifest_name].size > MAX_INDEX_BYTES:
+                raise ValueError(f"{manifest_name} is {members[manifest_name].size} bytes; refusing more than "
+                                 f"{MAX_INDEX_BYTES}")
+            # the manifest first: the files it lists must be the ones the export index states, byte for byte
+            order = [manifest_name] + [n for n in members if n != manifest_name]
+            remaining = needed   # bytes still to write; the disk may have filled since _check_space
+            for name in order:
+                free = free_bytes(work)
+                if free is not None and free < remaining:
+                    raise DiskFull(work / name, needed)
+                remaining -= on_disk(index["files"][name]["bytes"])
                 try:
                     _extract(tar, members[name], index["files"][name], work / name, needed)
                 except (tarfile.TarError, EOFError, zlib.error) as err:
                     raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
+                if name == manifest_name:
+                    _check_manifest_files(work / name, version, index["files"])
         staged = work / "versions" / version
         manifest = read_manifest(staged)
         verify_files(staged, manifest)

@@ -1,6 +1,8 @@
 """index export / import (index/transfer.py): a version and its model in one checked archive."""
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import json
 import shutil
@@ -258,3 +260,137 @@ def test_concurrent_imports_of_one_archive_serialise(tmp_path, exported):
         assert store.versions() == [exported["version"]] and store.current_version() == exported["version"]
         store.load(exported["version"], verify=True, gpu=False)
         assert not any((root / "staging").iterdir())
+
+
+# ----------------------------------------------------------------------------- sizes while streaming
+
+def _tar_block(info: tarfile.TarInfo, data: bytes | None = None) -> bytes:
+    """One member as tar bytes: its header, then `data` padded to 512-byte blocks (None: header only)."""
+    head = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
+    if data is None:
+        return head
+    return head + data + bytes(-len(data) % tarfile.BLOCKSIZE)
+
+
+def _restated(members, change) -> list[tuple[tarfile.TarInfo, bytes]]:
+    """The exported members with the export index's "files" passed through `change(files)`."""
+    out = []
+    for info, data in members:
+        if info.name == EXPORT_INDEX:
+            index = json.loads(data)
+            change(index["files"])
+            data = json.dumps(index).encode()
+        out.append((info, data))
+    return out
+
+
+def _gzip_bomb(path, members, bomb: str, size: int):
+    """A gzip tar whose member `bomb` is `size` zero bytes, written as concatenated gzip members (one
+    16 MiB block of zeros compressed once, repeated), so ~2 MB on disk holds 2 GiB -> compressed bytes."""
+    block = 16 << 20
+    assert size % block == 0
+    zeros = gzip.compress(bytes(block), compresslevel=9)
+    with open(path, "wb") as out:
+        for info, data in members:
+            if info.name == bomb:
+                info = tarfile.TarInfo(bomb)
+                info.size = size
+                out.write(gzip.compress(_tar_block(info)))
+                for _ in range(size // block):
+                    out.write(zeros)
+            else:
+                info.size = len(data)
+                out.write(gzip.compress(_tar_block(info, data)))
+        out.write(gzip.compress(bytes(2 * tarfile.BLOCKSIZE)))   # end of archive
+    return path.stat().st_size
+
+
+def test_member_larger_than_stated_is_refused_at_its_header(tmp_path, exported):
+    ids = f"versions/{exported['version']}/ids.json"
+
+    def smaller(files):
+        files[ids]["bytes"] -= 10
+
+    bad = tmp_path / "bad.tar"
+    _write(bad, _restated(_members(exported["archive"]), smaller))
+    root = tmp_path / "store"
+    with pytest.raises(ValueError, match=f"{ids} has .* bytes, the export index says .*refused before writing"):
+        import_version(root, bad)
+    assert _tree(root) == set()
+
+
+def test_gzip_bomb_stated_small_writes_nothing(tmp_path, exported):
+    """2 GiB of zeros in a ~2 MB gzip, its export index stating the real (small) ids.json: refused at
+    the member's header, before its data is decompressed or anything is written."""
+    version = exported["version"]
+    ids = f"versions/{version}/ids.json"
+    bad = tmp_path / "bomb.tar.gz"
+    compressed = _gzip_bomb(bad, _members(exported["archive"]), ids, 2 << 30)
+    assert compressed < 4 << 20
+    root = tmp_path / "store"
+    with pytest.raises(ValueError, match=f"{ids} has {2 << 30} bytes, the export index says"):
+        import_version(root, bad)
+    assert _tree(root) == set()
+    # the bomb's data is never read: cut right after its first compressed block, the refusal is the same
+    # (an import that decompressed past the member would report a truncated archive instead)
+    cut = tmp_path / "cut.tar.gz"
+    data = bad.read_bytes()
+    cut.write_bytes(data[:data.index(gzip.compress(bytes(16 << 20), compresslevel=9)) + 100])
+    with pytest.raises(ValueError, match=f"{ids} has {2 << 30} bytes, the export index says"):
+        import_version(root, cut)
+    assert _tree(root) == set()
+
+
+def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, exported):
+    """The streaming guard itself: a member whose data runs past what the export index states is cut
+    off at that size, not written out (here a 2 GiB bomb stated as 1 MiB, past the header check)."""
+    from index.transfer import _extract
+    ids = f"versions/{exported['version']}/ids.json"
+    bomb = tmp_path / "bomb.tar.gz"
+    _gzip_bomb(bomb, _members(exported["archive"]), ids, 2 << 30)
+    target = tmp_path / "out" / "ids.json"
+    with tarfile.open(bomb, "r:gz") as tar:
+        member = next(m for m in tar if m.name == ids)
+        with pytest.raises(ValueError, match="larger than the 1048576 bytes its export index states"):
+            _extract(tar, member, {"bytes": 1 << 20, "sha256": "0" * 64}, target)
+    assert target.stat().st_size <= 1 << 20
+
+
+def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_path, exported, capsys):
+    """A bomb whose export index states its true size: refused by the total limit (exit 2) or, above the
+    free space of the store's filesystem, as a full disk (exit 4) -- in both cases before any byte."""
+    version = exported["version"]
+    ids = f"versions/{version}/ids.json"
+    size = 2 << 30
+    digest = hashlib.sha256()
+    for _ in range(size // (16 << 20)):
+        digest.update(bytes(16 << 20))
+    members = _restated(_members(exported["archive"]),
+                        lambda files: files[ids].update(bytes=size, sha256=digest.hexdigest()))
+    bad = tmp_path / "honest.tar.gz"
+    _gzip_bomb(bad, members, ids, size)
+    root = tmp_path / "store"
+    with pytest.raises(ValueError, match="over the import limit of 1073741824"):
+        import_version(root, bad, max_bytes=1 << 30)
+    assert _tree(root) == set()
+    capsys.readouterr()
+    assert main(["import", "--root", str(root), str(bad), "--max-bytes", "1G"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the archive states") and "--max-bytes" in err and err.count("\n") == 1
+    assert _tree(root) == set()
+
+    # stated beyond the free space (1 PiB in the export index; the member itself is never reached)
+    huge = tmp_path / "huge.tar"
+    _write(huge, _restated(_members(exported["archive"]), lambda files: files[ids].update(bytes=1 << 50)))
+    assert main(["import", "--root", str(root), str(huge), "--max-bytes", "2048T"]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("error: no space left on device writing ") and "staging/import-" in err
+    assert "needed" in err and err.count("\n") == 1
+    assert _tree(root) == set()
+
+
+def test_default_import_limit_is_the_documented_one():
+    from index.cli import _parser, parse_bytes
+    from index.transfer import DEFAULT_MAX_IMPORT_BYTES
+    args = _parser().parse_args(["import", "a.tar"])
+    assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2 ** 30
