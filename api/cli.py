@@ -53,8 +53,10 @@ def _report_duplicates(root, base: str | None, version: str) -> None:
 def _index(argv: list[str]) -> int:
     from index.cli import main as index_main
 
+    from api.notify import notify_server
+
     return index_main(argv, evaluator=_evaluate_version, calibrator=_calibrate_version,
-                      on_new_items=_report_duplicates)
+                      on_new_items=_report_duplicates, notifier=notify_server)
 
 
 def _eval(argv: list[str]) -> int:

@@ -21,7 +21,8 @@ import threading
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from index.store import ActivationRefused, IndexStore
+from index.gate import ActivationRefused, gate_for
+from index.store import IndexStore
 from search.serving.searcher import ReloadResult, Searcher
 
 logger = logging.getLogger(__name__)
@@ -33,15 +34,17 @@ REFUSALS = (*LOAD_ERRORS, ActivationRefused)
 _SWAP_LOCK = threading.Lock()   # fallback for apps built without create_app's own lock
 
 
+def _evaluate_version(candidate, serving) -> dict:
+    """The quality gate's evaluator, imported on first use: a serving process loads no evaluation code
+    until a version without a gate result must be gated."""
+    from search.evaluation.quality import evaluate_version
+
+    return evaluate_version(candidate, serving)
+
+
 def _gate(store: IndexStore):
     """The quality gate for a version with no gate result yet (gated at its first activation)."""
-    def gate(version: str) -> dict:
-        from index.build import gate_version
-        from search.evaluation.quality import evaluate_version   # imported only when needed: it pulls in the evaluator
-
-        return gate_version(store, version, evaluate_version)
-
-    return gate
+    return gate_for(store, _evaluate_version)
 
 
 def serve_version(searcher: Searcher, version: str | None = None, *, force: bool = False,

@@ -66,7 +66,7 @@ def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | 
 
 def _servable(store, version: str) -> str:
     """`version`, made current by a forced activation when the activation rule refuses it (see above)."""
-    from index.store import ActivationRefused
+    from index.gate import ActivationRefused
 
     try:
         store.serving_check(version)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from index.lazy import lazy_exports
 
 _HOMES = {
-    "QualityGateError": "index.build", "add_items": "index.build", "build_index": "index.build",
+    "ActivationRefused": "index.gate", "QualityGateError": "index.gate", "activation_checks": "index.gate",
+    "gate_for": "index.gate", "add_items": "index.build", "build_index": "index.build",
     "rebuild_index": "index.build",
     "choose_kind": "index.faiss_index", "create_index": "index.faiss_index", "exact_neighbours": "index.faiss_index",
     "recall_at_k": "index.faiss_index", "tune": "index.faiss_index",

@@ -39,26 +39,20 @@ from index.metadata import Metadata, dataset_metadata, item_files, read_metadata
 from index.list_stats import ListStats
 from index.manifest import DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
 from index.models import checkpoint_record, is_store_model, model_relpath
-from index.store import (DEFAULT_MARGIN, EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, ActivationRefused,
-                         IndexStore, IndexVersion, new_version_name, recall_check)
+from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
+                         new_version_name)
 from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
-Evaluator = Callable[[IndexVersion, IndexVersion], dict]
-# calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
-Calibrator = Callable[[IndexVersion], "dict | None"]
 TUNE_QUERIES = 1000
 TUNE_K = 10
 
 
-#: A refused activation (quality gate or recall below target; see index.store.activation_checks).
-QualityGateError = ActivationRefused
 
 
-class GateUnavailable(Exception):
-    """An evaluator could not score a version here (e.g. its dataset is not on this machine); the gate
-    records the reason and the activation rule refuses the version unless forced."""
+
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -299,54 +293,6 @@ def _calibrate(staging: Path, calibrator: Calibrator) -> None:
     write_manifest(staging, manifest)
     logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
                 result.get("train_temperature", float("nan")))
-
-
-def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator: Evaluator | None, *,
-                margin: float = DEFAULT_MARGIN, force: bool = False) -> dict:
-    """The manifest's ``quality_gate`` for `candidate`: the evaluator's comparison with `serving` (when
-    both exist) and the recall check of its own FAISS index (index.store.recall_check).
-
-    The evaluator's keys stay at the top level (as it returned them); ``checks`` holds what the
-    activation rule reads: ``score`` (None when nothing was compared) and ``recall``."""
-    record: dict = {}
-    score = None
-    t0 = time.perf_counter()
-    if evaluator is not None and serving is not None:
-        try:
-            result = evaluator(candidate, serving)
-        except GateUnavailable as err:
-            recall = recall_check(candidate.manifest)
-            recall.pop("check", None)
-            return {"passed": False, "forced": bool(force), "serving_version": serving.version,
-                    "error": f"the quality gate cannot score this version here: {err}",
-                    "checks": {"score": None, "recall": recall}}
-        if not isinstance(result, dict) or not {"candidate", "serving"} <= set(result):
-            raise ValueError(f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}")
-        record.update(result)
-        cand, serv = float(result["candidate"]), float(result["serving"])
-        score = {"metric": result.get("metric", "score"), "candidate": cand, "serving": serv, "margin": float(margin),
-                 "serving_version": serving.version, "passed": bool(cand >= serv - margin)}
-        record.update(serving_version=serving.version, margin=float(margin), seconds=time.perf_counter() - t0)
-    served = ((record.get("index_recall") or {}).get("candidate")) if record else None
-    recall = recall_check(candidate.manifest, served)
-    recall.pop("check", None)
-    passed = (score is None or score["passed"]) and recall["passed"] is not False
-    record.update(passed=bool(passed), forced=bool(force and not passed), checks={"score": score, "recall": recall})
-    if score is not None:
-        logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
-                    "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
-    logger.info("%s", recall["message"])
-    return record
-
-
-def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,
-                 margin: float = DEFAULT_MARGIN) -> dict:
-    """Gate a committed version against the store's current one (the `gate` of IndexStore.activate
-    for versions that have no gate result yet)."""
-    candidate = store.load(version, verify=False, gpu=False)
-    current = store.current_version()
-    serving = store.load(current, verify=False, gpu=False) if current not in (None, version) else None
-    return gate_record(candidate, serving, evaluator, margin=margin)
 
 
 def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,

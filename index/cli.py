@@ -17,15 +17,14 @@ import json
 import logging
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from index import faiss_index
 from index.disk import describe as describe_os_error
 from index.manifest import IndexCorruptError
 from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
-from index.store import DEFAULT_MARGIN, ActivationRefused, IndexStore, require_store
+from index.gate import DEFAULT_MARGIN, ActivationRefused, gate_for
+from index.store import IndexStore, require_store
 # torch-backed modules (index.build, index.embed, index.sync, index.transfer) are imported where a command
 # runs them, so `softsearch index ... --help` loads neither torch nor the encoders.
 
@@ -37,8 +36,6 @@ DEFAULT_NOTIFY_TIMEOUT_S = 30.0
 NOTIFY_FAILED = 3
 #: Exit code when the filesystem failed under a command (disk full, I/O error, permission, read-only).
 STORAGE_FAILED = 4
-#: Answers worth retrying: the server is busy, restarting or behind a proxy that is.
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -210,91 +207,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _retry_after(headers) -> float | None:
-    value = (headers or {}).get("Retry-After")
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
-
-
-def _served_version(url: str, timeout: float) -> str | None:
-    """The version GET {url}/healthz reports (never rate limited), or None."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=timeout) as response:
-            return json.loads(response.read() or b"{}").get("version")
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
-def notify_server(url: str, token: str | None, version: str, *, wait_s: float = DEFAULT_NOTIFY_TIMEOUT_S,
-                  timeout: float = 10.0, sleep=time.sleep, clock=time.monotonic) -> tuple[bool, str]:
-    """POST {url}/v1/admin/reload {"version": version} until the server reports serving it -> (ok, message).
-
-    429 / 5xx / connection errors are retried after Retry-After (else 0.25 s doubling, at most 5 s)
-    for up to `wait_s` seconds; other answers (401, 403, 404, 409, ...) end at once. When the
-    reload never succeeded, /healthz decides (a server that follows the store may serve it anyway).
-    Never raises."""
-    endpoint = url.rstrip("/") + "/v1/admin/reload"
-    deadline = clock() + max(0.0, wait_s)
-    attempt = 0
-    while True:
-        attempt += 1
-        request = urllib.request.Request(endpoint, data=json.dumps({"version": version}).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
-        if token:
-            request.add_header("Authorization", f"Bearer {token}")
-        wait = None
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                served = json.loads(response.read() or b"{}").get("version")
-            if served == version:
-                return True, f"{url} now serves {served} (HTTP 200, attempt {attempt})"
-            return False, f"{endpoint}: HTTP 200 but the server reports version {served!r}, not {version}"
-        except urllib.error.HTTPError as err:
-            try:
-                detail = json.loads(err.read() or b"{}").get("detail") or err.reason
-            except (ValueError, OSError, AttributeError):
-                detail = err.reason
-            reason = f"HTTP {err.code}: {detail}"
-            if err.code not in RETRY_STATUSES:
-                return False, f"{endpoint}: {reason}"
-            wait = _retry_after(err.headers)
-        except ValueError as err:   # not a URL at all: retrying cannot help
-            return False, f"{endpoint}: {err}"
-        except (urllib.error.URLError, OSError) as err:
-            reason = str(getattr(err, "reason", err))
-        delay = wait if wait is not None else min(0.25 * 2 ** (attempt - 1), 5.0)
-        left = deadline - clock()
-        if left <= 0.0:
-            break
-        logger.info("notify %s: %s; retrying in %.2f s", endpoint, reason, min(delay, left))
-        sleep(min(delay, left))
-    served = _served_version(url, timeout)
-    if served == version:
-        return True, f"{url} serves {version} (it followed the store; the reload answered {reason})"
-    return False, (f"{endpoint}: no success after {attempt} attempts in {wait_s:g} s ({reason}); "
-                   f"the server reports version {served!r}")
-
-
 def _notify(args, version: str | None) -> int:
-    """Tell the --notify server about `version` -> the command's exit code (0, or NOTIFY_FAILED)."""
+    """Tell the --notify server about `version` -> the command's exit code (0, or NOTIFY_FAILED).
+    The HTTP client is api.notify.notify_server, injected by the caller as `args.notifier`."""
     if not getattr(args, "notify", None) or version is None:
         return 0
-    ok, message = notify_server(args.notify, args.token, version, wait_s=args.notify_timeout)
+    ok, message = args.notifier(args.notify, args.token, version, wait_s=args.notify_timeout)
     if ok:
         print(f"notified: {message}")
         return 0
     print(f"error: the server did not confirm version {version} ({message}); the store's current is {version}",
           file=sys.stderr)
     return NOTIFY_FAILED
-
-
-def _gate(store: IndexStore, evaluator):
-    """The gate IndexStore.activate runs on a version that has no gate result yet."""
-    from index.build import gate_version
-
-    return lambda version: gate_version(store, version, evaluator)
 
 
 def _dataset(args, image_size: int | None):
@@ -516,12 +440,12 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         _list(store, args.json)
         return 0
     if args.command == "activate":
-        entry = store.activate(args.version, force=args.force, path="index activate", gate=_gate(store, evaluator))
+        entry = store.activate(args.version, force=args.force, path="index activate", gate=gate_for(store, evaluator))
         print(f"activated {args.version}" + (" (forced: " + "; ".join(entry["overridden"]) + ")"
                                               if entry.get("forced") else ""))
         return _notify(args, args.version)
     if args.command == "rollback":
-        version = store.rollback(force=args.force, path="index rollback", gate=_gate(store, evaluator))
+        version = store.rollback(force=args.force, path="index rollback", gate=gate_for(store, evaluator))
         entry = store.last_activation(version) or {}
         print(f"rolled back to {version}" + (" (forced: " + "; ".join(entry["overridden"]) + ")"
                                               if entry.get("forced") else ""))
@@ -567,10 +491,11 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     raise AssertionError(f"unhandled command {args.command}")
 
 
-def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_items=None) -> int:
+def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_items=None, notifier=None) -> int:
     """Entry point of `softsearch index ...`; `evaluator` is the quality gate and `calibrator` the
-    search-temperature calibration (see index.build), both injected by the caller, as is
-    `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report)."""
+    search-temperature calibration (see index.build), both injected by the caller, as are
+    `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report),
+    and `notifier` (api.notify.notify_server) for --notify."""
     parser = _parser()
     try:
         args = parser.parse_args(argv)
@@ -578,6 +503,10 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_
         return int(exc.code or 0)
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args.notifier = notifier
+    if getattr(args, "notify", None) and notifier is None:
+        print("error: --notify needs the softsearch command (it brings the HTTP client)", file=sys.stderr)
+        return 2
     try:
         return _run(args, evaluator, calibrator, on_new_items)
     except ActivationRefused as err:

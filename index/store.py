@@ -10,8 +10,8 @@ Layout under `root`::
     history.json          activation stack (for rollback) and an action log
     .lock                 flock taken by every pointer / directory change
 
-Activation rule: `current` moves only through `IndexStore.activate` / `IndexStore.rollback`, which
-apply `activation_checks` to the version (its recorded quality-gate result, and the recall@10 its
+Activation rule (index/gate.py, its one home): `current` moves only through `IndexStore.activate` /
+`IndexStore.rollback`, which apply `activation_checks` to the version (its recorded quality-gate result, and the recall@10 its
 FAISS index reaches at the tuned search parameters against the version's target) and either refuse
 (ActivationRefused: which check, the figures, how to override) or move the pointer. `force`
 overrides a failed check; the override is logged in history.json with the time, the path that asked
@@ -35,13 +35,13 @@ import re
 import shutil
 import uuid
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import faiss
 import numpy as np
 
 from index import faiss_index
+from index.gate import ActivationRefused, Gate, activation_checks
 from index.list_stats import ListStats
 from index.manifest import (FROZEN_FIELDS, IndexCorruptError, atomic_write_text, fsync_dir, read_manifest,
                             verify_files, write_manifest)
@@ -56,96 +56,8 @@ VERSION_FILES = (INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE)
 #: The bounded normaliser's per-list statistics; in every version written since they are stored.
 LIST_STATS_FILE = "normaliser_stats.npz"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-#: How a refused activation is overridden, named in every refusal.
-FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
-#: A gate for a version that has none: gate(version name) -> its quality_gate record (index.build.gate_version).
-Gate = Callable[[str], dict]
-
-
-class ActivationRefused(RuntimeError):
-    """The activation rule refused a version (`failed`: the checks that failed); nothing changed.
-    Every command exits 1 on it; the admin reload answers 409."""
-
-    def __init__(self, version: str, failed: list[dict], hint: str = FORCE_HINT):
-        self.version, self.failed = version, failed
-        gate = next((c for c in failed if c["check"] == "quality gate"), {})
-        self.comparison = gate.get("record") or {}
-        super().__init__(f"activation of index version {version} refused: " + "; ".join(c["message"] for c in failed)
-                         + f"; {hint}")
-
-
 class VersionExists(ValueError):
     """`IndexStore.commit` of a name that versions/ already holds (e.g. a concurrent import won)."""
-
-
-def _fmt(x) -> str:
-    return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
-
-
-def recall_check(manifest: dict, served: dict | None = None) -> dict:
-    """The recall half of the rule: recall@10 of the version's own FAISS index at its tuned search
-    parameters (`faiss_index.search`, the call the server makes) against the target it was built for.
-
-    The figure is the gate's measurement on held-out queries (`served` or the recorded gate's
-    `checks.recall`) when there is one, else the build's tuning measurement on stored rows (each
-    query's own row excluded). {"check", "passed" (None: nothing recorded), "served", "tuned",
-    "target", "kind", "params", "measured_on", "message"}."""
-    tuned = manifest.get("recall") or {}
-    gate_recall = ((manifest.get("quality_gate") or {}).get("checks") or {}).get("recall") or {}
-    target = tuned.get("target", gate_recall.get("target"))
-    kind, params = manifest.get("kind"), dict(manifest.get("params") or {})
-    out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
-    if served is not None and served.get("recall") is not None:
-        out.update(served=float(served["recall"]), measured_on=f"{served.get('n_queries', '?')} held-out queries")
-    elif gate_recall.get("served") is not None:
-        out.update(served=float(gate_recall["served"]), measured_on=gate_recall.get("measured_on", "held-out queries"))
-    elif tuned.get("recall") is not None:
-        out.update(served=float(tuned["recall"]), measured_on=f"{tuned.get('sample', 'all')} stored rows (tuning)")
-    else:
-        out.update(served=None, measured_on=None)
-    if out["served"] is None or target is None:
-        out.update(passed=None, message="recall: not recorded")
-        return out
-    out["passed"] = bool(out["served"] >= float(target) - 1e-9)
-    described = f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'exact'})"
-    if out["passed"]:
-        out["message"] = (f"recall check: {described} reaches recall@10 {out['served']:.3f} >= target "
-                          f"{float(target):.3f} on {out['measured_on']}")
-    else:
-        out["message"] = (f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
-                          f"{float(target):.3f} on {out['measured_on']}; "
-                          + faiss_index.suggest_kind(kind, params, int(manifest.get("count", 0)),
-                                                     int(manifest.get("dim", 0)), float(target)))
-    return out
-
-
-def score_check(manifest: dict) -> dict:
-    """The quality-gate half of the rule: the recorded comparison with the version that was serving.
-    {"check", "passed" (None: the version has no gate result), "message", "record"}."""
-    gate = manifest.get("quality_gate")
-    out = {"check": "quality gate", "record": gate}
-    if not isinstance(gate, dict):
-        return {**out, "passed": None, "message": "quality gate: no result recorded"}
-    if gate.get("error"):
-        return {**out, "passed": False, "message": f"quality gate could not score it: {gate['error']}"}
-    # records written since the rule exists keep the comparison under checks.score (None: nothing
-    # was serving, or no evaluator); older ones have it at the top level
-    score = gate["checks"].get("score") if isinstance(gate.get("checks"), dict) else gate
-    if not score or score.get("candidate") is None or score.get("serving") is None:
-        passed = gate.get("passed") if score is gate else True
-        return {**out, "passed": passed, "message": "quality gate: nothing was serving to compare with"
-                if passed is not False else "quality gate failed"}
-    margin = float(score.get("margin") or 0.0)
-    passed = bool(float(score["candidate"]) >= float(score["serving"]) - margin)
-    return {**out, "passed": passed,
-            "message": f"quality gate {'passed' if passed else 'failed'} ({score.get('metric', 'score')}): candidate "
-                       f"{_fmt(score['candidate'])} {'>=' if passed else '<'} serving {_fmt(score['serving'])} - "
-                       f"margin {_fmt(margin)} (serving version {score.get('serving_version')})"}
-
-
-def activation_checks(manifest: dict) -> list[dict]:
-    """Both checks of the activation rule for one manifest (see `recall_check`, `score_check`)."""
-    return [score_check(manifest), recall_check(manifest)]
 
 
 def new_version_name(salt: str = "") -> str:
@@ -267,7 +179,6 @@ class IndexVersion:
         return out
 
 
-DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
 
 def require_store(root) -> Path:
     """The root of an existing store, or FileNotFoundError with one line saying what is wrong (a typo or a

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from index.build import (DEFAULT_MARGIN, Evaluator, _check_opts, _embed_sources, _gate_and_activate,
+from index.gate import DEFAULT_MARGIN, Evaluator
+from index.build import (_check_opts, _embed_sources, _gate_and_activate,
                          _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_records

@@ -34,11 +34,12 @@ import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
-from index.build import DEFAULT_MARGIN, Evaluator, GateUnavailable, _gate_and_activate, gate_version
+from index.build import _gate_and_activate
+from index.gate import DEFAULT_MARGIN, ActivationRefused, Evaluator, GateUnavailable, gate_for
 from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import check_sha, checkpoint_record, model_relpath
-from index.store import ActivationRefused, IndexStore, VersionExists, check_version_name
+from index.store import IndexStore, VersionExists, check_version_name
 
 logger = logging.getLogger(__name__)
 
@@ -348,7 +349,7 @@ def _activate_imported(store: IndexStore, version: str, staging: Path | None, *,
             _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
                                margin=margin, force=force, activate=activate, keep=keep, path="index import")
         else:
-            gate = None if evaluator is None else (lambda v: gate_version(store, v, guarded, margin))
+            gate = gate_for(store, None if evaluator is None else guarded, margin)
             store.activate(version, force=force, path="index import", gate=gate)
             if keep is not None:
                 store.prune(keep)

@@ -13,7 +13,7 @@ Scores (higher is better):
 Both are always reported, with the exact-kNN figure beside the served one (`exact_recall_at_10`);
 "metric" says which one the gate compares. `index_recall` is the recall@10 of each version's
 FAISS index against exact kNN on the same held-out queries: the activation rule compares the
-candidate's with the version's --target-recall (index.store.recall_check).
+candidate's with the version's --target-recall (index.gate.recall_check).
 """
 from __future__ import annotations
 

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.cli import main, parse_bytes, parse_params
+from api.notify import notify_server
+from index.cli import main as index_main
+from index.cli import parse_bytes, parse_params
+
+
+def main(argv, **kw):
+    """`softsearch index ARGV` as the console script runs it (with the --notify HTTP client)."""
+    return index_main(argv, notifier=notify_server, **kw)
 from index.store import IndexStore
 
 
@@ -180,7 +187,7 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
     (429, 3, 99, [3.0, 3.0, 3.0, 1.0], False),     # bounded: gives up when the time is spent
 ])
 def test_notify_retries_what_can_pass_and_stops_in_time(status, retry_after, busy, expected_sleeps, ok):
-    from index.cli import notify_server
+    from api.notify import notify_server
 
     _Flaky.plan = {"seen": 0, "busy": busy, "status": status, "retry_after": retry_after, "healthz": "old"}
     httpd = http.server.HTTPServer(("127.0.0.1", 0), _Flaky)

@@ -1,0 +1,187 @@
+"""The activation rule -- "may this version serve?" -- in one place.
+
+A version may become current (and a server may load it) when both checks pass:
+  * the quality gate (`score_check`): the evaluator's score of the candidate is at least the serving
+    version's minus `margin` (`score_passes`), recorded in its manifest's `quality_gate` by
+    `gate_record` when the version is built, imported or first activated (`gate_version`);
+  * the recall check (`recall_check`): recall@10 of its own FAISS index at its tuned parameters
+    reaches the target it was built for.
+`activation_checks(manifest)` gives both; `IndexStore.activate / rollback / serving_check` apply them
+and raise `ActivationRefused` (exit 1 on the CLI, 409 on the admin reload) unless forced. The evaluator
+(search.evaluation.quality) is injected by the caller: index/ cannot import search/.
+`gate_for(store, evaluator)` is the gate every activation path (CLI, admin reload, follower, import)
+uses for a version that has none yet.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+from index import faiss_index
+
+if TYPE_CHECKING:   # the store imports this module; these are for annotations only
+    from index.store import IndexStore, IndexVersion
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
+#: How a refused activation is overridden, named in every refusal.
+FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
+#: A gate for a version that has none: gate(version name) -> its quality_gate record (`gate_version`).
+Gate = Callable[[str], dict]
+
+Evaluator = Callable[["IndexVersion", "IndexVersion"], dict]
+# calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
+Calibrator = Callable[["IndexVersion"], "dict | None"]
+
+
+class ActivationRefused(RuntimeError):
+    """The activation rule refused a version (`failed`: the checks that failed); nothing changed.
+    Every command exits 1 on it; the admin reload answers 409."""
+
+    def __init__(self, version: str, failed: list[dict], hint: str = FORCE_HINT):
+        self.version, self.failed = version, failed
+        gate = next((c for c in failed if c["check"] == "quality gate"), {})
+        self.comparison = gate.get("record") or {}
+        super().__init__(f"activation of index version {version} refused: " + "; ".join(c["message"] for c in failed)
+                         + f"; {hint}")
+
+
+#: The name build/import callers catch: a refused activation (quality gate or recall below target).
+QualityGateError = ActivationRefused
+
+
+class GateUnavailable(Exception):
+    """An evaluator could not score a version here (e.g. its dataset is not on this machine); the gate
+    records the reason and the activation rule refuses the version unless forced."""
+
+
+def score_passes(candidate: float, serving: float, margin: float) -> bool:
+    """The quality gate's pass formula: candidate >= serving - margin (a little noise is tolerated)."""
+    return bool(float(candidate) >= float(serving) - float(margin))
+
+
+def _fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
+
+
+def recall_check(manifest: dict, served: dict | None = None) -> dict:
+    """The recall half of the rule: recall@10 of the version's own FAISS index at its tuned search
+    parameters (`faiss_index.search`, the call the server makes) against the target it was built for.
+
+    The figure is the gate's measurement on held-out queries (`served` or the recorded gate's
+    `checks.recall`) when there is one, else the build's tuning measurement on stored rows (each
+    query's own row excluded). {"check", "passed" (None: nothing recorded), "served", "tuned",
+    "target", "kind", "params", "measured_on", "message"}."""
+    tuned = manifest.get("recall") or {}
+    gate_recall = ((manifest.get("quality_gate") or {}).get("checks") or {}).get("recall") or {}
+    target = tuned.get("target", gate_recall.get("target"))
+    kind, params = manifest.get("kind"), dict(manifest.get("params") or {})
+    out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
+    if served is not None and served.get("recall") is not None:
+        out.update(served=float(served["recall"]), measured_on=f"{served.get('n_queries', '?')} held-out queries")
+    elif gate_recall.get("served") is not None:
+        out.update(served=float(gate_recall["served"]), measured_on=gate_recall.get("measured_on", "held-out queries"))
+    elif tuned.get("recall") is not None:
+        out.update(served=float(tuned["recall"]), measured_on=f"{tuned.get('sample', 'all')} stored rows (tuning)")
+    else:
+        out.update(served=None, measured_on=None)
+    if out["served"] is None or target is None:
+        out.update(passed=None, message="recall: not recorded")
+        return out
+    out["passed"] = bool(out["served"] >= float(target) - 1e-9)
+    described = f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'exact'})"
+    if out["passed"]:
+        out["message"] = (f"recall check: {described} reaches recall@10 {out['served']:.3f} >= target "
+                          f"{float(target):.3f} on {out['measured_on']}")
+    else:
+        out["message"] = (f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
+                          f"{float(target):.3f} on {out['measured_on']}; "
+                          + faiss_index.suggest_kind(kind, params, int(manifest.get("count", 0)),
+                                                     int(manifest.get("dim", 0)), float(target)))
+    return out
+
+
+def score_check(manifest: dict) -> dict:
+    """The quality-gate half of the rule: the recorded comparison with the version that was serving.
+    {"check", "passed" (None: the version has no gate result), "message", "record"}."""
+    gate = manifest.get("quality_gate")
+    out = {"check": "quality gate", "record": gate}
+    if not isinstance(gate, dict):
+        return {**out, "passed": None, "message": "quality gate: no result recorded"}
+    if gate.get("error"):
+        return {**out, "passed": False, "message": f"quality gate could not score it: {gate['error']}"}
+    # records written since the rule exists keep the comparison under checks.score (None: nothing
+    # was serving, or no evaluator); older ones have it at the top level
+    score = gate["checks"].get("score") if isinstance(gate.get("checks"), dict) else gate
+    if not score or score.get("candidate") is None or score.get("serving") is None:
+        passed = gate.get("passed") if score is gate else True
+        return {**out, "passed": passed, "message": "quality gate: nothing was serving to compare with"
+                if passed is not False else "quality gate failed"}
+    margin = float(score.get("margin") or 0.0)
+    passed = score_passes(score["candidate"], score["serving"], margin)
+    return {**out, "passed": passed,
+            "message": f"quality gate {'passed' if passed else 'failed'} ({score.get('metric', 'score')}): candidate "
+                       f"{_fmt(score['candidate'])} {'>=' if passed else '<'} serving {_fmt(score['serving'])} - "
+                       f"margin {_fmt(margin)} (serving version {score.get('serving_version')})"}
+
+
+def activation_checks(manifest: dict) -> list[dict]:
+    """Both checks of the activation rule for one manifest (see `recall_check`, `score_check`)."""
+    return [score_check(manifest), recall_check(manifest)]
+
+
+def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator: Evaluator | None, *,
+                margin: float = DEFAULT_MARGIN, force: bool = False) -> dict:
+    """The manifest's ``quality_gate`` for `candidate`: the evaluator's comparison with `serving` (when
+    both exist) and the recall check of its own FAISS index (`recall_check`).
+
+    The evaluator's keys stay at the top level (as it returned them); ``checks`` holds what the
+    activation rule reads: ``score`` (None when nothing was compared) and ``recall``."""
+    record: dict = {}
+    score = None
+    t0 = time.perf_counter()
+    if evaluator is not None and serving is not None:
+        try:
+            result = evaluator(candidate, serving)
+        except GateUnavailable as err:
+            recall = recall_check(candidate.manifest)
+            recall.pop("check", None)
+            return {"passed": False, "forced": bool(force), "serving_version": serving.version,
+                    "error": f"the quality gate cannot score this version here: {err}",
+                    "checks": {"score": None, "recall": recall}}
+        if not isinstance(result, dict) or not {"candidate", "serving"} <= set(result):
+            raise ValueError(f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}")
+        record.update(result)
+        cand, serv = float(result["candidate"]), float(result["serving"])
+        score = {"metric": result.get("metric", "score"), "candidate": cand, "serving": serv, "margin": float(margin),
+                 "serving_version": serving.version, "passed": score_passes(cand, serv, margin)}
+        record.update(serving_version=serving.version, margin=float(margin), seconds=time.perf_counter() - t0)
+    served = ((record.get("index_recall") or {}).get("candidate")) if record else None
+    recall = recall_check(candidate.manifest, served)
+    recall.pop("check", None)
+    passed = (score is None or score["passed"]) and recall["passed"] is not False
+    record.update(passed=bool(passed), forced=bool(force and not passed), checks={"score": score, "recall": recall})
+    if score is not None:
+        logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
+                    "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
+    logger.info("%s", recall["message"])
+    return record
+
+
+def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,
+                 margin: float = DEFAULT_MARGIN) -> dict:
+    """Gate a committed version against the store's current one (the `gate` of IndexStore.activate
+    for versions that have no gate result yet)."""
+    candidate = store.load(version, verify=False, gpu=False)
+    current = store.current_version()
+    serving = store.load(current, verify=False, gpu=False) if current not in (None, version) else None
+    return gate_record(candidate, serving, evaluator, margin=margin)
+
+
+def gate_for(store: "IndexStore", evaluator: Evaluator | None, margin: float = DEFAULT_MARGIN) -> Gate | None:
+    """The gate `IndexStore.activate` / `rollback` run on a version that has no gate result yet."""
+    if evaluator is None:
+        return None
+    return lambda version: gate_version(store, version, evaluator, margin)
