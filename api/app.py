@@ -27,6 +27,7 @@ from api.config import Settings
 from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
+from api.timeouts import BodyTimeoutMiddleware
 from api.routes import admin, duplicates, health, index, items, search, web
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import NotReadyError, Searcher
@@ -194,6 +195,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
 
     # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so they count 413s and 429s
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
         app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc(),

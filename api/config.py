@@ -64,6 +64,17 @@ class Settings(BaseModel):
         None, description="comma-separated IP addresses / networks of trusted reverse proxies whose "
                           "X-Forwarded-For / X-Forwarded-Proto are honoured (the rate-limit key becomes the client "
                           "they forward for); unset = proxy headers ignored, clients keyed by the TCP peer")
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0,
+        description="a request's head (request line + headers) must arrive within this many seconds of the "
+                    "connection opening or of its first byte; otherwise the connection is closed")
+    body_timeout_s: float = Field(
+        60.0, gt=0.0, le=3600.0,
+        description="a request's body must arrive within this many seconds of its head; otherwise 408 and the "
+                    "connection is closed (60 s lets a 10 MiB upload through at ~1.4 Mbit/s)")
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0.0, le=3600.0, description="an idle keep-alive connection is closed this long after its last "
+                                            "response (uvicorn's timeout_keep_alive)")
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
     device: str = Field("cpu", description="torch device for the encoder")
     torch_threads: int | None = Field(
@@ -117,7 +128,8 @@ class Settings(BaseModel):
                 raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/24)") from None
         return ",".join(entries)
 
-    @field_validator("batch_max_wait_ms", "rate_limit_rps", "watch_interval_s")
+    @field_validator("batch_max_wait_ms", "rate_limit_rps", "watch_interval_s", "header_timeout_s",
+                     "body_timeout_s", "keep_alive_timeout_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):

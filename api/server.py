@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated addresses / networks of trusted reverse proxies: only requests from them "
                         "have X-Forwarded-For honoured (rate-limit key = the forwarded client). Default: none, "
                         "proxy headers are ignored and clients are keyed by the TCP peer")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="close a connection whose request head has not arrived within S seconds of it opening or "
+                        "of the head's first byte (default 10)")
+    p.add_argument("--body-timeout-s", type=float,
+                   help="answer 408 and close when a request body has not arrived within S seconds (default 60)")
+    p.add_argument("--keep-alive-timeout-s", type=float,
+                   help="close an idle keep-alive connection S seconds after its last response (default 5)")
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
     p.add_argument("--device", help="torch device for the encoder (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
@@ -93,9 +100,17 @@ def worker_app():
 
     settings = load_settings()
     _configure(settings)
+    _set_head_timeout(settings)
     app = create_app(settings)
     _freeze_startup_objects()
     return app
+
+
+def _set_head_timeout(settings) -> None:
+    """The request-head deadline of this process's connections (read by the protocol class per connection)."""
+    from api.timeouts import HeadTimeoutH11Protocol
+
+    HeadTimeoutH11Protocol.head_timeout_s = settings.header_timeout_s
 
 
 def _settings_env(settings) -> dict[str, str]:
@@ -162,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # proxy headers are handled inside the app, only for --forwarded-allow-ips (uvicorn's own default
     # would trust X-Forwarded-For from loopback, letting any local client pick its rate-limit bucket)
+    # slow and idle clients (api/timeouts.py): the head deadline lives in the protocol class, set in each
+    # serving process (worker_app for --workers N); idle keep-alive is uvicorn's own timer
+    from api.timeouts import HeadTimeoutH11Protocol
+
     serve = dict(host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                 timeout_graceful_shutdown=10, proxy_headers=False)
+                 timeout_graceful_shutdown=10, proxy_headers=False, http=HeadTimeoutH11Protocol,
+                 timeout_keep_alive=settings.keep_alive_timeout_s)
     if settings.workers > 1:
         from api.metrics import MULTIPROC_ENV
 
@@ -181,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
         return 0
     _configure(settings)
+    _set_head_timeout(settings)
     from api.app import create_app
 
     app = create_app(settings)
