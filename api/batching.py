@@ -43,7 +43,7 @@ class QueryResult:
     hits: list[Hit]
     version: str
     temperature: float
-    log_normalizer: float
+    log_normaliser: float
     batch_size: int
     count: int  # items in the version that answered
     normaliser: LogZEstimate | None = None  # how log Z was computed, its bound and sampled interval
@@ -104,7 +104,7 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
             continue
         for j, i in enumerate(members):
             out[i] = QueryResult(answer[j][: batch[i].k], answer.version, answer.temperatures[j],
-                                 answer.log_normalizers[j], len(valid), snapshot.count, answer.normalisers[j],
+                                 answer.log_normalisers[j], len(valid), snapshot.count, answer.normalisers[j],
                                  None if mask is None else int(np.count_nonzero(mask)))
     return out  # type: ignore[return-value]
 

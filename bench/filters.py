@@ -22,7 +22,7 @@ import numpy as np
 
 from _common import row, write_results
 from index import faiss_index as fi
-from search.serving.normaliser import log_normalizer
+from search.serving.normaliser import log_normaliser
 from search.serving.searcher import RERANK_PQ
 from search.serving.subset import filtered_search
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             if sel == 0.01:
                 taus = np.full(1, args.tau)
                 t_fil = per_query_ms(lambda v: filtered_search(index, x, v, 10, mask, args.tau), q)
-                t_unf = per_query_ms(lambda v: (fi.search(index, v, 10), log_normalizer(v, x, taus)), q)
+                t_unf = per_query_ms(lambda v: (fi.search(index, v, 10), log_normaliser(v, x, taus)), q)
                 t_post = per_query_ms(lambda v: fi.search(index, v, 100), q)
                 rows.append(row(f"{case} filtered ms/query with p (baseline: unfiltered with p)", t_fil, "ms", t_unf))
                 rows.append(row(f"{case} filtered ms/query with p (baseline: post-filter top-100, no p)", t_fil, "ms",

@@ -13,8 +13,8 @@ per-list statistics are built once. Queries are fresh draws from the same genera
   top-10 probabilities p = exp(s/tau - log Z^) of the hits the product returns (the index's top 10
   rescored exactly) and whether they lie in the bound's probability range.
 * time per query, the full Searcher path of each method, interleaved call by call on the same
-  queries: exact = index search (k = 10) + `log_normalizer` over all N (the baseline: what serving
-  does without this module); bounded = index search (k = 100 top rows) + `bounded_log_normalizer`.
+  queries: exact = index search (k = 10) + `log_normaliser` over all N (the baseline: what serving
+  does without this module); bounded = index search (k = 100 top rows) + `bounded_log_normaliser`.
   At batch 1 and at batch 32 (exact amortises its scan over the batch). Each method runs with the
   memory map's pages released once read and kept mapped; rows give the three `serve --mapped-pages`
   settings: auto (the default: exact releases, bounded keeps), release, keep.
@@ -52,7 +52,7 @@ from _common import RESULTS_DIR, row, write_results  # noqa: E402
 from index_kinds import clustered  # noqa: E402
 
 from search.serving.normaliser import (ListStats, NormaliserConfig, advise_random,  # noqa: E402
-                               bounded_log_normalizer, log_normalizer)
+                               bounded_log_normaliser, log_normaliser)
 
 D = 128
 CHUNK = 500_000
@@ -151,10 +151,10 @@ def child(args) -> int:
     for i in range(len(q)):
         if args.child == "exact":
             search(index, q[i:i + 1], 10)
-            log_normalizer(q[i:i + 1], emb, taus[i:i + 1], release=NormaliserConfig("exact").releases("exact"))
+            log_normaliser(q[i:i + 1], emb, taus[i:i + 1], release=NormaliserConfig("exact").releases("exact"))
         else:
             top = search(index, q[i:i + 1], cfg.top_rows)
-            bounded_log_normalizer(q[i:i + 1], emb, stats, taus[i:i + 1], cfg, top)
+            bounded_log_normaliser(q[i:i + 1], emb, stats, taus[i:i + 1], cfg, top)
     seconds, read = time.perf_counter() - t0, _read_bytes() - read0
     print(json.dumps({**_status(), "base_rss": base["VmRSS"], "base_file": base["RssFile"],
                       "read_per_query": read / len(q), "seconds_per_query": seconds / len(q)}))
@@ -193,7 +193,7 @@ def run_size(n: int, args, rows: list[dict]) -> None:
     top_all = search(index, q_all, cfg.top_rows)
     for t, tau in enumerate(args.taus):
         taus = np.full(len(q_all), tau)
-        got = bounded_log_normalizer(q_all, emb, stats, taus, cfg, top_all)
+        got = bounded_log_normaliser(q_all, emb, stats, taus, cfg, top_all)
         err = got.value - ref[t]
         inside = (got.lower <= ref[t]) & (ref[t] <= got.upper)
         sampled = ~got.exact_mask
@@ -248,8 +248,8 @@ def run_size(n: int, args, rows: list[dict]) -> None:
             taus = np.full(len(x), tau)
             for how in (("release", "keep") if (start // batch) % 2 == 0 else ("keep", "release")):
                 rel = how == "release"
-                t["exact", how] += timed(lambda: (search(index, x, 10), log_normalizer(x, emb, taus, release=rel)))
-                t["bounded", how] += timed(lambda: bounded_log_normalizer(x, emb, stats, taus, cfg,
+                t["exact", how] += timed(lambda: (search(index, x, 10), log_normaliser(x, emb, taus, release=rel)))
+                t["bounded", how] += timed(lambda: bounded_log_normaliser(x, emb, stats, taus, cfg,
                                                                           search(index, x, cfg.top_rows), release=rel))
             count += len(x)
         ms = {key: 1e3 * v / count for key, v in t.items()}

@@ -19,8 +19,8 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
 - `--workers 2`: the same after-queries figures for each worker, and the sum of their Pss (the
   machine's real cost of the two) against two separate single-worker servers (2 x RSS).
 - the cost of releasing the pages the normaliser read (search/serving/normaliser.py `release_pages`, what
-  keeps the mapped file out of the RSS after queries): time per query of `log_normalizer` and of
-  `bounded_log_normalizer` on the 10^6 memory map with and without it, interleaved in one process
+  keeps the mapped file out of the RSS after queries): time per query of `log_normaliser` and of
+  `bounded_log_normaliser` on the 10^6 memory map with and without it, interleaved in one process
   (one BLAS thread, like the servers), the baseline without.
 
     .venv/bin/python bench/serve_memory.py [--root /tmp/softsearch-million] [--queries 64]
@@ -167,7 +167,7 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     import numpy as np
 
     from index.store import IndexVersion
-    from search.serving.normaliser import NormaliserConfig, bounded_log_normalizer, log_normalizer
+    from search.serving.normaliser import NormaliserConfig, bounded_log_normaliser, log_normaliser
 
     version = IndexVersion.load(vdir, verify=False, gpu=False)
     emb, stats = version.embeddings, version.list_stats()
@@ -177,8 +177,8 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     tau = np.array([float(version.manifest.get("search_temperature", 0.1))])
     cfg = NormaliserConfig("bounded")
-    calls = {"exact": lambda x, release: log_normalizer(x, emb, tau, release=release),
-             "bounded": lambda x, release: bounded_log_normalizer(x, emb, stats, tau, cfg, release=release)}
+    calls = {"exact": lambda x, release: log_normaliser(x, emb, tau, release=release),
+             "bounded": lambda x, release: bounded_log_normaliser(x, emb, stats, tau, cfg, release=release)}
     out: dict[str, list[float]] = {}
     for r in range(rounds):
         for method, call in calls.items():

@@ -17,7 +17,7 @@ _SERVING_HOMES = {
     "Hit": "search.serving.searcher", "Searcher": "search.serving.searcher",
     "ListStats": "search.serving.normaliser", "LogZ": "search.serving.normaliser",
     "Normaliser": "search.serving.normaliser", "NormaliserConfig": "search.serving.normaliser",
-    "bounded_log_normalizer": "search.serving.normaliser", "log_normalizer": "search.serving.normaliser",
+    "bounded_log_normaliser": "search.serving.normaliser", "log_normaliser": "search.serving.normaliser",
 }
 __all__ = sorted(_SERVING_HOMES)   # the evaluation names are search.evaluation's __all__
 _serving = lazy_exports(__name__, _SERVING_HOMES)

@@ -67,8 +67,11 @@ class SearchResponse(BaseModel):
     k: int
     count: int = Field(description="items in that index version (the softmax runs over all of them)")
     temperature: float = Field(description="tau used for the probabilities")
-    log_normalizer: float | None = Field(description="log sum_l exp(s_l / tau): exact, or the bounded estimate; "
+    log_normaliser: float | None = Field(description="log sum_l exp(s_l / tau): exact, or the bounded estimate; "
                                                      "null when a filter matches no item")
+    log_normalizer: float | None = Field(None, deprecated=True,
+                                         description="the same value as log_normaliser (the old spelling, kept "
+                                                     "for clients written against it)")
     normaliser: NormaliserOut | None = Field(
         None, description="the bound on log Z; each p lies in [exp(s/tau - upper), exp(s/tau - lower)]")
     batch_size: int = Field(description="queries that shared this encoder/index call (micro-batching)")
@@ -79,7 +82,7 @@ class SearchResponse(BaseModel):
     self_rank: int | None = Field(None, description="search by stored item only: the item's own 1-based rank "
                                                     "among the hits (null when it is not within k + 1)")
     matched: int | None = Field(None, description="filtered searches: items passing the filter; the softmax "
-                                                  "(and log_normalizer) runs over these only")
+                                                  "(and log_normaliser) runs over these only")
     results: list[HitOut]
 
 

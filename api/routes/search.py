@@ -81,7 +81,8 @@ def _body(result: QueryResult, k: int, self_rank: int | None = None, offset: int
                         fetched_all=len(ranked) >= population)
     body = SearchResponse(
         version=result.version, k=k, count=result.count, temperature=result.temperature,
-        log_normalizer=result.log_normalizer if population > 0 else None, batch_size=result.batch_size,
+        log_normaliser=(log_z := result.log_normaliser if population > 0 else None), log_normalizer=log_z,
+        batch_size=result.batch_size,
         normaliser=None if (n := result.normaliser) is None or population == 0 else NormaliserOut(
             method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows),
         results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)

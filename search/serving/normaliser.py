@@ -1,6 +1,6 @@
 """The softmax normaliser log Z(x) = logsumexp_j s(x, y_j) / tau: exact, or bounded from a partition.
 
-``exact`` streams every stored embedding (``log_normalizer``): N x D multiply-adds per query, and
+``exact`` streams every stored embedding (``log_normaliser``): N x D multiply-adds per query, and
 the whole N x D float32 file resident while it runs. ``bounded`` reads only a few thousand rows:
 
 * **Partition.** The rows are grouped into lists l (the IVF index's own inverted lists, else a
@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
-    "log_normalizer", "bounded_log_normalizer", "choose_method", "advise_random", "release_pages", "releasable",
+    "log_normaliser", "bounded_log_normaliser", "choose_method", "advise_random", "release_pages", "releasable",
 ]
 
 METHODS = ("exact", "bounded", "auto")
@@ -78,7 +78,7 @@ AUTO_EXACT_MAX_MACS = 128 * 1_000_000
 _U32 = 2.0 ** -24  # unit roundoff of float32
 
 
-def log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+def log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
                    block: int = DEFAULT_BLOCK, release: bool = True) -> np.ndarray:
     """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
 
@@ -351,7 +351,7 @@ def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
     return out
 
 
-def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
+def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
                            temperatures: np.ndarray, config: NormaliserConfig | None = None,
                            top_rows: np.ndarray | None = None, release: bool | None = None) -> LogZ:
     """log Z estimate, deterministic bound and sampled interval for each query (see module doc).
@@ -440,7 +440,7 @@ def bounded_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, stats: L
     exact = np.zeros(n_q, dtype=bool)
     if fallback:  # one streaming pass for every query whose sample was too noisy
         exact[fallback] = True
-        value = log_normalizer(q[fallback], embeddings, taus[fallback], release=release)
+        value = log_normaliser(q[fallback], embeddings, taus[fallback], release=release)
         out["value"][fallback] = value
         out["lower"][fallback] = value - slacks[fallback]   # float32 rounding of the exact pass
         out["upper"][fallback] = value + slacks[fallback]
@@ -613,9 +613,9 @@ class Normaliser:
                  block: int = DEFAULT_BLOCK, top_rows: np.ndarray | None = None) -> LogZ:
         """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them exactly)."""
         if self.method == "exact":
-            value = log_normalizer(queries, embeddings, temperatures, block, release=self.config.releases("exact"))
+            value = log_normaliser(queries, embeddings, temperatures, block, release=self.config.releases("exact"))
             return LogZ.exact(value, int(embeddings.shape[0]))
-        return bounded_log_normalizer(queries, embeddings, self.stats, temperatures, self.config, top_rows,
+        return bounded_log_normaliser(queries, embeddings, self.stats, temperatures, self.config, top_rows,
                                       release=self.config.releases("bounded"))
 
     def describe(self) -> dict:

@@ -39,7 +39,7 @@ from index.manifest import DEFAULT_TEMPERATURE
 from index.metadata import MetadataColumns, read_metadata
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, IndexVersion
-from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normalizer
+from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
 from search.serving.subset import subset_search
@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "Hit", "SearchAnswer", "SearchSnapshot", "Searcher", "NotReadyError", "ReloadResult",
-    "ItemInfo", "log_normalizer", "DEFAULT_TEMPERATURE",
+    "ItemInfo", "log_normaliser", "DEFAULT_TEMPERATURE",
 ]
 
 #: Filter masks a snapshot keeps (N bytes each).
@@ -78,13 +78,13 @@ class SearchAnswer(list):
     """list[list[Hit]] (one list per query) that also names the version and temperatures that answered,
     and each query's log Z (`normalisers[i]`: value, bound, sampled interval, method)."""
 
-    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalizers: list[float],
+    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalisers: list[float],
                  normalisers: LogZ | None = None):
         super().__init__(hits)
         self.version = version
         self.temperatures = temperatures
-        self.log_normalizers = log_normalizers
-        self.normalisers = normalisers if normalisers is not None else LogZ.exact(np.asarray(log_normalizers), 0)
+        self.log_normalisers = log_normalisers
+        self.normalisers = normalisers if normalisers is not None else LogZ.exact(np.asarray(log_normalisers), 0)
 
 
 @dataclass(frozen=True)
@@ -220,7 +220,7 @@ class SearchSnapshot:
             norm = LogZ.exact(log_z_subset, population)
         elif self.normaliser is None:
             _, rows = self.index.search(q, wanted)  # (Q, k') candidate rows, best first; -1 = none
-            norm = LogZ.exact(log_normalizer(q, self.index.embeddings, taus, self.block, release=self.release_pages),
+            norm = LogZ.exact(log_normaliser(q, self.index.embeddings, taus, self.block, release=self.release_pages),
                               self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
             _, top = self.index.search(q, max(wanted, min(self.normaliser.config.top_rows, self.count)))

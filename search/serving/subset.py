@@ -27,7 +27,7 @@ def subset_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, ma
     if rows.size == 0:
         return np.zeros((q.shape[0], 0), np.int64), np.full(q.shape[0], -np.inf)
     if rows.size > (EXACT_SUBSET_MAX if exact_max is None else exact_max):
-        return subset_top_rows(index, embeddings, q, k, mask), subset_log_normalizer(q, embeddings, temperatures,
+        return subset_top_rows(index, embeddings, q, k, mask), subset_log_normaliser(q, embeddings, temperatures,
                                                                                       mask, block)
     k = min(int(k), rows.size)
     inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)
@@ -41,7 +41,7 @@ def subset_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, ma
     return rows[np.take_along_axis(top, order, axis=1)], log_z
 
 
-def subset_log_normalizer(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
+def subset_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
                           mask: np.ndarray, block: int = BLOCK) -> np.ndarray:
     """Exact log sum_{l: mask_l} exp(q . e_l / tau_q) per query; (Q,) float64, -inf for an empty subset."""
     q = np.asarray(queries, dtype=np.float32)

@@ -57,7 +57,7 @@ def test_image_round_trip_matches_brute_force(client, api_index, api_dataset):
     # response is self-consistent: p = exp(s / tau - log Z)
     for h in body["results"]:
         assert h["probability"] == pytest.approx(math.exp(h["similarity"] / body["temperature"]
-                                                          - body["log_normalizer"]), rel=1e-6)
+                                                          - body["log_normaliser"]), rel=1e-6)
 
 
 def test_vector_round_trip_and_temperature(client, api_index, api_dataset):

@@ -29,12 +29,13 @@ def test_search_response_carries_the_normaliser_and_its_bound(make_client, api_i
     # auto on a 120-item index is exact; bounded on it scans every k-means list (nothing to sample)
     assert norm["method"] == (normaliser or "exact").replace("auto", "exact")
     ref = _dense_log_z(api_index, vector, 0.3)
-    assert body["log_normalizer"] == pytest.approx(ref, abs=1e-5)
+    assert body["log_normaliser"] == pytest.approx(ref, abs=1e-5)
+    assert body["log_normalizer"] == body["log_normaliser"]   # the old spelling, kept on the wire
     assert norm["lower"] - 1e-5 <= ref <= norm["upper"] + 1e-5
     assert norm["interval"] is None and norm["level"] is None and norm["rows"] == body["count"]
     for h in body["results"]:
         p = h["probability"]
-        assert p == pytest.approx(math.exp(h["similarity"] / 0.3 - body["log_normalizer"]), rel=1e-6)
+        assert p == pytest.approx(math.exp(h["similarity"] / 0.3 - body["log_normaliser"]), rel=1e-6)
         assert math.exp(h["similarity"] / 0.3 - norm["upper"]) <= p * (1 + 1e-9)
         assert p <= math.exp(h["similarity"] / 0.3 - norm["lower"]) * (1 + 1e-9)
 

@@ -10,8 +10,8 @@ import pytest
 from scipy.special import logsumexp
 from scipy.stats import binom
 
-from search.serving.normaliser import (ListStats, Normaliser, NormaliserConfig, bennett_log_bound, bounded_log_normalizer,
-                               choose_method, log_normalizer)
+from search.serving.normaliser import (ListStats, Normaliser, NormaliserConfig, bennett_log_bound, bounded_log_normaliser,
+                               choose_method, log_normaliser)
 
 D = 32
 
@@ -138,9 +138,9 @@ def test_deterministic_bound_always_contains_exact(data, partition, rng):
     for tau in (0.005, 0.02, 0.05, 0.1, 0.3, 1.0, 3.0):
         taus = np.full(len(q), tau)
         ref = _dense_log_z(q, data, taus)
-        f32 = log_normalizer(q, data, taus)              # what `exact` serves (float32 products)
+        f32 = log_normaliser(q, data, taus)              # what `exact` serves (float32 products)
         for head, samples in ((0, 64), (300, 256), (3000, 64)):
-            got = bounded_log_normalizer(q, data, stats, taus, NormaliserConfig("bounded", head, samples))
+            got = bounded_log_normaliser(q, data, stats, taus, NormaliserConfig("bounded", head, samples))
             assert np.all(got.lower <= ref) and np.all(ref <= got.upper), (tau, head)
             assert np.all(got.lower <= f32) and np.all(f32 <= got.upper), (tau, head)
             assert np.all(got.lower <= got.value) and np.all(got.value <= got.upper)
@@ -154,7 +154,7 @@ def test_deterministic_bound_always_contains_exact(data, partition, rng):
 def test_scanning_every_list_is_exact_and_tight(data, stats_ivf, rng):
     q = _queries(data, rng, 40)
     taus = rng.uniform(0.02, 1.0, len(q))
-    got = bounded_log_normalizer(q, data, stats_ivf, taus, NormaliserConfig("bounded", head_rows=len(data)))
+    got = bounded_log_normaliser(q, data, stats_ivf, taus, NormaliserConfig("bounded", head_rows=len(data)))
     ref = _dense_log_z(q, data, taus)
     np.testing.assert_allclose(got.value, ref, rtol=0, atol=1e-5)
     assert np.all(np.isnan(got.interval_lower))          # nothing sampled
@@ -180,7 +180,7 @@ def test_sampled_interval_covers_at_its_stated_level(data, stats_ivf):
     taus = rng.uniform(0.1, 0.5, len(q))
     level = 0.9
     cfg = NormaliserConfig("bounded", 200, 1024, level=level, top_rows=20, max_se=0.05)
-    got = bounded_log_normalizer(q, data, stats_ivf, taus, cfg, _top_rows(data, q, 20))
+    got = bounded_log_normaliser(q, data, stats_ivf, taus, cfg, _top_rows(data, q, 20))
     ref = _dense_log_z(q, data, taus)
     sampled = ~got.exact_mask
     assert sampled.sum() >= 1000 and np.all(np.isnan(got.interval_lower) == ~sampled)
@@ -197,7 +197,7 @@ def test_sampled_interval_covers_at_its_stated_level(data, stats_ivf):
 def test_estimate_and_top10_probabilities_vs_exact(data, stats_ivf, rng):
     q = _queries(data, rng, 300)
     taus = np.full(len(q), 0.1)
-    got = bounded_log_normalizer(q, data, stats_ivf, taus, NormaliserConfig("bounded", 1000, 2048),
+    got = bounded_log_normaliser(q, data, stats_ivf, taus, NormaliserConfig("bounded", 1000, 2048),
                                  _top_rows(data, q, 100))
     ref = _dense_log_z(q, data, taus)
     err = np.abs(got.value - ref)
@@ -222,8 +222,8 @@ def test_two_stage_sample_reaches_its_target_se(data, stats_ivf):
     top = _top_rows(data, q, 20)
     one = NormaliserConfig("bounded", 200, 256, top_rows=20, max_se=1.0, max_samples=256)
     two = NormaliserConfig("bounded", 200, 256, top_rows=20, max_se=1.0, target_se=0.005)
-    a = bounded_log_normalizer(q, data, stats_ivf, taus, one, top)
-    b = bounded_log_normalizer(q, data, stats_ivf, taus, two, top)
+    a = bounded_log_normaliser(q, data, stats_ivf, taus, one, top)
+    b = bounded_log_normaliser(q, data, stats_ivf, taus, two, top)
     width_a = np.median(a.interval_upper - a.interval_lower)
     width_b = np.median(b.interval_upper - b.interval_lower)
     assert width_a > 4 * 1.96 * 0.005 and width_b < 2.6 * 1.96 * 0.005   # pilot too wide; fresh ~ target
@@ -238,7 +238,7 @@ def test_noisy_sample_falls_back_to_exact(data, stats_ivf, rng):
     standard error is large, so those queries are answered exactly (and say so)."""
     q = _unit(rng.standard_normal((60, D))).astype(np.float32)
     taus = np.full(len(q), 0.02)
-    got = bounded_log_normalizer(q, data, stats_ivf, taus, NormaliserConfig("bounded", 200, 256))
+    got = bounded_log_normaliser(q, data, stats_ivf, taus, NormaliserConfig("bounded", 200, 256))
     ref = _dense_log_z(q, data, taus)
     assert 0 < got.exact_mask.sum() < len(q)
     exact = got.exact_mask
@@ -254,8 +254,8 @@ def test_same_query_same_answer_and_reads_few_rows(data, stats_ivf, rng):
     q = _queries(data, rng, 8)
     taus = np.full(len(q), 0.1)
     cfg = NormaliserConfig("bounded", 300, 500, max_se=1.0, max_samples=500)  # one stage, never falls back
-    a = bounded_log_normalizer(q, data, stats_ivf, taus, cfg)
-    b = bounded_log_normalizer(q[::-1].copy(), data, stats_ivf, taus, cfg)
+    a = bounded_log_normaliser(q, data, stats_ivf, taus, cfg)
+    b = bounded_log_normaliser(q[::-1].copy(), data, stats_ivf, taus, cfg)
     np.testing.assert_array_equal(a.value, b.value[::-1])   # seeded by the query, not by batch position
     assert np.all(a.rows < 0.2 * len(data))
 

@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from search.serving.normaliser import (ListStats, NormaliserConfig, bounded_log_normalizer, log_normalizer, release_pages,
+from search.serving.normaliser import (ListStats, NormaliserConfig, bounded_log_normaliser, log_normaliser, release_pages,
                                releasable)
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").is_file(),
@@ -53,15 +53,15 @@ def test_exact_scan_leaves_at_most_one_block_mapped(mapped):
     taus = np.array([0.05, 0.1, 0.5, 1.0])
     touched = float(np.asarray(mm).sum())                                     # read every page
     assert math.isfinite(touched) and mapping_rss(mm) >= 0.9 * x.nbytes       # what the scan used to leave
-    got = log_normalizer(q, mm, taus, block=BLOCK)
+    got = log_normaliser(q, mm, taus, block=BLOCK)
     assert mapping_rss(mm) <= BLOCK * D * 4 + 2 * PAGE
-    np.testing.assert_array_equal(got, log_normalizer(q, x, taus, block=BLOCK))  # same blocks, same floats
-    kept = log_normalizer(q, mm, taus, block=BLOCK, release=False)            # the switch the bench measures
+    np.testing.assert_array_equal(got, log_normaliser(q, x, taus, block=BLOCK))  # same blocks, same floats
+    kept = log_normaliser(q, mm, taus, block=BLOCK, release=False)            # the switch the bench measures
     assert mapping_rss(mm) >= 0.9 * x.nbytes
     np.testing.assert_array_equal(kept, got)
     assert release_pages(mm, 100, 200) and mapping_rss(mm) <= x.nbytes - 100 * D * 4 + 2 * PAGE
-    one = log_normalizer(q, mm[:BLOCK], taus)                                # the one-block path
-    np.testing.assert_array_equal(one, log_normalizer(q, x[:BLOCK], taus))
+    one = log_normaliser(q, mm[:BLOCK], taus)                                # the one-block path
+    np.testing.assert_array_equal(one, log_normaliser(q, x[:BLOCK], taus))
 
 
 def test_bounded_reads_leave_no_rows_mapped(mapped):
@@ -75,12 +75,12 @@ def test_bounded_reads_leave_no_rows_mapped(mapped):
     taus = np.full(6, 0.1)
     cfg = NormaliserConfig("bounded", head_rows=2000, samples=1024, max_samples=4096)
     release_pages(mm)
-    got = bounded_log_normalizer(q, mm, stats, taus, cfg, release=True)
+    got = bounded_log_normaliser(q, mm, stats, taus, cfg, release=True)
     assert mapping_rss(mm) <= 2 * PAGE
-    ref = bounded_log_normalizer(q, x, stats, taus, cfg)
+    ref = bounded_log_normaliser(q, x, stats, taus, cfg)
     for name in ("value", "lower", "upper", "interval_lower", "interval_upper", "rows"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
-    bounded_log_normalizer(q, mm, stats, taus, cfg, release=False)
+    bounded_log_normaliser(q, mm, stats, taus, cfg, release=False)
     assert mapping_rss(mm) > 100 * PAGE                                       # the rows it read, left mapped
 
 

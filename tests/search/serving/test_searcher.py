@@ -10,7 +10,7 @@ import torch
 from index.build import build_index
 from index.store import IndexStore
 from search.serving.normaliser import NormaliserConfig
-from search.serving.searcher import Searcher, log_normalizer
+from search.serving.searcher import Searcher, log_normaliser
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder, embed
@@ -49,11 +49,11 @@ def _brute(q, emb, tau, k):
     return top, np.take_along_axis(s, top, 1), np.take_along_axis(p, top, 1), p
 
 
-def test_log_normalizer_blocked_matches_dense_and_survives_tiny_tau(rng):
+def test_log_normaliser_blocked_matches_dense_and_survives_tiny_tau(rng):
     q = rng.normal(size=(5, 8)).astype(np.float32)
     e = rng.normal(size=(37, 8)).astype(np.float32)
     taus = np.array([1.0, 0.5, 0.1, 0.01, 1e-4])
-    got = log_normalizer(q, e, taus, block=4)  # blocks of 4 rows, last one partial
+    got = log_normaliser(q, e, taus, block=4)  # blocks of 4 rows, last one partial
     s = q.astype(np.float64) @ e.astype(np.float64).T / taus[:, None]
     m = s.max(1)
     ref = m + np.log(np.exp(s - m[:, None]).sum(1))
@@ -99,7 +99,7 @@ def test_bounded_normaliser_answers_within_its_bound(store_setup, rng):
         est = ans.normalisers[i]
         assert est.method == "bounded" and est.interval is not None and est.rows < snap.count
         assert est.lower <= log_z[i] <= est.upper
-        assert ans.log_normalizers[i] == est.value
+        assert ans.log_normalisers[i] == est.value
         assert [h.row for h in hits] == top[i].tolist()
         for h in hits:
             assert h.probability == pytest.approx(np.exp(h.similarity / 0.5 - est.value), rel=1e-6)
@@ -300,7 +300,7 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     import search.serving.searcher as searcher_module
 
     seen = []
-    real_exact, real_bounded = searcher_module.log_normalizer, normaliser_module.bounded_log_normalizer
+    real_exact, real_bounded = searcher_module.log_normaliser, normaliser_module.bounded_log_normaliser
 
     def exact_spy(*args, **kwargs):
         seen.append(("exact", kwargs.get("release")))
@@ -310,8 +310,8 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
         seen.append(("bounded", kwargs.get("release")))
         return real_bounded(*args, **kwargs)
 
-    monkeypatch.setattr(searcher_module, "log_normalizer", exact_spy)
-    monkeypatch.setattr(normaliser_module, "bounded_log_normalizer", bounded_spy)
+    monkeypatch.setattr(searcher_module, "log_normaliser", exact_spy)
+    monkeypatch.setattr(normaliser_module, "bounded_log_normaliser", bounded_spy)
     answers = {}
     for method in ("exact", "bounded"):
         for release in (True, False, None):
@@ -320,7 +320,7 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
             searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
             q = np.random.default_rng(7).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
             ans = searcher.search_vectors(q, k=5, temperature=0.5)
-            answers[method, release] = (ans.log_normalizers, [[(h.row, h.probability) for h in hits] for hits in ans])
+            answers[method, release] = (ans.log_normalisers, [[(h.row, h.probability) for h in hits] for hits in ans])
     # None (auto): the exact scan releases, the bounded estimate's scattered reads stay mapped
     assert seen == [("exact", True), ("exact", False), ("exact", True), ("bounded", True), ("bounded", False),
                     ("bounded", False)]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from index import faiss_index as fi
-from search.serving.subset import filtered_search, subset_log_normalizer
+from search.serving.subset import filtered_search, subset_log_normaliser
 
 
 def _clustered(n=6000, d=32, clusters=40, seed=0):
@@ -48,11 +48,11 @@ def test_subset_normaliser_streams_blocks_and_handles_empty():
     q = x[:3]
     mask = rng.random(1000) < 0.3
     tau = np.array([0.02, 0.1, 1.0])
-    got = subset_log_normalizer(q, x, tau, mask, block=37)
+    got = subset_log_normaliser(q, x, tau, mask, block=37)
     s = (q @ x[mask].T).astype(np.float64) / tau[:, None]  # float32 dots, as served
     m = s.max(1)
     np.testing.assert_allclose(got, m + np.log(np.exp(s - m[:, None]).sum(1)), rtol=1e-9, atol=1e-9)
-    assert np.all(np.isneginf(subset_log_normalizer(q, x, tau, np.zeros(1000, bool))))
+    assert np.all(np.isneginf(subset_log_normaliser(q, x, tau, np.zeros(1000, bool))))
 
 
 def test_mask_of_wrong_length_is_refused():
