@@ -14,33 +14,40 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
+def _chromium(tmp_path):
+    """Headless Chromium with no network and its own profile (the flags the brief names)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager reach the network
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    return driver
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
                     reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
 def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset):
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager reach the network
     report = tmp_path / "report.html"
     report.write_text("<html><body>evaluation report</body></html>")
     item = 23
     query = tmp_path / "query.png"
     query.write_bytes(png_bytes(api_dataset.image(item)))
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
     app = create_app(Settings(index_root=api_index["root"], admin_token=ADMIN_TOKEN, report_path=report))
     with ServerThread(app) as server:
-        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        driver = _chromium(tmp_path)
         try:
-            driver.set_page_load_timeout(60)
             driver.get(server.url + "/")
             wait = WebDriverWait(driver, 60)
             wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#samples img.sample")) == 16)
@@ -103,23 +110,14 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
                     reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
 def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
     """Class picker (from GET /v1/index), path prefix, probability threshold and pages, in the browser."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    os.environ.setdefault("SE_OFFLINE", "true")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
     ids_js = "return Array.from(document.querySelectorAll('#results .result')).map(c => c.dataset.id);"
     app = create_app(Settings(index_root=folder_index["root"], admin_token=ADMIN_TOKEN))
     with ServerThread(app) as server:
-        driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+        driver = _chromium(tmp_path)
         try:
-            driver.set_page_load_timeout(60)
             driver.get(server.url + "/")
             wait = WebDriverWait(driver, 60)
             wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#filter-class option")) == 4)
