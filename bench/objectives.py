@@ -35,7 +35,7 @@ import numpy as np
 from _common import row, write_results
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.gap import softmax_gap
-from search.evaluation.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, recall_at_k, relevance
+from search.evaluation.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, hit_rate_at_k, relevance
 from training.checkpoint import load_checkpoint
 from training.config import load_train_config
 from training.datasets import create_dataset
@@ -87,7 +87,7 @@ def evaluate(encoder, db, queries, db_idx, q_idx, train_tau: float) -> dict:
     out["knn20"] = bootstrap_ci(knn_accuracy(scores, rows, lab_d, lab_q, 20, weighted=True))
     out["knn5"] = bootstrap_ci(knn_accuracy(scores, rows, lab_d, lab_q, 5, weighted=False))  # the pixel baseline's rule
     rel = relevance(rows, lab_q, lab_d)
-    out["recall@10"] = bootstrap_ci(recall_at_k(rel, 10))
+    out["recall@10"] = bootstrap_ci(hit_rate_at_k(rel, 10))
     out["precision@10"] = bootstrap_ci(precision_at_k(rel, 10))
     gen = create_generator("label")
     gap = softmax_gap(zq, zd, lab_q, lab_d, gen, train_tau)

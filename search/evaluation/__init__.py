@@ -12,7 +12,7 @@ _HOMES = {
     "KLawResult": "search.evaluation.k_law", "k_law": "search.evaluation.k_law",
     "bootstrap_ci": "search.evaluation.metrics", "knn_accuracy": "search.evaluation.metrics",
     "map_at_k": "search.evaluation.metrics", "precision_at_k": "search.evaluation.metrics",
-    "recall_at_k": "search.evaluation.metrics",
+    "hit_rate_at_k": "search.evaluation.metrics",
     "evaluate_version": "search.evaluation.quality",
 }
 __all__ = sorted(_HOMES)

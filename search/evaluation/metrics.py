@@ -109,8 +109,10 @@ def n_relevant(query_meta, db_meta, predicate: Predicate | None = None, block: i
     return out
 
 
-def recall_at_k(rel: np.ndarray, k: int) -> np.ndarray:
-    """(Q,) 1.0 where a relevant item is among the first k neighbours."""
+def hit_rate_at_k(rel: np.ndarray, k: int) -> np.ndarray:
+    """(Q,) 1.0 where a relevant item is among the first k neighbours: the label "recall@k" of the
+    retrieval literature (reports keep that name). Not index.faiss_index.recall_at_k, which is the overlap
+    of an approximate top-k with the exact one."""
     _check_k(rel, k)
     return rel[:, :k].any(axis=1).astype(np.float64)
 
@@ -201,7 +203,7 @@ def retrieval_metrics(query_emb, db_emb, query_labels, db_labels, ks=(1, 5, 10),
     per_query: dict[str, np.ndarray] = {}
     for k in ks:
         kk = min(k, kmax)
-        per_query[f"recall@{k}"] = recall_at_k(rel, kk)
+        per_query[f"recall@{k}"] = hit_rate_at_k(rel, kk)
         per_query[f"precision@{k}"] = precision_at_k(rel, kk)
     per_query[f"mAP@{map_k}"] = average_precision_at_k(rel, min(map_k, kmax), nrel)
     if knn and predicate is None:

@@ -26,7 +26,7 @@ from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.evaluate import EvalConfig, encode, load_eval_data, version_database
 from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
-from search.evaluation.metrics import ideal_topk, knn_search, recall_at_k, relevance
+from search.evaluation.metrics import ideal_topk, knn_search, hit_rate_at_k, relevance
 from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     if data.query_labels is not None and data.db_labels is not None:
         def recall_of(rows):
             rel = relevance(np.where(rows >= 0, rows, 0), data.query_labels, data.db_labels) & (rows >= 0)
-            return float(recall_at_k(rel, k).mean())
+            return float(hit_rate_at_k(rel, k).mean())
         recall_kind = "label recall@10"
     else:
         ideal = ideal_topk(data.query_meta, data.db_meta, data.generator, k, exclude=data.query_exclude)

@@ -154,7 +154,7 @@ def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
     """A folder without a test/ split: queries are database items, their own rows excluded."""
     from PIL import Image
 
-    from search.evaluation.metrics import knn_search, relevance, recall_at_k
+    from search.evaluation.metrics import knn_search, relevance, hit_rate_at_k
 
     a, _ = ckpts
     rng = np.random.default_rng(0)
@@ -173,5 +173,5 @@ def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
     z = embed(enc, ds, progress=False)
     _, nbr = knn_search(z, z, 10, exclude=np.arange(len(ds)))
     assert not np.any(nbr == np.arange(len(ds))[:, None])
-    rec = recall_at_k(relevance(nbr, ds.labels, ds.labels), 10).mean()
+    rec = hit_rate_at_k(relevance(nbr, ds.labels, ds.labels), 10).mean()
     assert rep["metrics"]["recall@10"]["mean"] == pytest.approx(rec)

@@ -3,7 +3,7 @@ import pytest
 
 from search.evaluation.metrics import (
     average_precision_at_k, bootstrap_ci, knn_accuracy, knn_search, n_relevant, precision_at_k,
-    recall_at_k, relevance, retrieval_metrics,
+    hit_rate_at_k, relevance, retrieval_metrics,
 )
 from search_refs import unit
 
@@ -37,7 +37,7 @@ def test_metrics_match_loops():
     nrel = n_relevant(ql, dl)
     for i in range(30):
         r = [dl[j] == ql[i] for j in rows[i]]
-        assert recall_at_k(rel, k)[i] == float(any(r[:k]))
+        assert hit_rate_at_k(rel, k)[i] == float(any(r[:k]))
         assert precision_at_k(rel, k)[i] == pytest.approx(sum(r[:k]) / k)
         hits, ap = 0, 0.0
         for pos in range(k):
