@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.metrics import Metrics
 from search.serving.filters import Filter
 from search.serving.normaliser import LogZEstimate
+from search.serving.queries import unit_queries
 from search.serving.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
@@ -78,16 +79,10 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
     for i, p in enumerate(batch):
         if p.vector is None:
             continue
-        v = np.asarray(p.vector, dtype=np.float32).reshape(-1)
-        if v.shape[0] != snapshot.dim:
-            out[i] = ValueError(f"vector has {v.shape[0]} values; index version {snapshot.version} "
-                                f"has dimension {snapshot.dim}")
-        elif not np.all(np.isfinite(v)):
-            out[i] = ValueError("vector contains NaN or inf")
-        elif not np.any(v):
-            out[i] = ValueError("vector has zero norm")
-        else:
-            vecs[i] = v
+        try:   # a bad vector (or one for a version swapped in meanwhile) fails only its own request
+            vecs[i] = unit_queries(np.asarray(p.vector).reshape(-1), snapshot.dim)[0]
+        except ValueError as err:
+            out[i] = err
     valid = [i for i in range(n) if out[i] is None]
     # (rows whose decode failed keep their exception; the rest share one search per filter)
     groups: dict[str | None, list[int]] = {}

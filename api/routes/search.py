@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from functools import partial
 from typing import Annotated
 
@@ -23,6 +22,7 @@ from api.routes.models import ERROR_RESPONSES, FILTER_DOC, MASS_DOC, MAX_BATCH_Q
 from search.serving.cutoffs import cut_and_page
 from search.serving.filters import Filter, FilterError, parse_filter
 from search.serving.peakedness import peakedness
+from search.serving.queries import unit_queries
 from training.images import cache_resolution
 
 logger = logging.getLogger(__name__)
@@ -51,16 +51,10 @@ def _filter(spec, snapshot) -> Filter | None:
 
 def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.ndarray:
     """A query embedding checked against the served version (422 naming the problem), unit length, float32."""
-    if len(values) != snapshot.dim:
-        raise ApiError(422, "bad_vector", f"{where} has {len(values)} values; the index dimension is {snapshot.dim}")
-    if not all(math.isfinite(v) for v in values):
-        raise ApiError(422, "bad_vector", f"{where} contains NaN or inf")
-    vector = np.asarray(values, dtype=np.float64)
-    if np.abs(vector).max() > np.finfo(np.float32).max:
-        raise ApiError(422, "bad_vector", f"{where} values overflow float32")
-    if not np.any(vector):
-        raise ApiError(422, "bad_vector", f"{where} has zero norm")
-    return (vector / np.linalg.norm(vector)).astype(np.float32)  # in float64 first: tiny values must not underflow
+    try:
+        return unit_queries(values, snapshot.dim, where)[0]
+    except ValueError as err:
+        raise ApiError(422, "bad_vector", str(err)) from err
 
 
 def _response(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
@@ -156,11 +150,10 @@ async def search_item(
         row = snapshot.row_of(query.id)
     except KeyError as err:
         raise ApiError(404, "item_not_found", f"no item {query.id!r} in index version {snapshot.version}") from err
-    vector = np.asarray(snapshot.index.embeddings[row], dtype=np.float64)
-    vector = vector / np.linalg.norm(vector)
+    vector = unit_queries(snapshot.index.embeddings[row], snapshot.dim)[0]   # the stored row (already unit)
     wanted = fetch if query.include_self else min(fetch + 1, snapshot.count)
     try:
-        result = await ctx.batcher.search_vector(vector.astype(np.float32), wanted, query.temperature, flt)
+        result = await ctx.batcher.search_vector(vector, wanted, query.temperature, flt)
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     ranks = [i for i, h in enumerate(result.hits) if h.id == query.id]

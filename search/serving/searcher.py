@@ -42,6 +42,7 @@ from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
+from search.serving.queries import unit_queries
 from search.serving.subset import subset_search
 from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
@@ -195,19 +196,9 @@ class SearchSnapshot:
 
         With `mask` ((N,) bool, from `filter_mask`) the search is restricted to those rows inside FAISS
         and p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau), log Z summed exactly over F."""
-        q = np.asarray(vectors, dtype=np.float32)
-        if q.ndim == 1:
-            q = q[None, :]
-        if q.ndim != 2 or q.shape[1] != self.dim:
-            raise ValueError(f"query vectors must have shape (Q, {self.dim}), got {tuple(np.shape(vectors))}")
-        if not np.all(np.isfinite(q)):
-            raise ValueError("query vectors contain NaN or inf")
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        norms = np.linalg.norm(q, axis=1)
-        if np.any(norms == 0):
-            raise ValueError("query vector has zero norm")
-        q = np.ascontiguousarray(q / norms[:, None], dtype=np.float32)  # cosine similarity
+        q = unit_queries(vectors, self.dim, "query vector")   # cosine similarity
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)

@@ -151,7 +151,7 @@ def test_k_larger_than_index_and_per_query_temperatures(store_setup, rng):
     assert len(ans[0]) == n  # clamped to N; probabilities over all items sum to 1
     assert sum(h.probability for h in ans[0]) == pytest.approx(1.0, abs=1e-6)
     assert ans.temperatures == [0.1, pytest.approx(0.2)]
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match="values; the index dimension is"):
         searcher.search_vectors(q[:, :3], k=3)
     with pytest.raises(ValueError, match="NaN"):
         searcher.search_vectors(np.full_like(q, np.nan), k=3)
