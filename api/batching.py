@@ -32,7 +32,7 @@ from api.metrics import Metrics
 from search.serving.filters import Filter
 from search.serving.normaliser import LogZEstimate
 from search.serving.queries import unit_queries
-from search.serving.searcher import Hit, NotReadyError, Searcher, SearchSnapshot
+from search.serving.searcher import Hit, NoEncoderError, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,10 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
             images[i] = p.image() if callable(p.image) else p.image
         except Exception as err:  # noqa: BLE001 - handed back to that request's caller
             out[i] = err
-    if images:
+    if images and snapshot.encoder is None:   # a version built from vectors (swapped in meanwhile): 409 for these
+        for i in images:
+            out[i] = NoEncoderError(snapshot.version)
+    elif images:
         vecs[list(images)] = snapshot.encode(list(images.values()))
     for i, p in enumerate(batch):
         if p.vector is None:

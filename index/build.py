@@ -38,7 +38,7 @@ from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
 from index.manifest import DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
-from index.models import checkpoint_record, is_store_model, model_relpath
+from index.models import checkpoint_record, has_encoder, is_store_model, model_relpath
 from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
                          new_version_name)
@@ -46,7 +46,7 @@ from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
-TUNE_QUERIES = 1000
+TUNE_QUERIES = faiss_index.TUNE_QUERIES
 TUNE_K = 10
 
 
@@ -172,7 +172,7 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
     k = min(TUNE_K, n - 1)
     if k < 1:
         return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
-    rows = np.sort(np.random.default_rng(seed).choice(n, size=min(TUNE_QUERIES, n), replace=False))
+    rows = faiss_index.tuning_rows(n, TUNE_QUERIES, seed)
     queries = embeddings[rows]
     # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows);
     # k+1 because each query's own row is dropped (it would be a free hit)
@@ -484,6 +484,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
     if current is None:
         raise FileNotFoundError(f"no current index version under {root} to rebuild")
     manifest = store.manifest(current)
+    require_encoder(manifest, "index rebuild")
     datasets = []
     for src in manifest.get("sources") or [manifest["dataset"]]:
         ds = create_dataset(**src["spec"])
@@ -511,6 +512,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
+    require_encoder(base_version.manifest, "index add")
     kind = base_version.kind
     if kind not in faiss_index.ADDABLE_KINDS:
         raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
@@ -575,3 +577,53 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     return version
+
+
+def require_encoder(manifest: dict, command: str) -> None:
+    """A command that embeds images (add, rebuild, sync) refuses a version built from vectors, in one line."""
+    if not has_encoder(manifest):
+        raise ValueError(f"index version {manifest.get('version')} was built from vectors (--embeddings) and has no "
+                         f"encoder: '{command}' cannot embed images for it; build a new version with "
+                         "'index build --embeddings' over all the vectors")
+
+
+def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params: dict | None = None,
+                       evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
+                       activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
+                       target_recall: float = 0.95, fields: dict | None = None, progress: bool = True,
+                       metadata: Metadata | None = None) -> str:
+    """A new version from vectors computed elsewhere: `embeddings` is a `.npy` file or a directory of `.npy`
+    shards (index/vectors.py), `ids` an ids file (one per line; default: the row number as a string).
+
+    The version has no encoder (manifest ``checkpoint`` and ``encoder`` null, ``source`` naming the
+    vectors and their sha256): it serves vector queries only. Its quality gate is the recall check on
+    held-out stored rows (index/gate.py). Returns the version name (activated unless `activate=False`)."""
+    from index.vectors import default_ids, open_vectors, read_ids, source_record, unit_rows
+
+    t_start = time.perf_counter()
+    if kind != "auto":
+        faiss_index._check_kind(kind)
+    _check_opts(1, 0, 1, target_recall, keep, margin)
+    source = open_vectors(embeddings)
+    item_ids = default_ids(source.count) if ids is None else read_ids(ids, source.count)
+    t0 = time.perf_counter()
+    emb = unit_rows(source, progress=progress)
+    record = source_record(source, ids)
+    load_s = time.perf_counter() - t0
+    item_metadata = Metadata.empty()
+    if metadata is not None:
+        item_metadata = metadata
+        report_unknown_ids(metadata, item_ids, "--metadata")
+    manifest_fields = {"checkpoint": None, "encoder": None, "dataset": None, "sources": [], "source": record,
+                       "lineage": {}, "search_temperature": DEFAULT_TEMPERATURE,
+                       "search_temperature_source": "default (vectors computed elsewhere record no temperature)",
+                       "skipped": [], "skipped_count": 0, "world_size": 1, "parent": None}
+    manifest_fields.update(fields or {})
+    store = IndexStore(root)
+    store.ensure()
+    version, staging = write_version(store, emb, item_ids, kind=kind, params=params, memory_budget=memory_budget,
+                                     target_recall=target_recall, fields=manifest_fields,
+                                     timings={"load_vectors_s": load_s},
+                                     extra_files=item_files({}, item_metadata, item_ids))
+    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                              activate=activate, keep=keep, path="index build --embeddings", t_start=t_start)

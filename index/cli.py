@@ -122,8 +122,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="index parameter, e.g. nlist=256, nprobe=16, m=16, M=32, efSearch=64")
         sp.add_argument("--memory-budget", default=None, help="bytes for --kind auto, e.g. 2G (default: RAM / 4)")
 
-    sp = sub.add_parser("build", help="embed a dataset and build a new version")
-    common(sp); notify(sp); dataset(sp, True); embedding(sp); kind(sp, "flat")
+    sp = sub.add_parser("build", help="embed a dataset (or take your own vectors) and build a new version")
+    common(sp); notify(sp); dataset(sp, False); embedding(sp); kind(sp, "flat")
+    sp.add_argument("--embeddings", default=None, metavar="FILE",
+                    help="index vectors computed elsewhere instead of a dataset: a .npy (N, D) float16/32/64 file or a "
+                         "directory of .npy shards (name order); rows are normalised to unit length; the version has "
+                         "no encoder (vector search only)")
+    sp.add_argument("--ids", default=None, metavar="FILE",
+                    help="with --embeddings: one item id per line, one per row (default: the row number)")
     sp.add_argument("--checkpoint", default=None, help="a softsearch checkpoint (from 'softsearch train')")
     sp.add_argument("--encoder", default=None, metavar="open_clip:NAME",
                     help="index with a named open_clip model and --pretrained weights instead of a checkpoint")
@@ -146,6 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--folder", default=None, help="shortcut for --dataset folder --split all --data-root DIR")
     sp.add_argument("--checkpoint", default=None, help="defaults to the base version's checkpoint")
     sp.add_argument("--base", default=None, help="version to extend (default: current)")
+    sp.add_argument("--embeddings", default=None, metavar="FILE", help="not supported: build a new version with "
+                                                                       "'index build --embeddings' over all the vectors")
 
     sp = sub.add_parser("sync", help="new version equal to an image folder's current files (only changes re-embedded)")
     common(sp); notify(sp); embedding(sp)
@@ -281,6 +289,20 @@ def _build_checkpoint(args, store: IndexStore):
         checkpoint.unlink(missing_ok=True)
 
 
+def _build_from_vectors(args, opts: dict) -> str:
+    """`index build --embeddings FILE [--ids FILE] [--metadata FILE]`: a version without an encoder."""
+    from index.build import build_from_vectors
+
+    given = [flag for flag, value in (("--dataset", args.dataset), ("--checkpoint", args.checkpoint),
+                                      ("--encoder", args.encoder), ("--pretrained", args.pretrained)) if value]
+    if given:
+        raise ValueError(f"--embeddings indexes your own vectors; drop {', '.join(given)} (no images are embedded)")
+    keys = ("params", "evaluator", "margin", "force", "activate", "keep", "memory_budget", "target_recall",
+            "fields", "progress", "metadata")
+    return build_from_vectors(args.embeddings, args.root, kind=args.kind, ids=args.ids,
+                              **{k: opts[k] for k in keys})
+
+
 def _embed_opts(args) -> dict:
     return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
                 device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
@@ -392,7 +414,14 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
                     calibrator=calibrator, fields=fields,
                     memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
-        if args.command == "build":
+        if args.command == "build" and args.embeddings is not None:
+            version = _build_from_vectors(args, opts)
+        elif args.command == "build":
+            if args.ids is not None:
+                raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
+            if not args.dataset:
+                raise ValueError("name what to index: --dataset NAME (with --checkpoint or --encoder) or "
+                                 "--embeddings FILE (your own vectors)")
             with _build_checkpoint(args, store) as checkpoint:
                 version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
                                       kind=args.kind, **opts)
@@ -404,6 +433,9 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                 return _notify(args, version)
         return 0
     if args.command == "add":
+        if args.embeddings is not None:
+            raise ValueError("index add --embeddings is not supported: build a new version with 'index build "
+                             "--embeddings' over all the vectors")
         base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
         if base is None:
             raise FileNotFoundError(f"no current index version under {args.root} to add to")
@@ -459,6 +491,10 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
             try:
                 loaded = store.load(v, verify=True, gpu=False)
                 record = checkpoint_record(loaded.manifest)
+                if not record.get("sha256") and not record.get("path"):   # built from vectors: no model
+                    print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files match their sha256 "
+                          "(built from vectors: no encoder model)")
+                    continue
                 store.models.resolve(record, v)   # the encoder weights too (migrates an old store)
                 print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files and encoder model "
                       f"{record['sha256'][:12]} match their sha256")

@@ -36,6 +36,14 @@ KINDS = ("flat", "ivf-flat", "ivf-pq", "hnsw")
 ADDABLE_KINDS = frozenset(KINDS)
 SEARCH_PARAM = {"flat": None, "ivf-flat": "nprobe", "ivf-pq": "nprobe", "hnsw": "efSearch"}
 
+#: Candidates per hit re-scored exactly from the stored vectors for PQ kinds whose manifest has no tuned
+#: ``rerank`` (versions built before it was tuned); the codes' order is not the exact order.
+RERANK_PQ = 4
+#: Largest re-rank factor k'/k `tune` tries (k' = 640 candidates at k = 10).
+RERANK_MAX = 64
+#: Stored rows used as tuning queries (`tuning_rows`); the gate draws its held-out queries from the rest.
+TUNE_QUERIES = 1000
+
 # choose_kind thresholds (documented in choose_kind).
 SMALL_COUNT = 100_000
 IVF_MIN_COUNT = 1_000   # below this an IVF partition is pointless
@@ -293,6 +301,51 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
         keep = ~missing.all(axis=0)
         scores, rows = scores[:, keep], rows[:, keep]
     return scores, rows
+
+
+def rerank_factor(kind: str, params: dict | None) -> int:
+    """k'/k: candidates per hit the server re-scores exactly from the stored vectors (manifest params
+    ``rerank``; RERANK_PQ for PQ kinds without one, whose code order is not the exact order; else 1)."""
+    value = (params or {}).get("rerank")
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    return RERANK_PQ if "pq" in str(kind) else 1
+
+
+def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray, k: int,
+                    rerank: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """What the server answers: the index's top k*rerank candidates re-scored exactly, s = z_q . z_y with
+    z_y the stored row, and the best k of them -> (scores (Q, k'), rows (Q, k')), -1 / -inf = none.
+    With rerank = 1 the candidates are only re-ordered by their exact scores."""
+    x = _as_float32(queries, index.d, "queries")
+    _, cand = search(index, x, int(k) * int(rerank))                      # (Q, k*r) best first, -1 = none
+    return rerank_candidates(embeddings, x, cand, k)
+
+
+def rerank_candidates(embeddings: np.ndarray, queries: np.ndarray, cand: np.ndarray,
+                      k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Re-score candidate rows `cand` (Q, C) exactly against `embeddings` and keep the best k of each query
+    (see `search_reranked`); gathers at most ~2^22 floats at a time."""
+    emb = embeddings.view(np.ndarray) if isinstance(embeddings, np.memmap) else embeddings
+    x = np.ascontiguousarray(queries, dtype=np.float32)
+    exact = np.full(cand.shape, -np.inf, np.float32)                       # (Q, C)
+    step = max(1, (1 << 22) // max(1, cand.shape[1] * emb.shape[1]))
+    for q0 in range(0, cand.shape[0], step):
+        c = cand[q0:q0 + step]
+        safe = np.where(c >= 0, c, 0)
+        g = emb[safe.reshape(-1)].reshape(*c.shape, -1)                    # (q, C, D) gathered rows
+        s = np.matmul(g, x[q0:q0 + step, :, None])[..., 0]                  # (q, C) exact z_q . z_y
+        exact[q0:q0 + step] = np.where(c >= 0, s, -np.inf)
+    kk = min(int(k), cand.shape[1])
+    order = np.argsort(-exact, axis=1, kind="stable")[:, :kk]
+    scores = np.take_along_axis(exact, order, axis=1)
+    rows = np.where(np.isfinite(scores), np.take_along_axis(cand, order, axis=1), -1)
+    return scores, rows
+
+
+def tuning_rows(count: int, size: int = TUNE_QUERIES, seed: int = 0) -> np.ndarray:
+    """The sorted stored rows a build tunes its search knobs on (seeded, so the gate can hold them out)."""
+    return np.sort(np.random.default_rng(seed).choice(count, size=min(size, count), replace=False))
 
 
 def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block: int = 4096) -> np.ndarray:

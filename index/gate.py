@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
+
+import faiss
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
 from index import faiss_index
+from index.models import has_encoder
 
 if TYPE_CHECKING:   # the store imports this module; these are for annotations only
     from index.store import IndexStore, IndexVersion
@@ -30,6 +35,10 @@ DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower
 FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
 #: A gate for a version that has none: gate(version name) -> its quality_gate record (`gate_version`).
 Gate = Callable[[str], dict]
+
+#: Held-out stored rows the gate of a version without an encoder searches (`held_out_recall`).
+GATE_QUERIES = 1000
+GATE_SEED = 1
 
 Evaluator = Callable[["IndexVersion", "IndexVersion"], dict]
 # calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
@@ -80,7 +89,8 @@ def recall_check(manifest: dict, served: dict | None = None) -> dict:
     kind, params = manifest.get("kind"), dict(manifest.get("params") or {})
     out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
     if served is not None and served.get("recall") is not None:
-        out.update(served=float(served["recall"]), measured_on=f"{served.get('n_queries', '?')} held-out queries")
+        out.update(served=float(served["recall"]),
+                   measured_on=served.get("measured_on") or f"{served.get('n_queries', '?')} held-out queries")
     elif gate_recall.get("served") is not None:
         out.update(served=float(gate_recall["served"]), measured_on=gate_recall.get("measured_on", "held-out queries"))
     elif tuned.get("recall") is not None:
@@ -117,8 +127,8 @@ def score_check(manifest: dict) -> dict:
     score = gate["checks"].get("score") if isinstance(gate.get("checks"), dict) else gate
     if not score or score.get("candidate") is None or score.get("serving") is None:
         passed = gate.get("passed") if score is gate else True
-        return {**out, "passed": passed, "message": "quality gate: nothing was serving to compare with"
-                if passed is not False else "quality gate failed"}
+        message = "quality gate: nothing was serving to compare with" if passed is not False else "quality gate failed"
+        return {**out, "passed": passed, "message": gate.get("note") or message}
     margin = float(score.get("margin") or 0.0)
     passed = score_passes(score["candidate"], score["serving"], margin)
     return {**out, "passed": passed,
@@ -142,7 +152,15 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
     record: dict = {}
     score = None
     t0 = time.perf_counter()
-    if evaluator is not None and serving is not None:
+    vectors_only = not has_encoder(candidate.manifest) or (serving is not None and not has_encoder(serving.manifest))
+    if vectors_only:
+        # no encoder on one side: no query images to score both with, so the gate is the recall check
+        # of the candidate's served search on stored rows it was not tuned on
+        held_out = held_out_recall(candidate)
+        record.update(index_recall={"candidate": held_out}, note=(
+            "quality gate: the recall check only (a version built from vectors has no encoder to embed "
+            "held-out images with)"), serving_version=None if serving is None else serving.version)
+    elif evaluator is not None and serving is not None:
         try:
             result = evaluator(candidate, serving)
         except GateUnavailable as err:
@@ -168,6 +186,33 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
                     "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
     logger.info("%s", recall["message"])
     return record
+
+
+def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int = 10, seed: int = GATE_SEED) -> dict:
+    """recall@k of what `version` serves (its FAISS index at the tuned parameters, candidates re-ranked
+    exactly by the manifest's `rerank`: `faiss_index.search_reranked`, the server's search) against exact
+    search, on stored rows the build did not tune on (`faiss_index.tuning_rows`), each query's own row
+    excluded from both lists. {"recall", "n_queries", "k", "rerank", "measured_on", "seconds"}."""
+    t0 = time.perf_counter()
+    emb = version.embeddings
+    n = int(emb.shape[0])
+    k = min(k, n - 1)
+    if k < 1:
+        return {"recall": 1.0, "n_queries": 0, "k": 0, "measured_on": "a single item (nothing to miss)"}
+    spare = np.setdiff1d(np.arange(n), faiss_index.tuning_rows(n))
+    pool, where = (spare, "held-out stored rows") if spare.size else (np.arange(n), "stored rows (all tuned on)")
+    rows = np.sort(np.random.default_rng(seed).choice(pool, size=min(n_queries, pool.size), replace=False))
+    queries = np.ascontiguousarray(emb[rows], dtype=np.float32)
+    rerank = faiss_index.rerank_factor(version.kind, version.manifest.get("params"))
+    _, exact = faiss.knn(queries, np.ascontiguousarray(emb, dtype=np.float32), k + 1, metric=faiss.METRIC_INNER_PRODUCT)
+    _, found = faiss_index.search_reranked(version.index, emb, queries, k + 1, rerank)
+    found = faiss_index._drop_rows(found, rows, k)
+    exact = faiss_index._drop_rows(exact, rows, k)
+    recall = faiss_index.recall_at_k(found, exact, k)
+    logger.info("held-out recall@%d of %s: %.4f on %d %s (re-rank %d)", k, version.version, recall, len(rows), where,
+                rerank)
+    return {"recall": recall, "n_queries": int(len(rows)), "k": int(k), "rerank": int(rerank),
+            "measured_on": f"{len(rows)} {where}, own row excluded", "seconds": time.perf_counter() - t0}
 
 
 def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,

@@ -54,6 +54,13 @@ def checkpoint_record(manifest: dict) -> dict:
     return {"path": ck or manifest.get("checkpoint_path"), "sha256": manifest.get("checkpoint_sha256")}
 
 
+def has_encoder(manifest: dict) -> bool:
+    """False for a version built from vectors computed elsewhere (`index build --embeddings`, manifest
+    ``checkpoint: null``): it names no encoder model, so only vector queries can search it."""
+    record = checkpoint_record(manifest)
+    return bool(record.get("sha256") or record.get("path"))
+
+
 def is_store_model(path: str | os.PathLike) -> bool:
     """True for a file inside some store's models/ directory (its path says nothing about provenance)."""
     path = Path(path)

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from index.gate import DEFAULT_MARGIN, Evaluator
-from index.build import (_check_opts, _embed_sources, _gate_and_activate,
+from index.build import (_check_opts, require_encoder, _embed_sources, _gate_and_activate,
                          _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_records
@@ -188,6 +188,7 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
+    require_encoder(base_version.manifest, "index sync")
     dataset = _folder_dataset(base_version, data_root)
     plan = plan_sync(base_version, dataset)
     counts = {**plan.counts(), "base": base_version.version, "data_root": dataset.root}

@@ -69,6 +69,9 @@ def export_version(root, out, version: str | None = None) -> Path:
         raise FileNotFoundError(f"no current index version under {root} to export; name one with --version")
     loaded = store.load(version, verify=True, gpu=False)
     record = checkpoint_record(loaded.manifest)
+    if not record.get("sha256"):
+        raise ValueError(f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
+                         "export does not support it; copy the store root or build it again from the vectors")
     model = store.models.resolve(record, version)
     members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
     for name in loaded.manifest["files"]:

@@ -17,17 +17,22 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
 from api.routes.models import ERROR_RESPONSES, FILTER_DOC, MASS_DOC, MAX_BATCH_QUERIES, MAX_TEMPERATURE, \
-    MIN_PROBABILITY_DOC, MIN_TEMPERATURE, OFFSET_DOC, BatchImageForm, BatchResponse, BatchVectorQuery, HitOut, \
-    ItemQuery, NormaliserOut, PeakednessOut, SearchResponse, VectorQuery
+    MIN_PROBABILITY_DOC, MIN_TEMPERATURE, OFFSET_DOC, BatchImageForm, BatchResponse, BatchVectorQuery, ErrorResponse, \
+    HitOut, ItemQuery, NormaliserOut, PeakednessOut, SearchResponse, VectorQuery
 from search.serving.cutoffs import cut_and_page
 from search.serving.filters import Filter, FilterError, parse_filter
 from search.serving.peakedness import peakedness
 from search.serving.queries import unit_queries
+from search.serving.searcher import NO_ENCODER, NoEncoderError
 from training.images import cache_resolution
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["search"])
+
+#: image routes also answer 409 on a version built from vectors (no encoder)
+IMAGE_RESPONSES = {**ERROR_RESPONSES, 409: {"model": ErrorResponse, "description": "the served index version has "
+                                                                                  "no encoder (built from vectors)"}}
 
 
 def _fetch_count(k: int, offset: int, settings) -> int:
@@ -47,6 +52,13 @@ def _filter(spec, snapshot) -> Filter | None:
         return parse_filter(spec, snapshot.metadata_fields)
     except FilterError as err:
         raise ApiError(422, "bad_filter", str(err)) from err
+
+
+def _require_encoder(snapshot) -> None:
+    """409 for an image query on a version built from vectors (it has no encoder to embed the image)."""
+    if snapshot.encoder is None:
+        raise ApiError(409, "no_encoder", f"{NO_ENCODER} (POST /v1/search/vector, /v1/search/item or a JSON "
+                                          f"/v1/search/batch); index version {snapshot.version} was built from vectors")
 
 
 def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.ndarray:
@@ -89,7 +101,7 @@ def _body(result: QueryResult, k: int, self_rank: int | None = None, offset: int
     return body
 
 
-@router.post("/search", response_model=SearchResponse, responses=ERROR_RESPONSES)
+@router.post("/search", response_model=SearchResponse, responses=IMAGE_RESPONSES)
 async def search_image(
     ctx: Annotated[SearchContext, Depends(search_context("multipart/form-data"))],
     file: Annotated[UploadFile, File(description="query image (PNG, JPEG, ...)")],
@@ -104,6 +116,7 @@ async def search_image(
 ) -> Response:
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     settings, snapshot = ctx.settings, ctx.snapshot
+    _require_encoder(snapshot)
     fetch = _fetch_count(k, offset, settings)
     flt = _filter(filter, snapshot)
     data = await file.read(settings.max_upload_bytes + 1)
@@ -112,6 +125,8 @@ async def search_image(
                      square=snapshot.file_backed)
     try:
         result = await ctx.batcher.search_image(decode, fetch, temperature, flt)
+    except NoEncoderError as err:   # a version built from vectors was swapped in meanwhile
+        raise ApiError(409, "no_encoder", str(err)) from err
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     ctx.metrics.queries.labels(kind="image").inc()
@@ -178,7 +193,7 @@ def _batch_openapi() -> dict:
         "multipart/form-data": {"schema": form}}}}
 
 
-@router.post("/search/batch", response_model=BatchResponse, responses=ERROR_RESPONSES, openapi_extra=_batch_openapi())
+@router.post("/search/batch", response_model=BatchResponse, responses=IMAGE_RESPONSES, openapi_extra=_batch_openapi())
 async def search_batch(
     request: Request,
     ctx: Annotated[SearchContext, Depends(search_context("application/json", "multipart/form-data"))],
@@ -202,6 +217,8 @@ async def search_batch(
         kind = "image"
     results = await asyncio.gather(*jobs, return_exceptions=True)
     for i, r in enumerate(results):
+        if isinstance(r, NoEncoderError):
+            raise ApiError(409, "no_encoder", str(r))
         if isinstance(r, ApiError):
             raise ApiError(r.status_code, r.code, f"{'files' if kind == 'image' else 'vectors'}[{i}]: {r.detail}")
         if isinstance(r, ValueError):
@@ -222,6 +239,7 @@ def _request_error(err: ValidationError, where: str) -> RequestValidationError:
 async def _image_batch(request: Request, ctx: SearchContext):
     """(form fields, filter, one search job per uploaded image) of a multipart batch."""
     settings, snapshot = ctx.settings, ctx.snapshot
+    _require_encoder(snapshot)
     form = await request.form(max_files=MAX_BATCH_QUERIES, max_fields=16)
     files = [f for f in form.getlist("files") if isinstance(f, StarletteUpload)]
     if not files:

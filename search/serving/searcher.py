@@ -37,7 +37,8 @@ from PIL import Image
 
 from index.manifest import DEFAULT_TEMPERATURE
 from index.metadata import MetadataColumns, read_metadata
-from index.models import checkpoint_record, load_version_encoder
+from index.faiss_index import RERANK_PQ, rerank_factor
+from index.models import checkpoint_record, has_encoder, load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.filters import Filter
@@ -51,18 +52,26 @@ from training.transforms import preprocess
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Hit", "SearchAnswer", "SearchSnapshot", "Searcher", "NotReadyError", "ReloadResult",
+    "Hit", "SearchAnswer", "SearchSnapshot", "Searcher", "NotReadyError", "NoEncoderError", "ReloadResult",
     "ItemInfo", "log_normaliser", "DEFAULT_TEMPERATURE",
 ]
 
 #: Filter masks a snapshot keeps (N bytes each).
 FILTER_CACHE = 64
-#: Default candidates per hit for PQ indexes, re-ranked by exact similarity.
-RERANK_PQ = 4
+#: What an image query on a version built from vectors is told (the API answers it with 409).
+NO_ENCODER = "this index version has no encoder: search it with vectors"
 
 
 class NotReadyError(RuntimeError):
     """No index version / encoder is loaded yet."""
+
+
+class NoEncoderError(RuntimeError):
+    """An image query on a version built from vectors computed elsewhere (`index build --embeddings`)."""
+
+    def __init__(self, version: str):
+        super().__init__(f"{NO_ENCODER} (index version {version} was built from vectors)")
+        self.version = version
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,7 @@ def _manifest_temperature(manifest: dict) -> float:
 class SearchSnapshot:
     """An immutable (encoder, index version) pair; every query runs on exactly one snapshot."""
 
-    encoder: Encoder
+    encoder: Encoder | None                                     # None: built from vectors, vector queries only
     checkpoint_sha256: str | None
     index: IndexVersion
     temperature: float
@@ -156,13 +165,13 @@ class SearchSnapshot:
     def rerank(self) -> int:
         """Candidates per hit re-scored exactly from the stored vectors: the manifest's `rerank` parameter,
         else RERANK_PQ for compressed (PQ) indexes, whose code order is not the exact order, and 1."""
-        value = (self.manifest.get("params") or {}).get("rerank")
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-        return RERANK_PQ if "pq" in str(self.manifest.get("kind", "")) else 1
+        return rerank_factor(str(self.manifest.get("kind", "")), self.manifest.get("params"))
 
     def encode(self, images: Sequence[Image.Image | np.ndarray]) -> np.ndarray:
-        """PIL images or (H, W, 3) uint8 RGB arrays -> unit embeddings (B, D) float32, one encoder forward."""
+        """PIL images or (H, W, 3) uint8 RGB arrays -> unit embeddings (B, D) float32, one encoder forward.
+        NoEncoderError on a version built from vectors."""
+        if self.encoder is None:
+            raise NoEncoderError(self.version)
         if len(images) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
         if all(isinstance(im, np.ndarray) for im in images) and len({im.shape for im in images}) == 1:
@@ -410,13 +419,13 @@ class Searcher:
             raise NotReadyError("no index loaded yet")
         return state
 
-    def _make_snapshot(self, encoder: Encoder, sha: str | None, version: IndexVersion,
+    def _make_snapshot(self, encoder: Encoder | None, sha: str | None, version: IndexVersion,
                        runner: InferenceEncoder | None = None) -> SearchSnapshot:
         dim = version.manifest.get("dim")
         emb = version.embeddings
         if emb.ndim != 2 or (dim is not None and int(dim) != emb.shape[1]):
             raise ValueError(f"index version {version.version}: manifest dim {dim} != embeddings {emb.shape}")
-        if encoder.embed_dim != emb.shape[1]:
+        if encoder is not None and encoder.embed_dim != emb.shape[1]:
             raise ValueError(
                 f"index version {version.version} has dimension {emb.shape[1]}, "
                 f"the encoder produces {encoder.embed_dim}"
@@ -427,14 +436,18 @@ class Searcher:
         # statistics; one pass over the rows for a version written before they were stored)
         normaliser = Normaliser.for_version(emb, version.index, self.normaliser,
                                             stored=getattr(version, "list_stats", None))
-        if runner is None or runner.encoder is not encoder:
+        if encoder is None:
+            runner = None
+        elif runner is None or runner.encoder is not encoder:
             runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
                               normaliser if normaliser.method != "exact" else None, runner,
                               release_pages=self.normaliser.releases("exact"))
 
-    def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder, str, bool]:
+    def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
+        if not has_encoder(version.manifest):   # built from vectors: nothing to load
+            return None, None, old is not None and old.encoder is not None
         sha = checkpoint_record(version.manifest).get("sha256")
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
