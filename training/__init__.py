@@ -12,12 +12,12 @@ from training.schedules import SCHEDULES, TemperatureSchedule, create_schedule, 
 from training.synthetic import oracle_embedding
 from training.trainer import train
 from training.transforms import preprocess
-from training.weince import WEINCELoss, fit_tail
+from training.weince import WEINCEConfig, WEINCELoss, fit_tail
 
 __all__ = [
     "DATASETS", "GENERATORS", "LOSSES", "SCHEDULES",
     "ContrastiveLoss", "Encoder", "EncoderConfig", "ImageDataset", "InfoNCELoss", "LangevinNoise",
-    "LossOutput", "PositiveGenerator", "TemperatureSchedule", "TrainConfig", "WEINCELoss",
+    "LossOutput", "PositiveGenerator", "TemperatureSchedule", "TrainConfig", "WEINCEConfig", "WEINCELoss",
     "checkpoint_sha256", "create_dataset", "create_encoder", "create_generator", "create_loss",
     "create_schedule", "embed", "fit_tail", "gaussian_regularizer", "load_checkpoint", "load_train_config", "oracle_embedding",
     "preprocess", "register_dataset", "register_generator", "register_loss", "register_schedule",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -171,6 +172,112 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
+_INT_OPTIONS = ("m", "weib_top_m", "pl_top_m", "weib_min_tail_points")
+_FLOAT_OPTIONS = ("margin", "kappa_rho", "kappa_aic", "quantile", "tail_frac", "burn_frac", "eps", "beta", "beta_min",
+                  "beta_max", "shrink_c", "ema", "fixed_lambda", "weib_lambda", "pl_lambda", "weib_beta",
+                  "weib_beta_init", "weib_beta_momentum", "weib_r2_min", "weib_tail_frac")
+
+
+@dataclass(frozen=True)
+class WEINCEConfig:
+    """Every WEINCE option, validated once (see WEINCELoss for what each means). The six options whose
+    default depends on ``variant`` (VARIANTS) are None until resolved in ``__post_init__``."""
+
+    variant: str = "paper"
+    margin: float = 2.0
+    kappa_rho: float = 10.0
+    kappa_aic: float = 1.0
+    quantile: float = 0.2
+    m: int = 32
+    tail_frac: float = 0.1
+    burn_frac: float = 0.05
+    eps: float = 1e-6
+    beta: float | str = 1.0
+    beta_min: float = 0.5
+    beta_max: float = 16.0
+    shrink_c: float = 100.0
+    ema: float | None = None
+    fixed_lambda: float | None = None
+    gumbel_proxy: str | None = None
+    slope_penalty: bool | None = None
+    rho0_rule: str | None = None
+    weib_lambda: float | None = None
+    weib_top_m: int = 50
+    pl_lambda: float | None = None
+    pl_top_m: int = 50
+    weib_beta: float | str = "auto"
+    weib_beta_init: float = 4.0
+    weib_beta_momentum: float = 0.9
+    weib_r2_min: float = 0.85
+    weib_tail_frac: float = 0.05
+    weib_min_tail_points: int = 1024
+
+    def __post_init__(self) -> None:
+        variant = self.variant
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        for key in ("ema", "gumbel_proxy", "slope_penalty", "rho0_rule", "weib_lambda", "pl_lambda"):
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, VARIANTS[variant][key])
+        _validate(**{f.name: getattr(self, f.name) for f in fields(self)})
+        for name in _INT_OPTIONS:
+            object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _FLOAT_OPTIONS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, float(value))
+
+    def options(self) -> dict:
+        """JSON-able options for lineage (variant-dependent ones resolved)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _validate(*, variant, margin, kappa_rho, kappa_aic, quantile, m, tail_frac, burn_frac, eps, beta, beta_min,
+              beta_max, shrink_c, ema, fixed_lambda, gumbel_proxy, slope_penalty, rho0_rule, weib_lambda, weib_top_m,
+              pl_lambda, pl_top_m, weib_beta, weib_beta_init, weib_beta_momentum, weib_r2_min, weib_tail_frac,
+              weib_min_tail_points) -> None:
+    """ValueError naming the first option out of its range."""
+    for name, value in (("kappa_rho", kappa_rho), ("kappa_aic", kappa_aic), ("eps", eps),
+                        ("beta_min", beta_min), ("beta_max", beta_max), ("shrink_c", shrink_c),
+                        ("weib_beta_init", weib_beta_init), ("weib_tail_frac", weib_tail_frac)):
+        if not _is_number(value) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if not _is_number(margin):
+        raise ValueError(f"margin must be a number, got {margin!r}")
+    for name, value in (("quantile", quantile), ("tail_frac", tail_frac), ("ema", ema),
+                        ("weib_beta_momentum", weib_beta_momentum), ("weib_r2_min", weib_r2_min),
+                        ("weib_tail_frac", weib_tail_frac)):
+        if not _is_number(value) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    for name, value in (("weib_lambda", weib_lambda), ("pl_lambda", pl_lambda)):
+        if not _is_number(value) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if not _is_number(burn_frac) or not 0.0 <= burn_frac < 0.5:
+        raise ValueError(f"burn_frac must be in [0, 0.5), got {burn_frac!r}")
+    for name, value, low in (("m", m, 4), ("weib_top_m", weib_top_m, 1), ("pl_top_m", pl_top_m, 1),
+                             ("weib_min_tail_points", weib_min_tail_points, 10)):
+        if not _is_number(value) or int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if eps >= 0.5:
+        raise ValueError(f"eps must be < 0.5, got {eps!r}")
+    for name, value in (("beta", beta), ("weib_beta", weib_beta)):
+        if isinstance(value, str):
+            if value != "auto":
+                raise ValueError(f"{name} must be a positive number or 'auto', got {value!r}")
+        elif not _is_number(value) or not value > 0:
+            raise ValueError(f"{name} must be a positive number or 'auto', got {value!r}")
+    if beta_max < beta_min:
+        raise ValueError(f"beta_max ({beta_max}) must be >= beta_min ({beta_min})")
+    if fixed_lambda is not None and (not _is_number(fixed_lambda) or not 0 <= fixed_lambda <= 1):
+        raise ValueError(f"fixed_lambda must be None or in [0, 1], got {fixed_lambda!r}")
+    if gumbel_proxy not in GUMBEL_PROXIES:
+        raise ValueError(f"gumbel_proxy must be one of {GUMBEL_PROXIES}, got {gumbel_proxy!r}")
+    if rho0_rule not in RHO0_RULES:
+        raise ValueError(f"rho0_rule must be one of {RHO0_RULES}, got {rho0_rule!r}")
+    if not isinstance(slope_penalty, bool):
+        raise ValueError(f"slope_penalty must be true or false, got {slope_penalty!r}")
+
+
 @register_loss("weince")
 class WEINCELoss(ContrastiveLoss):
     """InfoNCE whose logits blend in the Weibull shortfall coordinate per anchor (see module doc).
@@ -196,77 +303,14 @@ class WEINCELoss(ContrastiveLoss):
     max(``weib_min_tail_points``, ``weib_tail_frac`` x all negatives) (1024, 0.05).
     """
 
-    def __init__(self, variant: str = "paper", margin: float = 2.0, kappa_rho: float = 10.0,
-                 kappa_aic: float = 1.0, quantile: float = 0.2, m: int = 32, tail_frac: float = 0.1,
-                 burn_frac: float = 0.05, eps: float = 1e-6, beta: float | str = 1.0, beta_min: float = 0.5,
-                 beta_max: float = 16.0, shrink_c: float = 100.0, ema: float | None = None,
-                 fixed_lambda: float | None = None, gumbel_proxy: str | None = None,
-                 slope_penalty: bool | None = None, rho0_rule: str | None = None,
-                 weib_lambda: float | None = None, weib_top_m: int = 50, pl_lambda: float | None = None,
-                 pl_top_m: int = 50, weib_beta: float | str = "auto", weib_beta_init: float = 4.0,
-                 weib_beta_momentum: float = 0.9, weib_r2_min: float = 0.85, weib_tail_frac: float = 0.05,
-                 weib_min_tail_points: int = 1024) -> None:
+    def __init__(self, config: WEINCEConfig | None = None, **options) -> None:
+        """`WEINCELoss(WEINCEConfig(...))`, or the options as keywords (what a TOML [loss_options] gives)."""
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
-        given = {"ema": ema, "gumbel_proxy": gumbel_proxy, "slope_penalty": slope_penalty,
-                 "rho0_rule": rho0_rule, "weib_lambda": weib_lambda, "pl_lambda": pl_lambda}
-        resolved = {k: VARIANTS[variant][k] if v is None else v for k, v in given.items()}
-        ema, gumbel_proxy, slope_penalty = resolved["ema"], resolved["gumbel_proxy"], resolved["slope_penalty"]
-        rho0_rule, weib_lambda, pl_lambda = resolved["rho0_rule"], resolved["weib_lambda"], resolved["pl_lambda"]
-        for name, value in (("kappa_rho", kappa_rho), ("kappa_aic", kappa_aic), ("eps", eps),
-                            ("beta_min", beta_min), ("beta_max", beta_max), ("shrink_c", shrink_c),
-                            ("weib_beta_init", weib_beta_init), ("weib_tail_frac", weib_tail_frac)):
-            if not _is_number(value) or not value > 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not _is_number(margin):
-            raise ValueError(f"margin must be a number, got {margin!r}")
-        for name, value in (("quantile", quantile), ("tail_frac", tail_frac), ("ema", ema),
-                            ("weib_beta_momentum", weib_beta_momentum), ("weib_r2_min", weib_r2_min),
-                            ("weib_tail_frac", weib_tail_frac)):
-            if not _is_number(value) or not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-        for name, value in (("weib_lambda", weib_lambda), ("pl_lambda", pl_lambda)):
-            if not _is_number(value) or value < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
-        if not _is_number(burn_frac) or not 0.0 <= burn_frac < 0.5:
-            raise ValueError(f"burn_frac must be in [0, 0.5), got {burn_frac!r}")
-        for name, value, low in (("m", m, 4), ("weib_top_m", weib_top_m, 1), ("pl_top_m", pl_top_m, 1),
-                                 ("weib_min_tail_points", weib_min_tail_points, 10)):
-            if not _is_number(value) or int(value) != value or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if eps >= 0.5:
-            raise ValueError(f"eps must be < 0.5, got {eps!r}")
-        for name, value in (("beta", beta), ("weib_beta", weib_beta)):
-            if isinstance(value, str):
-                if value != "auto":
-                    raise ValueError(f"{name} must be a positive number or 'auto', got {value!r}")
-            elif not _is_number(value) or not value > 0:
-                raise ValueError(f"{name} must be a positive number or 'auto', got {value!r}")
-        if beta_max < beta_min:
-            raise ValueError(f"beta_max ({beta_max}) must be >= beta_min ({beta_min})")
-        if fixed_lambda is not None and (not _is_number(fixed_lambda) or not 0 <= fixed_lambda <= 1):
-            raise ValueError(f"fixed_lambda must be None or in [0, 1], got {fixed_lambda!r}")
-        if gumbel_proxy not in GUMBEL_PROXIES:
-            raise ValueError(f"gumbel_proxy must be one of {GUMBEL_PROXIES}, got {gumbel_proxy!r}")
-        if rho0_rule not in RHO0_RULES:
-            raise ValueError(f"rho0_rule must be one of {RHO0_RULES}, got {rho0_rule!r}")
-        if not isinstance(slope_penalty, bool):
-            raise ValueError(f"slope_penalty must be true or false, got {slope_penalty!r}")
-        self.variant = variant
-        self.margin, self.kappa_rho, self.kappa_aic = float(margin), float(kappa_rho), float(kappa_aic)
-        self.quantile, self.m, self.tail_frac, self.burn_frac = float(quantile), int(m), float(tail_frac), float(burn_frac)
-        self.eps, self.beta = float(eps), beta if isinstance(beta, str) else float(beta)
-        self.beta_min, self.beta_max, self.shrink_c = float(beta_min), float(beta_max), float(shrink_c)
-        self.ema = float(ema)
-        self.fixed_lambda = None if fixed_lambda is None else float(fixed_lambda)
-        self.gumbel_proxy, self.slope_penalty, self.rho0_rule = gumbel_proxy, slope_penalty, rho0_rule
-        self.weib_lambda, self.weib_top_m = float(weib_lambda), int(weib_top_m)
-        self.pl_lambda, self.pl_top_m = float(pl_lambda), int(pl_top_m)
-        self.weib_beta = weib_beta if isinstance(weib_beta, str) else float(weib_beta)
-        self.weib_beta_init, self.weib_beta_momentum = float(weib_beta_init), float(weib_beta_momentum)
-        self.weib_r2_min, self.weib_tail_frac = float(weib_r2_min), float(weib_tail_frac)
-        self.weib_min_tail_points = int(weib_min_tail_points)
+        if config is not None and options:
+            raise ValueError("give a WEINCEConfig or keyword options, not both")
+        self.config = config if config is not None else WEINCEConfig(**options)
+        for f in fields(self.config):   # plain attributes: the hot path reads them every step
+            setattr(self, f.name, getattr(self.config, f.name))
         # Running batch statistics (NaN until the first training step); saved in state_dict.
         self.register_buffer("rho0_ema", torch.tensor(float("nan"), dtype=torch.float64))
         self.register_buffer("beta_ema", torch.tensor(float("nan"), dtype=torch.float64))
@@ -275,16 +319,7 @@ class WEINCELoss(ContrastiveLoss):
 
     def options(self) -> dict:
         """JSON-able constructor options for lineage (variant-dependent ones resolved)."""
-        return {"variant": self.variant, "margin": self.margin, "kappa_rho": self.kappa_rho,
-                "kappa_aic": self.kappa_aic, "quantile": self.quantile, "m": self.m, "tail_frac": self.tail_frac,
-                "burn_frac": self.burn_frac, "eps": self.eps, "beta": self.beta, "beta_min": self.beta_min,
-                "beta_max": self.beta_max, "shrink_c": self.shrink_c, "ema": self.ema,
-                "fixed_lambda": self.fixed_lambda, "gumbel_proxy": self.gumbel_proxy,
-                "slope_penalty": self.slope_penalty, "rho0_rule": self.rho0_rule,
-                "weib_lambda": self.weib_lambda, "weib_top_m": self.weib_top_m, "pl_lambda": self.pl_lambda,
-                "pl_top_m": self.pl_top_m, "weib_beta": self.weib_beta, "weib_beta_init": self.weib_beta_init,
-                "weib_beta_momentum": self.weib_beta_momentum, "weib_r2_min": self.weib_r2_min,
-                "weib_tail_frac": self.weib_tail_frac, "weib_min_tail_points": self.weib_min_tail_points}
+        return self.config.options()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Checkpoints written before the top-M terms existed have no beta_t buffer: keep the start value.
