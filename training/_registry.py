@@ -19,3 +19,18 @@ def make_register(registry: dict[str, type], kind: str,
             return cls
         return deco
     return register
+
+
+def create_registered(registry: dict[str, type], kind: str, name: str, *, plugins: Callable[[], None] | None = None,
+                      **options):
+    """`registry[name](**options)`, with the one user-facing error for each mistake: an unknown name
+    (listing the choices; `plugins()` imports modules that register more first) or options the class
+    does not take (TypeError from its constructor) -> ValueError."""
+    if name not in registry and plugins is not None:
+        plugins()
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; choose from {sorted(registry)}")
+    try:
+        return registry[name](**options)
+    except TypeError as exc:   # unexpected / missing keyword
+        raise ValueError(f"bad options for {kind} {name!r}: {options!r} ({exc})") from exc

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from training import synthetic
-from training._registry import make_register
+from training._registry import create_registered, make_register
 from training.generators import PositiveGenerator, create_generator
 from training.idx import read_idx
 from training.image_cache import content_key, file_digests, open_or_build, summarise_skipped
@@ -45,15 +45,10 @@ register_dataset = make_register(DATASETS, "dataset")
 def create_dataset(name: str, split: str = "train", root: str | None = None,
                    size: int | None = None, seed: int = 0, **options: Any) -> "ImageDataset":
     """Build a registered dataset; ``create_dataset(**ds.spec())`` rebuilds ``ds``."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(DATASETS)}")
     if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
         raise ValueError(f"size must be a positive integer or None, got {size!r}")
-    try:
-        return DATASETS[name](split=split, root=root, size=None if size is None else int(size),
-                              seed=int(seed), **options)
-    except TypeError as exc:  # unexpected keyword option
-        raise ValueError(f"bad options {options!r} for dataset {name!r}: {exc}") from exc
+    return create_registered(DATASETS, "dataset", name, split=split, root=root,
+                             size=None if size is None else int(size), seed=int(seed), **options)
 
 
 def dataset_is_file_backed(spec: dict | None) -> bool:

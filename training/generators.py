@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from scipy.special import i0e
 
-from training._registry import make_register
+from training._registry import create_registered, make_register
 from training.augment import AugmentConfig, random_augment
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,12 +42,7 @@ register_generator = make_register(GENERATORS, "generator")
 
 def create_generator(name: str, **options: Any) -> "PositiveGenerator":
     """Build a registered generator, e.g. ``create_generator("latent", kappa=8.0)``."""
-    if name not in GENERATORS:
-        raise ValueError(f"unknown generator {name!r}; expected one of {sorted(GENERATORS)}")
-    try:
-        return GENERATORS[name](**options)
-    except TypeError as exc:  # unexpected keyword
-        raise ValueError(f"bad options {options!r} for generator {name!r}: {exc}") from exc
+    return create_registered(GENERATORS, "generator", name, **options)
 
 
 def log_i0(kappa: float) -> float:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from training._registry import make_register
+from training._registry import create_registered, make_register
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,7 @@ def _import_plugins() -> None:
 
 def create_loss(name: str, **options) -> "ContrastiveLoss":
     """Build the loss registered as `name` ("infonce", "weince", ...) with keyword options."""
-    if name not in LOSSES:
-        _import_plugins()
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; choose from {sorted(LOSSES)}")
-    try:
-        return LOSSES[name](**options)
-    except TypeError as err:
-        raise ValueError(f"bad options for loss {name!r}: {options!r} ({err})") from err
+    return create_registered(LOSSES, "loss", name, plugins=_import_plugins, **options)
 
 
 def available_losses() -> list[str]:

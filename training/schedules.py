@@ -21,7 +21,7 @@ import warnings
 
 import torch
 from torch import nn
-from training._registry import make_register
+from training._registry import create_registered, make_register
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +59,15 @@ def describe_schedules() -> str:
 
 def create_schedule(name: str, **options) -> "TemperatureSchedule":
     """Build the schedule registered as ``name`` with keyword ``options``."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown temperature schedule {name!r}; choose from {sorted(SCHEDULES)}")
     try:
-        return SCHEDULES[name](**options)
-    except TypeError as exc:  # unknown / missing keyword -> user error naming the options
+        return create_registered(SCHEDULES, "temperature schedule", name, **options)
+    except ValueError as exc:  # unknown / missing keyword -> the options it takes, and how to replace a table
+        if not isinstance(exc.__cause__, TypeError):
+            raise
         takes = schedule_options(name)
         inline = ", ".join(f"{k} = {_toml(v)}" for k, v in takes.items() if k != "steps_per_epoch" and v is not None
                            and not (isinstance(v, float) and math.isinf(v)))
-        raise ValueError(f"bad options for schedule {name!r}: {options!r} ({exc}). {name!r} takes "
+        raise ValueError(f"{exc}. {name!r} takes "
                          f"{', '.join(takes)}; an options table inherited from a config file must be replaced "
                          f"whole, e.g. --set 'schedule_options={{{inline}}}' (noise_options for a noise "
                          f"schedule)") from exc
