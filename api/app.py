@@ -26,6 +26,7 @@ from api.batching import ActiveRequests, ActiveRequestsMiddleware, MicroBatcher
 from api.config import Settings
 from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
+from api.openapi import install_served_openapi
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.timeouts import BodyTimeoutMiddleware
 from api.routes import admin, duplicates, health, index, items, search, web
@@ -189,6 +190,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     metrics.observe_searcher(searcher)
 
     _install_error_handlers(app)
+    install_served_openapi(app, settings.max_k)
     for module in (search, items, index, duplicates, health, admin, web):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -1,14 +1,14 @@
 """Request and response bodies of the v1 API (they document the OpenAPI schema)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, StrictBool
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
 #: Temperatures a client may ask for; outside this range exp(s / tau) is numerically meaningless.
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
 
 
-OFFSET_DOC = "skip this many ranked hits (after the cut-offs): stable pages of k; k + offset <= max_k"
+OFFSET_DOC = "skip this many ranked hits (after the cut-offs): stable pages of k; at most max_k"
 MIN_PROBABILITY_DOC = "drop hits whose probability p(j|x) is below this value"
 MASS_DOC = "top-p: keep the shortest prefix of hits whose probabilities sum to at least this value"
 FILTER_DOC = ("restrict the search to items whose metadata pass this filter (searched inside the index; "
@@ -24,6 +24,30 @@ class PageQuery(BaseModel):
     min_probability: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC)
     mass: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)
     filter: dict | None = Field(None, description=FILTER_DOC)
+
+
+def _not_a_number(value) -> bool:
+    return isinstance(value, (bool, str, bytes))
+
+
+class JsonPageQuery(PageQuery):
+    """A search query in a JSON body, whose numbers must be JSON numbers: pydantic's lax mode would
+    also take `true` or "5" (the schema says number, so such a request is refused, 422), while its
+    strict mode would refuse 1.0 for an integer (which JSON Schema calls an integer)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, data):
+        if isinstance(data, dict):
+            for name in ("k", "offset", "min_probability", "mass", "temperature"):
+                if _not_a_number(data.get(name)):
+                    raise ValueError(f"{name} must be a JSON number")
+            vectors = [data["vector"]] if isinstance(data.get("vector"), list) else []
+            vectors += [v for v in data.get("vectors") or [] if isinstance(v, list)] \
+                if isinstance(data.get("vectors"), list) else []
+            if any(_not_a_number(x) for v in vectors for x in v):
+                raise ValueError("vector values must be JSON numbers")
+        return data
 
 
 class ErrorResponse(BaseModel):
@@ -86,7 +110,7 @@ class SearchResponse(BaseModel):
     results: list[HitOut]
 
 
-class VectorQuery(PageQuery):
+class VectorQuery(JsonPageQuery):
     vector: list[float] = Field(min_length=1, max_length=65536,
                                 description="query embedding, length = index dim; normalised to unit length")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
@@ -98,7 +122,7 @@ class VectorQuery(PageQuery):
 MAX_BATCH_QUERIES = 256
 
 
-class BatchVectorQuery(PageQuery):
+class BatchVectorQuery(JsonPageQuery):
     model_config = {"extra": "forbid"}
     vectors: list[list[float]] = Field(min_length=1, max_length=MAX_BATCH_QUERIES,
                                        description="query embeddings, each of length = index dim")
@@ -148,7 +172,7 @@ class DuplicatesOut(BaseModel):
     groups: list[DuplicateGroupOut]
 
 
-class ItemQuery(PageQuery):
+class ItemQuery(JsonPageQuery):
     model_config = {"extra": "forbid"}
     id: str = Field(min_length=1, description="id of an indexed item: its stored embedding is the query")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")

@@ -36,17 +36,17 @@ IMAGE_RESPONSES = {**ERROR_RESPONSES, 409: {"model": ErrorResponse, "description
 
 
 def _fetch_count(k: int, offset: int, settings) -> int:
-    """Hits to fetch for a page: k + offset, bounded by the server's max_k (422 beyond)."""
+    """Hits to fetch for a page: k + offset, each at most the server's max_k (422 beyond; two bounds the
+    OpenAPI schema can state, api/openapi.py), so a page fetches at most 2 max_k hits."""
     check_k(k, settings)
-    if offset + k > settings.max_k:
-        raise ApiError(422, "k_out_of_range",
-                       f"k + offset must be at most {settings.max_k} (max_k), got {k} + {offset}")
+    if offset > settings.max_k:
+        raise ApiError(422, "offset_out_of_range", f"offset must be at most {settings.max_k} (max_k), got {offset}")
     return k + offset
 
 
 def _filter(spec, snapshot) -> Filter | None:
     """The request's filter parsed against the served version's metadata fields (422 naming the field)."""
-    if spec is None or spec == "":
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "null")):   # JSON null: no filter
         return None
     try:
         return parse_filter(spec, snapshot.metadata_fields)
@@ -150,7 +150,8 @@ async def search_vector(
     return _response(result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass)
 
 
-@router.post("/search/item", response_model=SearchResponse, responses=ERROR_RESPONSES)
+@router.post("/search/item", response_model=SearchResponse, responses={
+    **ERROR_RESPONSES, 404: {"model": ErrorResponse, "description": "no item with this id in the served version"}})
 async def search_item(
     query: ItemQuery, ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
 ) -> Response:

@@ -151,3 +151,25 @@ def _equal(cols: MetadataColumns, field: str, value) -> np.ndarray:
 
 def _member(cols: MetadataColumns, field: str, values: list) -> np.ndarray:
     return cols.present[field] & np.isin(cols.values[field], np.asarray(values))
+
+
+def filter_json_schema(types: dict[str, str], ref: str) -> dict:
+    """The JSON Schema of a filter over fields `types` ({field: str|int|float|bool}); `ref` is where the
+    schema itself lives (its and / or / not recurse through it). Every filter it admits parses here;
+    the schema only leaves unsaid the MAX_NODES bound on conditions."""
+    scalar = {"str": {"type": "string"}, "bool": {"type": "boolean"},
+              "int": {"type": "number"}, "float": {"type": "number"}}
+    properties: dict[str, Any] = {}
+    for field, kind in types.items():
+        value = scalar[kind]
+        ops = {"eq": value, "in": {"type": "array", "items": value, "minItems": 1, "maxItems": MAX_IN_VALUES}}
+        if kind in ("int", "float"):
+            ops.update({op: value for op in RANGE_OPS})
+        if kind == "str":
+            ops["prefix"] = value
+        properties[field] = {"anyOf": [value, {"type": "object", "properties": ops, "additionalProperties": False,
+                                               "minProperties": 1}]}
+    branch = {"type": "array", "items": {"$ref": ref}, "minItems": 1}
+    properties.update({"and": branch, "or": branch, "not": {"$ref": ref}})
+    return {"type": "object", "properties": properties, "additionalProperties": False, "minProperties": 1,
+            "description": f"a filter over the served version's metadata fields (at most {MAX_NODES} conditions)"}

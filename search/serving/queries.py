@@ -21,7 +21,8 @@ def unit_queries(vectors, dim: int, where: str = "vector") -> np.ndarray:
         raise ValueError(f"{where} contains NaN or inf")
     if x.size and np.abs(x).max() > _F32_MAX:
         raise ValueError(f"{where} values overflow float32")
-    norms = np.linalg.norm(x, axis=1)
-    if np.any(norms == 0):
+    scale = np.abs(x).max(axis=1) if x.size else np.zeros(len(x))
+    if np.any(scale == 0):
         raise ValueError(f"{where} has zero norm")
-    return np.ascontiguousarray(x / norms[:, None], dtype=np.float32)
+    x = x / scale[:, None]              # x / max|x| first: the squares of 1e-300s would underflow to a zero norm
+    return np.ascontiguousarray(x / np.linalg.norm(x, axis=1)[:, None], dtype=np.float32)

@@ -452,8 +452,10 @@ def test_cut_offs_and_pages_match_a_dense_reference(client, api_index, api_datas
     assert [h["id"] for h in first["results"] + second["results"]] == [h["id"] for h in both["results"]]
 
 
-def test_k_plus_offset_is_bounded_by_max_k(client, api_dataset):
-    r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 90, "offset": 20})
-    assert r.status_code == 422 and "k + offset" in r.json()["detail"]
+def test_k_and_offset_are_bounded_by_max_k(client, api_dataset):
+    r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 90, "offset": 101})
+    assert r.status_code == 422 and r.json()["error"] == "offset_out_of_range"
+    r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 100, "offset": 100})
+    assert r.status_code == 200 and r.json()["offset"] == 100
     r = client.post("/v1/search/vector", json={"vector": [1.0] * 16, "k": 5, "mass": 0})
     assert r.status_code == 422
