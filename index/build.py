@@ -37,7 +37,8 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
-from index.manifest import DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, read_manifest, write_manifest
+from index.manifest import (DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, manifest_sources, read_manifest,
+                            write_manifest)
 from index.models import checkpoint_record, has_encoder, is_store_model, model_relpath
 from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
@@ -486,7 +487,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
     manifest = store.manifest(current)
     require_encoder(manifest, "index rebuild")
     datasets = []
-    for src in manifest.get("sources") or [manifest["dataset"]]:
+    for src in manifest_sources(manifest):
         ds = create_dataset(**src["spec"])
         if ds.fingerprint() != src["fingerprint"]:
             logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
@@ -559,8 +560,9 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
     ids = list(base_version.ids) + [new_ids[int(i)] for i in res.rows]
     m = base_version.manifest
-    source_index = len(m.get("sources") or [m["dataset"]])
-    sources = list(m.get("sources") or [m["dataset"]]) + [_source_record(ds, res, source_index)]
+    sources = manifest_sources(m)
+    source_index = len(sources)
+    sources = sources + [_source_record(ds, res, source_index)]
     skipped = list(m.get("skipped", [])) + _skipped_items(ds, res, source_index)
     fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "lineage",
                                                   "search_temperature", "search_temperature_source", "world_size")}

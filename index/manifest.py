@@ -12,6 +12,7 @@ import datetime as _dt
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -175,3 +176,33 @@ def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
         digest = file_sha256(path)
         if digest != info["sha256"]:
             raise IndexCorruptError(f"{path} sha256 {digest[:12]}... does not match the manifest {info['sha256'][:12]}...")
+
+
+# ----------------------------------------------------------------- reading fields that changed shape
+def manifest_sources(manifest: dict) -> list[dict]:
+    """The datasets a version was built from, as [{"spec": {...}, "fingerprint": ...}, ...], from every
+    layout written so far: `sources` (one per dataset), else the single `dataset` record, which the
+    oldest versions stored as the bare spec."""
+    sources = manifest.get("sources")
+    if not sources:
+        one = manifest.get("dataset")
+        sources = [one] if isinstance(one, dict) else []
+    out = []
+    for src in sources:
+        if isinstance(src, dict) and isinstance(src.get("spec"), dict):
+            out.append(src)
+        elif isinstance(src, dict) and "name" in src:   # the bare spec of the oldest layout
+            out.append({"spec": src})
+    return out
+
+
+def manifest_temperature(manifest: dict) -> float | None:
+    """The version's search temperature: `search_temperature` (a number, or a {"temperature"|"tau": ...}
+    record in older layouts), else the older `calibrated_temperature`; None when none is positive."""
+    for key in ("search_temperature", "calibrated_temperature"):
+        value = manifest.get(key)
+        if isinstance(value, dict):
+            value = value.get("temperature", value.get("tau"))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return float(value)
+    return None

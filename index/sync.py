@@ -38,6 +38,7 @@ from index.build import (_check_opts, require_encoder, _embed_sources, _gate_and
                          _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_records
+from index.manifest import manifest_sources
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
 from index.models import checkpoint_record, model_relpath
 from index.store import IndexStore, IndexVersion
@@ -117,7 +118,7 @@ def _folder_dataset(base: IndexVersion, data_root):
     from training.datasets import create_dataset
 
     m = base.manifest
-    sources = m.get("sources") or [m["dataset"]]
+    sources = manifest_sources(m)
     folders = [s for s in sources if (s.get("spec") or {}).get("name") == "folder"]
     if not folders:
         raise ValueError(f"index version {base.version} was not built from an image folder "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from index.build import training_temperature
-from index.manifest import file_sha256
+from index.manifest import file_sha256, manifest_sources, manifest_temperature
 from index.models import checkpoint_record, load_version_encoder
 from index.store import IndexStore, require_store
 from search.evaluation.baselines import RAW_PIXELS, baseline_comparison, per_query_precision, raw_pixel_features, centred_unit
@@ -335,7 +335,7 @@ def version_database(version) -> tuple[list, np.ndarray]:
     `index build` of one dataset), the rows are that order, without an id -> item table (at N = 10^6
     the table and its tuples alone held ~200 MB)."""
     manifest = version.manifest
-    sources = manifest.get("sources") or [manifest["dataset"]]
+    sources = manifest_sources(manifest)
     datasets = []
     for s in sources:
         ds = create_dataset(**s["spec"])
@@ -404,8 +404,8 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
     train_tau, train_src = training_temperature(info)
     if cfg.temperature is not None:
         serving_tau, serving_src = float(cfg.temperature), "command line"
-    elif manifest is not None and manifest.get("search_temperature"):
-        serving_tau = float(manifest["search_temperature"])
+    elif manifest is not None and manifest_temperature(manifest) is not None:
+        serving_tau = manifest_temperature(manifest)
         serving_src = f"index manifest ({manifest.get('search_temperature_source', 'search_temperature')})"
     else:
         serving_tau, serving_src = train_tau, train_src

@@ -27,6 +27,7 @@ from search.evaluation.evaluate import EvalConfig, encode, load_eval_data, versi
 from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
 from search.evaluation.metrics import ideal_topk, knn_search, hit_rate_at_k, relevance
+from index.manifest import DEFAULT_TEMPERATURE, manifest_temperature
 from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     """recall@10 (exact and through the served index), the index's own recall@10 and the gap at the
     version's search temperature for one IndexVersion."""
     data, zq, zdb = _embedded_queries(version, cfg, queries, device)
-    tau = float(cfg.temperature or version.manifest.get("search_temperature") or 0.1)
+    tau = float(cfg.temperature or manifest_temperature(version.manifest) or DEFAULT_TEMPERATURE)
     k = min(10, zdb.shape[0] - (1 if data.query_exclude is not None else 0))
     exclude = None if data.query_exclude is None else np.asarray(data.query_exclude, np.int64)
     _, exact = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
@@ -145,7 +146,7 @@ def calibrate_version(candidate, queries=None, *, max_queries: int = 500, genera
     if queries is None:
         queries = _default_queries(candidate, cfg)
     data, zq, zdb = _embedded_queries(candidate, cfg, queries, dev)
-    train_tau = float(candidate.manifest.get("search_temperature") or 0.1)
+    train_tau = float(manifest_temperature(candidate.manifest) or DEFAULT_TEMPERATURE)
     result = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, data.generator,
                                    train_temperature=train_tau, device=dev)
     if not np.isfinite(result.gap_at_calibrated["kl"]):

@@ -25,7 +25,6 @@ when its model is missing or damaged, or when the encoder's embedding dimension,
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from index.manifest import DEFAULT_TEMPERATURE
+from index.manifest import DEFAULT_TEMPERATURE, manifest_sources, manifest_temperature
 from index.metadata import MetadataColumns, read_metadata
 from index.faiss_index import RERANK_PQ, rerank_factor
 from index.models import checkpoint_record, has_encoder, load_version_encoder
@@ -118,12 +117,9 @@ class ReloadResult:
 
 
 def _manifest_temperature(manifest: dict) -> float:
-    for key in ("search_temperature", "calibrated_temperature"):
-        value = manifest.get(key)
-        if isinstance(value, dict):  # {"temperature": ..., ...}
-            value = value.get("temperature", value.get("tau"))
-        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
-            return float(value)
+    value = manifest_temperature(manifest)
+    if value is not None:
+        return value
     logger.warning("manifest of version %s has no search_temperature; using %g",
                    manifest.get("version"), DEFAULT_TEMPERATURE)
     return DEFAULT_TEMPERATURE
@@ -307,15 +303,12 @@ class SearchSnapshot:
     def file_backed(self) -> bool:
         """The indexed items came from image files (decoded once into the image cache), so uploads
         should be decoded the same way (training.images.load_square) to meet their indexed twins."""
-        specs = [src.get("spec") for src in self.manifest.get("sources") or [] if isinstance(src, dict)]
-        return any(dataset_is_file_backed(sp) for sp in specs or [self.dataset_spec()])
+        return any(dataset_is_file_backed(src["spec"]) for src in manifest_sources(self.manifest))
 
     def dataset_spec(self) -> dict | None:
-        ds = self.manifest.get("dataset")
-        if isinstance(ds, dict):
-            spec = ds.get("spec", ds)
-            return spec if isinstance(spec, dict) and "name" in spec else None
-        return None
+        """The spec of the (first) dataset the version was built from, None for versions without one."""
+        sources = manifest_sources(self.manifest)
+        return sources[0]["spec"] if sources else None
 
     def _sources(self) -> dict:
         """id -> (dataset, index in it, its spec) over every dataset this version was built from (cached).
@@ -323,9 +316,8 @@ class SearchSnapshot:
         Datasets are rebuilt from the manifest's specs (`sources`, else `dataset`)."""
         with self._lock:
             if "index_of" not in self._cache:
-                specs = [src.get("spec") for src in self.manifest.get("sources") or [] if isinstance(src, dict)]
-                specs = [sp for sp in specs if isinstance(sp, dict)] or [self.dataset_spec()]
-                if specs == [None]:
+                specs = [src["spec"] for src in manifest_sources(self.manifest)]
+                if not specs:
                     raise FileNotFoundError(f"index version {self.version} has no dataset spec")
                 from training.datasets import create_dataset
 
