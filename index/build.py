@@ -178,9 +178,11 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
     # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows);
     # k+1 because each query's own row is dropped (it would be a free hit)
     _, exact = faiss.knn(queries, embeddings, k + 1, metric=faiss.METRIC_INNER_PRODUCT)
-    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows)
+    # served recall: PQ candidates are re-ranked exactly from the stored rows, so tune (nprobe, k'/k) on that
+    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows,
+                              embeddings=embeddings)
     return {"k": k, "recall": result.recall, "exact": False, "target": target_recall,
-            "param": result.param, "value": result.value, "reached": result.reached,
+            "param": result.param, "value": result.value, "reached": result.reached, "rerank": result.rerank,
             "latency_ms": result.latency_ms, "sample": int(len(rows)),
             "queries": "stored rows, own row excluded", "history": result.history}
 
@@ -224,6 +226,8 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     recall = _tune(index, kind, embeddings, target_recall)
     if recall.get("param"):
         params[recall["param"]] = recall["value"]
+    if recall.get("rerank"):
+        params["rerank"] = recall["rerank"]
     timings["tune_s"] = time.perf_counter() - t0
     # the bounded normaliser's statistics belong to the artifact (an index version holds what serving
     # it needs); a partition needs 2 rows (the normaliser serves 1 row exactly)

@@ -41,6 +41,8 @@ SEARCH_PARAM = {"flat": None, "ivf-flat": "nprobe", "ivf-pq": "nprobe", "hnsw": 
 RERANK_PQ = 4
 #: Largest re-rank factor k'/k `tune` tries (k' = 640 candidates at k = 10).
 RERANK_MAX = 64
+#: `tune` keeps k * rerank <= N / RERANK_SHARE (more candidates cost about an exact scan of all N rows).
+RERANK_SHARE = 8
 #: Stored rows used as tuning queries (`tuning_rows`); the gate draws its held-out queries from the rest.
 TUNE_QUERIES = 1000
 
@@ -87,6 +89,10 @@ def default_params(kind: str, dim: int, count: int, **params) -> dict:
                 raise ValueError(f"ivf-pq m={out['m']} must divide the dimension {dim}")
             if not 1 <= out["nbits"] <= 16:
                 raise ValueError(f"ivf-pq nbits={out['nbits']} must be in 1..16")
+            if "rerank" in params:   # k'/k re-scored exactly by the server (the build tunes it)
+                out["rerank"] = int(params.pop("rerank"))
+                if out["rerank"] < 1:
+                    raise ValueError(f"ivf-pq rerank={out['rerank']} must be >= 1")
         if out["nlist"] < 1 or out["nlist"] > max(count, 1):
             raise ValueError(f"nlist={out['nlist']} must be in 1..{max(count, 1)} for {count} vectors")
         if not 1 <= out["nprobe"]:
@@ -382,6 +388,7 @@ class TuneResult:
     latency_ms: float           # mean per query at batch = len(sample)
     reached: bool
     history: list[dict] = field(default_factory=list)
+    rerank: int | None = None   # k'/k for PQ kinds tuned with re-ranking (None: not tuned)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -398,8 +405,12 @@ def _drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
 
 def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
          k: int = 10, kind: str | None = None, min_gain: float = 0.002,
-         self_rows: np.ndarray | None = None) -> TuneResult:
+         self_rows: np.ndarray | None = None, embeddings: np.ndarray | None = None) -> TuneResult:
     """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
+
+    With `embeddings` (the stored unit rows) an IVF-PQ index is tuned as it is served: its top k*r
+    candidates re-scored exactly from the stored vectors (`search_reranked`), nprobe and the re-rank
+    factor r = k'/k chosen together (`_tune_reranked`).
 
     `exact` holds the exact top-k rows of each sample query (see `exact_neighbours`).
     The knob ends at the smallest tried value that reaches the target. When it never does,
@@ -418,6 +429,8 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
 
     if self_rows is not None:
         exact = _drop_rows(np.asarray(exact), np.asarray(self_rows), k)
+    if kind == "ivf-pq" and embeddings is not None:
+        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings)
 
     def measure() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -454,6 +467,67 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     if not reached:
         logger.warning("%s: recall@%d %.3f below target %.3f even at %s=%d", kind, k, recall, target_recall, param, value)
     return TuneResult(param, value, recall, ms, reached, history)
+
+
+def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target_recall: float, k: int,
+                   min_gain: float, self_rows: np.ndarray | None, embeddings: np.ndarray) -> TuneResult:
+    """(nprobe, r) of an IVF-PQ index re-ranked from `embeddings`: the pair reaching the target at the least
+    measured time per query, t = t_faiss(nprobe) + t_rerank(r).
+
+    nprobe doubles from 1; at each, ONE search fetches k * RERANK_MAX candidates and every r in 1, 2, 4, ...,
+    RERANK_MAX (with k * r <= N / RERANK_SHARE) is scored on its prefix (the top k*r PQ candidates are the first k*r of the longer list),
+    stopping at the first r that reaches the target (a larger r only costs more at that nprobe). The
+    doubling stops at nlist, when t_faiss alone exceeds the best pair's time (more probes cannot be
+    cheaper), or when recall at RERANK_MAX gains less than `min_gain` (plateau; then the best recall wins)."""
+    ivf = faiss.extract_index_ivf(index)
+    extra = 1 if self_rows is not None else 0
+    kq = k + extra
+    # k*r <= N / RERANK_SHARE: re-scoring more candidates than that (scattered rows) costs about as much as
+    # an exact scan of every stored row, which is then the better index
+    ladder = [r for r in (2 ** i for i in range(int(math.log2(RERANK_MAX)) + 1))
+              if r == 1 or kq * r <= index.ntotal // RERANK_SHARE]
+    history: list[dict] = []
+    best = None           # the cheapest entry reaching the target
+    top = None            # the highest-recall entry (used when none reaches it)
+    nprobe, previous = 1, None
+    while True:
+        ivf.nprobe = nprobe
+        t0 = time.perf_counter()
+        _, cand = search(index, queries, kq * RERANK_MAX)                   # (Q, kq * RERANK_MAX)
+        t_faiss = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
+        recall = 0.0
+        for r in ladder:
+            t0 = time.perf_counter()
+            _, rows = rerank_candidates(embeddings, queries, cand[:, :kq * r], kq)
+            ms = t_faiss + (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
+            if self_rows is not None:
+                rows = _drop_rows(rows, self_rows, k)
+            recall = recall_at_k(rows, exact, k)
+            entry = {"nprobe": nprobe, "rerank": r, "recall": recall, "latency_ms": ms}
+            history.append(entry)
+            logger.debug("tune nprobe=%d rerank=%d recall@%d=%.4f %.3f ms/query", nprobe, r, k, recall, ms)
+            if top is None or recall > top["recall"] + 1e-12:
+                top = entry
+            if recall >= target_recall:
+                if best is None or ms < best["latency_ms"]:
+                    best = entry
+                break
+        if nprobe >= ivf.nlist or (best is not None and t_faiss >= best["latency_ms"]):
+            break
+        if best is None and previous is not None and recall - previous < min_gain:
+            break   # plateau: more probes do not help even with the most candidates
+        if best is not None and best["rerank"] == 1:
+            break   # the cheapest re-rank already reaches it; more probes only cost time
+        previous = recall
+        nprobe = min(nprobe * 2, ivf.nlist)
+    chosen = best or top
+    ivf.nprobe = chosen["nprobe"]
+    reached = best is not None
+    if not reached:
+        logger.warning("ivf-pq: recall@%d %.3f below target %.3f even at nprobe=%d with %dx re-ranking", k,
+                       chosen["recall"], target_recall, chosen["nprobe"], chosen["rerank"])
+    return TuneResult("nprobe", chosen["nprobe"], chosen["recall"], chosen["latency_ms"], reached, history,
+                      rerank=chosen["rerank"])
 
 
 def kind_of(index: faiss.Index) -> str:
@@ -500,7 +574,10 @@ def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) ->
        (exact; brute force over <= 1e5 rows costs a few ms per query).
     2. The full vectors (IVF-Flat size) fit the budget -> ``ivf-flat`` with nlist ~ 4 sqrt(N).
     3. Otherwise memory is tight -> ``ivf-pq`` with nlist ~ 4 sqrt(N) and the largest
-       sub-quantizer count m (bytes per vector, a divisor of D) whose codes fit the budget.
+       sub-quantizer count m (bytes per vector, a divisor of D) whose codes fit the budget, served
+       with re-ranking: the top k*r candidates of the codes are re-scored exactly from the full
+       vectors, which stay memory-mapped on disk (the budget bounds the in-RAM index, not them);
+       the build tunes r = k'/k together with nprobe (`tune(..., embeddings=)`).
     HNSW is never chosen automatically (it costs more memory than IVF-Flat for a latency win
     at batch 1); ask for it with ``--kind hnsw``.
     """
@@ -519,7 +596,7 @@ def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) ->
     if per_vector < 1:
         raise ValueError(f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes")
     m = default_pq_m(dim, min(per_vector, dim))
-    return "ivf-pq", default_params("ivf-pq", dim, count, nlist=nlist, m=m)
+    return "ivf-pq", default_params("ivf-pq", dim, count, nlist=nlist, m=m, rerank=RERANK_PQ)
 
 
 def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -> str:
@@ -532,7 +609,8 @@ def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -
         if auto != "ivf-pq":
             return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors, which reach the target); "
                     f"or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
-        return f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget"
+        return (f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget "
+                f"(re-ranking up to {RERANK_MAX}x k candidates from the stored vectors did not reach it)")
     if kind == "hnsw":
         return (f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) or --kind "
                 f"{'flat' if auto == 'flat' else auto} (--kind auto)")

@@ -28,6 +28,7 @@ from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
 from search.evaluation.metrics import ideal_topk, knn_search, hit_rate_at_k, relevance
 from index.manifest import DEFAULT_TEMPERATURE, manifest_temperature
+from index import faiss_index
 from index.models import load_version_encoder
 
 logger = logging.getLogger(__name__)
@@ -43,9 +44,12 @@ def _embedded_queries(version, cfg: EvalConfig, queries, device):
 
 
 def _served_rows(version, zq: np.ndarray, k: int, exclude: np.ndarray | None) -> np.ndarray:
-    """(Q, k) rows the version's FAISS index returns (the server's call), -1 = none; a query's own row
-    (`exclude[q]`, queries drawn from the database) is dropped as exact kNN drops it."""
-    _, rows = version.search(np.ascontiguousarray(zq, dtype=np.float32), k + (exclude is not None))
+    """(Q, k) rows the version serves (its FAISS index at the tuned parameters, PQ candidates re-ranked
+    exactly from the stored rows by the manifest's `rerank`, as the server does), -1 = none; a query's own
+    row (`exclude[q]`, queries drawn from the database) is dropped as exact kNN drops it."""
+    rerank = faiss_index.rerank_factor(version.kind, version.manifest.get("params"))
+    _, rows = faiss_index.search_reranked(version.index, version.embeddings, np.ascontiguousarray(zq, dtype=np.float32),
+                                          k + (exclude is not None), rerank)
     out = np.full((rows.shape[0], k), -1, np.int64)
     for q, r in enumerate(rows):
         kept = r[(r >= 0) & (r != (exclude[q] if exclude is not None else -2))][:k]

@@ -57,8 +57,9 @@ def _served(url: str) -> str | None:
 
 def _held_out_recalls(root, version, checkpoint) -> dict:
     """Independently of the gate: the held-out queries it draws (test split, 500 of 512 with seed 0),
-    embedded with the version's encoder, searched by numpy brute force and through the raw FAISS file
-    at the manifest's nprobe; overlaps with each other and with the ideal (latent) top 10."""
+    embedded with the version's encoder, searched by numpy brute force and as the server does: the raw
+    FAISS file at the manifest's nprobe, its top 10 * rerank candidates re-scored with numpy; overlaps
+    with each other and with the ideal (latent) top 10."""
     store = IndexStore(root)
     path, m = store.path(version), store.manifest(version)
     queries = create_dataset("synthetic", split="test", seed=0)
@@ -69,7 +70,12 @@ def _held_out_recalls(root, version, checkpoint) -> dict:
     exact = np.argsort(-(zq.astype(np.float64) @ zdb.astype(np.float64).T), axis=1, kind="stable")[:, :10]
     index = faiss.read_index(str(path / "index.faiss"))
     faiss.extract_index_ivf(index).nprobe = m["params"]["nprobe"]
-    _, served = index.search(np.ascontiguousarray(zq, np.float32), 10)
+    _, cand = index.search(np.ascontiguousarray(zq, np.float32), 10 * m["params"]["rerank"])
+    served = np.full((len(zq), 10), -1, np.int64)
+    for i, c in enumerate(cand):
+        c = c[c >= 0]
+        best = c[np.argsort(-(zdb[c].astype(np.float64) @ zq[i].astype(np.float64)), kind="stable")[:10]]
+        served[i, :len(best)] = best
     db = create_dataset("synthetic", split="train", size=SIZE, seed=0)
     ideal = ideal_topk(queries.latents[q_idx], db.latents, db.default_generator(), 10)
 
@@ -96,7 +102,7 @@ def test_gate_refusals_admin_reload_and_force(tmp_path, capsys):
         recall = gate["checks"]["recall"]
         assert gate["passed"] is False and recall["passed"] is False and recall["target"] == 0.95
         assert err.count("\n") == 1 and f"activation of index version {v2} refused" in err
-        assert "ivf-pq (nlist=4, nprobe=" in err and "m=1, nbits=4)" in err
+        assert "ivf-pq (nlist=4, nprobe=" in err and "m=1, nbits=4, rerank=" in err
         assert f"reaches recall@10 {recall['served']:.3f} < target 0.950 on 500 held-out queries" in err
         assert "--kind auto chooses flat for 300 x 16" in err and "--force" in err
         # the figures, against an independent computation; `index list` shows exact and served ones
