@@ -97,3 +97,42 @@ def test_image_routes_answer_409_and_thumbnails_404(ss, vector_store):
     r = http.get("/v1/items/12/thumbnail")
     assert r.status_code == 404 and r.json()["error"] == "image_unavailable"
     assert http.get("/readyz").status_code == 200
+
+
+def test_swaps_between_an_image_version_and_a_vector_version(tmp_path):
+    """Same store, same dimension: an image-encoder version, then one built from vectors (gated by its recall
+    check, the image evaluator never called), then a rollback. The searcher drops and reloads the encoder
+    with each swap; vector answers match brute force on the version being served."""
+    from api_helpers import make_checkpoint
+
+    from index.build import build_index
+    from search.evaluation.quality import evaluate_version
+    from search.serving.searcher import NoEncoderError, Searcher
+    from training.datasets import create_dataset
+
+    root = tmp_path / "store"
+    ds = create_dataset("synthetic", split="train", size=64, seed=0)
+    v1 = build_index(make_checkpoint(tmp_path / "enc.safetensors", seed=3), ds, root, progress=False)
+    searcher = Searcher(root, load=True)
+    image = Image.new("RGB", (32, 32), (10, 200, 30))
+    assert len(searcher.search_images([image], 3)[0]) == 3
+    x = np.random.default_rng(4).normal(size=(500, 16))
+    np.save(tmp_path / "v.npy", x)
+    assert index_main(["build", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "v.npy")],
+                      evaluator=evaluate_version) == 0   # the image evaluator cannot score it: skipped, not failed
+    store = IndexStore(root)
+    v2 = store.current_version()
+    gate = store.manifest(v2)["quality_gate"]
+    assert v2 != v1 and gate["passed"] and gate["serving_version"] == v1 and "recall check only" in gate["note"]
+    result = searcher.reload()
+    assert result.version == v2 and searcher.snapshot().encoder is None
+    with pytest.raises(NoEncoderError, match="search it with vectors"):
+        searcher.search_images([image], 3)
+    z = x / np.linalg.norm(x, axis=1, keepdims=True)
+    q = np.random.default_rng(5).normal(size=16)
+    rows, _, _ = _exact(z, q, np.arange(500), 0.1)
+    assert [h.row for h in searcher.search_vectors(q[None, :], 5)[0]] == rows[:5].tolist()
+    assert index_main(["rollback", "--root", str(root)]) == 0
+    result = searcher.reload()
+    assert result.version == v1 and result.encoder_reloaded and searcher.snapshot().encoder is not None
+    assert len(searcher.search_images([image], 3)[0]) == 3
