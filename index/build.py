@@ -633,3 +633,66 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
                                      extra_files=item_files({}, item_metadata, item_ids))
     return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                               activate=activate, keep=keep, path="index build --embeddings", t_start=t_start)
+
+
+def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluator: Evaluator | None = None,
+                margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True, keep: int | None = None,
+                target_recall: float = 0.95, progress: bool = True, metadata: Metadata | None = None) -> str:
+    """New version = `base` (default current, a version built from vectors) + the rows of `embeddings`
+    (a .npy file or a directory of shards), added to a copy of its FAISS index without retraining.
+
+    New ids come from `ids` (one per new row) or continue the row numbers (row i of the new version has
+    id str(i)); an id already indexed is refused. Metadata of the base is kept and `metadata` merged in."""
+    from index.vectors import open_vectors, read_ids, source_record, unit_rows
+
+    t_start = time.perf_counter()
+    _check_opts(1, 0, 1, target_recall, keep, margin)
+    store = IndexStore(root)
+    base_version = store.load(base, verify=True, gpu=False)
+    m = base_version.manifest
+    if has_encoder(m):
+        raise ValueError(f"index version {base_version.version} has an encoder: add images to it ('index add "
+                         "--dataset ...'); vectors from elsewhere would mix embedding spaces")
+    if base_version.kind not in faiss_index.ADDABLE_KINDS:
+        raise ValueError(f"index kind {base_version.kind!r} does not support adding items; build a new version")
+    source = open_vectors(embeddings)
+    if source.dim != base_version.dim:
+        raise ValueError(f"--embeddings {embeddings} has dimension {source.dim}, index version "
+                         f"{base_version.version} has {base_version.dim}")
+    n0 = len(base_version)
+    new_ids = ([str(n0 + i) for i in range(source.count)] if ids is None else read_ids(ids, source.count))
+    known = set(base_version.ids)
+    clash = next((i for i in new_ids if i in known), None)
+    if clash is not None:
+        raise ValueError(f"id {clash!r} is already in {base_version.version}"
+                         + ("" if ids is not None else " (the row-number ids of the new rows collide with its "
+                                                       "ids: give --ids)"))
+    t0 = time.perf_counter()
+    new = unit_rows(source, progress=progress)
+    record = source_record(source, ids)
+    load_s = time.perf_counter() - t0
+    index = faiss.read_index(str(base_version.path / INDEX_FILE))   # a fresh CPU copy, extended below
+    base_train = m.get("trained_on", m["count"])
+    index.add(new)
+    if base_version.kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
+        logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
+                       base_version.kind, index.ntotal, base_train)
+    emb = np.concatenate([np.asarray(base_version.embeddings), new], axis=0)
+    item_ids = list(base_version.ids) + new_ids
+    item_metadata = read_metadata(base_version.path)
+    if metadata is not None:
+        item_metadata = item_metadata.merge(metadata)
+        report_unknown_ids(metadata, item_ids, "--metadata")
+    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "sources", "source", "lineage",
+                                                  "search_temperature", "search_temperature_source", "world_size",
+                                                  "skipped", "skipped_count")}
+    fields.update(parent=base_version.version, trained_on=base_train,
+                  added={"count": int(source.count), "source": record},
+                  added_sources=[*(m.get("added_sources") or []), record])
+    store.ensure()
+    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m["params"]),
+                                     index=index, target_recall=target_recall, fields=fields,
+                                     timings={"load_vectors_s": load_s},
+                                     extra_files=item_files({}, item_metadata, item_ids))
+    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                              activate=activate, keep=keep, path="index add --embeddings", t_start=t_start)

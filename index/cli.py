@@ -152,8 +152,11 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--folder", default=None, help="shortcut for --dataset folder --split all --data-root DIR")
     sp.add_argument("--checkpoint", default=None, help="defaults to the base version's checkpoint")
     sp.add_argument("--base", default=None, help="version to extend (default: current)")
-    sp.add_argument("--embeddings", default=None, metavar="FILE", help="not supported: build a new version with "
-                                                                       "'index build --embeddings' over all the vectors")
+    sp.add_argument("--embeddings", default=None, metavar="FILE",
+                    help="append your own vectors (.npy or a directory of .npy shards) to a version built from "
+                         "vectors (index build --embeddings)")
+    sp.add_argument("--ids", default=None, metavar="FILE",
+                    help="with --embeddings: one id per new row (default: the row numbers continue)")
 
     sp = sub.add_parser("sync", help="new version equal to an image folder's current files (only changes re-embedded)")
     common(sp); notify(sp); embedding(sp)
@@ -303,6 +306,22 @@ def _build_from_vectors(args, opts: dict) -> str:
                               **{k: opts[k] for k in keys})
 
 
+def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
+    """`index add --embeddings FILE [--ids FILE] [--metadata FILE]` onto a version built from vectors."""
+    from index.build import add_vectors
+
+    given = [flag for flag, value in (("--dataset", args.dataset), ("--folder", args.folder),
+                                      ("--checkpoint", args.checkpoint)) if value]
+    if given:
+        raise ValueError(f"--embeddings adds your own vectors; drop {', '.join(given)} (no images are embedded)")
+    version = add_vectors(args.root, args.embeddings, ids=args.ids, base=args.base, evaluator=evaluator,
+                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
+                          target_recall=args.target_recall, progress=not args.no_progress,
+                          metadata=_user_metadata(args))
+    print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
+    return 0 if args.no_activate else _notify(args, version)
+
+
 def _embed_opts(args) -> dict:
     return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
                 device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
@@ -434,8 +453,9 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         return 0
     if args.command == "add":
         if args.embeddings is not None:
-            raise ValueError("index add --embeddings is not supported: build a new version with 'index build "
-                             "--embeddings' over all the vectors")
+            return _add_vectors(args, store, evaluator, t0)
+        if args.ids is not None:
+            raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
         base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
         if base is None:
             raise FileNotFoundError(f"no current index version under {args.root} to add to")

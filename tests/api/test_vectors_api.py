@@ -136,3 +136,5 @@ def test_swaps_between_an_image_version_and_a_vector_version(tmp_path):
     result = searcher.reload()
     assert result.version == v1 and result.encoder_reloaded and searcher.snapshot().encoder is not None
     assert len(searcher.search_images([image], 3)[0]) == 3
+    # vectors from elsewhere are not appended to an image-encoder version (two embedding spaces)
+    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "v.npy")]) == 2

@@ -132,8 +132,12 @@ def test_cli_user_mistakes_are_one_line(tmp_path, capsys):
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert _build(root, "--embeddings", str(tmp_path / "good.npy")) == 0
     capsys.readouterr()
-    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy")]) == 2
-    assert "not supported" in capsys.readouterr().err
+    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy"), "--dataset",
+                       "synthetic"]) == 2
+    assert "drop --dataset" in capsys.readouterr().err
+    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy"), "--ids",
+                       str(tmp_path / "ids.txt")]) == 2
+    assert "2 ids for 200" in capsys.readouterr().err
     assert index_main(["add", "--root", str(root), "--dataset", "synthetic", "--size", "4", "--no-progress"]) == 2
     assert "has no encoder" in capsys.readouterr().err
     assert index_main(["export", "--root", str(root), "--out", str(tmp_path / "x.tar")]) == 2
@@ -166,3 +170,38 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
     assert got["recall"] == pytest.approx(hits / (10 * len(rows)), abs=1e-9)
     recorded = v.manifest["quality_gate"]["checks"]["recall"]
     assert recorded["measured_on"].startswith("1000 held-out stored rows")
+
+
+def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
+    """`index add --embeddings` onto a version built from vectors: rows appended (normalised), ids continue the
+    row numbers or come from --ids, metadata merged, served search still exact; clashing ids refused."""
+    x = clustered(1500, 16, seed=8)
+    np.save(tmp_path / "a.npy", x[:1000])
+    np.save(tmp_path / "b.npy", x[1000:1300].astype(np.float16))
+    np.save(tmp_path / "c.npy", x[1300:])
+    root = tmp_path / "store"
+    assert _build(root, "--embeddings", str(tmp_path / "a.npy"), "--kind", "ivf-flat") == 0
+    store = IndexStore(root)
+    v1 = store.current_version()
+    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "b.npy")]) == 0
+    v2 = store.load()
+    assert v2.manifest["parent"] == v1 and v2.ids == [str(i) for i in range(1300)]
+    (tmp_path / "ids.txt").write_text("".join(f"late-{i}\n" for i in range(200)))
+    (tmp_path / "meta.jsonl").write_text(json.dumps({"id": "late-3", "tag": "x"}) + "\n")
+    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
+                       "--ids", str(tmp_path / "ids.txt"), "--metadata", str(tmp_path / "meta.jsonl")]) == 0
+    v3 = store.load()
+    assert v3.ids[1300:] == [f"late-{i}" for i in range(200)] and len(v3.manifest["added_sources"]) == 2
+    ref = np.concatenate([x[:1000], x[1000:1300].astype(np.float16).astype(np.float64), x[1300:]])
+    z = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    np.testing.assert_allclose(v3.embeddings, z, atol=1e-6)
+    assert v3.manifest["quality_gate"]["passed"] and v3.manifest["kind"] == "ivf-flat"
+    q = z[[5, 1100, 1450]]
+    _, rows = faiss_index.search_reranked(v3.index, v3.embeddings, q, 10, 1)
+    exact = np.argsort(-(q @ z.T), axis=1, kind="stable")[:, :10]
+    assert faiss_index.recall_at_k(rows, exact, 10) >= 0.9
+    assert "late-3" in (v3.path / "item_metadata.json").read_text()
+    capsys.readouterr()
+    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
+                       "--ids", str(tmp_path / "ids.txt")]) == 2
+    assert "'late-0' is already in" in capsys.readouterr().err
