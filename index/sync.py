@@ -40,7 +40,7 @@ from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_records
 from index.manifest import manifest_sources
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
-from index.models import checkpoint_record, model_relpath
+from index.models import checkpoint_record, has_encoder, model_relpath
 from index.store import IndexStore, IndexVersion
 from training.distributed import default_device
 
@@ -134,6 +134,8 @@ def _folder_dataset(base: IndexVersion, data_root):
 
 def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_temperature", "search_temperature_source")) -> dict:
     m = base.manifest
+    if not has_encoder(m):   # built from vectors: no model to name; its source record carries over
+        return {"checkpoint": None, **{k: m[k] for k in (*keys, "source", "added_sources") if k in m}}
     record = dict(checkpoint_record(m))
     record.setdefault("model", model_relpath(record["sha256"]))
     return {"checkpoint": record, **{k: m[k] for k in keys if k in m}}
@@ -307,7 +309,8 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
                                                                            read_metadata(base_version.path), ids_kept))
     sha = checkpoint_record(m)["sha256"]
     try:
-        store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
+        if has_encoder(m):   # a version built from vectors names no model
+            store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
     except BaseException:
         discard_staging(staging)
         raise

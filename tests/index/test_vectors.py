@@ -205,3 +205,19 @@ def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
     assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
                        "--ids", str(tmp_path / "ids.txt")]) == 2
     assert "'late-0' is already in" in capsys.readouterr().err
+
+
+def test_cli_delete_from_a_vector_version(tmp_path):
+    """`index delete` keeps a version built from vectors one (no model, its source record carried over)."""
+    x = clustered(800, 8, seed=9)
+    np.save(tmp_path / "v.npy", x)
+    root = tmp_path / "store"
+    assert _build(root, "--embeddings", str(tmp_path / "v.npy")) == 0
+    (tmp_path / "del.txt").write_text("3\n700\n")
+    assert index_main(["delete", "--root", str(root), "--ids-file", str(tmp_path / "del.txt")]) == 0
+    v = IndexStore(root).load()
+    keep = [i for i in range(800) if i not in (3, 700)]
+    assert v.ids == [str(i) for i in keep] and v.manifest["checkpoint"] is None and v.manifest["encoder"] is None
+    assert v.manifest["source"]["count"] == 800
+    z = x[keep] / np.linalg.norm(x[keep], axis=1, keepdims=True)
+    np.testing.assert_allclose(v.embeddings, z, atol=1e-6)
