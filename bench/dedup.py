@@ -32,6 +32,7 @@ from search.duplicates.calibration import calibrate
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import calibration_queries, embed_bytes, find_duplicates
 from search.serving.searcher import Searcher
+from training.checkpoint import read_checkpoint_metadata
 from training.datasets import create_dataset
 from training.images import load_rgb
 
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     try:
         folder = work / "photos"
         truth = plant(Path(args.folder), folder, args.planted, args.seed)
-        ds = create_dataset("folder", split="all", root=str(folder), image_size=32)
+        image_size = int(read_checkpoint_metadata(args.checkpoint)["encoder"]["image_size"])
+        ds = create_dataset("folder", split="all", root=str(folder), image_size=image_size)
         root = work / "index"
         build_index(args.checkpoint, ds, root, progress=False)
         searcher = Searcher(root)

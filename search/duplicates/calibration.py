@@ -78,17 +78,34 @@ class DuplicateCalibration:
     positives: list[float] = field(default_factory=list)    # held-out top-1 p of copies (their original)
     negatives: list[float] = field(default_factory=list)    # held-out top-1 p of items with no copy
     fitted_on: int = 0
+    # the most sure the model can be: an identical copy (s = 1) alone against "none", 1 / (1 + e^{-(1-b)/tau})
+    max_probability: float = 1.0
+    precision_curve: list[dict] = field(default_factory=list)   # {"threshold", "pairs", "precision"} per p level
+
+    @property
+    def reachable(self) -> bool:
+        """Whether some threshold reaches the target precision on the calibration queries."""
+        return any(row["precision"] >= self.target_precision for row in self.precision_curve if row["pairs"])
+
+    def limit_note(self) -> str:
+        """One line on what this encoder can promise on this collection when the target is out of reach."""
+        best = max((r for r in self.precision_curve if r["pairs"]), key=lambda r: r["precision"], default=None)
+        return (f"the target precision {self.target_precision:.3g} is out of reach here: this encoder is at most "
+                f"{self.max_probability:.3g} sure (look-alikes in the collection are as close as edited copies)"
+                + (f"; best on the calibration queries: precision {best['precision']:.3f} at p >= "
+                   f"{best['threshold']:.3g} (--threshold)" if best else ""))
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("temperature", "bias", "threshold", "target_precision", "ece",
-                                              "held_out", "fitted_on", "reliability", "positives", "negatives")}
+                                              "held_out", "fitted_on", "reliability", "positives", "negatives",
+                                              "max_probability", "precision_curve")}
 
     @classmethod
     def from_json(cls, data: dict) -> "DuplicateCalibration":
         return cls(**{k: data[k] for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                            "held_out")},
-                   **{k: data.get(k, []) for k in ("reliability", "positives", "negatives")},
-                   fitted_on=int(data.get("fitted_on", 0)))
+                   **{k: data.get(k, []) for k in ("reliability", "positives", "negatives", "precision_curve")},
+                   fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)))
 
 
 class _Stacked:
@@ -169,6 +186,14 @@ def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float
     return min(max(float(target), float(conf[ok[-1]])), MAX_THRESHOLD)
 
 
+def precision_curve(conf: np.ndarray, correct: np.ndarray,
+                    levels=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)) -> list[dict]:
+    """Precision of "top-1 p >= t" on the calibration queries at each level t (how many reach it)."""
+    conf, correct = np.asarray(conf), np.asarray(correct, float)
+    return [{"threshold": t, "pairs": int((conf >= t).sum()),
+             "precision": float(correct[conf >= t].mean()) if (conf >= t).any() else 1.0} for t in levels]
+
+
 def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: int = 0) -> DuplicateCalibration:
     """Fit on a random half of the queries, measure ECE and the score distributions on the other half;
     the threshold comes from all of them."""
@@ -182,10 +207,12 @@ def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: 
     correct = np.array([ok for _, ok in scored])
     ece, table = expected_calibration_error(conf, correct)
     everything = [top1(q, tau, bias) for q in queries]
-    threshold = threshold_for_precision(np.array([c for c, _ in everything]), np.array([ok for _, ok in everything]),
-                                        target_precision)
+    all_conf, all_correct = np.array([c for c, _ in everything]), np.array([ok for _, ok in everything])
+    threshold = threshold_for_precision(all_conf, all_correct, target_precision)
     return DuplicateCalibration(
         temperature=tau, bias=bias, threshold=threshold, target_precision=float(target_precision), ece=ece,
         held_out=len(held), reliability=table, fitted_on=len(fit_part),
+        max_probability=float(1.0 / (1.0 + np.exp(-(1.0 - bias) / tau))),
+        precision_curve=precision_curve(all_conf, all_correct),
         positives=[float(c) for (c, _), q in zip(scored, held) if q.source >= 0],
         negatives=[float(c) for (c, _), q in zip(scored, held) if q.source < 0])

@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
     queries = calibration_queries(snapshot, args.calibration_items, args.seed, progress=not args.no_progress)
     calib = calibrate(queries, target_precision=args.precision, seed=args.seed)
+    if args.threshold is None and not calib.reachable:
+        print(f"note: {calib.limit_note()}")
     found = find_duplicates(snapshot, calib, threshold=args.threshold, k=args.k, max_group=args.max_group,
                             progress=not args.no_progress)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,

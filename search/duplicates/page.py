@@ -73,6 +73,11 @@ def render_page(result: dict, snapshot) -> str:
         "of the probability that the member's original is among the others.</p>",
         f"<img alt='calibration' src='{_png_data(calibration_figure(cal))}'>",
     ]
+    from search.duplicates.calibration import DuplicateCalibration
+
+    calib = DuplicateCalibration.from_json(cal)
+    if not calib.reachable:
+        parts.append(f"<p><b>Note:</b> {esc(calib.limit_note())}.</p>")
     for g in result["groups"][:MAX_GROUPS_SHOWN]:
         items = "".join(f"<div class='item'><img alt='{esc(i)}' src='{_thumb(snapshot, i)}'>{esc(i)}</div>"
                         for i in g["ids"])

@@ -162,6 +162,23 @@ def test_edited_copies_decode_upright_and_differ():
     assert {"jpeg", "resize", "crop", "exif_rotate", "colour", "as_png", "as_jpeg"} <= seen
 
 
+def test_precision_curve_and_what_the_model_can_promise():
+    from search.duplicates.calibration import precision_curve
+
+    conf = np.array([0.999, 0.995, 0.99, 0.98, 0.97, 0.6, 0.5])
+    correct = np.array([1, 1, 1, 1, 0, 0, 1], bool)
+    curve = {r["threshold"]: (r["pairs"], r["precision"]) for r in precision_curve(conf, correct)}
+    assert curve[0.99] == (3, 1.0) and curve[0.95] == (5, 0.8) and curve[0.5] == (7, 5 / 7)
+    calib = DuplicateCalibration(temperature=0.02, bias=0.97, threshold=0.99, target_precision=0.99, ece=0.0,
+                                 held_out=0, precision_curve=precision_curve(conf, correct))
+    assert calib.reachable
+    wrong_first = np.array([0, 1, 1, 1, 0, 0, 1], bool)   # the surest query is wrong: 0.999 is out of reach
+    capped = DuplicateCalibration(temperature=0.02, bias=0.97, threshold=0.99, target_precision=0.999, ece=0.0,
+                                  held_out=0, max_probability=0.8, precision_curve=precision_curve(conf, wrong_first))
+    assert not capped.reachable and "at most 0.8 sure" in capped.limit_note()
+    assert DuplicateCalibration.from_json(capped.to_json()).limit_note() == capped.limit_note()
+
+
 def test_calibrate_needs_enough_queries():
     with pytest.raises(ValueError, match="at least 20"):
         calibrate([query_scores(np.zeros(5), -1)] * 5)
