@@ -66,3 +66,19 @@ def read_records(version_path: str | os.PathLike) -> dict[str, list]:
         logger.warning("%s has an unknown layout; treating every file as changed", path)
         return {}
     return data["items"]
+
+
+def read_id_lines(path, label: str = "ids file") -> list[str]:
+    """The lines of a UTF-8 text file of item ids, kept exactly (only a final newline and CRs dropped);
+    FileNotFoundError / ValueError name the file. Callers apply their own rules (blank lines, count)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{label} not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{label} {path} is not UTF-8 text ({err})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]

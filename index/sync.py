@@ -37,7 +37,7 @@ from index.gate import DEFAULT_MARGIN, Evaluator
 from index.build import (_check_opts, require_encoder, _embed_sources, _gate_and_activate,
                          _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
-from index.items import dataset_records, file_record, read_records
+from index.items import dataset_records, file_record, read_id_lines, read_records
 from index.manifest import manifest_sources
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
 from index.models import checkpoint_record, has_encoder, model_relpath
@@ -262,15 +262,7 @@ def _assemble(base: IndexVersion, ids_now: list[str], reused: list[int], fresh: 
 
 def read_ids_file(path) -> list[str]:
     """One item id per line (blank lines ignored; ids are kept exactly, spaces included)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ids file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text ({err})") from err
-    ids = [line.rstrip("\r") for line in text.split("\n")]
-    ids = [i for i in ids if i.strip()]
+    ids = [i for i in read_id_lines(path) if i.strip()]
     if not ids:
         raise ValueError(f"{path} names no item ids (one per line)")
     return ids

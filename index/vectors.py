@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index.items import read_id_lines
 from index.manifest import file_sha256
 
 logger = logging.getLogger(__name__)
@@ -114,16 +115,7 @@ def unit_rows(source: VectorSource, progress: bool = False) -> np.ndarray:
 def read_ids(path: str | Path, count: int) -> list[str]:
     """One id per line (a final newline is allowed; ids are kept exactly); exactly `count` distinct ids."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"ids file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--ids {path} is not UTF-8 text ({err})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    ids = [line.rstrip("\r") for line in lines]
+    ids = read_id_lines(path, "--ids")
     for i, item in enumerate(ids):
         if not item.strip():
             raise ValueError(f"--ids {path}: line {i + 1} is empty (one id per line)")
