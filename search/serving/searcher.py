@@ -254,7 +254,11 @@ class SearchSnapshot:
         return dict(self.metadata_columns.types)
 
     def metadata_categories(self, limit: int = 100) -> dict[str, list[str]]:
-        """The distinct values of each string field that has at most `limit` of them (e.g. `class`)."""
+        """The distinct values of each string field that has at most `limit` of them (e.g. `class`); computed
+        once per snapshot (GET /v1/index asks on every page load)."""
+        key = ("categories", limit)
+        if key in self._cache:
+            return self._cache[key]
         cols = self.metadata_columns
         out = {}
         for name, kind in cols.types.items():
@@ -262,6 +266,7 @@ class SearchSnapshot:
                 values = np.unique(cols.values[name][cols.present[name]])
                 if values.size <= limit:
                     out[name] = values.tolist()
+        self._cache[key] = out
         return out
 
     def item_fields(self, row: int) -> dict:
