@@ -175,9 +175,9 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
         return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
     rows = faiss_index.tuning_rows(n, TUNE_QUERIES, seed)
     queries = embeddings[rows]
-    # exact reference: FAISS brute force (same numbers as exact_neighbours, BLAS-fast at 1e6 rows);
-    # k+1 because each query's own row is dropped (it would be a free hit)
-    _, exact = faiss.knn(queries, embeddings, k + 1, metric=faiss.METRIC_INNER_PRODUCT)
+    # exact reference (FAISS brute force, BLAS-fast at 1e6 rows); k+1 because each query's own row is
+    # dropped (it would be a free hit)
+    exact = faiss_index.exact_neighbours(embeddings, queries, k + 1)
     # served recall: PQ candidates are re-ranked exactly from the stored rows, so tune (nprobe, k'/k) on that
     result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows,
                               embeddings=embeddings)

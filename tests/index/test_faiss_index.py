@@ -22,7 +22,7 @@ def test_flat_is_exact():
     ref_s, ref_rows = brute_force(db, q, 10)
     np.testing.assert_array_equal(rows, ref_rows)
     np.testing.assert_allclose(scores, ref_s, atol=1e-5)
-    np.testing.assert_array_equal(fi.exact_neighbours(db, q, 10, block=64), ref_rows)
+    np.testing.assert_array_equal(fi.exact_neighbours(db, q, 10), ref_rows)
 
 
 @pytest.mark.parametrize("kind, params, floor", [
