@@ -102,6 +102,7 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
                 decided[i] = log_hi[i]
             else:
                 need_exact.append(i)
+        exact_rows = set(need_exact)
         if need_exact:
             idx = np.array(need_exact)
             exact = log_z_without_self(emb, z[idx], mine[idx], tau, bias)
@@ -112,7 +113,7 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
             m = _prefix(p, threshold, max_group)
             if m:
                 out[int(mine[i])] = CandidateSet(cand[i, :m].copy(), p[:m].copy(), sims[i, :m].copy(),
-                                                 exact=i in need_exact)
+                                                 exact=i in exact_rows)
         bar.update(mine.size)
     bar.close()
     return out, exact_scans

@@ -26,27 +26,35 @@ def subset_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, ma
     rows = np.flatnonzero(np.asarray(mask, dtype=bool))
     if rows.size == 0:
         return np.zeros((q.shape[0], 0), np.int64), np.full(q.shape[0], -np.inf)
-    if rows.size > (EXACT_SUBSET_MAX if exact_max is None else exact_max):
-        return subset_top_rows(index, embeddings, q, k, mask), subset_log_normaliser(q, embeddings, temperatures,
-                                                                                      mask, block)
-    k = min(int(k), rows.size)
     inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)
+    if rows.size > (EXACT_SUBSET_MAX if exact_max is None else exact_max):
+        return subset_top_rows(index, embeddings, q, k, mask), _log_z_over(q, embeddings, inv_tau, rows, block)
     scores = q @ np.asarray(embeddings[rows]).T                               # (Q, |F|) float32
-    top = np.argpartition(-scores, k - 1, axis=1)[:, :k] if k < rows.size else np.tile(np.arange(rows.size),
-                                                                                        (q.shape[0], 1))
-    order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
     logits = scores.astype(np.float64) * inv_tau[:, None]
     m = logits.max(axis=1)
     log_z = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))               # log Z_F = logsumexp_{l in F}
-    return rows[np.take_along_axis(top, order, axis=1)], log_z
+    return _best_rows(scores, rows, k), log_z
+
+
+def _best_rows(scores: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """(Q, k') `rows` of the k best columns of `scores` (Q, |rows|), best first (ties in row order)."""
+    k = min(int(k), rows.size)
+    top = (np.argpartition(-scores, k - 1, axis=1)[:, :k] if k < rows.size
+           else np.broadcast_to(np.arange(rows.size), scores.shape))
+    order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
+    return rows[np.take_along_axis(top, order, axis=1)]
 
 
 def subset_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
                           mask: np.ndarray, block: int = BLOCK) -> np.ndarray:
     """Exact log sum_{l: mask_l} exp(q . e_l / tau_q) per query; (Q,) float64, -inf for an empty subset."""
-    q = np.asarray(queries, dtype=np.float32)
-    inv_tau = 1.0 / np.asarray(temperatures, dtype=np.float64)
-    rows = np.flatnonzero(np.asarray(mask, dtype=bool))
+    return _log_z_over(np.asarray(queries, dtype=np.float32), embeddings,
+                       1.0 / np.asarray(temperatures, dtype=np.float64), np.flatnonzero(np.asarray(mask, dtype=bool)),
+                       block)
+
+
+def _log_z_over(q: np.ndarray, embeddings: np.ndarray, inv_tau: np.ndarray, rows: np.ndarray, block: int) -> np.ndarray:
+    """log sum_{l in rows} exp(q . e_l * inv_tau), streamed over blocks of gathered rows (running max)."""
     m = np.full(q.shape[0], -np.inf)  # running max of logits
     acc = np.zeros(q.shape[0])        # running sum of exp(logit - m)
     for start in range(0, rows.size, block):
@@ -65,11 +73,7 @@ def subset_top_rows(index, embeddings: np.ndarray, queries: np.ndarray, k: int, 
         return search_subset(index, queries, k, mask)[1]
     except RuntimeError:   # faiss: selector not supported by this index type
         rows = np.flatnonzero(np.asarray(mask, dtype=bool))
-        k = min(int(k), rows.size)
-        scores = np.asarray(queries, dtype=np.float32) @ np.asarray(embeddings[rows]).T   # (Q, |F|)
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-        order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1, kind="stable")
-        return rows[np.take_along_axis(top, order, axis=1)]
+        return _best_rows(np.asarray(queries, dtype=np.float32) @ np.asarray(embeddings[rows]).T, rows, k)
 
 
 def filtered_search(index, embeddings: np.ndarray, queries: np.ndarray, k: int, mask: np.ndarray,
