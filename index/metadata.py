@@ -48,7 +48,7 @@ class Metadata:
         """Fields of `other` added to (and, per item, overriding) these; a field's type must agree."""
         for name, kind in other.types.items():
             mine = self.types.get(name)
-            if mine is not None and mine != kind and {mine, kind} != {"int", "float"}:
+            if _wider(mine, kind) is None:
                 raise MetadataError(f"field {name!r} is {mine} in the index but {kind} in the new metadata")
         types = {**self.types, **{n: _wider(self.types.get(n), t) for n, t in other.types.items()}}
         items = {i: dict(v) for i, v in self.items.items()}
@@ -69,8 +69,12 @@ class Metadata:
         return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
 
-def _wider(old: str | None, new: str) -> str:
-    return "float" if {old, new} == {"int", "float"} else new
+def _wider(old: str | None, new: str) -> str | None:
+    """The type a field has after values of type `new` join ones of type `old` (None: not yet typed):
+    int and float make float; any other mix is None (refused)."""
+    if old is None or old == new:
+        return new
+    return "float" if {old, new} == {"int", "float"} else None
 
 
 def read_metadata(version_path: str | os.PathLike) -> Metadata:
@@ -226,9 +230,9 @@ def _typed(path: Path, rows: list[tuple[int, dict]]) -> Metadata:
                 raise MetadataError(f"{path}:{n}: field {name!r} must be a string, number or boolean, "
                                     f"got {json.dumps(value)[:40]}")
             old = types.get(name)
-            if old is not None and old != kind and {old, kind} != {"int", "float"}:
+            if _wider(old, kind) is None:
                 raise MetadataError(f"{path}:{n}: field {name!r} is {kind} here but {old} on an earlier line")
-            types[name] = _wider(old, kind) if old else kind
+            types[name] = _wider(old, kind)
             values[name] = value
         items.setdefault(item, {}).update(values)
     for values in items.values():   # an int field that saw a float stores floats
