@@ -284,12 +284,18 @@ def _restated(members, change) -> list[tuple[tarfile.TarInfo, bytes]]:
     return out
 
 
+def _compressed_zeros(size: int) -> bytes:
+    """`size` zero bytes as one gzip member; mtime=0 so the bytes are the same on every call (gzip
+    stamps the current second into its header otherwise, and a test that looks for the block would flake)."""
+    return gzip.compress(bytes(size), compresslevel=9, mtime=0)
+
+
 def _gzip_bomb(path, members, bomb: str, size: int):
     """A gzip tar whose member `bomb` is `size` zero bytes, written as concatenated gzip members (one
     16 MiB block of zeros compressed once, repeated), so ~2 MB on disk holds 2 GiB -> compressed bytes."""
     block = 16 << 20
     assert size % block == 0
-    zeros = gzip.compress(bytes(block), compresslevel=9)
+    zeros = _compressed_zeros(block)
     with open(path, "wb") as out:
         for info, data in members:
             if info.name == bomb:
@@ -335,7 +341,7 @@ def test_gzip_bomb_stated_small_writes_nothing(tmp_path, exported):
     # (an import that decompressed past the member would report a truncated archive instead)
     cut = tmp_path / "cut.tar.gz"
     data = bad.read_bytes()
-    cut.write_bytes(data[:data.index(gzip.compress(bytes(16 << 20), compresslevel=9)) + 100])
+    cut.write_bytes(data[:data.index(_compressed_zeros(16 << 20)) + 100])
     with pytest.raises(ValueError, match=f"{ids} has {2 << 30} bytes, the export index says"):
         import_version(root, cut)
     assert _tree(root) == set()
