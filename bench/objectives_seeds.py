@@ -10,6 +10,7 @@ interrupted resumes from its last checkpoint (every 100 steps), a finished one i
     .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]   # run what is missing
     .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0        # one run
     .venv/bin/python bench/objectives_seeds.py report                                      # the JSON table only
+    .venv/bin/python bench/objectives_seeds.py gaussianity --runs-dir R    # diagnostics for runs finished before them
 
 Each run is a child process, so a long sweep picks up code that changed while it ran. Finished
 runs leave `bench/results/objectives_seeds/<objective>-seed<k>.json` (figures) and `.npz`
@@ -67,13 +68,19 @@ OBJECTIVES: dict[str, dict] = {
                                   "schedule_options": {"tau_0": start, "t_0": 10.0, "tau_min": 0.0,
                                                        "c": float(np.log1p(STEPS / 10.0) / (1 / end - 1 / start))}}
        for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))},
+    # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h),
+    # alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation (E|h|^2 - log det ~ 370 there)
+    "infonce-t0.1-greg": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1},
+                          "gaussian_reg": 0.01},
 }
 # The sweep's order: the paper's own comparison (3 + 3 seeds at tau 0.5) first.
 DEFAULT_QUEUE = ([("infonce-t0.5", s) for s in range(3)] + [("weince-paper-t0.5", s) for s in range(3)]
                  + [(o, s) for o in ("infonce-t0.2", "weince-blend-t0.2", "anneal-langevin") for s in range(2)])
-# WEINCE vs the InfoNCE run at the same tau and seed
+# each variant vs the fixed-tau InfoNCE run at the same tau and seed (WEINCE, annealing, the regulariser)
 PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2",
-         "weince-paper-t0.2": "infonce-t0.2", "weince-paper-t0.1": "infonce-t0.1"}
+         "weince-paper-t0.2": "infonce-t0.2", "weince-paper-t0.1": "infonce-t0.1",
+         "anneal-infonce-t0.5": "infonce-t0.5", "anneal-infonce-t0.2": "infonce-t0.2",
+         "anneal-infonce-t0.1": "infonce-t0.1", "infonce-t0.1-greg": "infonce-t0.1"}
 # issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
 TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
              "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")
@@ -140,7 +147,47 @@ def evaluate_run(ckpt: Path, objective: str, seed: int, data_root: str | None) -
                "train_stats": {k: v for k, v in metrics.items() if k.startswith(("weince", "noise"))}}
     for name, v in per_query.items():
         figures[name] = bootstrap_ci(v)
+    figures["gaussianity"] = query_gaussianity(encoder, qs)
     return figures, per_query
+
+
+def query_gaussianity(encoder, queries, n: int = 4000) -> dict:
+    """Section-4 diagnostics (norm concentration, coordinate / projection normality, Mardia) of the
+    pre-normalisation features of the first `n` test queries, without the per-test p-value lists."""
+    import torch
+
+    from search.evaluation.normality import gaussianity
+
+    encoder.eval()
+    with torch.no_grad():
+        h = torch.cat([encoder(queries.tensors(np.arange(i, min(i + 512, n))), return_features=True)[1]
+                       for i in range(0, n, 512)]).numpy()
+    g = gaussianity(h, n_null=99)
+    for part in ("coordinates", "projections"):
+        g[part] = {k: v for k, v in g[part].items() if not k.endswith("_pvalues")}
+    return g
+
+
+def cmd_gaussianity(args) -> int:
+    """Add the Gaussianity diagnostics to finished runs that lack them (runs evaluated before they existed)."""
+    from training.checkpoint import load_checkpoint
+    from training.datasets import create_dataset
+
+    root = {} if args.data_root is None else {"root": args.data_root}
+    qs = create_dataset("fashion-mnist", split="test", **root)
+    for path in sorted(PER_RUN_DIR.glob("*.json")):
+        figures = json.loads(path.read_text())
+        if "gaussianity" in figures:
+            continue
+        ckpt = Path(args.runs_dir) / path.stem / "checkpoint.safetensors"
+        if not ckpt.is_file():
+            logger.info("%s: no checkpoint at %s, skipped", path.stem, ckpt)
+            continue
+        figures["gaussianity"] = query_gaussianity(load_checkpoint(ckpt)[0], qs)
+        path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
+        logger.info("%s: norm cv %.4f, Mardia rejected %s", path.stem, figures["gaussianity"]["norm_cv"],
+                    (figures["gaussianity"]["mardia"] or {}).get("rejected"))
+    return 0
 
 
 def cmd_run(args) -> int:
@@ -257,7 +304,7 @@ def cmd_report(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name in ("sweep", "run", "report"):
+    for name in ("sweep", "run", "report", "gaussianity"):
         s = sub.add_parser(name)
         s.add_argument("--runs-dir", default="runs/objectives_seeds", help="where run directories live (default %(default)s)")
         s.add_argument("--steps", type=int, default=STEPS)
@@ -272,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--passes", type=int, default=6, help="retry rounds for failed runs (default %(default)s)")
             s.add_argument("--retry-wait", type=float, default=600.0, help="seconds between rounds (default %(default)s)")
     args = p.parse_args(argv)
-    return {"sweep": cmd_sweep, "run": cmd_run, "report": cmd_report}[args.command](args)
+    return {"sweep": cmd_sweep, "run": cmd_run, "report": cmd_report, "gaussianity": cmd_gaussianity}[args.command](args)
 
 
 if __name__ == "__main__":
