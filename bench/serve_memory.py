@@ -175,7 +175,7 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     q = np.asarray(emb[np.sort(rng.choice(len(version), per_round, replace=False))])
     q = q + 0.05 * rng.standard_normal(q.shape).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
-    tau = np.array([float(version.manifest.get("search_temperature", 0.1))])
+    tau = np.array([float(version.manifest.temperature or 0.1)])
     cfg = NormaliserConfig("bounded")
     calls = {"exact": lambda x, release: log_normaliser(x, emb, tau, release=release),
              "bounded": lambda x, release: bounded_log_normaliser(x, emb, stats, tau, cfg, release=release)}

@@ -69,8 +69,8 @@ def _held_out_recalls(root, version, checkpoint) -> dict:
     zdb = np.load(path / "embeddings.npy")
     exact = np.argsort(-(zq.astype(np.float64) @ zdb.astype(np.float64).T), axis=1, kind="stable")[:, :10]
     index = faiss.read_index(str(path / "index.faiss"))
-    faiss.extract_index_ivf(index).nprobe = m["params"]["nprobe"]
-    _, cand = index.search(np.ascontiguousarray(zq, np.float32), 10 * m["params"]["rerank"])
+    faiss.extract_index_ivf(index).nprobe = m.params["nprobe"]
+    _, cand = index.search(np.ascontiguousarray(zq, np.float32), 10 * m.params["rerank"])
     served = np.full((len(zq), 10), -1, np.int64)
     for i, c in enumerate(cand):
         c = c[c >= 0]
@@ -98,7 +98,7 @@ def test_gate_refusals_admin_reload_and_force(tmp_path, capsys):
         rc, out, err = _cli(capsys, *_build(root, ck, *LOW_RECALL, "--notify", url, "--token", ADMIN_TOKEN))
         assert rc == 1 and store.current_version() == v1 and _served(url) == v1
         (v2,) = [v for v in store.versions() if v != v1]
-        gate = store.manifest(v2)["quality_gate"]
+        gate = store.manifest(v2).quality_gate.to_json()
         recall = gate["checks"]["recall"]
         assert gate["passed"] is False and recall["passed"] is False and recall["target"] == 0.95
         assert err.count("\n") == 1 and f"activation of index version {v2} refused" in err
@@ -235,7 +235,7 @@ def _expected(root, version, images, k):
     """Brute force for one version: its own encoder, its stored embeddings."""
     store = IndexStore(root)
     v = store.load(version, gpu=False)
-    enc, _ = load_checkpoint(store.models.path(v.manifest["checkpoint"]["sha256"]))   # the store's copy
+    enc, _ = load_checkpoint(store.models.path(v.manifest.checkpoint["sha256"]))   # the store's copy
     z = embed(enc, preprocess(images, enc.image_size), progress=False)
     s = z.astype(np.float64) @ v.embeddings.astype(np.float64).T
     return [[v.ids[j] for j in row] for row in np.argsort(-s, axis=1, kind="stable")[:, :k]]
