@@ -21,12 +21,13 @@ import faiss
 import httpx
 import numpy as np
 import pytest
-from api_helpers import ADMIN_TOKEN, SearchClients, ServeProcess, free_port, make_checkpoint, png_bytes
+from api_helpers import ADMIN_TOKEN, SearchClients, make_checkpoint, png_bytes
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.cli import main as softsearch
 from api.config import Settings
+from api.launch import free_port, serve_process
 from index.store import IndexStore
 from search.evaluation.metrics import ideal_topk
 from training.checkpoint import load_checkpoint
@@ -92,7 +93,7 @@ def test_gate_refusals_admin_reload_and_force(tmp_path, capsys):
     store = IndexStore(root)
     assert _cli(capsys, *_build(root, ck))[0] == 0
     v1 = store.current_version()
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0") as srv:
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0", log_path=tmp_path / "serve.log") as srv:
         url = srv.url
         # 1. a low-recall ivf-pq build: committed, not activated, exit 1, a message that says why and what to do
         rc, out, err = _cli(capsys, *_build(root, ck, *LOW_RECALL, "--notify", url, "--token", ADMIN_TOKEN))
@@ -183,9 +184,9 @@ def test_rate_limit_identity_and_notify_after_an_empty_bucket(tmp_path, capsys):
     assert _cli(capsys, *_build(root, ck))[0] == 0
     v1 = store.current_version()
     proxy = httpx.HTTPTransport(local_address="127.0.0.2")   # a second loopback address: the trusted proxy
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
-                      "--rate-limit-rps", "0.02", "--rate-limit-burst", "3",
-                      "--forwarded-allow-ips", "127.0.0.2") as srv, \
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
+                       "--rate-limit-rps", "0.02", "--rate-limit-burst", "3",
+                       "--forwarded-allow-ips", "127.0.0.2", log_path=tmp_path / "serve.log") as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as peer, \
             httpx.Client(base_url=srv.url, timeout=60, transport=proxy) as via_proxy:
         url = srv.url
@@ -252,7 +253,8 @@ def test_swaps_under_load_keep_server_and_store_in_step(tmp_path, capsys):
     images = [queries.image(i) for i in range(len(queries))]
     payloads = [png_bytes(im) for im in images]
     steps = []
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0") as srv, \
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
+                       log_path=tmp_path / "serve.log") as srv, \
             SearchClients(srv.url, payloads, clients=6, k=5) as load:
         url, notify = srv.url, ["--notify", srv.url, "--token", ADMIN_TOKEN]
 
