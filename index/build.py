@@ -37,9 +37,9 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
-from index.manifest import (DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, read_manifest,
-                            update_manifest, write_manifest)
-from index.models import is_store_model, model_relpath
+from index.manifest import (DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, manifest_sources, read_manifest,
+                            write_manifest)
+from index.models import checkpoint_record, has_encoder, is_store_model, model_relpath
 from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
                          new_version_name)
@@ -285,15 +285,17 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
 
 def _calibrate(staging: Path, calibrator: Calibrator) -> None:
     """Store the calibrated search temperature in the staged manifest (unless one was given explicitly)."""
-    if read_manifest(staging).search_temperature_source == "command line":
+    manifest = read_manifest(staging)
+    if manifest.get("search_temperature_source") == "command line":
         return
     t0 = time.perf_counter()
     result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
     if result is None:
         return
-    update_manifest(staging, calibration={**result, "seconds": time.perf_counter() - t0},
-                    search_temperature=float(result["temperature"]),
-                    search_temperature_source="calibrated: argmin of held-out H(q,p)")
+    manifest["calibration"] = {**result, "seconds": time.perf_counter() - t0}
+    manifest["search_temperature"] = float(result["temperature"])
+    manifest["search_temperature_source"] = "calibrated: argmin of held-out H(q,p)"
+    write_manifest(staging, manifest)
     logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
                 result.get("train_temperature", float("nan")))
 
@@ -301,10 +303,12 @@ def _calibrate(staging: Path, calibrator: Calibrator) -> None:
 def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
                        margin: float, force: bool, activate: bool, keep: int | None,
                        calibrator: Calibrator | None = None, path: str = "index build",
-                       t_start: float | None = None, model: tuple = ()) -> str:
+                       t_start: float | None = None, model: tuple = (),
+                       candidate: IndexVersion | None = None) -> str:
     """Stamp the total time, make sure the encoder `model` (sha256[, file]) is in the store, calibrate
-    tau, gate (on the staged copy), commit into versions/, then activate through the store's
-    activation rule and prune. Removes the staging directory when anything before the commit fails."""
+    tau, gate (on the staged copy, or the already loaded `candidate`), commit into versions/, then activate
+    through the store's activation rule and prune. Removes the staging directory when anything before the
+    commit fails."""
     try:
         if t_start is not None:
             _stamp_total(staging, t_start)
@@ -313,10 +317,13 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
         if calibrator is not None:
             _calibrate(staging, calibrator)
         serving_name = store.current_version()
-        candidate = IndexVersion.load(staging, verify=False, gpu=False)
+        if candidate is None:
+            candidate = IndexVersion.load(staging, verify=False, gpu=False)
         serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
         record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
-        update_manifest(staging, quality_gate=record)
+        manifest = read_manifest(staging)
+        manifest["quality_gate"] = record
+        write_manifest(staging, manifest)
         store.commit(staging, version)
     except BaseException:
         discard_staging(staging)
@@ -471,8 +478,9 @@ def _checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict)
 
 
 def _stamp_total(staging: Path, t_start: float) -> None:
-    timings = read_manifest(staging).timings or {}
-    update_manifest(staging, timings={**timings, "total_s": time.perf_counter() - t_start})
+    manifest = read_manifest(staging)
+    manifest["timings"]["total_s"] = time.perf_counter() - t_start
+    write_manifest(staging, manifest)
 
 
 def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
@@ -486,7 +494,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
     manifest = store.manifest(current)
     require_encoder(manifest, "index rebuild")
     datasets = []
-    for src in manifest.sources or []:
+    for src in manifest_sources(manifest):
         ds = create_dataset(**src["spec"])
         if ds.fingerprint() != src["fingerprint"]:
             logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
@@ -494,7 +502,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
         datasets.append(ds)
     carried = user_fields(read_metadata(store.path(current)))   # the user's fields survive a rebuild
     opts["metadata"] = carried.merge(opts["metadata"]) if opts.get("metadata") is not None else carried
-    return build_index(checkpoint, datasets, root, kind=kind or manifest.kind, _parent=current, **opts)
+    return build_index(checkpoint, datasets, root, kind=kind or manifest["kind"], _parent=current, **opts)
 
 
 def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
@@ -516,7 +524,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     kind = base_version.kind
     if kind not in faiss_index.ADDABLE_KINDS:
         raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
-    recorded = base_version.manifest.checkpoint_record
+    recorded = checkpoint_record(base_version.manifest)
     if checkpoint is not None:
         sha = checkpoint_sha256(checkpoint)
         if recorded.get("sha256") and sha != recorded["sha256"]:
@@ -550,8 +558,8 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     if len(res.rows) == 0:
         raise ValueError(f"none of the {len(todo)} new items could be read ({len(res.skipped)} skipped)")
     # Always extend a fresh CPU copy from disk: the loaded one may live on a GPU.
-    index = faiss.read_index(str(base_version.path / INDEX_FILE))
-    base_train = base_version.manifest.trained_on or base_version.manifest.count
+    index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
+    base_train = base_version.manifest.get("trained_on", base_version.manifest["count"])
     index.add(res.embeddings)
     if kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
@@ -559,16 +567,16 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
     ids = list(base_version.ids) + [new_ids[int(i)] for i in res.rows]
     m = base_version.manifest
-    sources = list(m.sources or [])
+    sources = manifest_sources(m)
     source_index = len(sources)
     sources = sources + [_source_record(ds, res, source_index)]
-    skipped = list(m.skipped or []) + _skipped_items(ds, res, source_index)
-    fields = m.carried("checkpoint", "encoder", "dataset", "lineage", "search_temperature",
-                       "search_temperature_source", "world_size")
+    skipped = list(m.get("skipped", [])) + _skipped_items(ds, res, source_index)
+    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "lineage",
+                                                  "search_temperature", "search_temperature_source", "world_size")}
     fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
                                                 "skipped": len(_skipped_items(ds, res, source_index))})
-    params = dict(m.params)
+    params = dict(m["params"])
     with released_on_disk_full(caches):
         version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                          target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
@@ -580,10 +588,10 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     return version
 
 
-def require_encoder(manifest: Manifest, command: str) -> None:
+def require_encoder(manifest: dict, command: str) -> None:
     """A command that embeds images (add, rebuild, sync) refuses a version built from vectors, in one line."""
-    if not manifest.has_encoder:
-        raise ValueError(f"index version {manifest.version} was built from vectors (--embeddings) and has no "
+    if not has_encoder(manifest):
+        raise ValueError(f"index version {manifest.get('version')} was built from vectors (--embeddings) and has no "
                          f"encoder: '{command}' cannot embed images for it; build a new version with "
                          "'index build --embeddings' over all the vectors")
 
@@ -592,13 +600,16 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
                        evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
                        activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
                        target_recall: float = 0.95, fields: dict | None = None, progress: bool = True,
-                       metadata: Metadata | None = None) -> str:
+                       metadata: Metadata | None = None, stream: bool | None = None) -> str:
     """A new version from vectors computed elsewhere: `embeddings` is a `.npy` file or a directory of `.npy`
     shards (index/vectors.py), `ids` an ids file (one per line; default: the row number as a string).
 
     The version has no encoder (manifest ``checkpoint`` and ``encoder`` null, ``source`` naming the
     vectors and their sha256): it serves vector queries only. Its quality gate is the recall check on
-    held-out stored rows (index/gate.py). Returns the version name (activated unless `activate=False`)."""
+    held-out stored rows (index/gate.py). IVF kinds (given, or chosen by ``auto``) are built streaming
+    (index/stream.py: trained on a sample, lists on disk, RAM independent of N) unless `stream` is False.
+    Returns the version name (activated unless `activate=False`)."""
+    from index import stream as streaming
     from index.vectors import default_ids, open_vectors, read_ids, source_record, unit_rows
 
     t_start = time.perf_counter()
@@ -606,28 +617,54 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
         faiss_index._check_kind(kind)
     _check_opts(1, 0, 1, target_recall, keep, margin)
     source = open_vectors(embeddings)
-    item_ids = default_ids(source.count) if ids is None else read_ids(ids, source.count)
+    params = dict(params or {})
+    if kind == "auto":
+        kind, auto_params = faiss_index.choose_kind(source.count, source.dim, memory_budget)
+        params = {**auto_params, **params}
+        logger.info("--kind auto chose %s %s for %d x %d", kind, params, source.count, source.dim)
+    streamed = kind in streaming.STREAM_KINDS if stream is None else bool(stream)
+    if streamed and kind not in streaming.STREAM_KINDS:
+        raise ValueError(f"a streamed build makes {' or '.join(streaming.STREAM_KINDS)}, not {kind}")
+    # row-number ids of a streamed build are never held as N strings (written to ids.json in blocks)
+    item_ids = (None if streamed else default_ids(source.count)) if ids is None else read_ids(ids, source.count)
+    item_metadata = Metadata.empty()
+    if metadata is not None:
+        item_metadata = metadata
+        item_ids = default_ids(source.count) if item_ids is None else item_ids   # metadata is per id anyway
+        report_unknown_ids(metadata, item_ids, "--metadata")
+    if streamed:
+        record = source_record(source, ids)
+        store = IndexStore(root)
+        store.ensure()
+        version, staging, candidate = streaming.write_streamed_version(
+            store, source, item_ids, kind=kind, params=params, target_recall=target_recall,
+            fields=_vector_fields(record, fields), timings={},
+            extra_files=item_files({}, item_metadata, item_ids) if metadata is not None else None, progress=progress)
+        return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
+                                  activate=activate, keep=keep, path="index build --embeddings", t_start=t_start,
+                                  candidate=candidate)
     t0 = time.perf_counter()
     emb = unit_rows(source, progress=progress)
     record = source_record(source, ids)
     load_s = time.perf_counter() - t0
-    item_metadata = Metadata.empty()
-    if metadata is not None:
-        item_metadata = metadata
-        report_unknown_ids(metadata, item_ids, "--metadata")
-    manifest_fields = {"checkpoint": None, "encoder": None, "dataset": None, "sources": [], "source": record,
-                       "lineage": {}, "search_temperature": DEFAULT_TEMPERATURE,
-                       "search_temperature_source": "default (vectors computed elsewhere record no temperature)",
-                       "skipped": [], "skipped_count": 0, "world_size": 1, "parent": None}
-    manifest_fields.update(fields or {})
     store = IndexStore(root)
     store.ensure()
     version, staging = write_version(store, emb, item_ids, kind=kind, params=params, memory_budget=memory_budget,
-                                     target_recall=target_recall, fields=manifest_fields,
+                                     target_recall=target_recall, fields=_vector_fields(record, fields),
                                      timings={"load_vectors_s": load_s},
                                      extra_files=item_files({}, item_metadata, item_ids))
     return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
                               activate=activate, keep=keep, path="index build --embeddings", t_start=t_start)
+
+
+def _vector_fields(record: dict, fields: dict | None) -> dict:
+    """The manifest fields of a version built from vectors: no encoder, the vectors' `record` as its source."""
+    out = {"checkpoint": None, "encoder": None, "dataset": None, "sources": [], "source": record,
+           "lineage": {}, "search_temperature": DEFAULT_TEMPERATURE,
+           "search_temperature_source": "default (vectors computed elsewhere record no temperature)",
+           "skipped": [], "skipped_count": 0, "world_size": 1, "parent": None}
+    out.update(fields or {})
+    return out
 
 
 def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluator: Evaluator | None = None,
@@ -645,7 +682,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     m = base_version.manifest
-    if m.has_encoder:
+    if has_encoder(m):
         raise ValueError(f"index version {base_version.version} has an encoder: add images to it ('index add "
                          "--dataset ...'); vectors from elsewhere would mix embedding spaces")
     if base_version.kind not in faiss_index.ADDABLE_KINDS:
@@ -666,8 +703,10 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     new = unit_rows(source, progress=progress)
     record = source_record(source, ids)
     load_s = time.perf_counter() - t0
-    index = faiss.read_index(str(base_version.path / INDEX_FILE))   # a fresh CPU copy, extended below
-    base_train = m.trained_on or m.count
+    # a fresh CPU copy, extended below (on-disk lists of a streamed build copied into RAM: the new version
+    # is written by write_version, which holds all rows anyway)
+    index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
+    base_train = m.get("trained_on", m["count"])
     index.add(new)
     if base_version.kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
@@ -678,13 +717,14 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     if metadata is not None:
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, item_ids, "--metadata")
-    fields = m.carried("checkpoint", "encoder", "dataset", "sources", "source", "lineage", "search_temperature",
-                       "search_temperature_source", "skipped", "skipped_count", "world_size")
+    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "sources", "source", "lineage",
+                                                  "search_temperature", "search_temperature_source", "world_size",
+                                                  "skipped", "skipped_count")}
     fields.update(parent=base_version.version, trained_on=base_train,
                   added={"count": int(source.count), "source": record},
-                  added_sources=[*(m.added_sources or []), record])
+                  added_sources=[*(m.get("added_sources") or []), record])
     store.ensure()
-    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m.params),
+    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m["params"]),
                                      index=index, target_recall=target_recall, fields=fields,
                                      timings={"load_vectors_s": load_s},
                                      extra_files=item_files({}, item_metadata, item_ids))

@@ -23,6 +23,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import faiss
 import numpy as np
@@ -319,13 +320,42 @@ def rerank_factor(kind: str, params: dict | None) -> int:
 
 
 def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray, k: int,
-                    rerank: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                    rerank: int = 1, release: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What the server answers: the index's top k*rerank candidates re-scored exactly, s = z_q . z_y with
     z_y the stored row, and the best k of them -> (scores (Q, k'), rows (Q, k')), -1 / -inf = none.
-    With rerank = 1 the candidates are only re-ordered by their exact scores."""
+    With rerank = 1 the candidates are only re-ordered by their exact scores. `release`: see `search_paged`."""
     x = _as_float32(queries, index.d, "queries")
-    _, cand = search(index, x, int(k) * int(rerank))                      # (Q, k*r) best first, -1 = none
+    _, cand = search_paged(index, x, int(k) * int(rerank), release)      # (Q, k*r) best first, -1 = none
     return rerank_candidates(embeddings, x, cand, k)
+
+
+#: Queries per `search_paged` batch: each probes nprobe lists, so few queries touch few list pages.
+PAGED_QUERIES = 16
+
+
+def search_paged(index: faiss.Index, queries: np.ndarray, k: int,
+                 release: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`search`, and with `release` (e.g. `paging.drop_index_pages` of an index with on-disk lists) in
+    batches of PAGED_QUERIES queries calling release() after each, so the list pages a build's recall
+    measurement reads do not pile up in its RSS. Same (scores, rows) as `search`."""
+    if release is None or len(queries) <= PAGED_QUERIES:
+        out = search(index, queries, k)
+        if release is not None:
+            release()
+        return out
+    parts = []
+    for q0 in range(0, len(queries), PAGED_QUERIES):
+        parts.append(search(index, queries[q0:q0 + PAGED_QUERIES], k))
+        release()
+    width = max(p[1].shape[1] for p in parts)   # `search` drops columns no query of its batch filled
+    scores = np.full((len(queries), width), -np.inf, np.float32)
+    rows = np.full((len(queries), width), -1, np.int64)
+    q0 = 0
+    for s, r in parts:
+        scores[q0:q0 + len(r), :r.shape[1]] = s
+        rows[q0:q0 + len(r), :r.shape[1]] = r
+        q0 += len(r)
+    return scores, rows
 
 
 def rerank_candidates(embeddings: np.ndarray, queries: np.ndarray, cand: np.ndarray,
@@ -354,14 +384,30 @@ def tuning_rows(count: int, size: int = TUNE_QUERIES, seed: int = 0) -> np.ndarr
     return np.sort(np.random.default_rng(seed).choice(count, size=min(size, count), replace=False))
 
 
-def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block_rows: int = 1 << 18) -> np.ndarray:
     """Exact top-k rows by inner product, best first: FAISS's own brute-force kNN (blocked BLAS), the
-    reference every recall in index/ is measured against."""
-    database = _as_float32(database, None, "database")
+    reference every recall in index/ is measured against. A database larger than `block_rows` (or
+    memory-mapped) is read in row blocks whose pages are dropped after use, the top-k merged in
+    FAISS's ResultHeap (as faiss.contrib.exhaustive_search.knn_ground_truth): RAM stays one block."""
+    from index.paging import iter_row_blocks
+
+    if not isinstance(database, np.memmap) and database.shape[0] <= block_rows:
+        database = _as_float32(database, None, "database")
+        queries = _as_float32(queries, database.shape[1], "queries")
+        k = min(int(k), database.shape[0])
+        _, rows = faiss.knn(queries, database, k, metric=faiss.METRIC_INNER_PRODUCT)
+        return rows
+    if database.ndim != 2:
+        raise ValueError(f"database must be a 2-D (N, D) array, got shape {database.shape}")
     queries = _as_float32(queries, database.shape[1], "queries")
     k = min(int(k), database.shape[0])
-    _, rows = faiss.knn(queries, database, k, metric=faiss.METRIC_INNER_PRODUCT)
-    return rows
+    heap = faiss.ResultHeap(queries.shape[0], k, keep_max=True)
+    for start, block in iter_row_blocks(database, block_rows):
+        _as_float32(block, None, "database")   # NaN / inf refused as in the one-call path
+        scores, rows = faiss.knn(queries, block, min(k, block.shape[0]), metric=faiss.METRIC_INNER_PRODUCT)
+        heap.add_result(scores, rows + start)
+    heap.finalize()
+    return heap.I
 
 
 def recall_at_k(found: np.ndarray, exact: np.ndarray, k: int = 10) -> float:
@@ -397,13 +443,15 @@ def _drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
 
 def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
          k: int = 10, kind: str | None = None, min_gain: float = 0.002,
-         self_rows: np.ndarray | None = None, embeddings: np.ndarray | None = None) -> TuneResult:
+         self_rows: np.ndarray | None = None, embeddings: np.ndarray | None = None,
+         release: Callable[[], None] | None = None) -> TuneResult:
     """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
 
     With `embeddings` (the stored unit rows) an IVF-PQ index is tuned as it is served: its top k*r
     candidates re-scored exactly from the stored vectors (`search_reranked`), nprobe and the re-rank
     factor r = k'/k chosen together (`_tune_reranked`).
 
+    `release` (see `search_paged`) is called between query batches of every search.
     `exact` holds the exact top-k rows of each sample query (see `exact_neighbours`).
     The knob ends at the smallest tried value that reaches the target. When it never does,
     `reached=False` and the knob stops where recall has plateaued (a doubling gained less
@@ -422,11 +470,11 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     if self_rows is not None:
         exact = _drop_rows(np.asarray(exact), np.asarray(self_rows), k)
     if kind == "ivf-pq" and embeddings is not None:
-        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings)
+        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release)
 
     def measure() -> tuple[float, float]:
         t0 = time.perf_counter()
-        _, rows = search(index, queries, k + (self_rows is not None))
+        _, rows = search_paged(index, queries, k + (self_rows is not None), release)
         dt = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
         if self_rows is not None:
             rows = _drop_rows(rows, self_rows, k)
@@ -462,7 +510,8 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
 
 
 def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target_recall: float, k: int,
-                   min_gain: float, self_rows: np.ndarray | None, embeddings: np.ndarray) -> TuneResult:
+                   min_gain: float, self_rows: np.ndarray | None, embeddings: np.ndarray,
+                   release: Callable[[], None] | None = None) -> TuneResult:
     """(nprobe, r) of an IVF-PQ index re-ranked from `embeddings`: the pair reaching the target at the least
     measured time per query, t = t_faiss(nprobe) + t_rerank(r).
 
@@ -485,7 +534,7 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
     while True:
         ivf.nprobe = nprobe
         t0 = time.perf_counter()
-        _, cand = search(index, queries, kq * RERANK_MAX)                   # (Q, kq * RERANK_MAX)
+        _, cand = search_paged(index, queries, kq * RERANK_MAX, release)     # (Q, kq * RERANK_MAX)
         t_faiss = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
         recall = 0.0
         for r in ladder:
@@ -520,6 +569,56 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
                        chosen["recall"], target_recall, chosen["nprobe"], chosen["rerank"])
     return TuneResult("nprobe", chosen["nprobe"], chosen["recall"], chosen["latency_ms"], reached, history,
                       rerank=chosen["rerank"])
+
+
+#: The file of on-disk inverted lists a streamed build writes beside its index file (index/stream.py).
+LISTS_FILE = "index.ivfdata"
+
+
+def read_index(path) -> faiss.Index:
+    """A version's index file read with FAISS's own IO. On-disk inverted lists (a `LISTS_FILE` beside it) stay
+    on disk: their table is read without mapping (IO_FLAG_SKIP_IVF_DATA), then the file beside the index is
+    mapped read-only (the directory may have moved since the build: staging -> versions/, export / import;
+    FAISS's IO_FLAG_ONDISK_SAME_DIR does the same but prints to stdout)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not (path.parent / LISTS_FILE).is_file():
+        return faiss.read_index(str(path))
+    index = faiss.read_index(str(path), faiss.IO_FLAG_SKIP_IVF_DATA | faiss.IO_FLAG_READ_ONLY)
+    if not on_disk_lists(index):
+        return faiss.read_index(str(path))
+    od = faiss.downcast_InvertedLists(faiss.extract_index_ivf(index).invlists)
+    od.filename = str(path.parent / Path(od.filename).name)
+    od.read_only = True
+    od.do_mmap()
+    return index
+
+
+def on_disk_lists(index: faiss.Index) -> bool:
+    """True when `index` is IVF with its inverted lists in a file (`faiss.OnDiskInvertedLists`)."""
+    try:
+        invlists = faiss.extract_index_ivf(index).invlists
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+    return isinstance(faiss.downcast_InvertedLists(invlists), faiss.OnDiskInvertedLists)
+
+
+def lists_in_ram(index: faiss.Index) -> faiss.Index:
+    """`index` itself, or for on-disk lists the same index with its lists copied into RAM
+    (ArrayInvertedLists), which `add` can extend (the on-disk file is mapped read-only)."""
+    if not on_disk_lists(index):
+        return index
+    ivf = faiss.extract_index_ivf(index)
+    od = ivf.invlists
+    ram = faiss.ArrayInvertedLists(ivf.nlist, ivf.code_size)
+    for l in range(ivf.nlist):
+        size = od.list_size(l)
+        if size:
+            ram.add_entries(l, size, od.get_ids(l), od.get_codes(l))
+    ivf.replace_invlists(ram, True)
+    ram.this.disown()
+    return index
 
 
 def kind_of(index: faiss.Index) -> str:

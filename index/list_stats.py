@@ -224,11 +224,40 @@ def _list_moments(embeddings: np.ndarray, order: np.ndarray, offsets: np.ndarray
         l0 = l1
     if bar is not None:
         bar.close()
-    # Round up: float64 rounding of these sums is ~1e-16 relative; eigvalsh is backward stable
-    # (error <= ~D * 1e-16 * |C|), so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds.
+    radius, lam = round_up(radius, lam)
+    return means.astype(np.float32), radius, lam
+
+
+def round_up(radius: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Radii and eigenvalues as stored: rounded up so they stay upper bounds.
+
+    float64 rounding of these sums is ~1e-16 relative; eigvalsh is backward stable (error <= ~D * 1e-16 * |C|),
+    so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds."""
     radius = radius * (1 + 1e-9) + 1e-12
     lam = np.maximum(lam, 0.0) * (1 + 1e-9) + 1e-12
     lam = np.minimum(lam, radius ** 2)  # variance along a unit direction <= max squared distance
-    return means.astype(np.float32), radius, lam
+    return radius, lam
+
+
+def save_streamed(path, offsets: np.ndarray, order_blocks, count: int, means: np.ndarray, radius: np.ndarray,
+                  lam: np.ndarray, source: str, seconds: float) -> None:
+    """Write the same .npz as `ListStats.save` (read back by `ListStats.load`) with the (N,) row order given as
+    an iterable of blocks, written as they come: a streamed build never holds the order in RAM."""
+    import zipfile
+
+    dtype = np.dtype(np.int32 if count < 2**31 else np.int64)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, arr in (("offsets", offsets), ("means", means), ("radius", radius), ("lam", lam),
+                          ("source", np.array(source)), ("seconds", np.array(seconds))):
+            with zf.open(name + ".npy", "w", force_zip64=True) as fh:
+                np.lib.format.write_array(fh, np.asanyarray(arr), allow_pickle=False)
+        with zf.open("order.npy", "w", force_zip64=True) as fh:
+            np.lib.format.write_array_header_1_0(fh, {"descr": dtype.str, "fortran_order": False, "shape": (count,)})
+            written = 0
+            for block in order_blocks:
+                block = np.ascontiguousarray(block, dtype=dtype)
+                fh.write(memoryview(block).cast("B"))
+                written += len(block)
+            assert written == count, f"wrote {written} row numbers for {count} rows"
 
 

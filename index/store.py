@@ -3,7 +3,8 @@
 Layout under `root`::
 
     versions/<version>/   immutable: manifest.json, index.faiss, embeddings.npy, ids.json,
-                          normaliser_stats.npz (per-list statistics, index/list_stats.py), ...
+                          normaliser_stats.npz (per-list statistics, index/list_stats.py),
+                          index.ivfdata (on-disk inverted lists of a streamed build, index/stream.py), ...
     models/<sha256>.safetensors   encoder weights, content-addressed, shared by versions (index/models.py)
     staging/<name>/       builds in progress (embedding shards, a version being written)
     current               the serving version's name; replaced atomically (tmp, fsync, os.replace)
@@ -43,9 +44,9 @@ import numpy as np
 from index import faiss_index
 from index.gate import ActivationRefused, Gate, activation_checks
 from index.list_stats import ListStats
-from index.manifest import (FROZEN_FIELDS, IndexCorruptError, Manifest, atomic_write_text, fsync_dir, read_manifest,
-                            update_manifest, verify_files)
-from index.models import DEFAULT_GRACE_S, ModelStore
+from index.manifest import (FROZEN_FIELDS, IndexCorruptError, atomic_write_text, fsync_dir, read_manifest,
+                            verify_files, write_manifest)
+from index.models import DEFAULT_GRACE_S, ModelStore, checkpoint_record
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ IDS_FILE = "ids.json"
 VERSION_FILES = (INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE)
 #: The bounded normaliser's per-list statistics; in every version written since they are stored.
 LIST_STATS_FILE = "normaliser_stats.npz"
+#: The inverted lists of a streamed IVF build (index/stream.py), FAISS's OnDiskInvertedLists file: the
+#: index file names it, FAISS maps it read-only from beside the index (faiss_index.read_index).
+IVFDATA_FILE = faiss_index.LISTS_FILE
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 class VersionExists(ValueError):
     """`IndexStore.commit` of a name that versions/ already holds (e.g. a concurrent import won)."""
@@ -81,11 +85,11 @@ class IndexVersion:
     `embeddings` is a read-only np.memmap of embeddings.npy: callers stream it in row blocks
     (or gather rows) and never need it resident."""
 
-    def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
+    def __init__(self, path: Path, manifest: dict, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
         self.path = Path(path)
         self.manifest = manifest
-        self.version: str = manifest.version
-        self.kind: str = manifest.kind
+        self.version: str = manifest["version"]
+        self.kind: str = manifest["kind"]
         self.index = index
         self.ids = ids
         self.embeddings = embeddings    # (N, D) float32 unit rows (read-only memmap); row i is ids[i] and FAISS row i
@@ -104,14 +108,14 @@ class IndexVersion:
         if verify:
             verify_files(path, manifest)
         try:
-            index = faiss.read_index(str(path / INDEX_FILE))
+            index = faiss_index.read_index(path / INDEX_FILE)   # on-disk lists (IVFDATA_FILE) stay mapped
             # memory-mapped, read-only: the serving process holds no second N x D copy; pages come
             # from the OS page cache (shared by every worker process on the machine) as they are read
             embeddings = np.load(path / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
             ids = json.loads((path / IDS_FILE).read_text(encoding="utf-8"))
         except (RuntimeError, ValueError, OSError, EOFError) as err:
             raise IndexCorruptError(f"{path}: cannot read version files ({err})") from err
-        n, d = manifest.count, manifest.dim
+        n, d = manifest["count"], manifest["dim"]
         problems = []
         if index.ntotal != n or index.d != d:
             problems.append(f"index has {index.ntotal} x {index.d}, manifest {n} x {d}")
@@ -119,18 +123,18 @@ class IndexVersion:
             problems.append(f"embeddings are {embeddings.shape} {embeddings.dtype}, expected ({n}, {d}) float32")
         if not isinstance(ids, list) or len(ids) != n:
             problems.append(f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, expected {n}")
-        if faiss_index.kind_of(index) != manifest.kind:
-            problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest.kind}")
+        if faiss_index.kind_of(index) != manifest["kind"]:
+            problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest['kind']}")
         if problems:
             raise IndexCorruptError(f"{path}: " + "; ".join(problems))
-        faiss_index.set_search_params(index, manifest.kind, manifest.params)
-        if gpu or (gpu is None and faiss_index.use_gpu(manifest.kind)):
+        faiss_index.set_search_params(index, manifest["kind"], manifest["params"])
+        if gpu or (gpu is None and faiss_index.use_gpu(manifest["kind"])):
             try:
                 gpu_index = faiss_index.to_gpu(index)
-                faiss_index.set_search_params(gpu_index, manifest.kind, manifest.params)
+                faiss_index.set_search_params(gpu_index, manifest["kind"], manifest["params"])
                 index = gpu_index
             except RuntimeError as err:  # unsupported on GPU: serve from the CPU copy
-                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest.kind, err)
+                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest["kind"], err)
         return cls(path, manifest, index, ids, embeddings)
 
     def __len__(self) -> int:
@@ -141,7 +145,7 @@ class IndexVersion:
         none (written before they were stored). IndexCorruptError when the file is unreadable or
         does not describe this version (rows, dimension, lists): a damaged version file is refused,
         as at `load` (whose checksum check already refuses a changed one)."""
-        if LIST_STATS_FILE not in self.manifest.files:
+        if LIST_STATS_FILE not in self.manifest.get("files", {}):
             return None
         path = self.path / LIST_STATS_FILE
         try:
@@ -156,7 +160,7 @@ class IndexVersion:
 
     @property
     def dim(self) -> int:
-        return int(self.manifest.dim)
+        return int(self.manifest["dim"])
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores (Q, k'), rows (Q, k')), k' = min(k, N); rows index ids/embeddings, -1 = none."""
@@ -264,7 +268,7 @@ class IndexStore:
             logger.warning("%s is not valid JSON; starting a new history", self.history_file)
         return {"stack": [], "log": []}
 
-    def manifest(self, version: str) -> Manifest:
+    def manifest(self, version: str) -> dict:
         """A version's manifest without loading the index."""
         return read_manifest(self.path(version))
 
@@ -404,11 +408,13 @@ class IndexStore:
         """Gate a version that has no gate result (older stores, versions written without one) and
         record the result in its manifest, so it is judged like any build (gated at first activation)."""
         path = self.path(version)
-        if gate is None or read_manifest(path).quality_gate is not None:
+        if gate is None or isinstance(read_manifest(path).get("quality_gate"), dict):
             return
         record = gate(version)
         with self.lock():
-            update_manifest(path, quality_gate=record)
+            manifest = read_manifest(path)
+            manifest["quality_gate"] = record
+            write_manifest(path, manifest)
         logger.info("gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED")
 
     @staticmethod
@@ -429,7 +435,7 @@ class IndexStore:
                      if (p / "manifest.json").is_file()]
         for d in dirs:
             try:
-                sha = read_manifest(d).checkpoint_record.get("sha256")
+                sha = checkpoint_record(read_manifest(d)).get("sha256")
             except IndexCorruptError:
                 continue
             if sha:
@@ -502,7 +508,7 @@ class IndexStore:
             logger.info("removed %d stale staging directories: %s", len(removed), ", ".join(removed))
         return removed
 
-    def update_manifest_fields(self, version: str, **fields) -> Manifest:
+    def update_manifest_fields(self, version: str, **fields) -> dict:
         """Add or change descriptive manifest fields (e.g. search_temperature) before activation.
 
         Refused for a version that is or was ever activated (served manifests are immutable)
@@ -515,5 +521,7 @@ class IndexStore:
         with self.lock():
             if version == self.current_version() or version in self.history()["stack"]:
                 raise ValueError(f"index version {version!r} has been activated; its manifest is immutable")
-            manifest = update_manifest(path, **fields)
+            manifest = read_manifest(path)
+            manifest.update(fields)
+            write_manifest(path, manifest)
         return manifest

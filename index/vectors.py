@@ -87,28 +87,62 @@ def unit_rows(source: VectorSource, progress: bool = False) -> np.ndarray:
 
     Raises ValueError naming the first zero or non-finite row."""
     out = np.empty((source.count, source.dim), dtype=np.float32)
+    for start, z in unit_blocks(source, progress=progress):
+        out[start:start + z.shape[0]] = z
+    return out
+
+
+def unit_blocks(source: VectorSource, block_rows: int = BLOCK_ROWS, progress: bool = False, desc: str = "normalise vectors"):
+    """Yield (first row, (B, D) float32 unit rows) over the source in blocks (a block never spans two shards),
+    dropping the pages of each block from the shard's memory map once read (index/paging.py): one pass
+    over a file larger than RAM keeps one block resident."""
+    from index.paging import drop_pages
+
+    blocks = []
     start = 0
-    blocks = [(s, b) for s in source.shards for b in range(0, s.shape[0], BLOCK_ROWS)]
+    for shard in source.shards:
+        blocks += [(shard, start, b) for b in range(0, shard.shape[0], block_rows)]
+        start += shard.shape[0]
     if progress:
         from tqdm import tqdm
 
-        blocks = tqdm(blocks, desc="normalise vectors", unit="block")
-    for shard, b in blocks:
-        v = np.asarray(shard[b:b + BLOCK_ROWS], dtype=np.float64)        # (B, D)
-        bad = ~np.isfinite(v).all(axis=1)
-        if bad.any():
-            raise ValueError(f"embeddings {source.where(start + int(np.argmax(bad)))} contains NaN or inf")
-        norms = np.sqrt(np.einsum("ij,ij->i", v, v))                      # ||v|| per row
-        zero = norms == 0
-        if zero.any():
-            raise ValueError(f"embeddings {source.where(start + int(np.argmax(zero)))} is a zero vector "
-                             "(no direction to search by)")
-        if not np.isfinite(norms).all():   # finite values whose squares overflow float64: scale first
-            scale = np.abs(v).max(axis=1, keepdims=True)
-            v = v / scale
-            norms = np.sqrt(np.einsum("ij,ij->i", v, v))
-        out[start:start + v.shape[0]] = v / norms[:, None]
-        start += v.shape[0]
+        blocks = tqdm(blocks, desc=desc, unit="block")
+    for shard, first, b in blocks:
+        v = np.array(shard[b:b + block_rows], dtype=np.float64)              # (B, D), a RAM copy
+        drop_pages(shard)
+        yield first + b, unit_block(v, lambda i, r0=first + b: source.where(r0 + i))
+
+
+def unit_block(v: np.ndarray, where) -> np.ndarray:
+    """float32 z = v / ||v|| of a float64 (B, D) block; `where(i)` names row i in the ValueError for the first
+    zero or non-finite row."""
+    bad = ~np.isfinite(v).all(axis=1)
+    if bad.any():
+        raise ValueError(f"embeddings {where(int(np.argmax(bad)))} contains NaN or inf")
+    norms = np.sqrt(np.einsum("ij,ij->i", v, v))                          # ||v|| per row
+    zero = norms == 0
+    if zero.any():
+        raise ValueError(f"embeddings {where(int(np.argmax(zero)))} is a zero vector (no direction to search by)")
+    if not np.isfinite(norms).all():   # finite values whose squares overflow float64: scale first
+        v = v / np.abs(v).max(axis=1, keepdims=True)
+        norms = np.sqrt(np.einsum("ij,ij->i", v, v))
+    return (v / norms[:, None]).astype(np.float32)
+
+
+def sample_unit_rows(source: VectorSource, rows: np.ndarray) -> np.ndarray:
+    """float32 unit rows of the sorted global `rows` (a training sample), gathered shard by shard with the
+    pages dropped after each shard."""
+    from index.paging import drop_pages
+
+    out = np.empty((len(rows), source.dim), dtype=np.float32)
+    i = start = 0
+    for shard in source.shards:
+        j = int(np.searchsorted(rows, start + shard.shape[0]))
+        if j > i:
+            v = np.array(shard[rows[i:j] - start], dtype=np.float64)
+            drop_pages(shard)
+            out[i:j] = unit_block(v, lambda q, sel=rows[i:j]: source.where(int(sel[q])))
+        i, start = j, start + shard.shape[0]
     return out
 
 
