@@ -64,6 +64,16 @@ def query_scores(similarities: np.ndarray, source: int, exclude: int | None = No
     return QueryScores(s[top_rows], top_rows.astype(np.int64), counts.astype(np.float64), int(source))
 
 
+def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int) -> QueryScores:
+    """QueryScores of a query whose only candidates are `rows` with `scores` (the verified stage: every
+    other item has probability 0, so there is no tail)."""
+    scores, rows = np.asarray(scores, dtype=np.float64), np.asarray(rows, dtype=np.int64)
+    keep = np.isfinite(scores)
+    scores, rows = scores[keep], rows[keep]
+    order = np.argsort(-scores, kind="stable")
+    return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source))
+
+
 @dataclass
 class DuplicateCalibration:
     """Fitted (temperature, bias), the threshold for a target precision, and how well it holds out."""
@@ -81,6 +91,11 @@ class DuplicateCalibration:
     # the most sure the model can be: an identical copy (s = 1) alone against "none", 1 / (1 + e^{-(1-b)/tau})
     max_probability: float = 1.0
     precision_curve: list[dict] = field(default_factory=list)   # {"threshold", "pairs", "precision"} per p level
+    # "encoder": s_j is the embedding cosine over the whole index; "verified": s_j is the verification
+    # score (verify.py) of the `verify_k` nearest items whose cosine is >= `floor`, every other item at p = 0
+    stage: str = "encoder"
+    verify_k: int = 0
+    floor: float = -1.0
 
     @property
     def reachable(self) -> bool:
@@ -98,14 +113,16 @@ class DuplicateCalibration:
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                               "held_out", "fitted_on", "reliability", "positives", "negatives",
-                                              "max_probability", "precision_curve")}
+                                              "max_probability", "precision_curve", "stage", "verify_k", "floor")}
 
     @classmethod
     def from_json(cls, data: dict) -> "DuplicateCalibration":
         return cls(**{k: data[k] for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                            "held_out")},
                    **{k: data.get(k, []) for k in ("reliability", "positives", "negatives", "precision_curve")},
-                   fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)))
+                   fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)),
+                   stage=str(data.get("stage", "encoder")), verify_k=int(data.get("verify_k", 0)),
+                   floor=float(data.get("floor", -1.0)))
 
 
 class _Stacked:
@@ -140,7 +157,7 @@ def fit(queries: list[QueryScores]) -> tuple[float, float]:
     """(tau, b) maximising the likelihood of the true answers (Nelder-Mead over log tau and b)."""
     stacked = _Stacked(queries)
     best = None
-    for tau0, b0 in ((0.01, 0.9), (0.05, 0.8), (0.003, 0.97)):
+    for tau0, b0 in ((0.01, 0.9), (0.05, 0.8), (0.003, 0.97), (0.002, 0.99), (0.0005, 0.997)):
         result = minimize(stacked.nll, np.array([np.log(tau0), b0]), method="Nelder-Mead",
                           options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 4000})
         if best is None or result.fun < best.fun:

@@ -119,6 +119,51 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
     return out, exact_scans
 
 
+def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, thumbs, *, threshold: float,
+                            max_group: int = 8, block: int = 256, progress: bool = True
+                            ) -> tuple[dict[int, CandidateSet], int]:
+    """{row: S_row} at the verified stage: the row's `calibration.verify_k` nearest items by cosine (ANN
+    index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.score v_j and
+
+        p(j | i) = exp(v_j / tau) / (exp(b / tau) + sum_{l verified} exp(v_l / tau)),
+
+    every other item at p = 0 (exactly the model calibration.py fitted on the verified calibration queries).
+    `thumbs(row)` gives a row's verify.Thumb (None: unreadable, never a candidate). Memory: a block of
+    rows' neighbours plus the thumb cache."""
+    from search.duplicates import verify
+
+    tau, bias = calibration.temperature, calibration.bias
+    emb = version.embeddings
+    rows = np.asarray(rows, dtype=np.int64)
+    k = min(int(calibration.verify_k), int(emb.shape[0]) - 1)
+    out: dict[int, CandidateSet] = {}
+    if k < 1:
+        return out, 0
+    bar = tqdm(total=rows.size, desc="duplicate candidates (verified)", unit="item", disable=not progress)
+    for start in range(0, rows.size, block):
+        mine = rows[start:start + block]
+        z = np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32)
+        _, found = version.search(z, k + 1)
+        for i, row in enumerate(mine):
+            others = found[i][(found[i] >= 0) & (found[i] != row)][:k]
+            cos = np.asarray(emb[others], dtype=np.float64) @ z[i].astype(np.float64)
+            others, cos = others[cos >= calibration.floor], cos[cos >= calibration.floor]
+            me = thumbs(row) if others.size else None
+            if me is None:
+                continue
+            v = np.array([-np.inf if thumbs(j) is None else verify.score(me, thumbs(j)) for j in others])
+            order = np.argsort(-v, kind="stable")
+            others, v = others[order], v[order]
+            log_z = np.logaddexp(bias / tau, logsumexp(v / tau)) if np.isfinite(v).any() else bias / tau
+            p = np.exp(v / tau - log_z)
+            m = _prefix(p, threshold, max_group)
+            if m:
+                out[int(row)] = CandidateSet(others[:m].copy(), p[:m].copy(), v[:m].copy(), exact=True)
+        bar.update(mine.size)
+    bar.close()
+    return out, int(rows.size)
+
+
 def mutual_groups(sets: dict[int, CandidateSet]) -> list[list[int]]:
     """Groups (lists of rows) from mutual links, each a clique: components split greedily, members with
     more links first."""

@@ -19,15 +19,19 @@ from PIL import Image
 
 from index.manifest import atomic_write, utc_now
 from index.store import IndexStore, require_store
-from search.duplicates.calibration import QueryScores, calibrate, query_scores
+from search.duplicates import verify
+from search.duplicates.calibration import QueryScores, calibrate, query_scores, scored_candidates
 from search.duplicates.edits import edited_copy
-from search.duplicates.groups import candidate_sets, describe_group, mutual_groups
+from search.duplicates.groups import candidate_sets, describe_group, mutual_groups, verified_candidate_sets
 from search.duplicates.page import render_page
 from training.images import cache_resolution, load_query, load_rgb, load_square
 
 logger = logging.getLogger(__name__)
 FORMAT = "softsearch-duplicates"
 QUERY_BLOCK = 64
+VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
+FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
+                        # calibration copies' cosine to their original (the edits lose ~1 % there)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", type=float, default=0.99, help="target pair precision that picks the default P")
     p.add_argument("--calibration-items", type=int, default=300,
                    help="items copied with random edits (and as many left without a copy) to fit the temperature")
+    p.add_argument("--stage", choices=("auto", "verified", "encoder"), default="auto",
+                   help="verified: re-score each item's nearest items pixel for pixel (verify.py), needs the "
+                        "images; encoder: embedding cosine only; auto: verified when the images are there")
     p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
     p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
     p.add_argument("--seed", type=int, default=0)
@@ -71,9 +78,116 @@ def _similarities(snapshot, z: np.ndarray) -> np.ndarray:
     return np.concatenate([z @ np.asarray(emb[s:s + 65536]).T for s in range(0, emb.shape[0], 65536)], axis=1)
 
 
+def has_images(snapshot) -> bool:
+    """Whether the version's items can be read back as images (not a version built from vectors)."""
+    if snapshot.encoder is None or snapshot.dataset_spec() is None or snapshot.count == 0:
+        return False
+    try:
+        source_bytes(snapshot, snapshot.index.ids[0])
+    except (KeyError, OSError, ValueError):
+        return False
+    return True
+
+
+def item_thumb(snapshot, row: int) -> verify.Thumb | None:
+    """The verification thumb of an indexed item (None when its image can no longer be read)."""
+    try:
+        return verify.thumb(load_rgb(source_bytes(snapshot, snapshot.index.ids[int(row)])))
+    except (KeyError, OSError, ValueError) as err:   # ImageError is a ValueError
+        logger.warning("duplicate verification skips %s: %s", snapshot.index.ids[int(row)], err)
+        return None
+
+
+class ThumbCache:
+    """Thumbs of indexed rows, made on first use and forgotten beyond `size` (bounded memory)."""
+
+    def __init__(self, snapshot, size: int = 1024):
+        self.snapshot, self.size, self._store = snapshot, int(size), {}
+
+    def __call__(self, row: int) -> verify.Thumb | None:
+        row = int(row)
+        if row not in self._store:
+            if len(self._store) >= self.size:
+                self._store.pop(next(iter(self._store)))
+            self._store[row] = item_thumb(self.snapshot, row)
+        return self._store[row]
+
+
+def _nearest(sims: np.ndarray, k: int, exclude: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cosines) of the k largest entries of one query's cosines, descending (`exclude` left out)."""
+    s = np.asarray(sims, dtype=np.float64).copy()
+    if exclude is not None:
+        s[exclude] = -np.inf
+    rows = np.argpartition(-s, k - 1)[:k] if k < s.size else np.arange(s.size)
+    rows = rows[np.argsort(-s[rows], kind="stable")]
+    return rows, s[rows]
+
+
+def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "ThumbCache", source: int,
+              floor: float) -> QueryScores:
+    """A verified calibration query: its nearest rows with cosine >= floor re-scored by verify.score. A copy
+    whose original is not among them counts as answered "none" (the model cannot name it)."""
+    rows = rows[cosines >= floor]
+    scores = np.array([-np.inf if query_thumb is None or thumbs(r) is None else verify.score(query_thumb, thumbs(r))
+                       for r in rows])
+    kept = rows[np.isfinite(scores)].tolist()
+    return scored_candidates(scores, rows, source if source in kept else -1)
+
+
+def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIFY_K,
+                                 progress: bool = True) -> tuple[list[QueryScores], float]:
+    """(queries, floor) for the verified stage, over each query's k nearest items by cosine: edited copies
+    of `items` sampled items (the answer: their original) and edited copies of `items` other items searched
+    WITHOUT their original and without any item whose decoded pixels equal it (the answer: "none"; their
+    nearest items are the original's look-alikes). An item itself searched without itself would be a
+    wrong negative whenever the collection holds a copy of it. The floor is FLOOR_QUANTILE of the
+    positive copies' cosine to their original."""
+    from tqdm.auto import tqdm
+
+    k = min(int(k), snapshot.count - 1)
+    ids = snapshot.index.ids
+
+    def pixels(row):
+        try:
+            return load_rgb(source_bytes(snapshot, ids[int(row)])).tobytes()
+        except (KeyError, OSError, ValueError):
+            return None
+
+    def negative(sims, src, payload):
+        rows, cos = _nearest(sims, k + 1, exclude=src)
+        same = pixels(src)   # the same picture stored twice is the original too
+        keep = [r != src and (cos[x] < 1.0 - 1e-3 or pixels(r) != same) for x, r in enumerate(rows)]
+        return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload))
+
+    copies, others = _calibration_embeddings(
+        snapshot, items, seed, progress,
+        on_copy=lambda sims, src, payload: (*_nearest(sims, k), src, float(sims[src]),
+                                            verify.thumb(load_rgb(payload))),
+        on_item=negative, copy_items=True)
+    floor = float(np.quantile([c[3] for c in copies], FLOOR_QUANTILE))
+    thumbs = ThumbCache(snapshot)
+    queries = [_verified(th, rows, cos, thumbs, src, floor)
+               for rows, cos, src, _, th in tqdm(copies, desc="verifying calibration copies", disable=not progress)]
+    queries += [_verified(th, rows, cos, thumbs, -1, floor)
+                for rows, cos, th in tqdm(others, desc="verifying copies without their original",
+                                          disable=not progress)]
+    return queries, floor
+
+
 def calibration_queries(snapshot, items: int, seed: int, progress: bool = True) -> list[QueryScores]:
     """Edited copies of `items` sampled items (their original is the answer) and `items` other items
     searched without themselves (no original: the answer is "none")."""
+    copies, loners = _calibration_embeddings(
+        snapshot, items, seed, progress, on_copy=lambda sims, src, payload: query_scores(sims, source=src),
+        on_item=lambda sims, row: query_scores(sims, source=-1, exclude=row))
+    return copies + loners
+
+
+def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_copy, on_item,
+                            copy_items: bool = False):
+    """([on_copy(cosines to every row, source row, copy bytes)], [on_item(cosines, row)]) over the edited
+    copies of `items` sampled items and `items` other items (with `copy_items`: an edited copy of each other
+    item, on_item(cosines of the copy, row, copy bytes)); a query's cosines live for one block."""
     from tqdm.auto import tqdm
 
     n = snapshot.count
@@ -84,18 +198,23 @@ def calibration_queries(snapshot, items: int, seed: int, progress: bool = True) 
     picked = rng.permutation(n)
     sources, loners = picked[:m], picked[m:2 * m]
     ids = snapshot.index.ids
-    queries: list[QueryScores] = []
+    copies, others = [], []
     for start in tqdm(range(0, m, QUERY_BLOCK), desc="calibration copies", disable=not progress):
         rows = sources[start:start + QUERY_BLOCK]
         # decoded as indexing decodes (EXIF orientation, transparency on white), then edited
-        copies = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
-        sims = _similarities(snapshot, embed_bytes(snapshot, copies))
-        queries += [query_scores(sims[j], source=int(r)) for j, r in enumerate(rows)]
+        payloads = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
+        sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
+        copies += [on_copy(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
     for start in range(0, m, QUERY_BLOCK):
         rows = loners[start:start + QUERY_BLOCK]
+        if copy_items:
+            payloads = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
+            sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
+            others += [on_item(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
+            continue
         sims = _similarities(snapshot, np.asarray(snapshot.index.embeddings[rows], dtype=np.float32))
-        queries += [query_scores(sims[j], source=-1, exclude=int(r)) for j, r in enumerate(rows)]
-    return queries
+        others += [on_item(sims[j], int(r)) for j, r in enumerate(rows)]
+    return copies, others
 
 
 def find_duplicates(snapshot, calibration, *, threshold: float | None = None, rows=None, k: int = 32,
@@ -107,12 +226,20 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
         raise ValueError(f"threshold must be in (0, 1), got {p}")
     rows = np.arange(snapshot.count) if rows is None else np.asarray(rows, dtype=np.int64)
     t0 = time.perf_counter()
-    sets, exact = candidate_sets(version, calibration, rows, threshold=p, k=k, max_group=max_group,
-                                 progress=progress)
+    if calibration.stage == "verified":
+        thumbs = ThumbCache(snapshot)
+
+        def scan(some, progress):
+            return verified_candidate_sets(version, calibration, some, thumbs, threshold=p, max_group=max_group,
+                                           progress=progress)
+    else:
+        def scan(some, progress):
+            return candidate_sets(version, calibration, some, threshold=p, k=k, max_group=max_group,
+                                  progress=progress)
+    sets, exact = scan(rows, progress)
     needed = sorted({int(j) for cs in sets.values() for j in cs.rows} - set(rows.tolist()))
     if needed:   # the other side of each link (scans of only some rows: index add / sync)
-        more, more_exact = candidate_sets(version, calibration, needed, threshold=p, k=k, max_group=max_group,
-                                          progress=False)
+        more, more_exact = scan(needed, False)
         sets.update(more)
         exact += more_exact
     # a clique split off a larger component may leave a member less than p sure: such groups are dropped
@@ -122,6 +249,24 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
         groups = [g for g in groups if asked & set(g["rows"])]
     return {"threshold": p, "groups": groups, "items_scanned": int(rows.size), "exact_log_z": int(exact),
             "seconds": time.perf_counter() - t0}
+
+
+def calibrate_snapshot(snapshot, stage: str = "auto", items: int = 300, precision: float = 0.99, seed: int = 0,
+                       progress: bool = True):
+    """The duplicate calibration of a snapshot at `stage` (auto: verified when the images can be read)."""
+    from dataclasses import replace
+
+    if stage == "auto":
+        stage = "verified" if has_images(snapshot) else "encoder"
+    if stage == "verified":
+        if not has_images(snapshot):
+            raise ValueError(f"index version {snapshot.version} has no readable images to verify duplicates "
+                             "against; use --stage encoder")
+        queries, floor = verified_calibration_queries(snapshot, items, seed, progress=progress)
+        return replace(calibrate(queries, target_precision=precision, seed=seed), stage="verified",
+                       verify_k=VERIFY_K, floor=floor)
+    return calibrate(calibration_queries(snapshot, items, seed, progress=progress), target_precision=precision,
+                     seed=seed)
 
 
 def latest_calibration(store: IndexStore, checkpoint_sha: str | None):
@@ -188,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threshold must be in (0, 1), got {args.threshold}")
     if not 0.0 < args.precision < 1.0:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
-    queries = calibration_queries(snapshot, args.calibration_items, args.seed, progress=not args.no_progress)
-    calib = calibrate(queries, target_precision=args.precision, seed=args.seed)
+    calib = calibrate_snapshot(snapshot, args.stage, args.calibration_items, args.precision, args.seed,
+                               progress=not args.no_progress)
     if args.threshold is None and not calib.reachable:
         print(f"note: {calib.limit_note()}")
     found = find_duplicates(snapshot, calib, threshold=args.threshold, k=args.k, max_group=args.max_group,
@@ -206,5 +351,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     grouped = sum(len(g["ids"]) for g in result["groups"])
     print(f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
-          f"(duplicate temperature {calib.temperature:.4g}, held-out ECE {calib.ece:.3f}); {path}")
+          f"(duplicate temperature {calib.temperature:.4g}, {calib.stage} stage, held-out ECE {calib.ece:.3f}); "
+          f"{path}")
     return 0

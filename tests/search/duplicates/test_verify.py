@@ -1,0 +1,206 @@
+"""The verification stage: scores against independent computations, the verified candidate sets against
+brute force, the verified fit against a grid search of its likelihood, and a small planted case grouped."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from scipy.special import logsumexp
+
+from search.duplicates import verify
+from search.duplicates.calibration import DuplicateCalibration, fit, scored_candidates
+from search.duplicates.edits import edited_copy
+from search.duplicates.groups import mutual_groups, verified_candidate_sets
+from training.images import load_rgb
+
+
+def _picture(seed: int, size=(90, 70)) -> np.ndarray:
+    """A smooth random colour picture with a few sharp blocks (like a stamp: shapes on a background)."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    small = rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    im = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC)).copy()
+    for _ in range(4):
+        x, y = int(rng.integers(0, w - 20)), int(rng.integers(0, h - 20))
+        im[y:y + int(rng.integers(8, 20)), x:x + int(rng.integers(8, 20))] = rng.integers(0, 256, 3)
+    return im
+
+
+def _ncc(u: np.ndarray, v: np.ndarray) -> float:
+    u = u.astype(np.float64).ravel() - u.mean()
+    v = v.astype(np.float64).ravel() - v.mean()
+    return float(u @ v / np.sqrt((u @ u) * (v @ v)))
+
+
+def test_score_of_a_crop_is_at_least_the_ncc_of_the_true_window():
+    """A crop of 93 % x 96 % resampled: the search finds a window at least as good as the true one, whose
+    ncc is computed here independently (float64, the window cut from the working copy by hand)."""
+    rgb = _picture(0)
+    h, w = rgb.shape[:2]
+    crop = Image.fromarray(rgb).crop((3, 1, 3 + int(0.93 * w), 1 + int(0.96 * h))).resize((120, 95), Image.BICUBIC)
+    a, b = verify.thumb(rgb), verify.thumb(np.asarray(crop))
+    work = Image.fromarray(rgb).resize((verify.WORK, verify.WORK), Image.BOX)
+    box = (3 / w * verify.WORK, 1 / h * verify.WORK, (3 + int(0.93 * w)) / w * verify.WORK,
+           (1 + int(0.96 * h)) / h * verify.WORK)
+    window = np.asarray(work.resize((verify.SIDE, verify.SIDE), Image.BILINEAR, box=box))
+    whole = np.asarray(Image.fromarray(np.asarray(crop)).resize((verify.WORK, verify.WORK), Image.BOX)
+                       .resize((verify.SIDE, verify.SIDE), Image.BILINEAR))
+    truth = _ncc(window, whole)
+    assert truth > 0.97
+    assert verify.score(a, b) >= truth - 1e-4
+    # without the window search (whole against whole) the crop scores clearly lower
+    assert _ncc(np.asarray(work.resize((verify.SIDE, verify.SIDE), Image.BILINEAR)), whole) < truth - 0.02
+
+
+def test_score_is_symmetric_one_for_the_same_picture_and_low_for_a_mirror():
+    rgb = _picture(1)
+    a = verify.thumb(rgb)
+    assert verify.score(a, verify.thumb(rgb.copy())) == pytest.approx(1.0, abs=1e-5)
+    b = verify.thumb(np.ascontiguousarray(rgb[:, ::-1]))
+    assert verify.score(a, b) == verify.score(b, a)
+    assert verify.score(a, b) < 0.9
+    c = verify.thumb(_picture(2))
+    assert verify.score(a, c) == verify.score(c, a) < 0.9
+
+
+def test_gain_and_offset_do_not_change_the_score():
+    """ncc ignores a global gain and offset: a picture darkened by x0.8 + 20 still scores ~1."""
+    rgb = _picture(3)
+    darker = np.clip(rgb.astype(np.float64) * 0.8 + 20, 0, 255).astype(np.uint8)
+    assert verify.score(verify.thumb(rgb), verify.thumb(darker)) > 0.999
+
+
+def test_blank_pictures_match_only_blank_pictures_of_their_colour():
+    white, grey = np.full((40, 40, 3), 255, np.uint8), np.full((30, 50, 3), 128, np.uint8)
+    assert verify.thumb(white).blank
+    assert verify.score(verify.thumb(white), verify.thumb(white.copy())) == 1.0
+    assert verify.score(verify.thumb(white), verify.thumb(grey)) == pytest.approx(1 - 127 / 255)
+    assert verify.score(verify.thumb(white), verify.thumb(_picture(4))) == 0.0
+
+
+def test_the_products_edits_score_higher_than_other_pictures():
+    rng = np.random.default_rng(5)
+    pictures = [_picture(10 + i) for i in range(6)]
+    thumbs = [verify.thumb(p) for p in pictures]
+    for p, t in zip(pictures, thumbs):
+        for _ in range(3):
+            copy = verify.thumb(load_rgb(edited_copy(Image.fromarray(p), rng)[0]))
+            own = verify.score(copy, t)
+            assert own > 0.95
+            assert own > max(verify.score(copy, o) for o in thumbs if o is not t)
+
+
+class _Version:
+    """The two things the candidate scans read of an IndexVersion: embeddings and a top-k search."""
+
+    def __init__(self, x):
+        from index import faiss_index as fi
+        self.embeddings = x
+        self.index, _ = fi.build("flat", x)
+
+    def search(self, q, k):
+        from index import faiss_index as fi
+        return fi.search(self.index, q, k)
+
+
+def _planted_pictures(n=24, seed=0):
+    """n pictures, copies planted: 1 of 0 and 3 of 2 (edited), 5 of 4 (the same pixels: a file stored twice)."""
+    rng = np.random.default_rng(seed)
+    pics = [_picture(100 + i) for i in range(n)]
+    pics[1] = load_rgb(edited_copy(Image.fromarray(pics[0]), rng)[0])
+    pics[3] = load_rgb(edited_copy(Image.fromarray(pics[2]), rng)[0])
+    pics[5] = pics[4].copy()
+    return pics
+
+
+def _embeddings(pics, rng):
+    """Stand-in encoder output: a noisy 16 x 16 grey thumbnail (copies are close, all items comparable)."""
+    z = np.stack([np.asarray(Image.fromarray(p).convert("L").resize((16, 16)), dtype=np.float64).ravel()
+                  for p in pics])
+    z = z - z.mean(axis=1, keepdims=True) + 3.0 * rng.normal(size=z.shape)
+    return (z / np.linalg.norm(z, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9])
+def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(threshold):
+    pics = _planted_pictures()
+    x = _embeddings(pics, np.random.default_rng(1))
+    thumbs = [verify.thumb(p) for p in pics]
+    calib = DuplicateCalibration(temperature=0.005, bias=0.95, threshold=threshold, target_precision=threshold,
+                                 ece=0.0, held_out=0, stage="verified", verify_k=5, floor=0.2)
+    sets, _ = verified_candidate_sets(_Version(x), calib, np.arange(len(pics)), lambda r: thumbs[r],
+                                      threshold=threshold, max_group=4, block=7, progress=False)
+    # brute force: every pair's cosine, the 5 nearest with cosine >= floor, every verify score, the softmax
+    s = x.astype(np.float64) @ x.astype(np.float64).T
+    for i in range(len(pics)):
+        others = [j for j in np.argsort(-np.where(np.arange(len(pics)) == i, -np.inf, s[i]), kind="stable")[:5]
+                  if s[i, j] >= 0.2]
+        v = np.array([verify.score(thumbs[i], thumbs[j]) for j in others])
+        if not others:
+            assert i not in sets
+            continue
+        p = np.exp(v / 0.005 - np.logaddexp(0.95 / 0.005, logsumexp(v / 0.005)))
+        order = np.argsort(-p, kind="stable")
+        reached = np.flatnonzero(np.cumsum(p[order][:4]) >= threshold)
+        if not reached.size:
+            assert i not in sets
+            continue
+        m = reached[0] + 1
+        assert sets[i].rows.tolist() == [others[o] for o in order[:m]]
+        np.testing.assert_allclose(sets[i].probabilities, p[order[:m]], rtol=1e-9)
+    assert mutual_groups(sets) == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_verified_fit_equals_a_grid_search_of_the_likelihood():
+    """Queries whose answer is drawn from the verified model (scores of a few candidates, no tail): the
+    Nelder-Mead fit lands on the minimum of the mean negative log-likelihood found by a plain grid."""
+    rng = np.random.default_rng(7)
+    tau0, b0 = 0.004, 0.985
+    queries = []
+    for _ in range(600):
+        v = np.sort(rng.uniform(0.9, 0.995, 5))[::-1]
+        if rng.random() < 0.5:
+            v[0] = rng.uniform(0.975, 1.0)
+        logits = np.r_[b0 / tau0, v / tau0]
+        p = np.exp(logits - logsumexp(logits))
+        answer = int(rng.choice(6, p=p)) - 1
+        rows = np.arange(5) + 1000
+        queries.append(scored_candidates(v, rows, int(rows[answer]) if answer >= 0 else -1))
+    tau, bias = fit(queries)
+
+    v = np.stack([q.top for q in queries])                                   # (queries, 5)
+    answer = np.array([np.flatnonzero(q.top_rows == q.source)[0] if q.source >= 0 else -1 for q in queries])
+
+    def nll(t, b):   # written out again: -log p(answer) with p over {none} + the candidates
+        log_z = np.logaddexp(b / t, logsumexp(v / t, axis=1))
+        chosen = np.where(answer >= 0, v[np.arange(len(queries)), np.maximum(answer, 0)] / t, b / t)
+        return float(np.mean(log_z - chosen))
+
+    grid = [(nll(t, b), t, b) for t in np.geomspace(0.002, 0.008, 49) for b in np.linspace(0.975, 0.995, 81)]
+    best = min(grid)
+    assert nll(tau, bias) <= best[0] + 1e-9                        # at least as good as every grid point
+    assert abs(np.log(tau / best[1])) < 0.06 and abs(bias - best[2]) < 1e-3
+    assert abs(np.log(tau / tau0)) < 0.3 and abs(bias - b0) < 3e-3
+
+
+def test_scored_candidates_orders_and_drops_unscored_rows():
+    q = scored_candidates(np.array([0.5, -np.inf, 0.9]), np.array([10, 11, 12]), 12)
+    assert q.top.tolist() == [0.9, 0.5] and q.top_rows.tolist() == [12, 10] and q.source == 12
+    assert not q.tail_counts.any()
+
+
+def test_verified_calibration_round_trips_through_json():
+    calib = DuplicateCalibration(temperature=0.004, bias=0.98, threshold=0.99, target_precision=0.99, ece=0.01,
+                                 held_out=10, stage="verified", verify_k=8, floor=0.93)
+    back = DuplicateCalibration.from_json(calib.to_json())
+    assert (back.stage, back.verify_k, back.floor) == ("verified", 8, 0.93)
+    old = {k: v for k, v in calib.to_json().items() if k not in ("stage", "verify_k", "floor")}
+    assert DuplicateCalibration.from_json(old).stage == "encoder"     # scans written before the stage existed
+
+
+def test_thumb_reads_a_copy_from_bytes():
+    buf = io.BytesIO()
+    Image.fromarray(_picture(8)).save(buf, format="PNG")
+    assert verify.score(verify.thumb(load_rgb(buf.getvalue())), verify.thumb(_picture(8))) == pytest.approx(1.0, abs=1e-5)
