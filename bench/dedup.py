@@ -186,10 +186,15 @@ def main(argv=None) -> int:
               f"({', '.join(' = '.join(sorted(p)) for p in same if not any('.copy.' in i for i in p))}); "
               f"{len(truth)} true pairs")
         klass = {i: i.split("/")[0] for i in ids}
+        # the `index add` flow: `softsearch dedup` calibrated the folder before the copies were added to it
+        build_index(args.checkpoint, create_dataset("folder", split="all", root=args.folder, image_size=image_size),
+                    work / "index-before", progress=False)
+        before = Searcher(work / "index-before")
+        before.load()
         rows, stages = [], {}
-        for stage in ("verified", "encoder"):
-            calib = calibrate_snapshot(snap, stage, args.calibration_items, args.precision, args.seed + 1,
-                                       progress=False)
+        for stage, calib_snap in (("verified", snap), ("encoder", snap), ("verified-before", before.snapshot())):
+            calib = calibrate_snapshot(calib_snap, stage.split("-")[0], args.calibration_items, args.precision,
+                                       args.seed + 1, progress=False)
             found = find_duplicates(snap, calib, progress=False)
             pairs = {frozenset(pair) for g in found["groups"] for pair in combinations(g["ids"], 2)}
             # without labels either: the threshold with the best precision on the tool's own calibration queries
@@ -239,10 +244,19 @@ def main(argv=None) -> int:
                     1 for x in false if len({klass[i] for i in x}) == 1)), "pairs", None))
             rows.append(row(f"{stage}: duplicate temperature", c.temperature, "tau", None))
             rows.append(row(f"{stage}: dedup seconds (candidates + groups)", f["seconds"], "s", None))
-        ece_planted, n_planted = planted_ece(snap, calib, folder, truth,
-                                             sorted(i for t in planted for i in t if ".copy." in i))
-        rows.append(row(f"verified: expected calibration error on the {n_planted} planted copies", ece_planted,
-                        "ECE", None))
+        planted_copies = sorted(i for t in planted for i in t if ".copy." in i)
+        for stage in ("verified", "verified-before"):
+            ece_planted, n_planted = planted_ece(snap, stages[stage][0], folder, truth, planted_copies)
+            rows.append(row(f"{stage}: expected calibration error on the {n_planted} planted copies", ece_planted,
+                            "ECE", None))
+        c, f, pairs, b, pairs_b = stages["verified-before"]
+        for name, got in ((f"p >= {f['threshold']:.3g}", pairs), (f"best-precision level p >= {b['threshold']:.3g}",
+                                                                 pairs_b)):
+            pb, rb, fb = pair_scores(got, truth)
+            rows.append(row(f"verified-before {name}: F1 (baseline: immich default)", fb, "F1",
+                            pair_scores(cosine_pairs(emb, ids, 1 - IMMICH_MAX_DISTANCE), truth)[2]))
+            rows.append(row(f"verified-before {name}: precision", pb, "precision", None))
+            rows.append(row(f"verified-before {name}: recall", rb, "recall", None))
         rows.append(row("planted pairs", float(len(planted)), "pairs", None))
         rows.append(row("true pairs (planted + pixel-identical, closed)", float(len(truth)), "pairs", None))
         rows.append(row("items indexed", float(len(ids)), "items", None))

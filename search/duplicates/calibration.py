@@ -157,7 +157,7 @@ def fit(queries: list[QueryScores]) -> tuple[float, float]:
     """(tau, b) maximising the likelihood of the true answers (Nelder-Mead over log tau and b)."""
     stacked = _Stacked(queries)
     best = None
-    for tau0, b0 in ((0.01, 0.9), (0.05, 0.8), (0.003, 0.97), (0.002, 0.99), (0.0005, 0.997)):
+    for tau0, b0 in ((0.01, 0.9), (0.05, 0.8), (0.003, 0.97), (0.5, 5.0), (1.0, 4.0), (0.3, 7.0)):
         result = minimize(stacked.nll, np.array([np.log(tau0), b0]), method="Nelder-Mead",
                           options={"xatol": 1e-6, "fatol": 1e-9, "maxiter": 4000})
         if best is None or result.fun < best.fun:
@@ -211,9 +211,10 @@ def precision_curve(conf: np.ndarray, correct: np.ndarray,
              "precision": float(correct[conf >= t].mean()) if (conf >= t).any() else 1.0} for t in levels]
 
 
-def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: int = 0) -> DuplicateCalibration:
+def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: int = 0,
+              best_score: float = 1.0) -> DuplicateCalibration:
     """Fit on a random half of the queries, measure ECE and the score distributions on the other half;
-    the threshold comes from all of them."""
+    the threshold comes from all of them. `best_score`: the score of an identical copy (for max_probability)."""
     if len(queries) < 20:
         raise ValueError(f"duplicate calibration needs at least 20 queries, got {len(queries)}")
     order = np.random.default_rng(seed).permutation(len(queries))
@@ -229,7 +230,7 @@ def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: 
     return DuplicateCalibration(
         temperature=tau, bias=bias, threshold=threshold, target_precision=float(target_precision), ece=ece,
         held_out=len(held), reliability=table, fitted_on=len(fit_part),
-        max_probability=float(1.0 / (1.0 + np.exp(-(1.0 - bias) / tau))),
+        max_probability=float(1.0 / (1.0 + np.exp(-(best_score - bias) / tau))),
         precision_curve=precision_curve(all_conf, all_correct),
         positives=[float(c) for (c, _), q in zip(scored, held) if q.source >= 0],
         negatives=[float(c) for (c, _), q in zip(scored, held) if q.source < 0])

@@ -123,13 +123,14 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
                             max_group: int = 8, block: int = 256, progress: bool = True
                             ) -> tuple[dict[int, CandidateSet], int]:
     """{row: S_row} at the verified stage: the row's `calibration.verify_k` nearest items by cosine (ANN
-    index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.score v_j and
+    index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.score v_j,
+    read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), and
 
-        p(j | i) = exp(v_j / tau) / (exp(b / tau) + sum_{l verified} exp(v_l / tau)),
+        p(j | i) = exp(e_j / tau) / (exp(b / tau) + sum_{l verified} exp(e_l / tau)),
 
     every other item at p = 0 (exactly the model calibration.py fitted on the verified calibration queries).
     `thumbs(row)` gives a row's verify.Thumb (None: unreadable, never a candidate). Memory: a block of
-    rows' neighbours plus the thumb cache."""
+    rows' neighbours plus the thumb cache. The sets' `similarities` are the verification scores v_j."""
     from search.duplicates import verify
 
     tau, bias = calibration.temperature, calibration.bias
@@ -154,8 +155,9 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
             v = np.array([-np.inf if thumbs(j) is None else verify.score(me, thumbs(j)) for j in others])
             order = np.argsort(-v, kind="stable")
             others, v = others[order], v[order]
-            log_z = np.logaddexp(bias / tau, logsumexp(v / tau)) if np.isfinite(v).any() else bias / tau
-            p = np.exp(v / tau - log_z)
+            e = verify.evidence(v)      # an unreadable item (v = -inf) has e = -inf: p = 0
+            log_z = np.logaddexp(bias / tau, logsumexp(e / tau)) if np.isfinite(e).any() else bias / tau
+            p = np.exp(e / tau - log_z)
             m = _prefix(p, threshold, max_group)
             if m:
                 out[int(row)] = CandidateSet(others[:m].copy(), p[:m].copy(), v[:m].copy(), exact=True)

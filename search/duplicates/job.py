@@ -1,8 +1,10 @@
 """`softsearch dedup`: calibrate the duplicate temperature on the collection, find the groups, write them.
 
-    softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--out FILE]
+    softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--stage verified|encoder]
+                     [--out FILE]
 
-Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
+Two stages: the encoder's nearest items are the candidates, and (default) the verification stage re-scores
+each item's VERIFY_K nearest pixel for pixel (verify.py), the probabilities calibrated on that score. Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
 (the page at /duplicates), and a copy to --out.
 """
 from __future__ import annotations
@@ -44,9 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", type=float, default=0.99, help="target pair precision that picks the default P")
     p.add_argument("--calibration-items", type=int, default=300,
                    help="items copied with random edits (and as many left without a copy) to fit the temperature")
-    p.add_argument("--stage", choices=("auto", "verified", "encoder"), default="auto",
-                   help="verified: re-score each item's nearest items pixel for pixel (verify.py), needs the "
-                        "images; encoder: embedding cosine only; auto: verified when the images are there")
+    p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
+                   help="verified: each item's nearest items re-scored pixel for pixel (verify.py); encoder: embedding "
+                        "cosine only (the pipeline before verification)")
     p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
     p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
     p.add_argument("--seed", type=int, default=0)
@@ -125,11 +127,12 @@ def _nearest(sims: np.ndarray, k: int, exclude: int | None = None) -> tuple[np.n
 
 def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "ThumbCache", source: int,
               floor: float) -> QueryScores:
-    """A verified calibration query: its nearest rows with cosine >= floor re-scored by verify.score. A copy
+    """A verified calibration query: its nearest rows with cosine >= floor re-scored by verify.score (as
+    verify.evidence). A copy
     whose original is not among them counts as answered "none" (the model cannot name it)."""
     rows = rows[cosines >= floor]
-    scores = np.array([-np.inf if query_thumb is None or thumbs(r) is None else verify.score(query_thumb, thumbs(r))
-                       for r in rows])
+    scores = np.array([-np.inf if query_thumb is None or thumbs(r) is None
+                       else float(verify.evidence(verify.score(query_thumb, thumbs(r)))) for r in rows])
     kept = rows[np.isfinite(scores)].tolist()
     return scored_candidates(scores, rows, source if source in kept else -1)
 
@@ -251,19 +254,18 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
             "seconds": time.perf_counter() - t0}
 
 
-def calibrate_snapshot(snapshot, stage: str = "auto", items: int = 300, precision: float = 0.99, seed: int = 0,
+def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, precision: float = 0.99, seed: int = 0,
                        progress: bool = True):
-    """The duplicate calibration of a snapshot at `stage` (auto: verified when the images can be read)."""
+    """The duplicate calibration of a snapshot at `stage` ("verified" or "encoder")."""
     from dataclasses import replace
 
-    if stage == "auto":
-        stage = "verified" if has_images(snapshot) else "encoder"
+    if not has_images(snapshot):
+        raise ValueError(f"index version {snapshot.version} has no readable images (built from vectors, or its "
+                         "files are gone): dedup calibrates on edited copies of the indexed images")
     if stage == "verified":
-        if not has_images(snapshot):
-            raise ValueError(f"index version {snapshot.version} has no readable images to verify duplicates "
-                             "against; use --stage encoder")
         queries, floor = verified_calibration_queries(snapshot, items, seed, progress=progress)
-        return replace(calibrate(queries, target_precision=precision, seed=seed), stage="verified",
+        return replace(calibrate(queries, target_precision=precision, seed=seed, best_score=verify.BEST_EVIDENCE),
+                       stage="verified",
                        verify_k=VERIFY_K, floor=floor)
     return calibrate(calibration_queries(snapshot, items, seed, progress=progress), target_precision=precision,
                      seed=seed)

@@ -14,6 +14,11 @@ rotation (undone at decode) leave it near 1. The search is a grid over sx, sy in
 integer offsets (one matrix product over all windows), then a Nelder-Mead refinement of the best
 window in continuous coordinates. The score is the larger of the two directions, so it is symmetric.
 A blank (constant) picture matches only another blank one of the same colour.
+
+The calibrated model (calibration.py) reads the score as evidence e = -log(1 - ncc + EPS): copies sit at
+distances 1 - ncc of ~1e-4..1e-2 and look-alikes mostly above, a range a softmax over ncc itself (one
+temperature, linear in ncc) cannot be sharp on; EPS is the distance below which ncc differences are
+resampling noise, and caps the evidence of an identical copy at -log(EPS).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ SIDE = 32
 WORK = 128                      # side of the stretched working copy windows are resampled from
 COARSE_SCALES = (1.0, 0.95, 0.9)   # fraction of each side a crop keeps (edits.py crops keep >= 0.9)
 MIN_SCALE = 0.85
+EPS = 1e-4
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
 
 
@@ -104,6 +110,14 @@ def score(a: Thumb, b: Thumb) -> float:
     if a.blank or b.blank:
         return 1.0 - abs(a.mean - b.mean) / 255.0 if a.blank and b.blank else 0.0
     return max(_one_way(a, b), _one_way(b, a))
+
+
+def evidence(v):
+    """-log(1 - v + EPS): the verification score on the scale the calibrated softmax uses."""
+    return -np.log(np.maximum(1.0 - np.asarray(v, dtype=np.float64), 0.0) + EPS)
+
+
+BEST_EVIDENCE = float(-np.log(EPS))     # an identical copy
 
 
 def scores(query: Thumb, others: list[Thumb]) -> np.ndarray:

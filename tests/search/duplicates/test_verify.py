@@ -128,7 +128,7 @@ def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(
     pics = _planted_pictures()
     x = _embeddings(pics, np.random.default_rng(1))
     thumbs = [verify.thumb(p) for p in pics]
-    calib = DuplicateCalibration(temperature=0.005, bias=0.95, threshold=threshold, target_precision=threshold,
+    calib = DuplicateCalibration(temperature=0.5, bias=2.0, threshold=threshold, target_precision=threshold,
                                  ece=0.0, held_out=0, stage="verified", verify_k=5, floor=0.2)
     sets, _ = verified_candidate_sets(_Version(x), calib, np.arange(len(pics)), lambda r: thumbs[r],
                                       threshold=threshold, max_group=4, block=7, progress=False)
@@ -141,7 +141,8 @@ def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(
         if not others:
             assert i not in sets
             continue
-        p = np.exp(v / 0.005 - np.logaddexp(0.95 / 0.005, logsumexp(v / 0.005)))
+        e = -np.log(1.0 - v + 1e-4)                  # the evidence, written out
+        p = np.exp(e / 0.5 - np.logaddexp(2.0 / 0.5, logsumexp(e / 0.5)))
         order = np.argsort(-p, kind="stable")
         reached = np.flatnonzero(np.cumsum(p[order][:4]) >= threshold)
         if not reached.size:
@@ -183,6 +184,11 @@ def test_verified_fit_equals_a_grid_search_of_the_likelihood():
     assert nll(tau, bias) <= best[0] + 1e-9                        # at least as good as every grid point
     assert abs(np.log(tau / best[1])) < 0.06 and abs(bias - best[2]) < 1e-3
     assert abs(np.log(tau / tau0)) < 0.3 and abs(bias - b0) < 3e-3
+
+
+def test_evidence_is_the_log_distance_capped_at_an_identical_copy():
+    np.testing.assert_allclose(verify.evidence([1.0, 0.999, 0.9]), -np.log([1e-4, 1e-3 + 1e-4, 0.1 + 1e-4]))
+    assert verify.BEST_EVIDENCE == pytest.approx(-np.log(1e-4)) and verify.evidence(-np.inf) == -np.inf
 
 
 def test_scored_candidates_orders_and_drops_unscored_rows():
