@@ -53,7 +53,7 @@ def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | 
     current = store.current_version()
     if current is not None:
         manifest = store.manifest(current)
-        if manifest["count"] == size and manifest["dim"] == ENCODER["embed_dim"] and manifest["kind"] == kind:
+        if manifest.count == size and manifest.dim == ENCODER["embed_dim"] and manifest.kind == kind:
             logger.info("reusing %s (%d items, %s)", root, size, kind)
             return root, _servable(store, current)
     checkpoint = checkpoint or encoder_checkpoint(root.parent / "scale_encoder.safetensors")

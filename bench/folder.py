@@ -175,7 +175,7 @@ def _bench(args, work: Path) -> int:
     for rep in range(args.embed_repeats):
         root = work / f"index-{rep}"
         version = build_index(ckpt, train_ds, root, batch_size=256, progress=False)
-        best_build = max(best_build, IndexStore(root).manifest(version)["sources"][0]["images_per_s"])
+        best_build = max(best_build, IndexStore(root).manifest(version).sources[0]["images_per_s"])
         t0 = time.perf_counter()
         with torch.inference_mode():   # the plain loop a user would write without the cache
             for start in range(0, len(paths), 256):

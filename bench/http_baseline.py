@@ -32,17 +32,17 @@ import logging
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import torch
 
 from _common import row, write_results
-from http_load import BOUNDARY, free_port, multipart, percentile, query_payloads, run_load
+from http_load import BOUNDARY, multipart, percentile, query_payloads, run_load
+
+from api.launch import free_port, http_ready, serve_argv, server_process
 
 logger = logging.getLogger("bench.http_baseline")
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,34 +99,21 @@ def build_case(name: str, work: Path, checkpoint: Path | None, train_steps: int 
 
 
 class Proc:
-    """A server subprocess, ready once `ready_path` answers 200."""
+    """A server subprocess (api.launch.server_process), ready once `ready_path` answers 200; it
+    searches at `search_path`."""
 
     def __init__(self, cmd: list[str], port: int, ready_path: str, search_path: str):
         self.cmd, self.port, self.ready_path, self.search_path = cmd, port, ready_path, search_path
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> "Proc":
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.cmd[:3]} exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.cmd[:3]} not ready in 180 s")
+        self._launch = server_process(self.cmd, self.port, ready=http_ready(self.ready_path, timeout_s=2),
+                                      timeout_s=180, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        self._launch.__enter__()
+        return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        self._launch.__exit__(*exc)
 
 
 def top(server: Proc, payload: bytes) -> list[tuple[str, float]]:
@@ -175,8 +162,7 @@ def batch_stats(server: Proc) -> tuple[float, float]:
 def run_case(name: str, case: dict, args) -> list[dict]:
     threads = str(args.torch_threads)
     product_port, plain_port = free_port(), free_port()
-    product = Proc([sys.executable, "-m", "api.server", "--index", str(case["root"]), "--host", "127.0.0.1",
-                    "--port", str(product_port), "--log-level", "warning", "--torch-threads", threads],
+    product = Proc(serve_argv(case["root"], product_port, torch_threads=args.torch_threads),
                    product_port, "/readyz", "/v1/search")
     plain = Proc([sys.executable, str(ROOT / "bench" / "plain_server.py"), str(case["version_dir"]),
                   str(case["checkpoint"]), str(plain_port), "1" if case["square"] else "0", threads],

@@ -11,14 +11,11 @@ compete with the server for the same cores; the report states the machine.
 """
 from __future__ import annotations
 
-import sys
 import argparse
 import io
 import logging
 import math
 import random
-import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -30,8 +27,9 @@ import torch
 
 from _common import row, write_results
 
+from api.launch import serve_process
+
 logger = logging.getLogger("bench.http_load")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -153,49 +151,12 @@ def run_load(url: str, clients: int, duration: float, bodies: list[bytes], path:
             "p50": percentile(ordered, 50) if lat else math.nan, "p99": percentile(ordered, 99) if lat else math.nan}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`python -m api.server` in a subprocess until it answers /readyz."""
-
-    def __init__(self, root: Path, batch_max_size: int, batch_max_wait_ms: float, batch_workers: int):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "api.server", "--index", str(root), "--host", "127.0.0.1",
-                    "--port", str(self.port), "--log-level", "warning", "--torch-threads", "1",
-                    "--batch-max-size", str(batch_max_size), "--batch-max-wait-ms", str(batch_max_wait_ms),
-                    "--batch-workers", str(batch_workers)]
-
-    def __enter__(self) -> "Server":
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("server did not become ready in 120 s")
-
-    def batch_mean(self) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        vals = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
-                if line.startswith(("softsearch_batch_size_sum", "softsearch_batch_size_count"))}
-        return vals["softsearch_batch_size_sum"] / max(vals["softsearch_batch_size_count"], 1)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def batch_mean(url: str) -> float:
+    """Mean of the server's softsearch_batch_size histogram (queries per encoder batch)."""
+    text = httpx.get(url + "/metrics").text
+    vals = {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith(("softsearch_batch_size_sum", "softsearch_batch_size_count"))}
+    return vals["softsearch_batch_size_sum"] / max(vals["softsearch_batch_size_count"], 1)
 
 
 #: (label, batch max size, batch max wait ms, batch workers) of the served configurations
@@ -223,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         batched = in_process_baseline(root, payloads, args.duration, batch=32)
         rows.append(row("in-process batch=32 qps (1 thread)", batched["qps"], "req/s", base["qps"]))
         for label, size, wait, workers in CONFIGS:
-            with Server(root, size, wait, workers) as server:
+            with serve_process(root, "--batch-max-size", size, "--batch-max-wait-ms", wait,
+                               "--batch-workers", workers) as server:
                 bodies = [multipart(p) for p in payloads]
                 run_load(server.url, 4, 1.0, bodies)  # warm-up
                 for c in args.clients:
@@ -233,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                              row(f"{case} p50", res["p50"] * 1e3, "ms", base["p50"] * 1e3),
                              row(f"{case} p99", res["p99"] * 1e3, "ms", base["p99"] * 1e3),
                              row(f"{case} errors", res["errors"], "count", None)]
-                rows.append(row(f"http {label} mean batch size", server.batch_mean(), "queries", None))
+                rows.append(row(f"http {label} mean batch size", batch_mean(server.url), "queries", None))
     write_results("http", rows)
     return 0
 

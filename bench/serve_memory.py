@@ -28,6 +28,7 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import logging
 import os
@@ -41,10 +42,10 @@ import httpx
 
 from _common import row, write_results
 from _scale import MILLION, encoder_checkpoint, synthetic_store
-from http_load import free_port
+
+from api.launch import http_ready, serve_process
 
 logger = logging.getLogger("bench.serve_memory")
-ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 BUDGET_MIB = 300
 
@@ -93,41 +94,29 @@ def payloads(n: int, image_size: int) -> list[bytes]:
 
 
 class Serve:
-    """`python -m api.server` on `root` until /readyz answers (every worker, with --workers)."""
+    """`softsearch serve` on `root` (api.launch.serve_process) until /readyz answers in every worker
+    (with --workers); `url`, `proc`, `ready_s` (start to ready: checksums, index, ids, encoder, normaliser)."""
 
     def __init__(self, root: Path, workers: int = 1, extra: tuple[str, ...] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.workers = workers
-        self.cmd = [sys.executable, "-m", "api.server", "--index", str(root), "--port", str(self.port),
-                    "--log-level", "warning", "--torch-threads", "1", "--workers", str(workers), *extra]
+        self.root, self.workers, self.extra = root, workers, extra
 
     def __enter__(self) -> "Serve":
-        self.tmp = tempfile.TemporaryDirectory(prefix="serve_memory_metrics_")
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": self.tmp.name, "OMP_NUM_THREADS": "1"}
-        t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            self._wait()
-            self.ready_s = time.perf_counter() - t0   # start to /readyz (checksums, index, ids, encoder, normaliser)
-            return self
-        except BaseException:
-            self.__exit__()
-            raise
+        with contextlib.ExitStack() as stack:
+            metrics = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_memory_metrics_"))
+            server = stack.enter_context(serve_process(
+                self.root, "--workers", self.workers, *self.extra, timeout_s=600, poll_s=0.5, stop_timeout_s=30,
+                env={"PROMETHEUS_MULTIPROC_DIR": metrics, "OMP_NUM_THREADS": "1"}, ready=self._ready))
+            self._stack = stack.pop_all()
+        self.url, self.proc, self.ready_s = server.url, server.proc, server.ready_s
+        return self
 
-    def _wait(self) -> "Serve":
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=5).status_code == 200 and len(self.pids()) == self.workers:
-                    if self.workers == 1 or self._live_workers() == self.workers:
-                        return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("server not ready in 600 s")
+    def _ready(self, server) -> bool:
+        """/readyz answers and every worker process is up and has loaded the index."""
+        self.proc = server.proc
+        if not http_ready()(server) or len(self.pids()) != self.workers:
+            return False
+        self.url = server.url
+        return self.workers == 1 or self._live_workers() == self.workers
 
     def _live_workers(self) -> float:
         for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
@@ -151,13 +140,7 @@ class Serve:
         return self.last.get("normaliser", {}).get("method", "exact")
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.tmp.cleanup()
+        self._stack.__exit__(*exc)
 
 
 def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, list[float]]:
@@ -175,7 +158,7 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     q = np.asarray(emb[np.sort(rng.choice(len(version), per_round, replace=False))])
     q = q + 0.05 * rng.standard_normal(q.shape).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
-    tau = np.array([float(version.manifest.get("search_temperature", 0.1))])
+    tau = np.array([float(version.manifest.temperature or 0.1)])
     cfg = NormaliserConfig("bounded")
     calls = {"exact": lambda x, release: log_normaliser(x, emb, tau, release=release),
              "bounded": lambda x, release: bounded_log_normaliser(x, emb, stats, tau, cfg, release=release)}

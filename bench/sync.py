@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         import_version(work / "imported", archive)
         import_s = time.perf_counter() - t0
-        count = IndexStore(root).manifest(version)["count"]
+        count = IndexStore(root).manifest(version).count
         mb = archive.stat().st_size / 1e6
         sync_med, build_med = float(np.median(sync_s)), float(np.median(build_s))
         rows = [

@@ -37,9 +37,9 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
-from index.manifest import (DEFAULT_TEMPERATURE, create_manifest, describe_files, fsync_dir, manifest_sources, read_manifest,
-                            write_manifest)
-from index.models import checkpoint_record, has_encoder, is_store_model, model_relpath
+from index.manifest import (DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, read_manifest,
+                            update_manifest, write_manifest)
+from index.models import is_store_model, model_relpath
 from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
                          new_version_name)
@@ -285,17 +285,15 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
 
 def _calibrate(staging: Path, calibrator: Calibrator) -> None:
     """Store the calibrated search temperature in the staged manifest (unless one was given explicitly)."""
-    manifest = read_manifest(staging)
-    if manifest.get("search_temperature_source") == "command line":
+    if read_manifest(staging).search_temperature_source == "command line":
         return
     t0 = time.perf_counter()
     result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
     if result is None:
         return
-    manifest["calibration"] = {**result, "seconds": time.perf_counter() - t0}
-    manifest["search_temperature"] = float(result["temperature"])
-    manifest["search_temperature_source"] = "calibrated: argmin of held-out H(q,p)"
-    write_manifest(staging, manifest)
+    update_manifest(staging, calibration={**result, "seconds": time.perf_counter() - t0},
+                    search_temperature=float(result["temperature"]),
+                    search_temperature_source="calibrated: argmin of held-out H(q,p)")
     logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
                 result.get("train_temperature", float("nan")))
 
@@ -321,9 +319,7 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
         serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
         record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
-        manifest = read_manifest(staging)
-        manifest["quality_gate"] = record
-        write_manifest(staging, manifest)
+        update_manifest(staging, quality_gate=record)
         store.commit(staging, version)
     except BaseException:
         discard_staging(staging)
@@ -478,9 +474,8 @@ def _checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict)
 
 
 def _stamp_total(staging: Path, t_start: float) -> None:
-    manifest = read_manifest(staging)
-    manifest["timings"]["total_s"] = time.perf_counter() - t_start
-    write_manifest(staging, manifest)
+    timings = read_manifest(staging).timings or {}
+    update_manifest(staging, timings={**timings, "total_s": time.perf_counter() - t_start})
 
 
 def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
@@ -494,7 +489,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
     manifest = store.manifest(current)
     require_encoder(manifest, "index rebuild")
     datasets = []
-    for src in manifest_sources(manifest):
+    for src in manifest.sources or []:
         ds = create_dataset(**src["spec"])
         if ds.fingerprint() != src["fingerprint"]:
             logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
@@ -502,7 +497,7 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
         datasets.append(ds)
     carried = user_fields(read_metadata(store.path(current)))   # the user's fields survive a rebuild
     opts["metadata"] = carried.merge(opts["metadata"]) if opts.get("metadata") is not None else carried
-    return build_index(checkpoint, datasets, root, kind=kind or manifest["kind"], _parent=current, **opts)
+    return build_index(checkpoint, datasets, root, kind=kind or manifest.kind, _parent=current, **opts)
 
 
 def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
@@ -524,7 +519,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     kind = base_version.kind
     if kind not in faiss_index.ADDABLE_KINDS:
         raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
-    recorded = checkpoint_record(base_version.manifest)
+    recorded = base_version.manifest.checkpoint_record
     if checkpoint is not None:
         sha = checkpoint_sha256(checkpoint)
         if recorded.get("sha256") and sha != recorded["sha256"]:
@@ -559,7 +554,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
         raise ValueError(f"none of the {len(todo)} new items could be read ({len(res.skipped)} skipped)")
     # Always extend a fresh CPU copy from disk: the loaded one may live on a GPU.
     index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
-    base_train = base_version.manifest.get("trained_on", base_version.manifest["count"])
+    base_train = base_version.manifest.trained_on or base_version.manifest.count
     index.add(res.embeddings)
     if kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
@@ -567,16 +562,16 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
     ids = list(base_version.ids) + [new_ids[int(i)] for i in res.rows]
     m = base_version.manifest
-    sources = manifest_sources(m)
+    sources = list(m.sources or [])
     source_index = len(sources)
     sources = sources + [_source_record(ds, res, source_index)]
-    skipped = list(m.get("skipped", [])) + _skipped_items(ds, res, source_index)
-    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "lineage",
-                                                  "search_temperature", "search_temperature_source", "world_size")}
+    skipped = list(m.skipped or []) + _skipped_items(ds, res, source_index)
+    fields = m.carried("checkpoint", "encoder", "dataset", "lineage", "search_temperature",
+                       "search_temperature_source", "world_size")
     fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
                                                 "skipped": len(_skipped_items(ds, res, source_index))})
-    params = dict(m["params"])
+    params = dict(m.params)
     with released_on_disk_full(caches):
         version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
                                          target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
@@ -588,10 +583,10 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     return version
 
 
-def require_encoder(manifest: dict, command: str) -> None:
+def require_encoder(manifest: Manifest, command: str) -> None:
     """A command that embeds images (add, rebuild, sync) refuses a version built from vectors, in one line."""
-    if not has_encoder(manifest):
-        raise ValueError(f"index version {manifest.get('version')} was built from vectors (--embeddings) and has no "
+    if not manifest.has_encoder:
+        raise ValueError(f"index version {manifest.version} was built from vectors (--embeddings) and has no "
                          f"encoder: '{command}' cannot embed images for it; build a new version with "
                          "'index build --embeddings' over all the vectors")
 
@@ -682,7 +677,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     m = base_version.manifest
-    if has_encoder(m):
+    if m.has_encoder:
         raise ValueError(f"index version {base_version.version} has an encoder: add images to it ('index add "
                          "--dataset ...'); vectors from elsewhere would mix embedding spaces")
     if base_version.kind not in faiss_index.ADDABLE_KINDS:
@@ -706,7 +701,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     # a fresh CPU copy, extended below (on-disk lists of a streamed build copied into RAM: the new version
     # is written by write_version, which holds all rows anyway)
     index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
-    base_train = m.get("trained_on", m["count"])
+    base_train = m.trained_on or m.count
     index.add(new)
     if base_version.kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
@@ -717,14 +712,13 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     if metadata is not None:
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, item_ids, "--metadata")
-    fields = {k: v for k, v in m.items() if k in ("checkpoint", "encoder", "dataset", "sources", "source", "lineage",
-                                                  "search_temperature", "search_temperature_source", "world_size",
-                                                  "skipped", "skipped_count")}
+    fields = m.carried("checkpoint", "encoder", "dataset", "sources", "source", "lineage", "search_temperature",
+                       "search_temperature_source", "skipped", "skipped_count", "world_size")
     fields.update(parent=base_version.version, trained_on=base_train,
                   added={"count": int(source.count), "source": record},
-                  added_sources=[*(m.get("added_sources") or []), record])
+                  added_sources=[*(m.added_sources or []), record])
     store.ensure()
-    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m["params"]),
+    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m.params),
                                      index=index, target_recall=target_recall, fields=fields,
                                      timings={"load_vectors_s": load_s},
                                      extra_files=item_files({}, item_metadata, item_ids))

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from index import faiss_index
 from index.disk import describe as describe_os_error
-from index.manifest import IndexCorruptError
-from index.models import checkpoint_record, parse_encoder_spec, save_pretrained_checkpoint
+from index.manifest import GateRecord, IndexCorruptError, Manifest
+from index.models import parse_encoder_spec, save_pretrained_checkpoint
 from index.gate import DEFAULT_MARGIN, ActivationRefused, gate_for
 from index.store import IndexStore, require_store
 # torch-backed modules (index.build, index.embed, index.sync, index.transfer) are imported where a command
@@ -338,18 +338,18 @@ def _user_metadata(args):
     return load_user_metadata(args.metadata)
 
 
-def _figures(m: dict) -> dict:
+def _figures(m: Manifest) -> dict:
     """What `index list` and the summaries show of one manifest: the index's recall@10 against exact
     search and its target (the activation rule's recall check), the gate's retrieval recall@10 by
     exact search and through the served index, and the gate result."""
-    gate = m.get("quality_gate") or {}
-    recall = ((gate.get("checks") or {}).get("recall")) or {}
-    tuned = m.get("recall") or {}
-    exact = (gate.get("exact_recall_at_10") or {}).get("candidate")
-    served = (gate.get("recall_at_10") or {}).get("candidate") if exact is not None else None
+    gate = m.quality_gate or GateRecord()
+    recall = gate.recall
+    tuned = m.recall or {}
+    exact = (gate.exact_recall_at_10 or {}).get("candidate")
+    served = (gate.recall_at_10 or {}).get("candidate") if exact is not None else None
     return {"index_recall": recall.get("served", tuned.get("recall")), "target": recall.get("target", tuned.get("target")),
-            "recall_exact": exact, "recall_served": served, "gate": gate.get("passed"),
-            "metric": gate.get("metric"), "candidate": gate.get("candidate"), "serving": gate.get("serving")}
+            "recall_exact": exact, "recall_served": served, "gate": gate.passed,
+            "metric": gate.metric, "candidate": gate.candidate, "serving": gate.serving}
 
 
 def _summary(command: str, store: IndexStore, version: str, seconds: float, activated: bool) -> str:
@@ -366,8 +366,8 @@ def _summary(command: str, store: IndexStore, version: str, seconds: float, acti
     if isinstance(f["candidate"], (int, float)) and isinstance(f["serving"], (int, float)):
         recall_s += (f", gate {'pass' if f['gate'] else 'FAIL'} ({f['metric']} {f['candidate']:.4g} vs serving "
                      f"{f['serving']:.4g})")
-    return (f"index {command}: version {version} ({state}), {m['count']} items, kind {m['kind']}, "
-            f"{m.get('skipped_count', 0)} skipped{recall_s}, {seconds:.1f} s")
+    return (f"index {command}: version {version} ({state}), {m.count} items, kind {m.kind}, "
+            f"{m.skipped_count or 0} skipped{recall_s}, {seconds:.1f} s")
 
 
 def _list(store: IndexStore, as_json: bool) -> None:
@@ -377,9 +377,9 @@ def _list(store: IndexStore, as_json: bool) -> None:
         try:
             m = store.manifest(v)
             last = store.last_activation(v) or {}
-            rows.append({"version": v, "current": v == current, "count": m["count"], "kind": m["kind"],
-                         "created": m["created"], "checkpoint": (m.get("checkpoint") or {}).get("sha256", "")[:12],
-                         "recall": (m.get("recall") or {}).get("recall"), **_figures(m),
+            rows.append({"version": v, "current": v == current, "count": m.count, "kind": m.kind,
+                         "created": m.created, "checkpoint": (m.checkpoint_record.get("sha256") or "")[:12],
+                         "recall": (m.recall or {}).get("recall"), **_figures(m),
                          "forced": bool(last.get("forced")), "status": "ok"})
         except IndexCorruptError as err:
             rows.append({"version": v, "current": v == current, "status": f"corrupt: {err}"})
@@ -459,7 +459,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         base = store.manifest(args.base or store.current_version()) if (args.base or store.current_version()) else None
         if base is None:
             raise FileNotFoundError(f"no current index version under {args.root} to add to")
-        image_size = (base.get("encoder") or {}).get("image_size")
+        image_size = (base.encoder or {}).get("image_size")
         base_version = args.base or store.current_version()
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
                             base=args.base, evaluator=evaluator, **_embed_opts(args))
@@ -510,13 +510,13 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         for v in targets:
             try:
                 loaded = store.load(v, verify=True, gpu=False)
-                record = checkpoint_record(loaded.manifest)
+                record = loaded.manifest.checkpoint_record
                 if not record.get("sha256") and not record.get("path"):   # built from vectors: no model
-                    print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files match their sha256 "
+                    print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files match their sha256 "
                           "(built from vectors: no encoder model)")
                     continue
                 store.models.resolve(record, v)   # the encoder weights too (migrates an old store)
-                print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest['files'])} files and encoder model "
+                print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files and encoder model "
                       f"{record['sha256'][:12]} match their sha256")
             except IndexCorruptError as err:
                 bad += 1

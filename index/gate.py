@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from index import faiss_index
-from index.models import has_encoder
+from index.manifest import Manifest
 from index.paging import PagedRows, drop_index_pages, drop_pages
 
 if TYPE_CHECKING:   # the store imports this module; these are for annotations only
@@ -75,7 +75,7 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
 
 
-def recall_check(manifest: dict, served: dict | None = None) -> dict:
+def recall_check(manifest: Manifest, served: dict | None = None) -> dict:
     """The recall half of the rule: recall@10 of the version's own FAISS index at its tuned search
     parameters (`faiss_index.search`, the call the server makes) against the target it was built for.
 
@@ -83,10 +83,10 @@ def recall_check(manifest: dict, served: dict | None = None) -> dict:
     `checks.recall`) when there is one, else the build's tuning measurement on stored rows (each
     query's own row excluded). {"check", "passed" (None: nothing recorded), "served", "tuned",
     "target", "kind", "params", "measured_on", "message"}."""
-    tuned = manifest.get("recall") or {}
-    gate_recall = ((manifest.get("quality_gate") or {}).get("checks") or {}).get("recall") or {}
+    tuned = manifest.recall or {}
+    gate_recall = manifest.quality_gate.recall if manifest.quality_gate is not None else {}
     target = tuned.get("target", gate_recall.get("target"))
-    kind, params = manifest.get("kind"), dict(manifest.get("params") or {})
+    kind, params = manifest.kind, dict(manifest.params or {})
     out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
     if served is not None and served.get("recall") is not None:
         out.update(served=float(served["recall"]),
@@ -108,27 +108,27 @@ def recall_check(manifest: dict, served: dict | None = None) -> dict:
     else:
         out["message"] = (f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
                           f"{float(target):.3f} on {out['measured_on']}; "
-                          + faiss_index.suggest_kind(kind, params, int(manifest.get("count", 0)),
-                                                     int(manifest.get("dim", 0)), float(target)))
+                          + faiss_index.suggest_kind(kind, params, int(manifest.count), int(manifest.dim),
+                                                     float(target)))
     return out
 
 
-def score_check(manifest: dict) -> dict:
+def score_check(manifest: Manifest) -> dict:
     """The quality-gate half of the rule: the recorded comparison with the version that was serving.
-    {"check", "passed" (None: the version has no gate result), "message", "record"}."""
-    gate = manifest.get("quality_gate")
-    out = {"check": "quality gate", "record": gate}
-    if not isinstance(gate, dict):
+    {"check", "passed" (None: the version has no gate result), "message", "record" (the gate's JSON)}."""
+    gate = manifest.quality_gate
+    out = {"check": "quality gate", "record": None if gate is None else gate.to_json()}
+    if gate is None:
         return {**out, "passed": None, "message": "quality gate: no result recorded"}
-    if gate.get("error"):
-        return {**out, "passed": False, "message": f"quality gate could not score it: {gate['error']}"}
-    # records written since the rule exists keep the comparison under checks.score (None: nothing
-    # was serving, or no evaluator); older ones have it at the top level
-    score = gate["checks"].get("score") if isinstance(gate.get("checks"), dict) else gate
+    if gate.error:
+        return {**out, "passed": False, "message": f"quality gate could not score it: {gate.error}"}
+    # checks.score: None when nothing was serving or no evaluator; a record older than the rule with
+    # no comparison carries only its verdict there (GateRecord.from_json)
+    score = gate.score
     if not score or score.get("candidate") is None or score.get("serving") is None:
-        passed = gate.get("passed") if score is gate else True
+        passed = score.get("passed") if score else True
         message = "quality gate: nothing was serving to compare with" if passed is not False else "quality gate failed"
-        return {**out, "passed": passed, "message": gate.get("note") or message}
+        return {**out, "passed": passed, "message": gate.note or message}
     margin = float(score.get("margin") or 0.0)
     passed = score_passes(score["candidate"], score["serving"], margin)
     return {**out, "passed": passed,
@@ -137,7 +137,7 @@ def score_check(manifest: dict) -> dict:
                        f"margin {_fmt(margin)} (serving version {score.get('serving_version')})"}
 
 
-def activation_checks(manifest: dict) -> list[dict]:
+def activation_checks(manifest: Manifest) -> list[dict]:
     """Both checks of the activation rule for one manifest (see `recall_check`, `score_check`)."""
     return [score_check(manifest), recall_check(manifest)]
 
@@ -152,7 +152,7 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
     record: dict = {}
     score = None
     t0 = time.perf_counter()
-    vectors_only = not has_encoder(candidate.manifest) or (serving is not None and not has_encoder(serving.manifest))
+    vectors_only = not candidate.manifest.has_encoder or (serving is not None and not serving.manifest.has_encoder)
     if vectors_only:
         # no encoder on one side: no query images to score both with, so the gate is the recall check
         # of the candidate's served search on stored rows it was not tuned on
@@ -204,7 +204,7 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     rows = np.sort(np.random.default_rng(seed).choice(pool, size=min(n_queries, pool.size), replace=False))
     queries = np.array(emb[rows], dtype=np.float32)
     drop_pages(emb)
-    rerank = faiss_index.rerank_factor(version.kind, version.manifest.get("params"))
+    rerank = faiss_index.rerank_factor(version.kind, version.manifest.params)
     # exact search over row blocks and re-ranking gathers that drop the pages they read, the index searched in
     # query batches dropping the pages of on-disk lists: a version larger than RAM is checked in bounded RAM
     exact = faiss_index.exact_neighbours(emb, queries, k + 1)

@@ -8,6 +8,8 @@ The manifest itself is validated by parsing and by its required fields.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime as _dt
 import hashlib
 import json
@@ -16,7 +18,8 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Callable
+from types import MappingProxyType
+from typing import IO, Any, Callable, Mapping
 
 from index.disk import writing
 
@@ -92,8 +95,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def create_manifest(*, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str,
-                    files: dict, **fields) -> dict:
-    """A manifest dict with the required fields first, then any extra `fields`.
+                    files: dict, **fields) -> "Manifest":
+    """A new Manifest: the required fields first, then any extra `fields` in the order given.
 
     Extra fields used by index.build: checkpoint {path, sha256}, encoder (config dict), dataset
     {spec, fingerprint}, sources (every dataset that contributed rows), lineage {objective,
@@ -115,7 +118,7 @@ def create_manifest(*, version: str, count: int, dim: int, kind: str, params: di
         "files": files,
     }
     manifest.update(fields)
-    return manifest
+    return Manifest.from_json(manifest)
 
 
 def describe_files(directory: str | os.PathLike, names: list[str]) -> dict:
@@ -124,10 +127,11 @@ def describe_files(directory: str | os.PathLike, names: list[str]) -> dict:
     return {n: {"sha256": file_sha256(directory / n), "bytes": (directory / n).stat().st_size} for n in names}
 
 
-def write_manifest(directory: str | os.PathLike, manifest: dict) -> Path:
-    """Atomically write `directory/manifest.json`."""
+def write_manifest(directory: str | os.PathLike, manifest: "Manifest | dict") -> Path:
+    """Atomically write `directory/manifest.json` (a Manifest as `to_json`, a dict as it is)."""
     path = Path(directory) / MANIFEST_NAME
-    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=False, default=_json_default) + "\n")
+    data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
     return path
 
 
@@ -140,8 +144,15 @@ def _json_default(obj):
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    """Parse and validate `directory/manifest.json`; IndexCorruptError when unusable."""
+def read_manifest(directory: str | os.PathLike) -> "Manifest":
+    """Parse, validate and migrate `directory/manifest.json` (`Manifest.from_json`); IndexCorruptError
+    when unusable. The one reader of manifest files."""
+    return Manifest.from_json(read_manifest_json(directory), source=Path(directory) / MANIFEST_NAME)
+
+
+def read_manifest_json(directory: str | os.PathLike) -> dict:
+    """The JSON object in `directory/manifest.json` as stored (no validation, no migration); for tools
+    and tests that write a layout by hand. IndexCorruptError when it is not a JSON object."""
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         raise IndexCorruptError(f"{path} is missing")
@@ -151,22 +162,21 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise IndexCorruptError(f"{path} is not valid JSON ({err})") from err
     if not isinstance(manifest, dict):
         raise IndexCorruptError(f"{path} does not hold a JSON object")
-    missing = [f for f in REQUIRED_FIELDS if f not in manifest]
-    if missing:
-        raise IndexCorruptError(f"{path} lacks required fields {missing}")
-    if manifest["format"] != FORMAT:
-        raise IndexCorruptError(f"{path} has format {manifest['format']!r}, expected {FORMAT!r}")
-    if manifest["format_version"] > FORMAT_VERSION:
-        raise IndexCorruptError(f"{path} has format_version {manifest['format_version']}, newer than {FORMAT_VERSION}")
-    if manifest["metric"] != "inner_product" or manifest["normalised"] is not True:
-        raise IndexCorruptError(f"{path}: only normalised inner-product indexes are supported")
     return manifest
 
 
-def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
+def update_manifest(directory: str | os.PathLike, **fields) -> "Manifest":
+    """Read, set `fields` (new keys go last, as dict.update orders them) and atomically rewrite
+    `directory/manifest.json`; returns the manifest written."""
+    manifest = read_manifest(directory).updated(**fields)
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def verify_files(directory: str | os.PathLike, manifest: "Manifest") -> None:
     """Recompute size and sha256 of every file the manifest lists; IndexCorruptError on mismatch."""
     directory = Path(directory)
-    for name, info in manifest["files"].items():
+    for name, info in manifest.files.items():
         path = directory / name
         if not path.is_file():
             raise IndexCorruptError(f"{path} is missing")
@@ -178,31 +188,280 @@ def verify_files(directory: str | os.PathLike, manifest: dict) -> None:
             raise IndexCorruptError(f"{path} sha256 {digest[:12]}... does not match the manifest {info['sha256'][:12]}...")
 
 
-# ----------------------------------------------------------------- reading fields that changed shape
-def manifest_sources(manifest: dict) -> list[dict]:
-    """The datasets a version was built from, as [{"spec": {...}, "fingerprint": ...}, ...], from every
-    layout written so far: `sources` (one per dataset), else the single `dataset` record, which the
-    oldest versions stored as the bare spec."""
-    sources = manifest.get("sources")
-    if not sources:
-        one = manifest.get("dataset")
-        sources = [one] if isinstance(one, dict) else []
-    out = []
-    for src in sources:
-        if isinstance(src, dict) and isinstance(src.get("spec"), dict):
-            out.append(src)
-        elif isinstance(src, dict) and "name" in src:   # the bare spec of the oldest layout
-            out.append({"spec": src})
-    return out
+
+# ----------------------------------------------------------------- the typed manifest
+#
+# A manifest on disk is JSON whose layout grew over time. `Manifest.from_json` is the one place that
+# knows every older layout and migrates it to today's; everything else reads typed attributes.
+# `to_json` writes today's layout with the keys in the order they were read (new keys last, as
+# `dict.update` orders them), so reading and rewriting a current manifest reproduces its bytes.
+# Keys this version does not know (written by a newer softsearch) are kept in `extra` and written
+# back unchanged: dropping them would silently lose a newer writer's data on the next rewrite.
+
+_ORDER = "key_order"
+_EXTRA = "extra"
 
 
-def manifest_temperature(manifest: dict) -> float | None:
-    """The version's search temperature: `search_temperature` (a number, or a {"temperature"|"tau": ...}
-    record in older layouts), else the older `calibrated_temperature`; None when none is positive."""
-    for key in ("search_temperature", "calibrated_temperature"):
-        value = manifest.get(key)
-        if isinstance(value, dict):
-            value = value.get("temperature", value.get("tau"))
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
-            return float(value)
+def _known(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name not in (_EXTRA, _ORDER))
+
+
+def _from_layout(cls, data: dict):
+    """An instance of the record dataclass `cls` from a dict already in today's layout."""
+    names = set(_known(cls))
+    return cls(**{k: v for k, v in data.items() if k in names},
+               extra=MappingProxyType({k: v for k, v in data.items() if k not in names}), key_order=tuple(data))
+
+
+def _to_layout(record) -> dict:
+    """The dict `record` was read from (keys in their order), with its current field values."""
+    names = _known(type(record))
+    out: dict = {}
+    for key in record.key_order:
+        if key in names:
+            out[key] = getattr(record, key)
+        elif key in record.extra:
+            out[key] = record.extra[key]
+    for key in names:   # set through dataclasses.replace without being in the original order
+        if key not in out and getattr(record, key) is not None:
+            out[key] = getattr(record, key)
+    for key, value in record.extra.items():
+        out.setdefault(key, value)
+    return {k: (v.to_json() if isinstance(v, GateRecord) else copy.deepcopy(v)) for k, v in out.items()}
+
+
+def _positive(value) -> float | None:
+    """`value` as a temperature: a finite positive number, else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class GateRecord:
+    """A version's ``quality_gate``: the quality gate's result as `index.gate.gate_record` writes it.
+
+    ``checks`` holds what the activation rule reads: ``score`` (the comparison with the serving version,
+    None when nothing was compared) and ``recall`` (`index.gate.recall_check`). The evaluator's own keys
+    (`search.evaluation.quality.evaluate_version`: metric, candidate, serving, recall_at_10, ...) sit at
+    the top level. Frozen; nested dicts are copies owned by the record -- treat them as read-only."""
+
+    passed: bool | None = None
+    forced: bool | None = None
+    error: str | None = None
+    note: str | None = None
+    serving_version: str | None = None
+    margin: float | None = None
+    seconds: float | None = None
+    checks: dict | None = None
+    metric: str | None = None
+    candidate: float | None = None
+    serving: float | None = None
+    recall_at_10: dict | None = None
+    exact_recall_at_10: dict | None = None
+    index_recall: dict | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GateRecord":
+        """Migrate a stored gate record to today's layout. Records written before the activation rule
+        existed have no ``checks``: their comparison (metric, candidate, serving, margin) sits at the top
+        level, or, with no comparison, their ``passed`` is the score check's verdict."""
+        data = copy.deepcopy(dict(data))
+        if not isinstance(data.get("checks"), dict):
+            if data.get("candidate") is not None and data.get("serving") is not None:
+                score = {"metric": data.get("metric", "score"), "candidate": data["candidate"],
+                         "serving": data["serving"], "margin": data.get("margin"),
+                         "serving_version": data.get("serving_version"), "passed": data.get("passed")}
+            else:
+                score = {"passed": data.get("passed")}
+            data["checks"] = {"score": score, "recall": None}
+        return _from_layout(cls, data)
+
+    def to_json(self) -> dict:
+        """The record in today's layout (keys in the order read)."""
+        return _to_layout(self)
+
+    @property
+    def score(self) -> dict | None:
+        """The comparison with the version that was serving (None: nothing was compared)."""
+        return (self.checks or {}).get("score")
+
+    @property
+    def recall(self) -> dict:
+        """The recall check recorded by the gate ({} when none)."""
+        return (self.checks or {}).get("recall") or {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A version's manifest.json, typed and immutable (`dataclasses.replace` or `updated` give a changed
+    copy). Build with `from_json` (migrates older layouts) or `create_manifest`; write with `to_json` /
+    `write_manifest`. Nested dicts and lists are copies owned by the manifest -- treat them as read-only.
+
+    Optional fields are None when a manifest lacks them; `extra` holds keys this version does not know."""
+
+    format: str
+    format_version: int
+    version: str
+    created: str
+    count: int
+    dim: int
+    metric: str
+    normalised: bool
+    kind: str
+    params: dict
+    faiss_version: str
+    files: dict
+    timings: dict | None = None
+    #: the encoder model: {"sha256", "model": "models/<sha256>.safetensors", "path", "step"}; None when
+    #: the version was built from vectors computed elsewhere
+    checkpoint: dict | None = None
+    encoder: dict | None = None
+    #: the first source's {"spec", "fingerprint"}
+    dataset: dict | None = None
+    #: every dataset that contributed rows: [{"spec", "fingerprint", "count", ...}]
+    sources: list | None = None
+    #: where vectors built with --embeddings came from (index/vectors.py source_record)
+    source: dict | None = None
+    lineage: dict | None = None
+    search_temperature: float | None = None
+    search_temperature_source: str | None = None
+    skipped: list | None = None
+    skipped_count: int | None = None
+    world_size: int | None = None
+    parent: str | None = None
+    trained_on: int | None = None
+    added: dict | None = None
+    added_sources: list | None = None
+    deleted: dict | None = None
+    sync: dict | None = None
+    recall: dict | None = None
+    normaliser_stats: dict | None = None
+    calibration: dict | None = None
+    #: how a streamed build made the index (index/stream.py): {"streamed": true, "lists_file": "index.ivfdata",
+    #: "train_rows", "chunk_rows"}; None for an index trained and filled in one call
+    build: dict | None = None
+    quality_gate: GateRecord | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    # ------------------------------------------------------------- reading and writing
+    @classmethod
+    def from_json(cls, data: dict, source: str | os.PathLike = "manifest") -> "Manifest":
+        """Validate a manifest's JSON object and migrate every older layout to today's:
+
+        * the flat encoder reference (``checkpoint`` a path string, ``checkpoint_path``,
+          ``checkpoint_sha256``) becomes the ``checkpoint`` record {"sha256", "path"};
+        * ``dataset`` stored as the bare dataset spec becomes {"spec": ...}; a manifest without
+          ``sources`` (one dataset per version) gets ``[dataset]``; bare specs in ``sources`` too;
+        * ``search_temperature`` stored as a {"temperature"|"tau": ...} record becomes the number,
+          and the older ``calibrated_temperature`` becomes ``search_temperature``; a temperature that
+          is not a finite positive number reads as None (the searcher's default applies);
+        * ``quality_gate`` records without ``checks`` (GateRecord.from_json); a gate that is not a
+          JSON object reads as None (no result recorded).
+        IndexCorruptError (naming `source`) when required fields are missing or describe an index
+        this version cannot serve."""
+        if not isinstance(data, dict):
+            raise IndexCorruptError(f"{source} does not hold a JSON object")
+        missing = [f for f in REQUIRED_FIELDS if f not in data]
+        if missing:
+            raise IndexCorruptError(f"{source} lacks required fields {missing}")
+        if data["format"] != FORMAT:
+            raise IndexCorruptError(f"{source} has format {data['format']!r}, expected {FORMAT!r}")
+        if data["format_version"] > FORMAT_VERSION:
+            raise IndexCorruptError(f"{source} has format_version {data['format_version']}, newer than {FORMAT_VERSION}")
+        if data["metric"] != "inner_product" or data["normalised"] is not True:
+            raise IndexCorruptError(f"{source}: only normalised inner-product indexes are supported")
+        data = _migrate(copy.deepcopy(data))
+        gate = data.get("quality_gate")
+        if "quality_gate" in data:
+            data["quality_gate"] = GateRecord.from_json(gate) if isinstance(gate, dict) else None
+        return _from_layout(cls, data)
+
+    def to_json(self) -> dict:
+        """Today's layout as a fresh dict, keys in the order read (what `write_manifest` stores)."""
+        return _to_layout(self)
+
+    def updated(self, **fields) -> "Manifest":
+        """A copy with `fields` set: known keys keep their place, new ones go last (as `dict.update`)."""
+        data = self.to_json()
+        data.update(fields)
+        return Manifest.from_json(data)
+
+    def carried(self, *names: str) -> dict:
+        """{name: value} of the named fields this manifest records (as written), for a derived
+        version that carries them over (add, sync, delete)."""
+        data = self.to_json()
+        return {k: data[k] for k in names if k in data}
+
+    # ------------------------------------------------------------- derived readings
+    @property
+    def temperature(self) -> float | None:
+        """The version's search temperature (a finite positive number), None when none is recorded."""
+        return _positive(self.search_temperature)
+
+    @property
+    def checkpoint_record(self) -> dict:
+        """The encoder reference as {"sha256", "path", ...} (a copy); {"path": None, "sha256": None}
+        for a version built from vectors."""
+        return dict(self.checkpoint) if isinstance(self.checkpoint, dict) else {"path": None, "sha256": None}
+
+    @property
+    def has_encoder(self) -> bool:
+        """False for a version built from vectors computed elsewhere (`index build --embeddings`,
+        ``checkpoint: null``): it names no encoder model, so only vector queries can search it."""
+        record = self.checkpoint_record
+        return bool(record.get("sha256") or record.get("path"))
+
+    @property
+    def source_specs(self) -> list[dict]:
+        """The dataset spec of every source, in build order."""
+        return [src["spec"] for src in self.sources or []]
+
+
+def _migrate(data: dict) -> dict:
+    """An older layout's JSON object (a private copy) in today's layout; key order kept where a key stays."""
+    # the encoder reference: a flat path string / checkpoint_path + checkpoint_sha256 before the record
+    ck = data.get("checkpoint")
+    if not isinstance(ck, dict) and (ck or "checkpoint_path" in data or "checkpoint_sha256" in data):
+        record = {"sha256": data.get("checkpoint_sha256"), "path": ck or data.get("checkpoint_path")}
+        data = _replace_keys(data, "checkpoint", record, drop=("checkpoint_path", "checkpoint_sha256"))
+    # datasets: the oldest versions stored the bare spec as `dataset` and had no `sources`
+    one = data.get("dataset")
+    if isinstance(one, dict) and not isinstance(one.get("spec"), dict) and "name" in one:
+        data["dataset"] = one = {"spec": one}
+    if "sources" in data or isinstance(one, dict):
+        sources = data.get("sources") or ([one] if isinstance(one, dict) else [])
+        fixed = [src if isinstance(src.get("spec"), dict) else {"spec": src} for src in sources
+                 if isinstance(src, dict) and (isinstance(src.get("spec"), dict) or "name" in src)]
+        if "sources" not in data or fixed != data["sources"]:
+            data["sources"] = fixed
+    # the search temperature: a number today; a {"temperature"|"tau"} record or `calibrated_temperature` before
+    if "search_temperature" in data or "calibrated_temperature" in data:
+        value = None
+        for key in ("search_temperature", "calibrated_temperature"):
+            raw = data.get(key)
+            if isinstance(raw, dict):
+                raw = raw.get("temperature", raw.get("tau"))
+            if _positive(raw) is not None:
+                value = raw
+                break
+        if "calibrated_temperature" in data or isinstance(data.get("search_temperature"), dict):
+            data = _replace_keys(data, "search_temperature", value, drop=("calibrated_temperature",))
+    return data
+
+
+def _replace_keys(data: dict, key: str, value, drop: tuple[str, ...]) -> dict:
+    """`data` with `key` set to `value` (at its own place, else where the first of `drop` was, else
+    last) and the keys in `drop` removed."""
+    anchor = key if key in data else next((d for d in drop if d in data), None)
+    out: dict = {}
+    for k, v in data.items():
+        if k == anchor:
+            out[key] = value
+        elif k not in drop and k != key:
+            out[k] = v
+    out.setdefault(key, value)
+    return out

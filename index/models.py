@@ -1,7 +1,7 @@
 """Encoder weights inside the index store, content-addressed: ``R/models/<sha256>.safetensors``.
 
 A version's manifest names its encoder by the sha256 of the checkpoint file
-(``manifest["checkpoint"] = {"sha256", "model": "models/<sha256>.safetensors", "path", "step"}``;
+(``Manifest.checkpoint = {"sha256", "model": "models/<sha256>.safetensors", "path", "step"}``;
 ``path`` only says where the weights came from). The file is written once and shared by every
 version that uses it, so a store root copied to another machine (``cp -a``, rsync, ``index
 export`` / ``import``) serves, evaluates and grows without the training run directory. Every
@@ -44,21 +44,6 @@ def check_sha(sha: str) -> str:
 def model_relpath(sha: str) -> str:
     """Where a model lives relative to the store root (what manifests record)."""
     return f"{MODELS_DIR}/{check_sha(sha)}{MODEL_SUFFIX}"
-
-
-def checkpoint_record(manifest: dict) -> dict:
-    """The manifest's encoder reference as {"sha256", "path", ...}; accepts the old flat layout too."""
-    ck = manifest.get("checkpoint")
-    if isinstance(ck, dict):
-        return ck
-    return {"path": ck or manifest.get("checkpoint_path"), "sha256": manifest.get("checkpoint_sha256")}
-
-
-def has_encoder(manifest: dict) -> bool:
-    """False for a version built from vectors computed elsewhere (`index build --embeddings`, manifest
-    ``checkpoint: null``): it names no encoder model, so only vector queries can search it."""
-    record = checkpoint_record(manifest)
-    return bool(record.get("sha256") or record.get("path"))
 
 
 def is_store_model(path: str | os.PathLike) -> bool:
@@ -254,7 +239,7 @@ class ModelStore:
 def load_version_encoder(version, device="cpu"):
     """(encoder, checkpoint metadata, sha256) for a loaded IndexVersion, from its store's models/."""
     store = ModelStore(store_root_of(version.path))
-    return store.load_encoder(checkpoint_record(version.manifest), device=device, version=version.version)
+    return store.load_encoder(version.manifest.checkpoint_record, device=device, version=version.version)
 
 
 ENCODER_SCHEMES = ("open_clip",)

@@ -44,9 +44,9 @@ import numpy as np
 from index import faiss_index
 from index.gate import ActivationRefused, Gate, activation_checks
 from index.list_stats import ListStats
-from index.manifest import (FROZEN_FIELDS, IndexCorruptError, atomic_write_text, fsync_dir, read_manifest,
-                            verify_files, write_manifest)
-from index.models import DEFAULT_GRACE_S, ModelStore, checkpoint_record
+from index.manifest import (FROZEN_FIELDS, IndexCorruptError, Manifest, atomic_write_text, fsync_dir, read_manifest,
+                            update_manifest, verify_files)
+from index.models import DEFAULT_GRACE_S, ModelStore
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,11 @@ class IndexVersion:
     `embeddings` is a read-only np.memmap of embeddings.npy: callers stream it in row blocks
     (or gather rows) and never need it resident."""
 
-    def __init__(self, path: Path, manifest: dict, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
+    def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
         self.path = Path(path)
         self.manifest = manifest
-        self.version: str = manifest["version"]
-        self.kind: str = manifest["kind"]
+        self.version: str = manifest.version
+        self.kind: str = manifest.kind
         self.index = index
         self.ids = ids
         self.embeddings = embeddings    # (N, D) float32 unit rows (read-only memmap); row i is ids[i] and FAISS row i
@@ -115,7 +115,7 @@ class IndexVersion:
             ids = json.loads((path / IDS_FILE).read_text(encoding="utf-8"))
         except (RuntimeError, ValueError, OSError, EOFError) as err:
             raise IndexCorruptError(f"{path}: cannot read version files ({err})") from err
-        n, d = manifest["count"], manifest["dim"]
+        n, d = manifest.count, manifest.dim
         problems = []
         if index.ntotal != n or index.d != d:
             problems.append(f"index has {index.ntotal} x {index.d}, manifest {n} x {d}")
@@ -123,18 +123,18 @@ class IndexVersion:
             problems.append(f"embeddings are {embeddings.shape} {embeddings.dtype}, expected ({n}, {d}) float32")
         if not isinstance(ids, list) or len(ids) != n:
             problems.append(f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, expected {n}")
-        if faiss_index.kind_of(index) != manifest["kind"]:
-            problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest['kind']}")
+        if faiss_index.kind_of(index) != manifest.kind:
+            problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest.kind}")
         if problems:
             raise IndexCorruptError(f"{path}: " + "; ".join(problems))
-        faiss_index.set_search_params(index, manifest["kind"], manifest["params"])
-        if gpu or (gpu is None and faiss_index.use_gpu(manifest["kind"])):
+        faiss_index.set_search_params(index, manifest.kind, manifest.params)
+        if gpu or (gpu is None and faiss_index.use_gpu(manifest.kind)):
             try:
                 gpu_index = faiss_index.to_gpu(index)
-                faiss_index.set_search_params(gpu_index, manifest["kind"], manifest["params"])
+                faiss_index.set_search_params(gpu_index, manifest.kind, manifest.params)
                 index = gpu_index
             except RuntimeError as err:  # unsupported on GPU: serve from the CPU copy
-                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest["kind"], err)
+                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest.kind, err)
         return cls(path, manifest, index, ids, embeddings)
 
     def __len__(self) -> int:
@@ -145,7 +145,7 @@ class IndexVersion:
         none (written before they were stored). IndexCorruptError when the file is unreadable or
         does not describe this version (rows, dimension, lists): a damaged version file is refused,
         as at `load` (whose checksum check already refuses a changed one)."""
-        if LIST_STATS_FILE not in self.manifest.get("files", {}):
+        if LIST_STATS_FILE not in self.manifest.files:
             return None
         path = self.path / LIST_STATS_FILE
         try:
@@ -160,7 +160,7 @@ class IndexVersion:
 
     @property
     def dim(self) -> int:
-        return int(self.manifest["dim"])
+        return int(self.manifest.dim)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores (Q, k'), rows (Q, k')), k' = min(k, N); rows index ids/embeddings, -1 = none."""
@@ -268,7 +268,7 @@ class IndexStore:
             logger.warning("%s is not valid JSON; starting a new history", self.history_file)
         return {"stack": [], "log": []}
 
-    def manifest(self, version: str) -> dict:
+    def manifest(self, version: str) -> Manifest:
         """A version's manifest without loading the index."""
         return read_manifest(self.path(version))
 
@@ -408,13 +408,11 @@ class IndexStore:
         """Gate a version that has no gate result (older stores, versions written without one) and
         record the result in its manifest, so it is judged like any build (gated at first activation)."""
         path = self.path(version)
-        if gate is None or isinstance(read_manifest(path).get("quality_gate"), dict):
+        if gate is None or read_manifest(path).quality_gate is not None:
             return
         record = gate(version)
         with self.lock():
-            manifest = read_manifest(path)
-            manifest["quality_gate"] = record
-            write_manifest(path, manifest)
+            update_manifest(path, quality_gate=record)
         logger.info("gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED")
 
     @staticmethod
@@ -435,7 +433,7 @@ class IndexStore:
                      if (p / "manifest.json").is_file()]
         for d in dirs:
             try:
-                sha = checkpoint_record(read_manifest(d)).get("sha256")
+                sha = read_manifest(d).checkpoint_record.get("sha256")
             except IndexCorruptError:
                 continue
             if sha:
@@ -508,7 +506,7 @@ class IndexStore:
             logger.info("removed %d stale staging directories: %s", len(removed), ", ".join(removed))
         return removed
 
-    def update_manifest_fields(self, version: str, **fields) -> dict:
+    def update_manifest_fields(self, version: str, **fields) -> Manifest:
         """Add or change descriptive manifest fields (e.g. search_temperature) before activation.
 
         Refused for a version that is or was ever activated (served manifests are immutable)
@@ -521,7 +519,5 @@ class IndexStore:
         with self.lock():
             if version == self.current_version() or version in self.history()["stack"]:
                 raise ValueError(f"index version {version!r} has been activated; its manifest is immutable")
-            manifest = read_manifest(path)
-            manifest.update(fields)
-            write_manifest(path, manifest)
+            manifest = update_manifest(path, **fields)
         return manifest

@@ -38,9 +38,8 @@ from index.build import (_check_opts, require_encoder, _embed_sources, _gate_and
                          _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_id_lines, read_records
-from index.manifest import manifest_sources
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
-from index.models import checkpoint_record, has_encoder, model_relpath
+from index.models import model_relpath
 from index.store import IndexStore, IndexVersion
 from training.distributed import default_device
 
@@ -81,7 +80,7 @@ def plan_sync(base: IndexVersion, dataset) -> SyncPlan:
     """Classify the dataset's files against the base version (stat first; hash only what stat flags)."""
     recorded = read_records(base.path)
     in_base = set(base.ids)
-    skipped = {str(s.get("id")) for s in base.manifest.get("skipped") or []}
+    skipped = {str(s.get("id")) for s in base.manifest.skipped or []}
     plan = SyncPlan()
     now = dataset.item_ids()
     for i, item in enumerate(now):
@@ -117,8 +116,7 @@ def plan_sync(base: IndexVersion, dataset) -> SyncPlan:
 def _folder_dataset(base: IndexVersion, data_root):
     from training.datasets import create_dataset
 
-    m = base.manifest
-    sources = manifest_sources(m)
+    sources = base.manifest.sources or []
     folders = [s for s in sources if (s.get("spec") or {}).get("name") == "folder"]
     if not folders:
         raise ValueError(f"index version {base.version} was not built from an image folder "
@@ -134,16 +132,16 @@ def _folder_dataset(base: IndexVersion, data_root):
 
 def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_temperature", "search_temperature_source")) -> dict:
     m = base.manifest
-    if not has_encoder(m):   # built from vectors: no model to name; its source record carries over
-        return {"checkpoint": None, **{k: m[k] for k in (*keys, "source", "added_sources") if k in m}}
-    record = dict(checkpoint_record(m))
+    if not m.has_encoder:   # built from vectors: no model to name; its source record carries over
+        return {"checkpoint": None, **m.carried(*keys, "source", "added_sources")}
+    record = m.checkpoint_record
     record.setdefault("model", model_relpath(record["sha256"]))
-    return {"checkpoint": record, **{k: m[k] for k in keys if k in m}}
+    return {"checkpoint": record, **m.carried(*keys)}
 
 
 def _rebuild_params(base: IndexVersion, count: int) -> dict:
     """The base's build parameters, with nlist capped for a collection that shrank."""
-    params = dict(base.manifest["params"])
+    params = dict(base.manifest.params)
     if "nlist" in params:
         params["nlist"] = min(int(params["nlist"]), max(1, count))
         if "nprobe" in params:
@@ -161,12 +159,12 @@ def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
         try:
             return evaluator(candidate, serving)
         except (ValueError, FileNotFoundError) as err:
-            if checkpoint_record(serving.manifest).get("sha256") != sha:
+            if serving.manifest.checkpoint_record.get("sha256") != sha:
                 raise
             logger.info("serving version %s cannot be scored on its own items (%s); scoring its encoder and "
                         "temperature on the candidate's items", serving.version, err)
-            manifest = {**candidate.manifest, "version": serving.version,
-                        "search_temperature": serving.manifest.get("search_temperature")}
+            manifest = candidate.manifest.updated(version=serving.version,
+                                                  search_temperature=serving.manifest.search_temperature)
             view = IndexVersion(serving.path, manifest, candidate.index, candidate.ids, candidate.embeddings)
             result = dict(evaluator(candidate, view))
             result["serving_scored_on"] = f"the candidate's items (its own are gone: {err})"
@@ -205,7 +203,7 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     if metadata is not None:
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, dataset.item_ids(), "--metadata")
-    record = checkpoint_record(base_version.manifest)
+    record = base_version.manifest.checkpoint_record
     device = default_device(device)
     encoder, _, sha = store.models.load_encoder(record, device=device, version=base_version.version)
     if encoder.image_size != dataset.image_size:
@@ -293,16 +291,16 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
     counts = {"base": base_version.version, "deleted": deleted, "missing": len(missing), "count": len(ids_kept)}
     fields = _base_fields(base_version, keys=("encoder", "lineage", "search_temperature", "search_temperature_source",
                                               "dataset", "sources", "world_size"))
-    fields.update(skipped=m.get("skipped", []), skipped_count=m.get("skipped_count", 0), parent=base_version.version,
+    fields.update(skipped=m.skipped or [], skipped_count=m.skipped_count or 0, parent=base_version.version,
                   deleted=counts)
     version, staging = write_version(store, embeddings, ids_kept, kind=base_version.kind,
                                      params=_rebuild_params(base_version, len(ids_kept)), target_recall=target_recall,
                                      fields=fields, extra_files=item_files(read_records(base_version.path),
                                                                            read_metadata(base_version.path), ids_kept))
-    sha = checkpoint_record(m)["sha256"]
+    sha = m.checkpoint_record["sha256"]
     try:
-        if has_encoder(m):   # a version built from vectors names no model
-            store.models.resolve(checkpoint_record(m), base_version.version)   # present (or migrated) before the commit
+        if m.has_encoder:   # a version built from vectors names no model
+            store.models.resolve(m.checkpoint_record, base_version.version)   # present (or migrated) before the commit
     except BaseException:
         discard_staging(staging)
         raise

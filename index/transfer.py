@@ -38,7 +38,7 @@ from index.build import _gate_and_activate
 from index.gate import DEFAULT_MARGIN, ActivationRefused, Evaluator, GateUnavailable, gate_for
 from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
-from index.models import check_sha, checkpoint_record, model_relpath
+from index.models import check_sha, model_relpath
 from index.store import IndexStore, VersionExists, check_version_name
 
 logger = logging.getLogger(__name__)
@@ -68,17 +68,17 @@ def export_version(root, out, version: str | None = None) -> Path:
     if version is None:
         raise FileNotFoundError(f"no current index version under {root} to export; name one with --version")
     loaded = store.load(version, verify=True, gpu=False)
-    record = checkpoint_record(loaded.manifest)
+    record = loaded.manifest.checkpoint_record
     if not record.get("sha256"):
         raise ValueError(f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
                          "export does not support it; copy the store root or build it again from the vectors")
     model = store.models.resolve(record, version)
     members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
-    for name in loaded.manifest["files"]:
+    for name in loaded.manifest.files:
         members[f"versions/{version}/{name}"] = loaded.path / name
     members[model_relpath(record["sha256"])] = model
     index = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "version": version,
-             "model": record["sha256"], "created": utc_now(), "count": loaded.manifest["count"],
+             "model": record["sha256"], "created": utc_now(), "count": loaded.manifest.count,
              "files": {name: _describe(path) for name, path in members.items()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -234,10 +234,7 @@ def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, targ
 
 def _check_manifest_files(path: Path, version: str, files: dict) -> None:
     """The staged version manifest must list exactly the version's files the export index states."""
-    try:
-        listed = json.loads(path.read_text(encoding="utf-8")).get("files")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
-        raise IndexCorruptError(f"{path} is not a valid manifest ({err})") from err
+    listed = read_manifest(path.parent).files   # IndexCorruptError when it is not a valid manifest
     prefix = f"versions/{version}/"
     stated = {n[len(prefix):]: files[n] for n in files if n.startswith(prefix) and n != prefix + MANIFEST_NAME}
     if not isinstance(listed, dict) or {n: (v.get("bytes"), v.get("sha256")) for n, v in listed.items()
@@ -310,9 +307,10 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
         staged = work / "versions" / version
         manifest = read_manifest(staged)
         verify_files(staged, manifest)
-        if manifest["version"] != version or checkpoint_record(manifest).get("sha256") != model:
-            raise IndexCorruptError(f"{archive}: the manifest names version {manifest['version']} / model "
-                                    f"{checkpoint_record(manifest).get('sha256')}, the export index {version} / {model}")
+        named = manifest.checkpoint_record.get("sha256")
+        if manifest.version != version or named != model:
+            raise IndexCorruptError(f"{archive}: the manifest names version {manifest.version} / model "
+                                    f"{named}, the export index {version} / {model}")
         store.models.adopt(work / model_relpath(model), model)
         if version not in store.versions():
             # gated and committed from this import's own staging directory: the commit's rename, under the
@@ -323,7 +321,7 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
                 return version, False
             except VersionExists:
                 logger.info("a concurrent import committed index version %s first", version)
-        if store.manifest(version)["files"] != manifest["files"]:
+        if store.manifest(version).files != manifest.files:
             raise ValueError(f"a different index version named {version} already exists under {root}")
         logger.info("index version %s is already in %s", version, root)
         if activate and store.current_version() != version:
@@ -357,7 +355,8 @@ def _activate_imported(store: IndexStore, version: str, staging: Path | None, *,
             if keep is not None:
                 store.prune(keep)
     except ActivationRefused as err:
-        error = (store.manifest(version).get("quality_gate") or {}).get("error")
+        gate = store.manifest(version).quality_gate
+        error = gate.error if gate is not None else None
         if not error:
             raise
         raise ActivationRefused(version, err.failed, hint=f"imported {version} but did not activate it; activate it "

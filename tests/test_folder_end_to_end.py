@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -24,6 +19,7 @@ import pytest
 
 import image_files as F
 from api.cli import main
+from api.launch import serve_process
 from training.images import load_rgb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,12 +27,6 @@ CONFIG = ROOT / "configs" / "folder.toml"
 CATEGORIES = ["animals", "food", "symbols", "town"]
 
 pytestmark = pytest.mark.skipif(not F.TUXPAINT_STAMPS.is_dir(), reason="tuxpaint-stamps-default not installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _folder(root: Path) -> tuple[dict, dict]:
@@ -95,22 +85,10 @@ def test_folder_train_index_eval_serve(tmp_path, caplog, capsys):
     assert report["queries"]["skipped"] == 3 and _reasons(report["queries"]["skipped_files"]) == bad_test
     assert report["database"]["skipped"] == 3
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve",
-         "--index", str(index), "--port", str(port), "--torch-threads", "1", "--log-level", "warning"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()[-2000:]
-            time.sleep(0.5)
+    log_path = tmp_path / "serve.log"
+    with serve_process(index, log_path=log_path, timeout_s=180, poll_s=0.5, stop_signal=signal.SIGINT,
+                       stop_timeout_s=60) as server:
+        url = server.url
 
         def upload(path: Path):
             return httpx.post(url + "/v1/search", files={"file": (path.name, path.read_bytes())},
@@ -130,12 +108,5 @@ def test_folder_train_index_eval_serve(tmp_path, caplog, capsys):
         assert r.status_code == 200 and r.headers["content-type"] == "image/png"
         shown = load_rgb(r.content)
         assert shown.shape == (32, 16, 3) and shown[:14].mean() > 240   # EXIF-rotated: tall, white on top
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            out, _ = server.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            out, _ = server.communicate()
-    assert server.returncode == 0, out.decode()[-2000:]
-    assert b"Traceback" not in out
+    assert server.proc.returncode == 0, server.log_tail(2000)
+    assert "Traceback" not in server.log

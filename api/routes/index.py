@@ -14,7 +14,7 @@ def index_manifest(snapshot: SnapshotDep) -> IndexOut:
     """The manifest of the index version now answering queries."""
     return IndexOut(version=snapshot.version, count=snapshot.count, dim=snapshot.dim,
                     temperature=snapshot.temperature, fields=snapshot.metadata_fields,
-                    categories=snapshot.metadata_categories(), manifest=snapshot.manifest)
+                    categories=snapshot.metadata_categories(), manifest=snapshot.manifest.to_json())
 
 
 @router.get("/config", response_model=ServiceConfigOut)

@@ -273,7 +273,6 @@ def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, prec
 
 def latest_calibration(store: IndexStore, checkpoint_sha: str | None):
     """The newest dedup calibration of a version embedded by the same encoder (None if there is none)."""
-    from index.models import checkpoint_record
     from search.duplicates.calibration import DuplicateCalibration
 
     for version in reversed(store.versions()):
@@ -281,7 +280,7 @@ def latest_calibration(store: IndexStore, checkpoint_sha: str | None):
         if not path.is_file():
             continue
         try:
-            if checkpoint_record(store.manifest(version)).get("sha256") != checkpoint_sha:
+            if store.manifest(version).checkpoint_record.get("sha256") != checkpoint_sha:
                 continue
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError, KeyError):
@@ -293,13 +292,12 @@ def latest_calibration(store: IndexStore, checkpoint_sha: str | None):
 def report_new_duplicates(root, base: str | None, version: str, progress: bool = False) -> dict | None:
     """Print (and return) the groups that items new in `version` (not in `base`) form with indexed items,
     at the calibration of the newest dedup scan made with the same encoder; None without one."""
-    from index.models import checkpoint_record
     from search.serving.searcher import Searcher
 
     store = IndexStore(root)
     if version is None or version == base:
         return None
-    found = latest_calibration(store, checkpoint_record(store.manifest(version)).get("sha256"))
+    found = latest_calibration(store, store.manifest(version).checkpoint_record.get("sha256"))
     if found is None:
         logger.info("no dedup scan with this encoder yet: run 'softsearch dedup --index %s' to find duplicates", root)
         return None

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from index.build import training_temperature
-from index.manifest import file_sha256, manifest_sources, manifest_temperature
-from index.models import checkpoint_record, load_version_encoder
+from index.manifest import Manifest, file_sha256
+from index.models import load_version_encoder
 from index.store import IndexStore, require_store
 from search.evaluation.baselines import RAW_PIXELS, baseline_comparison, per_query_precision, raw_pixel_features, centred_unit
 from search.evaluation.eval_args import build_parser
@@ -334,8 +334,7 @@ def version_database(version) -> tuple[list, np.ndarray]:
     db row -> (source, item)). When the version's ids are its one dataset's ids in order (every
     `index build` of one dataset), the rows are that order, without an id -> item table (at N = 10^6
     the table and its tuples alone held ~200 MB)."""
-    manifest = version.manifest
-    sources = manifest_sources(manifest)
+    sources = version.manifest.sources or []
     datasets = []
     for s in sources:
         ds = create_dataset(**s["spec"])
@@ -366,7 +365,7 @@ def _load_database(cfg: EvalConfig, device):
         manifest = version.manifest
         datasets, rows = version_database(version)
         encoder, info, _ = load_version_encoder(version, device=device)   # the store's own copy of the weights
-        ckpt = store.models.path(checkpoint_record(manifest)["sha256"])
+        ckpt = store.models.path(manifest.checkpoint_record["sha256"])
         return (encoder, info, ckpt, version.embeddings, datasets, rows,
                 {"root": display_path(cfg.index), "version": version.version}, manifest)
     if cfg.checkpoint is None or cfg.dataset is None:
@@ -404,9 +403,9 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
     train_tau, train_src = training_temperature(info)
     if cfg.temperature is not None:
         serving_tau, serving_src = float(cfg.temperature), "command line"
-    elif manifest is not None and manifest_temperature(manifest) is not None:
-        serving_tau = manifest_temperature(manifest)
-        serving_src = f"index manifest ({manifest.get('search_temperature_source', 'search_temperature')})"
+    elif manifest is not None and manifest.temperature is not None:
+        serving_tau = manifest.temperature
+        serving_src = f"index manifest ({manifest.search_temperature_source or 'search_temperature'})"
     else:
         serving_tau, serving_src = train_tau, train_src
     part, figs = evaluate_embeddings(cfg, data, zdb, zq, hq, train_tau, serving_tau)
@@ -501,10 +500,10 @@ def display_path(path) -> str:
         return p.name
 
 
-def checkpoint_description(path, info: dict, manifest: dict | None = None) -> dict:
+def checkpoint_description(path, info: dict, manifest: Manifest | None = None) -> dict:
     """The encoder as a report names it: file name, sha256, step and the training settings that shape the
     statistics (loss, temperature schedule, Gaussianity regulariser weight); never an absolute path."""
-    record = checkpoint_record(manifest) if manifest is not None else {}
+    record = manifest.checkpoint_record if manifest is not None else {}
     tc = info.get("train_config") or {}
     return {
         "file": Path(record.get("path") or path).name,

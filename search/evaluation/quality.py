@@ -27,7 +27,7 @@ from search.evaluation.evaluate import EvalConfig, encode, load_eval_data, versi
 from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
 from search.evaluation.metrics import ideal_topk, knn_search, hit_rate_at_k, relevance
-from index.manifest import DEFAULT_TEMPERATURE, manifest_temperature
+from index.manifest import DEFAULT_TEMPERATURE
 from index import faiss_index
 from index.models import load_version_encoder
 
@@ -47,7 +47,7 @@ def _served_rows(version, zq: np.ndarray, k: int, exclude: np.ndarray | None) ->
     """(Q, k) rows the version serves (its FAISS index at the tuned parameters, PQ candidates re-ranked
     exactly from the stored rows by the manifest's `rerank`, as the server does), -1 = none; a query's own
     row (`exclude[q]`, queries drawn from the database) is dropped as exact kNN drops it."""
-    rerank = faiss_index.rerank_factor(version.kind, version.manifest.get("params"))
+    rerank = faiss_index.rerank_factor(version.kind, version.manifest.params)
     _, rows = faiss_index.search_reranked(version.index, version.embeddings, np.ascontiguousarray(zq, dtype=np.float32),
                                           k + (exclude is not None), rerank)
     out = np.full((rows.shape[0], k), -1, np.int64)
@@ -66,7 +66,7 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     """recall@10 (exact and through the served index), the index's own recall@10 and the gap at the
     version's search temperature for one IndexVersion."""
     data, zq, zdb = _embedded_queries(version, cfg, queries, device)
-    tau = float(cfg.temperature or manifest_temperature(version.manifest) or DEFAULT_TEMPERATURE)
+    tau = float(cfg.temperature or version.manifest.temperature or DEFAULT_TEMPERATURE)
     k = min(10, zdb.shape[0] - (1 if data.query_exclude is not None else 0))
     exclude = None if data.query_exclude is None else np.asarray(data.query_exclude, np.int64)
     _, exact = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
@@ -85,7 +85,7 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
     return {"version": version.version, "recall_at_10": recall_of(served), "exact_recall_at_10": recall_of(exact),
             "recall_kind": recall_kind, "index_recall_at_10": _overlap(served, exact, k), "kind": version.kind,
-            "params": dict(version.manifest.get("params") or {}), "gap": gap["kl"],
+            "params": dict(version.manifest.params or {}), "gap": gap["kl"],
             "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
             "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
             "skipped_queries": len(data.query_skipped)}
@@ -150,7 +150,7 @@ def calibrate_version(candidate, queries=None, *, max_queries: int = 500, genera
     if queries is None:
         queries = _default_queries(candidate, cfg)
     data, zq, zdb = _embedded_queries(candidate, cfg, queries, dev)
-    train_tau = float(manifest_temperature(candidate.manifest) or DEFAULT_TEMPERATURE)
+    train_tau = float(candidate.manifest.temperature or DEFAULT_TEMPERATURE)
     result = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, data.generator,
                                    train_temperature=train_tau, device=dev)
     if not np.isfinite(result.gap_at_calibrated["kl"]):

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from index.manifest import DEFAULT_TEMPERATURE, manifest_sources, manifest_temperature
+from index.manifest import DEFAULT_TEMPERATURE, Manifest
 from index.metadata import MetadataColumns, read_metadata
 from index.faiss_index import RERANK_PQ, rerank_factor
-from index.models import checkpoint_record, has_encoder, load_version_encoder
+from index.models import load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.filters import Filter
@@ -116,12 +116,12 @@ class ReloadResult:
     encoder_reloaded: bool
 
 
-def _manifest_temperature(manifest: dict) -> float:
-    value = manifest_temperature(manifest)
+def _manifest_temperature(manifest: Manifest) -> float:
+    value = manifest.temperature
     if value is not None:
         return value
     logger.warning("manifest of version %s has no search_temperature; using %g",
-                   manifest.get("version"), DEFAULT_TEMPERATURE)
+                   manifest.version, DEFAULT_TEMPERATURE)
     return DEFAULT_TEMPERATURE
 
 
@@ -154,14 +154,14 @@ class SearchSnapshot:
         return int(self.index.embeddings.shape[0])
 
     @property
-    def manifest(self) -> dict:
+    def manifest(self) -> Manifest:
         return self.index.manifest
 
     @property
     def rerank(self) -> int:
         """Candidates per hit re-scored exactly from the stored vectors: the manifest's `rerank` parameter,
         else RERANK_PQ for compressed (PQ) indexes, whose code order is not the exact order, and 1."""
-        return rerank_factor(str(self.manifest.get("kind", "")), self.manifest.get("params"))
+        return rerank_factor(str(self.manifest.kind), self.manifest.params)
 
     def encode(self, images: Sequence[Image.Image | np.ndarray]) -> np.ndarray:
         """PIL images or (H, W, 3) uint8 RGB arrays -> unit embeddings (B, D) float32, one encoder forward.
@@ -308,12 +308,12 @@ class SearchSnapshot:
     def file_backed(self) -> bool:
         """The indexed items came from image files (decoded once into the image cache), so uploads
         should be decoded the same way (training.images.load_square) to meet their indexed twins."""
-        return any(dataset_is_file_backed(src["spec"]) for src in manifest_sources(self.manifest))
+        return any(dataset_is_file_backed(spec) for spec in self.manifest.source_specs)
 
     def dataset_spec(self) -> dict | None:
         """The spec of the (first) dataset the version was built from, None for versions without one."""
-        sources = manifest_sources(self.manifest)
-        return sources[0]["spec"] if sources else None
+        specs = self.manifest.source_specs
+        return specs[0] if specs else None
 
     def _sources(self) -> dict:
         """id -> (dataset, index in it, its spec) over every dataset this version was built from (cached).
@@ -321,7 +321,7 @@ class SearchSnapshot:
         Datasets are rebuilt from the manifest's specs (`sources`, else `dataset`)."""
         with self._lock:
             if "index_of" not in self._cache:
-                specs = [src["spec"] for src in manifest_sources(self.manifest)]
+                specs = self.manifest.source_specs
                 if not specs:
                     raise FileNotFoundError(f"index version {self.version} has no dataset spec")
                 from training.datasets import create_dataset
@@ -418,7 +418,7 @@ class Searcher:
 
     def _make_snapshot(self, encoder: Encoder | None, sha: str | None, version: IndexVersion,
                        runner: InferenceEncoder | None = None) -> SearchSnapshot:
-        dim = version.manifest.get("dim")
+        dim = version.manifest.dim
         emb = version.embeddings
         if emb.ndim != 2 or (dim is not None and int(dim) != emb.shape[1]):
             raise ValueError(f"index version {version.version}: manifest dim {dim} != embeddings {emb.shape}")
@@ -443,9 +443,9 @@ class Searcher:
                               release_pages=self.normaliser.releases("exact"))
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
-        if not has_encoder(version.manifest):   # built from vectors: nothing to load
+        if not version.manifest.has_encoder:   # built from vectors: nothing to load
             return None, None, old is not None and old.encoder is not None
-        sha = checkpoint_record(version.manifest).get("sha256")
+        sha = version.manifest.checkpoint_record.get("sha256")
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
         encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import io
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +9,7 @@ from pathlib import Path
 import torch
 import uvicorn
 
+from api.launch import free_port
 from training.checkpoint import save_checkpoint
 from training.encoder import EncoderConfig, create_encoder
 
@@ -32,12 +30,6 @@ def png_bytes(image) -> bytes:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return buf.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
@@ -163,47 +155,3 @@ class SearchClients:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=60)
-
-
-class ServeProcess:
-    """`softsearch serve --index ROOT --port <free> ARGS...` in a subprocess (the command a user runs),
-    ready (/readyz 200) on entry, stopped on exit; `url`, `log` (its output so far)."""
-
-    def __init__(self, root, log_path, *args: str, ready_timeout: float = 120.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "api.cli", "serve", "--index", str(root), "--port", str(self.port),
-                     "--torch-threads", "1", "--log-level", "warning", *map(str, args)]
-        self.log_path, self.ready_timeout = Path(log_path), ready_timeout
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def __enter__(self) -> "ServeProcess":
-        import httpx
-
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.ready_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"softsearch serve exited with {self.proc.returncode}:\n{self.log}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.__exit__(None, None, None)
-                raise RuntimeError(f"softsearch serve did not become ready:\n{self.log}")
-            time.sleep(0.2)
-
-    def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()

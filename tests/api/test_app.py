@@ -28,7 +28,7 @@ def _reference(api_index, images, tau=None):
     enc, _ = load_checkpoint(api_index["checkpoint"])
     z = embed(enc, preprocess(images, enc.image_size), progress=False).astype(np.float64)
     s = z @ version.embeddings.astype(np.float64).T  # (Q, N)
-    tau = tau or version.manifest["search_temperature"]
+    tau = tau or version.manifest.search_temperature
     logits = s / tau
     logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
         - logits.max(1, keepdims=True)

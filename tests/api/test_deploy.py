@@ -73,4 +73,4 @@ def test_store_copied_or_shipped_serves_the_same_answers(tmp_path):
     assert json.loads((out / "report.json").read_text())["index"]["version"] == version
     assert main(["index", "add", "--root", str(imported), "--dataset", "synthetic", "--split", "test",
                  "--size", "8", "--no-progress", "--force"]) == 0   # (the gate judges the data, not the point here)
-    assert IndexStore(imported).load().manifest["count"] == 96 + 8
+    assert IndexStore(imported).load().manifest.count == 96 + 8

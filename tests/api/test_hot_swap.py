@@ -26,7 +26,7 @@ K = 5
 def _expected(root, version, images):
     """Brute force for one version: its own checkpoint's encoder, its stored embeddings."""
     v = IndexStore(root).load(version)
-    enc, _ = load_checkpoint(v.manifest["checkpoint"]["path"])
+    enc, _ = load_checkpoint(v.manifest.checkpoint["path"])
     z = embed(enc, preprocess(images, enc.image_size), progress=False)
     s = z.astype(np.float64) @ v.embeddings.astype(np.float64).T  # (Q, N)
     top = np.argsort(-s, axis=1, kind="stable")[:, :K]
@@ -66,7 +66,7 @@ def test_hot_swap_under_load(tmp_path):
     seen = {body["version"] for _, _, body in results}
     assert seen <= set(versions) and len(seen) >= SWAPS  # answers came from (nearly) every version
     expected = {v: _expected(root, v, images) for v in seen}
-    counts = {v: IndexStore(root).manifest(v)["count"] for v in seen}
+    counts = {v: IndexStore(root).manifest(v).count for v in seen}
     for q, _, body in results:
         ids, sims = expected[body["version"]]
         assert [h["id"] for h in body["results"]] == ids[q], (body["version"], q)

@@ -21,12 +21,13 @@ import faiss
 import httpx
 import numpy as np
 import pytest
-from api_helpers import ADMIN_TOKEN, SearchClients, ServeProcess, free_port, make_checkpoint, png_bytes
+from api_helpers import ADMIN_TOKEN, SearchClients, make_checkpoint, png_bytes
 from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.cli import main as softsearch
 from api.config import Settings
+from api.launch import free_port, serve_process
 from index.store import IndexStore
 from search.evaluation.metrics import ideal_topk
 from training.checkpoint import load_checkpoint
@@ -69,8 +70,8 @@ def _held_out_recalls(root, version, checkpoint) -> dict:
     zdb = np.load(path / "embeddings.npy")
     exact = np.argsort(-(zq.astype(np.float64) @ zdb.astype(np.float64).T), axis=1, kind="stable")[:, :10]
     index = faiss.read_index(str(path / "index.faiss"))
-    faiss.extract_index_ivf(index).nprobe = m["params"]["nprobe"]
-    _, cand = index.search(np.ascontiguousarray(zq, np.float32), 10 * m["params"]["rerank"])
+    faiss.extract_index_ivf(index).nprobe = m.params["nprobe"]
+    _, cand = index.search(np.ascontiguousarray(zq, np.float32), 10 * m.params["rerank"])
     served = np.full((len(zq), 10), -1, np.int64)
     for i, c in enumerate(cand):
         c = c[c >= 0]
@@ -92,13 +93,13 @@ def test_gate_refusals_admin_reload_and_force(tmp_path, capsys):
     store = IndexStore(root)
     assert _cli(capsys, *_build(root, ck))[0] == 0
     v1 = store.current_version()
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0") as srv:
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0", log_path=tmp_path / "serve.log") as srv:
         url = srv.url
         # 1. a low-recall ivf-pq build: committed, not activated, exit 1, a message that says why and what to do
         rc, out, err = _cli(capsys, *_build(root, ck, *LOW_RECALL, "--notify", url, "--token", ADMIN_TOKEN))
         assert rc == 1 and store.current_version() == v1 and _served(url) == v1
         (v2,) = [v for v in store.versions() if v != v1]
-        gate = store.manifest(v2)["quality_gate"]
+        gate = store.manifest(v2).quality_gate.to_json()
         recall = gate["checks"]["recall"]
         assert gate["passed"] is False and recall["passed"] is False and recall["target"] == 0.95
         assert err.count("\n") == 1 and f"activation of index version {v2} refused" in err
@@ -183,9 +184,9 @@ def test_rate_limit_identity_and_notify_after_an_empty_bucket(tmp_path, capsys):
     assert _cli(capsys, *_build(root, ck))[0] == 0
     v1 = store.current_version()
     proxy = httpx.HTTPTransport(local_address="127.0.0.2")   # a second loopback address: the trusted proxy
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
-                      "--rate-limit-rps", "0.02", "--rate-limit-burst", "3",
-                      "--forwarded-allow-ips", "127.0.0.2") as srv, \
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
+                       "--rate-limit-rps", "0.02", "--rate-limit-burst", "3",
+                       "--forwarded-allow-ips", "127.0.0.2", log_path=tmp_path / "serve.log") as srv, \
             httpx.Client(base_url=srv.url, timeout=60) as peer, \
             httpx.Client(base_url=srv.url, timeout=60, transport=proxy) as via_proxy:
         url = srv.url
@@ -235,7 +236,7 @@ def _expected(root, version, images, k):
     """Brute force for one version: its own encoder, its stored embeddings."""
     store = IndexStore(root)
     v = store.load(version, gpu=False)
-    enc, _ = load_checkpoint(store.models.path(v.manifest["checkpoint"]["sha256"]))   # the store's copy
+    enc, _ = load_checkpoint(store.models.path(v.manifest.checkpoint["sha256"]))   # the store's copy
     z = embed(enc, preprocess(images, enc.image_size), progress=False)
     s = z.astype(np.float64) @ v.embeddings.astype(np.float64).T
     return [[v.ids[j] for j in row] for row in np.argsort(-s, axis=1, kind="stable")[:, :k]]
@@ -252,7 +253,8 @@ def test_swaps_under_load_keep_server_and_store_in_step(tmp_path, capsys):
     images = [queries.image(i) for i in range(len(queries))]
     payloads = [png_bytes(im) for im in images]
     steps = []
-    with ServeProcess(root, tmp_path / "serve.log", "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0") as srv, \
+    with serve_process(root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0",
+                       log_path=tmp_path / "serve.log") as srv, \
             SearchClients(srv.url, payloads, clients=6, k=5) as load:
         url, notify = srv.url, ["--notify", srv.url, "--token", ADMIN_TOKEN]
 

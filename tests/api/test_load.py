@@ -1,13 +1,11 @@
 """Bounded load test: `softsearch serve` in a subprocess, 32 concurrent clients on loopback."""
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
-from api_helpers import free_port, percentile, png_bytes, run_load
+from api_helpers import percentile, png_bytes, run_load
+
+from api.launch import serve_process
 
 CLIENTS = 32
 DURATION_S = 10.0
@@ -15,24 +13,8 @@ DURATION_S = 10.0
 
 @pytest.mark.slow
 def test_32_clients_zero_errors(api_index, api_dataset, tmp_path):
-    port = free_port()
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "api.server", "--index", str(api_index["root"]),
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                             "--torch-threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not become ready"
-            time.sleep(0.2)
+    with serve_process(api_index["root"], log_path=tmp_path / "server.log", timeout_s=60) as server:
+        url = server.url
         payloads = [png_bytes(api_dataset.image(i)) for i in range(16)]
 
         def send(http, rng):
@@ -51,10 +33,3 @@ def test_32_clients_zero_errors(api_index, api_dataset, tmp_path):
         batch_count = next(float(l.split()[-1]) for l in metrics.splitlines()
                            if l.startswith("softsearch_batch_size_count"))
         assert batch_sum == res["requests"] and batch_sum / batch_count > 1  # load was batched
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()

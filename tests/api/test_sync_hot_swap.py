@@ -85,7 +85,7 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
     expected = {v: _expected(root, v, payloads) for v in seen}
     for q, _, body in results:
         assert [h["id"] for h in body["results"]] == expected[body["version"]][q], (body["version"], q)
-    gate = IndexStore(root).manifest(versions[-1])["quality_gate"]
+    gate = IndexStore(root).manifest(versions[-1]).quality_gate.to_json()
     assert gate["passed"] and gate["serving_version"] == versions[-2]
     assert "serving_scored_on" in gate   # its own files changed: scored by its settings on the new items
     assert len(results) >= 3 * CLIENTS and len(seen) == 3, (len(results), seen)

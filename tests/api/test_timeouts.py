@@ -8,7 +8,9 @@ import socket
 import time
 
 import httpx
-from api_helpers import ServeProcess, png_bytes
+from api_helpers import png_bytes
+
+from api.launch import serve_process
 
 TIMEOUT_S = 1.5
 
@@ -37,8 +39,8 @@ def _search(url: str, image: bytes) -> int:
 
 def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, api_dataset, tmp_path):
     image = png_bytes(api_dataset.image(0))
-    with ServeProcess(api_index["root"], tmp_path / "serve.log", "--header-timeout-s", TIMEOUT_S,
-                      "--body-timeout-s", TIMEOUT_S, "--keep-alive-timeout-s", TIMEOUT_S) as server:
+    with serve_process(api_index["root"], "--header-timeout-s", TIMEOUT_S, "--body-timeout-s", TIMEOUT_S,
+                       "--keep-alive-timeout-s", TIMEOUT_S, log_path=tmp_path / "serve.log") as server:
         silent = _connect(server.url)                                     # connects, says nothing
         trickle = _connect(server.url)                                    # half a head, then nothing
         trickle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")

@@ -122,7 +122,7 @@ def test_swaps_between_an_image_version_and_a_vector_version(tmp_path):
                       evaluator=evaluate_version) == 0   # the image evaluator cannot score it: skipped, not failed
     store = IndexStore(root)
     v2 = store.current_version()
-    gate = store.manifest(v2)["quality_gate"]
+    gate = store.manifest(v2).quality_gate.to_json()
     assert v2 != v1 and gate["passed"] and gate["serving_version"] == v1 and "recall check only" in gate["note"]
     result = searcher.reload()
     assert result.version == v2 and searcher.snapshot().encoder is None

@@ -11,9 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from api_helpers import ADMIN_TOKEN, free_port, make_checkpoint, png_bytes
+from api_helpers import ADMIN_TOKEN, make_checkpoint, png_bytes
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from api.launch import serve_process
 from index.build import build_index
 from training.datasets import create_dataset
 
@@ -49,25 +50,16 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
     queries = create_dataset("synthetic", split="test", size=8, seed=0)
     payloads = [png_bytes(queries.image(i)) for i in range(len(queries))]
     metrics_dir = tmp_path / "metrics"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "w")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-    proc = subprocess.Popen([sys.executable, "-m", "api.server", "--index", str(root), "--port", str(port),
-                             "--workers", str(WORKERS), "--watch-interval-s", "0.2", "--admin-token", ADMIN_TOKEN,
-                             "--torch-threads", "1", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+    log_path = tmp_path / "server.log"
 
     def search(i: int) -> httpx.Response:  # a fresh connection each time, so any worker may answer
         return httpx.post(url + "/v1/search", files={"file": ("q.png", payloads[i % len(payloads)], "image/png")},
                           data={"k": "5"}, headers={"Connection": "close"}, timeout=60)
 
-    try:
-        deadline = time.monotonic() + 180
-        while _scrape_ready(url) < WORKERS:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "workers did not become ready"
-            time.sleep(0.5)
+    with serve_process(root, "--workers", WORKERS, "--watch-interval-s", "0.2", "--admin-token", ADMIN_TOKEN,
+                       env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, log_path=log_path, timeout_s=180,
+                       ready=lambda srv: _scrape_ready(srv.url) >= WORKERS, poll_s=0.5, stop_timeout_s=30) as server:
+        url = server.url
         sent = 0
         with ThreadPoolExecutor(8) as pool:
             for _ in range(20):  # until both workers have answered some queries
@@ -104,14 +96,7 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
         m = _scrape(url)
         assert m[f'softsearch_index_info{{version="{v2}"}}'] == 1 and m[f'softsearch_index_info{{version="{v1}"}}'] == 0
         assert m["softsearch_index_items"] == 48
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "server.log").read_text()
+    assert server.proc.returncode == 0, log_path.read_text()
 
 
 def _scrape_ready(url: str) -> float:

@@ -41,14 +41,14 @@ def test_build_embeds_indexes_and_describes(tmp_path, tiny_checkpoint, train_ds)
     _, rows = loaded.search(ref[:10], 1)
     np.testing.assert_array_equal(rows[:, 0], np.arange(10))          # every item finds itself
     m = loaded.manifest
-    assert m["checkpoint"]["sha256"] == checkpoint_sha256(tiny_checkpoint) and m["checkpoint"]["step"] == 7
-    assert m["encoder"]["embed_dim"] == 16 and m["dim"] == 16
-    assert m["dataset"] == {"spec": train_ds.spec(), "fingerprint": train_ds.fingerprint()}
-    assert m["lineage"]["objective"] == "infonce" and m["lineage"]["temperature_schedule"] == "fixed"
-    assert len(m["lineage"]["train_config_hash"]) == 64
-    assert m["search_temperature"] == 0.25 and "schedule_options" in m["search_temperature_source"]
-    assert m["skipped"] == [] and m["skipped_count"] == 0 and m["sources"][0]["count"] == 96
-    assert {"embed_s", "build_s", "tune_s", "write_s", "total_s"} <= set(m["timings"])
+    assert m.checkpoint["sha256"] == checkpoint_sha256(tiny_checkpoint) and m.checkpoint["step"] == 7
+    assert m.encoder["embed_dim"] == 16 and m.dim == 16
+    assert m.dataset == {"spec": train_ds.spec(), "fingerprint": train_ds.fingerprint()}
+    assert m.lineage["objective"] == "infonce" and m.lineage["temperature_schedule"] == "fixed"
+    assert len(m.lineage["train_config_hash"]) == 64
+    assert m.search_temperature == 0.25 and "schedule_options" in m.search_temperature_source
+    assert m.skipped == [] and m.skipped_count == 0 and m.sources[0]["count"] == 96
+    assert {"embed_s", "build_s", "tune_s", "write_s", "total_s"} <= set(m.timings)
     assert not any(p.name.startswith("embed-") for p in store.staging_dir.iterdir())   # shard cache removed
 
 
@@ -58,20 +58,20 @@ def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, te
     old = store.load()
     v2 = add_items(tmp_path, test_ds, progress=False)
     new = store.load()
-    assert store.current_version() == v2 and new.manifest["parent"] == v1
+    assert store.current_version() == v2 and new.manifest.parent == v1
     assert len(new) == 136 and new.ids == old.ids + test_ds.item_ids()
     np.testing.assert_array_equal(new.embeddings[:96], old.embeddings)       # old rows byte-identical
     np.testing.assert_allclose(new.embeddings[96:], _reference(tiny_checkpoint, test_ds), atol=1e-5)
     _, rows = new.search(new.embeddings[96:], 1)
     assert np.mean(rows[:, 0] == np.arange(96, 136)) >= 0.95                  # new items are searchable
-    assert new.manifest["added"] == {"count": 40, "duplicates": 0, "skipped": 0}
-    assert [s["spec"]["split"] for s in new.manifest["sources"]] == ["train", "test"]
+    assert new.manifest.added == {"count": 40, "duplicates": 0, "skipped": 0}
+    assert [s["spec"]["split"] for s in new.manifest.sources] == ["train", "test"]
     with pytest.raises(ValueError, match="already in"):
         add_items(tmp_path, test_ds, progress=False)
     # partly new: only the unseen items are embedded
     more = create_dataset("synthetic", split="test", size=50, seed=0)
     v3 = add_items(tmp_path, more, progress=False)
-    assert store.load(v3).manifest["added"] == {"count": 10, "duplicates": 40, "skipped": 0}
+    assert store.load(v3).manifest.added == {"count": 10, "duplicates": 40, "skipped": 0}
     assert len(store.load(v3)) == 146
 
 
@@ -87,12 +87,12 @@ def test_rebuild_reembeds_current_corpus(tmp_path, tiny_checkpoint, other_checkp
     v3 = rebuild_index(tmp_path, other_checkpoint, progress=False)
     store = IndexStore(tmp_path)
     new = store.load()
-    assert store.current_version() == v3 and new.manifest["parent"] == v2
+    assert store.current_version() == v3 and new.manifest.parent == v2
     assert new.kind == "ivf-flat" and new.ids == store.load(v2).ids
     ref = np.concatenate([_reference(other_checkpoint, train_ds), _reference(other_checkpoint, test_ds)])
     np.testing.assert_allclose(new.embeddings, ref, atol=1e-5)
-    assert new.manifest["search_temperature"] == 0.4                       # metrics.temperature wins
-    assert new.manifest["lineage"]["objective"] == "weince"
+    assert new.manifest.search_temperature == 0.4                       # metrics.temperature wins
+    assert new.manifest.lineage["objective"] == "weince"
 
 
 def test_unreadable_images_are_skipped_and_listed(tmp_path, tiny_checkpoint):
@@ -108,10 +108,10 @@ def test_unreadable_images_are_skipped_and_listed(tmp_path, tiny_checkpoint):
     assert len(ds) == 6 and len(ds.skipped) == 2      # refused at decode time, once, with a reason
     version = build_index(tiny_checkpoint, ds, tmp_path / "idx", batch_size=4, shard_size=3, progress=False)
     m = IndexStore(tmp_path / "idx").manifest(version)
-    assert m["count"] == 6 and m["skipped_count"] == 2 and m["sources"][0]["skipped"] == 2
-    assert sorted((s["id"], s["reason"]) for s in m["skipped"]) == [("garbage.png", "not_an_image"),
+    assert m.count == 6 and m.skipped_count == 2 and m.sources[0]["skipped"] == 2
+    assert sorted((s["id"], s["reason"]) for s in m.skipped) == [("garbage.png", "not_an_image"),
                                                                    ("truncated.png", "corrupt_image")]
-    assert all(s["error"] for s in m["skipped"])
+    assert all(s["error"] for s in m.skipped)
     assert sorted(IndexStore(tmp_path / "idx").load().ids) == [f"ok{i}.png" for i in range(6)]
 
 
@@ -127,7 +127,7 @@ def test_resume_reuses_finished_shards(tmp_path, tiny_checkpoint, train_ds):
                         world_size=2, progress=False) == 3
     version = build_index(tiny_checkpoint, train_ds, tmp_path, shard_size=16, progress=False)
     loaded = store.load(version)
-    assert loaded.manifest["sources"][0]["resumed_shards"] == 3
+    assert loaded.manifest.sources[0]["resumed_shards"] == 3
     np.testing.assert_allclose(loaded.embeddings, _reference(tiny_checkpoint, train_ds), atol=1e-5)
 
 
@@ -147,12 +147,12 @@ def test_quality_gate(tmp_path, tiny_checkpoint, other_checkpoint, train_ds):
     v2 = info.value.version
     assert seen[0][1].version == v1 and seen[0][0].version == v2
     assert store.current_version() == v1 and v2 in store.versions()
-    gate = store.manifest(v2)["quality_gate"]
+    gate = store.manifest(v2).quality_gate.to_json()
     assert gate["passed"] is False and gate["serving_version"] == v1 and gate["metric"] == "recall@10"
     v3 = build_index(other_checkpoint, train_ds, tmp_path, evaluator=evaluator, margin=0.2, progress=False)
-    assert store.current_version() == v3 and store.manifest(v3)["quality_gate"]["passed"] is True
+    assert store.current_version() == v3 and store.manifest(v3).quality_gate.passed is True
     v4 = build_index(tiny_checkpoint, train_ds, tmp_path, evaluator=evaluator, force=True, progress=False)
-    assert store.current_version() == v4 and store.manifest(v4)["quality_gate"]["forced"] is True
+    assert store.current_version() == v4 and store.manifest(v4).quality_gate.forced is True
 
 
 def test_build_rejects_bad_input(tmp_path, tiny_checkpoint, train_ds):

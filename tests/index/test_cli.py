@@ -60,7 +60,7 @@ def test_build_list_activate_rollback_verify(tmp_path, tiny_checkpoint, capsys, 
     assert main(_build(root, tiny_checkpoint, "--kind", "hnsw", "--param", "M=8", "--notify", url,
                        "--token", "s3cret")) == 0
     v2 = store.current_version()
-    assert store.manifest(v2)["params"]["M"] == 8 and v2 != v1
+    assert store.manifest(v2).params["M"] == 8 and v2 != v1
     assert requests == [("/v1/admin/reload", "Bearer s3cret", {"version": v2})]
     capsys.readouterr()
     assert main(["list", "--root", str(root)]) == 0
@@ -236,7 +236,7 @@ def test_failed_build_leaves_no_staging_and_gc_removes_stale(tmp_path, tiny_chec
 
 
 def test_a_version_without_gate_result_is_gated_at_first_activation(tmp_path, tiny_checkpoint, capsys):
-    from index.manifest import read_manifest, write_manifest
+    from index.manifest import read_manifest_json, write_manifest
 
     root = tmp_path / "idx"
     calls = []
@@ -250,14 +250,14 @@ def test_a_version_without_gate_result_is_gated_at_first_activation(tmp_path, ti
     store = IndexStore(root)
     v1 = store.current_version()
     (old,) = [v for v in store.versions() if v != v1]
-    manifest = read_manifest(store.path(old))
+    manifest = read_manifest_json(store.path(old))
     del manifest["quality_gate"]                 # as a store written before the gate existed
     write_manifest(store.path(old), manifest)
     capsys.readouterr()
     assert main(["activate", "--root", str(root), old], evaluator=worse) == 1
     assert calls == [(old, v1)] and store.current_version() == v1
     assert "quality gate failed (map@10): candidate 0.2 < serving 0.7" in capsys.readouterr().err
-    gate = store.manifest(old)["quality_gate"]   # recorded: judged like any build from now on
+    gate = store.manifest(old).quality_gate.to_json()   # recorded: judged like any build from now on
     assert gate["passed"] is False and gate["checks"]["score"]["serving_version"] == v1
     assert main(["activate", "--root", str(root), old]) == 1 and len(calls) == 1   # not gated twice
 

@@ -63,7 +63,7 @@ def test_sigkill_mid_build_leaves_current_loadable_and_resumes(tmp_path, tiny_ch
     big = create_dataset("synthetic", size=2000, seed=3)
     v2 = build_index(tiny_checkpoint, big, root, shard_size=64, batch_size=32, progress=False)
     m = store.manifest(v2)
-    assert m["count"] == 2000 and m["sources"][0]["resumed_shards"] >= 1
+    assert m.count == 2000 and m.sources[0]["resumed_shards"] >= 1
     assert store.current_version() == v2
 
 
@@ -80,9 +80,9 @@ def test_two_process_torchrun_matches_single_process(tmp_path, tiny_checkpoint):
 
     assert main(["build", "--root", str(tmp_path / "single"), *args]) == 0
     dist, single = IndexStore(tmp_path / "dist").load(), IndexStore(tmp_path / "single").load()
-    assert dist.manifest["world_size"] == 2 and single.manifest["world_size"] == 1
+    assert dist.manifest.world_size == 2 and single.manifest.world_size == 1
     assert dist.ids == single.ids
     np.testing.assert_allclose(dist.embeddings, single.embeddings, atol=1e-6)
     q = single.embeddings[:20]
     np.testing.assert_array_equal(dist.search(q, 10)[1], single.search(q, 10)[1])
-    assert dist.manifest["dataset"] == single.manifest["dataset"]
+    assert dist.manifest.dataset == single.manifest.dataset

@@ -9,7 +9,7 @@ import pytest
 
 from index.build import write_version
 from index.list_stats import ListStats
-from index.manifest import IndexCorruptError, describe_files, file_sha256, read_manifest, write_manifest
+from index.manifest import IndexCorruptError, describe_files, file_sha256, read_manifest_json, write_manifest
 from index.store import LIST_STATS_FILE, IndexStore
 from index_refs import unit_vectors
 
@@ -32,7 +32,7 @@ def test_stored_statistics_equal_a_fresh_computation(tmp_path, kind):
     loaded = store.load(version)
     m = loaded.manifest
     path = loaded.path / LIST_STATS_FILE
-    assert m["files"][LIST_STATS_FILE] == {"sha256": file_sha256(path), "bytes": path.stat().st_size}
+    assert m.files[LIST_STATS_FILE] == {"sha256": file_sha256(path), "bytes": path.stat().st_size}
     stored = loaded.list_stats()
     # recomputed here from the stored rows and the stored index: the IVF's 16 lists, or k-means
     # with ~sqrt(2000) = 45 lists for a flat index (seeded)
@@ -40,9 +40,9 @@ def test_stored_statistics_equal_a_fresh_computation(tmp_path, kind):
     for field in FIELDS:
         np.testing.assert_array_equal(getattr(stored, field), getattr(fresh, field))
     assert stored.source == fresh.source
-    assert stored.lists == m["normaliser_stats"]["lists"] == (16 if kind == "ivf-flat" else 45)
+    assert stored.lists == m.normaliser_stats["lists"] == (16 if kind == "ivf-flat" else 45)
     assert ("IVF" in stored.source) == (kind == "ivf-flat")
-    assert m["normaliser_stats"]["partition"] == stored.source and "list_stats_s" in m["timings"]
+    assert m.normaliser_stats["partition"] == stored.source and "list_stats_s" in m.timings
     assert sorted(stored.order.tolist()) == list(range(2000))
 
 
@@ -68,7 +68,7 @@ def test_statistics_of_another_version_are_refused_even_with_a_matching_checksum
     small, big = _commit(store, 600, seed=1), _commit(store, 700, seed=2)
     target = store.path(small)
     (target / LIST_STATS_FILE).write_bytes((store.path(big) / LIST_STATS_FILE).read_bytes())
-    manifest = read_manifest(target)
+    manifest = read_manifest_json(target)
     manifest["files"].update(describe_files(target, [LIST_STATS_FILE]))   # as if written so
     write_manifest(target, manifest)
     with pytest.raises(IndexCorruptError, match="does not describe this version: 700 rows, the version has 600"):
@@ -79,10 +79,10 @@ def test_versions_written_before_the_statistics_have_none(tmp_path):
     store = IndexStore(tmp_path)
     version = _commit(store, 300)
     target = store.path(version)
-    manifest = read_manifest(target)
+    manifest = read_manifest_json(target)
     del manifest["files"][LIST_STATS_FILE], manifest["normaliser_stats"]
     write_manifest(target, manifest)
     (target / LIST_STATS_FILE).unlink()
     assert store.load(version).list_stats() is None
     one = _commit(store, 1, seed=3, kind="flat")                       # one row: nothing to partition
-    assert LIST_STATS_FILE not in store.manifest(one)["files"] and store.load(one).list_stats() is None
+    assert LIST_STATS_FILE not in store.manifest(one).files and store.load(one).list_stats() is None

@@ -44,7 +44,7 @@ def test_folder_build_stores_file_facts_read_independently(tmp_path, folder, tin
         assert abs(rec["mtime"] - os.path.getmtime(p)) < 1e-3
     assert meta.items["class1/wide.jpg"]["format"] == "jpeg" and meta.items["class1/wide.jpg"]["width"] == 70
     # the file is listed (and checksummed) in the manifest like every other version file
-    assert ITEM_METADATA in IndexStore(root).manifest(version)["files"]
+    assert ITEM_METADATA in IndexStore(root).manifest(version).files
 
 
 def test_user_metadata_jsonl_and_csv_types_and_errors(tmp_path):

@@ -52,9 +52,9 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
     # the tuned knob survives the write/read cycle
     m = loaded.manifest
     if kind in ("ivf-flat", "ivf-pq"):
-        assert faiss.extract_index_ivf(loaded.index).nprobe == m["params"]["nprobe"] == m["recall"]["value"]
+        assert faiss.extract_index_ivf(loaded.index).nprobe == m.params["nprobe"] == m.recall["value"]
     if kind == "hnsw":
-        assert faiss.downcast_index(loaded.index).hnsw.efSearch == m["params"]["efSearch"]
+        assert faiss.downcast_index(loaded.index).hnsw.efSearch == m.params["efSearch"]
     assert loaded.item_ids(rows[0]) == [ids[r] for r in rows[0]]
     assert loaded.item_ids(np.array([[3, -1]])) == [[ids[3]]]
 
@@ -63,14 +63,14 @@ def test_manifest_contents(tmp_path):
     store = IndexStore(tmp_path)
     version = _commit(store, n=100, d=8, fields={"search_temperature": 0.07})
     m = store.manifest(version)
-    assert m["version"] == version and m["count"] == 100 and m["dim"] == 8
-    assert m["metric"] == "inner_product" and m["normalised"] is True and m["kind"] == "flat"
-    assert m["faiss_version"] == faiss.__version__ and m["search_temperature"] == 0.07
-    assert set(m["files"]) == {INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE, LIST_STATS_FILE}
-    for name, info in m["files"].items():      # recorded checksums are the real ones
+    assert m.version == version and m.count == 100 and m.dim == 8
+    assert m.metric == "inner_product" and m.normalised is True and m.kind == "flat"
+    assert m.faiss_version == faiss.__version__ and m.search_temperature == 0.07
+    assert set(m.files) == {INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE, LIST_STATS_FILE}
+    for name, info in m.files.items():      # recorded checksums are the real ones
         path = store.path(version) / name
         assert info["sha256"] == file_sha256(path) and info["bytes"] == path.stat().st_size
-    assert m["recall"]["recall"] == 1.0 and {"build_s", "tune_s", "write_s"} <= set(m["timings"])
+    assert m.recall["recall"] == 1.0 and {"build_s", "tune_s", "write_s"} <= set(m.timings)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
@@ -152,7 +152,7 @@ def test_update_manifest_fields_only_before_activation(tmp_path):
     store = IndexStore(tmp_path)
     v = _commit(store, n=10, activate=False)
     m = store.update_manifest_fields(v, search_temperature=0.05, calibration={"gap": 0.1})
-    assert m["search_temperature"] == 0.05 and store.load(v).manifest["calibration"] == {"gap": 0.1}
+    assert m.search_temperature == 0.05 and store.load(v).manifest.calibration == {"gap": 0.1}
     with pytest.raises(ValueError, match="count"):
         store.update_manifest_fields(v, count=3)
     store.activate(v)

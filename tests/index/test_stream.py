@@ -175,13 +175,13 @@ def test_streamed_version_serves_moves_and_accepts_additions(tmp_path):
     store = IndexStore(root)
     loaded = store.load(version, verify=True, gpu=False)
     m = loaded.manifest
-    assert m["build"]["streamed"] and IVFDATA_FILE in m["files"] and LIST_STATS_FILE in m["files"]
+    assert m.build["streamed"] and IVFDATA_FILE in m.files and LIST_STATS_FILE in m.files
     assert loaded.ids[:3] == ["0", "1", "2"] and len(loaded.ids) == 5000
     assert faiss_index.on_disk_lists(loaded.index)
-    assert m["quality_gate"]["passed"] and m["recall"]["reached"]
+    assert m.quality_gate.passed and m.recall["reached"]
     z = unit_rows(open_vectors(tmp_path / "x.npy"))
     q = z[:20]
-    served = faiss_index.search_reranked(loaded.index, loaded.embeddings, q, 10, m["params"]["rerank"])
+    served = faiss_index.search_reranked(loaded.index, loaded.embeddings, q, 10, m.params["rerank"])
 
     # self-contained: the store moved elsewhere (the original gone) loads and answers the same; the lists are
     # mapped from beside the moved index file (export refuses versions without an encoder, index/transfer.py)
@@ -191,9 +191,9 @@ def test_streamed_version_serves_moves_and_accepts_additions(tmp_path):
     again = IndexStore(other).load(version, verify=True, gpu=False)
     assert faiss_index.on_disk_lists(again.index)
     assert str(other) in faiss.downcast_InvertedLists(faiss.extract_index_ivf(again.index).invlists).filename
-    moved = faiss_index.search_reranked(again.index, again.embeddings, q, 10, m["params"]["rerank"])
+    moved = faiss_index.search_reranked(again.index, again.embeddings, q, 10, m.params["rerank"])
     np.testing.assert_array_equal(moved[1], served[1])
-    assert again.list_stats().lists == m["params"]["nlist"]
+    assert again.list_stats().lists == m.params["nlist"]
     root, store = other, IndexStore(other)
 
     # index add --embeddings: the on-disk lists are copied into RAM and extended (the new version is in RAM)

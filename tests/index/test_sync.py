@@ -90,7 +90,7 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
     assert counts["unchanged"] == N - 8 - 4 - 4 and counts["embedded"] == 12 and counts["skipped"] == 0
     assert sorted(embedded_ids) == sorted(change["added"] + change["modified"])   # exactly those, nothing else
     synced = store.load(v2)
-    assert synced.manifest["sync"]["embedded"] == 12 and synced.manifest["parent"] == v1
+    assert synced.manifest.sync["embedded"] == 12 and synced.manifest.parent == v1
 
     scratch_root = tmp_path / "scratch"
     fresh = IndexStore(scratch_root).load(build_index(tiny_checkpoint, _folder_ds(folder), scratch_root, progress=False))
@@ -102,7 +102,7 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
         assert np.array_equal(synced.embeddings[synced.ids.index(item)], old.embeddings[old.ids.index(item)])
     _, rows = synced.search(np.asarray(synced.embeddings[:5]), 1)
     assert rows[:, 0].tolist() == [0, 1, 2, 3, 4]
-    assert synced.manifest["dataset"]["fingerprint"] == _folder_ds(folder).fingerprint()
+    assert synced.manifest.dataset["fingerprint"] == _folder_ds(folder).fingerprint()
 
     embedded_ids.clear()
     assert sync_index(root, progress=False)[0] == v2 and embedded_ids == []   # in step: nothing to do
@@ -120,13 +120,13 @@ def test_sync_skips_and_reports_bad_files_and_retries_them(tmp_path, folders, ti
     version, counts = sync_index(root, progress=False)
     assert counts["modified"] == 1 and counts["added"] == 1 and counts["skipped"] == 2
     m = IndexStore(root).manifest(version)
-    assert {s["id"] for s in m["skipped"]} == {victim.relative_to(folder).as_posix(), "class0/notes.png"}
-    assert m["count"] == N - 1
+    assert {s["id"] for s in m.skipped} == {victim.relative_to(folder).as_posix(), "class0/notes.png"}
+    assert m.count == N - 1
     victim.write_bytes(good)                                          # repaired: embedded again ("retried")
     embedded_ids.clear()
     version, counts = sync_index(root, progress=False)
     assert counts["retried"] == 2 and counts["embedded"] == 1 and counts["skipped"] == 1
-    assert IndexStore(root).manifest(version)["count"] == N and embedded_ids.count(victim.relative_to(folder).as_posix()) == 1
+    assert IndexStore(root).manifest(version).count == N and embedded_ids.count(victim.relative_to(folder).as_posix()) == 1
 
 
 def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_for(tmp_path, folders, tiny_checkpoint):
@@ -154,7 +154,7 @@ def test_delete_drops_items_and_keeps_the_rest(tmp_path, folders, tiny_checkpoin
     new = store.load(v2)
     assert counts["deleted"] == 3 and new.ids == [i for i in old.ids if i not in drop]
     np.testing.assert_array_equal(new.embeddings, np.asarray(old.embeddings)[[i for i, x in enumerate(old.ids) if x not in drop]])
-    assert new.manifest["deleted"]["deleted"] == 3 and store.current_version() == v2
+    assert new.manifest.deleted["deleted"] == 3 and store.current_version() == v2
 
     ids_file = tmp_path / "ids.txt"
     ids_file.write_text(f"{new.ids[0]}\nno/such/item.png\n\n")

@@ -45,14 +45,14 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     dst = IndexStore(tmp_path / "new")
     assert (version, existed) == (exported["version"], False) and dst.current_version() == version
     a, b = src.load(version), dst.load(version)
-    assert LIST_STATS_FILE in a.manifest["files"]       # the normaliser's statistics travel with the version
-    for name in a.manifest["files"]:
+    assert LIST_STATS_FILE in a.manifest.files       # the normaliser's statistics travel with the version
+    for name in a.manifest.files:
         assert file_sha256(a.path / name) == file_sha256(b.path / name)
     sa, sb = a.list_stats(), b.list_stats()
     for field in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(sa, field), getattr(sb, field))
     assert a.manifest == b.manifest
-    sha = a.manifest["checkpoint"]["sha256"]
+    sha = a.manifest.checkpoint["sha256"]
     assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha
     x = items.tensors(np.arange(6))
     enc_a, _, _ = load_version_encoder(a)
@@ -73,7 +73,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     with pytest.raises(QualityGateError):
         import_version(root, exported["archive"], evaluator=worse)
     assert store.current_version() == serving and exported["version"] in store.versions()
-    assert store.manifest(exported["version"])["quality_gate"]["passed"] is False
+    assert store.manifest(exported["version"]).quality_gate.passed is False
 
     root2 = tmp_path / "serving2"
     build_index(other_checkpoint, items, root2, progress=False)
@@ -85,7 +85,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
         import_version(root2, exported["archive"], evaluator=unavailable)
     store2 = IndexStore(root2)
     assert store2.current_version() != exported["version"]
-    assert store2.manifest(exported["version"])["quality_gate"]["passed"] is False   # 'activate' needs --force
+    assert store2.manifest(exported["version"]).quality_gate.passed is False   # 'activate' needs --force
     assert main(["activate", "--root", str(root2), exported["version"]]) == 1   # a gate refusal: exit 1
     assert main(["activate", "--root", str(root2), exported["version"], "--force"]) == 0
 
@@ -227,7 +227,7 @@ def test_cli_export_import_and_user_errors(tmp_path, exported, capsys):
 def test_copied_store_needs_nothing_outside_it(tmp_path, exported):
     copy = tmp_path / "copy"
     shutil.copytree(exported["root"], copy, symlinks=True)
-    index = json.loads(json.dumps(IndexStore(copy).manifest(exported["version"])))
+    index = IndexStore(copy).manifest(exported["version"]).to_json()
     assert str(exported["root"]) not in json.dumps({k: v for k, v in index.items() if k != "checkpoint"})
     load_version_encoder(IndexStore(copy).load())
 

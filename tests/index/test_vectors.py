@@ -94,10 +94,10 @@ def test_cli_build_from_vectors_serves_exact_neighbours_and_records_the_source(t
     store = IndexStore(root)
     v = store.load()
     m = v.manifest
-    assert m["checkpoint"] is None and m["encoder"] is None and m["kind"] == "flat"
-    assert m["source"]["embeddings"] == str((tmp_path / "v.npy").resolve())
+    assert m.checkpoint is None and m.encoder is None and m.kind == "flat"
+    assert m.source["embeddings"] == str((tmp_path / "v.npy").resolve())
     from index.manifest import file_sha256
-    assert m["source"]["sha256"] == file_sha256(tmp_path / "v.npy") and m["source"]["dtype"] == ["float64"]
+    assert m.source["sha256"] == file_sha256(tmp_path / "v.npy") and m.source["dtype"] == ["float64"]
     assert v.ids == ids
     z = x / np.linalg.norm(x, axis=1, keepdims=True)
     np.testing.assert_allclose(v.embeddings, z, atol=1e-6)
@@ -105,7 +105,7 @@ def test_cli_build_from_vectors_serves_exact_neighbours_and_records_the_source(t
     _, rows = v.search(q.astype(np.float32), 10)
     exact = np.argsort(-(q @ z.T), axis=1)[:, :10]
     assert faiss_index.recall_at_k(rows, exact, 10) == 1.0
-    gate = m["quality_gate"]
+    gate = m.quality_gate.to_json()
     assert gate["passed"] and gate["checks"]["score"] is None
     assert gate["checks"]["recall"]["served"] == 1.0 and "held-out" in gate["checks"]["recall"]["measured_on"]
     meta = json.loads((v.path / "item_metadata.json").read_text())
@@ -168,7 +168,7 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
         exact = [c for c in np.argsort(-(z @ z[row]), kind="stable") if c != row][:10]
         hits += len(set(served) & set(exact))
     assert got["recall"] == pytest.approx(hits / (10 * len(rows)), abs=1e-9)
-    recorded = v.manifest["quality_gate"]["checks"]["recall"]
+    recorded = v.manifest.quality_gate.recall
     assert recorded["measured_on"].startswith("1000 held-out stored rows")
 
 
@@ -185,17 +185,17 @@ def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
     v1 = store.current_version()
     assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "b.npy")]) == 0
     v2 = store.load()
-    assert v2.manifest["parent"] == v1 and v2.ids == [str(i) for i in range(1300)]
+    assert v2.manifest.parent == v1 and v2.ids == [str(i) for i in range(1300)]
     (tmp_path / "ids.txt").write_text("".join(f"late-{i}\n" for i in range(200)))
     (tmp_path / "meta.jsonl").write_text(json.dumps({"id": "late-3", "tag": "x"}) + "\n")
     assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
                        "--ids", str(tmp_path / "ids.txt"), "--metadata", str(tmp_path / "meta.jsonl")]) == 0
     v3 = store.load()
-    assert v3.ids[1300:] == [f"late-{i}" for i in range(200)] and len(v3.manifest["added_sources"]) == 2
+    assert v3.ids[1300:] == [f"late-{i}" for i in range(200)] and len(v3.manifest.added_sources) == 2
     ref = np.concatenate([x[:1000], x[1000:1300].astype(np.float16).astype(np.float64), x[1300:]])
     z = ref / np.linalg.norm(ref, axis=1, keepdims=True)
     np.testing.assert_allclose(v3.embeddings, z, atol=1e-6)
-    assert v3.manifest["quality_gate"]["passed"] and v3.manifest["kind"] == "ivf-flat"
+    assert v3.manifest.quality_gate.passed and v3.manifest.kind == "ivf-flat"
     q = z[[5, 1100, 1450]]
     _, rows = faiss_index.search_reranked(v3.index, v3.embeddings, q, 10, 1)
     exact = np.argsort(-(q @ z.T), axis=1, kind="stable")[:, :10]
@@ -217,7 +217,7 @@ def test_cli_delete_from_a_vector_version(tmp_path):
     assert index_main(["delete", "--root", str(root), "--ids-file", str(tmp_path / "del.txt")]) == 0
     v = IndexStore(root).load()
     keep = [i for i in range(800) if i not in (3, 700)]
-    assert v.ids == [str(i) for i in keep] and v.manifest["checkpoint"] is None and v.manifest["encoder"] is None
-    assert v.manifest["source"]["count"] == 800
+    assert v.ids == [str(i) for i in keep] and v.manifest.checkpoint is None and v.manifest.encoder is None
+    assert v.manifest.source["count"] == 800
     z = x[keep] / np.linalg.norm(x[keep], axis=1, keepdims=True)
     np.testing.assert_allclose(v.embeddings, z, atol=1e-6)

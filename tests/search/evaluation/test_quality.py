@@ -36,7 +36,7 @@ def test_quality_gate_in_build_index(tmp_path):
     except QualityGateError as err:
         v2 = err.version
     store = IndexStore(root)
-    qg = store.manifest(v2)["quality_gate"]
+    qg = store.manifest(v2).quality_gate.to_json()
     assert qg["metric"] == "neg_gap" and qg["serving_version"] == v1
     # the gate's numbers equal an independent computation with each version's own encoder and tau
     for role, ck, tau in (("candidate", b, 0.1), ("serving", a, 0.2)):
@@ -73,21 +73,21 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
     store = IndexStore(tmp_path / "idx")
     v1 = build_index(ck, db, store.root, calibrator=calibrator, progress=False)
     manifest = store.manifest(v1)
-    assert manifest["search_temperature_source"].startswith("calibrated")
+    assert manifest.search_temperature_source.startswith("calibrated")
 
     enc, _ = load_checkpoint(ck)
     zq, zdb = embed(enc, queries, progress=False), embed(enc, db, progress=False)
     ref = calibrate_temperature(zq, zdb, queries.latents, db.latents, db.default_generator(), train_temperature=0.5)
     # The minimiser of a flat objective is ill-conditioned (embedding round-off moves it a little);
     # the minimum value is not: both must agree.
-    assert manifest["search_temperature"] == pytest.approx(ref.temperature, rel=0.05)
+    assert manifest.search_temperature == pytest.approx(ref.temperature, rel=0.05)
     at_tau = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(),
-                         manifest["search_temperature"]).summary()["kl"]
+                         manifest.search_temperature).summary()["kl"]
     at_train = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(), 0.5).summary()["kl"]
     assert at_tau == pytest.approx(ref.gap_at_calibrated["kl"], rel=1e-4)
-    assert at_tau < at_train and manifest["calibration"]["gap_at_calibrated"] == pytest.approx(at_tau, rel=1e-5)
+    assert at_tau < at_train and manifest.calibration["gap_at_calibrated"] == pytest.approx(at_tau, rel=1e-5)
 
     # An explicit temperature wins over calibration.
     v2 = build_index(ck, db, store.root, calibrator=calibrator, progress=False,
                      fields={"search_temperature": 0.3, "search_temperature_source": "command line"})
-    assert store.manifest(v2)["search_temperature"] == 0.3 and "calibration" not in store.manifest(v2)
+    assert store.manifest(v2).search_temperature == 0.3 and store.manifest(v2).calibration is None

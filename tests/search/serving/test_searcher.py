@@ -112,7 +112,7 @@ def test_bounded_serving_uses_the_versions_stored_statistics(store_setup, tmp_pa
     import shutil
 
     from index.list_stats import ListStats
-    from index.manifest import read_manifest, write_manifest
+    from index.manifest import read_manifest_json, write_manifest
     from index.store import LIST_STATS_FILE
 
     root = tmp_path / "index"
@@ -132,7 +132,7 @@ def test_bounded_serving_uses_the_versions_stored_statistics(store_setup, tmp_pa
     for name in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(stats, name), getattr(fresh, name))
     vdir = root / "versions" / store_setup["v1"]
-    manifest = read_manifest(vdir)                              # as written before the statistics were stored
+    manifest = read_manifest_json(vdir)                              # as written before the statistics were stored
     del manifest["files"][LIST_STATS_FILE]
     write_manifest(vdir, manifest)
     with caplog.at_level(logging.INFO, logger="search.serving.normaliser"):
@@ -199,7 +199,7 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     # the store holds its own copy of the weights: overwriting the training checkpoint changes nothing
     store = IndexStore(root)
     store.activate(v2)
-    sha_b = store.manifest(v2)["checkpoint"]["sha256"]
+    sha_b = store.manifest(v2).checkpoint["sha256"]
     _checkpoint(store_setup["ck_b"], seed=99)  # overwrite ck_b with different weights
     assert searcher.reload().version == v2
     assert [h.id for h in searcher.search_images(img, 1)[0]] == [h.id for h in new.search(new.encode(img), 1)[0]]
@@ -374,7 +374,7 @@ def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, r
     build_index(store_setup["ck_a"], store_setup["ds"], root, kind="ivf-pq", params={"nlist": 4, "m": 4},
                 progress=False, force=True)
     snap = Searcher(root, load=True).snapshot()
-    assert snap.rerank == snap.manifest["params"]["rerank"] == snap.manifest["recall"]["rerank"] >= 1
+    assert snap.rerank == snap.manifest.params["rerank"] == snap.manifest.recall["rerank"] >= 1
     emb = np.asarray(snap.index.embeddings)
     q = rng.normal(size=(40, snap.dim)).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
