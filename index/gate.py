@@ -199,9 +199,7 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     k = min(k, n - 1)
     if k < 1:
         return {"recall": 1.0, "n_queries": 0, "k": 0, "measured_on": "a single item (nothing to miss)"}
-    spare = np.setdiff1d(np.arange(n), faiss_index.tuning_rows(n))
-    pool, where = (spare, "held-out stored rows") if spare.size else (np.arange(n), "stored rows (all tuned on)")
-    rows = np.sort(np.random.default_rng(seed).choice(pool, size=min(n_queries, pool.size), replace=False))
+    rows, where = held_out_rows(n, n_queries, seed)
     queries = np.array(emb[rows], dtype=np.float32)
     drop_pages(emb)
     rerank = faiss_index.rerank_factor(version.kind, version.manifest.params)
@@ -217,6 +215,19 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
                 rerank)
     return {"recall": recall, "n_queries": int(len(rows)), "k": int(k), "rerank": int(rerank),
             "measured_on": f"{len(rows)} {where}, own row excluded", "seconds": time.perf_counter() - t0}
+
+
+def held_out_rows(n: int, n_queries: int = GATE_QUERIES, seed: int = GATE_SEED) -> tuple[np.ndarray, str]:
+    """(sorted rows, what they are) the gate queries with: the first `n_queries` of a seeded draw of distinct rows
+    that the build did not tune on (`faiss_index.tuning_rows`); all rows' draw when every row was tuned on.
+    O(n_queries) memory at any N (no array of all N rows)."""
+    tuned = faiss_index.tuning_rows(n)
+    rng = np.random.default_rng(seed)
+    if n - len(tuned) <= 0:
+        return np.sort(rng.choice(n, size=min(n_queries, n), replace=False)), "stored rows (all tuned on)"
+    draw = rng.choice(n, size=min(n, n_queries + len(tuned)), replace=False)
+    spare = draw[~np.isin(draw, tuned)][:n_queries]
+    return np.sort(spare), "held-out stored rows"
 
 
 def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,

@@ -155,8 +155,11 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
     v = IndexStore(root).load()
     got = held_out_recall(v, n_queries=300)
     assert got["n_queries"] == 300
-    spare = np.setdiff1d(np.arange(4000), faiss_index.tuning_rows(4000))
-    rows = np.sort(np.random.default_rng(1).choice(spare, size=300, replace=False))
+    # the rule of gate.held_out_rows: the first 300 of a seeded draw of 1300 distinct rows not tuned on
+    tuned = set(faiss_index.tuning_rows(4000).tolist())
+    draw = np.random.default_rng(1).choice(4000, size=1300, replace=False)
+    rows = np.sort([r for r in draw if r not in tuned][:300])
+    assert len(rows) == 300 and not set(rows.tolist()) & tuned
     z = np.asarray(v.embeddings, np.float64)
     r = got["rerank"]
     hits = 0
