@@ -3,14 +3,14 @@
 A page read through a memory map stays in the process's resident set (RSS) until the mapping goes
 away, even though it is a clean copy of the file the kernel could drop at any time: one pass over a
 7.7 GB embeddings file through np.memmap shows up as 7.7 GB of RSS. The streamed build
-(index/stream.py) and the recall checks read their files in blocks and, after each block, tell the
+(index/stream.py), the recall checks and the server's exact and bounded normalisers
+(search/serving/normaliser.py) read their files in blocks and, after each block, tell the
 kernel this process no longer needs those pages (madvise MADV_DONTNEED). For a file mapping this
 only unmaps the pages from the process: they stay in the page cache (dirty ones are still written
 back), and the next access re-reads them from there.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 
@@ -18,37 +18,21 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["drop_pages", "drop_index_pages", "PagedRows", "iter_row_blocks"]
+__all__ = ["drop_pages", "drop_index_pages", "PagedRows", "iter_row_blocks", "advise_random", "releasable",
+           "release_pages"]
 
 BLOCK_ROWS = 1 << 16
 
 
-def _mapping(array) -> mmap.mmap | None:
-    """The mmap object behind a np.memmap (or a view of one), else None."""
-    seen = 0
-    while array is not None and seen < 8:
-        mm = getattr(array, "_mmap", None)
-        if isinstance(mm, mmap.mmap):
-            return mm
-        array = getattr(array, "base", None)
-        seen += 1
-    return None
-
-
 def drop_pages(array) -> None:
-    """Unmap the resident pages of the memory map behind `array` from this process (no-op for RAM arrays)."""
-    mm = _mapping(array)
-    if mm is not None and not mm.closed:
-        mm.madvise(mmap.MADV_DONTNEED)
-
-
-_libc = None
+    """Unmap the resident pages of the read-only memory map `array` from this process (`release_pages` of all
+    its rows; no-op for RAM arrays)."""
+    release_pages(array)
 
 
 def drop_index_pages(index) -> None:
     """Unmap the resident pages of a FAISS IVF index's on-disk inverted lists (`faiss.OnDiskInvertedLists`,
     whose mapping FAISS owns) from this process; no-op for lists in RAM."""
-    global _libc
     import faiss
 
     try:
@@ -59,12 +43,80 @@ def drop_index_pages(index) -> None:
     if not isinstance(od, faiss.OnDiskInvertedLists) or od.ptr is None or od.totsize == 0:
         return
     view = faiss.rev_swig_ptr(od.ptr, int(od.totsize))   # (totsize,) uint8 over FAISS's mapping, no copy
-    address = view.__array_interface__["data"][0]
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(int(od.totsize)), mmap.MADV_DONTNEED) != 0:
-        logger.debug("madvise on the on-disk lists failed (errno %d)", ctypes.get_errno())
+    _madvise(view.__array_interface__["data"][0], int(od.totsize), getattr(mmap, "MADV_DONTNEED", 4))
+
+
+def _madvise(start: int, length: int, advice: int) -> bool:
+    """madvise(2) on [start, start + length) (start page-aligned; the kernel rounds length up to
+    whole pages); False where there is no madvise (not POSIX) or it fails."""
+    global _LIBC
+    try:
+        import ctypes
+
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+        return _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
+    except (OSError, AttributeError):  # only a residency hint is lost
+        return False
+
+
+_LIBC = None
+
+
+def advise_random(embeddings: np.ndarray) -> bool:
+    """madvise(MADV_RANDOM) on the memory map behind `embeddings`: bounded reads scattered rows, so
+    a fault on a page not yet in the page cache should not read ahead its neighbours. (It does not
+    stop a fault from mapping the pages around it: on current kernels one read can map a whole
+    large folio, up to 2 MiB, so a few thousand scattered rows map the whole file; `release_pages`
+    after each query is what keeps them out of the process.) True if the advice was given."""
+    if getattr(embeddings, "filename", None) is None or not embeddings.size:
+        return False
+    import mmap
+
+    start = embeddings.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+    return _madvise(start, embeddings.ctypes.data + embeddings.nbytes - start, getattr(mmap, "MADV_RANDOM", 1))
+
+
+def releasable(embeddings: np.ndarray) -> bool:
+    """True for a read-only, file-backed, C-contiguous memory map (np.load(..., mmap_mode="r")):
+    the only kind `release_pages` touches (an in-RAM array, or a writable or copy-on-write map, is
+    left alone)."""
+    return (isinstance(embeddings, np.memmap) and getattr(embeddings, "mode", None) == "r"
+            and getattr(embeddings, "filename", None) is not None and embeddings.size > 0
+            and embeddings.flags.c_contiguous)
+
+
+def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = None) -> bool:
+    """Unmap from this process the pages of the memory map `embeddings` that hold rows [start, stop)
+    (all rows by default): madvise(MADV_DONTNEED). True if released; False (a no-op) unless
+    `releasable(embeddings)`.
+
+    Why: pages of a file mapping that a process has read stay mapped in it, and count in its RSS,
+    until it unmaps them, so a server that scans all N rows per query soon shows the whole file in
+    its RSS. For a read-only shared file mapping MADV_DONTNEED only drops this process's page-table
+    entries: the data stays in the OS page cache (shared, reclaimable) and a later read of those
+    rows faults the same bytes back in, so it is safe while other threads read them too.
+    The range is rounded out to whole pages, all inside the mapping (it covers the file's last page)."""
+    if not releasable(embeddings):
+        return False
+    import mmap
+
+    n = embeddings.shape[0]
+    stop = n if stop is None else min(int(stop), n)
+    if stop <= start:
+        return False
+    row, base = embeddings.strides[0], embeddings.ctypes.data
+    return _release_bytes(embeddings, base + int(start) * row, base + stop * row)
+
+
+def _release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
+    """MADV_DONTNEED on the addresses [lo, hi) of the releasable map `embeddings`, clipped to it."""
+    import mmap
+
+    base = embeddings.ctypes.data
+    lo = max(lo, base) // mmap.PAGESIZE * mmap.PAGESIZE
+    hi = min(hi, base + embeddings.nbytes)
+    return hi > lo and _madvise(lo, hi - lo, getattr(mmap, "MADV_DONTNEED", 4))
 
 
 class PagedRows:

@@ -61,6 +61,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from index.list_stats import ListStats
+from index.paging import _release_bytes, advise_random, release_pages, releasable
 
 logger = logging.getLogger(__name__)
 
@@ -172,79 +173,7 @@ def choose_method(count: int, dim: int, config: NormaliserConfig) -> str:
 
 
 # ----------------------------------------------------------------------------- memory-map residency
-
-
-def _madvise(start: int, length: int, advice: int) -> bool:
-    """madvise(2) on [start, start + length) (start page-aligned; the kernel rounds length up to
-    whole pages); False where there is no madvise (not POSIX) or it fails."""
-    global _LIBC
-    try:
-        import ctypes
-
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-        return _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
-    except (OSError, AttributeError):  # only a residency hint is lost
-        return False
-
-
-_LIBC = None
-
-
-def advise_random(embeddings: np.ndarray) -> bool:
-    """madvise(MADV_RANDOM) on the memory map behind `embeddings`: bounded reads scattered rows, so
-    a fault on a page not yet in the page cache should not read ahead its neighbours. (It does not
-    stop a fault from mapping the pages around it: on current kernels one read can map a whole
-    large folio, up to 2 MiB, so a few thousand scattered rows map the whole file; `release_pages`
-    after each query is what keeps them out of the process.) True if the advice was given."""
-    if getattr(embeddings, "filename", None) is None or not embeddings.size:
-        return False
-    import mmap
-
-    start = embeddings.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    return _madvise(start, embeddings.ctypes.data + embeddings.nbytes - start, getattr(mmap, "MADV_RANDOM", 1))
-
-
-def releasable(embeddings: np.ndarray) -> bool:
-    """True for a read-only, file-backed, C-contiguous memory map (np.load(..., mmap_mode="r")):
-    the only kind `release_pages` touches (an in-RAM array, or a writable or copy-on-write map, is
-    left alone)."""
-    return (isinstance(embeddings, np.memmap) and getattr(embeddings, "mode", None) == "r"
-            and getattr(embeddings, "filename", None) is not None and embeddings.size > 0
-            and embeddings.flags.c_contiguous)
-
-
-def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = None) -> bool:
-    """Unmap from this process the pages of the memory map `embeddings` that hold rows [start, stop)
-    (all rows by default): madvise(MADV_DONTNEED). True if released; False (a no-op) unless
-    `releasable(embeddings)`.
-
-    Why: pages of a file mapping that a process has read stay mapped in it, and count in its RSS,
-    until it unmaps them, so a server that scans all N rows per query soon shows the whole file in
-    its RSS. For a read-only shared file mapping MADV_DONTNEED only drops this process's page-table
-    entries: the data stays in the OS page cache (shared, reclaimable) and a later read of those
-    rows faults the same bytes back in, so it is safe while other threads read them too.
-    The range is rounded out to whole pages, all inside the mapping (it covers the file's last page)."""
-    if not releasable(embeddings):
-        return False
-    import mmap
-
-    n = embeddings.shape[0]
-    stop = n if stop is None else min(int(stop), n)
-    if stop <= start:
-        return False
-    row, base = embeddings.strides[0], embeddings.ctypes.data
-    return _release_bytes(embeddings, base + int(start) * row, base + stop * row)
-
-
-def _release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
-    """MADV_DONTNEED on the addresses [lo, hi) of the releasable map `embeddings`, clipped to it."""
-    import mmap
-
-    base = embeddings.ctypes.data
-    lo = max(lo, base) // mmap.PAGESIZE * mmap.PAGESIZE
-    hi = min(hi, base + embeddings.nbytes)
-    return hi > lo and _madvise(lo, hi - lo, getattr(mmap, "MADV_DONTNEED", 4))
+# (index/paging.py, the one home of reading mapped files without keeping them resident)
 
 
 # ----------------------------------------------------------------------------- the bound
