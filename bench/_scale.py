@@ -44,7 +44,7 @@ def encoder_checkpoint(path: Path, steps: int = 300) -> Path:
 def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | None = None,
                     checkpoint: Path | None = None) -> tuple[Path, str]:
     """(root, current version): a store over `size` synthetic items, built unless it already exists."""
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from index.store import IndexStore
     from training.datasets import create_dataset
 
@@ -60,7 +60,8 @@ def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | 
     ds = create_dataset("synthetic", split="train", size=size, seed=0, image_size=ENCODER["image_size"],
                         resolution=ENCODER["image_size"])
     params = dict(IVF_PQ if params is None and kind == "ivf-pq" else params or {})
-    version = build_index(checkpoint, ds, root, kind=kind, params=params, batch_size=1024, progress=True, force=True)
+    version = build_index(checkpoint, ds, root,
+                          BuildOptions(kind=kind, params=params, batch_size=1024, progress=True, force=True))
     return root, _servable(store, version)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from _common import row, write_results
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from search.duplicates.calibration import expected_calibration_error, top1
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import (ThumbCache, _nearest, _verified, calibrate_snapshot, embed_bytes,
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
         image_size = int(read_checkpoint_metadata(args.checkpoint)["encoder"]["image_size"])
         ds = create_dataset("folder", split="all", root=str(folder), image_size=image_size)
         root = work / "index"
-        build_index(args.checkpoint, ds, root, progress=False)
+        build_index(args.checkpoint, ds, root, BuildOptions(progress=False))
         searcher = Searcher(root)
         searcher.load()
         snap = searcher.snapshot()
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
         klass = {i: i.split("/")[0] for i in ids}
         # the `index add` flow: `softsearch dedup` calibrated the folder before the copies were added to it
         build_index(args.checkpoint, create_dataset("folder", split="all", root=args.folder, image_size=image_size),
-                    work / "index-before", progress=False)
+                    work / "index-before", BuildOptions(progress=False))
         before = Searcher(work / "index-before")
         before.load()
         rows, stages = [], {}

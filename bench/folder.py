@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(args, work: Path) -> int:
     import torch
 
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from index.store import IndexStore
     from training.checkpoint import load_checkpoint
     from training.datasets import create_dataset
@@ -174,7 +174,7 @@ def _bench(args, work: Path) -> int:
     best_build, best_plain = 0.0, 0.0
     for rep in range(args.embed_repeats):
         root = work / f"index-{rep}"
-        version = build_index(ckpt, train_ds, root, batch_size=256, progress=False)
+        version = build_index(ckpt, train_ds, root, BuildOptions(batch_size=256, progress=False))
         best_build = max(best_build, IndexStore(root).manifest(version).sources[0]["images_per_s"])
         t0 = time.perf_counter()
         with torch.inference_mode():   # the plain loop a user would write without the cache

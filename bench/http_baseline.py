@@ -74,7 +74,7 @@ def train_folder(work: Path, steps: int) -> Path:
 
 def build_case(name: str, work: Path, checkpoint: Path | None, train_steps: int = 80) -> dict:
     """{root, version_dir, checkpoint, square, payloads, items} for one case."""
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from training.datasets import create_dataset
     from training.encoder import EncoderConfig
 
@@ -93,7 +93,7 @@ def build_case(name: str, work: Path, checkpoint: Path | None, train_steps: int 
         ds = create_dataset("synthetic", split="train", size=2000, seed=0)
         payloads = query_payloads(N_QUERIES)
     root = work / f"{name}_index"
-    version = build_index(checkpoint, ds, root, progress=False)
+    version = build_index(checkpoint, ds, root, BuildOptions(progress=False))
     return {"root": root, "version_dir": root / "versions" / version, "checkpoint": checkpoint,
             "square": name == "folder", "payloads": payloads, "items": len(ds)}
 

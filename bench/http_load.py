@@ -41,7 +41,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def build_bench_index(workdir: Path, size: int) -> Path:
     """A synthetic index built with the default (untrained, seeded) encoder configuration."""
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from training.checkpoint import save_checkpoint
     from training.datasets import create_dataset
     from training.encoder import EncoderConfig, create_encoder
@@ -50,7 +50,7 @@ def build_bench_index(workdir: Path, size: int) -> Path:
     ck = save_checkpoint(workdir / "encoder.safetensors", create_encoder(EncoderConfig()), step=0,
                          train_config={"bench": "http"}, lineage={"objective": "untrained", "temperature": 0.1})
     root = workdir / "index"
-    build_index(ck, create_dataset("synthetic", split="train", size=size, seed=0), root, progress=False)
+    build_index(ck, create_dataset("synthetic", split="train", size=size, seed=0), root, BuildOptions(progress=False))
     return root
 
 

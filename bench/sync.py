@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from index.store import IndexStore
     from index.sync import sync_index
     from index.transfer import export_version, import_version
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             return create_dataset("folder", split="all", root=str(folder), image_size=args.image_size)
 
         root = work / "index"
-        base = build_index(ck, dataset(), root, progress=False)
+        base = build_index(ck, dataset(), root, BuildOptions(progress=False))
         change = _change(folder, held, rng)
         sync_s, build_s, counts = [], [], {}
         for r in range(args.repeats):            # interleaved: sync, then the from-scratch build
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
             version, counts = sync_index(root, base=base, activate=False, progress=False)
             sync_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            build_index(ck, dataset(), work / f"scratch{r}", progress=False)
+            build_index(ck, dataset(), work / f"scratch{r}", BuildOptions(progress=False))
             build_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         archive = export_version(root, work / "v.tar", version)

@@ -19,13 +19,14 @@ ActivationRefused) when ``candidate < serving - margin`` or the recall is below 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import faiss
 import numpy as np
@@ -353,34 +354,56 @@ def _source_record(ds, res: EmbedResult, source: int) -> dict:
 # ----------------------------------------------------------------------------- public API
 
 
-def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict | None = None,
-                evaluator: Evaluator | None = None, calibrator: Calibrator | None = None,
-                margin: float = DEFAULT_MARGIN, force: bool = False,
-                activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
-                target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
-                shard_size: int = 8192, device=None, fields: dict | None = None, progress: bool = True,
-                metadata: Metadata | None = None, _parent: str | None = None) -> str:
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """The knobs of `build_index` and `rebuild_index` (one bag, checked once by `build_index`)."""
+
+    #: FAISS kind (index/faiss_index.py KINDS) or "auto" (`choose_kind` under `memory_budget`); None: flat
+    #: for a build, the current version's kind for a rebuild
+    kind: str | None = None
+    params: dict | None = None                  # FAISS build parameters (nlist, m, M, ...)
+    evaluator: Evaluator | None = None          # the quality gate's scorer (index/gate.py)
+    calibrator: Calibrator | None = None        # the search temperature's calibration
+    margin: float = DEFAULT_MARGIN              # quality gate: candidate >= serving - margin
+    force: bool = False                         # activate even when the activation rule refuses
+    activate: bool = True
+    keep: int | None = None                     # prune to this many versions after activating
+    memory_budget: int | None = None            # bytes, for kind "auto"
+    target_recall: float = 0.95                 # recall@10 the FAISS parameters are tuned to reach
+    batch_size: int = 256                       # embedding batch
+    num_workers: int = 0                        # DataLoader workers
+    shard_size: int = 8192                      # items per resumable embedding shard
+    device: Any = None                          # torch device (None: default_device)
+    fields: dict | None = None                  # extra manifest fields (e.g. search_temperature)
+    progress: bool = True                       # tqdm bars
+    metadata: Metadata | None = None            # user per-item fields, merged over the built-in ones
+
+
+
+def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, *, _parent: str | None = None) -> str:
     """Embed `dataset` (one ImageDataset or a list) with `checkpoint` and write a new version.
 
-    Returns the version name (activated unless `activate=False`; QualityGateError when the
-    evaluator refuses it). The manifest's ``search_temperature`` is, in order of precedence: one
-    given in `fields`, the `calibrator`'s held-out optimum, the checkpoint's training temperature.
-    `metadata` adds user fields to the built-in per-item ones (index/metadata.py).
+    Returns the version name (activated unless `options.activate` is False; QualityGateError when
+    the evaluator refuses it). The manifest's ``search_temperature`` is, in order of precedence: one
+    given in `options.fields`, the `calibrator`'s held-out optimum, the checkpoint's training
+    temperature. `options.metadata` adds user fields to the built-in per-item ones (index/metadata.py).
     Under torchrun every rank embeds its shards; rank 0 builds, and all ranks return the version.
     """
     from training.checkpoint import checkpoint_sha256, load_checkpoint
 
     t_start = time.perf_counter()
+    o = options or BuildOptions()
+    kind = o.kind or "flat"
     datasets = _as_list(dataset)
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     if kind != "auto":
         faiss_index._check_kind(kind)
-    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
+    _check_opts(o.batch_size, o.num_workers, o.shard_size, o.target_recall, o.keep, o.margin)
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
-        device = default_device(device if device is not None else dist_device)
+        device = default_device(o.device if o.device is not None else dist_device)
         encoder, info = load_checkpoint(checkpoint, device=device)
         for ds in datasets:
             if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
@@ -393,23 +416,21 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
             for ds in datasets:   # file states as read, taken before embedding (see index/items.py)
                 records.update(dataset_records(ds))
                 item_metadata = item_metadata.merge(dataset_metadata(ds))
-            if metadata is not None:
-                item_metadata = item_metadata.merge(metadata)
-                report_unknown_ids(metadata, [i for ds in datasets for i in ds.item_ids()], "--metadata")
+            if o.metadata is not None:
+                item_metadata = item_metadata.merge(o.metadata)
+                report_unknown_ids(o.metadata, [i for ds in datasets for i in ds.item_ids()], "--metadata")
         t0 = time.perf_counter()
-        embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=shard_size, batch_size=batch_size,
-                                  num_workers=num_workers, device=device, rank=rank, world=world, progress=progress)
+        embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=o.shard_size,
+                                  batch_size=o.batch_size, num_workers=o.num_workers, device=device, rank=rank,
+                                  world=world, progress=o.progress)
         embed_s = time.perf_counter() - t0
         outcome: tuple[str | None, BaseException | None] = (None, None)
         if rank == 0:
             try:
-                version = _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, kind=kind,
-                                        params=params, evaluator=evaluator, calibrator=calibrator,
-                                        margin=margin, force=force,
-                                        activate=activate, keep=keep, memory_budget=memory_budget,
-                                        target_recall=target_recall, fields=fields, embed_s=embed_s,
-                                        t_start=t_start, world=world, parent=_parent, records=records,
-                                        metadata=item_metadata)
+                version = _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded,
+                                        dataclasses.replace(o, kind=kind, metadata=item_metadata),
+                                        embed_s=embed_s, t_start=t_start, world=world, parent=_parent,
+                                        records=records)
                 outcome = (version, None)
             except BaseException as err:  # noqa: BLE001 - re-raised below after telling the other ranks
                 outcome = (None, err)
@@ -421,9 +442,9 @@ def build_index(checkpoint, dataset, root, kind: str = "flat", *, params: dict |
         return shared[0]
 
 
-def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind, params, evaluator, calibrator,
-                  margin, force, activate, keep, memory_budget, target_recall, fields, embed_s, t_start, world, parent,
-                  records, metadata) -> str:
+def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: BuildOptions, *, embed_s, t_start,
+                  world, parent, records) -> str:
+    """Rank 0's part of `build_index` once every shard is embedded (`o.metadata`: the merged item metadata)."""
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
     for s, (ds, res) in enumerate(zip(datasets, results)):
@@ -449,14 +470,15 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, *, kind
         "world_size": world,
         "parent": parent,
     }
-    manifest_fields.update(fields or {})
+    manifest_fields.update(o.fields or {})
     timings = {"embed_s": embed_s}
     with released_on_disk_full(caches):
-        version, staging = write_version(store, emb, ids, kind=kind, params=params, memory_budget=memory_budget,
-                                         target_recall=target_recall, fields=manifest_fields, timings=timings,
-                                         extra_files=item_files(records, metadata, ids))
-        version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                     activate=activate, keep=keep, calibrator=calibrator,
+        version, staging = write_version(store, emb, ids, kind=o.kind, params=o.params,
+                                         memory_budget=o.memory_budget, target_recall=o.target_recall,
+                                         fields=manifest_fields, timings=timings,
+                                         extra_files=item_files(records, o.metadata, ids))
+        version = _gate_and_activate(store, version, staging, evaluator=o.evaluator, margin=o.margin, force=o.force,
+                                     activate=o.activate, keep=o.keep, calibrator=o.calibrator,
                                      path="index rebuild" if parent else "index build", t_start=t_start,
                                      model=(ckpt_sha, checkpoint))
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
@@ -478,8 +500,9 @@ def _stamp_total(staging: Path, t_start: float) -> None:
     update_manifest(staging, timings={**timings, "total_s": time.perf_counter() - t_start})
 
 
-def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
-    """Re-embed the current version's corpus (its manifest's dataset specs) with a new checkpoint."""
+def rebuild_index(root, checkpoint, options: BuildOptions | None = None) -> str:
+    """Re-embed the current version's corpus (its manifest's dataset specs) with a new checkpoint
+    (`options.kind` None: the current version's kind; its user metadata fields carry over)."""
     from training.datasets import create_dataset
 
     store = IndexStore(root)
@@ -495,9 +518,11 @@ def rebuild_index(root, checkpoint, *, kind: str | None = None, **opts) -> str:
             logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
                            src["spec"], current)
         datasets.append(ds)
+    o = options or BuildOptions()
     carried = user_fields(read_metadata(store.path(current)))   # the user's fields survive a rebuild
-    opts["metadata"] = carried.merge(opts["metadata"]) if opts.get("metadata") is not None else carried
-    return build_index(checkpoint, datasets, root, kind=kind or manifest.kind, _parent=current, **opts)
+    metadata = carried.merge(o.metadata) if o.metadata is not None else carried
+    return build_index(checkpoint, datasets, root, dataclasses.replace(o, kind=o.kind or manifest.kind,
+                                                                       metadata=metadata), _parent=current)
 
 
 def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,

@@ -418,7 +418,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         require_store(args.root)
     store = IndexStore(args.root)
     t0 = time.perf_counter()
-    from index.build import add_items, build_index, rebuild_index
+    from index.build import BuildOptions, add_items, build_index, rebuild_index
     from index.embed import dist_env
     from index.sync import delete_items, read_ids_file, sync_index
     from index.transfer import export_version, import_version
@@ -443,9 +443,9 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                                  "--embeddings FILE (your own vectors)")
             with _build_checkpoint(args, store) as checkpoint:
                 version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
-                                      kind=args.kind, **opts)
+                                      BuildOptions(kind=args.kind, **opts))
         else:
-            version = rebuild_index(args.root, args.checkpoint, kind=args.kind, **opts)
+            version = rebuild_index(args.root, args.checkpoint, BuildOptions(kind=args.kind, **opts))
         if rank == 0:
             print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
             if not args.no_activate:

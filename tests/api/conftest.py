@@ -16,7 +16,7 @@ from api_helpers import ADMIN_TOKEN, INDEX_SIZE, make_checkpoint  # noqa: E402
 
 from api.app import create_app  # noqa: E402
 from api.config import Settings  # noqa: E402
-from index.build import build_index  # noqa: E402
+from index.build import BuildOptions, build_index  # noqa: E402
 from training.datasets import create_dataset  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def api_index(tmp_path_factory, api_dataset):
     base = tmp_path_factory.mktemp("api_index")
     ck = make_checkpoint(base / "encoder.safetensors", seed=7)
     root = base / "index"
-    version = build_index(ck, api_dataset, root, progress=False)
+    version = build_index(ck, api_dataset, root, BuildOptions(progress=False))
     return {"root": root, "checkpoint": ck, "version": version, "base": base}
 
 
@@ -50,7 +50,7 @@ def folder_index(tmp_path_factory, make_image_folder):
     user.write_text("id,rating\n" + "".join(f"{i},{n % 5}\n" for n, i in enumerate(ids)))
     root = base / "index"
     ds = create_dataset("folder", split="all", root=str(folder), image_size=32)
-    build_index(ck, ds, root, progress=False, metadata=load_user_metadata(user))
+    build_index(ck, ds, root, BuildOptions(progress=False, metadata=load_user_metadata(user)))
     version = IndexStore(root).load(verify=False, gpu=False)
     return {"root": root, "folder": folder, "version": version, "ids": ids}
 

@@ -15,7 +15,7 @@ from PIL import Image
 
 from api.app import create_app
 from api.config import Settings, load_settings
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
 from training.encoder import embed
@@ -277,7 +277,7 @@ def test_readiness_before_and_after_first_index(tmp_path, api_index, api_dataset
         assert r.status_code == 503 and r.json()["error"] == "not_ready"
         assert client.post("/v1/search/vector", json={"vector": [1.0] * 16}).status_code == 503
         assert "softsearch_ready 0" in client.get("/metrics").text
-        version = build_index(api_index["checkpoint"], api_dataset, root, progress=False)
+        version = build_index(api_index["checkpoint"], api_dataset, root, BuildOptions(progress=False))
         r = client.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         assert r.status_code == 200 and r.json()["version"] == version
         assert client.get("/readyz").status_code == 200

@@ -134,13 +134,14 @@ def test_client_raises_server_errors_and_reads_service_routes(ss, folder_index):
 def test_item_search_equals_vector_search_for_every_index_kind(tmp_path_factory, api_dataset, kind, params):
     """POST /v1/search/item == /v1/search/vector with the item's stored embedding: same ids, same p to 1e-6."""
     from api_helpers import make_checkpoint
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from index.store import IndexStore
 
     base = tmp_path_factory.mktemp(f"kind-{kind}")
     root = base / "index"
-    build_index(make_checkpoint(base / "enc.safetensors", seed=3), api_dataset, root, kind=kind, params=params,
-                progress=False, force=True)
+    build_index(make_checkpoint(base / "enc.safetensors", seed=3), api_dataset, root,
+                BuildOptions(kind=kind, params=params,
+                             progress=False, force=True))
     version = IndexStore(root).load(verify=False, gpu=False)
     with TestClient(create_app(Settings(index_root=root))) as http:
         ss = SoftsearchClient(http=http)

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from api.config import Settings
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.store import IndexStore
 from training.datasets import create_dataset
 
@@ -27,18 +27,18 @@ def test_follows_current_and_refuses_a_broken_version_once(tmp_path):
     ck_c = make_checkpoint(tmp_path / "c.safetensors", seed=33)
     root = tmp_path / "index"
     ds = create_dataset("synthetic", split="train", size=40, seed=0)
-    v1 = build_index(ck_a, ds, root, progress=False)
+    v1 = build_index(ck_a, ds, root, BuildOptions(progress=False))
     with TestClient(create_app(Settings(index_root=root, watch_interval_s=0.05))) as client:
         version = lambda: client.get("/readyz").json()["version"]  # noqa: E731
         assert version() == v1
-        v2 = build_index(ck_b, ds, root, progress=False)  # activates: served without any reload
+        v2 = build_index(ck_b, ds, root, BuildOptions(progress=False))  # activates: served without any reload
         _wait_for(lambda: version() == v2)
         metrics = client.app.state.metrics
         assert metrics.sample("softsearch_index_reloads_total", result="changed") == 1
         assert metrics.sample("softsearch_index_info", version=v2) == 1
         assert metrics.sample("softsearch_index_info", version=v1) is None
 
-        v3 = build_index(ck_c, ds, root, progress=False, activate=False)
+        v3 = build_index(ck_c, ds, root, BuildOptions(progress=False, activate=False))
         store = IndexStore(root)
         with open(store.path(v3) / "ids.json", "r+b") as fh:  # damaged on disk: its checksum no longer matches
             fh.write(b"{")

@@ -11,7 +11,7 @@ from api_helpers import ADMIN_TOKEN, SearchClients, ServerThread, make_checkpoin
 
 from api.app import create_app
 from api.config import Settings
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
@@ -42,7 +42,7 @@ def test_hot_swap_under_load(tmp_path):
     # each swap changes encoder, size or dimension, so answers really differ between versions
     plan = [(ck_a, 100), (ck_b, 80), (ck_wide, 90), (ck_a, 60), (ck_b, 110), (ck_wide, 70)]
     first = build_index(plan[0][0], create_dataset("synthetic", split="train", size=plan[0][1], seed=0), root,
-                        progress=False)
+                        BuildOptions(progress=False))
     queries = create_dataset("synthetic", split="test", size=8, seed=0)
     images = [queries.image(i) for i in range(len(queries))]
     payloads = [png_bytes(im) for im in images]
@@ -54,7 +54,7 @@ def test_hot_swap_under_load(tmp_path):
             for ck, size in plan[1:SWAPS + 1]:
                 time.sleep(0.5)
                 versions.append(build_index(ck, create_dataset("synthetic", split="train", size=size, seed=0), root,
-                                            progress=False))
+                                            BuildOptions(progress=False)))
                 r = admin.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
                 assert r.status_code == 200 and r.json()["version"] == versions[-1], r.text
                 load.wait_for(CLIENTS)  # queries on this version

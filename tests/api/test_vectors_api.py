@@ -105,14 +105,14 @@ def test_swaps_between_an_image_version_and_a_vector_version(tmp_path):
     with each swap; vector answers match brute force on the version being served."""
     from api_helpers import make_checkpoint
 
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from search.evaluation.quality import evaluate_version
     from search.serving.searcher import NoEncoderError, Searcher
     from training.datasets import create_dataset
 
     root = tmp_path / "store"
     ds = create_dataset("synthetic", split="train", size=64, seed=0)
-    v1 = build_index(make_checkpoint(tmp_path / "enc.safetensors", seed=3), ds, root, progress=False)
+    v1 = build_index(make_checkpoint(tmp_path / "enc.safetensors", seed=3), ds, root, BuildOptions(progress=False))
     searcher = Searcher(root, load=True)
     image = Image.new("RGB", (32, 32), (10, 200, 30))
     assert len(searcher.search_images([image], 3)[0]) == 3

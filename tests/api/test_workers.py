@@ -15,7 +15,7 @@ from api_helpers import ADMIN_TOKEN, make_checkpoint, png_bytes
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from api.launch import serve_process
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from training.datasets import create_dataset
 
 WORKERS = 2
@@ -46,7 +46,8 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
     ck_a = make_checkpoint(tmp_path / "a.safetensors", seed=21)
     ck_b = make_checkpoint(tmp_path / "b.safetensors", seed=22)
     root = tmp_path / "index"
-    v1 = build_index(ck_a, create_dataset("synthetic", split="train", size=64, seed=0), root, progress=False)
+    v1 = build_index(ck_a, create_dataset("synthetic", split="train", size=64, seed=0), root,
+                     BuildOptions(progress=False))
     queries = create_dataset("synthetic", split="test", size=8, seed=0)
     payloads = [png_bytes(queries.image(i)) for i in range(len(queries))]
     metrics_dir = tmp_path / "metrics"
@@ -81,7 +82,8 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
             assert m[f'softsearch_index_info{{version="{v1}"}}'] == 1
 
         # a new version: the admin reload reaches one worker, the other follows the store's pointer
-        v2 = build_index(ck_b, create_dataset("synthetic", split="train", size=48, seed=0), root, progress=False)
+        v2 = build_index(ck_b, create_dataset("synthetic", split="train", size=48, seed=0), root,
+                         BuildOptions(progress=False))
         r = httpx.post(url + "/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
         assert r.status_code == 200 and r.json()["version"] == v2, r.text
         deadline = time.monotonic() + 30

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.build import QualityGateError, add_items, build_index, rebuild_index
+from index.build import BuildOptions, QualityGateError, add_items, build_index, rebuild_index
 from index.embed import cache_key, embed_shards, prepare_cache
 from index.store import IndexStore, IndexVersion
 from training.checkpoint import checkpoint_sha256, load_checkpoint
@@ -30,8 +30,8 @@ def test_ds():
 
 
 def test_build_embeds_indexes_and_describes(tmp_path, tiny_checkpoint, train_ds):
-    version = build_index(tiny_checkpoint, train_ds, tmp_path, kind="flat", batch_size=32, shard_size=40,
-                          progress=False)
+    version = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="flat", batch_size=32, shard_size=40,
+                                                                            progress=False))
     store = IndexStore(tmp_path)
     assert store.current_version() == version and store.versions() == [version]
     loaded = store.load()
@@ -53,7 +53,7 @@ def test_build_embeds_indexes_and_describes(tmp_path, tiny_checkpoint, train_ds)
 
 
 def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, test_ds):
-    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, kind="hnsw", progress=False)
+    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="hnsw", progress=False))
     store = IndexStore(tmp_path)
     old = store.load()
     v2 = add_items(tmp_path, test_ds, progress=False)
@@ -76,15 +76,15 @@ def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, te
 
 
 def test_add_refuses_another_checkpoint(tmp_path, tiny_checkpoint, other_checkpoint, train_ds, test_ds):
-    build_index(tiny_checkpoint, train_ds, tmp_path, progress=False)
+    build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(progress=False))
     with pytest.raises(ValueError, match="rebuild"):
         add_items(tmp_path, test_ds, checkpoint=other_checkpoint, progress=False)
 
 
 def test_rebuild_reembeds_current_corpus(tmp_path, tiny_checkpoint, other_checkpoint, train_ds, test_ds):
-    build_index(tiny_checkpoint, train_ds, tmp_path, kind="ivf-flat", params={"nlist": 2}, progress=False)
+    build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="ivf-flat", params={"nlist": 2}, progress=False))
     v2 = add_items(tmp_path, test_ds, progress=False)
-    v3 = rebuild_index(tmp_path, other_checkpoint, progress=False)
+    v3 = rebuild_index(tmp_path, other_checkpoint, BuildOptions(progress=False))
     store = IndexStore(tmp_path)
     new = store.load()
     assert store.current_version() == v3 and new.manifest.parent == v2
@@ -106,7 +106,8 @@ def test_unreadable_images_are_skipped_and_listed(tmp_path, tiny_checkpoint):
     (folder / "truncated.png").write_bytes(full[: len(full) // 2])
     ds = create_dataset("folder", split="all", root=str(folder))
     assert len(ds) == 6 and len(ds.skipped) == 2      # refused at decode time, once, with a reason
-    version = build_index(tiny_checkpoint, ds, tmp_path / "idx", batch_size=4, shard_size=3, progress=False)
+    version = build_index(tiny_checkpoint, ds, tmp_path / "idx",
+                          BuildOptions(batch_size=4, shard_size=3, progress=False))
     m = IndexStore(tmp_path / "idx").manifest(version)
     assert m.count == 6 and m.skipped_count == 2 and m.sources[0]["skipped"] == 2
     assert sorted((s["id"], s["reason"]) for s in m.skipped) == [("garbage.png", "not_an_image"),
@@ -125,7 +126,7 @@ def test_resume_reuses_finished_shards(tmp_path, tiny_checkpoint, train_ds):
     prepare_cache(store.staging_dir / f"embed-{key}", key, idx, 16)
     assert embed_shards(encoder, train_ds, store.staging_dir / f"embed-{key}", idx, shard_size=16, rank=0,
                         world_size=2, progress=False) == 3
-    version = build_index(tiny_checkpoint, train_ds, tmp_path, shard_size=16, progress=False)
+    version = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(shard_size=16, progress=False))
     loaded = store.load(version)
     assert loaded.manifest.sources[0]["resumed_shards"] == 3
     np.testing.assert_allclose(loaded.embeddings, _reference(tiny_checkpoint, train_ds), atol=1e-5)
@@ -139,19 +140,21 @@ def test_quality_gate(tmp_path, tiny_checkpoint, other_checkpoint, train_ds):
         assert isinstance(candidate, IndexVersion) and isinstance(serving, IndexVersion)
         return {"metric": "recall@10", "candidate": 0.50, "serving": 0.60}
 
-    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, evaluator=evaluator, progress=False)
+    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(evaluator=evaluator, progress=False))
     assert seen == []                                        # nothing serving yet: no comparison
     with pytest.raises(QualityGateError, match="refused") as info:
-        build_index(other_checkpoint, train_ds, tmp_path, evaluator=evaluator, margin=0.05, progress=False)
+        build_index(other_checkpoint, train_ds, tmp_path,
+                    BuildOptions(evaluator=evaluator, margin=0.05, progress=False))
     store = IndexStore(tmp_path)
     v2 = info.value.version
     assert seen[0][1].version == v1 and seen[0][0].version == v2
     assert store.current_version() == v1 and v2 in store.versions()
     gate = store.manifest(v2).quality_gate.to_json()
     assert gate["passed"] is False and gate["serving_version"] == v1 and gate["metric"] == "recall@10"
-    v3 = build_index(other_checkpoint, train_ds, tmp_path, evaluator=evaluator, margin=0.2, progress=False)
+    v3 = build_index(other_checkpoint, train_ds, tmp_path,
+                     BuildOptions(evaluator=evaluator, margin=0.2, progress=False))
     assert store.current_version() == v3 and store.manifest(v3).quality_gate.passed is True
-    v4 = build_index(tiny_checkpoint, train_ds, tmp_path, evaluator=evaluator, force=True, progress=False)
+    v4 = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(evaluator=evaluator, force=True, progress=False))
     assert store.current_version() == v4 and store.manifest(v4).quality_gate.forced is True
 
 
@@ -159,15 +162,16 @@ def test_build_rejects_bad_input(tmp_path, tiny_checkpoint, train_ds):
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         build_index(tmp_path / "missing.safetensors", train_ds, tmp_path)
     with pytest.raises(ValueError, match="unknown index kind 'annoy'"):
-        build_index(tiny_checkpoint, train_ds, tmp_path, kind="annoy")
+        build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="annoy"))
     with pytest.raises(ValueError, match="image_size"):
-        build_index(tiny_checkpoint, create_dataset("synthetic", size=4, image_size=16), tmp_path, progress=False)
+        build_index(tiny_checkpoint, create_dataset("synthetic", size=4, image_size=16), tmp_path,
+                    BuildOptions(progress=False))
     with pytest.raises(FileNotFoundError, match="no current"):
         rebuild_index(tmp_path / "empty", tiny_checkpoint)
 
 
 def test_failure_while_writing_leaves_current_intact(tmp_path, tiny_checkpoint, train_ds, monkeypatch):
-    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, progress=False)
+    v1 = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(progress=False))
     import index.build as build_mod
 
     def crash(*args, **kwargs):
@@ -175,7 +179,7 @@ def test_failure_while_writing_leaves_current_intact(tmp_path, tiny_checkpoint, 
 
     monkeypatch.setattr(build_mod, "write_manifest", crash)
     with pytest.raises(OSError, match="disk full"):
-        build_index(tiny_checkpoint, train_ds, tmp_path, kind="hnsw", progress=False)
+        build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="hnsw", progress=False))
     store = IndexStore(tmp_path)
     assert store.versions() == [v1] and store.current_version() == v1
     assert len(store.load(verify=True)) == 96

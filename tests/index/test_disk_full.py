@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from api.cli import main
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.cli import STORAGE_FAILED
 from index.disk import format_bytes
 from index.store import IndexStore
@@ -48,7 +48,7 @@ def two_versions(tmp_path_factory, tiny_checkpoint):
     """{root, versions}: a store on the ordinary disk with two activated versions (40 then 60 items)."""
     root = tmp_path_factory.mktemp("disk_full") / "store"
     versions = [build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=n, seed=0), root,
-                            progress=False) for n in (40, 60)]
+                            BuildOptions(progress=False)) for n in (40, 60)]
     return {"root": root, "versions": versions}
 
 
@@ -118,7 +118,8 @@ def test_build_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, capsys, 
 
 def test_import_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, tmp_path, capsys):
     other = tmp_path / "other"
-    build_index(tiny_checkpoint, create_dataset("synthetic", split="test", size=300, seed=1), other, progress=False)
+    build_index(tiny_checkpoint, create_dataset("synthetic", split="test", size=300, seed=1), other,
+                BuildOptions(progress=False))
     archive = export_version(other, tmp_path / "v.tar")
     root = small_fs / "store"
     shutil.copytree(two_versions["root"], root)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.store import IndexStore
 from training.datasets import create_dataset
 
@@ -29,15 +29,15 @@ def _env() -> dict:
 def test_sigkill_mid_build_leaves_current_loadable_and_resumes(tmp_path, tiny_checkpoint):
     root = tmp_path / "idx"
     small = create_dataset("synthetic", split="train", size=64, seed=0)
-    v1 = build_index(tiny_checkpoint, small, root, progress=False)
+    v1 = build_index(tiny_checkpoint, small, root, BuildOptions(progress=False))
     store = IndexStore(root)
     before = store.load()
     queries = before.embeddings[:5]
     expected = before.search(queries, 5)
 
-    script = (f"from index.build import build_index; from training.datasets import create_dataset; "
+    script = (f"from index.build import BuildOptions, build_index; from training.datasets import create_dataset; "
               f"build_index({str(tiny_checkpoint)!r}, create_dataset('synthetic', size=2000, seed=3), "
-              f"{str(root)!r}, shard_size=64, batch_size=32, progress=False)")
+              f"{str(root)!r}, BuildOptions(shard_size=64, batch_size=32, progress=False))")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 90
@@ -61,7 +61,7 @@ def test_sigkill_mid_build_leaves_current_loadable_and_resumes(tmp_path, tiny_ch
         np.testing.assert_array_equal(a, b)
     # rerun: picks up the finished shards and produces the full version
     big = create_dataset("synthetic", size=2000, seed=3)
-    v2 = build_index(tiny_checkpoint, big, root, shard_size=64, batch_size=32, progress=False)
+    v2 = build_index(tiny_checkpoint, big, root, BuildOptions(shard_size=64, batch_size=32, progress=False))
     m = store.manifest(v2)
     assert m.count == 2000 and m.sources[0]["resumed_shards"] >= 1
     assert store.current_version() == v2

@@ -9,7 +9,7 @@ import json
 import pytest
 from index_refs import unit_vectors
 
-from index.build import add_items, build_index, write_version
+from index.build import BuildOptions, add_items, build_index, write_version
 from index.gate import activation_checks, score_check
 from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, _json_default, create_manifest,
                             read_manifest, read_manifest_json, update_manifest, write_manifest)
@@ -50,7 +50,7 @@ def test_a_built_manifest_round_trips_byte_for_byte(tmp_path, tiny_checkpoint, t
     """Read and rewrite the manifests index.build and index add write: the same bytes (their sha256 in
     exported archives and the files themselves stay valid)."""
     root = tmp_path / "idx"
-    v1 = build_index(tiny_checkpoint, tiny_synthetic, root, progress=False)
+    v1 = build_index(tiny_checkpoint, tiny_synthetic, root, BuildOptions(progress=False))
     v2 = add_items(root, tiny_synthetic_test, progress=False)
     store = IndexStore(root)
     for v in (v1, v2):

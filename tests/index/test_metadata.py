@@ -8,7 +8,7 @@ import shutil
 import pytest
 from PIL import Image
 
-from index.build import add_items, build_index
+from index.build import BuildOptions, add_items, build_index
 from index.cli import main
 from index.metadata import (ITEM_METADATA, Metadata, MetadataError, load_user_metadata, read_metadata)
 from index.store import IndexStore
@@ -30,7 +30,7 @@ def test_folder_build_stores_file_facts_read_independently(tmp_path, folder, tin
     jpeg = folder / "class1" / "wide.jpg"
     Image.new("RGB", (70, 30), (200, 10, 10)).save(jpeg, quality=90)
     root = tmp_path / "index"
-    version = build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    version = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     meta = read_metadata(IndexStore(root).path(version))
     assert meta.types == {"path": "str", "class": "str", "size": "int", "mtime": "float", "width": "int",
                           "height": "int", "format": "str"}
@@ -80,7 +80,8 @@ def test_metadata_follows_items_through_add_sync_delete_and_rebuild(tmp_path, fo
     ids = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png"))
     user.write_text("".join(json.dumps({"id": i, "rating": n % 5, "album": f"al{n % 2}"}) + "\n"
                             for n, i in enumerate(ids)) + json.dumps({"id": "not/indexed.png", "rating": 1}) + "\n")
-    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False, metadata=load_user_metadata(user))
+    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root,
+                     BuildOptions(progress=False, metadata=load_user_metadata(user)))
     store = IndexStore(root)
     m1 = read_metadata(store.path(v1))
     assert m1.types["rating"] == "int" and m1.types["album"] == "str"
@@ -104,7 +105,7 @@ def test_metadata_follows_items_through_add_sync_delete_and_rebuild(tmp_path, fo
     assert ids[5] not in read_metadata(store.path(v4)).items
     # rebuild with a new encoder re-reads file facts and carries the user's fields
     from index.build import rebuild_index
-    v5 = rebuild_index(root, other_checkpoint, progress=False)
+    v5 = rebuild_index(root, other_checkpoint, BuildOptions(progress=False))
     m5 = read_metadata(store.path(v5))
     assert m5.items[ids[7]]["rating"] == 7 % 5 and m5.items["class0/added.png"]["rating"] == 4
     assert m5.items[ids[7]]["width"] == 40

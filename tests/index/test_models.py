@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from index_refs import copy_checkpoint
 
-from index.build import add_items, build_index, rebuild_index
+from index.build import BuildOptions, add_items, build_index, rebuild_index
 from index.manifest import IndexCorruptError, file_sha256
 from index.models import load_version_encoder, model_relpath
 from index.store import IndexStore
@@ -32,7 +32,7 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
     run = tmp_path / "run"
     ck = copy_checkpoint(tiny_checkpoint, run)
     root = tmp_path / "index"
-    v1 = build_index(ck, items, root, progress=False)
+    v1 = build_index(ck, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     sha = file_sha256(ck)
     m = store.manifest(v1)
@@ -51,12 +51,12 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
 
 def test_versions_share_one_model_and_prune_drops_unused_ones(tmp_path, tiny_checkpoint, other_checkpoint, items):
     root = tmp_path / "index"
-    build_index(tiny_checkpoint, items, root, progress=False)
-    build_index(tiny_checkpoint, items, root, progress=False)
+    build_index(tiny_checkpoint, items, root, BuildOptions(progress=False))
+    build_index(tiny_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     first = file_sha256(tiny_checkpoint)
     assert store.models.shas() == [first]                          # written once, shared
-    v3 = rebuild_index(root, other_checkpoint, progress=False, force=True)
+    v3 = rebuild_index(root, other_checkpoint, BuildOptions(progress=False, force=True))
     second = file_sha256(other_checkpoint)
     assert sorted(store.models.shas()) == sorted([first, second])
     assert store.prune(2) and store.models.shas() == sorted([first, second])  # grace period: both young
@@ -69,7 +69,7 @@ def test_damaged_model_is_refused_or_repaired_from_its_source(tmp_path, tiny_che
     run = tmp_path / "run"
     ck = copy_checkpoint(tiny_checkpoint, run)
     root = tmp_path / "index"
-    build_index(ck, items, root, progress=False)
+    build_index(ck, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     sha = file_sha256(ck)
     model = root / model_relpath(sha)
@@ -87,7 +87,7 @@ def test_damaged_model_is_refused_or_repaired_from_its_source(tmp_path, tiny_che
 
 def _make_old_store(root, ck, items):
     """A store as written before models/ existed: no models dir, manifests without checkpoint.model."""
-    version = build_index(ck, items, root, progress=False)
+    version = build_index(ck, items, root, BuildOptions(progress=False))
     shutil.rmtree(root / "models")
     path = root / "versions" / version / "manifest.json"
     manifest = json.loads(path.read_text())

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image, ImageOps
 
 import index.build
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.cli import main
 from index.items import ITEM_FILES
 from index.store import IndexStore
@@ -78,7 +78,7 @@ def _change(folder, spare, rng):
 def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, folders, tiny_checkpoint, embedded_ids):
     folder, spare = folders
     root = tmp_path / "index"
-    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     store = IndexStore(root)
     assert len(json.loads((store.path(v1) / ITEM_FILES).read_text())["items"]) == N
     embedded_ids.clear()
@@ -93,7 +93,8 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
     assert synced.manifest.sync["embedded"] == 12 and synced.manifest.parent == v1
 
     scratch_root = tmp_path / "scratch"
-    fresh = IndexStore(scratch_root).load(build_index(tiny_checkpoint, _folder_ds(folder), scratch_root, progress=False))
+    fresh = IndexStore(scratch_root).load(build_index(tiny_checkpoint, _folder_ds(folder), scratch_root,
+                                                      BuildOptions(progress=False)))
     assert synced.ids == fresh.ids                                  # same items, same (folder) order
     np.testing.assert_allclose(synced.embeddings, fresh.embeddings, atol=1e-6, rtol=0)
     assert not set(change["removed"]) & set(synced.ids) and set(change["added"]) <= set(synced.ids)
@@ -112,7 +113,7 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
 def test_sync_skips_and_reports_bad_files_and_retries_them(tmp_path, folders, tiny_checkpoint, embedded_ids):
     folder, _ = folders
     root = tmp_path / "index"
-    build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     victim = sorted(folder.rglob("*.png"))[3]
     good = victim.read_bytes()
     victim.write_bytes(good[: len(good) // 3])                        # truncated in place
@@ -132,7 +133,7 @@ def test_sync_skips_and_reports_bad_files_and_retries_them(tmp_path, folders, ti
 def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_for(tmp_path, folders, tiny_checkpoint):
     folder, _ = folders
     root = tmp_path / "index"
-    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     path = IndexStore(root).path(v1)
     manifest = json.loads((path / "manifest.json").read_text())
     del manifest["files"][ITEM_FILES]                                 # as written before records existed
@@ -146,7 +147,7 @@ def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_fo
 def test_delete_drops_items_and_keeps_the_rest(tmp_path, folders, tiny_checkpoint, capsys):
     folder, _ = folders
     root = tmp_path / "index"
-    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     store = IndexStore(root)
     old = store.load(v1)
     drop = old.ids[5:8]
@@ -168,7 +169,7 @@ def test_delete_drops_items_and_keeps_the_rest(tmp_path, folders, tiny_checkpoin
 def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, capsys):
     folder, spare = folders
     root = tmp_path / "index"
-    build_index(tiny_checkpoint, _folder_ds(folder), root, progress=False)
+    build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     _change(folder, spare, np.random.default_rng(1))
     assert main(["sync", "--root", str(root), "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -176,7 +177,8 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
     assert main(["sync", "--root", str(root), "--no-progress"]) == 0
     assert "already in step" in capsys.readouterr().out
     synthetic = tmp_path / "synthetic"
-    build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=16), synthetic, progress=False)
+    build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=16), synthetic,
+                BuildOptions(progress=False))
     for argv, message in ((["sync", "--root", str(synthetic)], "not built from an image folder"),
                           (["sync", "--root", str(root), "--data-root", str(tmp_path / "gone")], "not found"),
                           (["sync", "--root", str(tmp_path / "empty")], "empty does not exist"),

@@ -11,7 +11,7 @@ import tarfile
 import numpy as np
 import pytest
 
-from index.build import QualityGateError, build_index
+from index.build import BuildOptions, QualityGateError, build_index
 from index.cli import main
 from index.manifest import file_sha256
 from index.models import load_version_encoder, model_relpath
@@ -31,7 +31,7 @@ def exported(tmp_path_factory, tiny_checkpoint, items):
     """{root, version, archive}: one built version exported to a gzip archive (module-shared, read-only)."""
     base = tmp_path_factory.mktemp("export")
     root = base / "index"
-    version = build_index(tiny_checkpoint, items, root, progress=False)
+    version = build_index(tiny_checkpoint, items, root, BuildOptions(progress=False))
     return {"root": root, "version": version, "archive": export_version(root, base / "v.tar.gz")}
 
 
@@ -64,7 +64,7 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
 
 def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoint, items):
     root = tmp_path / "serving"
-    serving = build_index(other_checkpoint, items, root, progress=False)
+    serving = build_index(other_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
 
     def worse(candidate, current):
@@ -76,7 +76,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     assert store.manifest(exported["version"]).quality_gate.passed is False
 
     root2 = tmp_path / "serving2"
-    build_index(other_checkpoint, items, root2, progress=False)
+    build_index(other_checkpoint, items, root2, BuildOptions(progress=False))
 
     def unavailable(candidate, current):
         raise FileNotFoundError("image folder /elsewhere not found")
@@ -90,7 +90,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     assert main(["activate", "--root", str(root2), exported["version"], "--force"]) == 0
 
     root3 = tmp_path / "serving3"
-    build_index(other_checkpoint, items, root3, progress=False)
+    build_index(other_checkpoint, items, root3, BuildOptions(progress=False))
     import_version(root3, exported["archive"], evaluator=unavailable, force=True)
     assert IndexStore(root3).current_version() == exported["version"]
 
@@ -101,7 +101,7 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     result and `current` unmoved: the state activate=False writes (the same steps, minus the last).
     Rerunning the import finishes the activation; the recorded gate still decides."""
     root = tmp_path / "serving"
-    serving = build_index(other_checkpoint, items, root, progress=False)
+    serving = build_index(other_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     version = exported["version"]
     assert import_version(root, exported["archive"], activate=False) == (version, False)
@@ -119,7 +119,7 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
 
     # a first run whose gate refused the version: the rerun refuses it too (exit 1), `current` stays
     root2 = tmp_path / "serving2"
-    serving2 = build_index(other_checkpoint, items, root2, progress=False)
+    serving2 = build_index(other_checkpoint, items, root2, BuildOptions(progress=False))
 
     def worse(candidate, current):
         return {"metric": "score", "candidate": 0.1, "serving": 0.9}

@@ -82,7 +82,7 @@ def test_eval_checkpoint_synthetic_matches_library(ckpts, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_eval_index_labels_and_instance(ckpts, tmp_path):
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
 
     a, _ = ckpts
     root = tmp_path / "idx"
@@ -91,7 +91,7 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
         db = create_dataset("fashion-mnist", "train", **kw)
     except (FileNotFoundError, ValueError):
         pytest.skip("fashion-mnist files not available")
-    build_index(a, db, root, progress=False)
+    build_index(a, db, root, BuildOptions(progress=False))
     out = tmp_path / "rep"
     assert main(["--index", str(root), "--queries-size", "30", "--out", str(out), "--n-boot", "50",
                  "--k-law-samples", "100", "--temperature", "0.3"]) == 0

@@ -19,20 +19,20 @@ def _ckpt(path, seed, tau):
 
 @pytest.mark.slow
 def test_quality_gate_in_build_index(tmp_path):
-    from index.build import QualityGateError, build_index
+    from index.build import BuildOptions, QualityGateError, build_index
     from index.store import IndexStore
 
     a, b = _ckpt(tmp_path / "a.safetensors", 0, 0.2), _ckpt(tmp_path / "b.safetensors", 1, 0.1)
     db = create_dataset("synthetic", "train", size=48, seed=0)
     root = tmp_path / "idx"
-    v1 = build_index(a, db, root, progress=False)
+    v1 = build_index(a, db, root, BuildOptions(progress=False))
     queries = create_dataset("synthetic", "test", size=20, seed=0)
 
     def gate(cand, serv):
         return evaluate_version(cand, serv, queries)
 
     try:
-        v2 = build_index(b, db, root, evaluator=gate, progress=False)
+        v2 = build_index(b, db, root, BuildOptions(evaluator=gate, progress=False))
     except QualityGateError as err:
         v2 = err.version
     store = IndexStore(root)
@@ -61,7 +61,7 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
     """index build + calibrate_version: the manifest's tau is the held-out argmin of H(q,p)."""
     from functools import partial
 
-    from index.build import build_index
+    from index.build import BuildOptions, build_index
     from index.store import IndexStore
     from search.evaluation.calibration import calibrate_temperature
     from search.evaluation.quality import calibrate_version
@@ -71,7 +71,7 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
     queries = create_dataset("synthetic", "test", size=24, seed=0)
     calibrator = partial(calibrate_version, queries=queries)
     store = IndexStore(tmp_path / "idx")
-    v1 = build_index(ck, db, store.root, calibrator=calibrator, progress=False)
+    v1 = build_index(ck, db, store.root, BuildOptions(calibrator=calibrator, progress=False))
     manifest = store.manifest(v1)
     assert manifest.search_temperature_source.startswith("calibrated")
 
@@ -88,6 +88,6 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
     assert at_tau < at_train and manifest.calibration["gap_at_calibrated"] == pytest.approx(at_tau, rel=1e-5)
 
     # An explicit temperature wins over calibration.
-    v2 = build_index(ck, db, store.root, calibrator=calibrator, progress=False,
-                     fields={"search_temperature": 0.3, "search_temperature_source": "command line"})
+    fields = {"search_temperature": 0.3, "search_temperature_source": "command line"}
+    v2 = build_index(ck, db, store.root, BuildOptions(calibrator=calibrator, progress=False, fields=fields))
     assert store.manifest(v2).search_temperature == 0.3 and store.manifest(v2).calibration is None

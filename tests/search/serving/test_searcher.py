@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from index.build import build_index
+from index.build import BuildOptions, build_index
 from index.store import IndexStore
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import Searcher, log_normaliser
@@ -34,7 +34,7 @@ def store_setup(tmp_path_factory):
     ck_wide = _checkpoint(base / "wide.safetensors", seed=3, embed_dim=24)
     ds = create_dataset("synthetic", split="train", size=96, seed=0)
     root = base / "index"
-    v1 = build_index(ck_a, ds, root, progress=False)
+    v1 = build_index(ck_a, ds, root, BuildOptions(progress=False))
     return dict(base=base, root=root, ck_a=ck_a, ck_b=ck_b, ck_wide=ck_wide, ds=ds, v1=v1)
 
 
@@ -182,7 +182,7 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     assert searcher.reload().changed is False  # same current version: no-op
     # a version built with another checkpoint brings its own encoder, atomically
     v2 = build_index(store_setup["ck_b"], create_dataset("synthetic", split="train", size=40, seed=0), root,
-                     progress=False)
+                     BuildOptions(progress=False))
     res = searcher.reload()
     assert (res.previous, res.version, res.changed, res.encoder_reloaded) == (store_setup["v1"], v2, True, True)
     new = searcher.snapshot()
@@ -193,7 +193,7 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     assert old.search(old.encode(img), 1)[0][0].id == ds.item_id(3)
 
     # a different embedding width with its own checkpoint is fine too
-    v3 = build_index(store_setup["ck_wide"], ds, root, progress=False)
+    v3 = build_index(store_setup["ck_wide"], ds, root, BuildOptions(progress=False))
     assert searcher.reload().version == v3 and searcher.snapshot().dim == 24
 
     # the store holds its own copy of the weights: overwriting the training checkpoint changes nothing
@@ -338,8 +338,9 @@ def test_filtered_search_equals_brute_force_over_the_subset(store_setup, tmp_pat
     root = tmp_path / kind
     ids = store_setup["ds"].item_ids()
     user = Metadata({"group": "int"}, {iid: {"group": n % 3} for n, iid in enumerate(ids)})
-    build_index(store_setup["ck_a"], store_setup["ds"], root, kind=kind, params=params, progress=False, force=True,
-                metadata=user)
+    build_index(store_setup["ck_a"], store_setup["ds"], root,
+                BuildOptions(kind=kind, params=params, progress=False, force=True,
+                             metadata=user))
     s = Searcher(root, load=True)
     snap = s.snapshot()
     assert snap.metadata_fields == {"group": "int"}
@@ -371,8 +372,8 @@ def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, r
     from index import faiss_index as fi
 
     root = tmp_path / "pq"
-    build_index(store_setup["ck_a"], store_setup["ds"], root, kind="ivf-pq", params={"nlist": 4, "m": 4},
-                progress=False, force=True)
+    build_index(store_setup["ck_a"], store_setup["ds"], root, BuildOptions(kind="ivf-pq", params={"nlist": 4, "m": 4},
+                                                                           progress=False, force=True))
     snap = Searcher(root, load=True).snapshot()
     assert snap.rerank == snap.manifest.params["rerank"] == snap.manifest.recall["rerank"] >= 1
     emb = np.asarray(snap.index.embeddings)
