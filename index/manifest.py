@@ -374,7 +374,7 @@ class Manifest:
             raise IndexCorruptError(f"{source} has format_version {data['format_version']}, newer than {FORMAT_VERSION}")
         if data["metric"] != "inner_product" or data["normalised"] is not True:
             raise IndexCorruptError(f"{source}: only normalised inner-product indexes are supported")
-        data = _migrate(copy.deepcopy(data))
+        data = _migrate(copy.deepcopy({k: v.to_json() if isinstance(v, GateRecord) else v for k, v in data.items()}))
         gate = data.get("quality_gate")
         if "quality_gate" in data:
             data["quality_gate"] = GateRecord.from_json(gate) if isinstance(gate, dict) else None

@@ -212,6 +212,7 @@ def test_frozen():
         m.extra["x"] = 1
     changed = m.updated(search_temperature=0.5)
     assert changed.temperature == 0.5 and m.temperature == 0.07
+    assert m.updated(quality_gate=m.quality_gate).quality_gate == m.quality_gate   # a record, not only its JSON
 
 
 def test_unknown_keys_of_a_newer_writer_are_preserved_in_place():
