@@ -58,6 +58,23 @@ def log_z_without_self(embeddings: np.ndarray, queries: np.ndarray, self_rows: n
     return acc
 
 
+def _neighbour_blocks(version, rows: np.ndarray, k: int, block: int, desc: str, progress: bool):
+    """Per block of `rows`: (the rows, their stored embeddings z (B, D) float32, their k nearest other
+    rows (B, k) int64 from the version's ANN index, the row itself and FAISS's -1 fill dropped, -1 padded)."""
+    emb = version.embeddings
+    with tqdm(total=rows.size, desc=desc, unit="item", disable=not progress) as bar:
+        for start in range(0, rows.size, block):
+            mine = rows[start:start + block]
+            z = np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32)
+            _, found = version.search(z, k + 1)
+            cand = np.full((mine.size, k), -1, np.int64)
+            for i in range(mine.size):
+                others = found[i][(found[i] >= 0) & (found[i] != mine[i])][:k]
+                cand[i, : others.size] = others
+            yield mine, z, cand
+            bar.update(mine.size)
+
+
 def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshold: float, k: int = 32,
                    max_group: int = 8, block: int = 1024, progress: bool = True) -> tuple[dict[int, CandidateSet], int]:
     """{row: S_row} for the given rows (only non-empty sets), and how many rows needed an exact log Z."""
@@ -70,15 +87,7 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
     exact_scans = 0
     if k < 1:
         return out, 0
-    bar = tqdm(total=rows.size, desc="duplicate candidates", unit="item", disable=not progress)
-    for start in range(0, rows.size, block):
-        mine = rows[start:start + block]
-        z = np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32)
-        _, found = version.search(z, k + 1)
-        cand = np.full((mine.size, k), -1, np.int64)
-        for i in range(mine.size):   # drop the item itself (and FAISS's -1 fill)
-            others = found[i][(found[i] >= 0) & (found[i] != mine[i])][:k]
-            cand[i, : others.size] = others
+    for mine, z, cand in _neighbour_blocks(version, rows, k, block, "duplicate candidates", progress):
         valid = cand >= 0
         sims = np.einsum("qd,qkd->qk", z.astype(np.float64), np.asarray(emb[np.maximum(cand, 0)], dtype=np.float64))
         sims[~valid] = -np.inf
@@ -114,8 +123,6 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
             if m:
                 out[int(mine[i])] = CandidateSet(cand[i, :m].copy(), p[:m].copy(), sims[i, :m].copy(),
                                                  exact=i in exact_rows)
-        bar.update(mine.size)
-    bar.close()
     return out, exact_scans
 
 
@@ -140,13 +147,9 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
     out: dict[int, CandidateSet] = {}
     if k < 1:
         return out, 0
-    bar = tqdm(total=rows.size, desc="duplicate candidates (verified)", unit="item", disable=not progress)
-    for start in range(0, rows.size, block):
-        mine = rows[start:start + block]
-        z = np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32)
-        _, found = version.search(z, k + 1)
+    for mine, z, cand in _neighbour_blocks(version, rows, k, block, "duplicate candidates (verified)", progress):
         for i, row in enumerate(mine):
-            others = found[i][(found[i] >= 0) & (found[i] != row)][:k]
+            others = cand[i][cand[i] >= 0]
             cos = np.asarray(emb[others], dtype=np.float64) @ z[i].astype(np.float64)
             others, cos = others[cos >= calibration.floor], cos[cos >= calibration.floor]
             me = thumbs(row) if others.size else None
@@ -161,8 +164,6 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
             m = _prefix(p, threshold, max_group)
             if m:
                 out[int(row)] = CandidateSet(others[:m].copy(), p[:m].copy(), v[:m].copy(), exact=True)
-        bar.update(mine.size)
-    bar.close()
     return out, int(rows.size)
 
 
