@@ -5,6 +5,10 @@ they are stored, `normaliser_stats.npz` (index/list_stats.py).
 The manifest lists the sha256 of every other file; loading recomputes them so a corrupt or
 truncated file is refused (IndexCorruptError) and the caller can keep the previous version.
 The manifest itself is validated by parsing and by its required fields.
+
+This module is the one reader of manifests: `read_manifest` returns a frozen, typed `Manifest`
+(`Manifest.from_json` migrates every older layout; `to_json` writes today's, byte for byte as read),
+and code elsewhere reads its attributes, never string keys.
 """
 from __future__ import annotations
 
