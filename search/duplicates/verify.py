@@ -11,8 +11,9 @@ matches the other by normalised cross-correlation
 
 which ignores a global gain and offset (brightness / contrast edits); JPEG noise, resampling and EXIF
 rotation (undone at decode) leave it near 1. The search is a grid over sx, sy in COARSE_SCALES and
-integer offsets (one matrix product over all windows), then a Nelder-Mead refinement of the best
-window in continuous coordinates. The score is the larger of the two directions, so it is symmetric.
+integer offsets (one matrix product over all windows), then a compass search in continuous coordinates
+from the best grid windows; every window is resampled from the picture's own pixels in one step (a
+second resampling of the whole picture would cost sharp drawings ~0.5 % of ncc). The score is the larger of the two directions, so it is symmetric.
 A blank (constant) picture matches only another blank one of the same colour.
 
 The calibrated model (calibration.py) reads the score as evidence e = -log(1 - ncc + EPS): copies sit at
@@ -26,14 +27,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-from PIL import Image
-from scipy.optimize import minimize
+from PIL import Image, ImageFilter
 
 SIDE = 32
-WORK = 128                      # side of the stretched working copy windows are resampled from
+WORK = 256                      # longest side of the working copy windows are resampled from
 COARSE_SCALES = (1.0, 0.95, 0.9)   # fraction of each side a crop keeps (edits.py crops keep >= 0.9)
 MIN_SCALE = 0.85
+STARTS = 2                      # coarse windows the refinement starts from
+STEP, MIN_STEP = 0.02, 0.001    # compass-search step (fractions of a side): first and last
 EPS = 1e-4
+BLUR = 0.0
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
 
 
@@ -41,7 +44,7 @@ _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture 
 class Thumb:
     """One picture prepared for verification."""
 
-    work: Image.Image              # the whole picture stretched to WORK x WORK (RGB)
+    work: Image.Image              # the whole picture, longest side at most WORK (RGB)
     base: np.ndarray               # (SIDE * SIDE * 3,) zero-mean unit vector of the whole picture, zeros if blank
     mean: float                    # mean pixel value (what blank pictures are compared on)
     renders: list                  # (sx, sy, uint8 render at SIDE/sx x SIDE/sy) for the coarse window grid
@@ -63,7 +66,11 @@ def _unit(rows: np.ndarray) -> np.ndarray:
 
 def thumb(rgb: np.ndarray) -> Thumb:
     """(H, W, 3) uint8, decoded as indexing decodes it (training/images.py) -> its Thumb."""
-    work = Image.fromarray(np.asarray(rgb, dtype=np.uint8)).convert("RGB").resize((WORK, WORK), Image.BOX)
+    work = Image.fromarray(np.asarray(rgb, dtype=np.uint8)).convert("RGB")
+    if max(work.size) > WORK:   # aspect kept: every window is resampled from these pixels in one step
+        work = work.resize(tuple(max(1, round(v * WORK / max(work.size))) for v in work.size), Image.BOX)
+    if BLUR:
+        work = work.filter(ImageFilter.GaussianBlur(BLUR))
     base = np.asarray(work.resize((SIDE, SIDE), Image.BILINEAR), dtype=np.float32)
     renders = [(sx, sy, np.asarray(work.resize((int(round(SIDE / sx)), int(round(SIDE / sy))), Image.BILINEAR)))
                for sy in COARSE_SCALES for sx in COARSE_SCALES]
@@ -73,36 +80,51 @@ def thumb(rgb: np.ndarray) -> Thumb:
 def _window(work: Image.Image, params) -> np.ndarray:
     """The unit vector of the window (x0, y0, sx, sy) (fractions of the side) resampled to SIDE x SIDE."""
     x0, y0, sx, sy = (float(v) for v in params)
-    box = (x0 * WORK, y0 * WORK, (x0 + sx) * WORK, (y0 + sy) * WORK)
+    w, h = work.size
+    # clipped to the picture: x0 + sx may exceed 1 by a rounding error, which PIL refuses
+    box = (min(max(x0 * w, 0.0), w), min(max(y0 * h, 0.0), h), min((x0 + sx) * w, w), min((y0 + sy) * h, h))
     return _unit(np.asarray(work.resize((SIDE, SIDE), Image.BILINEAR, box=box), dtype=np.float32).reshape(-1))
 
 
-def _inside(params) -> bool:
-    x0, y0, sx, sy = params
-    return MIN_SCALE <= sx <= 1.0 and MIN_SCALE <= sy <= 1.0 and 0.0 <= x0 <= 1.0 - sx and 0.0 <= y0 <= 1.0 - sy
+def _clipped(params) -> tuple[float, float, float, float]:
+    """The window nearest to `params` inside the picture with scales in [MIN_SCALE, 1] (the refinement
+    searches freely; a step past a wall lands on it instead of failing)."""
+    x0, y0, sx, sy = (float(v) for v in params)
+    sx, sy = min(max(sx, MIN_SCALE), 1.0), min(max(sy, MIN_SCALE), 1.0)
+    return min(max(x0, 0.0), 1.0 - sx), min(max(y0, 0.0), 1.0 - sy), sx, sy
 
 
 def _one_way(a: Thumb, b: Thumb) -> float:
-    """Best ncc of a window of `a` with the whole of `b`: coarse grid, then refined."""
-    best, best_params = -2.0, (0.0, 0.0, 1.0, 1.0)
+    """Best ncc of a window of `a` with the whole of `b`: the coarse grid, then a compass search (each
+    coordinate stepped both ways, the step halved when nothing improves) from its STARTS best windows."""
+    found = []
     for sx, sy, render in a.renders:
         view = sliding_window_view(render, (SIDE, SIDE, 3))[:, :, 0]       # (ny, nx, SIDE, SIDE, 3)
         ny, nx = view.shape[:2]
         values = _unit(view.reshape(ny * nx, -1)) @ b.base
         i = int(np.argmax(values))
-        if values[i] > best:
-            best = float(values[i])
-            h, w = render.shape[:2]
-            best_params = ((i % nx) / w, (i // nx) / h, SIDE / w, SIDE / h)
-
-    def loss(params):
-        return 2.0 if not _inside(params) else -float(_window(a.work, params) @ b.base)
-
-    result = minimize(loss, np.array(best_params), method="Nelder-Mead",
-                      options={"initial_simplex": np.array(best_params) + np.vstack(
-                          [np.zeros(4), np.diag([0.01, 0.01, 0.015, 0.015])]), "xatol": 1e-3, "fatol": 1e-5,
-                               "maxfev": 80})
-    return max(best, -float(result.fun))
+        h, w = render.shape[:2]
+        found.append((float(values[i]), ((i % nx) / w, (i // nx) / h, SIDE / w, SIDE / h)))
+    found.sort(key=lambda f: -f[0])
+    best = found[0][0]
+    for value, params in found[:STARTS]:
+        params = _clipped(params)
+        value = float(_window(a.work, params) @ b.base)
+        step = STEP
+        while step >= MIN_STEP:
+            moved = False
+            for axis in range(4):
+                for sign in (1.0, -1.0):
+                    trial = list(params)
+                    trial[axis] += sign * step
+                    trial = _clipped(trial)
+                    v = float(_window(a.work, trial) @ b.base)
+                    if v > value + 1e-7:
+                        params, value, moved = trial, v, True
+            if not moved:
+                step /= 2
+        best = max(best, value)
+    return best
 
 
 def score(a: Thumb, b: Thumb) -> float:
