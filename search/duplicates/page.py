@@ -68,7 +68,10 @@ def render_page(result: dict, snapshot) -> str:
         f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of {result['count']} "
         f"items) at probability &ge; {result['threshold']:.3g}. Duplicate temperature {result['temperature']:.4g}, "
         f"no-original score {result['bias']:.4g}, fitted on {cal['fitted_on']} queries made from this collection "
-        f"(edited copies of its items, and items with no copy); held-out expected calibration error "
+        + ("(edited copies of its items, searched with and without their original); verified stage (each item's "
+           "nearest items re-scored pixel for pixel)" if cal.get("stage") == "verified" else
+           "(edited copies of its items, and items with no copy); encoder stage")
+        + "; held-out expected calibration error "
         f"{cal['ece']:.3f} over {cal['held_out']} queries. A group's confidence is the smallest, over its members, "
         "of the probability that the member's original is among the others.</p>",
         f"<img alt='calibration' src='{_png_data(calibration_figure(cal))}'>",
@@ -78,11 +81,12 @@ def render_page(result: dict, snapshot) -> str:
     calib = DuplicateCalibration.from_json(cal)
     if not calib.reachable:
         parts.append(f"<p><b>Note:</b> {esc(calib.limit_note())}.</p>")
+    score = "verification score" if cal.get("stage") == "verified" else "cosine"
     for g in result["groups"][:MAX_GROUPS_SHOWN]:
         items = "".join(f"<div class='item'><img alt='{esc(i)}' src='{_thumb(snapshot, i)}'>{esc(i)}</div>"
                         for i in g["ids"])
         sims = [p["similarity"] for p in g["pairs"]]
-        parts.append(f"<div class='group'><div class='meta'>confidence {g['confidence']:.4f} · cosine "
+        parts.append(f"<div class='group'><div class='meta'>confidence {g['confidence']:.4f} · {score} "
                      f"{min(sims):.4f}&ndash;{max(sims):.4f}</div>{items}</div>")
     if len(result["groups"]) > MAX_GROUPS_SHOWN:
         parts.append(f"<p>{len(result['groups']) - MAX_GROUPS_SHOWN} more groups in the JSON file.</p>")
