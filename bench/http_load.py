@@ -54,10 +54,12 @@ def build_bench_index(workdir: Path, size: int) -> Path:
     return root
 
 
-def query_payloads(n: int = 32) -> list[bytes]:
+def query_payloads(n: int = 32, image_size: int | None = None) -> list[bytes]:
+    """`n` synthetic test images as PNG bytes (at `image_size` when given, else the dataset's default)."""
     from training.datasets import create_dataset
 
-    ds = create_dataset("synthetic", split="test", size=n, seed=0)
+    size = {} if image_size is None else {"image_size": image_size, "resolution": image_size}
+    ds = create_dataset("synthetic", split="test", size=n, seed=0, **size)
     out = []
     for i in range(n):
         buf = io.BytesIO()

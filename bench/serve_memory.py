@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import logging
 import os
 import subprocess
@@ -42,6 +41,7 @@ import httpx
 
 from _common import row, write_results
 from _scale import MILLION, encoder_checkpoint, synthetic_store
+from http_load import query_payloads
 
 from api.launch import http_ready, serve_process
 
@@ -78,18 +78,6 @@ def workers_of(pid: int) -> list[int]:
                     out.append(kid)
         except FileNotFoundError:
             pass
-    return out
-
-
-def payloads(n: int, image_size: int) -> list[bytes]:
-    from training.datasets import create_dataset
-
-    ds = create_dataset("synthetic", split="test", size=n, seed=0, image_size=image_size, resolution=image_size)
-    out = []
-    for i in range(n):
-        buf = io.BytesIO()
-        ds.image(i).save(buf, format="PNG")
-        out.append(buf.getvalue())
     return out
 
 
@@ -206,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ids_bytes = (vdir / "ids.json").stat().st_size
     from training.checkpoint import load_checkpoint
 
-    data = payloads(16, load_checkpoint(ck)[0].image_size)
+    data = query_payloads(16, load_checkpoint(ck)[0].image_size)
 
     with Serve(small) as s:
         s.query(data, args.queries)
