@@ -195,6 +195,8 @@ def main(argv=None) -> int:
             print(f"[{n}] recorded in {state}; skipped (--redo recomputes)")
             continue
         results[str(n)] = measure(n, args)
+        # merged into what is on disk now: another run of this script may have recorded other sizes meanwhile
+        results = {**(json.loads(state.read_text()) if state.exists() else {}), str(n): results[str(n)]}
         state.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps(results[str(n)], indent=1, default=str)[:2000], flush=True)
     write_results(args.name, table(results), command="nice -n 19 python bench/build_scale.py " + " ".join(argv),

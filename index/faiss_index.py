@@ -329,23 +329,28 @@ def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndar
     return rerank_candidates(embeddings, x, cand, k)
 
 
-#: Queries per `search_paged` batch: each probes nprobe lists, so few queries touch few list pages.
-PAGED_QUERIES = 16
+#: Inverted lists `search_paged` lets a batch of queries probe (queries x nprobe) between two releases: a fault
+#: on a mapped page may map up to a 2 MiB folio around it, so this bounds the resident list pages.
+PAGED_LISTS = 64
 
 
 def search_paged(index: faiss.Index, queries: np.ndarray, k: int,
                  release: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`search`, and with `release` (e.g. `paging.drop_index_pages` of an index with on-disk lists) in
-    batches of PAGED_QUERIES queries calling release() after each, so the list pages a build's recall
+    batches of PAGED_LISTS // nprobe queries calling release() after each, so the list pages a build's recall
     measurement reads do not pile up in its RSS. Same (scores, rows) as `search`."""
-    if release is None or len(queries) <= PAGED_QUERIES:
+    try:
+        batch = max(1, PAGED_LISTS // max(1, int(faiss.extract_index_ivf(index).nprobe)))
+    except (RuntimeError, TypeError, AttributeError):
+        batch = PAGED_LISTS
+    if release is None or len(queries) <= batch:
         out = search(index, queries, k)
         if release is not None:
             release()
         return out
     parts = []
-    for q0 in range(0, len(queries), PAGED_QUERIES):
-        parts.append(search(index, queries[q0:q0 + PAGED_QUERIES], k))
+    for q0 in range(0, len(queries), batch):
+        parts.append(search(index, queries[q0:q0 + batch], k))
         release()
     width = max(p[1].shape[1] for p in parts)   # `search` drops columns no query of its batch filled
     scores = np.full((len(queries), width), -np.inf, np.float32)

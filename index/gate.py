@@ -23,7 +23,7 @@ import numpy as np
 
 from index import faiss_index
 from index.manifest import Manifest
-from index.paging import PagedRows, drop_index_pages, drop_pages
+from index.paging import PagedRows, drop_index_pages, read_rows
 
 if TYPE_CHECKING:   # the store imports this module; these are for annotations only
     from index.store import IndexStore, IndexVersion
@@ -200,8 +200,7 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     if k < 1:
         return {"recall": 1.0, "n_queries": 0, "k": 0, "measured_on": "a single item (nothing to miss)"}
     rows, where = held_out_rows(n, n_queries, seed)
-    queries = np.array(emb[rows], dtype=np.float32)
-    drop_pages(emb)
+    queries = read_rows(emb, rows).astype(np.float32)
     rerank = faiss_index.rerank_factor(version.kind, version.manifest.params)
     # exact search over row blocks and re-ranking gathers that drop the pages they read, the index searched in
     # query batches dropping the pages of on-disk lists: a version larger than RAM is checked in bounded RAM

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["drop_pages", "drop_index_pages", "PagedRows", "iter_row_blocks", "advise_random", "releasable",
+__all__ = ["drop_pages", "drop_index_pages", "PagedRows", "iter_row_blocks", "read_rows", "read_span", "advise_random", "releasable",
            "release_pages"]
 
 BLOCK_ROWS = 1 << 16
@@ -119,10 +120,66 @@ def _release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
     return hi > lo and _madvise(lo, hi - lo, getattr(mmap, "MADV_DONTNEED", 4))
 
 
+def _file_rows(array) -> tuple[str, int, int] | None:
+    """(file name, byte offset of row 0, bytes a row) when `array` is a whole read-only .npy memory map
+    (what np.load(mmap_mode="r") returns), so its rows can be read with pread; else None."""
+    if not releasable(array) or array.ndim != 2:
+        return None
+    mm = getattr(array, "_mmap", None)
+    offset = getattr(array, "offset", None)
+    if not isinstance(mm, mmap.mmap) or offset is None or mm.closed:
+        return None
+    start = np.frombuffer(mm, np.uint8, count=1).ctypes.data   # the mapping's first byte
+    if array.ctypes.data != start + offset % mmap.ALLOCATIONGRANULARITY:
+        return None   # a view into the map: its file position is not `offset`
+    return str(array.filename), int(offset), int(array.strides[0])
+
+
+def read_rows(array: np.ndarray, rows) -> np.ndarray:
+    """A RAM copy of `array[rows]` (rows: 1-D integers, any order, repeats allowed). For a whole memory-mapped
+    .npy the rows are read with pread, runs of consecutive rows in one call, never through the mapping:
+    a fault on a mapped page can map a whole large folio (up to 2 MiB) around it, so a few thousand
+    scattered rows read through the map would put most of the file in this process's RSS."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    where = _file_rows(array)
+    if where is None or len(rows) == 0:
+        return np.array(array[rows])
+    name, offset, row_bytes = where
+    n = array.shape[0]
+    if rows.min() < -n or rows.max() >= n:
+        raise IndexError(f"row out of range for {n} rows")
+    rows = np.where(rows < 0, rows + n, rows)
+    uniq, inverse = np.unique(rows, return_inverse=True)
+    out = np.empty((len(uniq),) + array.shape[1:], dtype=array.dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    breaks = np.flatnonzero(np.diff(uniq) != 1) + 1
+    starts, ends = np.r_[0, breaks], np.r_[breaks, len(uniq)]
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            want = (e - s) * row_bytes
+            got = os.preadv(fd, [memoryview(flat[s * row_bytes:e * row_bytes])], offset + int(uniq[s]) * row_bytes)
+            if got != want:
+                raise OSError(f"{name}: short read ({got} of {want} bytes)")
+    finally:
+        os.close(fd)
+    return out[inverse]
+
+
+def read_span(array: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """A RAM copy of rows start..stop of `array` (one pread for a whole memory-mapped .npy)."""
+    stop = min(int(stop), int(array.shape[0]))
+    if _file_rows(array) is None:
+        out = np.array(array[start:stop])
+        drop_pages(array)
+        return out
+    return read_rows(array, np.arange(start, stop))
+
+
 class PagedRows:
-    """Row gathers from a (memory-mapped) (N, D) array that drop the pages they touched afterwards:
-    `rows[idx]` returns a RAM copy of the rows `idx`, as `array[idx]` would (used for re-ranking
-    while a build measures recall, so scattered candidate rows do not accumulate in RSS)."""
+    """Row gathers from a (memory-mapped) (N, D) array that never keep its pages: `rows[idx]` returns a RAM
+    copy of the rows `idx`, as `array[idx]` would, read with pread (`read_rows`; used for re-ranking while a
+    build measures recall, so scattered candidate rows do not accumulate in RSS)."""
 
     def __init__(self, array: np.ndarray):
         self.array = array
@@ -133,16 +190,16 @@ class PagedRows:
         return int(self.shape[0])
 
     def __getitem__(self, idx) -> np.ndarray:
-        out = np.array(self.array[idx])
-        drop_pages(self.array)
-        return out
+        if isinstance(idx, (int, np.integer)):
+            return read_rows(self.array, [idx])[0]
+        if isinstance(idx, slice):
+            return read_span(self.array, *idx.indices(self.shape[0])[:2])
+        return read_rows(self.array, idx)
 
 
 def iter_row_blocks(array: np.ndarray, block_rows: int = BLOCK_ROWS):
-    """Yield (start, float32 C-contiguous copy of rows start..start+B) over `array`, dropping the pages
-    of each block once it is copied: one pass over a mapped file with RSS bounded by one block."""
+    """Yield (start, float32 C-contiguous copy of rows start..start+B) over `array`, each block read with one
+    pread (`read_span`): one pass over a mapped file with RSS bounded by one block."""
     n = int(array.shape[0])
     for start in range(0, n, block_rows):
-        block = np.array(array[start:start + block_rows], dtype=np.float32, copy=True)   # a RAM copy, never a view
-        drop_pages(array)
-        yield start, block
+        yield start, np.ascontiguousarray(read_span(array, start, start + block_rows), dtype=np.float32)

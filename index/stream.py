@@ -42,7 +42,7 @@ from index import faiss_index
 from index.disk import on_disk, writing
 from index.list_stats import round_up, save_streamed
 from index.manifest import create_manifest, describe_files, fsync_dir, write_manifest
-from index.paging import PagedRows, drop_index_pages, drop_pages, iter_row_blocks
+from index.paging import PagedRows, drop_index_pages, iter_row_blocks, read_rows
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, IVFDATA_FILE, LIST_STATS_FILE, IndexStore,
                          IndexVersion, new_version_name)
 from index.vectors import VectorSource, sample_unit_rows, unit_blocks
@@ -291,8 +291,7 @@ def tune_streamed(index: faiss.Index, kind: str, embeddings: np.ndarray, target_
     if k < 1:
         return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
     rows = faiss_index.tuning_rows(n, faiss_index.TUNE_QUERIES, seed)
-    queries = np.array(embeddings[rows], dtype=np.float32)
-    drop_pages(embeddings)
+    queries = read_rows(embeddings, rows).astype(np.float32)
     exact = faiss_index.exact_neighbours(embeddings, queries, k + 1)
     release = lambda: drop_index_pages(index)  # noqa: E731
     result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows,

@@ -96,7 +96,7 @@ def unit_blocks(source: VectorSource, block_rows: int = BLOCK_ROWS, progress: bo
     """Yield (first row, (B, D) float32 unit rows) over the source in blocks (a block never spans two shards),
     dropping the pages of each block from the shard's memory map once read (index/paging.py): one pass
     over a file larger than RAM keeps one block resident."""
-    from index.paging import drop_pages
+    from index.paging import read_rows, read_span
 
     blocks = []
     start = 0
@@ -108,8 +108,7 @@ def unit_blocks(source: VectorSource, block_rows: int = BLOCK_ROWS, progress: bo
 
         blocks = tqdm(blocks, desc=desc, unit="block")
     for shard, first, b in blocks:
-        v = np.array(shard[b:b + block_rows], dtype=np.float64)              # (B, D), a RAM copy
-        drop_pages(shard)
+        v = read_span(shard, b, b + block_rows).astype(np.float64)          # (B, D), a RAM copy (pread)
         yield first + b, unit_block(v, lambda i, r0=first + b: source.where(r0 + i))
 
 
@@ -132,15 +131,14 @@ def unit_block(v: np.ndarray, where) -> np.ndarray:
 def sample_unit_rows(source: VectorSource, rows: np.ndarray) -> np.ndarray:
     """float32 unit rows of the sorted global `rows` (a training sample), gathered shard by shard with the
     pages dropped after each shard."""
-    from index.paging import drop_pages
+    from index.paging import read_rows, read_span
 
     out = np.empty((len(rows), source.dim), dtype=np.float32)
     i = start = 0
     for shard in source.shards:
         j = int(np.searchsorted(rows, start + shard.shape[0]))
         if j > i:
-            v = np.array(shard[rows[i:j] - start], dtype=np.float64)
-            drop_pages(shard)
+            v = read_rows(shard, rows[i:j] - start).astype(np.float64)
             out[i:j] = unit_block(v, lambda q, sel=rows[i:j]: source.where(int(sel[q])))
         i, start = j, start + shard.shape[0]
     return out
