@@ -85,6 +85,10 @@ OBJECTIVES: dict[str, dict] = {
                            ("exp", {"tau_0": LANGEVIN_T0, "tau_min": 0.0,
                                     "gamma": float(np.exp(np.log(LANGEVIN_T_END / LANGEVIN_T0) / STEPS))}),
                            ("cosine", {"tau_min": 0.0, "tau_max": LANGEVIN_T0, "period": 2.0 * STEPS}))},
+    # ... and the log form with c = 5 nats, above the largest estimate (straight paths between minima of different
+    # seeds: 3.8-4.5 nats, an upper bound since the networks are not aligned for permutations)
+    "langevin-log-c5-t0.1": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1},
+                             "noise_schedule": "log", "noise_options": {**LANGEVIN_ABOVE_BARRIER, "c": 5.0}},
 }
 # The sweep's order: the paper's own comparison (3 + 3 seeds at tau 0.5) first.
 DEFAULT_QUEUE = ([("infonce-t0.5", s) for s in range(3)] + [("weince-paper-t0.5", s) for s in range(3)]
@@ -94,7 +98,7 @@ PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2
          "weince-paper-t0.2": "infonce-t0.2", "weince-paper-t0.1": "infonce-t0.1",
          "anneal-infonce-t0.5": "infonce-t0.5", "anneal-infonce-t0.2": "infonce-t0.2",
          "anneal-infonce-t0.1": "infonce-t0.1", "infonce-t0.1-greg": "infonce-t0.1",
-         **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine")}}
+         **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine", "log-c5")}}
 # issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
 TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
              "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")
