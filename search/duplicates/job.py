@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 FORMAT = "softsearch-duplicates"
 QUERY_BLOCK = 64
 VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
+TWINS = 2              # extra neighbours a negative query fetches, to stay at k after dropping twins
 FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
                         # calibration copies' cosine to their original (the edits lose ~1 % there)
 
@@ -156,10 +157,14 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
         except (KeyError, OSError, ValueError):
             return None
 
+    emb = snapshot.index.embeddings
+
     def negative(sims, src, payload):
-        rows, cos = _nearest(sims, k + 1, exclude=src)
+        rows, cos = _nearest(sims, k + 1 + TWINS, exclude=src)
         same = pixels(src)   # the same picture stored twice is the original too
-        keep = [r != src and (cos[x] < 1.0 - 1e-3 or pixels(r) != same) for x, r in enumerate(rows)]
+        # a twin has the original's embedding (the copy's cosine to it says nothing: the copy is edited)
+        twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= 1.0 - 1e-3
+        keep = [r != src and not (twin[x] and pixels(r) == same) for x, r in enumerate(rows)]
         return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload))
 
     copies, others = _calibration_embeddings(

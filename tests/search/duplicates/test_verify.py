@@ -3,10 +3,11 @@ brute force, the verified fit against a grid search of its likelihood, and a sma
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFilter
 from scipy.special import logsumexp
 
 from search.duplicates import verify
@@ -49,6 +50,56 @@ def test_score_of_a_crop_is_at_least_the_ncc_of_the_true_window():
     assert verify.score(a, b) >= truth - 1e-4
     # without the window search (whole against whole) the crop scores clearly lower
     assert _ncc(np.asarray(Image.fromarray(rgb).resize((verify.SIDE, verify.SIDE), Image.BILINEAR)), whole) < truth - 0.02
+
+
+def test_final_reading_is_at_least_the_hand_computed_ncc_at_the_pairs_bandwidth():
+    """A small drawing shrunk and JPEG'd (as a copy of a stamp is): the score reads both sides at n x n,
+    n = min(FINE, smaller picture's longest side), low-passed; it is at least the ncc of the whole
+    pictures computed here by hand at that n (float64), which beats the same ncc without the low-pass."""
+    rgb = _picture(20, size=(38, 34))
+    small = Image.fromarray(rgb).resize((24, 21), Image.BICUBIC)
+    buf = io.BytesIO()
+    small.save(buf, format="JPEG", quality=60)
+    copy = load_rgb(buf.getvalue())
+    a, b = verify.thumb(rgb), verify.thumb(copy)
+    n = verify.fine_size(a, b)
+    assert n == min(verify.FINE, 24)
+
+    def read(x, blur):
+        im = Image.fromarray(x).resize((n, n), Image.BILINEAR)
+        return np.asarray(im.filter(ImageFilter.GaussianBlur(blur)) if blur else im)
+
+    by_hand = _ncc(read(rgb, verify.BLUR), read(copy, verify.BLUR))
+    assert verify.score(a, b) >= by_hand - 1e-4
+    assert by_hand > _ncc(read(rgb, 0.0), read(copy, 0.0))
+    assert verify.fine_size(verify.thumb(_picture(21, size=(300, 200))), a) == min(verify.FINE, 38)
+
+
+STAMPS = Path("/usr/share/tuxpaint/stamps")
+
+
+@pytest.mark.skipif(not STAMPS.is_dir(), reason="tuxpaint-stamps-default not installed")
+def test_real_stamps_a_shrunk_jpeg_copy_scores_above_the_look_alike_letter():
+    """Real files: x and X of the filled alphabet are the same glyph at two sizes (ncc > 0.998), yet a copy of
+    x shrunk to 63 % and saved as JPEG q60 scores closer to x than x's look-alike X does, and the small
+    santahat drawing's copy loses at most half the ncc it lost at the plain 32 px reading."""
+    def jpeg(rgb, scale, quality):
+        im = Image.fromarray(rgb)
+        im = im.resize((round(im.width * scale), round(im.height * scale)), Image.BICUBIC)
+        buf = io.BytesIO()
+        im.save(buf, format="JPEG", quality=quality)
+        return load_rgb(buf.getvalue())
+
+    letters = STAMPS / "symbols/alphabets/english/filled"
+    x = load_rgb(letters / "lowercase/x_filled.png")
+    tx, tX, tcopy = verify.thumb(x), verify.thumb(load_rgb(letters / "uppercase/X_filled.png")), verify.thumb(jpeg(x, 0.63, 60))
+    look_alike = verify.score(tx, tX)
+    assert look_alike > 0.998
+    assert verify.score(tcopy, tx) > look_alike and verify.score(tcopy, tx) > verify.score(tcopy, tX)
+    hat = load_rgb(STAMPS / "seasonal/christmas/santahat.png")
+    a, b = verify.thumb(hat), verify.thumb(jpeg(hat, 0.63, 60))
+    plain = max(verify._one_way(a, b)[0], verify._one_way(b, a)[0])      # the 32 px reading alone
+    assert 1 - verify.score(a, b) < 0.5 * (1 - plain)
 
 
 def test_score_is_symmetric_one_for_the_same_picture_and_low_for_a_mirror():
