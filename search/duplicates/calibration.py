@@ -203,8 +203,23 @@ def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float
     return min(max(float(target), float(conf[ok[-1]])), MAX_THRESHOLD)
 
 
-def precision_curve(conf: np.ndarray, correct: np.ndarray,
-                    levels=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)) -> list[dict]:
+LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+
+
+def threshold_for_expected_precision(confidences, target: float, levels=LEVELS) -> float | None:
+    """The lowest level t at which the groups found with confidence >= t are expected to be right at least
+    `target` of the time -- mean confidence of those groups >= target, since a calibrated p is the chance a
+    pair is a duplicate -- with no labels and no count of rare look-alikes (the calibration queries' own
+    precision at the top rests on a handful of negatives). None: no level has a group."""
+    c = np.asarray(confidences, dtype=np.float64)
+    for t in sorted(levels):
+        kept = c[c >= t]
+        if kept.size and kept.mean() >= target:
+            return float(t)
+    return None
+
+
+def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS) -> list[dict]:
     """Precision of "top-1 p >= t" on the calibration queries at each level t (how many reach it)."""
     conf, correct = np.asarray(conf), np.asarray(correct, float)
     return [{"threshold": t, "pairs": int((conf >= t).sum()),

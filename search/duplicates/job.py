@@ -22,7 +22,8 @@ from PIL import Image
 from index.manifest import atomic_write, utc_now
 from index.store import IndexStore, require_store
 from search.duplicates import verify
-from search.duplicates.calibration import QueryScores, calibrate, query_scores, scored_candidates
+from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, query_scores, scored_candidates,
+                                           threshold_for_expected_precision)
 from search.duplicates.edits import edited_copy
 from search.duplicates.groups import candidate_sets, describe_group, mutual_groups, verified_candidate_sets
 from search.duplicates.page import render_page
@@ -44,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", default=None, help="version to scan (default: the current one)")
     p.add_argument("--threshold", type=float, default=None,
                    help="probability P a duplicate set must reach (default: from --precision on the calibration)")
-    p.add_argument("--precision", type=float, default=0.99, help="target pair precision that picks the default P")
+    p.add_argument("--precision", type=float, default=0.99,
+                   help="target pair precision that picks the default P: the lowest level whose groups' mean "
+                        "calibrated confidence reaches it")
     p.add_argument("--calibration-items", type=int, default=300,
                    help="items copied with random edits (and as many left without a copy) to fit the temperature")
     p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
@@ -259,6 +262,17 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
             "seconds": time.perf_counter() - t0}
 
 
+def default_threshold(snapshot, calibration, target: float | None = None, *, k: int = 32, max_group: int = 8,
+                      progress: bool = True) -> tuple[float, bool]:
+    """(P, reached) for `softsearch dedup` without --threshold: the groups of a scan at the lowest level, then
+    the lowest level whose groups' mean confidence reaches the target precision (calibration.py
+    threshold_for_expected_precision); when no level does, the calibration queries' own threshold and False."""
+    target = float(calibration.target_precision if target is None else target)
+    scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress)
+    found = threshold_for_expected_precision([g["confidence"] for g in scan["groups"]], target)
+    return (float(calibration.threshold), False) if found is None else (float(found), True)
+
+
 def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, precision: float = 0.99, seed: int = 0,
                        progress: bool = True):
     """The duplicate calibration of a snapshot at `stage` ("verified" or "encoder")."""
@@ -340,9 +354,14 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
     calib = calibrate_snapshot(snapshot, args.stage, args.calibration_items, args.precision, args.seed,
                                progress=not args.no_progress)
-    if args.threshold is None and not calib.reachable:
-        print(f"note: {calib.limit_note()}")
-    found = find_duplicates(snapshot, calib, threshold=args.threshold, k=args.k, max_group=args.max_group,
+    threshold = args.threshold
+    if threshold is None:   # the lowest level whose groups are expected to reach --precision
+        threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
+                                               progress=not args.no_progress)
+        if not reached:
+            print(f"note: no level's groups are expected to reach precision {args.precision:.3g}; "
+                  f"p >= {threshold:.3g} from the calibration queries. {calib.limit_note()}")
+    found = find_duplicates(snapshot, calib, threshold=threshold, k=args.k, max_group=args.max_group,
                             progress=not args.no_progress)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
               "temperature": calib.temperature, "bias": calib.bias, "calibration": calib.to_json(),

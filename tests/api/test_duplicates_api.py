@@ -72,6 +72,33 @@ def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_dedup_without_threshold_takes_the_lowest_level_expected_to_reach_the_precision(scanned, capsys):
+    """No --threshold: P is a level of the precision curve whose groups' mean confidence reaches --precision,
+    checked here against a scan at the lowest level (or, when none does, the calibration's own threshold
+    and a note saying so); every group written is at least P sure."""
+    from search.duplicates.calibration import LEVELS, DuplicateCalibration
+    from search.duplicates.job import find_duplicates
+    from search.serving.searcher import Searcher
+
+    root = scanned["root"]
+    store = IndexStore(root)
+    assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--precision", "0.9",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(store.duplicates_path(store.current_version()).read_text())
+    calib = DuplicateCalibration.from_json(data["calibration"])
+    searcher = Searcher(root)
+    searcher.load()
+    low = find_duplicates(searcher.snapshot(), calib, threshold=min(LEVELS), progress=False)
+    conf = np.array([g["confidence"] for g in low["groups"]])
+    ok = [t for t in sorted(LEVELS) if (conf >= t).any() and conf[conf >= t].mean() >= 0.9]
+    if ok:
+        assert data["threshold"] == ok[0] and "note:" not in out
+    else:
+        assert data["threshold"] == calib.threshold and "note: no level" in out
+    assert all(g["confidence"] >= data["threshold"] - 1e-9 for g in data["groups"])
+
+
 def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys):
     """After `softsearch dedup`, `index add` says which new items duplicate indexed ones (a byte-identical
     copy of an indexed file has similarity 1 to it: its group must include that file)."""

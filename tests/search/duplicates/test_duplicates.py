@@ -182,3 +182,22 @@ def test_precision_curve_and_what_the_model_can_promise():
 def test_calibrate_needs_enough_queries():
     with pytest.raises(ValueError, match="at least 20"):
         calibrate([query_scores(np.zeros(5), -1)] * 5)
+
+
+def test_expected_precision_threshold_is_the_lowest_level_whose_mean_confidence_reaches_the_target():
+    """Brute force over the levels; and with pairs right at the rate their confidence says (drawn here), the
+    pairs kept at that level are right about as often as the target asks."""
+    from search.duplicates.calibration import LEVELS, threshold_for_expected_precision
+
+    conf = np.array([0.9999, 0.9995, 0.999, 0.998, 0.97, 0.93, 0.85, 0.55])
+    by_hand = [t for t in sorted(LEVELS) if (conf >= t).any() and conf[conf >= t].mean() >= 0.99]
+    assert threshold_for_expected_precision(conf, 0.99) == by_hand[0] == 0.95   # mean of the top 5 = 0.9933
+    assert threshold_for_expected_precision(conf, 0.9) == 0.5                     # mean of all 8 = 0.9117
+    assert threshold_for_expected_precision(np.array([0.6, 0.7]), 0.99) is None
+    assert threshold_for_expected_precision([], 0.99) is None
+    rng = np.random.default_rng(3)
+    conf = np.concatenate([1 - rng.beta(0.3, 300, 4000), rng.uniform(0.5, 0.99, 1000)])
+    right = rng.random(conf.size) < conf
+    t = threshold_for_expected_precision(conf, 0.98)
+    assert t is not None and abs(right[conf >= t].mean() - conf[conf >= t].mean()) < 0.01
+    assert right[conf >= t].mean() > 0.97
