@@ -35,7 +35,7 @@ from index.build import BuildOptions, build_index
 from search.duplicates.calibration import expected_calibration_error, top1
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import (ThumbCache, _nearest, _verified, calibrate_snapshot, default_threshold,
-                                   embed_bytes, find_duplicates)
+                                   embed_bytes, find_duplicates, scores_cache)
 from search.serving.searcher import Searcher
 from training.checkpoint import read_checkpoint_metadata
 from training.datasets import create_dataset
@@ -220,16 +220,17 @@ def main(argv=None) -> int:
             calib = calibrate_snapshot(calib_snap, stage.split("-")[0], args.calibration_items, args.precision,
                                        args.seed + 1, progress=False)
             # the default of `softsearch dedup`: the lowest level whose groups' mean confidence reaches the target
-            found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False)[0],
-                                    progress=False)
-            found_queries = find_duplicates(snap, calib, progress=False)   # the calibration queries' threshold
+            cache = scores_cache(snap, calib)   # the pair scores, verified once for the three scans below
+            found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False, cache=cache)[0],
+                                    progress=False, cache=cache)
+            found_queries = find_duplicates(snap, calib, progress=False, cache=cache)   # the calibration queries' threshold
             stages_queries[stage] = (calib.threshold, {frozenset(pair) for g in found_queries["groups"]
                                                        for pair in combinations(g["ids"], 2)})
             pairs = {frozenset(pair) for g in found["groups"] for pair in combinations(g["ids"], 2)}
             # without labels either: the threshold with the best precision on the tool's own calibration queries
             best = max((r for r in calib.precision_curve if r["pairs"]),
                        key=lambda r: (r["precision"], -r["threshold"]))
-            found_best = find_duplicates(snap, calib, threshold=best["threshold"], progress=False)
+            found_best = find_duplicates(snap, calib, threshold=best["threshold"], progress=False, cache=cache)
             pairs_best = {frozenset(pair) for g in found_best["groups"] for pair in combinations(g["ids"], 2)}
             stages[stage] = (calib, found, pairs, best, pairs_best)
             for name, got in ((f"p >= {found['threshold']:.3g}", pairs), (f"p >= {best['threshold']:.3g}", pairs_best)):

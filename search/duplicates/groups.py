@@ -126,9 +126,31 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
     return out, exact_scans
 
 
+class VerifiedScores:
+    """Each scanned row's verified candidates and their scores v_j, kept between scans of one calibration at
+    different thresholds (v does not depend on P, only the sets cut from it do): the default threshold's
+    scan and the final one verify each pair once. Dense per row: n x k (int64 + float64), 16 k bytes a row."""
+
+    def __init__(self, n: int, k: int):
+        self.known = np.zeros(int(n), dtype=bool)
+        self.rows = np.full((int(n), int(k)), -1, dtype=np.int64)
+        self.scores = np.full((int(n), int(k)), -np.inf)
+
+    def get(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+        if not self.known[row]:
+            return None
+        kept = self.rows[row] >= 0
+        return self.rows[row][kept], self.scores[row][kept]
+
+    def put(self, row: int, others: np.ndarray, v: np.ndarray) -> None:
+        m = min(others.size, self.rows.shape[1])
+        self.rows[row, :m], self.scores[row, :m] = others[:m], v[:m]
+        self.known[row] = True
+
+
 def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, thumbs, *, threshold: float,
-                            max_group: int = 8, block: int = 256, progress: bool = True
-                            ) -> tuple[dict[int, CandidateSet], int]:
+                            max_group: int = 8, block: int = 256, progress: bool = True,
+                            cache: VerifiedScores | None = None) -> tuple[dict[int, CandidateSet], int]:
     """{row: S_row} at the verified stage: the row's `calibration.verify_k` nearest items by cosine (ANN
     index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.score v_j,
     read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), and
@@ -137,7 +159,8 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
 
     every other item at p = 0 (exactly the model calibration.py fitted on the verified calibration queries).
     `thumbs(row)` gives a row's verify.Thumb (None: unreadable, never a candidate). Memory: a block of
-    rows' neighbours plus the thumb cache. The sets' `similarities` are the verification scores v_j."""
+    rows' neighbours plus the thumb cache. The sets' `similarities` are the verification scores v_j. With
+    `cache` (made for this calibration) a row verified by an earlier scan is not verified again."""
     from search.duplicates import verify
 
     tau, bias = calibration.temperature, calibration.bias
@@ -149,15 +172,21 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
         return out, 0
     for mine, z, cand in _neighbour_blocks(version, rows, k, block, "duplicate candidates (verified)", progress):
         for i, row in enumerate(mine):
-            others = cand[i][cand[i] >= 0]
-            cos = np.asarray(emb[others], dtype=np.float64) @ z[i].astype(np.float64)
-            others, cos = others[cos >= calibration.floor], cos[cos >= calibration.floor]
-            me = thumbs(row) if others.size else None
-            if me is None:
+            known = cache.get(row) if cache is not None else None
+            if known is None:
+                others = cand[i][cand[i] >= 0]
+                cos = np.asarray(emb[others], dtype=np.float64) @ z[i].astype(np.float64)
+                others = others[cos >= calibration.floor]
+                me = thumbs(row) if others.size else None
+                others = others if me is not None else others[:0]
+                v = np.array([-np.inf if thumbs(j) is None else verify.score(me, thumbs(j)) for j in others])
+                order = np.argsort(-v, kind="stable")
+                known = others[order], v[order]
+                if cache is not None:
+                    cache.put(row, *known)
+            others, v = known
+            if not others.size:
                 continue
-            v = np.array([-np.inf if thumbs(j) is None else verify.score(me, thumbs(j)) for j in others])
-            order = np.argsort(-v, kind="stable")
-            others, v = others[order], v[order]
             e = verify.evidence(v)      # an unreadable item (v = -inf) has e = -inf: p = 0
             log_z = np.logaddexp(bias / tau, logsumexp(e / tau)) if np.isfinite(e).any() else bias / tau
             p = np.exp(e / tau - log_z)

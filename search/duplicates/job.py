@@ -25,7 +25,8 @@ from search.duplicates import verify
 from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, query_scores, scored_candidates,
                                            threshold_for_expected_precision)
 from search.duplicates.edits import edited_copy
-from search.duplicates.groups import candidate_sets, describe_group, mutual_groups, verified_candidate_sets
+from search.duplicates.groups import (VerifiedScores, candidate_sets, describe_group, mutual_groups,
+                                      verified_candidate_sets)
 from search.duplicates.page import render_page
 from training.images import cache_resolution, load_query, load_rgb, load_square
 
@@ -229,8 +230,9 @@ def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_
 
 
 def find_duplicates(snapshot, calibration, *, threshold: float | None = None, rows=None, k: int = 32,
-                    max_group: int = 8, progress: bool = True) -> dict:
-    """The duplicate groups among `rows` (default: every item) and whatever they link to."""
+                    max_group: int = 8, progress: bool = True, cache: VerifiedScores | None = None) -> dict:
+    """The duplicate groups among `rows` (default: every item) and whatever they link to; `cache` keeps the
+    verified stage's pair scores for another scan of the same calibration (default_threshold, then main)."""
     version = snapshot.index
     p = float(calibration.threshold if threshold is None else threshold)
     if not 0.0 < p < 1.0:
@@ -242,7 +244,7 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
 
         def scan(some, progress):
             return verified_candidate_sets(version, calibration, some, thumbs, threshold=p, max_group=max_group,
-                                           progress=progress)
+                                           progress=progress, cache=cache)
     else:
         def scan(some, progress):
             return candidate_sets(version, calibration, some, threshold=p, k=k, max_group=max_group,
@@ -263,14 +265,22 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
 
 
 def default_threshold(snapshot, calibration, target: float | None = None, *, k: int = 32, max_group: int = 8,
-                      progress: bool = True) -> tuple[float, bool]:
+                      progress: bool = True, cache: VerifiedScores | None = None) -> tuple[float, bool]:
     """(P, reached) for `softsearch dedup` without --threshold: the groups of a scan at the lowest level, then
     the lowest level whose groups' mean confidence reaches the target precision (calibration.py
     threshold_for_expected_precision); when no level does, the calibration queries' own threshold and False."""
     target = float(calibration.target_precision if target is None else target)
-    scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress)
+    scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress,
+                           cache=cache)
     found = threshold_for_expected_precision([g["confidence"] for g in scan["groups"]], target)
     return (float(calibration.threshold), False) if found is None else (float(found), True)
+
+
+def scores_cache(snapshot, calibration) -> VerifiedScores | None:
+    """A pair-score cache for scans of `calibration` on `snapshot` (None at the encoder stage: nothing to keep)."""
+    if calibration.stage != "verified":
+        return None
+    return VerifiedScores(snapshot.count, min(int(calibration.verify_k), max(snapshot.count - 1, 1)))
 
 
 def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, precision: float = 0.99, seed: int = 0,
@@ -355,14 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     calib = calibrate_snapshot(snapshot, args.stage, args.calibration_items, args.precision, args.seed,
                                progress=not args.no_progress)
     threshold = args.threshold
+    # the verified pair scores do not depend on the threshold: the default's scan and the final one share them
+    cache = scores_cache(snapshot, calib)
     if threshold is None:   # the lowest level whose groups are expected to reach --precision
         threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
-                                               progress=not args.no_progress)
+                                               progress=not args.no_progress, cache=cache)
         if not reached:
             print(f"note: no level's groups are expected to reach precision {args.precision:.3g}; "
                   f"p >= {threshold:.3g} from the calibration queries. {calib.limit_note()}")
     found = find_duplicates(snapshot, calib, threshold=threshold, k=args.k, max_group=args.max_group,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, cache=cache)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
               "temperature": calib.temperature, "bias": calib.bias, "calibration": calib.to_json(),
               "k": args.k, "max_group": args.max_group, **found}

@@ -1,6 +1,7 @@
 """`softsearch dedup` on a real folder with planted edited copies, then GET /v1/duplicates and /duplicates."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -97,6 +98,34 @@ def test_dedup_without_threshold_takes_the_lowest_level_expected_to_reach_the_pr
     else:
         assert data["threshold"] == calib.threshold and "note: no level" in out
     assert all(g["confidence"] >= data["threshold"] - 1e-9 for g in data["groups"])
+
+
+def test_a_second_scan_of_one_calibration_verifies_no_pair_again(scanned, monkeypatch):
+    """The default threshold's scan and the final scan share the verified pair scores (job.scores_cache): the
+    second scan calls verify.score zero times and finds exactly what a scan without the cache finds."""
+    from search.duplicates import verify
+    from search.duplicates.calibration import LEVELS
+    from search.duplicates.job import calibrate_snapshot, find_duplicates, scores_cache
+    from search.serving.searcher import Searcher
+
+    searcher = Searcher(scanned["root"])
+    searcher.load()
+    snap = searcher.snapshot()
+    calib = calibrate_snapshot(snap, "verified", items=15, precision=0.9, progress=False)
+    calls = []
+    real_score = verify.score
+    monkeypatch.setattr(verify, "score", lambda a, b: calls.append(1) or real_score(a, b))
+    cache = scores_cache(snap, calib)
+    low = find_duplicates(snap, calib, threshold=min(LEVELS), progress=False, cache=cache)
+    first = len(calls)
+    assert first > 0 and cache.known.all()
+    high = find_duplicates(snap, calib, threshold=0.95, progress=False, cache=cache)
+    assert len(calls) == first                                  # nothing verified twice
+    for p, cached in ((min(LEVELS), low), (0.95, high)):
+        fresh = find_duplicates(snap, calib, threshold=p, progress=False)
+        assert [g["ids"] for g in cached["groups"]] == [g["ids"] for g in fresh["groups"]]
+        assert [g["confidence"] for g in cached["groups"]] == pytest.approx([g["confidence"] for g in fresh["groups"]])
+    assert scores_cache(snap, dataclasses.replace(calib, stage="encoder")) is None
 
 
 def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys):
