@@ -105,6 +105,8 @@ PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2
          "anneal-infonce-t0.1": "infonce-t0.1", "infonce-t0.1-greg": "infonce-t0.1",
          "infonce-t0.1-greg-4k": "infonce-t0.1",
          **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine", "log-c5")}}
+# further paired comparisons in the report: the paper's log noise schedule against the other two
+SCHEDULE_PAIRS = (("langevin-log-t0.1", "langevin-exp-t0.1"), ("langevin-log-t0.1", "langevin-cosine-t0.1"))
 # issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
 TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
              "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")
@@ -302,7 +304,7 @@ def cmd_report(args) -> int:
             rows.append(row(f"{objective}/mean/{m}", float(vals.mean()), f"{unit} (n={len(vals)} seeds)", None))
             if len(vals) > 1:  # a spread needs two seeds; one seed has none to report
                 rows.append(row(f"{objective}/std/{m}", float(vals.std(ddof=1)), f"{unit} (n={len(vals)} seeds)", None))
-    for objective, base in PAIRS.items():
+    for objective, base in [*PAIRS.items(), *SCHEDULE_PAIRS]:
         for (o, seed), (_, pq) in sorted(runs.items()):
             if o != objective or (base, seed) not in runs:
                 continue
