@@ -365,8 +365,13 @@ def distributed():
         created = True
     try:
         yield dist.get_rank(), dist.get_world_size(), device
-    finally:
+    except BaseException:
+        raise   # no teardown handshake: a peer may be inside a collective, and a barrier here would hang
+    else:
         if created:
+            # leave together: a rank that tears gloo down while its peer still works (rank 0 collects the
+            # shards after the last barrier) can abort in gloo's teardown (a CI run of 2026-12-05: rank 1 SIGABRT)
+            dist.barrier()
             dist.destroy_process_group()
 
 
