@@ -347,7 +347,7 @@ def dist_env() -> tuple[int, int, int]:
 def distributed():
     """Join the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on GPU).
 
-    Yields (rank, world_size, device); tears the group down only if it created it.
+    Yields (rank, world_size, device); on success tears the group down if it created it.
     """
     rank, world, local = dist_env()
     if world <= 1:
@@ -363,16 +363,14 @@ def distributed():
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         created = True
-    try:
-        yield dist.get_rank(), dist.get_world_size(), device
-    except BaseException:
-        raise   # no teardown handshake: a peer may be inside a collective, and a barrier here would hang
-    else:
-        if created:
-            # leave together: a rank that tears gloo down while its peer still works (rank 0 collects the
-            # shards after the last barrier) can abort in gloo's teardown (a CI run of 2026-12-05: rank 1 SIGABRT)
-            dist.barrier()
-            dist.destroy_process_group()
+    # on an error nothing below runs: no teardown handshake, since a peer may be inside a collective and a
+    # barrier here would hang
+    yield dist.get_rank(), dist.get_world_size(), device
+    if created:
+        # leave together: a rank that tears gloo down while its peer still works (rank 0 collects the shards
+        # after the last barrier) can abort in gloo's teardown (a CI run of 2026-12-05: rank 1 SIGABRT)
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def barrier() -> None:

@@ -59,8 +59,7 @@ if len(sys.argv) > 1:   # optional: keep the raw scores
                                              "test": [(k, s, c.tolist(), v.tolist()) for k, s, c, v in testq]}))
 
 def evid(v, cand, a, floor):
-    d = np.maximum(1 - v, 0)
-    return -np.log(d + verify.EPS) + a * np.log(np.maximum(sigma[cand], floor))
+    return verify.evidence(v) + a * np.log(np.maximum(sigma[cand], floor))
 
 def qs(qq, a, floor):
     out = []

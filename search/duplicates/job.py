@@ -280,7 +280,7 @@ def scores_cache(snapshot, calibration) -> VerifiedScores | None:
     """A pair-score cache for scans of `calibration` on `snapshot` (None at the encoder stage: nothing to keep)."""
     if calibration.stage != "verified":
         return None
-    return VerifiedScores(snapshot.count, min(int(calibration.verify_k), max(snapshot.count - 1, 1)))
+    return VerifiedScores(snapshot.count, int(calibration.verify_k))
 
 
 def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, precision: float = 0.99, seed: int = 0,
