@@ -106,7 +106,8 @@ PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2
          "infonce-t0.1-greg-4k": "infonce-t0.1",
          **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine", "log-c5")}}
 # further paired comparisons in the report: the paper's log noise schedule against the other two
-SCHEDULE_PAIRS = (("langevin-log-t0.1", "langevin-exp-t0.1"), ("langevin-log-t0.1", "langevin-cosine-t0.1"))
+SCHEDULE_PAIRS = (("langevin-log-t0.1", "langevin-exp-t0.1"), ("langevin-log-t0.1", "langevin-cosine-t0.1"),
+                  ("infonce-t0.1-greg-4k", "infonce-t0.1-greg"))   # and twice the steps against 2 000
 # issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
 TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
              "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")

@@ -206,17 +206,26 @@ def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float
 LEVELS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 
 
-def threshold_for_expected_precision(confidences, target: float, levels=LEVELS) -> float | None:
-    """The lowest level t at which the groups found with confidence >= t are expected to be right at least
-    `target` of the time -- mean confidence of those groups >= target, since a calibrated p is the chance a
-    pair is a duplicate -- with no labels and no count of rare look-alikes (the calibration queries' own
-    precision at the top rests on a handful of negatives). None: no level has a group."""
-    c = np.asarray(confidences, dtype=np.float64)
-    for t in sorted(levels):
-        kept = c[c >= t]
-        if kept.size and kept.mean() >= target:
-            return float(t)
-    return None
+def threshold_for_expected_precision(confidences, target: float, levels=None) -> float | None:
+    """The lowest threshold t whose groups (confidence >= t) are expected to be right at least `target` of the
+    time -- mean confidence >= target, since a calibrated p is the chance a group is a duplicate -- with no
+    labels and no count of rare look-alikes (the calibration queries' own precision at the top rests on a
+    handful of negatives). With groups sorted by confidence c_1 >= c_2 >= ..., the prefix means
+    m_j = (c_1 + ... + c_j) / j never rise, so the longest prefix with m_j >= target keeps the most groups
+    (the most expected true pairs) at that expected precision: t = c_j. `levels`: pick t from these fixed
+    levels instead (the rule before 2026-12-06). None: no group reaches it."""
+    c = np.sort(np.asarray(confidences, dtype=np.float64))[::-1]
+    if levels is not None:
+        for t in sorted(levels):
+            kept = c[c >= t]
+            if kept.size and kept.mean() >= target:
+                return float(t)
+        return None
+    prefix_mean = np.cumsum(c) / np.arange(1, c.size + 1)
+    run_end = np.append(c[1:] < c[:-1], True)   # t = c_j keeps every group tied with c_j: only ends of ties
+    ok = np.flatnonzero((prefix_mean >= target) & run_end)
+    # P must stay below 1 (find_duplicates); groups at >= MAX_THRESHOLD are above any target anyway
+    return min(float(c[ok[-1]]), MAX_THRESHOLD) if ok.size else None
 
 
 def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS) -> list[dict]:

@@ -47,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=None,
                    help="probability P a duplicate set must reach (default: from --precision on the calibration)")
     p.add_argument("--precision", type=float, default=0.99,
-                   help="target pair precision that picks the default P: the lowest level whose groups' mean "
-                        "calibrated confidence reaches it")
+                   help="target pair precision that picks the default P: the lowest group confidence at which "
+                        "the groups kept have a mean calibrated confidence that reaches it")
     p.add_argument("--calibration-items", type=int, default=300,
                    help="items copied with random edits (and as many left without a copy) to fit the temperature")
     p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
@@ -267,8 +267,9 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
 def default_threshold(snapshot, calibration, target: float | None = None, *, k: int = 32, max_group: int = 8,
                       progress: bool = True, cache: VerifiedScores | None = None) -> tuple[float, bool]:
     """(P, reached) for `softsearch dedup` without --threshold: the groups of a scan at the lowest level, then
-    the lowest level whose groups' mean confidence reaches the target precision (calibration.py
-    threshold_for_expected_precision); when no level does, the calibration queries' own threshold and False."""
+    the lowest group confidence at which the groups kept have a mean confidence that reaches the target
+    precision (calibration.py threshold_for_expected_precision); when none does, the calibration queries' own
+    threshold and False."""
     target = float(calibration.target_precision if target is None else target)
     scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress,
                            cache=cache)
@@ -367,11 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     threshold = args.threshold
     # the verified pair scores do not depend on the threshold: the default's scan and the final one share them
     cache = scores_cache(snapshot, calib)
-    if threshold is None:   # the lowest level whose groups are expected to reach --precision
+    if threshold is None:   # the lowest P whose groups are expected to reach --precision
         threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
                                                progress=not args.no_progress, cache=cache)
         if not reached:
-            print(f"note: no level's groups are expected to reach precision {args.precision:.3g}; "
+            print(f"note: no groups are expected to reach precision {args.precision:.3g}; "
                   f"p >= {threshold:.3g} from the calibration queries. {calib.limit_note()}")
     found = find_duplicates(snapshot, calib, threshold=threshold, k=args.k, max_group=args.max_group,
                             progress=not args.no_progress, cache=cache)

@@ -184,17 +184,29 @@ def test_calibrate_needs_enough_queries():
         calibrate([query_scores(np.zeros(5), -1)] * 5)
 
 
-def test_expected_precision_threshold_is_the_lowest_level_whose_mean_confidence_reaches_the_target():
-    """Brute force over the levels; and with pairs right at the rate their confidence says (drawn here), the
-    pairs kept at that level are right about as often as the target asks."""
+def test_expected_precision_threshold_is_the_lowest_whose_mean_confidence_reaches_the_target():
+    """Brute force over every candidate threshold (each confidence, ties included) and over the fixed levels;
+    and with pairs right at the rate their confidence says (drawn here), the pairs kept at that threshold are
+    right about as often as the target asks."""
     from search.duplicates.calibration import LEVELS, threshold_for_expected_precision
 
+    def by_hand(conf, target, candidates):
+        return min((t for t in candidates if (conf >= t).any() and conf[conf >= t].mean() >= target), default=None)
+
     conf = np.array([0.9999, 0.9995, 0.999, 0.998, 0.97, 0.93, 0.85, 0.55])
-    by_hand = [t for t in sorted(LEVELS) if (conf >= t).any() and conf[conf >= t].mean() >= 0.99]
-    assert threshold_for_expected_precision(conf, 0.99) == by_hand[0] == 0.95   # mean of the top 5 = 0.9933
-    assert threshold_for_expected_precision(conf, 0.9) == 0.5                     # mean of all 8 = 0.9117
+    assert threshold_for_expected_precision(conf, 0.99) == by_hand(conf, 0.99, conf) == 0.97   # top 5: 0.9933
+    assert threshold_for_expected_precision(conf, 0.99, LEVELS) == by_hand(conf, 0.99, LEVELS) == 0.95
+    assert threshold_for_expected_precision(conf, 0.9) == 0.55                     # mean of all 8 = 0.9117
     assert threshold_for_expected_precision(np.array([0.6, 0.7]), 0.99) is None
     assert threshold_for_expected_precision([], 0.99) is None
+    ties = np.array([0.999, 0.9, 0.9])   # t = 0.9 keeps both 0.9s: mean 0.933 < 0.95, so only 0.999 is kept
+    assert threshold_for_expected_precision(ties, 0.95) == by_hand(ties, 0.95, ties) == 0.999
+    assert threshold_for_expected_precision([1.0, 1.0], 0.99) == 0.9999   # P stays below 1
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        conf = np.round(rng.uniform(0.5, 0.99, rng.integers(1, 30)), 2)   # rounding makes ties
+        target = rng.uniform(0.8, 0.99)
+        assert threshold_for_expected_precision(conf, target) == by_hand(conf, target, conf)
     rng = np.random.default_rng(3)
     conf = np.concatenate([1 - rng.beta(0.3, 300, 4000), rng.uniform(0.5, 0.99, 1000)])
     right = rng.random(conf.size) < conf
