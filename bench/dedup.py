@@ -32,7 +32,7 @@ from PIL import Image
 
 from _common import row, write_results
 from index.build import BuildOptions, build_index
-from search.duplicates.calibration import expected_calibration_error, top1
+from search.duplicates.calibration import LEVELS, expected_calibration_error, threshold_for_expected_precision, top1
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import (ThumbCache, _nearest, _verified, calibrate_snapshot, default_threshold,
                                    embed_bytes, find_duplicates, scores_cache)
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
                     work / "index-before", BuildOptions(progress=False))
         before = Searcher(work / "index-before")
         before.load()
-        rows, stages, stages_queries = [], {}, {}
+        rows, stages, stages_queries, stages_grid = [], {}, {}, {}
         for stage, calib_snap in (("verified", snap), ("encoder", snap), ("verified-before", before.snapshot())):
             calib = calibrate_snapshot(calib_snap, stage.split("-")[0], args.calibration_items, args.precision,
                                        args.seed + 1, progress=False)
@@ -226,6 +226,12 @@ def main(argv=None) -> int:
             found_queries = find_duplicates(snap, calib, progress=False, cache=cache)   # the calibration queries' threshold
             stages_queries[stage] = (calib.threshold, {frozenset(pair) for g in found_queries["groups"]
                                                        for pair in combinations(g["ids"], 2)})
+            # the default rule before 2026-12-06: the same mean-confidence test, P taken from fixed levels
+            low = find_duplicates(snap, calib, threshold=min(LEVELS), progress=False, cache=cache)
+            t_grid = threshold_for_expected_precision([g["confidence"] for g in low["groups"]], args.precision,
+                                                      LEVELS) or calib.threshold
+            stages_grid[stage] = (t_grid, {frozenset(pair) for g in find_duplicates(
+                snap, calib, threshold=t_grid, progress=False, cache=cache)["groups"] for pair in combinations(g["ids"], 2)})
             pairs = {frozenset(pair) for g in found["groups"] for pair in combinations(g["ids"], 2)}
             # without labels either: the threshold with the best precision on the tool's own calibration queries
             best = max((r for r in calib.precision_curve if r["pairs"]),
@@ -281,7 +287,9 @@ def main(argv=None) -> int:
                             "ECE", None))
         c, f, pairs, b, pairs_b = stages["verified-before"]
         t_q, pairs_q = stages_queries["verified-before"]
+        t_g, pairs_g = stages_grid["verified-before"]
         for name, got in ((f"default p >= {f['threshold']:.3g}", pairs),
+                          (f"fixed-level default (before 2026-12-06) p >= {t_g:.3g}", pairs_g),
                           (f"calibration queries' target level p >= {t_q:.3g}", pairs_q),
                           (f"best-precision level p >= {b['threshold']:.3g}", pairs_b)):
             for label, true in (("", truth), (" [truth without the one-colour rule]", strict)):
