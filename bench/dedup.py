@@ -32,7 +32,7 @@ from PIL import Image
 
 from _common import row, write_results
 from index.build import BuildOptions, build_index
-from search.duplicates.calibration import LEVELS, expected_calibration_error, threshold_for_expected_precision, top1
+from search.duplicates.calibration import LEVELS, expected_calibration_error, top1
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import (ThumbCache, _nearest, _verified, calibrate_snapshot, default_threshold,
                                    embed_bytes, find_duplicates, scores_cache)
@@ -124,6 +124,11 @@ def planted_ece(snap, calib, folder: Path, truth: set[frozenset], copies: list[s
         conf.append(p)
         correct.append(bool(q.top.size) and frozenset((c, ids[int(q.top_rows[0])])) in truth)
     return expected_calibration_error(np.array(conf), np.array(correct))[0], len(copies)
+
+
+def group_pairs(found: dict) -> set[frozenset]:
+    """Every pair of ids that share a group in a find_duplicates result."""
+    return {frozenset(pair) for g in found["groups"] for pair in combinations(g["ids"], 2)}
 
 
 def pair_scores(predicted: set[frozenset], truth: set[frozenset]) -> tuple[float, float, float]:
@@ -224,20 +229,17 @@ def main(argv=None) -> int:
             found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False, cache=cache)[0],
                                     progress=False, cache=cache)
             found_queries = find_duplicates(snap, calib, progress=False, cache=cache)   # the calibration queries' threshold
-            stages_queries[stage] = (calib.threshold, {frozenset(pair) for g in found_queries["groups"]
-                                                       for pair in combinations(g["ids"], 2)})
+            stages_queries[stage] = (calib.threshold, group_pairs(found_queries))
             # the default rule before 2026-12-06: the same mean-confidence test, P taken from fixed levels
-            low = find_duplicates(snap, calib, threshold=min(LEVELS), progress=False, cache=cache)
-            t_grid = threshold_for_expected_precision([g["confidence"] for g in low["groups"]], args.precision,
-                                                      LEVELS) or calib.threshold
-            stages_grid[stage] = (t_grid, {frozenset(pair) for g in find_duplicates(
-                snap, calib, threshold=t_grid, progress=False, cache=cache)["groups"] for pair in combinations(g["ids"], 2)})
-            pairs = {frozenset(pair) for g in found["groups"] for pair in combinations(g["ids"], 2)}
+            t_grid = default_threshold(snap, calib, progress=False, cache=cache, levels=LEVELS)[0]
+            stages_grid[stage] = (t_grid, group_pairs(find_duplicates(snap, calib, threshold=t_grid, progress=False,
+                                                                      cache=cache)))
+            pairs = group_pairs(found)
             # without labels either: the threshold with the best precision on the tool's own calibration queries
             best = max((r for r in calib.precision_curve if r["pairs"]),
                        key=lambda r: (r["precision"], -r["threshold"]))
             found_best = find_duplicates(snap, calib, threshold=best["threshold"], progress=False, cache=cache)
-            pairs_best = {frozenset(pair) for g in found_best["groups"] for pair in combinations(g["ids"], 2)}
+            pairs_best = group_pairs(found_best)
             stages[stage] = (calib, found, pairs, best, pairs_best)
             for name, got in ((f"p >= {found['threshold']:.3g}", pairs), (f"p >= {best['threshold']:.3g}", pairs_best)):
                 for f in sorted(got - truth, key=sorted):

@@ -265,15 +265,15 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
 
 
 def default_threshold(snapshot, calibration, target: float | None = None, *, k: int = 32, max_group: int = 8,
-                      progress: bool = True, cache: VerifiedScores | None = None) -> tuple[float, bool]:
+                      progress: bool = True, cache: VerifiedScores | None = None, levels=None) -> tuple[float, bool]:
     """(P, reached) for `softsearch dedup` without --threshold: the groups of a scan at the lowest level, then
     the lowest group confidence at which the groups kept have a mean confidence that reaches the target
-    precision (calibration.py threshold_for_expected_precision); when none does, the calibration queries' own
-    threshold and False."""
+    precision (calibration.py threshold_for_expected_precision; `levels`: P from those fixed levels, the rule
+    before 2026-12-06); when none does, the calibration queries' own threshold and False."""
     target = float(calibration.target_precision if target is None else target)
     scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress,
                            cache=cache)
-    found = threshold_for_expected_precision([g["confidence"] for g in scan["groups"]], target)
+    found = threshold_for_expected_precision([g["confidence"] for g in scan["groups"]], target, levels)
     return (float(calibration.threshold), False) if found is None else (float(found), True)
 
 

@@ -75,8 +75,8 @@ def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
 
 def test_dedup_without_threshold_takes_the_lowest_threshold_expected_to_reach_the_precision(scanned, capsys):
     """No --threshold: P is the lowest group confidence at which the groups kept have a mean confidence that
-    reaches --precision, checked here by brute force on a scan at the lowest level (or, when none does, the calibration's own threshold
-    and a note saying so); every group written is at least P sure."""
+    reaches --precision, checked here by brute force on a scan at the lowest level (or, when none does, the
+    calibration's own threshold and a note saying so); every group written is at least P sure."""
     from search.duplicates.calibration import LEVELS, DuplicateCalibration
     from search.duplicates.job import find_duplicates
     from search.serving.searcher import Searcher
