@@ -120,7 +120,7 @@ def planted_ece(snap, calib, folder: Path, truth: set[frozenset], copies: list[s
         r = row[c]
         rows, cos = _nearest(emb @ emb[r], calib.verify_k, exclude=r)
         q = _verified(verify.thumb(load_rgb(folder / c)), rows, cos, thumbs, -1, calib.floor)
-        p, _ = top1(q, calib.temperature, calib.bias)
+        p, _ = top1(q.weighed(calib.geometry_weights), calib.temperature, calib.bias)
         conf.append(p)
         correct.append(bool(q.top.size) and frozenset((c, ids[int(q.top_rows[0])])) in truth)
     return expected_calibration_error(np.array(conf), np.array(correct))[0], len(copies)

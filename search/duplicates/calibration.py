@@ -10,6 +10,14 @@ calibrated -- on two kinds of queries made from the collection itself: edited co
 index without themselves (no copy of theirs is planted: the true answer is "none"; their nearest
 neighbours are the same-class look-alikes that must not count as duplicates). Each query keeps its top
 similarities exactly and the rest as a fine histogram, so log Z at any (tau, b) costs O(TOP + BINS).
+
+At the verified stage the score of a candidate is its evidence less what the geometry of its match cost
+(verify.Match.geometry: the stretch beyond pixel rounding, the squared log crop),
+
+    s_j = e_j - w . g_j,    w >= 0,
+
+and (tau, b, w) are fitted together: in (1/tau, b/tau, w/tau) the negative log-likelihood of a softmax
+whose logits are linear in those parameters is convex, so one L-BFGS-B run finds its minimum.
 """
 from __future__ import annotations
 
@@ -39,6 +47,17 @@ class QueryScores:
     top_rows: np.ndarray
     tail_counts: np.ndarray
     source: int
+    geometry: np.ndarray | None = None     # (len(top), 2) verify.Match.geometry of each top candidate
+
+    def weighed(self, weights) -> "QueryScores":
+        """The same query with each score less what its geometry costs, s_j - w . g_j, re-sorted (itself when
+        it has no geometry or the weights are zero)."""
+        w = np.asarray(weights, dtype=np.float64)
+        if self.geometry is None or not w.any():
+            return self
+        s = self.top - self.geometry @ w
+        order = np.argsort(-s, kind="stable")
+        return QueryScores(s[order], self.top_rows[order], self.tail_counts, self.source, self.geometry[order])
 
     def log_z(self, tau: float, bias: float) -> float:
         """log(exp(b/tau) + sum_l exp(s_l/tau)) from the exact top and the histogram of the rest."""
@@ -64,14 +83,15 @@ def query_scores(similarities: np.ndarray, source: int, exclude: int | None = No
     return QueryScores(s[top_rows], top_rows.astype(np.int64), counts.astype(np.float64), int(source))
 
 
-def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int) -> QueryScores:
+def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int, geometry=None) -> QueryScores:
     """QueryScores of a query whose only candidates are `rows` with `scores` (the verified stage: every
-    other item has probability 0, so there is no tail)."""
+    other item has probability 0, so there is no tail); `geometry`: (k, 2) per candidate, or None."""
     scores, rows = np.asarray(scores, dtype=np.float64), np.asarray(rows, dtype=np.int64)
     keep = np.isfinite(scores)
     scores, rows = scores[keep], rows[keep]
     order = np.argsort(-scores, kind="stable")
-    return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source))
+    geo = None if geometry is None else np.asarray(geometry, dtype=np.float64).reshape(-1, 2)[keep][order]
+    return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source), geo)
 
 
 @dataclass
@@ -96,6 +116,13 @@ class DuplicateCalibration:
     stage: str = "encoder"
     verify_k: int = 0
     floor: float = -1.0
+    # w of s_j = e_j - w . g_j at the verified stage (the stretch, the squared log crop); zeros: none fitted
+    geometry_weights: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def energy(self, evidence: np.ndarray, geometry: np.ndarray) -> np.ndarray:
+        """s_j = e_j - w . g_j: the verified score the softmax reads at temperature tau."""
+        return np.asarray(evidence, dtype=np.float64) - np.asarray(geometry, dtype=np.float64).reshape(-1, 2) \
+            @ np.asarray(self.geometry_weights, dtype=np.float64)
 
     @property
     def reachable(self) -> bool:
@@ -113,7 +140,8 @@ class DuplicateCalibration:
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                               "held_out", "fitted_on", "reliability", "positives", "negatives",
-                                              "max_probability", "precision_curve", "stage", "verify_k", "floor")}
+                                              "max_probability", "precision_curve", "stage", "verify_k", "floor",
+                                              "geometry_weights")}
 
     @classmethod
     def from_json(cls, data: dict) -> "DuplicateCalibration":
@@ -122,7 +150,8 @@ class DuplicateCalibration:
                    **{k: data.get(k, []) for k in ("reliability", "positives", "negatives", "precision_curve")},
                    fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)),
                    stage=str(data.get("stage", "encoder")), verify_k=int(data.get("verify_k", 0)),
-                   floor=float(data.get("floor", -1.0)))
+                   floor=float(data.get("floor", -1.0)),
+                   geometry_weights=[float(w) for w in data.get("geometry_weights", [0.0, 0.0])])
 
 
 class _Stacked:
@@ -139,6 +168,12 @@ class _Stacked:
             self.log_counts = np.log(counts[:, used])
         self.centres = CENTRES[used]
         self.is_copy = np.array([q.source >= 0 for q in queries])
+        self.geometry = np.zeros((n, TOP, 2))
+        for i, q in enumerate(queries):
+            if q.geometry is not None:
+                self.geometry[i, : q.top.size] = q.geometry
+        self.source_at = np.array([np.flatnonzero(q.top_rows == q.source)[0]
+                                   if q.source >= 0 and (q.top_rows == q.source).any() else -1 for q in queries])
         # the original's similarity (an original outside the kept top has similarity <= the last kept one;
         # counting it at -1 gives it (almost) zero probability, the honest worst case)
         self.source_sim = np.array([q.top[np.flatnonzero(q.top_rows == q.source)[0]]
@@ -151,6 +186,42 @@ class _Stacked:
         log_z = logsumexp(logits, axis=1)
         chosen = np.where(self.is_copy, self.source_sim / tau, bias / tau)
         return float(np.mean(log_z - chosen))
+
+
+def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[float]]:
+    """(tau, b, w) maximising the likelihood of the true answers with s_j = e_j - w . g_j (verified queries,
+    no tail). Parametrised as a = 1/tau, c = b/tau, u = w/tau: logits a e_j - u . g_j against c are linear,
+    the negative log-likelihood convex; L-BFGS-B with its exact gradient, a > 0 and u >= 0."""
+    from scipy.optimize import minimize as _minimize
+
+    st = _Stacked(queries)
+    e = np.where(np.isfinite(st.top), st.top, 0.0)
+    valid = np.isfinite(st.top)
+    n = e.shape[0]
+    chosen = st.source_at
+
+    def nll_grad(x):
+        a, c, u = x[0], x[1], x[2:]
+        logits = np.where(valid, a * e - st.geometry @ u, -np.inf)
+        full = np.concatenate([np.full((n, 1), c), logits], axis=1)
+        log_z = logsumexp(full, axis=1)
+        p = np.exp(full - log_z[:, None])                      # (n, 1 + TOP)
+        pick = np.zeros_like(p)
+        pick[np.arange(n), chosen + 1] = 1.0                   # chosen -1 -> column 0, "none"
+        value = np.mean(log_z - np.where(chosen >= 0, logits[np.arange(n), np.maximum(chosen, 0)], c))
+        diff = (p - pick)[:, 1:]                               # d/dlogit of the candidates
+        grad = np.concatenate([[np.mean(np.sum(diff * e, axis=1))], [np.mean(p[:, 0] - pick[:, 0])],
+                               -np.mean(np.einsum("nk,nkd->nd", diff, st.geometry), axis=0)])
+        return float(value), grad
+
+    best = None
+    for a0, c0 in ((1.0, 5.0), (3.0, 20.0), (0.5, 2.0)):
+        result = _minimize(nll_grad, np.array([a0, c0, 0.0, 0.0]), jac=True, method="L-BFGS-B",
+                           bounds=[(1e-3, None), (None, None), (0.0, None), (0.0, None)])
+        if best is None or result.fun < best.fun:
+            best = result
+    a, c, u = best.x[0], best.x[1], best.x[2:]
+    return float(1.0 / a), float(c / a), [float(v / a) for v in u]
 
 
 def fit(queries: list[QueryScores]) -> tuple[float, float]:
@@ -235,26 +306,42 @@ def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS) -> lis
              "precision": float(correct[conf >= t].mean()) if (conf >= t).any() else 1.0} for t in levels]
 
 
+def _fitted(queries: list[QueryScores]) -> tuple[float, float, list[float]]:
+    """(tau, b, w): with geometry when the queries carry it (the verified stage), else w = 0."""
+    if any(q.geometry is not None for q in queries):
+        return fit_with_geometry(queries)
+    return (*fit(queries), [0.0, 0.0])
+
+
+def _top1_all(queries: list[QueryScores], tau: float, bias: float, weights) -> tuple[np.ndarray, np.ndarray]:
+    """(top-1 p, whether it is the true original) of each query under (tau, b, w)."""
+    scored = [top1(q.weighed(weights), tau, bias) for q in queries]
+    return np.array([c for c, _ in scored], dtype=np.float64), np.array([ok for _, ok in scored], dtype=bool)
+
+
 def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: int = 0,
               best_score: float = 1.0) -> DuplicateCalibration:
-    """Fit on a random half of the queries, measure ECE and the score distributions on the other half;
-    the threshold comes from all of them. `best_score`: the score of an identical copy (for max_probability)."""
+    """Fit (tau, b, w) on all the queries; measure ECE and the score distributions by two-fold cross-fitting
+    (each half scored by the fit on the other half: every query held out once, none judged by a fit that saw
+    it); the threshold comes from the final fit on all of them. The look-alikes that decide the geometry
+    weights are a few per hundred queries, so a fit on half of them varies more than it needs to.
+    `best_score`: the score of an identical copy (for max_probability)."""
     if len(queries) < 20:
         raise ValueError(f"duplicate calibration needs at least 20 queries, got {len(queries)}")
     order = np.random.default_rng(seed).permutation(len(queries))
-    fit_part, held = [queries[i] for i in order[: len(order) // 2]], [queries[i] for i in order[len(order) // 2:]]
-    tau, bias = fit(fit_part)
-    scored = [top1(q, tau, bias) for q in held]
-    conf = np.array([c for c, _ in scored])
-    correct = np.array([ok for _, ok in scored])
+    halves = [[queries[i] for i in order[: len(order) // 2]], [queries[i] for i in order[len(order) // 2:]]]
+    held = halves[1] + halves[0]
+    out_of_fold = [_top1_all(halves[1 - h], *_fitted(halves[h])) for h in (0, 1)]
+    conf = np.concatenate([c for c, _ in out_of_fold])
+    correct = np.concatenate([ok for _, ok in out_of_fold])
     ece, table = expected_calibration_error(conf, correct)
-    everything = [top1(q, tau, bias) for q in queries]
-    all_conf, all_correct = np.array([c for c, _ in everything]), np.array([ok for _, ok in everything])
+    tau, bias, weights = _fitted(queries)
+    all_conf, all_correct = _top1_all(queries, tau, bias, weights)
     threshold = threshold_for_precision(all_conf, all_correct, target_precision)
     return DuplicateCalibration(
         temperature=tau, bias=bias, threshold=threshold, target_precision=float(target_precision), ece=ece,
-        held_out=len(held), reliability=table, fitted_on=len(fit_part),
+        held_out=len(held), reliability=table, fitted_on=len(queries),
         max_probability=float(1.0 / (1.0 + np.exp(-(best_score - bias) / tau))),
         precision_curve=precision_curve(all_conf, all_correct),
-        positives=[float(c) for (c, _), q in zip(scored, held) if q.source >= 0],
-        negatives=[float(c) for (c, _), q in zip(scored, held) if q.source < 0])
+        positives=[float(c) for c, q in zip(conf, held) if q.source >= 0],
+        negatives=[float(c) for c, q in zip(conf, held) if q.source < 0], geometry_weights=list(weights))

@@ -127,24 +127,26 @@ def candidate_sets(version, calibration: DuplicateCalibration, rows, *, threshol
 
 
 class VerifiedScores:
-    """Each scanned row's verified candidates and their scores v_j, kept between scans of one calibration at
-    different thresholds (v does not depend on P, only the sets cut from it do): the default threshold's
-    scan and the final one verify each pair once. Dense per row: n x k (int64 + float64), 16 k bytes a row."""
+    """Each scanned row's verified candidates, their scores v_j (ncc) and energies s_j, kept between scans of
+    one calibration at different thresholds (neither depends on P, only the sets cut from them do): the
+    default threshold's scan and the final one verify each pair once. Dense per row: n x k (int64 + two
+    float64), 24 k bytes a row."""
 
     def __init__(self, n: int, k: int):
         self.known = np.zeros(int(n), dtype=bool)
         self.rows = np.full((int(n), int(k)), -1, dtype=np.int64)
         self.scores = np.full((int(n), int(k)), -np.inf)
+        self.energies = np.full((int(n), int(k)), -np.inf)
 
-    def get(self, row: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def get(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if not self.known[row]:
             return None
         kept = self.rows[row] >= 0
-        return self.rows[row][kept], self.scores[row][kept]
+        return self.rows[row][kept], self.scores[row][kept], self.energies[row][kept]
 
-    def put(self, row: int, others: np.ndarray, v: np.ndarray) -> None:
+    def put(self, row: int, others: np.ndarray, v: np.ndarray, s: np.ndarray) -> None:
         m = min(others.size, self.rows.shape[1])
-        self.rows[row, :m], self.scores[row, :m] = others[:m], v[:m]
+        self.rows[row, :m], self.scores[row, :m], self.energies[row, :m] = others[:m], v[:m], s[:m]
         self.known[row] = True
 
 
@@ -152,10 +154,11 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
                             max_group: int = 8, block: int = 256, progress: bool = True,
                             cache: VerifiedScores | None = None) -> tuple[dict[int, CandidateSet], int]:
     """{row: S_row} at the verified stage: the row's `calibration.verify_k` nearest items by cosine (ANN
-    index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.score v_j,
-    read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), and
+    index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.match: ncc
+    v_j read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), less what the match's geometry g_j
+    costs, s_j = e_j - w . g_j (calibration.energy), and
 
-        p(j | i) = exp(e_j / tau) / (exp(b / tau) + sum_{l verified} exp(e_l / tau)),
+        p(j | i) = exp(s_j / tau) / (exp(b / tau) + sum_{l verified} exp(s_l / tau)),
 
     every other item at p = 0 (exactly the model calibration.py fitted on the verified calibration queries).
     `thumbs(row)` gives a row's verify.Thumb (None: unreadable, never a candidate). Memory: a block of
@@ -179,15 +182,15 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
                 others = others[cos >= calibration.floor]
                 me = thumbs(row) if others.size else None
                 others = others if me is not None else others[:0]
-                v = np.array([-np.inf if thumbs(j) is None else verify.score(me, thumbs(j)) for j in others])
-                order = np.argsort(-v, kind="stable")
-                known = others[order], v[order]
+                v, geometry = verify.matched(me, [thumbs(j) for j in others])
+                s = calibration.energy(verify.evidence(v), geometry)   # unreadable: v = e = -inf, p = 0
+                order = np.argsort(-s, kind="stable")
+                known = others[order], v[order], s[order]
                 if cache is not None:
                     cache.put(row, *known)
-            others, v = known
+            others, v, e = known
             if not others.size:
                 continue
-            e = verify.evidence(v)      # an unreadable item (v = -inf) has e = -inf: p = 0
             log_z = np.logaddexp(bias / tau, logsumexp(e / tau)) if np.isfinite(e).any() else bias / tau
             p = np.exp(e / tau - log_z)
             m = _prefix(p, threshold, max_group)

@@ -132,14 +132,15 @@ def _nearest(sims: np.ndarray, k: int, exclude: int | None = None) -> tuple[np.n
 
 def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "ThumbCache", source: int,
               floor: float) -> QueryScores:
-    """A verified calibration query: its nearest rows with cosine >= floor re-scored by verify.score (as
-    verify.evidence). A copy
-    whose original is not among them counts as answered "none" (the model cannot name it)."""
+    """A verified calibration query: its nearest rows with cosine >= floor re-scored by verify.match (its
+    evidence and geometry). A copy whose original is not among them counts as answered "none" (the model
+    cannot name it)."""
     rows = rows[cosines >= floor]
-    scores = np.array([-np.inf if query_thumb is None or thumbs(r) is None
-                       else float(verify.evidence(verify.score(query_thumb, thumbs(r)))) for r in rows])
-    kept = rows[np.isfinite(scores)].tolist()
-    return scored_candidates(scores, rows, source if source in kept else -1)
+    if query_thumb is None:
+        return scored_candidates(np.full(rows.size, -np.inf), rows, -1, np.zeros((rows.size, 2)))
+    v, geometry = verify.matched(query_thumb, [thumbs(r) for r in rows])
+    kept = rows[np.isfinite(v)].tolist()
+    return scored_candidates(verify.evidence(v), rows, source if source in kept else -1, geometry)
 
 
 def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIFY_K,

@@ -69,9 +69,11 @@ def render_page(result: dict, snapshot) -> str:
         f"items) at probability &ge; {result['threshold']:.3g}. Duplicate temperature {result['temperature']:.4g}, "
         f"no-original score {result['bias']:.4g}, fitted on {cal['fitted_on']} queries made from this collection "
         + ("(edited copies of its items, searched with and without their original); verified stage (each item's "
-           "nearest items re-scored pixel for pixel)" if cal.get("stage") == "verified" else
-           "(edited copies of its items, and items with no copy); encoder stage")
-        + "; held-out expected calibration error "
+           "nearest items re-scored pixel for pixel, a match's stretch and crop costing "
+           f"{cal.get('geometry_weights', [0.0, 0.0])[0]:.3g} per log-aspect and "
+           f"{cal.get('geometry_weights', [0.0, 0.0])[1]:.3g} per squared log-area)" if cal.get("stage") == "verified"
+           else "(edited copies of its items, and items with no copy); encoder stage")
+        + "; expected calibration error on held-out queries (two-fold cross-fitting) "
         f"{cal['ece']:.3f} over {cal['held_out']} queries. A group's confidence is the smallest, over its members, "
         "of the probability that the member's original is among the others.</p>",
         f"<img alt='calibration' src='{_png_data(calibration_figure(cal))}'>",

@@ -28,6 +28,12 @@ The calibrated model (calibration.py) reads the score as evidence e = -log(1 - n
 distances 1 - ncc of ~1e-4..1e-2 and look-alikes mostly above, a range a softmax over ncc itself (one
 temperature, linear in ncc) cannot be sharp on; EPS is the distance below which ncc differences are
 resampling noise, and caps the evidence of an identical copy at -log(EPS).
+
+The match also says what geometry it needed (`Match`), because the edits constrain it: a crop is undone
+by the window, and resizing keeps the aspect ratio, so a copy needs no anisotropic stretch beyond pixel
+rounding, and at most a small crop. A free window search fits look-alikes by reaching for both (lowercase
+x_filled 94 x 84 against uppercase X_filled 111 x 110 matches at ncc 0.9991 only through a window with a
+5 % aspect change). The calibration weighs these two numbers against the ncc (calibration.py).
 """
 from __future__ import annotations
 
@@ -157,19 +163,60 @@ def fine_size(a: Thumb, b: Thumb) -> int:
     return int(max(8, min(FINE, max(a.work.size), max(b.work.size))))
 
 
-def _fine(a: Thumb, b: Thumb, params, n: int) -> float:
-    """ncc of the window of `a` (refined from `params`) with the whole of `b`, both at n x n low-passed."""
+def _fine(a: Thumb, b: Thumb, params, n: int) -> tuple[float, tuple]:
+    """(ncc, window) of the window of `a` (refined from `params`) with the whole of `b`, both at n x n
+    low-passed."""
     whole = _whole(b, n)
-    return _compass(lambda p: float(_window(a.work, p, n, BLUR) @ whole), _clipped(params), FINE_STEP)[0]
+    return _compass(lambda p: float(_window(a.work, p, n, BLUR) @ whole), _clipped(params), FINE_STEP)
+
+
+@dataclass(frozen=True)
+class Match:
+    """The verification of a pair: the best ncc, and the geometry that window needed.
+
+    distortion: |log(aspect of the window) - log(aspect of the other picture)| beyond what pixel rounding
+        explains (half a pixel on each side of both pictures: 0.5 (1/w_a + 1/h_a + 1/w_b + 1/h_b));
+    cropped: -log(sx sy), the log of the share of the picture the window leaves out.
+    """
+
+    ncc: float
+    distortion: float = 0.0
+    cropped: float = 0.0
+
+    def geometry(self) -> tuple[float, float]:
+        """The features the calibrated energy penalises (calibration.py GEOMETRY): the stretch, and the
+        square of the log crop (a Gaussian prior on the kept share, centred on the uncropped picture)."""
+        return self.distortion, self.cropped ** 2
+
+
+def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
+    """(distortion, cropped) of matching the window `params` of `window_side` to the whole of `other`."""
+    _, _, sx, sy = params
+    (ws, hs), (wo, ho) = window_side.work.size, other.work.size
+    mismatch = abs(float(np.log((sx * ws) / (sy * hs))) - float(np.log(wo / ho)))
+    rounding = 0.5 * (1.0 / ws + 1.0 / hs + 1.0 / wo + 1.0 / ho)
+    return max(0.0, mismatch - rounding), -float(np.log(sx * sy))
+
+
+def match(a: Thumb, b: Thumb) -> Match:
+    """The better of the two directions (a window of a against b, of b against a): the window found at
+    SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); symmetric."""
+    if a.blank or b.blank:
+        return Match(1.0 - abs(a.mean - b.mean) / 255.0 if a.blank and b.blank else 0.0)
+    n = fine_size(a, b)
+    best = None
+    for side, other in ((a, b), (b, a)):
+        value, params = _fine(side, other, _one_way(side, other)[1], n)
+        if best is None or value > best[0]:
+            best = (value, side, other, params)
+    value, side, other, params = best
+    return Match(float(value), *_geometry(side, other, params))
 
 
 def score(a: Thumb, b: Thumb) -> float:
-    """Verification score in [-1, 1]: the best ncc of a window of one picture with the other picture, the
-    window found at SIDE x SIDE and read at the pair's bandwidth (fine_size, BLUR)."""
-    if a.blank or b.blank:
-        return 1.0 - abs(a.mean - b.mean) / 255.0 if a.blank and b.blank else 0.0
-    n = fine_size(a, b)
-    return max(_fine(a, b, _one_way(a, b)[1], n), _fine(b, a, _one_way(b, a)[1], n))
+    """Verification score in [-1, 1]: the best ncc of a window of one picture with the other picture
+    (match(a, b).ncc)."""
+    return match(a, b).ncc
 
 
 def evidence(v):
@@ -180,6 +227,9 @@ def evidence(v):
 BEST_EVIDENCE = float(-np.log(EPS))     # an identical copy
 
 
-def scores(query: Thumb, others: list[Thumb]) -> np.ndarray:
-    """score(query, o) for each o."""
-    return np.array([score(query, o) for o in others], dtype=np.float64)
+def matched(query: Thumb, others: list) -> tuple[np.ndarray, np.ndarray]:
+    """(ncc (k,), geometry (k, 2)) of query matched with each other thumb (None: unreadable, ncc -inf)."""
+    found = [match(query, o) if o is not None else None for o in others]
+    v = np.array([m.ncc if m is not None else -np.inf for m in found], dtype=np.float64)
+    g = np.array([m.geometry() if m is not None else (0.0, 0.0) for m in found], dtype=np.float64).reshape(-1, 2)
+    return v, g

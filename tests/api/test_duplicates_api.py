@@ -52,7 +52,7 @@ def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
         assert data == json.loads(scanned["out"].read_text())
         assert data["threshold"] == 0.5 and data["count"] == 44 and data["temperature"] > 0
         cal = data["calibration"]
-        assert cal["fitted_on"] + cal["held_out"] == 30 and 0 <= cal["ece"] <= 1
+        assert cal["fitted_on"] == cal["held_out"] == 30 and 0 <= cal["ece"] <= 1   # every query held out once
         for g in data["groups"]:   # every member's original is among the others with p >= the threshold
             assert len(g["ids"]) >= 2 and g["confidence"] >= 0.5 - 1e-9
             assert all(p["p_ab"] > 0 and p["p_ba"] > 0 for p in g["pairs"])
@@ -102,7 +102,7 @@ def test_dedup_without_threshold_takes_the_lowest_threshold_expected_to_reach_th
 
 def test_a_second_scan_of_one_calibration_verifies_no_pair_again(scanned, monkeypatch):
     """The default threshold's scan and the final scan share the verified pair scores (job.scores_cache): the
-    second scan calls verify.score zero times and finds exactly what a scan without the cache finds."""
+    second scan calls verify.match zero times and finds exactly what a scan without the cache finds."""
     from search.duplicates import verify
     from search.duplicates.calibration import LEVELS
     from search.duplicates.job import calibrate_snapshot, find_duplicates, scores_cache
@@ -113,8 +113,8 @@ def test_a_second_scan_of_one_calibration_verifies_no_pair_again(scanned, monkey
     snap = searcher.snapshot()
     calib = calibrate_snapshot(snap, "verified", items=15, precision=0.9, progress=False)
     calls = []
-    real_score = verify.score
-    monkeypatch.setattr(verify, "score", lambda a, b: calls.append(1) or real_score(a, b))
+    real_match = verify.match
+    monkeypatch.setattr(verify, "match", lambda a, b: calls.append(1) or real_match(a, b))
     cache = scores_cache(snap, calib)
     low = find_duplicates(snap, calib, threshold=min(LEVELS), progress=False, cache=cache)
     first = len(calls)

@@ -11,7 +11,7 @@ from PIL import Image, ImageFilter
 from scipy.special import logsumexp
 
 from search.duplicates import verify
-from search.duplicates.calibration import DuplicateCalibration, fit, scored_candidates
+from search.duplicates.calibration import DuplicateCalibration, fit, fit_with_geometry, scored_candidates
 from search.duplicates.edits import edited_copy
 from search.duplicates.groups import mutual_groups, verified_candidate_sets
 from training.images import load_rgb
@@ -50,6 +50,28 @@ def test_score_of_a_crop_is_at_least_the_ncc_of_the_true_window():
     assert verify.score(a, b) >= truth - 1e-4
     # without the window search (whole against whole) the crop scores clearly lower
     assert _ncc(np.asarray(Image.fromarray(rgb).resize((verify.SIDE, verify.SIDE), Image.BILINEAR)), whole) < truth - 0.02
+
+
+def test_match_geometry_of_a_crop_a_resize_and_a_stretch():
+    """A crop is undone by the window: no stretch, and the log crop -log(sx sy) of the true box; a resize
+    (aspect kept) needs neither; an anisotropic stretch of 8 % shows as a distortion of log 1.08 less the
+    rounding allowance 0.5 (1/w_a + 1/h_a + 1/w_b + 1/h_b), computed here from the pictures' sizes."""
+    rgb = _picture(0, size=(180, 140))
+    h, w = rgb.shape[:2]
+    a = verify.thumb(rgb)
+    box = (6, 3, 6 + int(0.92 * w), 3 + int(0.95 * h))
+    crop = verify.match(a, verify.thumb(np.asarray(Image.fromarray(rgb).crop(box))))
+    assert crop.ncc > 0.995 and crop.distortion == 0.0
+    assert crop.cropped == pytest.approx(-np.log((box[2] - box[0]) / w * (box[3] - box[1]) / h), abs=0.01)
+    assert crop.geometry() == (crop.distortion, crop.cropped ** 2)
+    resized = verify.match(a, verify.thumb(np.asarray(Image.fromarray(rgb).resize((120, 93), Image.BICUBIC))))
+    assert resized.distortion == 0.0 and resized.cropped < 0.01
+    stretched_size = (round(w * 1.08), h)
+    stretched = verify.match(a, verify.thumb(np.asarray(Image.fromarray(rgb).resize(stretched_size, Image.BICUBIC))))
+    allowance = 0.5 * (1 / w + 1 / h + 1 / stretched_size[0] + 1 / stretched_size[1])
+    # the window may trade a little stretch for a crop, never the whole of it (the window keeps >= 85 %)
+    assert stretched.ncc > 0.99
+    assert np.log(stretched_size[0] / w) - allowance - 0.03 < stretched.distortion <= np.log(1.08) - allowance + 1e-6
 
 
 def test_final_reading_is_at_least_the_hand_computed_ncc_at_the_pairs_bandwidth():
@@ -96,6 +118,8 @@ def test_real_stamps_a_shrunk_jpeg_copy_scores_above_the_look_alike_letter():
     look_alike = verify.score(tx, tX)
     assert look_alike > 0.998
     assert verify.score(tcopy, tx) > look_alike and verify.score(tcopy, tx) > verify.score(tcopy, tX)
+    # the look-alike needs a stretch no edit makes (94 x 84 against 111 x 110); the copy needs none
+    assert verify.match(tx, tX).distortion > 0.02 and verify.match(tcopy, tx).distortion == 0.0
     hat = load_rgb(STAMPS / "seasonal/christmas/santahat.png")
     a, b = verify.thumb(hat), verify.thumb(jpeg(hat, 0.63, 60))
     plain = max(verify._one_way(a, b)[0], verify._one_way(b, a)[0])      # the 32 px reading alone
@@ -171,13 +195,14 @@ def _embeddings(pics, rng):
     return (z / np.linalg.norm(z, axis=1, keepdims=True)).astype(np.float32)
 
 
-@pytest.mark.parametrize("threshold", [0.5, 0.9])
-def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(threshold):
+@pytest.mark.parametrize("threshold, weights", [(0.5, [0.0, 0.0]), (0.9, [0.0, 0.0]), (0.9, [40.0, 30.0])])
+def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(threshold, weights):
     pics = _planted_pictures()
     x = _embeddings(pics, np.random.default_rng(1))
     thumbs = [verify.thumb(p) for p in pics]
     calib = DuplicateCalibration(temperature=0.5, bias=2.0, threshold=threshold, target_precision=threshold,
-                                 ece=0.0, held_out=0, stage="verified", verify_k=5, floor=0.2)
+                                 ece=0.0, held_out=0, stage="verified", verify_k=5, floor=0.2,
+                                 geometry_weights=weights)
     sets, _ = verified_candidate_sets(_Version(x), calib, np.arange(len(pics)), lambda r: thumbs[r],
                                       threshold=threshold, max_group=4, block=7, progress=False)
     # brute force: every pair's cosine, the 5 nearest with cosine >= floor, every verify score, the softmax
@@ -185,11 +210,14 @@ def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(
     for i in range(len(pics)):
         others = [j for j in np.argsort(-np.where(np.arange(len(pics)) == i, -np.inf, s[i]), kind="stable")[:5]
                   if s[i, j] >= 0.2]
-        v = np.array([verify.score(thumbs[i], thumbs[j]) for j in others])
+        found = [verify.match(thumbs[i], thumbs[j]) for j in others]
         if not others:
             assert i not in sets
             continue
-        e = -np.log(1.0 - v + 1e-4)                  # the evidence, written out
+        v = np.array([m.ncc for m in found])
+        # the evidence less the geometry's cost, written out
+        e = -np.log(1.0 - v + 1e-4) - np.array([weights[0] * m.distortion + weights[1] * m.cropped ** 2
+                                                 for m in found])
         p = np.exp(e / 0.5 - np.logaddexp(2.0 / 0.5, logsumexp(e / 0.5)))
         order = np.argsort(-p, kind="stable")
         reached = np.flatnonzero(np.cumsum(p[order][:4]) >= threshold)
@@ -232,6 +260,42 @@ def test_verified_fit_equals_a_grid_search_of_the_likelihood():
     assert nll(tau, bias) <= best[0] + 1e-9                        # at least as good as every grid point
     assert abs(np.log(tau / best[1])) < 0.06 and abs(bias - best[2]) < 1e-3
     assert abs(np.log(tau / tau0)) < 0.3 and abs(bias - b0) < 3e-3
+
+
+def test_geometry_fit_recovers_the_generating_weights_and_equals_a_grid_search():
+    """Queries whose answer is drawn from s_j = e_j - w . g_j at (tau, b, w): fit_with_geometry recovers them,
+    and no point of a grid around its answer has a lower likelihood (written out again here)."""
+    rng = np.random.default_rng(3)
+    tau0, b0, w0 = 0.6, 4.0, np.array([30.0, 12.0])
+    queries = []
+    for _ in range(3000):
+        e, g = rng.uniform(0.0, 9.0, 6), np.abs(rng.normal(0.0, 0.1, (6, 2)))
+        logits = np.r_[b0 / tau0, (e - g @ w0) / tau0]
+        answer = int(rng.choice(7, p=np.exp(logits - logsumexp(logits)))) - 1
+        rows = np.arange(6) + 50
+        queries.append(scored_candidates(e, rows, int(rows[answer]) if answer >= 0 else -1, g))
+    tau, bias, w = fit_with_geometry(queries)
+    assert abs(np.log(tau / tau0)) < 0.1 and abs(bias - b0) < 0.3
+    assert abs(w[0] - w0[0]) < 4.0 and abs(w[1] - w0[1]) < 3.0
+
+    def nll(t, b, u):
+        total = 0.0
+        for q in queries:
+            logits = np.r_[b / t, (q.top - q.geometry @ u) / t]
+            at = np.flatnonzero(q.top_rows == q.source)
+            total += logsumexp(logits) - (logits[1 + at[0]] if at.size else b / t)
+        return total / len(queries)
+
+    best = nll(tau, bias, np.array(w))
+    for dt in (0.97, 1.03):
+        for db in (-0.05, 0.05):
+            for du in ((1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0)):
+                assert best <= nll(tau * dt, bias + db, np.array(w) + du) + 1e-9
+    # without geometry the weighed queries are the queries themselves
+    assert queries[0].weighed([0.0, 0.0]) is queries[0]
+    moved = queries[0].weighed(w)
+    np.testing.assert_allclose(np.sort(moved.top)[::-1], moved.top)
+    np.testing.assert_allclose(np.sort(moved.top), np.sort(queries[0].top - queries[0].geometry @ np.array(w)))
 
 
 def test_evidence_is_the_log_distance_capped_at_an_identical_copy():
