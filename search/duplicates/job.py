@@ -146,14 +146,11 @@ def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "Thumb
 def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIFY_K,
                                  progress: bool = True) -> tuple[list[QueryScores], float]:
     """(queries, floor) for the verified stage, over each query's k nearest items by cosine: edited copies
-    of `items` sampled items (the answer: their original) and `items` other items searched WITHOUT their
-    original and without any item whose decoded pixels equal it (the answer: "none"; their nearest items
-    are the original's look-alikes) -- every other one an edited copy (a new file with no original: the
-    `index add` question), the rest the item itself, unedited: a scan compares two originals, and a
-    look-alike pair of originals is closer than an edited copy is to the look-alike, which edited negatives
-    alone understate (dreidels that differ in one letter: ncc 0.998 as originals). An item searched without
-    itself is a wrong negative when the collection already holds a copy of it (flow "calibrate first", README).
-    The floor is FLOOR_QUANTILE of the positive copies' cosine to their original."""
+    of `items` sampled items (the answer: their original) and edited copies of `items` other items searched
+    WITHOUT their original and without any item whose decoded pixels equal it (the answer: "none"; their
+    nearest items are the original's look-alikes). An item itself searched without itself would be a
+    wrong negative whenever the collection holds a copy of it. The floor is FLOOR_QUANTILE of the
+    positive copies' cosine to their original."""
     from tqdm.auto import tqdm
 
     k = min(int(k), snapshot.count - 1)
@@ -173,20 +170,19 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
         # a twin has the original's embedding (the copy's cosine to it says nothing: the copy is edited)
         twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= 1.0 - 1e-3
         keep = [r != src and not (twin[x] and pixels(r) == same) for x, r in enumerate(rows)]
-        query = verify.thumb(load_rgb(payload)) if payload is not None else item_thumb(snapshot, src)
-        return rows[keep][:k], cos[keep][:k], query
+        return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload))
 
     copies, others = _calibration_embeddings(
         snapshot, items, seed, progress,
         on_copy=lambda sims, src, payload: (*_nearest(sims, k), src, float(sims[src]),
                                             verify.thumb(load_rgb(payload))),
-        on_item=negative, copy_items=True)   # every other negative edited, the rest the item unedited
+        on_item=negative, copy_items=True)
     floor = float(np.quantile([c[3] for c in copies], FLOOR_QUANTILE))
     thumbs = ThumbCache(snapshot)
     queries = [_verified(th, rows, cos, thumbs, src, floor)
                for rows, cos, src, _, th in tqdm(copies, desc="verifying calibration copies", disable=not progress)]
     queries += [_verified(th, rows, cos, thumbs, -1, floor)
-                for rows, cos, th in tqdm(others, desc="verifying items without their original",
+                for rows, cos, th in tqdm(others, desc="verifying copies without their original",
                                           disable=not progress)]
     return queries, floor
 
@@ -203,9 +199,8 @@ def calibration_queries(snapshot, items: int, seed: int, progress: bool = True) 
 def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_copy, on_item,
                             copy_items: bool = False):
     """([on_copy(cosines to every row, source row, copy bytes)], [on_item(cosines, row)]) over the edited
-    copies of `items` sampled items and `items` other items (with `copy_items`: an edited copy of every other
-    one of them, on_item(cosines of the copy, row, copy bytes), the rest on_item(cosines of the item, row,
-    None)); a query's cosines live for one block."""
+    copies of `items` sampled items and `items` other items (with `copy_items`: an edited copy of each other
+    item, on_item(cosines of the copy, row, copy bytes)); a query's cosines live for one block."""
     from tqdm.auto import tqdm
 
     n = snapshot.count
@@ -225,15 +220,10 @@ def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_
         copies += [on_copy(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
     for start in range(0, m, QUERY_BLOCK):
         rows = loners[start:start + QUERY_BLOCK]
-        if copy_items:   # even positions edited, odd ones the item as indexed
-            edited = [j for j in range(rows.size) if (start + j) % 2 == 0]
-            payloads = {j: edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[rows[j]]))), rng)[0]
-                        for j in edited}
-            z = np.asarray(snapshot.index.embeddings[rows], dtype=np.float32).copy()
-            if edited:
-                z[edited] = embed_bytes(snapshot, [payloads[j] for j in edited])
-            sims = _similarities(snapshot, z)
-            others += [on_item(sims[j], int(r), payloads.get(j)) for j, r in enumerate(rows)]
+        if copy_items:
+            payloads = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
+            sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
+            others += [on_item(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
             continue
         sims = _similarities(snapshot, np.asarray(snapshot.index.embeddings[rows], dtype=np.float32))
         others += [on_item(sims[j], int(r)) for j, r in enumerate(rows)]

@@ -151,29 +151,3 @@ def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys
         line = next((ln for ln in out.splitlines() if ln.startswith(f"duplicate: class{n}/again{n}.png")), None)
         if line is not None:
             assert original.relative_to(scanned["folder"]).as_posix() in line
-
-
-def test_calibration_negatives_alternate_edited_copies_and_the_items_themselves(scanned):
-    """The verified calibration's "none" queries: every other one an edited copy (a new file with no original),
-    the rest the indexed item unedited (what a scan compares: two originals); both searched without the item.
-    An unedited item's cosines are its stored embedding's, an edited copy's are not."""
-    from search.duplicates.job import _calibration_embeddings, verified_calibration_queries
-    from search.serving.searcher import Searcher
-
-    searcher = Searcher(scanned["root"])
-    searcher.load()
-    snap = searcher.snapshot()
-    emb = np.asarray(snap.index.embeddings, dtype=np.float64)
-    seen = []
-    _calibration_embeddings(snap, 11, 0, False, on_copy=lambda sims, src, payload: None,
-                            on_item=lambda sims, row, payload: seen.append((sims, row, payload)), copy_items=True)
-    assert [payload is None for _, _, payload in seen] == [j % 2 == 1 for j in range(11)]
-    for sims, row, payload in seen:
-        if payload is None:
-            np.testing.assert_allclose(sims, emb @ emb[row], atol=1e-5)
-        else:
-            assert isinstance(payload, bytes) and np.abs(sims - emb @ emb[row]).max() > 1e-5
-    queries, _ = verified_calibration_queries(snap, 11, 0, progress=False)
-    negatives = queries[11:]
-    assert len(negatives) == 11 and all(q.source == -1 for q in negatives)
-    assert all(row not in q.top_rows.tolist() for (_, row, _), q in zip(seen, negatives))
