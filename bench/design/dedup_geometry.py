@@ -18,8 +18,9 @@ from scipy.special import logsumexp
 
 from search.duplicates import verify as V
 from search.duplicates.calibration import expected_calibration_error
-from search.duplicates.edits import edited_copy
 from training.images import load_rgb
+
+from _queries import design_queries
 
 files = sorted(Path("/usr/share/tuxpaint/stamps").rglob("*.png"))
 
@@ -68,20 +69,11 @@ def features(a, b):
 
 
 def collect(seed, rgbs, thumbs, twins, m=300, k=8):
-    base = np.stack([t.base for t in thumbs])
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(len(rgbs))
     out = []
-    for kind, rows in (("copy", perm[:m]), ("none", perm[m:2 * m])):
-        for src in rows:
-            th = V.thumb(load_rgb(edited_copy(Image.fromarray(rgbs[src]), rng)[0]))
-            cos = base @ th.base
-            if kind == "none":
-                cos[list(twins[src])] = -np.inf
-            cand = np.argsort(-cos)[:k]
-            out.append({"kind": kind, "src": int(src), "cand": cand.tolist(),
-                        "feats": [features(th, thumbs[j]) for j in cand]})
-        print(f"seed {seed}: {kind} queries done", flush=True)
+    for kind, src, cand, th in design_queries(seed, rgbs, thumbs, twins, m, k):
+        out.append({"kind": kind, "src": src, "cand": cand.tolist(), "feats": [features(th, thumbs[j]) for j in cand]})
+        if len(out) in (m, 2 * m):
+            print(f"seed {seed}: {kind} queries done", flush=True)
     return out
 
 

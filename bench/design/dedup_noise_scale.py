@@ -18,6 +18,8 @@ from search.duplicates.edits import edited_copy
 from search.duplicates.calibration import scored_candidates, fit, top1, expected_calibration_error
 from training.images import load_rgb
 
+from _queries import design_queries
+
 files = sorted(Path("/usr/share/tuxpaint/stamps").rglob("*.png"))
 rgbs = [load_rgb(p) for p in files]
 thumbs = [verify.thumb(a) for a in rgbs]
@@ -37,18 +39,9 @@ print("sigma done", time.time() - t0, "s; quantiles", np.quantile(sigma, [0.1, 0
 
 K = 8
 def queries(seed, m=300):
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(n)
     out = []
-    for kind, rows in (("copy", perm[:m]), ("none", perm[m:2 * m])):
-        for src in rows:
-            th = verify.thumb(load_rgb(edited_copy(Image.fromarray(rgbs[src]), rng)[0]))
-            cos = base @ th.base
-            if kind == "none":
-                cos[list(twins[src])] = -np.inf
-            cand = np.argsort(-cos)[:K]
-            v = np.array([verify.score(th, thumbs[j]) for j in cand])
-            out.append((kind, int(src), cand, v))
+    for kind, src, cand, th in design_queries(seed, rgbs, thumbs, twins, m, K):
+        out.append((kind, src, cand, np.array([verify.score(th, thumbs[j]) for j in cand])))
     return out
 
 fitq, testq = queries(7), queries(9)

@@ -1,0 +1,22 @@
+"""The design experiments' queries (pixel only): edited copies of stamps searched with their original, and
+copies searched without it (nor its pixel twins); candidates the k nearest by the verification's 32 px vector."""
+import numpy as np
+from PIL import Image
+
+from search.duplicates import verify
+from search.duplicates.edits import edited_copy
+from training.images import load_rgb
+
+
+def design_queries(seed, rgbs, thumbs, twins, m=300, k=8):
+    """Yield (kind "copy" | "none", source row, candidate rows (k,), the copy's Thumb) for 2 m queries."""
+    base = np.stack([t.base for t in thumbs])
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(len(rgbs))
+    for kind, rows in (("copy", perm[:m]), ("none", perm[m:2 * m])):
+        for src in rows:
+            th = verify.thumb(load_rgb(edited_copy(Image.fromarray(rgbs[src]), rng)[0]))
+            cos = base @ th.base
+            if kind == "none":
+                cos[list(twins[src])] = -np.inf
+            yield kind, int(src), np.argsort(-cos)[:k], th
