@@ -192,8 +192,6 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
     """(tau, b, w) maximising the likelihood of the true answers with s_j = e_j - w . g_j (verified queries,
     no tail). Parametrised as a = 1/tau, c = b/tau, u = w/tau: logits a e_j - u . g_j against c are linear,
     the negative log-likelihood convex; L-BFGS-B with its exact gradient, a > 0 and u >= 0."""
-    from scipy.optimize import minimize as _minimize
-
     st = _Stacked(queries)
     e = np.where(np.isfinite(st.top), st.top, 0.0)
     valid = np.isfinite(st.top)
@@ -216,7 +214,7 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
 
     best = None
     for a0, c0 in ((1.0, 5.0), (3.0, 20.0), (0.5, 2.0)):
-        result = _minimize(nll_grad, np.array([a0, c0, 0.0, 0.0]), jac=True, method="L-BFGS-B",
+        result = minimize(nll_grad, np.array([a0, c0, 0.0, 0.0]), jac=True, method="L-BFGS-B",
                            bounds=[(1e-3, None), (None, None), (0.0, None), (0.0, None)])
         if best is None or result.fun < best.fun:
             best = result

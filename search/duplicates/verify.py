@@ -184,7 +184,7 @@ class Match:
     cropped: float = 0.0
 
     def geometry(self) -> tuple[float, float]:
-        """The features the calibrated energy penalises (calibration.py GEOMETRY): the stretch, and the
+        """The features the calibrated energy penalises (DuplicateCalibration.energy): the stretch, and the
         square of the log crop (a Gaussian prior on the kept share, centred on the uncropped picture)."""
         return self.distortion, self.cropped ** 2
 
@@ -200,7 +200,7 @@ def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
 
 def match(a: Thumb, b: Thumb) -> Match:
     """The better of the two directions (a window of a against b, of b against a): the window found at
-    SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); symmetric."""
+    SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); its ncc is symmetric in a and b."""
     if a.blank or b.blank:
         return Match(1.0 - abs(a.mean - b.mean) / 255.0 if a.blank and b.blank else 0.0)
     n = fine_size(a, b)
