@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from index.manifest import atomic_write, atomic_write_text
+from training.distributed import leave_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -367,10 +368,9 @@ def distributed():
     # barrier here would hang
     yield dist.get_rank(), dist.get_world_size(), device
     if created:
-        # leave together: a rank that tears gloo down while its peer still works (rank 0 collects the shards
-        # after the last barrier) can abort in gloo's teardown (a CI run of 2026-12-05: rank 1 SIGABRT)
-        dist.barrier()
-        dist.destroy_process_group()
+        # leave together: rank 0 collects the shards after the last barrier, and a rank that exits while
+        # gloo's worker still frees a collective aborts (SIGABRT); training.distributed says why
+        leave_process_group()
 
 
 def barrier() -> None:

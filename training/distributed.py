@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ __all__ = [
     "DistInfo",
     "init_distributed",
     "shutdown_distributed",
+    "leave_process_group",
     "gather_embeddings",
     "gather_detached",
     "all_reduce_mean",
@@ -127,10 +129,33 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     return info
 
 
-def shutdown_distributed(info: DistInfo) -> None:
-    """Destroy the process group if `init_distributed` created it."""
+def shutdown_distributed(info: DistInfo, together: bool = False) -> None:
+    """Destroy the process group if `init_distributed` created it.
+
+    together=True (the success path) makes every rank leave at once (`leave_process_group`); on an error
+    path a peer may sit inside a collective, so the group is destroyed without a handshake.
+    """
     if info.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+        if together:
+            leave_process_group()
+        else:
+            dist.destroy_process_group()
+
+
+def leave_process_group(settle_s: float = 0.05) -> None:
+    """Barrier, let the backend's worker threads settle, then destroy the default process group.
+
+    gloo's worker thread frees a finished collective just after waking its caller, and the free takes the
+    GIL. If the interpreter is already finalizing by then, the thread is unwound inside a noexcept
+    destructor and the process aborts ("terminate called without an active exception", SIGABRT; a core
+    of the flaky CI test showed ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> take_gil). Holding the
+    barrier's work and sleeping (which releases the GIL) lets the worker finish its free first.
+    """
+    work = dist.barrier(async_op=True)
+    work.wait()
+    time.sleep(settle_s)
+    del work
+    dist.destroy_process_group()
 
 
 def barrier(info: DistInfo) -> None:

@@ -421,9 +421,12 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
     config.validate()
     info = init_distributed(config.device)
     try:
-        return _train(config, info, resume)
-    finally:
+        checkpoint = _train(config, info, resume)
+    except BaseException:
         shutdown_distributed(info)
+        raise
+    shutdown_distributed(info, together=True)
+    return checkpoint
 
 
 def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:

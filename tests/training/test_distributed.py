@@ -91,10 +91,10 @@ def _worker(rank, port, out_dir):
                 np.savez(Path(out_dir) / f"{name}.npz", **grads)
         if rank == 0:
             (Path(out_dir) / "result.json").write_text(json.dumps(result))
-        # Leave together: a rank tearing gloo down while its peer is still connected can abort.
-        torch.distributed.barrier()
-    finally:
+    except BaseException:
         shutdown_distributed(info)
+        raise
+    shutdown_distributed(info, together=True)
 
 
 def test_ddp_step_equals_single_process(tmp_path, monkeypatch):
