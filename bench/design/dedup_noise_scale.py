@@ -24,7 +24,6 @@ files = sorted(Path("/usr/share/tuxpaint/stamps").rglob("*.png"))
 rgbs = [load_rgb(p) for p in files]
 thumbs = [verify.thumb(a) for a in rgbs]
 n = len(files)
-base = np.stack([t.base for t in thumbs])
 key = [(a.shape, a.tobytes()) for a in rgbs]
 twins = {i: {j for j in range(n) if key[j] == key[i]} for i in range(n)}
 print(n, "stamps", sum(len(v) > 1 for v in twins.values()), "with twins", flush=True)

@@ -11,6 +11,12 @@ index without themselves (no copy of theirs is planted: the true answer is "none
 neighbours are the same-class look-alikes that must not count as duplicates). Each query keeps its top
 similarities exactly and the rest as a fine histogram, so log Z at any (tau, b) costs O(TOP + BINS).
 
+The look-alikes that decide the fit are a few per hundred items, so the "none" queries are drawn with more
+of them than a uniform sample holds (job.py `hard_negative_sample`: strata by the nearest other item's
+cosine) and each carries its inverse inclusion weight, w_i = N_h / n_h of its stratum: every likelihood,
+ECE and precision below is the weighted one, an unbiased estimate of the uniform-sample figure with far
+less variance where it matters.
+
 At the verified stage the score of a candidate is its evidence less what the geometry of its match cost
 (verify.Match.geometry: the stretch beyond pixel rounding, the squared log crop),
 
@@ -48,6 +54,7 @@ class QueryScores:
     tail_counts: np.ndarray
     source: int
     geometry: np.ndarray | None = None     # (len(top), 2) verify.Match.geometry of each top candidate
+    weight: float = 1.0                     # inverse inclusion weight of the query's sample (1: uniform)
 
     def weighed(self, weights) -> "QueryScores":
         """The same query with each score less what its geometry costs, s_j - w . g_j, re-sorted (itself when
@@ -57,7 +64,8 @@ class QueryScores:
             return self
         s = self.top - self.geometry @ w
         order = np.argsort(-s, kind="stable")
-        return QueryScores(s[order], self.top_rows[order], self.tail_counts, self.source, self.geometry[order])
+        return QueryScores(s[order], self.top_rows[order], self.tail_counts, self.source, self.geometry[order],
+                           self.weight)
 
     def log_z(self, tau: float, bias: float) -> float:
         """log(exp(b/tau) + sum_l exp(s_l/tau)) from the exact top and the histogram of the rest."""
@@ -83,7 +91,8 @@ def query_scores(similarities: np.ndarray, source: int, exclude: int | None = No
     return QueryScores(s[top_rows], top_rows.astype(np.int64), counts.astype(np.float64), int(source))
 
 
-def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int, geometry=None) -> QueryScores:
+def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int, geometry=None,
+                      weight: float = 1.0) -> QueryScores:
     """QueryScores of a query whose only candidates are `rows` with `scores` (the verified stage: every
     other item has probability 0, so there is no tail); `geometry`: (k, 2) per candidate, or None."""
     scores, rows = np.asarray(scores, dtype=np.float64), np.asarray(rows, dtype=np.int64)
@@ -91,7 +100,7 @@ def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int, geometr
     scores, rows = scores[keep], rows[keep]
     order = np.argsort(-scores, kind="stable")
     geo = None if geometry is None else np.asarray(geometry, dtype=np.float64).reshape(-1, 2)[keep][order]
-    return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source), geo)
+    return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source), geo, float(weight))
 
 
 @dataclass
@@ -107,6 +116,7 @@ class DuplicateCalibration:
     reliability: list[dict] = field(default_factory=list)   # per bin: mean predicted, observed, count
     positives: list[float] = field(default_factory=list)    # held-out top-1 p of copies (their original)
     negatives: list[float] = field(default_factory=list)    # held-out top-1 p of items with no copy
+    negative_weights: list[float] = field(default_factory=list)   # their inverse inclusion weights (mean 1)
     fitted_on: int = 0
     # the most sure the model can be: an identical copy (s = 1) alone against "none", 1 / (1 + e^{-(1-b)/tau})
     max_probability: float = 1.0
@@ -140,14 +150,15 @@ class DuplicateCalibration:
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                               "held_out", "fitted_on", "reliability", "positives", "negatives",
-                                              "max_probability", "precision_curve", "stage", "verify_k", "floor",
-                                              "geometry_weights")}
+                                              "negative_weights", "max_probability", "precision_curve", "stage",
+                                              "verify_k", "floor", "geometry_weights")}
 
     @classmethod
     def from_json(cls, data: dict) -> "DuplicateCalibration":
         return cls(**{k: data[k] for k in ("temperature", "bias", "threshold", "target_precision", "ece",
                                            "held_out")},
-                   **{k: data.get(k, []) for k in ("reliability", "positives", "negatives", "precision_curve")},
+                   **{k: data.get(k, []) for k in ("reliability", "positives", "negatives", "negative_weights",
+                                                     "precision_curve")},
                    fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)),
                    stage=str(data.get("stage", "encoder")), verify_k=int(data.get("verify_k", 0)),
                    floor=float(data.get("floor", -1.0)),
@@ -176,8 +187,11 @@ class _Stacked:
                                    if q.source >= 0 and (q.top_rows == q.source).any() else -1 for q in queries])
         # the original's similarity (an original outside the kept top has similarity <= the last kept one;
         # counting it at -1 gives it (almost) zero probability, the honest worst case)
-        self.source_sim = np.array([q.top[np.flatnonzero(q.top_rows == q.source)[0]]
-                                    if q.source >= 0 and (q.top_rows == q.source).any() else -1.0 for q in queries])
+        found = self.source_at >= 0
+        self.source_sim = np.where(found, self.top[np.arange(n), np.maximum(self.source_at, 0)], -1.0)
+        # every mean over queries is the weighted one (weights normalised to sum to 1)
+        w = np.array([q.weight for q in queries], dtype=np.float64)
+        self.weights = w / w.sum()
 
     def nll(self, params: np.ndarray) -> float:
         tau, bias = float(np.exp(params[0])), float(params[1])
@@ -185,7 +199,7 @@ class _Stacked:
                                  self.centres / tau + self.log_counts], axis=1)
         log_z = logsumexp(logits, axis=1)
         chosen = np.where(self.is_copy, self.source_sim / tau, bias / tau)
-        return float(np.mean(log_z - chosen))
+        return float(self.weights @ (log_z - chosen))
 
 
 def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[float]]:
@@ -197,6 +211,7 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
     valid = np.isfinite(st.top)
     n = e.shape[0]
     chosen = st.source_at
+    wq = st.weights
 
     def nll_grad(x):
         a, c, u = x[0], x[1], x[2:]
@@ -206,10 +221,10 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
         p = np.exp(full - log_z[:, None])                      # (n, 1 + TOP)
         pick = np.zeros_like(p)
         pick[np.arange(n), chosen + 1] = 1.0                   # chosen -1 -> column 0, "none"
-        value = np.mean(log_z - np.where(chosen >= 0, logits[np.arange(n), np.maximum(chosen, 0)], c))
+        value = wq @ (log_z - np.where(chosen >= 0, logits[np.arange(n), np.maximum(chosen, 0)], c))
         diff = (p - pick)[:, 1:]                               # d/dlogit of the candidates
-        grad = np.concatenate([[np.mean(np.sum(diff * e, axis=1))], [np.mean(p[:, 0] - pick[:, 0])],
-                               -np.mean(np.einsum("nk,nkd->nd", diff, st.geometry), axis=0)])
+        grad = np.concatenate([[wq @ np.sum(diff * e, axis=1)], [wq @ (p[:, 0] - pick[:, 0])],
+                               -(wq @ np.einsum("nk,nkd->nd", diff, st.geometry))])
         return float(value), grad
 
     best = None
@@ -242,29 +257,34 @@ def top1(q: QueryScores, tau: float, bias: float) -> tuple[float, bool]:
     return p, bool(q.source >= 0 and q.top_rows[0] == q.source)
 
 
-def expected_calibration_error(conf: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS
+def expected_calibration_error(conf: np.ndarray, correct: np.ndarray, bins: int = ECE_BINS, weights=None
                                ) -> tuple[float, list[dict]]:
-    """ECE = sum_b |B|/n |mean conf - accuracy| over equal-width bins, and the reliability table."""
+    """ECE = sum_b W(B)/W |mean conf - accuracy| over equal-width bins (means weighted by `weights`, the
+    queries' inverse inclusion weights; None: all 1), and the reliability table ("count": queries in the bin)."""
     conf, correct = np.asarray(conf, float), np.asarray(correct, float)
+    w = np.ones(conf.size) if weights is None else np.asarray(weights, float)
     which = np.minimum((conf * bins).astype(int), bins - 1)
     ece, table = 0.0, []
     for b in range(bins):
         sel = which == b
         if sel.any():
-            gap = abs(conf[sel].mean() - correct[sel].mean())
-            ece += sel.mean() * gap
-            table.append({"lower": b / bins, "upper": (b + 1) / bins, "predicted": float(conf[sel].mean()),
-                          "observed": float(correct[sel].mean()), "count": int(sel.sum())})
+            predicted, observed = np.average(conf[sel], weights=w[sel]), np.average(correct[sel], weights=w[sel])
+            ece += w[sel].sum() / w.sum() * abs(predicted - observed)
+            table.append({"lower": b / bins, "upper": (b + 1) / bins, "predicted": float(predicted),
+                          "observed": float(observed), "count": int(sel.sum())})
     return float(ece), table
 
 
-def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float) -> float:
+def threshold_for_precision(conf: np.ndarray, correct: np.ndarray, target: float, weights=None) -> float:
     """The smallest p at which pairs with top-1 p >= it are correct at least `target` of the time on the
-    calibration queries -- never below `target` itself (a calibrated p >= target is that sure)."""
+    calibration queries (weighted by `weights`) -- never below `target` itself (a calibrated p >= target is
+    that sure)."""
     order = np.argsort(-np.asarray(conf), kind="stable")
+    w = (np.ones(len(order)) if weights is None else np.asarray(weights, float))[order]
     conf, correct = np.asarray(conf)[order], np.asarray(correct, float)[order]
-    precision = np.cumsum(correct) / np.arange(1, conf.size + 1)
-    ok = np.flatnonzero(precision >= target)
+    precision = np.cumsum(correct * w) / np.cumsum(w)
+    run_end = np.append(conf[1:] < conf[:-1], True)   # "p >= c_j" keeps every query tied with c_j
+    ok = np.flatnonzero((precision >= target) & run_end)
     if not ok.size:
         logger.warning("no threshold reaches precision %.3g on the calibration queries; using p >= %.3g", target, target)
         return float(target)
@@ -297,11 +317,13 @@ def threshold_for_expected_precision(confidences, target: float, levels=None) ->
     return min(float(c[ok[-1]]), MAX_THRESHOLD) if ok.size else None
 
 
-def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS) -> list[dict]:
-    """Precision of "top-1 p >= t" on the calibration queries at each level t (how many reach it)."""
+def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS, weights=None) -> list[dict]:
+    """Precision of "top-1 p >= t" on the calibration queries at each level t (weighted; how many reach it)."""
     conf, correct = np.asarray(conf), np.asarray(correct, float)
+    w = np.ones(conf.size) if weights is None else np.asarray(weights, float)
     return [{"threshold": t, "pairs": int((conf >= t).sum()),
-             "precision": float(correct[conf >= t].mean()) if (conf >= t).any() else 1.0} for t in levels]
+             "precision": float(np.average(correct[conf >= t], weights=w[conf >= t])) if (conf >= t).any() else 1.0}
+            for t in levels]
 
 
 def _fitted(queries: list[QueryScores]) -> tuple[float, float, list[float]]:
@@ -332,14 +354,16 @@ def calibrate(queries: list[QueryScores], target_precision: float = 0.99, seed: 
     out_of_fold = [_top1_all(halves[1 - h], *_fitted(halves[h])) for h in (0, 1)]
     conf = np.concatenate([c for c, _ in out_of_fold])
     correct = np.concatenate([ok for _, ok in out_of_fold])
-    ece, table = expected_calibration_error(conf, correct)
+    ece, table = expected_calibration_error(conf, correct, weights=[q.weight for q in held])
     tau, bias, weights = _fitted(queries)
     all_conf, all_correct = _top1_all(queries, tau, bias, weights)
-    threshold = threshold_for_precision(all_conf, all_correct, target_precision)
+    sample_weights = [q.weight for q in queries]
+    threshold = threshold_for_precision(all_conf, all_correct, target_precision, sample_weights)
     return DuplicateCalibration(
         temperature=tau, bias=bias, threshold=threshold, target_precision=float(target_precision), ece=ece,
         held_out=len(held), reliability=table, fitted_on=len(queries),
         max_probability=float(1.0 / (1.0 + np.exp(-(best_score - bias) / tau))),
-        precision_curve=precision_curve(all_conf, all_correct),
+        precision_curve=precision_curve(all_conf, all_correct, weights=sample_weights),
         positives=[float(c) for c, q in zip(conf, held) if q.source >= 0],
-        negatives=[float(c) for c, q in zip(conf, held) if q.source < 0], geometry_weights=list(weights))
+        negatives=[float(c) for c, q in zip(conf, held) if q.source < 0],
+        negative_weights=[float(q.weight) for q in held if q.source < 0], geometry_weights=list(weights))

@@ -14,6 +14,7 @@ import io
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,9 @@ VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
 TWINS = 2              # extra neighbours a negative query fetches, to stay at k after dropping twins
 FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
                         # calibration copies' cosine to their original (the edits lose ~1 % there)
+HARD_FRACTION = 0.1     # the hard stratum of the "none" queries: this top share of items by nearest-other cosine
+HARD_SHARE = 0.5        # ... and this share of the "none" queries is drawn from it (all of it when fewer)
+POOL_FACTOR = 20        # hardness is measured on a uniform pool of this many times the queries (bounded work)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -164,13 +168,13 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
 
     emb = snapshot.index.embeddings
 
-    def negative(sims, src, payload):
+    def negative(sims, src, payload, weight):
         rows, cos = _nearest(sims, k + 1 + TWINS, exclude=src)
         same = pixels(src)   # the same picture stored twice is the original too
         # a twin has the original's embedding (the copy's cosine to it says nothing: the copy is edited)
         twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= 1.0 - 1e-3
         keep = [r != src and not (twin[x] and pixels(r) == same) for x, r in enumerate(rows)]
-        return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload))
+        return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload)), weight
 
     copies, others = _calibration_embeddings(
         snapshot, items, seed, progress,
@@ -181,9 +185,9 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
     thumbs = ThumbCache(snapshot)
     queries = [_verified(th, rows, cos, thumbs, src, floor)
                for rows, cos, src, _, th in tqdm(copies, desc="verifying calibration copies", disable=not progress)]
-    queries += [_verified(th, rows, cos, thumbs, -1, floor)
-                for rows, cos, th in tqdm(others, desc="verifying copies without their original",
-                                          disable=not progress)]
+    queries += [replace(_verified(th, rows, cos, thumbs, -1, floor), weight=weight)
+                for rows, cos, th, weight in tqdm(others, desc="verifying copies without their original",
+                                                  disable=not progress)]
     return queries, floor
 
 
@@ -192,15 +196,50 @@ def calibration_queries(snapshot, items: int, seed: int, progress: bool = True) 
     searched without themselves (no original: the answer is "none")."""
     copies, loners = _calibration_embeddings(
         snapshot, items, seed, progress, on_copy=lambda sims, src, payload: query_scores(sims, source=src),
-        on_item=lambda sims, row: query_scores(sims, source=-1, exclude=row))
+        on_item=lambda sims, row, weight: replace(query_scores(sims, source=-1, exclude=row), weight=weight))
     return copies + loners
+
+
+def nearest_other_cosine(version, rows: np.ndarray, block: int = 1024) -> np.ndarray:
+    """Each row's cosine to its nearest other item by the version's ANN index, items with the same embedding
+    (stored twice: twins, which a "none" query drops) left out; -1 when it has no other neighbour."""
+    emb = version.embeddings
+    out = np.full(rows.size, -1.0)
+    for start in range(0, rows.size, block):
+        mine = rows[start:start + block]
+        scores, found = version.search(np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32), 2 + TWINS)
+        ok = (found >= 0) & (found != mine[:, None]) & (scores < 1.0 - 1e-3)
+        out[start:start + mine.size] = np.where(ok, scores, -np.inf).max(axis=1, initial=-1.0)
+    return out
+
+
+def hard_negative_sample(version, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, weights) of the "none" queries: a stratified sample in which the items with a close look-alike
+    are over-represented. On a uniform pool of min(n, POOL_FACTOR m) items, the hard stratum is the top
+    HARD_FRACTION by nearest-other cosine; HARD_SHARE of the m rows come from it (all of it if smaller), the
+    rest uniformly from the others. weight = N_h / n_h of the row's stratum (its inverse inclusion
+    probability), scaled to mean 1: weighted means over the sample estimate the uniform ones without bias,
+    and the few look-alikes that decide the fit are seen every time instead of by chance."""
+    n = version.embeddings.shape[0]
+    pool = rng.choice(n, size=min(n, POOL_FACTOR * m), replace=False)
+    hardness = nearest_other_cosine(version, pool)
+    order = np.argsort(-hardness, kind="stable")
+    n_hard = max(1, int(round(HARD_FRACTION * pool.size)))
+    hard, easy = pool[order[:n_hard]], pool[order[n_hard:]]
+    take_hard = min(hard.size, int(round(HARD_SHARE * m)))
+    take_easy = min(easy.size, m - take_hard)
+    rows = np.concatenate([rng.choice(hard, take_hard, replace=False), rng.choice(easy, take_easy, replace=False)])
+    weights = np.concatenate([np.full(take_hard, hard.size / max(take_hard, 1)),
+                              np.full(take_easy, easy.size / max(take_easy, 1))])
+    return rows.astype(np.int64), weights / weights.mean()
 
 
 def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_copy, on_item,
                             copy_items: bool = False):
-    """([on_copy(cosines to every row, source row, copy bytes)], [on_item(cosines, row)]) over the edited
-    copies of `items` sampled items and `items` other items (with `copy_items`: an edited copy of each other
-    item, on_item(cosines of the copy, row, copy bytes)); a query's cosines live for one block."""
+    """([on_copy(cosines to every row, source row, copy bytes)], [on_item(cosines, row, weight)]) over the
+    edited copies of `items` uniformly sampled items and `items` items drawn by `hard_negative_sample` (with
+    `copy_items`: an edited copy of each, on_item(cosines of the copy, row, copy bytes, weight)); a query's
+    cosines live for one block. An item may be in both samples: they are different queries."""
     from tqdm.auto import tqdm
 
     n = snapshot.count
@@ -208,8 +247,8 @@ def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_
     m = min(int(items), n // 2)
     if m < 10:
         raise ValueError(f"index version {snapshot.version} has {n} items; duplicate calibration needs at least 20")
-    picked = rng.permutation(n)
-    sources, loners = picked[:m], picked[m:2 * m]
+    sources = rng.permutation(n)[:m]
+    loners, loner_weights = hard_negative_sample(snapshot.index, m, rng)
     ids = snapshot.index.ids
     copies, others = [], []
     for start in tqdm(range(0, m, QUERY_BLOCK), desc="calibration copies", disable=not progress):
@@ -219,14 +258,14 @@ def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_
         sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
         copies += [on_copy(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
     for start in range(0, m, QUERY_BLOCK):
-        rows = loners[start:start + QUERY_BLOCK]
+        rows, weights = loners[start:start + QUERY_BLOCK], loner_weights[start:start + QUERY_BLOCK]
         if copy_items:
             payloads = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
             sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
-            others += [on_item(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
+            others += [on_item(sims[j], int(r), payloads[j], float(weights[j])) for j, r in enumerate(rows)]
             continue
         sims = _similarities(snapshot, np.asarray(snapshot.index.embeddings[rows], dtype=np.float32))
-        others += [on_item(sims[j], int(r)) for j, r in enumerate(rows)]
+        others += [on_item(sims[j], int(r), float(weights[j])) for j, r in enumerate(rows)]
     return copies, others
 
 
@@ -288,8 +327,6 @@ def scores_cache(snapshot, calibration) -> VerifiedScores | None:
 def calibrate_snapshot(snapshot, stage: str = "verified", items: int = 300, precision: float = 0.99, seed: int = 0,
                        progress: bool = True):
     """The duplicate calibration of a snapshot at `stage` ("verified" or "encoder")."""
-    from dataclasses import replace
-
     if not has_images(snapshot):
         raise ValueError(f"index version {snapshot.version} has no readable images (built from vectors, or its "
                          "files are gone): dedup calibrates on edited copies of the indexed images")

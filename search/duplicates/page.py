@@ -44,7 +44,10 @@ def calibration_figure(calibration: dict) -> bytes:
     left.legend(loc="upper left", fontsize=8)
     bins = np.linspace(0, 1, 26)
     right.hist(calibration.get("positives") or [], bins=bins, alpha=0.7, color="#4a8", label="edited copies")
-    right.hist(calibration.get("negatives") or [], bins=bins, alpha=0.7, color="#36c", label="no copy (look-alikes)")
+    negatives = calibration.get("negatives") or []
+    # the look-alikes are over-sampled (job.hard_negative_sample); their weights give the collection's shares
+    right.hist(negatives, bins=bins, weights=calibration.get("negative_weights") or None, alpha=0.7, color="#36c",
+               label="no copy (look-alikes, weighted)")
     right.axvline(calibration["threshold"], color="#b00", lw=1, label=f"threshold {calibration['threshold']:.3g}")
     right.set_xlabel("top-1 probability")
     right.set_yscale("log")
