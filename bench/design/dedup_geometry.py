@@ -62,7 +62,11 @@ def features(a, b):
     r = ((u - (u @ w) * w).reshape(m, m, 3) ** 2).sum(axis=2)
     edges = np.linspace(0, m, 5).round().astype(int)
     blocks = np.array([r[edges[i]:edges[i + 1], edges[j]:edges[j + 1]].sum() for i in range(4) for j in range(4)])
-    return {"v": v, "distortion": distortion, "cropped": cropped, "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
+    # a finer reading of the same window: n = min(64, the smaller picture's longest side), 1 px low-pass
+    fine = int(max(8, min(64, max(s.work.size), max(d.work.size))))
+    whole = V._window(d.work, None, fine, 1.0)
+    v64, _ = V._compass(lambda p: float(V._window(s.work, p, fine, 1.0) @ whole), V._clipped(params), V.FINE_STEP)
+    return {"v": v, "v64": v64, "distortion": distortion, "cropped": cropped, "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
             "block_residual": float(blocks.max()),
             "lum": _ncc(grey(_win(s.work, params, m, V.BLUR)), grey(_win(d.work, full, m, V.BLUR))),
             "rgb12": _ncc(rgb(_win(s.work, params, 12, V.BLUR)), rgb(_win(d.work, full, 12, V.BLUR)))}
@@ -142,6 +146,10 @@ def main():
         "ncc + stretch + crop^2 (shipped)": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2],
         "luminance + stretch + crop^2": lambda f: [e(f["lum"]), f["distortion"], f["cropped"] ** 2],
         "ncc + 12 px + stretch + crop^2": lambda f: [e(f["v"]), e(f["rgb12"]), f["distortion"], f["cropped"] ** 2],
+        "shipped + 64 px reading": lambda f: [e(f["v"]), e(f["v64"]), f["distortion"], f["cropped"] ** 2],
+        "shipped + what the 64 px reading loses": lambda f: [e(f["v"]), max(0.0, e(f["v"]) - e(f["v64"])),
+                                                             f["distortion"], f["cropped"] ** 2],
+        "64 px reading + stretch + crop^2": lambda f: [e(f["v64"]), f["distortion"], f["cropped"] ** 2],
         "shipped + largest block's share": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2, f["block_share"]],
         "shipped + largest block's residual": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,
                                                          e(1.0 - f["block_residual"])],
