@@ -40,8 +40,8 @@ def _ncc(u, v):
 
 
 def features(a, b):
-    """The shipped match (ncc, distortion, cropped) and two other readings at its window: luminance only,
-    and RGB at 12 px."""
+    """The shipped match (ncc, distortion, cropped) and other readings at its window: luminance only, RGB at
+    12 px, RGB at min(64, the smaller picture's longest side) px with a 1 px low-pass, where the residual lies."""
     if a.blank or b.blank:
         return None
     m = V.fine_size(a, b)
