@@ -41,7 +41,8 @@ def _ncc(u, v):
 
 def features(a, b):
     """The shipped match (ncc, distortion, cropped) and other readings at its window: luminance only, RGB at
-    12 px, RGB at min(64, the smaller picture's longest side) px with a 1 px low-pass, where the residual lies."""
+    12 px, RGB at min(64, the smaller picture's longest side) px with a 1 px low-pass, where the residual lies, and
+    the largest local energy of the low-passed signed residual at that reading (a coherent difference)."""
     if a.blank or b.blank:
         return None
     m = V.fine_size(a, b)
@@ -65,8 +66,15 @@ def features(a, b):
     # a finer reading of the same window: n = min(64, the smaller picture's longest side), 1 px low-pass
     fine = int(max(8, min(64, max(s.work.size), max(d.work.size))))
     whole = V._window(d.work, None, fine, 1.0)
-    v64, _ = V._compass(lambda p: float(V._window(s.work, p, fine, 1.0) @ whole), V._clipped(params), V.FINE_STEP)
-    return {"v": v, "v64": v64, "distortion": distortion, "cropped": cropped, "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
+    v64, p64 = V._compass(lambda p: float(V._window(s.work, p, fine, 1.0) @ whole), V._clipped(params), V.FINE_STEP)
+    # a coherent difference (a stroke one picture has) survives a low-pass of the SIGNED residual; JPEG noise and
+    # edge misregistration alternate in sign and cancel: the largest energy of G_1.5 * r in a window of n/8 px
+    res = (V._window(s.work, p64, fine, 1.0) - (V._window(s.work, p64, fine, 1.0) @ whole) * whole).reshape(fine, fine, 3)
+    from scipy.ndimage import gaussian_filter, uniform_filter
+    smooth = gaussian_filter(res, sigma=(1.5, 1.5, 0))
+    local = uniform_filter((smooth ** 2).sum(axis=2), size=max(2, fine // 8)) * max(2, fine // 8) ** 2
+    coherent_peak = float(local.max())
+    return {"v": v, "v64": v64, "coherent_peak": coherent_peak, "distortion": distortion, "cropped": cropped, "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
             "block_residual": float(blocks.max()),
             "lum": _ncc(grey(_win(s.work, params, m, V.BLUR)), grey(_win(d.work, full, m, V.BLUR))),
             "rgb12": _ncc(rgb(_win(s.work, params, 12, V.BLUR)), rgb(_win(d.work, full, 12, V.BLUR)))}
@@ -149,6 +157,8 @@ def main():
         "shipped + 64 px reading": lambda f: [e(f["v"]), e(f["v64"]), f["distortion"], f["cropped"] ** 2],
         "shipped + what the 64 px reading loses": lambda f: [e(f["v"]), max(0.0, e(f["v"]) - e(f["v64"])),
                                                              f["distortion"], f["cropped"] ** 2],
+        "shipped + coherent residual peak": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,
+                                                      float(np.log(f["coherent_peak"] + 1e-6))],
         "64 px reading + stretch + crop^2": lambda f: [e(f["v64"]), f["distortion"], f["cropped"] ** 2],
         "shipped + largest block's share": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2, f["block_share"]],
         "shipped + largest block's residual": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,
