@@ -30,6 +30,7 @@ import logging
 import os
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "DistInfo",
     "init_distributed",
     "shutdown_distributed",
+    "distributed_session",
     "leave_process_group",
     "gather_embeddings",
     "gather_detached",
@@ -129,17 +131,25 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     return info
 
 
-def shutdown_distributed(info: DistInfo, together: bool = False) -> None:
-    """Destroy the process group if `init_distributed` created it.
-
-    together=True (the success path) makes every rank leave at once (`leave_process_group`); on an error
-    path a peer may sit inside a collective, so the group is destroyed without a handshake.
-    """
+def shutdown_distributed(info: DistInfo) -> None:
+    """Destroy the process group if `init_distributed` created it, without a handshake (the error path: a
+    peer may sit inside a collective)."""
     if info.owns_group and dist.is_initialized():
-        if together:
-            leave_process_group()
-        else:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed_session(device: str = "auto"):
+    """`init_distributed(device)` for the body; on success every rank leaves together (`leave_process_group`),
+    on an exception the group is destroyed at once (`shutdown_distributed`) and the exception goes on."""
+    info = init_distributed(device)
+    try:
+        yield info
+    except BaseException:
+        shutdown_distributed(info)
+        raise
+    if info.owns_group and dist.is_initialized():
+        leave_process_group()
 
 
 def leave_process_group(settle_s: float = 0.05) -> None:

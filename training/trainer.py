@@ -52,9 +52,8 @@ from training.distributed import (
     average_gradients,
     barrier,
     gather_detached,
+    distributed_session,
     gather_embeddings,
-    init_distributed,
-    shutdown_distributed,
 )
 from training.encoder import Encoder, create_encoder
 from training.losses import ContrastiveLoss, LossOutput, contrastive_similarities, create_loss
@@ -419,14 +418,8 @@ def _to_float(value) -> float:
 def train(config: TrainConfig, resume: bool = False) -> Path:
     """Train per `config`; returns the final checkpoint path (out_dir/checkpoint.safetensors)."""
     config.validate()
-    info = init_distributed(config.device)
-    try:
-        checkpoint = _train(config, info, resume)
-    except BaseException:
-        shutdown_distributed(info)
-        raise
-    shutdown_distributed(info, together=True)
-    return checkpoint
+    with distributed_session(config.device) as info:
+        return _train(config, info, resume)
 
 
 def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:

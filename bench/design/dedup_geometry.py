@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageFilter
+from scipy.ndimage import gaussian_filter, uniform_filter
 from scipy.optimize import minimize
 from scipy.special import logsumexp
 
@@ -69,12 +70,14 @@ def features(a, b):
     v64, p64 = V._compass(lambda p: float(V._window(s.work, p, fine, 1.0) @ whole), V._clipped(params), V.FINE_STEP)
     # a coherent difference (a stroke one picture has) survives a low-pass of the SIGNED residual; JPEG noise and
     # edge misregistration alternate in sign and cancel: the largest energy of G_1.5 * r in a window of n/8 px
-    res = (V._window(s.work, p64, fine, 1.0) - (V._window(s.work, p64, fine, 1.0) @ whole) * whole).reshape(fine, fine, 3)
-    from scipy.ndimage import gaussian_filter, uniform_filter
+    u64 = V._window(s.work, p64, fine, 1.0)
+    res = (u64 - (u64 @ whole) * whole).reshape(fine, fine, 3)
     smooth = gaussian_filter(res, sigma=(1.5, 1.5, 0))
-    local = uniform_filter((smooth ** 2).sum(axis=2), size=max(2, fine // 8)) * max(2, fine // 8) ** 2
+    side = max(2, fine // 8)
+    local = uniform_filter((smooth ** 2).sum(axis=2), size=side) * side ** 2
     coherent_peak = float(local.max())
-    return {"v": v, "v64": v64, "coherent_peak": coherent_peak, "distortion": distortion, "cropped": cropped, "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
+    return {"v": v, "v64": v64, "coherent_peak": coherent_peak, "distortion": distortion, "cropped": cropped,
+            "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
             "block_residual": float(blocks.max()),
             "lum": _ncc(grey(_win(s.work, params, m, V.BLUR)), grey(_win(d.work, full, m, V.BLUR))),
             "rgb12": _ncc(rgb(_win(s.work, params, 12, V.BLUR)), rgb(_win(d.work, full, 12, V.BLUR)))}

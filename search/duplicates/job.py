@@ -36,6 +36,7 @@ FORMAT = "softsearch-duplicates"
 QUERY_BLOCK = 64
 VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
 TWINS = 2              # extra neighbours a negative query fetches, to stay at k after dropping twins
+TWIN_COSINE = 1.0 - 1e-3   # embeddings at least this close are a twin candidate (the same picture stored twice)
 FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
                         # calibration copies' cosine to their original (the edits lose ~1 % there)
 HARD_FRACTION = 0.1     # the hard stratum of the "none" queries: this top share of items by nearest-other cosine
@@ -172,7 +173,7 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
         rows, cos = _nearest(sims, k + 1 + TWINS, exclude=src)
         same = pixels(src)   # the same picture stored twice is the original too
         # a twin has the original's embedding (the copy's cosine to it says nothing: the copy is edited)
-        twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= 1.0 - 1e-3
+        twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= TWIN_COSINE
         keep = [r != src and not (twin[x] and pixels(r) == same) for x, r in enumerate(rows)]
         return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload)), weight
 
@@ -208,7 +209,7 @@ def nearest_other_cosine(version, rows: np.ndarray, block: int = 1024) -> np.nda
     for start in range(0, rows.size, block):
         mine = rows[start:start + block]
         scores, found = version.search(np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32), 2 + TWINS)
-        ok = (found >= 0) & (found != mine[:, None]) & (scores < 1.0 - 1e-3)
+        ok = (found >= 0) & (found != mine[:, None]) & (scores < TWIN_COSINE)
         out[start:start + mine.size] = np.where(ok, scores, -np.inf).max(axis=1, initial=-1.0)
     return out
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from training.distributed import DistInfo, average_gradients, init_distributed, shutdown_distributed
+from training.distributed import DistInfo, average_gradients, distributed_session
 from training.losses import available_losses, create_loss
 from training.trainer import contrastive_step
 
@@ -74,8 +74,7 @@ def _worker(rank, port, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    info = init_distributed("cpu")
-    try:
+    with distributed_session("cpu") as info:
         encoder = _encoder()
         model = torch.nn.parallel.DistributedDataParallel(encoder)
         view_a, view_b = _batch()
@@ -91,10 +90,6 @@ def _worker(rank, port, out_dir):
                 np.savez(Path(out_dir) / f"{name}.npz", **grads)
         if rank == 0:
             (Path(out_dir) / "result.json").write_text(json.dumps(result))
-    except BaseException:
-        shutdown_distributed(info)
-        raise
-    shutdown_distributed(info, together=True)
 
 
 def test_ddp_step_equals_single_process(tmp_path, monkeypatch):

@@ -2,6 +2,8 @@
 repeated weight times, and the sample's weighted means estimate the collection's without bias."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from scipy.special import logsumexp
@@ -28,7 +30,6 @@ def _geometry_queries(n: int, rng) -> list:
 
 def _weighted_and_repeated(queries, rng):
     """The queries with integer weights 1..3, and the same list with each query repeated that many times."""
-    from dataclasses import replace
     weights = rng.integers(1, 4, len(queries))
     weighted = [replace(q, weight=float(w)) for q, w in zip(queries, weights)]
     repeated = [q for q, w in zip(queries, weights) for _ in range(int(w))]
