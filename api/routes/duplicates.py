@@ -42,7 +42,9 @@ def duplicates(settings: SettingsDep, snapshot: SnapshotDep,
     cal = data["calibration"]
     return DuplicatesOut(version=data["version"], created=data["created"], count=data["count"],
                          threshold=data["threshold"], temperature=data["temperature"], bias=data["bias"],
-                         ece=cal["ece"], target_precision=cal["target_precision"], total_groups=len(data["groups"]),
+                         ece=cal["ece"], target_precision=cal["target_precision"],
+                         prior=data.get("prior", "calibration"), collection_share=data.get("collection_share"),
+                         total_groups=len(data["groups"]),
                          offset=offset, groups=data["groups"][offset:offset + limit])
 
 

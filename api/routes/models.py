@@ -167,6 +167,10 @@ class DuplicatesOut(BaseModel):
     bias: float = Field(description="score of the 'no original in the index' option")
     ece: float = Field(description="held-out expected calibration error of the fitted probabilities")
     target_precision: float
+    prior: str = Field("calibration", description="whose share of items with a duplicate the probabilities assume: "
+                                                  "'calibration' (about half) or 'collection' (collection_share)")
+    collection_share: float | None = Field(None, description="share of this version's items with a duplicate, "
+                                                             "estimated from the scan by EM (no labels)")
     total_groups: int
     offset: int
     groups: list[DuplicateGroupOut]

@@ -9,14 +9,16 @@ from training.images import load_rgb
 
 
 def design_queries(seed, rgbs, thumbs, twins, m=300, k=8):
-    """Yield (kind "copy" | "none", source row, candidate rows (k,), the copy's Thumb) for 2 m queries."""
+    """Yield (kind "copy" | "none", source row, candidate rows (k,), the copy's Thumb, whether the copy was saved
+    losslessly (PNG)) for 2 m queries."""
     base = np.stack([t.base for t in thumbs])
     rng = np.random.default_rng(seed)
     perm = rng.permutation(len(rgbs))
     for kind, rows in (("copy", perm[:m]), ("none", perm[m:2 * m])):
         for src in rows:
-            th = verify.thumb(load_rgb(edited_copy(Image.fromarray(rgbs[src]), rng)[0]))
+            data, names = edited_copy(Image.fromarray(rgbs[src]), rng)
+            th = verify.thumb(load_rgb(data))
             cos = base @ th.base
             if kind == "none":
                 cos[list(twins[src])] = -np.inf
-            yield kind, int(src), np.argsort(-cos)[:k], th
+            yield kind, int(src), np.argsort(-cos)[:k], th, "as_png" in names

@@ -28,7 +28,7 @@ whose logits are linear in those parameters is convex, so one L-BFGS-B run finds
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from scipy.optimize import minimize
@@ -42,6 +42,7 @@ EDGES = np.linspace(-1.0, 1.0, int(round(2.0 / BIN_WIDTH)) + 1)
 CENTRES = 0.5 * (EDGES[:-1] + EDGES[1:])
 ECE_BINS = 15
 MAX_THRESHOLD = 0.9999
+SHARE_LIMIT = 1e-6        # a collection's duplicate share is kept in [SHARE_LIMIT, 1 - SHARE_LIMIT]
 
 
 @dataclass
@@ -133,6 +134,29 @@ class DuplicateCalibration:
         """s_j = e_j - w . g_j: the verified score the softmax reads at temperature tau."""
         return np.asarray(evidence, dtype=np.float64) - np.asarray(geometry, dtype=np.float64).reshape(-1, 2) \
             @ np.asarray(self.geometry_weights, dtype=np.float64)
+
+    @property
+    def design_share(self) -> float:
+        """The share of the calibration queries (weighted) that have their original indexed: the prior the fitted
+        b carries (about one half by design: as many copies as "none" queries)."""
+        pos = len(self.positives)
+        neg = float(sum(self.negative_weights)) if self.negative_weights else float(len(self.negatives))
+        return pos / (pos + neg) if pos + neg > 0 else 0.5
+
+    def with_share(self, share: float) -> "DuplicateCalibration":
+        """The same model for a collection where a share `pi` of the items have a duplicate, instead of the
+        calibration's pi0 (design_share): Bayes' rule re-weighs "a duplicate" by pi / pi0 and "none" by
+        (1 - pi) / (1 - pi0), which is the bias
+
+            b' = b + tau * log[((1 - pi) / (1 - pi0)) / (pi / pi0)]
+
+        (the likelihoods the fit learned are unchanged; only the prior moves)."""
+        pi0 = self.design_share
+        pi = float(np.clip(share, SHARE_LIMIT, 1.0 - SHARE_LIMIT))
+        shift = np.log((1.0 - pi) / (1.0 - pi0)) - np.log(pi / pi0)
+        return replace(self, bias=float(self.bias + self.temperature * shift),
+                       max_probability=float(1.0 / (1.0 + (1.0 / self.max_probability - 1.0) * np.exp(shift)))
+                       if 0.0 < self.max_probability < 1.0 else self.max_probability)
 
     @property
     def reachable(self) -> bool:
@@ -235,6 +259,28 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
             best = result
     a, c, u = best.x[0], best.x[1], best.x[2:]
     return float(1.0 / a), float(c / a), [float(v / a) for v in u]
+
+
+def collection_share(p_none, design_share: float, iterations: int = 1000, tol: float = 1e-10) -> float:
+    """The share pi of scanned items that have a duplicate, estimated without labels from each item's
+    p(none | item) under the calibration's prior pi0 by EM (Saerens, Latinne & Decaestecker 2002, "Adjusting
+    the outputs of a classifier to new a priori probabilities"): re-weigh every posterior to the current pi,
+
+        q_i = (1 - p_i) a / ((1 - p_i) a + p_i c),   a = pi / pi0,  c = (1 - pi) / (1 - pi0),
+
+    and set pi to the mean of q_i, until it stops moving (each step raises the likelihood of the scan)."""
+    p = np.clip(np.asarray(p_none, dtype=np.float64), 0.0, 1.0)
+    if p.size == 0:
+        raise ValueError("collection_share needs at least one scanned item")
+    pi0 = float(design_share)
+    pi = pi0
+    for _ in range(iterations):
+        a, c = pi / pi0, (1.0 - pi) / (1.0 - pi0)
+        new = float(np.clip(np.mean((1.0 - p) * a / ((1.0 - p) * a + p * c)), SHARE_LIMIT, 1.0 - SHARE_LIMIT))
+        if abs(new - pi) < tol:
+            return new
+        pi = new
+    return pi
 
 
 def fit(queries: list[QueryScores]) -> tuple[float, float]:

@@ -144,6 +144,14 @@ class VerifiedScores:
         kept = self.rows[row] >= 0
         return self.rows[row][kept], self.scores[row][kept], self.energies[row][kept]
 
+    def none_probabilities(self, calibration: DuplicateCalibration) -> np.ndarray:
+        """p(none | i) of every row scored so far (a row with no verified candidate: 1), the input of
+        calibration.collection_share."""
+        energies = self.energies[self.known] / calibration.temperature
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_z = np.logaddexp(calibration.bias / calibration.temperature, logsumexp(energies, axis=1))
+        return np.exp(calibration.bias / calibration.temperature - log_z)
+
     def put(self, row: int, others: np.ndarray, v: np.ndarray, s: np.ndarray) -> None:
         m = min(others.size, self.rows.shape[1])
         self.rows[row, :m], self.scores[row, :m], self.energies[row, :m] = others[:m], v[:m], s[:m]

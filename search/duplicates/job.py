@@ -1,7 +1,7 @@
 """`softsearch dedup`: calibrate the duplicate temperature on the collection, find the groups, write them.
 
     softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--stage verified|encoder]
-                     [--out FILE]
+                     [--prior calibration|collection] [--out FILE]
 
 Two stages: the encoder's nearest items are the candidates, and (default) the verification stage re-scores
 each item's VERIFY_K nearest pixel for pixel (verify.py), the probabilities calibrated on that score. Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
@@ -23,8 +23,8 @@ from PIL import Image
 from index.manifest import atomic_write, utc_now
 from index.store import IndexStore, require_store
 from search.duplicates import verify
-from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, query_scores, scored_candidates,
-                                           threshold_for_expected_precision)
+from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, collection_share, query_scores,
+                                           scored_candidates, threshold_for_expected_precision)
 from search.duplicates.edits import edited_copy
 from search.duplicates.groups import (VerifiedScores, candidate_sets, describe_group, mutual_groups,
                                       verified_candidate_sets)
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
                    help="verified: each item's nearest items re-scored pixel for pixel (verify.py); encoder: embedding "
                         "cosine only (the pipeline before verification)")
+    p.add_argument("--prior", choices=("calibration", "collection"), default="calibration",
+                   help="the share of items with a duplicate the probabilities assume: the calibration's (about half: "
+                        "as many copies as 'none' queries), or this collection's, estimated from the scan by EM "
+                        "(verified stage; fewer duplicates than half makes every p lower). Both are reported")
     p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
     p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
     p.add_argument("--seed", type=int, default=0)
@@ -402,11 +406,21 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threshold must be in (0, 1), got {args.threshold}")
     if not 0.0 < args.precision < 1.0:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
+    if args.prior == "collection" and args.stage != "verified":
+        raise ValueError("--prior collection needs the verified stage (every item's p(none) from its verified "
+                         "candidates); drop --stage encoder")
     calib = calibrate_snapshot(snapshot, args.stage, args.calibration_items, args.precision, args.seed,
                                progress=not args.no_progress)
     threshold = args.threshold
-    # the verified pair scores do not depend on the threshold: the default's scan and the final one share them
+    # the verified pair scores do not depend on the threshold (nor on the prior): every scan below shares them
     cache = scores_cache(snapshot, calib)
+    share = None
+    if cache is not None:   # the collection's duplicate share, from a scan of every item (labels never used)
+        find_duplicates(snapshot, calib, threshold=min(LEVELS), k=args.k, max_group=args.max_group,
+                        progress=not args.no_progress, cache=cache)
+        share = collection_share(cache.none_probabilities(calib), calib.design_share)
+        if args.prior == "collection":
+            calib = calib.with_share(share)
     if threshold is None:   # the lowest P whose groups are expected to reach --precision
         threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
                                                progress=not args.no_progress, cache=cache)
@@ -417,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                             progress=not args.no_progress, cache=cache)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
               "temperature": calib.temperature, "bias": calib.bias, "calibration": calib.to_json(),
+              "prior": args.prior, "design_share": calib.design_share, "collection_share": share,
               "k": args.k, "max_group": args.max_group, **found}
     path = store.duplicates_path(version)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -427,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text)
     grouped = sum(len(g["ids"]) for g in result["groups"])
     print(f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
-          f"(duplicate temperature {calib.temperature:.4g}, {calib.stage} stage, held-out ECE {calib.ece:.3f}); "
-          f"{path}")
+          f"(duplicate temperature {calib.temperature:.4g}, {calib.stage} stage, held-out ECE {calib.ece:.3f}"
+          + (f"; items with a duplicate: {share:.1%} here, {calib.design_share:.0%} in the calibration, "
+             f"p for the {'collection' if args.prior == 'collection' else 'calibration'}'s share" if share is not None
+             else "") + f"); {path}")
     return 0

@@ -151,3 +151,34 @@ def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys
         line = next((ln for ln in out.splitlines() if ln.startswith(f"duplicate: class{n}/again{n}.png")), None)
         if line is not None:
             assert original.relative_to(scanned["folder"]).as_posix() in line
+
+
+def test_dedup_with_the_collection_prior_reweighs_by_the_share_it_reports(scanned, capsys):
+    """--prior collection: the share of items with a duplicate is estimated from the scan (EM), reported, and the
+    written calibration is the default one with its bias moved by Bayes' rule to that share; the API says which
+    prior the probabilities assume. The encoder stage cannot estimate it: a one-line error."""
+    import math
+
+    root = scanned["root"]
+    store = IndexStore(root)
+    version = store.current_version()
+    runs = {}
+    for prior in ("calibration", "collection"):
+        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
+                     "--prior", prior, "--no-progress"]) == 0
+        assert "items with a duplicate:" in capsys.readouterr().out
+        runs[prior] = json.loads(store.duplicates_path(version).read_text())
+    base, shifted = runs["calibration"], runs["collection"]
+    share, pi0 = shifted["collection_share"], shifted["design_share"]
+    assert base["prior"] == "calibration" and shifted["prior"] == "collection"
+    assert 0 < share < 1 and share == pytest.approx(base["collection_share"]) and 0 < pi0 < 1
+    tau = base["temperature"]
+    assert shifted["temperature"] == tau
+    assert shifted["bias"] == pytest.approx(base["bias"] + tau * (math.log((1 - share) / (1 - pi0))
+                                                                  - math.log(share / pi0)))
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        body = http.get("/v1/duplicates").json()
+        assert body["prior"] == "collection" and body["collection_share"] == pytest.approx(share)
+    assert main(["dedup", "--index", str(root), "--stage", "encoder", "--prior", "collection"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--prior collection needs the verified stage" in err[0]
