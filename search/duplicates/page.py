@@ -84,6 +84,17 @@ def render_page(result: dict, snapshot) -> str:
     from search.duplicates.calibration import DuplicateCalibration
 
     calib = DuplicateCalibration.from_json(cal)
+    if result.get("collection_share") is not None:
+        share, design = result["collection_share"], result.get("design_share", calib.design_share)
+        parts.append(
+            f"<p>Items with a duplicate: about {share:.1%} of this collection (estimated from the scan, no labels) "
+            f"against {design:.0%} of the calibration queries. "
+            + ("The probabilities above assume this collection's share (--prior collection)."
+               if result.get("prior") == "collection" else
+               "The probabilities above assume the calibration's share"
+               + ("; with fewer duplicates than that, a stated p overstates the chance of a duplicate here "
+                  "(--prior collection re-weighs it)." if share < design else "."))
+            + "</p>")
     if not calib.reachable:
         parts.append(f"<p><b>Note:</b> {esc(calib.limit_note())}.</p>")
     score = "verification score" if cal.get("stage") == "verified" else "cosine"

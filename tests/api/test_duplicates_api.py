@@ -179,6 +179,8 @@ def test_dedup_with_the_collection_prior_reweighs_by_the_share_it_reports(scanne
     with TestClient(create_app(Settings(index_root=root))) as http:
         body = http.get("/v1/duplicates").json()
         assert body["prior"] == "collection" and body["collection_share"] == pytest.approx(share)
+        page = http.get("/duplicates").text
+        assert f"about {share:.1%} of this collection" in page and "assume this collection's share" in page
     assert main(["dedup", "--index", str(root), "--stage", "encoder", "--prior", "collection"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prior collection needs the verified stage" in err[0]
