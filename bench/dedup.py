@@ -32,7 +32,7 @@ from PIL import Image
 
 from _common import row, write_results
 from index.build import BuildOptions, build_index
-from search.duplicates.calibration import LEVELS, expected_calibration_error, top1
+from search.duplicates.calibration import LEVELS, collection_share, expected_calibration_error, top1
 from search.duplicates.edits import edited_copy
 from search.duplicates.job import (ThumbCache, _nearest, _verified, calibrate_snapshot, default_threshold,
                                    embed_bytes, find_duplicates, scores_cache)
@@ -124,6 +124,26 @@ def planted_ece(snap, calib, folder: Path, truth: set[frozenset], copies: list[s
         conf.append(p)
         correct.append(bool(q.top.size) and frozenset((c, ids[int(q.top_rows[0])])) in truth)
     return expected_calibration_error(np.array(conf), np.array(correct))[0], len(copies)
+
+
+def scan_ece(cache, calib, ids: list[str], truth: set[frozenset]) -> float:
+    """ECE of the probability a scan states for each item: its most probable verified candidate's p(j | i),
+    correct when that pair is a true duplicate (an item with no candidate states 0) -- the number users read,
+    checked on the whole scanned collection rather than on copies alone."""
+    conf, correct = [], []
+    for r in np.flatnonzero(cache.known):
+        known = cache.get(int(r))
+        others, _, e = known
+        if not others.size or not np.isfinite(e).any():
+            conf.append(0.0)
+            correct.append(False)
+            continue
+        logits = np.r_[calib.bias, e] / calib.temperature
+        p = np.exp(logits - np.logaddexp.reduce(logits))
+        j = int(np.argmax(p[1:]))
+        conf.append(float(p[1 + j]))
+        correct.append(frozenset((ids[int(r)], ids[int(others[j])])) in truth)
+    return expected_calibration_error(np.array(conf), np.array(correct))[0]
 
 
 def group_pairs(found: dict) -> set[frozenset]:
@@ -220,12 +240,12 @@ def main(argv=None) -> int:
                     work / "index-before", BuildOptions(progress=False))
         before = Searcher(work / "index-before")
         before.load()
-        rows, stages, stages_queries, stages_grid = [], {}, {}, {}
+        rows, stages, stages_queries, stages_grid, caches = [], {}, {}, {}, {}
         for stage, calib_snap in (("verified", snap), ("encoder", snap), ("verified-before", before.snapshot())):
             calib = calibrate_snapshot(calib_snap, stage.split("-")[0], args.calibration_items, args.precision,
                                        args.seed + 1, progress=False)
             # the default of `softsearch dedup`: the lowest level whose groups' mean confidence reaches the target
-            cache = scores_cache(snap, calib)   # the pair scores, verified once for the three scans below
+            cache = caches[stage] = scores_cache(snap, calib)   # the pair scores, verified once for the scans below
             found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False, cache=cache)[0],
                                     progress=False, cache=cache)
             found_queries = find_duplicates(snap, calib, progress=False, cache=cache)   # the calibration queries' threshold
@@ -300,6 +320,28 @@ def main(argv=None) -> int:
                                 pair_scores(cosine_pairs(emb, ids, 1 - IMMICH_MAX_DISTANCE), true)[2]))
                 rows.append(row(f"verified-before {name}{label}: precision", pb, "precision", None))
                 rows.append(row(f"verified-before {name}{label}: recall", rb, "recall", None))
+        # the probabilities for this collection's share of items with a duplicate (`softsearch dedup --prior
+        # collection`): the share estimated from the scan by EM, the bias moved to it, the same default rule
+        cache = caches["verified-before"]
+        share = collection_share(cache.none_probabilities(c), c.design_share)
+        shifted = c.with_share(share)
+        t_c = default_threshold(snap, shifted, progress=False, cache=cache)[0]
+        pairs_c = group_pairs(find_duplicates(snap, shifted, threshold=t_c, progress=False, cache=cache))
+        print(f"  collection prior: share {share:.3f} (calibration {c.design_share:.3f}), P {t_c:.3g}; false pairs: "
+              + "; ".join(" ~ ".join(sorted(x)) for x in sorted(pairs_c - truth, key=sorted)))
+        rows.append(row("verified-before: share of items with a duplicate, EM from the scan (collection prior)", share,
+                        "share", c.design_share))
+        for label, true in (("", truth), (" [truth without the one-colour rule]", strict)):
+            pb, rb, fb = pair_scores(pairs, true)
+            pc, rc, fc = pair_scores(pairs_c, true)
+            rows.append(row(f"verified-before collection prior p >= {t_c:.3g}{label}: F1 (baseline: the calibration's "
+                            f"prior, p >= {f['threshold']:.3g})", fc, "F1", fb))
+            rows.append(row(f"verified-before collection prior{label}: precision (baseline: the calibration's prior)",
+                            pc, "precision", pb))
+            rows.append(row(f"verified-before collection prior{label}: recall (baseline: the calibration's prior)",
+                            rc, "recall", rb))
+        rows.append(row("verified-before: ECE of every scanned item's stated p, collection prior (baseline: the "
+                        "calibration's prior)", scan_ece(cache, shifted, ids, truth), "ECE", scan_ece(cache, c, ids, truth)))
         for stage in ("verified", "verified-before"):
             t_q, pairs_q = stages_queries[stage]
             pb, rb, fb = pair_scores(pairs_q, truth)
