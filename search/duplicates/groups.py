@@ -9,7 +9,9 @@ other's set (mutual: a look-alike that attracts i does not link it unless it is 
 and groups are the cliques of that graph: each connected component is split greedily into groups
 where every member is linked to every other, so a chain A-B-C with A and C unlinked never becomes
 one group. A group is kept when every member is at least P sure that its original is among the
-others (its confidence, `describe_group`).
+others (its confidence, `describe_group`). At the verified stage a picture stored twice (equal decoded
+pixels) is one picture: an item's twins are always in its set and stay out of its softmax, and twins among
+its candidates count as one candidate, so an edited copy of a file stored twice joins both.
 
 Candidates come from the ANN index (top-k per item, never N^2 pairs); log Z is bounded from the
 top-k (lower: those k alone; upper: every other item at the k-th similarity), and only an item whose
@@ -37,6 +39,7 @@ class CandidateSet:
     probabilities: np.ndarray
     similarities: np.ndarray
     exact: bool
+    twins: frozenset = frozenset()   # rows with the same pixels as this one (verified stage): p 1, always linked
 
 
 def _prefix(p: np.ndarray, threshold: float, max_group: int) -> int:
@@ -137,6 +140,7 @@ class VerifiedScores:
         self.rows = np.full((int(n), int(k)), -1, dtype=np.int64)
         self.scores = np.full((int(n), int(k)), -np.inf)
         self.energies = np.full((int(n), int(k)), -np.inf)
+        self.digests = np.zeros(int(n), dtype=np.int64)    # verify.Thumb.digest of each row read (0: not yet)
 
     def get(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         if not self.known[row]:
@@ -181,6 +185,16 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
     out: dict[int, CandidateSet] = {}
     if k < 1:
         return out, 0
+    def digest(r: int) -> int:
+        """The pixel digest of row r (0: unreadable), kept in the cache once its thumb has been read."""
+        if cache is not None and cache.digests[r]:
+            return int(cache.digests[r])
+        t = thumbs(r)
+        d = t.digest if t is not None else 0
+        if cache is not None:
+            cache.digests[r] = d
+        return d
+
     for mine, z, cand in _neighbour_blocks(version, rows, k, block, "duplicate candidates (verified)", progress):
         for i, row in enumerate(mine):
             known = cache.get(row) if cache is not None else None
@@ -199,12 +213,37 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
             others, v, e = known
             if not others.size:
                 continue
-            log_z = np.logaddexp(bias / tau, logsumexp(e / tau)) if np.isfinite(e).any() else bias / tau
-            p = np.exp(e / tau - log_z)
-            m = _prefix(p, threshold, max_group)
-            if m:
-                out[int(row)] = CandidateSet(others[:m].copy(), p[:m].copy(), v[:m].copy(), exact=True)
+            found = _twin_aware_set(row, others, v, e, digest, tau, bias, threshold, max_group)
+            if found is not None:
+                out[int(row)] = found
     return out, int(rows.size)
+
+
+def _twin_aware_set(row, others, v, e, digest, tau, bias, threshold, max_group) -> CandidateSet | None:
+    """S_row from its verified candidates (e descending), with pictures stored twice (twins: equal pixel
+    digests) as one picture: the row's own twins are always in its set (p 1) and left out of its softmax (the
+    original of a picture is not the picture itself), and twins among the other candidates are one candidate
+    whose p is their sum (a copy of a file stored twice is a copy of either)."""
+    own = digest(row)
+    digests = np.array([digest(int(j)) for j in others], dtype=np.int64)
+    twin = (digests == own) & (own != 0)
+    rest = np.flatnonzero(~twin & np.isfinite(e))
+    log_z = np.logaddexp(bias / tau, logsumexp(e[rest] / tau)) if rest.size else bias / tau
+    p = np.exp(e[rest] / tau - log_z)
+    pictures: dict[int, list[int]] = {}          # digest (unknown: never merged) -> positions in `rest`
+    for k, d in enumerate(digests[rest].tolist()):
+        pictures.setdefault(d if d else -(k + 1), []).append(k)
+    members = list(pictures.values())
+    picture_p = np.array([p[m].sum() for m in members])
+    order = np.argsort(-picture_p, kind="stable")
+    m = _prefix(picture_p[order], threshold, max_group)
+    if not m and not twin.any():
+        return None
+    chosen = rest[[k for c in order[:m] for k in members[c]]].astype(np.int64)
+    pos = {int(r): i for i, r in enumerate(rest)}
+    return CandidateSet(np.r_[others[twin], others[chosen]].astype(np.int64),
+                        np.r_[np.ones(int(twin.sum())), p[[pos[int(c)] for c in chosen]]],
+                        np.r_[v[twin], v[chosen]], exact=True, twins=frozenset(others[twin].tolist()))
 
 
 def mutual_groups(sets: dict[int, CandidateSet]) -> list[list[int]]:
@@ -232,7 +271,8 @@ def mutual_groups(sets: dict[int, CandidateSet]) -> list[list[int]]:
 
 def describe_group(group: list[int], sets: dict[int, CandidateSet], ids: list[str]) -> dict:
     """JSON record of one group: ids, rows, each pair's p both ways and similarity, and the confidence
-    min_i sum_{j in group, j != i} p(j | i)."""
+    min_i sum_{j in group, j != i} p(j | i), where i's twins (the same pixels) are left out of the sum and a
+    member whose others are all its twins is sure (1)."""
     def p_of(a: int, b: int) -> tuple[float, float]:
         cs = sets[a]
         hit = np.flatnonzero(cs.rows == b)
@@ -244,5 +284,9 @@ def describe_group(group: list[int], sets: dict[int, CandidateSet], ids: list[st
             p_ab, s = p_of(a, b)
             p_ba, _ = p_of(b, a)
             pairs.append({"a": ids[a], "b": ids[b], "p_ab": p_ab, "p_ba": p_ba, "similarity": s})
-    confidence = min(sum(p_of(a, b)[0] for b in group if b != a) for a in group)
+    def member_confidence(a: int) -> float:
+        others = [b for b in group if b != a and b not in sets[a].twins]
+        return sum(p_of(a, b)[0] for b in others) if others else 1.0   # only its twins: the same picture
+
+    confidence = min(member_confidence(a) for a in group)
     return {"ids": [ids[r] for r in group], "rows": group, "confidence": confidence, "pairs": pairs}

@@ -37,6 +37,7 @@ x_filled 94 x 84 against uppercase X_filled 111 x 110 matches at ncc 0.9991 only
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,7 @@ class Thumb:
     mean: float                    # mean pixel value (what blank pictures are compared on)
     renders: list                  # (sx, sy, uint8 render at SIDE/sx x SIDE/sy) for the coarse window grid
     wholes: dict = field(default_factory=dict)   # n -> unit vector of the whole picture at n x n, low-passed
+    digest: int = 0                # hash of the decoded pixels: equal for the same picture stored twice (twins)
 
     @property
     def blank(self) -> bool:
@@ -88,7 +90,14 @@ def thumb(rgb: np.ndarray) -> Thumb:
     base = np.asarray(work.resize((SIDE, SIDE), Image.BILINEAR), dtype=np.float32)
     renders = [(sx, sy, np.asarray(work.resize((int(round(SIDE / sx)), int(round(SIDE / sy))), Image.BILINEAR)))
                for sy in COARSE_SCALES for sx in COARSE_SCALES]
-    return Thumb(work, _unit(base.reshape(-1)), float(base.mean()), renders)
+    return Thumb(work, _unit(base.reshape(-1)), float(base.mean()), renders, digest=pixel_digest(rgb))
+
+
+def pixel_digest(rgb: np.ndarray) -> int:
+    """A non-zero 63-bit hash of decoded pixels and their shape: the same picture stored twice has one digest."""
+    arr = np.ascontiguousarray(np.asarray(rgb, dtype=np.uint8))
+    h = hashlib.blake2b(repr(arr.shape).encode() + arr.tobytes(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1 or 1
 
 
 def _window(work: Image.Image, params, n: int = SIDE, blur: float = 0.0) -> np.ndarray:

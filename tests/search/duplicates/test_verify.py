@@ -218,16 +218,50 @@ def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(
         # the evidence less the geometry's cost, written out
         e = -np.log(1.0 - v + 1e-4) - np.array([weights[0] * m.distortion + weights[1] * m.cropped ** 2
                                                  for m in found])
-        p = np.exp(e / 0.5 - np.logaddexp(2.0 / 0.5, logsumexp(e / 0.5)))
-        order = np.argsort(-p, kind="stable")
+        # twins (the same pixels, compared directly) are in the set at p 1 and out of the softmax
+        twins = [j for j in others if np.array_equal(pics[j], pics[i])]
+        rest = [k for k, j in enumerate(others) if j not in twins]
+        p = np.exp(e[rest] / 0.5 - np.logaddexp(2.0 / 0.5, logsumexp(e[rest] / 0.5))) if rest else np.zeros(0)
+        order = np.argsort(-p, kind="stable")      # no two of the rest share pixels here: one picture each
         reached = np.flatnonzero(np.cumsum(p[order][:4]) >= threshold)
-        if not reached.size:
+        expect = {j: 1.0 for j in twins}
+        if reached.size:
+            expect.update({others[rest[o]]: p[o] for o in order[:reached[0] + 1]})
+        if not expect:
             assert i not in sets
             continue
-        m = reached[0] + 1
-        assert sets[i].rows.tolist() == [others[o] for o in order[:m]]
-        np.testing.assert_allclose(sets[i].probabilities, p[order[:m]], rtol=1e-9)
+        got = dict(zip(sets[i].rows.tolist(), sets[i].probabilities.tolist()))
+        assert got.keys() == expect.keys() and sets[i].twins == frozenset(twins)
+        np.testing.assert_allclose([got[j] for j in expect], list(expect.values()), rtol=1e-9)
     assert mutual_groups(sets) == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.9, 0.99])
+def test_an_edited_copy_of_a_file_stored_twice_joins_both(threshold):
+    """4 and 5 are one file stored twice, 24 an edited copy of it: the copy's p splits between the twins and
+    each twin's mass sits on the other, so without twin handling the copy fell out of the group whenever the
+    twin alone reached P. Now the three are one group at every P, each member sure its original is among the
+    others; the confidence leaves a member's twins out (they are the picture itself)."""
+    from search.duplicates.groups import describe_group
+
+    pics = _planted_pictures()
+    pics.append(load_rgb(edited_copy(Image.fromarray(pics[4]), np.random.default_rng(3))[0]))
+    x = _embeddings(pics, np.random.default_rng(1))
+    thumbs = [verify.thumb(p) for p in pics]
+    assert thumbs[4].digest == thumbs[5].digest != thumbs[24].digest
+    calib = DuplicateCalibration(temperature=0.5, bias=2.0, threshold=threshold, target_precision=threshold,
+                                 ece=0.0, held_out=0, stage="verified", verify_k=5, floor=0.2)
+    sets, _ = verified_candidate_sets(_Version(x), calib, np.arange(len(pics)), lambda r: thumbs[r],
+                                      threshold=threshold, max_group=4, block=7, progress=False)
+    groups = mutual_groups(sets)
+    assert [4, 5, 24] in groups and [0, 1] in groups and [2, 3] in groups
+    record = describe_group([4, 5, 24], sets, [str(r) for r in range(len(pics))])
+    # 4's only non-twin is the copy: its p with the twin left out of the softmax
+    e = verify.evidence(verify.match(thumbs[4], thumbs[24]).ncc)
+    p_copy = 1.0 / (1.0 + np.exp((2.0 - e) / 0.5))
+    copy_mass = sum(dict(zip(sets[24].rows.tolist(), sets[24].probabilities.tolist()))[t] for t in (4, 5))
+    assert record["confidence"] == pytest.approx(min(p_copy, copy_mass), rel=1e-6) and record["confidence"] >= threshold
+    assert {(pr["a"], pr["b"]): pr["p_ab"] for pr in record["pairs"]}[("4", "5")] == 1.0
 
 
 def test_verified_fit_equals_a_grid_search_of_the_likelihood():
