@@ -185,6 +185,7 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
     out: dict[int, CandidateSet] = {}
     if k < 1:
         return out, 0
+
     def digest(r: int) -> int:
         """The pixel digest of row r (0: unreadable), kept in the cache once its thumb has been read."""
         if cache is not None and cache.digests[r]:
@@ -239,11 +240,11 @@ def _twin_aware_set(row, others, v, e, digest, tau, bias, threshold, max_group) 
     m = _prefix(picture_p[order], threshold, max_group)
     if not m and not twin.any():
         return None
-    chosen = rest[[k for c in order[:m] for k in members[c]]].astype(np.int64)
-    pos = {int(r): i for i, r in enumerate(rest)}
+    picked = np.array([k for c in order[:m] for k in members[c]], dtype=np.int64)   # positions in `rest`
+    chosen = rest[picked]
     return CandidateSet(np.r_[others[twin], others[chosen]].astype(np.int64),
-                        np.r_[np.ones(int(twin.sum())), p[[pos[int(c)] for c in chosen]]],
-                        np.r_[v[twin], v[chosen]], exact=True, twins=frozenset(others[twin].tolist()))
+                        np.r_[np.ones(int(twin.sum())), p[picked]], np.r_[v[twin], v[chosen]], exact=True,
+                        twins=frozenset(others[twin].tolist()))
 
 
 def mutual_groups(sets: dict[int, CandidateSet]) -> list[list[int]]:
