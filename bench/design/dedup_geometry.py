@@ -85,8 +85,8 @@ def features(a, b):
 
 def collect(seed, rgbs, thumbs, twins, m=300, k=8):
     out = []
-    for kind, src, cand, th, png in design_queries(seed, rgbs, thumbs, twins, m, k):
-        out.append({"kind": kind, "src": src, "cand": cand.tolist(), "png": png,
+    for kind, src, cand, th, png, step in design_queries(seed, rgbs, thumbs, twins, m, k):
+        out.append({"kind": kind, "src": src, "cand": cand.tolist(), "png": png, "jpeg_step": step,
                     "feats": [features(th, thumbs[j]) for j in cand]})
         if len(out) in (m, 2 * m):
             print(f"seed {seed}: {kind} queries done", flush=True)
@@ -97,7 +97,8 @@ def design(queries, reading):
     out = []
     for q in queries:
         kept = [(c, f) for c, f in zip(q["cand"], q["feats"]) if f is not None]
-        x = np.array([reading(dict(f, lossless=float(q["png"]))) for _, f in kept], dtype=np.float64
+        x = np.array([reading(dict(f, lossless=float(q["png"]), jpeg_step=q.get("jpeg_step", 0.0))) for _, f in kept],
+                     dtype=np.float64
                      ).reshape(len(kept), -1)
         answer = next((i for i, (c, _) in enumerate(kept) if q["kind"] == "copy" and c == q["src"]), -1)
         out.append((x, answer))
@@ -167,6 +168,9 @@ def main():
         "shipped + lossless pair": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2, f["lossless"]],
         "shipped + lossless pair + its own slope": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,
                                                              f["lossless"], f["lossless"] * e(f["v"])],
+        "shipped + the copy's JPEG step": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2, f["jpeg_step"]],
+        "shipped + JPEG step + its own slope": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,
+                                                         f["jpeg_step"], f["jpeg_step"] * e(f["v"])],
         "64 px reading + stretch + crop^2": lambda f: [e(f["v64"]), f["distortion"], f["cropped"] ** 2],
         "shipped + largest block's share": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2, f["block_share"]],
         "shipped + largest block's residual": lambda f: [e(f["v"]), f["distortion"], f["cropped"] ** 2,

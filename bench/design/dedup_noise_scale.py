@@ -39,7 +39,7 @@ print("sigma done", time.time() - t0, "s; quantiles", np.quantile(sigma, [0.1, 0
 K = 8
 def queries(seed, m=300):
     out = []
-    for kind, src, cand, th, _ in design_queries(seed, rgbs, thumbs, twins, m, K):
+    for kind, src, cand, th, *_ in design_queries(seed, rgbs, thumbs, twins, m, K):
         out.append((kind, src, cand, np.array([verify.score(th, thumbs[j]) for j in cand])))
     return out
 
