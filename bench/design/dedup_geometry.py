@@ -97,9 +97,8 @@ def design(queries, reading):
     out = []
     for q in queries:
         kept = [(c, f) for c, f in zip(q["cand"], q["feats"]) if f is not None]
-        x = np.array([reading(dict(f, lossless=float(q["png"]), jpeg_step=q.get("jpeg_step", 0.0))) for _, f in kept],
-                     dtype=np.float64
-                     ).reshape(len(kept), -1)
+        per_query = {"lossless": float(q["png"]), "jpeg_step": q.get("jpeg_step", 0.0)}
+        x = np.array([reading({**f, **per_query}) for _, f in kept], dtype=np.float64).reshape(len(kept), -1)
         answer = next((i for i, (c, _) in enumerate(kept) if q["kind"] == "copy" and c == q["src"]), -1)
         out.append((x, answer))
     return out

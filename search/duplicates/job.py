@@ -415,12 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     # the verified pair scores do not depend on the threshold (nor on the prior): every scan below shares them
     cache = scores_cache(snapshot, calib)
     share = None
-    if cache is not None:   # the collection's duplicate share, from a scan of every item (labels never used)
+    if args.prior == "collection":   # the collection's duplicate share needs every item scored first (no labels)
         find_duplicates(snapshot, calib, threshold=min(LEVELS), k=args.k, max_group=args.max_group,
                         progress=not args.no_progress, cache=cache)
         share = collection_share(cache.none_probabilities(calib), calib.design_share)
-        if args.prior == "collection":
-            calib = calib.with_share(share)
+        calib = calib.with_share(share)
     if threshold is None:   # the lowest P whose groups are expected to reach --precision
         threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
                                                progress=not args.no_progress, cache=cache)
@@ -429,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"p >= {threshold:.3g} from the calibration queries. {calib.limit_note()}")
     found = find_duplicates(snapshot, calib, threshold=threshold, k=args.k, max_group=args.max_group,
                             progress=not args.no_progress, cache=cache)
+    if cache is not None and share is None:   # reported either way: the scan above scored every item
+        share = collection_share(cache.none_probabilities(calib), calib.design_share)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
               "temperature": calib.temperature, "bias": calib.bias, "calibration": calib.to_json(),
               "prior": args.prior, "design_share": calib.design_share, "collection_share": share,
@@ -444,6 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
           f"(duplicate temperature {calib.temperature:.4g}, {calib.stage} stage, held-out ECE {calib.ece:.3f}"
           + (f"; items with a duplicate: {share:.1%} here, {calib.design_share:.0%} in the calibration, "
-             f"p for the {'collection' if args.prior == 'collection' else 'calibration'}'s share" if share is not None
+             f"p for the {args.prior}'s share" if share is not None
              else "") + f"); {path}")
     return 0

@@ -85,7 +85,7 @@ def render_page(result: dict, snapshot) -> str:
 
     calib = DuplicateCalibration.from_json(cal)
     if result.get("collection_share") is not None:
-        share, design = result["collection_share"], result.get("design_share", calib.design_share)
+        share, design = result["collection_share"], calib.design_share
         parts.append(
             f"<p>Items with a duplicate: about {share:.1%} of this collection (estimated from the scan, no labels) "
             f"against {design:.0%} of the calibration queries. "
