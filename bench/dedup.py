@@ -310,7 +310,7 @@ def main(argv=None) -> int:
         c, f, pairs, b, pairs_b = stages["verified-before"]
         t_q, pairs_q = stages_queries["verified-before"]
         t_g, pairs_g = stages_grid["verified-before"]
-        for name, got in ((f"default p >= {f['threshold']:.3g}", pairs),
+        for name, got in ((f"calibration prior (the default before 2026-12-07) p >= {f['threshold']:.3g}", pairs),
                           (f"fixed-level default (before 2026-12-06) p >= {t_g:.3g}", pairs_g),
                           (f"calibration queries' target level p >= {t_q:.3g}", pairs_q),
                           (f"best-precision level p >= {b['threshold']:.3g}", pairs_b)):
@@ -320,8 +320,8 @@ def main(argv=None) -> int:
                                 pair_scores(cosine_pairs(emb, ids, 1 - IMMICH_MAX_DISTANCE), true)[2]))
                 rows.append(row(f"verified-before {name}{label}: precision", pb, "precision", None))
                 rows.append(row(f"verified-before {name}{label}: recall", rb, "recall", None))
-        # the probabilities for this collection's share of items with a duplicate (`softsearch dedup --prior
-        # collection`): the share estimated from the scan by EM, the bias moved to it, the same default rule
+        # the default of `softsearch dedup` (since 2026-12-07): the probabilities for this collection's share of
+        # items with a duplicate, estimated from the scan by EM, the bias moved to it, the same default rule
         cache = caches["verified-before"]
         share = collection_share(cache.none_probabilities(c), c.design_share)
         shifted = c.with_share(share)
@@ -334,12 +334,14 @@ def main(argv=None) -> int:
         for label, true in (("", truth), (" [truth without the one-colour rule]", strict)):
             pb, rb, fb = pair_scores(pairs, true)
             pc, rc, fc = pair_scores(pairs_c, true)
-            rows.append(row(f"verified-before collection prior p >= {t_c:.3g}{label}: F1 (baseline: the calibration's "
+            rows.append(row(f"verified-before default: collection prior p >= {t_c:.3g}{label}: F1 (baseline: the calibration's "
                             f"prior, p >= {f['threshold']:.3g})", fc, "F1", fb))
-            rows.append(row(f"verified-before collection prior{label}: precision (baseline: the calibration's prior)",
+            rows.append(row(f"verified-before default: collection prior{label}: precision (baseline: the calibration's prior)",
                             pc, "precision", pb))
-            rows.append(row(f"verified-before collection prior{label}: recall (baseline: the calibration's prior)",
+            rows.append(row(f"verified-before default: collection prior{label}: recall (baseline: the calibration's prior)",
                             rc, "recall", rb))
+        rows.append(row("verified-before default: collection prior: false pairs between same-class non-copies", float(sum(
+            1 for x in pairs_c - truth if len({klass[i] for i in x}) == 1)), "pairs", None))
         rows.append(row("verified-before: ECE of every scanned item's stated p, collection prior (baseline: the "
                         "calibration's prior)", scan_ece(cache, shifted, ids, truth), "ECE", scan_ece(cache, c, ids, truth)))
         for stage in ("verified", "verified-before"):

@@ -17,8 +17,9 @@ cosine) and each carries its inverse inclusion weight, w_i = N_h / n_h of its st
 ECE and precision below is the weighted one, an unbiased estimate of the uniform-sample figure with far
 less variance where it matters.
 
-At the verified stage the score of a candidate is its evidence less what the geometry of its match cost
-(verify.Match.geometry: the stretch beyond pixel rounding, the squared log crop),
+At the verified stage the score of a candidate is its evidence less what its match's penalties cost
+(verify.Match.penalties: the stretch beyond pixel rounding, the squared log crop, the worst local window's
+structure deficit),
 
     s_j = e_j - w . g_j,    w >= 0,
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from scipy.optimize import minimize
 from scipy.special import logsumexp
+
+from .verify import PENALTIES
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +57,7 @@ class QueryScores:
     top_rows: np.ndarray
     tail_counts: np.ndarray
     source: int
-    geometry: np.ndarray | None = None     # (len(top), 2) verify.Match.geometry of each top candidate
+    geometry: np.ndarray | None = None     # (len(top), PENALTIES) verify.Match.penalties of each top candidate
     weight: float = 1.0                     # inverse inclusion weight of the query's sample (1: uniform)
 
     def weighed(self, weights) -> "QueryScores":
@@ -95,13 +98,19 @@ def query_scores(similarities: np.ndarray, source: int, exclude: int | None = No
 def scored_candidates(scores: np.ndarray, rows: np.ndarray, source: int, geometry=None,
                       weight: float = 1.0) -> QueryScores:
     """QueryScores of a query whose only candidates are `rows` with `scores` (the verified stage: every
-    other item has probability 0, so there is no tail); `geometry`: (k, 2) per candidate, or None."""
+    other item has probability 0, so there is no tail); `geometry`: (k, PENALTIES) per candidate, or None."""
     scores, rows = np.asarray(scores, dtype=np.float64), np.asarray(rows, dtype=np.int64)
     keep = np.isfinite(scores)
     scores, rows = scores[keep], rows[keep]
     order = np.argsort(-scores, kind="stable")
-    geo = None if geometry is None else np.asarray(geometry, dtype=np.float64).reshape(-1, 2)[keep][order]
+    geo = None if geometry is None else np.asarray(geometry, dtype=np.float64).reshape(-1, PENALTIES)[keep][order]
     return QueryScores(scores[order], rows[order], np.zeros(CENTRES.size), int(source), geo, float(weight))
+
+
+def _padded(weights) -> list[float]:
+    """Penalty weights of a saved calibration, zeros for penalties added since (they were not fitted)."""
+    weights = [float(w) for w in weights][:PENALTIES]
+    return weights + [0.0] * (PENALTIES - len(weights))
 
 
 @dataclass
@@ -127,13 +136,14 @@ class DuplicateCalibration:
     stage: str = "encoder"
     verify_k: int = 0
     floor: float = -1.0
-    # w of s_j = e_j - w . g_j at the verified stage (the stretch, the squared log crop); zeros: none fitted
-    geometry_weights: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    # w of s_j = e_j - w . g_j at the verified stage (verify.Match.penalties: the stretch, the squared log crop,
+    # the local-structure deficit); zeros: none fitted. The name predates the third, non-geometric penalty
+    geometry_weights: list[float] = field(default_factory=lambda: [0.0] * PENALTIES)
 
     def energy(self, evidence: np.ndarray, geometry: np.ndarray) -> np.ndarray:
         """s_j = e_j - w . g_j: the verified score the softmax reads at temperature tau."""
-        return np.asarray(evidence, dtype=np.float64) - np.asarray(geometry, dtype=np.float64).reshape(-1, 2) \
-            @ np.asarray(self.geometry_weights, dtype=np.float64)
+        g = np.asarray(geometry, dtype=np.float64).reshape(-1, PENALTIES)
+        return np.asarray(evidence, dtype=np.float64) - g @ np.asarray(self.geometry_weights, dtype=np.float64)
 
     @property
     def design_share(self) -> float:
@@ -186,7 +196,7 @@ class DuplicateCalibration:
                    fitted_on=int(data.get("fitted_on", 0)), max_probability=float(data.get("max_probability", 1.0)),
                    stage=str(data.get("stage", "encoder")), verify_k=int(data.get("verify_k", 0)),
                    floor=float(data.get("floor", -1.0)),
-                   geometry_weights=[float(w) for w in data.get("geometry_weights", [0.0, 0.0])])
+                   geometry_weights=_padded(data.get("geometry_weights", [])))
 
 
 class _Stacked:
@@ -203,7 +213,7 @@ class _Stacked:
             self.log_counts = np.log(counts[:, used])
         self.centres = CENTRES[used]
         self.is_copy = np.array([q.source >= 0 for q in queries])
-        self.geometry = np.zeros((n, TOP, 2))
+        self.geometry = np.zeros((n, TOP, PENALTIES))
         for i, q in enumerate(queries):
             if q.geometry is not None:
                 self.geometry[i, : q.top.size] = q.geometry
@@ -253,8 +263,8 @@ def fit_with_geometry(queries: list[QueryScores]) -> tuple[float, float, list[fl
 
     best = None
     for a0, c0 in ((1.0, 5.0), (3.0, 20.0), (0.5, 2.0)):
-        result = minimize(nll_grad, np.array([a0, c0, 0.0, 0.0]), jac=True, method="L-BFGS-B",
-                           bounds=[(1e-3, None), (None, None), (0.0, None), (0.0, None)])
+        result = minimize(nll_grad, np.array([a0, c0] + [0.0] * PENALTIES), jac=True, method="L-BFGS-B",
+                           bounds=[(1e-3, None), (None, None)] + [(0.0, None)] * PENALTIES)
         if best is None or result.fun < best.fun:
             best = result
     a, c, u = best.x[0], best.x[1], best.x[2:]
@@ -376,7 +386,7 @@ def _fitted(queries: list[QueryScores]) -> tuple[float, float, list[float]]:
     """(tau, b, w): with geometry when the queries carry it (the verified stage), else w = 0."""
     if any(q.geometry is not None for q in queries):
         return fit_with_geometry(queries)
-    return (*fit(queries), [0.0, 0.0])
+    return (*fit(queries), [0.0] * PENALTIES)
 
 
 def _top1_all(queries: list[QueryScores], tau: float, bias: float, weights) -> tuple[np.ndarray, np.ndarray]:

@@ -167,8 +167,8 @@ def verified_candidate_sets(version, calibration: DuplicateCalibration, rows, th
                             cache: VerifiedScores | None = None) -> tuple[dict[int, CandidateSet], int]:
     """{row: S_row} at the verified stage: the row's `calibration.verify_k` nearest items by cosine (ANN
     index, the row itself left out) with cosine >= `calibration.floor` are re-scored by verify.match: ncc
-    v_j read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), less what the match's geometry g_j
-    costs, s_j = e_j - w . g_j (calibration.energy), and
+    v_j read as evidence e_j = -log(1 - v_j + EPS) (verify.evidence), less what the match's penalties g_j
+    (stretch, crop, local structure) cost, s_j = e_j - w . g_j (calibration.energy), and
 
         p(j | i) = exp(s_j / tau) / (exp(b / tau) + sum_{l verified} exp(s_l / tau)),
 

@@ -1,7 +1,7 @@
 """`softsearch dedup`: calibrate the duplicate temperature on the collection, find the groups, write them.
 
     softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--stage verified|encoder]
-                     [--prior calibration|collection] [--out FILE]
+                     [--prior collection|calibration] [--out FILE]
 
 Two stages: the encoder's nearest items are the candidates, and (default) the verification stage re-scores
 each item's VERIFY_K nearest pixel for pixel (verify.py), the probabilities calibrated on that score. Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
@@ -59,10 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
                    help="verified: each item's nearest items re-scored pixel for pixel (verify.py); encoder: embedding "
                         "cosine only (the pipeline before verification)")
-    p.add_argument("--prior", choices=("calibration", "collection"), default="calibration",
-                   help="the share of items with a duplicate the probabilities assume: the calibration's (about half: "
-                        "as many copies as 'none' queries), or this collection's, estimated from the scan by EM "
-                        "(verified stage; fewer duplicates than half makes every p lower). Both are reported")
+    p.add_argument("--prior", choices=("calibration", "collection"), default=None,
+                   help="the share of items with a duplicate the probabilities assume: this collection's, estimated "
+                        "from the scan by EM (the default at the verified stage: fewer duplicates than half makes "
+                        "every p lower), or the calibration's (about half: as many copies as 'none' queries; the "
+                        "default, and the only one, at the encoder stage). Both shares are reported")
     p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
     p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
     p.add_argument("--seed", type=int, default=0)
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threshold must be in (0, 1), got {args.threshold}")
     if not 0.0 < args.precision < 1.0:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
+    if args.prior is None:   # a p that holds at this collection's base rate wherever it can be estimated
+        args.prior = "collection" if args.stage == "verified" else "calibration"
     if args.prior == "collection" and args.stage != "verified":
         raise ValueError("--prior collection needs the verified stage (every item's p(none) from its verified "
                          "candidates); drop --stage encoder")

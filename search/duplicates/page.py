@@ -59,6 +59,7 @@ def calibration_figure(calibration: dict) -> bytes:
 def render_page(result: dict, snapshot) -> str:
     """The HTML page of one dedup result."""
     cal = result["calibration"]
+    weights = (list(cal.get("geometry_weights", [])) + [0.0] * 3)[:3]     # scans written before a penalty: 0
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>softsearch duplicates</title><style>"
@@ -73,8 +74,8 @@ def render_page(result: dict, snapshot) -> str:
         f"no-original score {result['bias']:.4g}, fitted on {cal['fitted_on']} queries made from this collection "
         + ("(edited copies of its items, searched with and without their original); verified stage (each item's "
            "nearest items re-scored pixel for pixel, a match's stretch and crop costing "
-           f"{cal.get('geometry_weights', [0.0, 0.0])[0]:.3g} per log-aspect and "
-           f"{cal.get('geometry_weights', [0.0, 0.0])[1]:.3g} per squared log-area)" if cal.get("stage") == "verified"
+           f"{weights[0]:.3g} per log-aspect and {weights[1]:.3g} per squared log-area, a local window whose "
+           f"structure differs {weights[2]:.3g} per log-deficit)" if cal.get("stage") == "verified"
            else "(edited copies of its items, and items with no copy); encoder stage")
         + "; expected calibration error on held-out queries (two-fold cross-fitting) "
         f"{cal['ece']:.3f} over {cal['held_out']} queries. A group's confidence is the smallest, over its members, "

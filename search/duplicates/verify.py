@@ -33,7 +33,15 @@ The match also says what geometry it needed (`Match`), because the edits constra
 by the window, and resizing keeps the aspect ratio, so a copy needs no anisotropic stretch beyond pixel
 rounding, and at most a small crop. A free window search fits look-alikes by reaching for both (lowercase
 x_filled 94 x 84 against uppercase X_filled 111 x 110 matches at ncc 0.9991 only through a window with a
-5 % aspect change). The calibration weighs these two numbers against the ncc (calibration.py).
+5 % aspect change).
+
+One more reading says WHERE the pictures differ. Two originals drawn alike can differ in one small part (the
+dreidels of the Tux Paint stamps differ only in their letter: 1 - ncc 0.002, no stretch or crop, as close as a
+JPEG copy of a small drawing), while an edit spreads its loss over the picture. At a detail reading (both sides at
+min(DETAIL, the smaller picture's longest side) px, low-passed by DETAIL_BLUR px, the window refined there) the
+worst local structure similarity (SSIM's structure term over Gaussian windows, `local_structure`) is ~0.998 for
+a median copy and 0.917 for the dreidels. The calibration weighs these three numbers against the ncc
+(calibration.py; docs/results.md section 12 "Where the pictures differ").
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 from PIL import Image, ImageFilter
+from scipy.ndimage import gaussian_filter
 
 SIDE = 32
 WORK = 256                      # longest side of the working copy windows are resampled from
@@ -53,6 +62,11 @@ STEP, MIN_STEP = 0.02, 0.001    # compass-search step (fractions of a side): fir
 FINE, BLUR = 24, 0.5            # the final reading: at most FINE px a side, Gaussian low-pass of BLUR px
 FINE_STEP = 0.01                # its compass search's first step
 EPS = 1e-4
+# the detail reading: both sides at min(DETAIL, the smaller picture's longest side) px, low-passed by DETAIL_BLUR px;
+# local structure in Gaussian windows of DETAIL / 16 px with a floor of STRUCTURE_FLOOR times the mean energy
+DETAIL, DETAIL_BLUR, STRUCTURE_WINDOW, STRUCTURE_FLOOR = 48, 1.0, 1 / 16, 0.1
+STRUCTURE_EPS = 1e-3            # 1 - s below which local structures count as the same
+PENALTIES = 3                   # Match.penalties(): stretch, squared log crop, local-structure deficit
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
 
 
@@ -191,11 +205,13 @@ class Match:
     ncc: float
     distortion: float = 0.0
     cropped: float = 0.0
+    structure: float = 1.0
 
-    def geometry(self) -> tuple[float, float]:
-        """The features the calibrated energy penalises (DuplicateCalibration.energy): the stretch, and the
-        square of the log crop (a Gaussian prior on the kept share, centred on the uncropped picture)."""
-        return self.distortion, self.cropped ** 2
+    def penalties(self) -> tuple[float, float, float]:
+        """The features the calibrated energy penalises (DuplicateCalibration.energy): the stretch, the square of
+        the log crop (a Gaussian prior on the kept share, centred on the uncropped picture), and how far the worst
+        local window is from the same structure, log(1 + (1 - s) / STRUCTURE_EPS) (0 when every window agrees)."""
+        return self.distortion, self.cropped ** 2, float(np.log1p(max(0.0, 1.0 - self.structure) / STRUCTURE_EPS))
 
 
 def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
@@ -207,11 +223,40 @@ def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
     return max(0.0, mismatch - rounding), -float(np.log(sx * sy))
 
 
+def local_structure(u: np.ndarray, w: np.ndarray, n: int) -> float:
+    """The worst local structure similarity of two zero-mean unit pictures (n*n*3,): SSIM's structure term,
+
+        s(x) = (cov_uw(x) + c) / sqrt((var_u(x) + c)(var_w(x) + c)),
+
+    with moments over a Gaussian window of n STRUCTURE_WINDOW px (channels summed) and c = STRUCTURE_FLOOR / n^2
+    (a tenth of the mean per-pixel energy: windows flat in both read as alike). A gain or offset anywhere leaves
+    it at 1; a stroke one picture has and the other lacks (a dreidel's letter) drops it in that window alone."""
+    u, w = u.reshape(n, n, 3).astype(np.float64), w.reshape(n, n, 3).astype(np.float64)
+    sigma = max(1.0, n * STRUCTURE_WINDOW)
+    blur = lambda x: gaussian_filter(x, sigma=(sigma, sigma, 0))
+    mu_u, mu_w = blur(u), blur(w)
+    var_u = np.maximum((blur(u * u) - mu_u ** 2).sum(axis=2), 0.0)
+    var_w = np.maximum((blur(w * w) - mu_w ** 2).sum(axis=2), 0.0)
+    cov = (blur(u * w) - mu_u * mu_w).sum(axis=2)
+    c = STRUCTURE_FLOOR / (n * n)
+    return float(((cov + c) / np.sqrt((var_u + c) * (var_w + c))).min())
+
+
+def _detail(side: Thumb, other: Thumb, params) -> float:
+    """The worst local structure of the window `params` of `side` (refined at the detail reading) with `other`."""
+    n = int(max(8, min(DETAIL, max(side.work.size), max(other.work.size))))
+    whole = _window(other.work, None, n, DETAIL_BLUR)
+    _, params = _compass(lambda p: float(_window(side.work, p, n, DETAIL_BLUR) @ whole), _clipped(params), FINE_STEP)
+    return local_structure(_window(side.work, params, n, DETAIL_BLUR), whole, n)
+
+
 def match(a: Thumb, b: Thumb) -> Match:
     """The better of the two directions (a window of a against b, of b against a): the window found at
     SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); its ncc is symmetric in a and b."""
-    if a.blank or b.blank:
-        return Match(1.0 - abs(a.mean - b.mean) / 255.0 if a.blank and b.blank else 0.0)
+    if a.blank and b.blank:
+        return Match(1.0 - abs(a.mean - b.mean) / 255.0)
+    if a.blank or b.blank:   # nothing in common: no correlation, and no local structure shared either
+        return Match(0.0, structure=0.0)
     n = fine_size(a, b)
     best = None
     for side, other in ((a, b), (b, a)):
@@ -219,7 +264,7 @@ def match(a: Thumb, b: Thumb) -> Match:
         if best is None or value > best[0]:
             best = (value, side, other, params)
     value, side, other, params = best
-    return Match(float(value), *_geometry(side, other, params))
+    return Match(float(value), *_geometry(side, other, params), _detail(side, other, params))
 
 
 def score(a: Thumb, b: Thumb) -> float:
@@ -237,8 +282,9 @@ BEST_EVIDENCE = float(-np.log(EPS))     # an identical copy
 
 
 def matched(query: Thumb, others: list) -> tuple[np.ndarray, np.ndarray]:
-    """(ncc (k,), geometry (k, 2)) of query matched with each other thumb (None: unreadable, ncc -inf)."""
+    """(ncc (k,), penalties (k, PENALTIES)) of query matched with each other thumb (None: unreadable, ncc -inf)."""
     found = [match(query, o) if o is not None else None for o in others]
     v = np.array([m.ncc if m is not None else -np.inf for m in found], dtype=np.float64)
-    g = np.array([m.geometry() if m is not None else (0.0, 0.0) for m in found], dtype=np.float64).reshape(-1, 2)
+    g = np.array([m.penalties() if m is not None else (0.0,) * PENALTIES for m in found],
+                 dtype=np.float64).reshape(-1, PENALTIES)
     return v, g

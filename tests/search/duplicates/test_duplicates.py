@@ -177,14 +177,17 @@ def test_precision_curve_and_what_the_model_can_promise():
                                   held_out=0, max_probability=0.8, precision_curve=precision_curve(conf, wrong_first))
     assert not capped.reachable and "at most 0.8 sure" in capped.limit_note()
     assert DuplicateCalibration.from_json(capped.to_json()).limit_note() == capped.limit_note()
-    # the geometry weights travel with the calibration; a file written before them reads as no geometry
+    # the penalty weights travel with the calibration; a file written before them reads as no penalty, one
+    # written before the local-structure penalty as that weight zero
     weighed = DuplicateCalibration(temperature=0.5, bias=4.0, threshold=0.9, target_precision=0.99, ece=0.0,
-                                   held_out=0, stage="verified", geometry_weights=[30.0, 12.0])
+                                   held_out=0, stage="verified", geometry_weights=[30.0, 12.0, 0.5])
     again = DuplicateCalibration.from_json(weighed.to_json())
-    assert again.geometry_weights == [30.0, 12.0]
-    np.testing.assert_allclose(again.energy([5.0, 6.0], [[0.1, 0.0], [0.0, 0.05]]), [2.0, 5.4])
+    assert again.geometry_weights == [30.0, 12.0, 0.5]
+    np.testing.assert_allclose(again.energy([5.0, 6.0], [[0.1, 0.0, 2.0], [0.0, 0.05, 0.0]]), [1.0, 5.4])
     older = {k: v for k, v in weighed.to_json().items() if k != "geometry_weights"}
-    assert DuplicateCalibration.from_json(older).geometry_weights == [0.0, 0.0]
+    assert DuplicateCalibration.from_json(older).geometry_weights == [0.0, 0.0, 0.0]
+    two = {**weighed.to_json(), "geometry_weights": [30.0, 12.0]}
+    assert DuplicateCalibration.from_json(two).geometry_weights == [30.0, 12.0, 0.0]
 
 
 def test_calibrate_needs_enough_queries():

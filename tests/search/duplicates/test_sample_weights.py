@@ -16,11 +16,11 @@ from tests.search.duplicates.test_duplicates import _planted, _Version
 
 def _geometry_queries(n: int, rng) -> list:
     """Verified-stage queries (5 candidates with evidence and geometry) whose answer is drawn from the model."""
-    a, c, u = 1.0 / 0.5, 3.0 / 0.5, np.array([20.0, 10.0])
+    a, c, u = 1.0 / 0.5, 3.0 / 0.5, np.array([20.0, 10.0, 1.0])
     queries = []
     for _ in range(n):
         e = rng.uniform(1.0, 5.0, 5)
-        g = np.abs(rng.normal(0.0, 0.05, (5, 2)))
+        g = np.abs(rng.normal(0.0, [0.05, 0.05, 0.5], (5, 3)))
         logits = np.r_[c, a * e - g @ u]
         answer = int(rng.choice(6, p=np.exp(logits - logsumexp(logits)))) - 1
         rows = np.arange(5) + 100

@@ -63,7 +63,8 @@ def test_match_geometry_of_a_crop_a_resize_and_a_stretch():
     crop = verify.match(a, verify.thumb(np.asarray(Image.fromarray(rgb).crop(box))))
     assert crop.ncc > 0.995 and crop.distortion == 0.0
     assert crop.cropped == pytest.approx(-np.log((box[2] - box[0]) / w * (box[3] - box[1]) / h), abs=0.01)
-    assert crop.geometry() == (crop.distortion, crop.cropped ** 2)
+    assert crop.penalties()[:2] == (crop.distortion, crop.cropped ** 2)
+    assert crop.structure > 0.97 and crop.penalties()[2] == pytest.approx(np.log1p((1 - crop.structure) / 1e-3))
     resized = verify.match(a, verify.thumb(np.asarray(Image.fromarray(rgb).resize((120, 93), Image.BICUBIC))))
     assert resized.distortion == 0.0 and resized.cropped < 0.01
     stretched_size = (round(w * 1.08), h)
@@ -150,6 +151,10 @@ def test_blank_pictures_match_only_blank_pictures_of_their_colour():
     assert verify.score(verify.thumb(white), verify.thumb(white.copy())) == 1.0
     assert verify.score(verify.thumb(white), verify.thumb(grey)) == pytest.approx(1 - 127 / 255)
     assert verify.score(verify.thumb(white), verify.thumb(_picture(4))) == 0.0
+    # a blank picture shares no local structure with a drawing: the penalty of an unrelated pair, not none
+    blank_vs_drawing = verify.match(verify.thumb(white), verify.thumb(_picture(4)))
+    assert blank_vs_drawing.structure == 0.0 and blank_vs_drawing.penalties()[2] == pytest.approx(np.log1p(1e3))
+    assert verify.match(verify.thumb(white), verify.thumb(white.copy())).penalties() == (0.0, 0.0, 0.0)
 
 
 def test_the_products_edits_score_higher_than_other_pictures():
@@ -195,7 +200,8 @@ def _embeddings(pics, rng):
     return (z / np.linalg.norm(z, axis=1, keepdims=True)).astype(np.float32)
 
 
-@pytest.mark.parametrize("threshold, weights", [(0.5, [0.0, 0.0]), (0.9, [0.0, 0.0]), (0.9, [40.0, 30.0])])
+@pytest.mark.parametrize("threshold, weights", [(0.5, [0.0, 0.0, 0.0]), (0.9, [0.0, 0.0, 0.0]),
+                                                    (0.9, [40.0, 30.0, 0.5])])
 def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(threshold, weights):
     pics = _planted_pictures()
     x = _embeddings(pics, np.random.default_rng(1))
@@ -217,6 +223,7 @@ def test_verified_candidate_sets_equal_brute_force_and_group_the_planted_copies(
         v = np.array([m.ncc for m in found])
         # the evidence less the geometry's cost, written out
         e = -np.log(1.0 - v + 1e-4) - np.array([weights[0] * m.distortion + weights[1] * m.cropped ** 2
+                                                 + weights[2] * np.log1p(max(0.0, 1 - m.structure) / 1e-3)
                                                  for m in found])
         # twins (the same pixels, compared directly) are in the set at p 1 and out of the softmax
         twins = [j for j in others if np.array_equal(pics[j], pics[i])]
@@ -300,17 +307,18 @@ def test_geometry_fit_recovers_the_generating_weights_and_equals_a_grid_search()
     """Queries whose answer is drawn from s_j = e_j - w . g_j at (tau, b, w): fit_with_geometry recovers them,
     and no point of a grid around its answer has a lower likelihood (written out again here)."""
     rng = np.random.default_rng(3)
-    tau0, b0, w0 = 0.6, 4.0, np.array([30.0, 12.0])
+    tau0, b0, w0 = 0.6, 4.0, np.array([30.0, 12.0, 2.0])
     queries = []
     for _ in range(3000):
-        e, g = rng.uniform(0.0, 9.0, 6), np.abs(rng.normal(0.0, 0.1, (6, 2)))
+        e = rng.uniform(0.0, 9.0, 6)
+        g = np.abs(rng.normal(0.0, [0.1, 0.1, 1.0], (6, 3)))
         logits = np.r_[b0 / tau0, (e - g @ w0) / tau0]
         answer = int(rng.choice(7, p=np.exp(logits - logsumexp(logits)))) - 1
         rows = np.arange(6) + 50
         queries.append(scored_candidates(e, rows, int(rows[answer]) if answer >= 0 else -1, g))
     tau, bias, w = fit_with_geometry(queries)
     assert abs(np.log(tau / tau0)) < 0.1 and abs(bias - b0) < 0.3
-    assert abs(w[0] - w0[0]) < 4.0 and abs(w[1] - w0[1]) < 3.0
+    assert abs(w[0] - w0[0]) < 4.0 and abs(w[1] - w0[1]) < 3.0 and abs(w[2] - w0[2]) < 0.4
 
     def nll(t, b, u):
         total = 0.0
@@ -323,10 +331,10 @@ def test_geometry_fit_recovers_the_generating_weights_and_equals_a_grid_search()
     best = nll(tau, bias, np.array(w))
     for dt in (0.97, 1.03):
         for db in (-0.05, 0.05):
-            for du in ((1.0, 0.0), (-1.0, 0.0), (0.0, 1.0), (0.0, -1.0)):
+            for du in np.vstack([np.eye(3), -np.eye(3)]) * [1.0, 1.0, 0.05]:
                 assert best <= nll(tau * dt, bias + db, np.array(w) + du) + 1e-9
     # without geometry the weighed queries are the queries themselves
-    assert queries[0].weighed([0.0, 0.0]) is queries[0]
+    assert queries[0].weighed([0.0, 0.0, 0.0]) is queries[0]
     moved = queries[0].weighed(w)
     np.testing.assert_allclose(np.sort(moved.top)[::-1], moved.top)
     np.testing.assert_allclose(np.sort(moved.top), np.sort(queries[0].top - queries[0].geometry @ np.array(w)))
@@ -356,3 +364,57 @@ def test_thumb_reads_a_copy_from_bytes():
     buf = io.BytesIO()
     Image.fromarray(_picture(8)).save(buf, format="PNG")
     assert verify.score(verify.thumb(load_rgb(buf.getvalue())), verify.thumb(_picture(8))) == pytest.approx(1.0, abs=1e-5)
+
+
+def _structure_by_hand(u: np.ndarray, w: np.ndarray, n: int) -> float:
+    """verify.local_structure written out: an explicit normalised Gaussian kernel (radius 4 sigma, mirrored
+    edges as scipy's 'reflect'), the windowed moments summed over channels at every pixel, the minimum."""
+    u, w = u.reshape(n, n, 3).astype(np.float64), w.reshape(n, n, 3).astype(np.float64)
+    sigma = max(1.0, n * verify.STRUCTURE_WINDOW)
+    r = int(4.0 * sigma + 0.5)
+    k1 = np.exp(-0.5 * (np.arange(-r, r + 1) / sigma) ** 2)
+    kernel = np.outer(k1, k1) / k1.sum() ** 2
+    pad = lambda x: np.pad(x, ((r, r), (r, r), (0, 0)), mode="symmetric")
+    pu, pw = pad(u), pad(w)
+    c = verify.STRUCTURE_FLOOR / (n * n)
+    worst = np.inf
+    for y in range(n):
+        for x in range(n):
+            a, b = pu[y:y + 2 * r + 1, x:x + 2 * r + 1], pw[y:y + 2 * r + 1, x:x + 2 * r + 1]
+            m = lambda z: np.einsum("ij,ijc->c", kernel, z)
+            ma, mb = m(a), m(b)
+            var_a, var_b = (m(a * a) - ma ** 2).sum(), (m(b * b) - mb ** 2).sum()
+            cov = (m(a * b) - ma * mb).sum()
+            worst = min(worst, (cov + c) / np.sqrt((max(var_a, 0) + c) * (max(var_b, 0) + c)))
+    return float(worst)
+
+
+def test_local_structure_equals_the_hand_computed_windows_and_ignores_gain_and_offset():
+    n = 24
+    rgb = _picture(21, size=(n, n)).astype(np.float64)
+    u = verify._unit(rgb.reshape(-1))
+    other = rgb.copy()
+    other[8:13, 9:15] = 255 - other[8:13, 9:15]           # one part differs: a stroke the other lacks
+    w = verify._unit(other.reshape(-1))
+    assert verify.local_structure(u, w, n) == pytest.approx(_structure_by_hand(u, w, n), abs=1e-9)
+    assert verify.local_structure(u, w, n) < 0.8
+    # a gain and offset of the whole picture leave every window's structure as it was
+    brighter = verify._unit((rgb * 0.7 + 40).reshape(-1))
+    assert verify.local_structure(u, brighter, n) == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.skipif(not STAMPS.is_dir(), reason="tuxpaint-stamps-default not installed")
+def test_real_stamps_the_dreidels_letters_differ_locally_where_a_jpeg_copy_does_not():
+    """Real files: dreidel gimmel and nun are one drawing but for the letter (1 - ncc ~ 0.002, no stretch or
+    crop, as close as a JPEG copy); the worst local window tells them apart: the copy keeps every window's
+    structure, the other letter does not."""
+    hanukkah = STAMPS / "seasonal/hanukkah"
+    gimmel = load_rgb(hanukkah / "dreydl-gimmel.png")
+    buf = io.BytesIO()
+    Image.fromarray(gimmel).resize((120, 113), Image.BICUBIC).save(buf, format="JPEG", quality=50)
+    a = verify.thumb(gimmel)
+    look_alike = verify.match(a, verify.thumb(load_rgb(hanukkah / "dreydl-nun.png")))
+    copy = verify.match(a, verify.thumb(load_rgb(buf.getvalue())))
+    assert look_alike.ncc > 0.997 and look_alike.distortion == 0.0
+    assert look_alike.structure < 0.95 and copy.structure > 0.98
+    assert look_alike.penalties()[2] > copy.penalties()[2] + 1.0
