@@ -8,6 +8,8 @@ import io
 
 import numpy as np
 
+from .verify import PENALTIES
+
 MAX_GROUPS_SHOWN = 300
 THUMB = 96
 
@@ -59,7 +61,8 @@ def calibration_figure(calibration: dict) -> bytes:
 def render_page(result: dict, snapshot) -> str:
     """The HTML page of one dedup result."""
     cal = result["calibration"]
-    weights = (list(cal.get("geometry_weights", [])) + [0.0] * 3)[:3]     # scans written before a penalty: 0
+    # a scan written before a penalty existed reads its weight as 0
+    weights = (list(cal.get("geometry_weights", [])) + [0.0] * PENALTIES)[:PENALTIES]
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>softsearch duplicates</title><style>"

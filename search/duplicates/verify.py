@@ -195,11 +195,12 @@ def _fine(a: Thumb, b: Thumb, params, n: int) -> tuple[float, tuple]:
 
 @dataclass(frozen=True)
 class Match:
-    """The verification of a pair: the best ncc, and the geometry that window needed.
+    """The verification of a pair: the best ncc, the geometry that window needed, and where the pictures differ.
 
     distortion: |log(aspect of the window) - log(aspect of the other picture)| beyond what pixel rounding
         explains (half a pixel on each side of both pictures: 0.5 (1/w_a + 1/h_a + 1/w_b + 1/h_b));
-    cropped: -log(sx sy), the log of the share of the picture the window leaves out.
+    cropped: -log(sx sy), the log of the share of the picture the window leaves out;
+    structure: the worst local structure similarity at the detail reading (local_structure; 1: alike everywhere).
     """
 
     ncc: float
