@@ -8,8 +8,6 @@ import io
 
 import numpy as np
 
-from .verify import PENALTIES
-
 MAX_GROUPS_SHOWN = 300
 THUMB = 96
 
@@ -60,9 +58,11 @@ def calibration_figure(calibration: dict) -> bytes:
 
 def render_page(result: dict, snapshot) -> str:
     """The HTML page of one dedup result."""
+    from search.duplicates.calibration import DuplicateCalibration
+
     cal = result["calibration"]
-    # a scan written before a penalty existed reads its weight as 0
-    weights = (list(cal.get("geometry_weights", [])) + [0.0] * PENALTIES)[:PENALTIES]
+    calib = DuplicateCalibration.from_json(cal)
+    weights = calib.geometry_weights     # a scan written before a penalty existed reads its weight as 0
     esc = html.escape
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>softsearch duplicates</title><style>"
@@ -85,9 +85,6 @@ def render_page(result: dict, snapshot) -> str:
         "of the probability that the member's original is among the others.</p>",
         f"<img alt='calibration' src='{_png_data(calibration_figure(cal))}'>",
     ]
-    from search.duplicates.calibration import DuplicateCalibration
-
-    calib = DuplicateCalibration.from_json(cal)
     if result.get("collection_share") is not None:
         share, design = result["collection_share"], calib.design_share
         parts.append(

@@ -78,7 +78,7 @@ class Thumb:
     base: np.ndarray               # (SIDE * SIDE * 3,) zero-mean unit vector of the whole picture, zeros if blank
     mean: float                    # mean pixel value (what blank pictures are compared on)
     renders: list                  # (sx, sy, uint8 render at SIDE/sx x SIDE/sy) for the coarse window grid
-    wholes: dict = field(default_factory=dict)   # n -> unit vector of the whole picture at n x n, low-passed
+    wholes: dict = field(default_factory=dict)   # (n, blur) -> unit vector of the whole picture at n x n, low-passed
     digest: int = 0                # hash of the decoded pixels: equal for the same picture stored twice (twins)
 
     @property
@@ -129,11 +129,11 @@ def _window(work: Image.Image, params, n: int = SIDE, blur: float = 0.0) -> np.n
     return _unit(np.asarray(im, dtype=np.float32).reshape(-1))
 
 
-def _whole(t: Thumb, n: int) -> np.ndarray:
-    """The whole picture at the final reading's n x n, low-passed (cached on the thumb)."""
-    if n not in t.wholes:
-        t.wholes[n] = _window(t.work, None, n, BLUR)
-    return t.wholes[n]
+def _whole(t: Thumb, n: int, blur: float = BLUR) -> np.ndarray:
+    """The whole picture at n x n, low-passed by `blur` px (the final or the detail reading; cached on the thumb)."""
+    if (n, blur) not in t.wholes:
+        t.wholes[n, blur] = _window(t.work, None, n, blur)
+    return t.wholes[n, blur]
 
 
 def _compass(f, params, step: float):
@@ -181,9 +181,10 @@ def _one_way(a: Thumb, b: Thumb) -> tuple[float, tuple]:
     return best
 
 
-def fine_size(a: Thumb, b: Thumb) -> int:
-    """n of the final reading: min(FINE, the smaller picture's longest side), at least 8."""
-    return int(max(8, min(FINE, max(a.work.size), max(b.work.size))))
+def fine_size(a: Thumb, b: Thumb, cap: int = FINE) -> int:
+    """n of a reading at the pair's bandwidth: min(cap, the smaller picture's longest side), at least 8 (cap FINE:
+    the final reading; DETAIL: the detail reading)."""
+    return int(max(8, min(cap, max(a.work.size), max(b.work.size))))
 
 
 def _fine(a: Thumb, b: Thumb, params, n: int) -> tuple[float, tuple]:
@@ -245,8 +246,8 @@ def local_structure(u: np.ndarray, w: np.ndarray, n: int) -> float:
 
 def _detail(side: Thumb, other: Thumb, params) -> float:
     """The worst local structure of the window `params` of `side` (refined at the detail reading) with `other`."""
-    n = int(max(8, min(DETAIL, max(side.work.size), max(other.work.size))))
-    whole = _window(other.work, None, n, DETAIL_BLUR)
+    n = fine_size(side, other, DETAIL)
+    whole = _whole(other, n, DETAIL_BLUR)
     _, params = _compass(lambda p: float(_window(side.work, p, n, DETAIL_BLUR) @ whole), _clipped(params), FINE_STEP)
     return local_structure(_window(side.work, params, n, DETAIL_BLUR), whole, n)
 
