@@ -78,14 +78,12 @@ def features(a, b):
     coherent_peak = float(local.max())
     # the worst local structure similarity (SSIM's s-term) at that reading, and at n = min(48, ...): Gaussian
     # windows of n/16 or n/10 px, a floor c times the mean per-pixel energy (flat windows read as similar)
-    structure = {f"s64_{k}": local_structure(u64.reshape(fine, fine, 3), whole.reshape(fine, fine, 3), fine, *cfg)
-                 for k, cfg in STRUCTURE_CFGS.items()}
-    n48 = int(max(8, min(48, max(s.work.size), max(d.work.size))))
+    structure = {f"s64_{k}": V.local_structure(u64, whole, fine, *cfg) for k, cfg in STRUCTURE_CFGS.items()}
+    n48 = V.fine_size(s, d, 48)
     whole48 = V._window(d.work, None, n48, 1.0)
     _, p48 = V._compass(lambda p: float(V._window(s.work, p, n48, 1.0) @ whole48), V._clipped(params), V.FINE_STEP)
     u48 = V._window(s.work, p48, n48, 1.0)
-    structure.update({f"s48_{k}": local_structure(u48.reshape(n48, n48, 3), whole48.reshape(n48, n48, 3), n48, *cfg)
-                      for k, cfg in STRUCTURE_CFGS.items()})
+    structure.update({f"s48_{k}": V.local_structure(u48, whole48, n48, *cfg) for k, cfg in STRUCTURE_CFGS.items()})
     return {**structure, "v": v, "v64": v64, "coherent_peak": coherent_peak, "distortion": distortion, "cropped": cropped,
             "block_share": float(blocks.max() / max(r.sum(), 1e-12)),
             "block_residual": float(blocks.max()),
@@ -94,18 +92,6 @@ def features(a, b):
 
 
 STRUCTURE_CFGS = {"a": (1 / 16, 0.5), "b": (1 / 10, 0.5), "c": (1 / 16, 0.1)}
-
-
-def local_structure(u, w, n, sigma_frac, c_frac):
-    """min over Gaussian windows of (cov + c) / sqrt((var_u + c)(var_w + c)) of two (n, n, 3) zero-mean unit pictures."""
-    sig = max(1.0, n * sigma_frac)
-    blur = lambda x: gaussian_filter(x, sigma=(sig, sig, 0))
-    mu_u, mu_w = blur(u), blur(w)
-    su = (blur(u * u) - mu_u ** 2).sum(2)
-    sw = (blur(w * w) - mu_w ** 2).sum(2)
-    suw = (blur(u * w) - mu_u * mu_w).sum(2)
-    c = c_frac / (n * n)
-    return float(((suw + c) / np.sqrt((np.maximum(su, 0) + c) * (np.maximum(sw, 0) + c))).min())
 
 
 def collect(seed, rgbs, thumbs, twins, m=300, k=8):

@@ -225,22 +225,23 @@ def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
     return max(0.0, mismatch - rounding), -float(np.log(sx * sy))
 
 
-def local_structure(u: np.ndarray, w: np.ndarray, n: int) -> float:
+def local_structure(u: np.ndarray, w: np.ndarray, n: int, window: float = STRUCTURE_WINDOW,
+                    floor: float = STRUCTURE_FLOOR) -> float:
     """The worst local structure similarity of two zero-mean unit pictures (n*n*3,): SSIM's structure term,
 
         s(x) = (cov_uw(x) + c) / sqrt((var_u(x) + c)(var_w(x) + c)),
 
-    with moments over a Gaussian window of n STRUCTURE_WINDOW px (channels summed) and c = STRUCTURE_FLOOR / n^2
-    (a tenth of the mean per-pixel energy: windows flat in both read as alike). A gain or offset anywhere leaves
+    with moments over a Gaussian window of n `window` px (channels summed) and c = `floor` / n^2 (by default a
+    tenth of the mean per-pixel energy: windows flat in both read as alike; the design scripts vary both). A gain or offset anywhere leaves
     it at 1; a stroke one picture has and the other lacks (a dreidel's letter) drops it in that window alone."""
     u, w = u.reshape(n, n, 3).astype(np.float64), w.reshape(n, n, 3).astype(np.float64)
-    sigma = max(1.0, n * STRUCTURE_WINDOW)
+    sigma = max(1.0, n * window)
     blur = lambda x: gaussian_filter(x, sigma=(sigma, sigma, 0))
     mu_u, mu_w = blur(u), blur(w)
     var_u = np.maximum((blur(u * u) - mu_u ** 2).sum(axis=2), 0.0)
     var_w = np.maximum((blur(w * w) - mu_w ** 2).sum(axis=2), 0.0)
     cov = (blur(u * w) - mu_u * mu_w).sum(axis=2)
-    c = STRUCTURE_FLOOR / (n * n)
+    c = floor / (n * n)
     return float(((cov + c) / np.sqrt((var_u + c) * (var_w + c))).min())
 
 
