@@ -147,7 +147,7 @@ def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "Thumb
     cannot name it)."""
     rows = rows[cosines >= floor]
     if query_thumb is None:
-        return scored_candidates(np.full(rows.size, -np.inf), rows, -1, np.zeros((rows.size, 2)))
+        return scored_candidates(np.full(rows.size, -np.inf), rows, -1, np.zeros((rows.size, verify.PENALTIES)))
     v, geometry = verify.matched(query_thumb, [thumbs(r) for r in rows])
     kept = rows[np.isfinite(v)].tolist()
     return scored_candidates(verify.evidence(v), rows, source if source in kept else -1, geometry)

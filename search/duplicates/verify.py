@@ -66,6 +66,7 @@ EPS = 1e-4
 # local structure in Gaussian windows of DETAIL / 16 px with a floor of STRUCTURE_FLOOR times the mean energy
 DETAIL, DETAIL_BLUR, STRUCTURE_WINDOW, STRUCTURE_FLOOR = 48, 1.0, 1 / 16, 0.1
 STRUCTURE_EPS = 1e-3            # 1 - s below which local structures count as the same
+PLAIN_RATIO = 2.0               # a window without stretch is preferred within this factor of the free one's 1 - ncc + EPS
 PENALTIES = 3                   # Match.penalties(): stretch, squared log crop, local-structure deficit
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
 
@@ -136,17 +137,18 @@ def _whole(t: Thumb, n: int, blur: float = BLUR) -> np.ndarray:
     return t.wholes[n, blur]
 
 
-def _compass(f, params, step: float):
-    """(value, params) of a compass search maximising f from `params`: each coordinate stepped both ways,
-    the step halved when nothing improves, down to MIN_STEP."""
+def _compass(f, params, step: float, clip=None):
+    """(value, params) of a compass search maximising f from `params`: each coordinate stepped both ways (kept
+    inside by `clip`, default _clipped), the step halved when nothing improves, down to MIN_STEP."""
+    clip = clip or _clipped
     value = f(params)
     while step >= MIN_STEP:
         moved = False
-        for axis in range(4):
+        for axis in range(len(params)):
             for sign in (1.0, -1.0):
                 trial = list(params)
                 trial[axis] += sign * step
-                trial = _clipped(trial)
+                trial = clip(trial)
                 v = f(trial)
                 if v > value + 1e-7:
                     params, value, moved = trial, v, True
@@ -225,6 +227,35 @@ def _geometry(window_side: Thumb, other: Thumb, params) -> tuple[float, float]:
     return max(0.0, mismatch - rounding), -float(np.log(sx * sy))
 
 
+def _plain(side: Thumb, other: Thumb, n: int, start) -> tuple[float, tuple]:
+    """(ncc, window) of the best window of `side` with the aspect ratio of `other` (no stretch: what a resize or
+    a crop can make) against the whole of `other` at the final reading; a compass search over (x0, y0, k), the
+    window k (ax, ay) with (ax, ay) the largest of that aspect, from the centred largest window and from the free
+    window `start` shrunk onto that aspect (the better of the two)."""
+    (ws, hs), (wo, ho) = side.work.size, other.work.size
+    ratio = (wo / ho) / (ws / hs)               # sx / sy of a window with the other's aspect: (sx ws)/(sy hs) = wo/ho
+    ax, ay = (ratio, 1.0) if ratio <= 1.0 else (1.0, 1.0 / ratio)
+    # windows thinner than MIN_SCALE of a side are beyond the crops a copy can have, as in the free search
+    low = max(MIN_SCALE / ax, MIN_SCALE / ay, MIN_SCALE)
+
+    def clip(p):
+        k = min(max(float(p[2]), low), 1.0)
+        return min(max(float(p[0]), 0.0), 1.0 - k * ax), min(max(float(p[1]), 0.0), 1.0 - k * ay), k
+
+    if low > 1.0:   # the aspects differ by more than a crop can explain: no plain window exists
+        return float("-inf"), start
+    window = lambda p: (p[0], p[1], p[2] * ax, p[2] * ay)
+    whole = _whole(other, n)
+    x0, y0, sx, sy = start
+    k = min(1.0, max(sx / ax, sy / ay))
+    best = None
+    for p in ((0.5 * (1.0 - ax), 0.5 * (1.0 - ay), 1.0), (x0 + 0.5 * (sx - k * ax), y0 + 0.5 * (sy - k * ay), k)):
+        found = _compass(lambda q: float(_window(side.work, window(q), n, BLUR) @ whole), clip(p), FINE_STEP, clip)
+        if best is None or found[0] > best[0]:
+            best = found
+    return best[0], window(best[1])
+
+
 def local_structure(u: np.ndarray, w: np.ndarray, n: int, window: float = STRUCTURE_WINDOW,
                     floor: float = STRUCTURE_FLOOR) -> float:
     """The worst local structure similarity of two zero-mean unit pictures (n*n*3,): SSIM's structure term,
@@ -255,19 +286,28 @@ def _detail(side: Thumb, other: Thumb, params) -> float:
 
 def match(a: Thumb, b: Thumb) -> Match:
     """The better of the two directions (a window of a against b, of b against a): the window found at
-    SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); its ncc is symmetric in a and b."""
+    SIDE x SIDE, read at the pair's bandwidth (fine_size, BLUR); its ncc is symmetric in a and b. When that
+    window needs a stretch, the best window without one (_plain) is taken instead if it is within a factor
+    PLAIN_RATIO of the distance, 1 - v + EPS <= PLAIN_RATIO (1 - v_free + EPS): on a picture with flat regions
+    (a filled letter) many windows match equally well and the free search may settle on a stretched one, while
+    a look-alike that needs its stretch (l_outline ~ I_outline) loses two orders of magnitude without it."""
     if a.blank and b.blank:
         return Match(1.0 - abs(a.mean - b.mean) / 255.0)
     if a.blank or b.blank:   # nothing in common: no correlation, and no local structure shared either
         return Match(0.0, structure=0.0)
     n = fine_size(a, b)
-    best = None
+    found = []
     for side, other in ((a, b), (b, a)):
         value, params = _fine(side, other, _one_way(side, other)[1], n)
-        if best is None or value > best[0]:
-            best = (value, side, other, params)
-    value, side, other, params = best
-    return Match(float(value), *_geometry(side, other, params), _detail(side, other, params))
+        found.append((value, side, other, params))
+    value, side, other, params = max(found, key=lambda f: f[0])
+    distortion, cropped = _geometry(side, other, params)
+    if distortion > 0.0:
+        plain = max(((*_plain(s, o, n, p), s, o) for _, s, o, p in found), key=lambda f: f[0])
+        if 1.0 - plain[0] + EPS <= PLAIN_RATIO * (1.0 - value + EPS):
+            value, params, side, other = plain
+            distortion, cropped = _geometry(side, other, params)
+    return Match(float(value), distortion, cropped, _detail(side, other, params))
 
 
 def score(a: Thumb, b: Thumb) -> float:

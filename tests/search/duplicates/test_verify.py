@@ -418,3 +418,66 @@ def test_real_stamps_the_dreidels_letters_differ_locally_where_a_jpeg_copy_does_
     assert look_alike.ncc > 0.997 and look_alike.distortion == 0.0
     assert look_alike.structure < 0.95 and copy.structure > 0.98
     assert look_alike.penalties()[2] > copy.penalties()[2] + 1.0
+
+
+def test_plain_window_is_at_least_a_brute_force_grid_of_windows_without_stretch():
+    """verify._plain searches only windows with the other picture's aspect (what a crop then a resize makes): its
+    window has exactly that aspect, and its ncc is at least the best of a brute-force grid of such windows whose
+    ncc is computed here by hand (float64, PIL's box resample and blur); a crop that changes the aspect is found."""
+    rgb = _picture(3, size=(160, 120))
+    box = (9, 4, 9 + 146, 4 + 113)                      # keeps 91 % x 94 %: the aspect changes by 3 %
+    copy = np.asarray(Image.fromarray(rgb).crop(box).resize((110, 85), Image.BICUBIC))
+    a, b = verify.thumb(rgb), verify.thumb(copy)
+    n = verify.fine_size(a, b)
+    start = verify._fine(a, b, verify._one_way(a, b)[1], n)[1]
+    value, (x0, y0, sx, sy) = verify._plain(a, b, n, start)
+    assert (sx * 160) / (sy * 120) == pytest.approx(110 / 85, rel=1e-9)
+
+    def read(im, window=None):
+        w, h = im.size
+        crop = None if window is None else (window[0] * w, window[1] * h, (window[0] + window[2]) * w,
+                                            (window[1] + window[3]) * h)
+        return np.asarray(im.resize((n, n), Image.BILINEAR, box=crop).filter(ImageFilter.GaussianBlur(verify.BLUR)))
+
+    whole = read(Image.fromarray(copy))
+    ax = (110 / 85) / (160 / 120)                         # the largest window of the copy's aspect: ax x 1
+    grid = max(_ncc(read(Image.fromarray(rgb), (x, y, k * ax, k)), whole)
+               for k in np.linspace(0.9, 1.0, 11) for x in np.linspace(0, 1 - 0.9 * ax, 9) for y in np.linspace(0, 0.1, 9)
+               if x + k * ax <= 1 and y + k <= 1)
+    assert grid > 0.99
+    assert value >= grid - 1e-4
+    assert verify.match(a, b).distortion == 0.0
+
+
+@pytest.mark.skipif(not STAMPS.is_dir(), reason="tuxpaint-stamps-default not installed")
+def test_real_stamps_a_copy_of_a_flat_letter_needs_no_stretch_and_l_and_I_outlines_still_do(monkeypatch):
+    """Real files: I_filled is a solid bar, so many windows match its JPEG copy equally well and the free search
+    alone settles on a stretched one (distortion ~0.02, shown with PLAIN_RATIO 0); the window without stretch is as
+    good, so the match takes it. l_outline ~ I_outline (two rectangle outlines 31 x 115 and 32 x 110) match at
+    1 - ncc ~ 3e-4 only through a stretch: without one they lose two orders of magnitude, and keep it."""
+    letters = STAMPS / "symbols/alphabets/english"
+    bar = load_rgb(letters / "filled/uppercase/I_filled.png")
+    buf = io.BytesIO()
+    Image.fromarray(bar).save(buf, format="JPEG", quality=75)
+    a, b = verify.thumb(bar), verify.thumb(load_rgb(buf.getvalue()))
+    assert verify.match(a, b).distortion == 0.0 and verify.match(a, b).ncc > 0.9999
+    monkeypatch.setattr(verify, "PLAIN_RATIO", 0.0)
+    assert verify.match(verify.thumb(bar), verify.thumb(load_rgb(buf.getvalue()))).distortion > 0.01
+    monkeypatch.undo()
+    l, I = verify.thumb(load_rgb(letters / "outlined/lowercase/l_outline.png")), verify.thumb(
+        load_rgb(letters / "outlined/uppercase/I_outline.png"))
+    found = verify.match(l, I)
+    assert found.ncc > 0.999 and found.distortion > 0.05
+    n = verify.fine_size(l, I)
+    plain = max(verify._plain(s, o, n, verify._fine(s, o, verify._one_way(s, o)[1], n)[1])[0]
+                for s, o in ((l, I), (I, l)))
+    assert 1 - plain > 100 * (1 - found.ncc)
+
+
+def test_an_unreadable_calibration_copy_is_a_query_with_no_candidates():
+    """job._verified without a thumb (the copy could not be decoded): no candidate is scored, and the query carries a
+    geometry of PENALTIES columns like every other (it was 2 columns wide before the third penalty)."""
+    from search.duplicates.job import _verified
+
+    q = _verified(None, np.arange(5), np.full(5, 0.99), thumbs=None, source=3, floor=0.9)
+    assert q.source == -1 and q.top.size == 0 and q.geometry.shape == (0, verify.PENALTIES)
