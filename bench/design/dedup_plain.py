@@ -1,4 +1,4 @@
-"""Design experiment, not a benchmark (issue 29, docs/results.md §12 "A stretch the pictures do not need"): should a
+"""Design experiment, not a benchmark (issue 29, docs/results.md §12 "A stretch the copies never had"): should a
 verified match prefer a window WITHOUT stretch (verify._plain) when it is nearly as good as the free window, and
 within what factor of the distance 1 - ncc + EPS (verify.PLAIN_RATIO; 0: never, the reading before 2026-12-07)?
 

@@ -156,15 +156,19 @@ def _verified(query_thumb, rows: np.ndarray, cosines: np.ndarray, thumbs: "Thumb
 def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIFY_K,
                                  progress: bool = True) -> tuple[list[QueryScores], float]:
     """(queries, floor) for the verified stage, over each query's k nearest items by cosine: edited copies
-    of `items` sampled items (the answer: their original) and edited copies of `items` other items searched
-    WITHOUT their original and without any item whose decoded pixels equal it (the answer: "none"; their
-    nearest items are the original's look-alikes). An item itself searched without itself would be a
-    wrong negative whenever the collection holds a copy of it. The floor is FLOOR_QUANTILE of the
-    positive copies' cosine to their original."""
+    of `items` sampled items (the answer: their original) and `items` items (hard_negative_sample) searched
+    without themselves and without any item whose decoded pixels equal theirs (the answer: "none"; their nearest
+    items are their look-alikes). Those are the pairs a scan judges when an item has no duplicate: two originals,
+    unedited. (Edited copies searched without their original, the negatives before 2026-12-07, met each look-alike
+    one edit further away than the scan does -- the fit learned the dreidels' letter difference from pairs that
+    differed more, and called the originals duplicates at p 0.6-0.9.) Either kind is a wrong negative when the
+    collection already holds an edited copy of the item: calibrate before adding copies (flow B), as the README
+    says. The floor is FLOOR_QUANTILE of the positive copies' cosine to their original."""
     from tqdm.auto import tqdm
 
     k = min(int(k), snapshot.count - 1)
     ids = snapshot.index.ids
+    thumbs = ThumbCache(snapshot)
 
     def pixels(row):
         try:
@@ -174,25 +178,24 @@ def verified_calibration_queries(snapshot, items: int, seed: int, k: int = VERIF
 
     emb = snapshot.index.embeddings
 
-    def negative(sims, src, payload, weight):
+    def negative(sims, src, weight):
         rows, cos = _nearest(sims, k + 1 + TWINS, exclude=src)
-        same = pixels(src)   # the same picture stored twice is the original too
-        # a twin has the original's embedding (the copy's cosine to it says nothing: the copy is edited)
+        same = pixels(src)   # the same picture stored twice is the item too
+        # a twin has the item's embedding; its pixels decide
         twin = np.asarray(emb[rows], dtype=np.float32) @ np.asarray(emb[src], dtype=np.float32) >= TWIN_COSINE
         keep = [r != src and not (twin[x] and pixels(r) == same) for x, r in enumerate(rows)]
-        return rows[keep][:k], cos[keep][:k], verify.thumb(load_rgb(payload)), weight
+        return rows[keep][:k], cos[keep][:k], thumbs(src), weight
 
     copies, others = _calibration_embeddings(
         snapshot, items, seed, progress,
         on_copy=lambda sims, src, payload: (*_nearest(sims, k), src, float(sims[src]),
                                             verify.thumb(load_rgb(payload))),
-        on_item=negative, copy_items=True)
+        on_item=negative)
     floor = float(np.quantile([c[3] for c in copies], FLOOR_QUANTILE))
-    thumbs = ThumbCache(snapshot)
     queries = [_verified(th, rows, cos, thumbs, src, floor)
                for rows, cos, src, _, th in tqdm(copies, desc="verifying calibration copies", disable=not progress)]
     queries += [replace(_verified(th, rows, cos, thumbs, -1, floor), weight=weight)
-                for rows, cos, th, weight in tqdm(others, desc="verifying copies without their original",
+                for rows, cos, th, weight in tqdm(others, desc="verifying items without themselves",
                                                   disable=not progress)]
     return queries, floor
 
@@ -240,11 +243,9 @@ def hard_negative_sample(version, m: int, rng: np.random.Generator) -> tuple[np.
     return rows.astype(np.int64), weights / weights.mean()
 
 
-def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_copy, on_item,
-                            copy_items: bool = False):
+def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_copy, on_item):
     """([on_copy(cosines to every row, source row, copy bytes)], [on_item(cosines, row, weight)]) over the
-    edited copies of `items` uniformly sampled items and `items` items drawn by `hard_negative_sample` (with
-    `copy_items`: an edited copy of each, on_item(cosines of the copy, row, copy bytes, weight)); a query's
+    edited copies of `items` uniformly sampled items and `items` items drawn by `hard_negative_sample`; a query's
     cosines live for one block. An item may be in both samples: they are different queries."""
     from tqdm.auto import tqdm
 
@@ -265,11 +266,6 @@ def _calibration_embeddings(snapshot, items: int, seed: int, progress: bool, on_
         copies += [on_copy(sims[j], int(r), payloads[j]) for j, r in enumerate(rows)]
     for start in range(0, m, QUERY_BLOCK):
         rows, weights = loners[start:start + QUERY_BLOCK], loner_weights[start:start + QUERY_BLOCK]
-        if copy_items:
-            payloads = [edited_copy(Image.fromarray(load_rgb(source_bytes(snapshot, ids[r]))), rng)[0] for r in rows]
-            sims = _similarities(snapshot, embed_bytes(snapshot, payloads))
-            others += [on_item(sims[j], int(r), payloads[j], float(weights[j])) for j, r in enumerate(rows)]
-            continue
         sims = _similarities(snapshot, np.asarray(snapshot.index.embeddings[rows], dtype=np.float32))
         others += [on_item(sims[j], int(r), float(weights[j])) for j, r in enumerate(rows)]
     return copies, others

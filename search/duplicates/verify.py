@@ -33,14 +33,17 @@ The match also says what geometry it needed (`Match`), because the edits constra
 by the window, and resizing keeps the aspect ratio, so a copy needs no anisotropic stretch beyond pixel
 rounding, and at most a small crop. A free window search fits look-alikes by reaching for both (lowercase
 x_filled 94 x 84 against uppercase X_filled 111 x 110 matches at ncc 0.9991 only through a window with a
-5 % aspect change).
+5 % aspect change). The free search is not told that, so on pictures with flat regions (a filled bar matches many
+of its windows equally well) it may settle on a stretched window for a plain copy; when the free window needs a
+stretch, the best window without one (`_plain`) is taken if its distance 1 - ncc + EPS is within PLAIN_RATIO of
+the free one's (docs/results.md §12, "A stretch the copies never had").
 
 One more reading says WHERE the pictures differ. Two originals drawn alike can differ in one small part (the
 dreidels of the Tux Paint stamps differ only in their letter: 1 - ncc 0.002, no stretch or crop, as close as a
 JPEG copy of a small drawing), while an edit spreads its loss over the picture. At a detail reading (both sides at
 min(DETAIL, the smaller picture's longest side) px, low-passed by DETAIL_BLUR px, the window refined there) the
-worst local structure similarity (SSIM's structure term over Gaussian windows, `local_structure`) is ~0.998 for
-a median copy and 0.917 for the dreidels. The calibration weighs these three numbers against the ncc
+worst local structure similarity (SSIM's structure term over Gaussian windows inside the picture, `local_structure`)
+is ~0.998 for a median copy and 0.917 for the dreidels. The calibration weighs these three numbers against the ncc
 (calibration.py; docs/results.md section 12 "Where the pictures differ").
 """
 from __future__ import annotations
@@ -66,6 +69,7 @@ EPS = 1e-4
 # local structure in Gaussian windows of DETAIL / 16 px with a floor of STRUCTURE_FLOOR times the mean energy
 DETAIL, DETAIL_BLUR, STRUCTURE_WINDOW, STRUCTURE_FLOOR = 48, 1.0, 1 / 16, 0.1
 STRUCTURE_EPS = 1e-3            # 1 - s below which local structures count as the same
+STRUCTURE_MARGIN = 2.0          # window centres closer than this many window sigmas to the border are left out
 PLAIN_RATIO = 2.0               # a window without stretch is preferred within this factor of the free one's 1 - ncc + EPS
 PENALTIES = 3                   # Match.penalties(): stretch, squared log crop, local-structure deficit
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
@@ -257,14 +261,18 @@ def _plain(side: Thumb, other: Thumb, n: int, start) -> tuple[float, tuple]:
 
 
 def local_structure(u: np.ndarray, w: np.ndarray, n: int, window: float = STRUCTURE_WINDOW,
-                    floor: float = STRUCTURE_FLOOR) -> float:
+                    floor: float = STRUCTURE_FLOOR, margin: float = STRUCTURE_MARGIN) -> float:
     """The worst local structure similarity of two zero-mean unit pictures (n*n*3,): SSIM's structure term,
 
         s(x) = (cov_uw(x) + c) / sqrt((var_u(x) + c)(var_w(x) + c)),
 
-    with moments over a Gaussian window of n `window` px (channels summed) and c = `floor` / n^2 (by default a
-    tenth of the mean per-pixel energy: windows flat in both read as alike; the design scripts vary both). A gain or offset anywhere leaves
-    it at 1; a stroke one picture has and the other lacks (a dreidel's letter) drops it in that window alone."""
+    with moments over a Gaussian window of sigma = n `window` px (channels summed) and c = `floor` / n^2 (by default
+    a tenth of the mean per-pixel energy: windows flat in both read as alike; the design scripts vary both), over
+    the window centres at least `margin` sigma from the border. A gain or offset anywhere leaves it at 1; a stroke
+    one picture has and the other lacks (a dreidel's letter) drops it in that window alone. The border is left out
+    because a crop's residual misalignment (the window found to a fraction of a pixel) shows there: among 120
+    edited copies the worst window's deficit 1 - s had a 99 % quantile of 0.21 over all centres and 0.07 over the
+    interior, while the dreidels' letter (0.083) is inside the picture."""
     u, w = u.reshape(n, n, 3).astype(np.float64), w.reshape(n, n, 3).astype(np.float64)
     sigma = max(1.0, n * window)
     blur = lambda x: gaussian_filter(x, sigma=(sigma, sigma, 0))
@@ -273,7 +281,9 @@ def local_structure(u: np.ndarray, w: np.ndarray, n: int, window: float = STRUCT
     var_w = np.maximum((blur(w * w) - mu_w ** 2).sum(axis=2), 0.0)
     cov = (blur(u * w) - mu_u * mu_w).sum(axis=2)
     c = floor / (n * n)
-    return float(((cov + c) / np.sqrt((var_u + c) * (var_w + c))).min())
+    inner = min(int(round(margin * sigma)), (n - 1) // 2)
+    s = (cov + c) / np.sqrt((var_u + c) * (var_w + c))
+    return float(s[inner:n - inner, inner:n - inner].min())
 
 
 def _detail(side: Thumb, other: Thumb, params) -> float:

@@ -185,3 +185,33 @@ def test_dedup_with_the_collection_prior_reweighs_by_the_share_it_reports(scanne
     assert main(["dedup", "--index", str(root), "--stage", "encoder", "--prior", "collection"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--prior collection needs the verified stage" in err[0]
+
+
+def test_verified_calibration_negatives_are_the_items_themselves_searched_without_themselves(scanned):
+    """The "none" queries are the pairs a scan judges for an item with no duplicate: the sampled item itself (not an
+    edited copy of it) against its nearest other items, never itself. Checked against a second computation: the
+    sample drawn again with the same seed, each query's candidates re-verified from the item's own pixels."""
+    from search.duplicates import verify
+    from search.duplicates.job import hard_negative_sample, item_thumb, verified_calibration_queries
+    from search.serving.searcher import Searcher
+
+    searcher = Searcher(scanned["root"])
+    searcher.load()
+    snap = searcher.snapshot()
+    items, seed = 15, 3
+    queries, _ = verified_calibration_queries(snap, items, seed, progress=False)
+    rng = np.random.default_rng(seed)
+    m = min(items, snap.count // 2)
+    rng.permutation(snap.count)
+    rows, weights = hard_negative_sample(snap.index, m, rng)
+    negatives = queries[m:]
+    assert len(negatives) == m and all(q.source == -1 for q in negatives)
+    checked = 0
+    for q, row, weight in zip(negatives, rows, weights):
+        assert q.weight == pytest.approx(weight) and int(row) not in q.top_rows.tolist()
+        if q.top.size:
+            own = item_thumb(snap, int(row))
+            best = verify.match(own, item_thumb(snap, int(q.top_rows[0])))
+            assert q.top[0] == pytest.approx(float(verify.evidence(best.ncc)), abs=1e-9)
+            checked += 1
+    assert checked > 0

@@ -368,7 +368,8 @@ def test_thumb_reads_a_copy_from_bytes():
 
 def _structure_by_hand(u: np.ndarray, w: np.ndarray, n: int) -> float:
     """verify.local_structure written out: an explicit normalised Gaussian kernel (radius 4 sigma, mirrored
-    edges as scipy's 'reflect'), the windowed moments summed over channels at every pixel, the minimum."""
+    edges as scipy's 'reflect'), the windowed moments summed over channels at every pixel at least 2 sigma
+    (rounded) from the border, the minimum."""
     u, w = u.reshape(n, n, 3).astype(np.float64), w.reshape(n, n, 3).astype(np.float64)
     sigma = max(1.0, n * verify.STRUCTURE_WINDOW)
     r = int(4.0 * sigma + 0.5)
@@ -378,8 +379,9 @@ def _structure_by_hand(u: np.ndarray, w: np.ndarray, n: int) -> float:
     pu, pw = pad(u), pad(w)
     c = verify.STRUCTURE_FLOOR / (n * n)
     worst = np.inf
-    for y in range(n):
-        for x in range(n):
+    inner = int(round(2 * sigma))
+    for y in range(inner, n - inner):
+        for x in range(inner, n - inner):
             a, b = pu[y:y + 2 * r + 1, x:x + 2 * r + 1], pw[y:y + 2 * r + 1, x:x + 2 * r + 1]
             m = lambda z: np.einsum("ij,ijc->c", kernel, z)
             ma, mb = m(a), m(b)
