@@ -246,12 +246,14 @@ def main(argv=None) -> int:
                                        args.seed + 1, progress=False)
             # the default of `softsearch dedup`: the lowest level whose groups' mean confidence reaches the target
             cache = caches[stage] = scores_cache(snap, calib)   # the pair scores, verified once for the scans below
-            found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False, cache=cache)[0],
+            # (at the calibration's prior, without the floor: the default before 2026-12-07)
+            found = find_duplicates(snap, calib, threshold=default_threshold(snap, calib, progress=False, cache=cache,
+                                                                             min_probability=0.0)[0],
                                     progress=False, cache=cache)
             found_queries = find_duplicates(snap, calib, progress=False, cache=cache)   # the calibration queries' threshold
             stages_queries[stage] = (calib.threshold, group_pairs(found_queries))
             # the default rule before 2026-12-06: the same mean-confidence test, P taken from fixed levels
-            t_grid = default_threshold(snap, calib, progress=False, cache=cache, levels=LEVELS)[0]
+            t_grid = default_threshold(snap, calib, progress=False, cache=cache, levels=LEVELS, min_probability=0.0)[0]
             stages_grid[stage] = (t_grid, group_pairs(find_duplicates(snap, calib, threshold=t_grid, progress=False,
                                                                       cache=cache)))
             pairs = group_pairs(found)
@@ -326,6 +328,9 @@ def main(argv=None) -> int:
         share = collection_share(cache.none_probabilities(c), c.design_share)
         shifted = c.with_share(share)
         t_c = default_threshold(snap, shifted, progress=False, cache=cache)[0]
+        # the same without the floor (job.MIN_PROBABILITY): the default of the first session of 2026-12-07
+        t_n = default_threshold(snap, shifted, progress=False, cache=cache, min_probability=0.0)[0]
+        pairs_n = group_pairs(find_duplicates(snap, shifted, threshold=t_n, progress=False, cache=cache))
         found_c = find_duplicates(snap, shifted, threshold=t_c, progress=False, cache=cache)
         pairs_c = group_pairs(found_c)
         confidence = {frozenset(pair): g["confidence"] for g in found_c["groups"] for pair in combinations(g["ids"], 2)}
@@ -345,6 +350,13 @@ def main(argv=None) -> int:
                             rc, "recall", rb))
         rows.append(row("verified-before default: collection prior: false pairs between same-class non-copies", float(sum(
             1 for x in pairs_c - truth if len({klass[i] for i in x}) == 1)), "pairs", None))
+        pn, rn, fn = pair_scores(pairs_n, truth)
+        rows.append(row(f"verified-before collection prior, expected-precision rule without the floor p >= {t_n:.3g}: F1 "
+                        f"(baseline: the default, p >= {t_c:.3g})", fn, "F1", pair_scores(pairs_c, truth)[2]))
+        rows.append(row("verified-before collection prior without the floor: precision", pn, "precision", None))
+        rows.append(row("verified-before collection prior without the floor: recall", rn, "recall", None))
+        rows.append(row("verified-before collection prior without the floor: false pairs between same-class non-copies",
+                        float(sum(1 for x in pairs_n - truth if len({klass[i] for i in x}) == 1)), "pairs", None))
         # a per-pair level instead of the expected-precision rule: every kept pair at least this sure
         for level in (0.9, 0.95, 0.99):
             pairs_l = group_pairs(find_duplicates(snap, shifted, threshold=level, progress=False, cache=cache))

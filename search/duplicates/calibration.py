@@ -373,6 +373,15 @@ def threshold_for_expected_precision(confidences, target: float, levels=None) ->
     return min(float(c[ok[-1]]), MAX_THRESHOLD) if ok.size else None
 
 
+def default_level(confidences, target: float, floor: float = 0.0, levels=None) -> float | None:
+    """The default P of `softsearch dedup`: threshold_for_expected_precision, never below `floor` (job.py
+    MIN_PROBABILITY: every group kept at least that sure, so that the target's budget of expected wrong pairs,
+    1 - target of those kept, is not spent on one look-alike the model is 70 % sure of). None: no group reaches the
+    target."""
+    found = threshold_for_expected_precision(confidences, target, levels)
+    return None if found is None else max(float(found), min(float(floor), MAX_THRESHOLD))
+
+
 def precision_curve(conf: np.ndarray, correct: np.ndarray, levels=LEVELS, weights=None) -> list[dict]:
     """Precision of "top-1 p >= t" on the calibration queries at each level t (weighted; how many reach it)."""
     conf, correct = np.asarray(conf), np.asarray(correct, float)

@@ -24,7 +24,7 @@ from index.manifest import atomic_write, utc_now
 from index.store import IndexStore, require_store
 from search.duplicates import verify
 from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, collection_share, query_scores,
-                                           scored_candidates, threshold_for_expected_precision)
+                                           scored_candidates, default_level)
 from search.duplicates.edits import edited_copy
 from search.duplicates.groups import (VerifiedScores, candidate_sets, describe_group, mutual_groups,
                                       verified_candidate_sets)
@@ -37,6 +37,10 @@ QUERY_BLOCK = 64
 VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
 TWINS = 2              # extra neighbours a negative query fetches, to stay at k after dropping twins
 TWIN_COSINE = 1.0 - 1e-3   # embeddings at least this close are a twin candidate (the same picture stored twice)
+# the least sure a group kept by default may be: the expected-precision rule alone went down to p 0.69 and took a
+# pair of look-alike originals (two dreidels one letter apart) as its last group at design seed 9; every calibration
+# sample of the design seeds put those pairs at 0.54-0.84 (docs/results.md §12, "A floor under the default")
+MIN_PROBABILITY = 0.9
 FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
                         # calibration copies' cosine to their original (the edits lose ~1 % there)
 HARD_FRACTION = 0.1     # the hard stratum of the "none" queries: this top share of items by nearest-other cosine
@@ -54,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", type=float, default=0.99,
                    help="target pair precision that picks the default P: the lowest group confidence at which "
                         "the groups kept have a mean calibrated confidence that reaches it")
+    p.add_argument("--min-probability", type=float, default=MIN_PROBABILITY,
+                   help="the default P is never below this: every group kept at least this sure (0: the "
+                        "expected-precision rule alone)")
     p.add_argument("--calibration-items", type=int, default=300,
                    help="items copied with random edits (and as many left without a copy) to fit the temperature")
     p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
@@ -307,15 +314,16 @@ def find_duplicates(snapshot, calibration, *, threshold: float | None = None, ro
 
 
 def default_threshold(snapshot, calibration, target: float | None = None, *, k: int = 32, max_group: int = 8,
-                      progress: bool = True, cache: VerifiedScores | None = None, levels=None) -> tuple[float, bool]:
+                      progress: bool = True, cache: VerifiedScores | None = None, levels=None,
+                      min_probability: float = MIN_PROBABILITY) -> tuple[float, bool]:
     """(P, reached) for `softsearch dedup` without --threshold: the groups of a scan at the lowest level, then
     the lowest group confidence at which the groups kept have a mean confidence that reaches the target
-    precision (calibration.py threshold_for_expected_precision; `levels`: P from those fixed levels, the rule
-    before 2026-12-06); when none does, the calibration queries' own threshold and False."""
+    precision, never below `min_probability` (calibration.py default_level; `levels`: P from those fixed levels,
+    the rule before 2026-12-06); when none does, the calibration queries' own threshold and False."""
     target = float(calibration.target_precision if target is None else target)
     scan = find_duplicates(snapshot, calibration, threshold=min(LEVELS), k=k, max_group=max_group, progress=progress,
                            cache=cache)
-    found = threshold_for_expected_precision([g["confidence"] for g in scan["groups"]], target, levels)
+    found = default_level([g["confidence"] for g in scan["groups"]], target, min_probability, levels)
     return (float(calibration.threshold), False) if found is None else (float(found), True)
 
 
@@ -403,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threshold must be in (0, 1), got {args.threshold}")
     if not 0.0 < args.precision < 1.0:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
+    if not 0.0 <= args.min_probability < 1.0:
+        raise ValueError(f"--min-probability must be in [0, 1), got {args.min_probability}")
     if args.prior is None:   # a p that holds at this collection's base rate wherever it can be estimated
         args.prior = "collection" if args.stage == "verified" else "calibration"
     if args.prior == "collection" and args.stage != "verified":
@@ -421,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         calib = calib.with_share(share)
     if threshold is None:   # the lowest P whose groups are expected to reach --precision
         threshold, reached = default_threshold(snapshot, calib, args.precision, k=args.k, max_group=args.max_group,
-                                               progress=not args.no_progress, cache=cache)
+                                               progress=not args.no_progress, cache=cache,
+                                               min_probability=args.min_probability)
         if not reached:
             print(f"note: no groups are expected to reach precision {args.precision:.3g}; "
                   f"p >= {threshold:.3g} from the calibration queries. {calib.limit_note()}")

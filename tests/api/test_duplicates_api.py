@@ -65,7 +65,8 @@ def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
 
 def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
     for argv, needle in ((["--threshold", "1.5"], "--threshold must be in (0, 1)"),
-                         (["--precision", "0"], "--precision must be in (0, 1)")):
+                         (["--precision", "0"], "--precision must be in (0, 1)"),
+                         (["--min-probability", "1"], "--min-probability must be in [0, 1)")):
         assert main(["dedup", "--index", str(scanned["root"]), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0]
@@ -75,29 +76,32 @@ def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
 
 def test_dedup_without_threshold_takes_the_lowest_threshold_expected_to_reach_the_precision(scanned, capsys):
     """No --threshold: P is the lowest group confidence at which the groups kept have a mean confidence that
-    reaches --precision, checked here by brute force on a scan at the lowest level (or, when none does, the
-    calibration's own threshold and a note saying so); every group written is at least P sure."""
+    reaches --precision, never below --min-probability (default job.MIN_PROBABILITY; 0: the rule alone), checked
+    here by brute force on a scan at the lowest level (or, when none does, the calibration's own threshold and a
+    note saying so); every group written is at least P sure."""
     from search.duplicates.calibration import LEVELS, DuplicateCalibration
-    from search.duplicates.job import find_duplicates
+    from search.duplicates.job import MIN_PROBABILITY, find_duplicates
     from search.serving.searcher import Searcher
 
     root = scanned["root"]
     store = IndexStore(root)
-    assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--precision", "0.9",
-                 "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    data = json.loads(store.duplicates_path(store.current_version()).read_text())
-    calib = DuplicateCalibration.from_json(data["calibration"])
-    searcher = Searcher(root)
-    searcher.load()
-    low = find_duplicates(searcher.snapshot(), calib, threshold=min(LEVELS), progress=False)
-    conf = np.array([g["confidence"] for g in low["groups"]])
-    ok = sorted(min(t, 0.9999) for t in conf if conf[conf >= t].mean() >= 0.9)   # P < 1
-    if ok:
-        assert data["threshold"] == ok[0] and "note:" not in out
-    else:
-        assert data["threshold"] == calib.threshold and "note: no groups" in out
-    assert all(g["confidence"] >= data["threshold"] - 1e-9 for g in data["groups"])
+    for floor in (MIN_PROBABILITY, 0.0):
+        extra = [] if floor == MIN_PROBABILITY else ["--min-probability", "0"]
+        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--precision", "0.9",
+                     "--no-progress", *extra]) == 0
+        out = capsys.readouterr().out
+        data = json.loads(store.duplicates_path(store.current_version()).read_text())
+        calib = DuplicateCalibration.from_json(data["calibration"])
+        searcher = Searcher(root)
+        searcher.load()
+        low = find_duplicates(searcher.snapshot(), calib, threshold=min(LEVELS), progress=False)
+        conf = np.array([g["confidence"] for g in low["groups"]])
+        ok = sorted(min(t, 0.9999) for t in conf if conf[conf >= t].mean() >= 0.9)   # P < 1
+        if ok:
+            assert data["threshold"] == pytest.approx(max(ok[0], floor)) and "note:" not in out
+        else:
+            assert data["threshold"] == calib.threshold and "note: no groups" in out
+        assert all(g["confidence"] >= data["threshold"] - 1e-9 for g in data["groups"])
 
 
 def test_a_second_scan_of_one_calibration_verifies_no_pair_again(scanned, monkeypatch):

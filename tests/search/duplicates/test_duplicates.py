@@ -224,3 +224,20 @@ def test_expected_precision_threshold_is_the_lowest_whose_mean_confidence_reache
     t = threshold_for_expected_precision(conf, 0.98)
     assert t is not None and abs(right[conf >= t].mean() - conf[conf >= t].mean()) < 0.01
     assert right[conf >= t].mean() > 0.97
+
+
+def test_default_level_is_the_expected_precision_level_never_below_the_floor():
+    """The default P: 79 sure groups and one look-alike at 0.69 average >= 0.99, so the expected-precision rule alone
+    keeps the look-alike (P = 0.69); with the floor 0.9 it is left out and every sure group kept. A floor below the
+    rule's level changes nothing, and no group reaching the target stays None whatever the floor."""
+    from search.duplicates.calibration import default_level, threshold_for_expected_precision
+    from search.duplicates.job import MIN_PROBABILITY
+
+    conf = np.r_[np.full(79, 0.998), 0.69]
+    assert conf.mean() >= 0.99 and threshold_for_expected_precision(conf, 0.99) == pytest.approx(0.69)
+    assert default_level(conf, 0.99, 0.0) == pytest.approx(0.69)
+    level = default_level(conf, 0.99, MIN_PROBABILITY)
+    assert level == MIN_PROBABILITY and (conf >= level).sum() == 79
+    assert default_level(np.r_[np.full(10, 0.999), 0.97], 0.99, MIN_PROBABILITY) == pytest.approx(0.97)
+    assert default_level(np.array([0.6, 0.7]), 0.99, MIN_PROBABILITY) is None
+    assert default_level([1.0, 1.0], 0.99, 1.0) == 0.9999        # P stays below 1
