@@ -75,8 +75,8 @@ def render_page(result: dict, snapshot) -> str:
         f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of {result['count']} "
         f"items) at probability &ge; {result['threshold']:.3g}. Duplicate temperature {result['temperature']:.4g}, "
         f"no-original score {result['bias']:.4g}, fitted on {cal['fitted_on']} queries made from this collection "
-        + ("(edited copies of its items searched with their original, and items searched without themselves); verified stage (each item's "
-           "nearest items re-scored pixel for pixel, a match's stretch and crop costing "
+        + ("(edited copies of its items searched with their original, and items searched without themselves); "
+           "verified stage (each item's nearest items re-scored pixel for pixel, a match's stretch and crop costing "
            f"{weights[0]:.3g} per log-aspect and {weights[1]:.3g} per squared log-area, a local window whose "
            f"structure differs {weights[2]:.3g} per log-deficit)" if cal.get("stage") == "verified"
            else "(edited copies of its items, and items with no copy); encoder stage")

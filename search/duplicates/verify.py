@@ -70,7 +70,7 @@ EPS = 1e-4
 DETAIL, DETAIL_BLUR, STRUCTURE_WINDOW, STRUCTURE_FLOOR = 48, 1.0, 1 / 16, 0.1
 STRUCTURE_EPS = 1e-3            # 1 - s below which local structures count as the same
 STRUCTURE_MARGIN = 2.0          # window centres closer than this many window sigmas to the border are left out
-PLAIN_RATIO = 2.0               # a window without stretch is preferred within this factor of the free one's 1 - ncc + EPS
+PLAIN_RATIO = 2.0               # a window without stretch wins within this factor of the free one's 1 - ncc + EPS
 PENALTIES = 3                   # Match.penalties(): stretch, squared log crop, local-structure deficit
 _FLAT = 1e-3                    # pixel std (0-255 scale) below which a picture counts as blank
 
