@@ -235,6 +235,11 @@ def main(argv=None) -> int:
               f"{len(strict)} true pairs; with the one-colour rule "
               f"({', '.join(' ~ '.join(sorted(p)) for p in flat if not any('.copy.' in i for i in p))}) {len(truth)}")
         klass = {i: i.split("/")[0] for i in ids}
+
+        def same_class_false(got: set[frozenset]) -> float:
+            """Pairs grouped that are not duplicates and share a class folder (the look-alikes that matter)."""
+            return float(sum(1 for x in got - truth if len({klass[i] for i in x}) == 1))
+
         # the `index add` flow: `softsearch dedup` calibrated the folder before the copies were added to it
         build_index(args.checkpoint, create_dataset("folder", split="all", root=args.folder, image_size=image_size),
                     work / "index-before", BuildOptions(progress=False))
@@ -299,9 +304,8 @@ def main(argv=None) -> int:
             rows.append(row(f"{stage}: held-out expected calibration error (calibration's own copies)", c.ece, "ECE",
                             None))
             for name, got in ((f"p >= {f['threshold']:.3g}", pairs), (f"p >= {b['threshold']:.3g}", pairs_b)):
-                false = got - truth
-                rows.append(row(f"{stage} {name}: false pairs between same-class non-copies", float(sum(
-                    1 for x in false if len({klass[i] for i in x}) == 1)), "pairs", None))
+                rows.append(row(f"{stage} {name}: false pairs between same-class non-copies", same_class_false(got),
+                                "pairs", None))
             rows.append(row(f"{stage}: duplicate temperature", c.temperature, "tau", None))
             rows.append(row(f"{stage}: dedup seconds (candidates + groups)", f["seconds"], "s", None))
         planted_copies = sorted(i for t in planted for i in t if ".copy." in i)
@@ -348,26 +352,23 @@ def main(argv=None) -> int:
                             pc, "precision", pb))
             rows.append(row(f"verified-before default: collection prior{label}: recall (baseline: the calibration's prior)",
                             rc, "recall", rb))
-        rows.append(row("verified-before default: collection prior: false pairs between same-class non-copies", float(sum(
-            1 for x in pairs_c - truth if len({klass[i] for i in x}) == 1)), "pairs", None))
-        pn, rn, fn = pair_scores(pairs_n, truth)
-        rows.append(row(f"verified-before collection prior, expected-precision rule without the floor p >= {t_n:.3g}: F1 "
-                        f"(baseline: the default, p >= {t_c:.3g})", fn, "F1", pair_scores(pairs_c, truth)[2]))
-        rows.append(row("verified-before collection prior without the floor: precision", pn, "precision", None))
-        rows.append(row("verified-before collection prior without the floor: recall", rn, "recall", None))
-        rows.append(row("verified-before collection prior without the floor: false pairs between same-class non-copies",
-                        float(sum(1 for x in pairs_n - truth if len({klass[i] for i in x}) == 1)), "pairs", None))
-        # a per-pair level instead of the expected-precision rule: every kept pair at least this sure
-        for level in (0.9, 0.95, 0.99):
-            pairs_l = group_pairs(find_duplicates(snap, shifted, threshold=level, progress=False, cache=cache))
-            pl, rl, fl = pair_scores(pairs_l, truth)
-            rows.append(row(f"verified-before collection prior, every pair p >= {level}: F1 (baseline: the default, "
-                            f"p >= {t_c:.3g})", fl, "F1", pair_scores(pairs_c, truth)[2]))
-            rows.append(row(f"verified-before collection prior, every pair p >= {level}: precision", pl, "precision", None))
-            rows.append(row(f"verified-before collection prior, every pair p >= {level}: recall", rl, "recall", None))
-            rows.append(row(f"verified-before collection prior, every pair p >= {level}: false pairs between same-class "
-                            "non-copies", float(sum(1 for x in pairs_l - truth if len({klass[i] for i in x}) == 1)),
-                            "pairs", None))
+        rows.append(row("verified-before default: collection prior: false pairs between same-class non-copies",
+                        same_class_false(pairs_c), "pairs", None))
+        # beside the default: the rule without the floor, and per-pair levels (every kept pair at least this sure)
+        f_default = pair_scores(pairs_c, truth)[2]
+        # (name of the F1 row, suffix of the other rows, pairs)
+        others = [(f", expected-precision rule without the floor p >= {t_n:.3g}", " without the floor", pairs_n)]
+        others += [(f", every pair p >= {level}", f", every pair p >= {level}",
+                    group_pairs(find_duplicates(snap, shifted, threshold=level, progress=False, cache=cache)))
+                   for level in (0.9, 0.95, 0.99)]
+        for f1_name, name, got in others:
+            po, ro, fo = pair_scores(got, truth)
+            rows.append(row(f"verified-before collection prior{f1_name}: F1 (baseline: the default, p >= {t_c:.3g})",
+                            fo, "F1", f_default))
+            rows.append(row(f"verified-before collection prior{name}: precision", po, "precision", None))
+            rows.append(row(f"verified-before collection prior{name}: recall", ro, "recall", None))
+            rows.append(row(f"verified-before collection prior{name}: false pairs between same-class non-copies",
+                            same_class_false(got), "pairs", None))
         rows.append(row("verified-before: ECE of every scanned item's stated p, collection prior (baseline: the "
                         "calibration's prior)", scan_ece(cache, shifted, ids, truth), "ECE", scan_ece(cache, c, ids, truth)))
         for stage in ("verified", "verified-before"):

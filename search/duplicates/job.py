@@ -1,7 +1,7 @@
 """`softsearch dedup`: calibrate the duplicate temperature on the collection, find the groups, write them.
 
-    softsearch dedup --index R [--version V] [--threshold P | --precision 0.99] [--stage verified|encoder]
-                     [--prior collection|calibration] [--out FILE]
+    softsearch dedup --index R [--version V] [--threshold P | --precision 0.99 --min-probability 0.9]
+                     [--stage verified|encoder] [--prior collection|calibration] [--out FILE]
 
 Two stages: the encoder's nearest items are the candidates, and (default) the verification stage re-scores
 each item's VERIFY_K nearest pixel for pixel (verify.py), the probabilities calibrated on that score. Writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html
