@@ -53,11 +53,25 @@ def is_store_model(path: str | os.PathLike) -> bool:
         bool(_SHA_RE.match(path.name[:-len(MODEL_SUFFIX)]))
 
 
+#: an import stages the archive's own layout in ``root/staging/import-<id>/`` (index/transfer.py)
+IMPORT_STAGING_PREFIX = "import-"
+
+
+def _staged_import(path: Path) -> bool:
+    """Is `path` a version an import is staging (``root/staging/import-<id>/versions/<v>``)?"""
+    work = path.parent.parent
+    return (path.parent.name == "versions" and work.name.startswith(IMPORT_STAGING_PREFIX)
+            and work.parent.name == "staging")
+
+
 def store_root_of(version_path: str | os.PathLike) -> Path:
-    """The store root above a version directory (always ``root/versions/<v>`` or ``root/staging/<v>``)."""
+    """The store root above a version directory: ``root/versions/<v>``, ``root/staging/<v>`` (a build), or
+    ``root/staging/import-<id>/versions/<v>`` (an import, whose model is already in ``root/models``)."""
     path = Path(version_path)
     if path.parent.name not in ("versions", "staging"):
         raise ValueError(f"{path} is not a version directory inside an index store (root/versions/<version>)")
+    if _staged_import(path):
+        return path.parent.parent.parent.parent
     return path.parent.parent
 
 
@@ -174,17 +188,28 @@ class ModelStore:
         return sha
 
     # ------------------------------------------------------------------ reading
-    def resolve(self, record: dict, version: str = "?") -> Path:
+    def resolve(self, record: dict, version: str = "?", migrate: bool = True) -> Path:
         """The verified model file a manifest's checkpoint record names (migrating an old store on first use).
 
         Raises FileNotFoundError saying what to copy where when neither the store nor the recorded
         checkpoint path holds those weights, IndexCorruptError when the stored file is damaged.
+        `migrate=False` reads only the store's own file (by its sha256), never the recorded path:
+        an imported version's path names a file on the machine that exported it.
         """
         sha = record.get("sha256")
         if not sha:
             raise ValueError(f"index version {version} names no encoder sha256; rebuild it with 'index rebuild'")
         check_sha(sha)
         target = self.path(sha)
+        if not migrate:
+            if not target.is_file():
+                raise FileNotFoundError(f"index version {version} needs encoder model {sha[:12]}..., which is not in "
+                                        f"{self.dir}; import the archive again")
+            actual = _sha_of(target)
+            if actual != sha:
+                raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); import the "
+                                        "archive again")
+            return target
         source = record.get("path")
 
         def source_ok() -> bool:
@@ -209,11 +234,11 @@ class ModelStore:
         self.add_file(source, sha)
         return target
 
-    def load_encoder(self, record: dict, device="cpu", version: str = "?"):
+    def load_encoder(self, record: dict, device="cpu", version: str = "?", migrate: bool = True):
         """(encoder, checkpoint metadata, sha256) of a manifest's checkpoint record, from the store."""
         from training.checkpoint import load_checkpoint
 
-        path = self.resolve(record, version)
+        path = self.resolve(record, version, migrate=migrate)
         encoder, info = load_checkpoint(path, device=device)
         return encoder, info, record["sha256"]
 
@@ -237,9 +262,13 @@ class ModelStore:
 
 
 def load_version_encoder(version, device="cpu"):
-    """(encoder, checkpoint metadata, sha256) for a loaded IndexVersion, from its store's models/."""
+    """(encoder, checkpoint metadata, sha256) for a loaded IndexVersion, from its store's models/.
+
+    A version an import is staging reads the model the import moved into the store, by its sha256 only
+    (never the training path its manifest records: that names a file on the exporting machine)."""
     store = ModelStore(store_root_of(version.path))
-    return store.load_encoder(version.manifest.checkpoint_record, device=device, version=version.version)
+    return store.load_encoder(version.manifest.checkpoint_record, device=device, version=version.version,
+                              migrate=not _staged_import(Path(version.path)))
 
 
 ENCODER_SCHEMES = ("open_clip",)

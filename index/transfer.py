@@ -38,7 +38,7 @@ from index.build import _gate_and_activate
 from index.gate import DEFAULT_MARGIN, ActivationRefused, Evaluator, GateUnavailable, gate_for
 from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
-from index.models import check_sha, model_relpath
+from index.models import IMPORT_STAGING_PREFIX, check_sha, model_relpath
 from index.store import IndexStore, VersionExists, check_version_name
 
 logger = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
         raise FileNotFoundError(f"archive not found: {archive}")
     store = IndexStore(root)
     store.ensure()
-    work = store.staging_path(f"import-{uuid.uuid4().hex[:12]}")
+    work = store.staging_path(f"{IMPORT_STAGING_PREFIX}{uuid.uuid4().hex[:12]}")
     try:
         try:
             tar = tarfile.open(archive, "r:*")

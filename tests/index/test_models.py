@@ -122,3 +122,35 @@ def test_old_store_without_its_checkpoint_says_what_to_copy_where(tmp_path, tiny
     (root / "models").mkdir()
     shutil.copyfile(tiny_checkpoint, root / model_relpath(sha))    # doing what the message says works
     load_version_encoder(IndexStore(root).load())
+
+
+def test_a_version_an_import_stages_reads_its_model_from_the_store_only(tmp_path, tiny_checkpoint, items):
+    """An import stages the archive in root/staging/import-<id>/versions/<v> and moves the model into
+    root/models before the gate: the gate's encoder is the store's file by its sha256, never the training
+    path the manifest records (on another machine that path is gone, or is some other file)."""
+    from index.models import IMPORT_STAGING_PREFIX, store_root_of
+    from index.store import IndexVersion
+
+    run = tmp_path / "run"
+    ck = copy_checkpoint(tiny_checkpoint, run)
+    root = tmp_path / "index"
+    version = build_index(ck, items, root, BuildOptions(progress=False))
+    sha = file_sha256(ck)
+    staged = root / "staging" / f"{IMPORT_STAGING_PREFIX}0123abcd" / "versions" / version
+    shutil.copytree(root / "versions" / version, staged)
+    assert store_root_of(staged) == root and store_root_of(root / "versions" / version) == root
+    loaded = IndexVersion.load(staged, verify=True, gpu=False)
+    encoder, _, got = load_version_encoder(loaded)
+    assert got == sha
+    reference, _ = load_checkpoint(ck)
+    x = items.tensors(np.arange(4))
+    np.testing.assert_array_equal(embed(encoder, x, progress=False), embed(reference, x, progress=False))
+    # the store's copy gone, the recorded training checkpoint still there: refused, nothing copied from it
+    (root / model_relpath(sha)).unlink()
+    assert ck.is_file() and file_sha256(ck) == sha
+    with pytest.raises(FileNotFoundError, match=f"needs encoder model {sha[:12]}.*not in {root / 'models'}"):
+        load_version_encoder(loaded)
+    assert not (root / model_relpath(sha)).exists()
+    # a committed version still migrates from its recorded path (stores older than models/)
+    load_version_encoder(IndexVersion.load(root / "versions" / version, verify=False, gpu=False))
+    assert file_sha256(root / model_relpath(sha)) == sha
