@@ -196,8 +196,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("gc", help="remove staging directories left by killed builds (older than --max-age-s)",
                         description="Remove staging directories left by killed builds (a build that fails removes "
-                                    "its own), .trash-<version>/ left by a killed prune and .current.*.tmp left by a "
-                                    "kill during a pointer write; resumable embedding caches (staging/embed-*) "
+                                    "its own), .trash-<version>/ left by a killed prune, .current.*.tmp left by a "
+                                    "kill during a pointer write and models/.incoming-* left by a kill while "
+                                    "storing an encoder model; resumable embedding caches (staging/embed-*) "
                                     "are kept.")
     common(sp)
     sp.add_argument("--max-age-s", type=float, default=3600.0,

@@ -46,7 +46,7 @@ from index.gate import ActivationRefused, Gate, activation_checks
 from index.list_stats import ListStats
 from index.manifest import (FROZEN_FIELDS, IndexCorruptError, Manifest, atomic_write_text, fsync_dir, read_manifest,
                             update_manifest, verify_files)
-from index.models import DEFAULT_GRACE_S, ModelStore
+from index.models import DEFAULT_GRACE_S, MODELS_DIR, ModelStore
 
 logger = logging.getLogger(__name__)
 
@@ -474,8 +474,9 @@ class IndexStore:
 
     def clean_staging(self, max_age_s: float = 3600.0) -> list[str]:
         """Delete leftovers untouched for `max_age_s`: version directories in staging/ (killed builds),
-        `.trash-<version>/` (a killed prune, already out of versions/) and `.<file>.*.tmp` (a write of
-        `current` or the history killed before its rename). The root-level ones go under the store lock,
+        `.trash-<version>/` (a killed prune, already out of versions/), `.<file>.*.tmp` (a write of
+        `current` or the history killed before its rename) and `models/.incoming-*` (a model write killed
+        before its rename). The root-level ones go under the store lock,
         so a write in progress is never touched.
 
         Embedding caches (`staging/embed-*`) are kept: they let a rerun of that build resume.
@@ -493,6 +494,15 @@ class IndexStore:
                 elif stale and p.is_file() and p.name.startswith(".") and p.name.endswith(".tmp"):
                     p.unlink(missing_ok=True)
                     removed.append(p.name)
+        # a build or import killed while storing its encoder model leaves models/.incoming-*.safetensors
+        models = self.root / MODELS_DIR
+        for p in sorted(models.glob(".incoming-*")) if models.is_dir() else []:
+            try:
+                if p.is_file() and now - p.stat().st_mtime > max_age_s:
+                    p.unlink()
+                    removed.append(f"{MODELS_DIR}/{p.name}")
+            except FileNotFoundError:   # its writer finished (renamed it) meanwhile
+                continue
         if not self.staging_dir.is_dir():
             return removed
         for p in self.staging_dir.iterdir():

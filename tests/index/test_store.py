@@ -210,3 +210,31 @@ def test_gc_removes_trash_and_pointer_temp_files_left_by_kills(tmp_path):
     assert sorted(removed) == sorted([trash.name, tmp_pointer.name])
     assert not trash.exists() and not tmp_pointer.exists() and fresh.exists() and (tmp_path / ".lock").exists()
     assert fresh.name in store.clean_staging(max_age_s=0) and not fresh.exists()
+
+
+def test_gc_removes_model_temp_files_left_by_a_killed_model_write(tmp_path, tiny_checkpoint, capsys):
+    """A build or import killed while copying its encoder into models/ leaves models/.incoming-*: `index gc`
+    removes it once older than --max-age-s (0: now), keeps a younger one (a write may be in flight) and
+    never touches a stored model."""
+    import os
+
+    from index.cli import main
+
+    store = IndexStore(tmp_path)
+    store.ensure()
+    sha = store.models.add_file(tiny_checkpoint)
+    data = tiny_checkpoint.read_bytes()
+    left = []
+    for _ in range(2):   # what ModelStore.add_file has written when the kill comes: half the checkpoint
+        tmp = store.models._tmp()
+        tmp.write_bytes(data[:len(data) // 2])
+        left.append(tmp)
+    os.utime(left[0], (0, 0))
+    capsys.readouterr()
+    assert main(["gc", "--root", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == f"removed 1 stale staging entry: models/{left[0].name}"
+    assert not left[0].exists() and left[1].exists()
+    assert main(["gc", "--root", str(tmp_path), "--max-age-s", "0"]) == 0
+    assert capsys.readouterr().out.strip() == f"removed 1 stale staging entry: models/{left[1].name}"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f"{sha}.safetensors"]
+    assert store.models.has(sha)
