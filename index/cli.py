@@ -215,6 +215,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-bytes", default="64G", metavar="SIZE",
                     help="refuse an archive that states more than SIZE bytes in all (e.g. 500M, 200G; default 64G); "
                          "it is also refused when its stated size exceeds the free space")
+    sp.add_argument("--max-ratio", type=float, default=20.0, metavar="R",
+                    help="refuse an archive that states more than R bytes per byte of the archive file, a "
+                         "compression bomb (default 20; exports measure about 1.2; 0: no limit)")
     activation(sp, tuned=False)   # --force also activates when the gate cannot run here
     return p
 
@@ -541,7 +544,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command == "import":
         version, existed = import_version(args.root, args.archive, evaluator=evaluator, margin=args.margin,
                                           force=args.force, activate=not args.no_activate, keep=args.keep,
-                                          max_bytes=parse_bytes(args.max_bytes))
+                                          max_bytes=parse_bytes(args.max_bytes), max_ratio=args.max_ratio)
         state = "activated" if store.current_version() == version else "not activated"
         print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
         return _notify(args, version) if state == "activated" else 0

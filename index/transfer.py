@@ -8,8 +8,9 @@ Archive layout (plain tar, or gzip when the name ends in .gz / .tgz)::
     models/<sha256>.safetensors            the encoder weights the version names
 
 Import trusts nothing in the archive. The export index must come first; its stated sizes are held
-to a total limit (`max_bytes`, DEFAULT_MAX_IMPORT_BYTES) and to the free space on the store's
-filesystem before anything is read further. Then every tar header is checked as it is met, before
+to a total limit (`max_bytes`, DEFAULT_MAX_IMPORT_BYTES), to a compression ratio over the archive
+file's size (`max_ratio`, DEFAULT_MAX_RATIO) and to the free space on the store's filesystem before
+anything is read further (or the store created). Then every tar header is checked as it is met, before
 the member's data is decompressed: only regular files at exactly the listed paths, each with the
 size the index states (absolute paths, `..`, links, devices, unlisted members and a header that
 disagrees with its stated size are refused before anything is written). The version manifest is
@@ -50,6 +51,10 @@ MAX_INDEX_BYTES = 1 << 20
 #: the most bytes an import writes unless told otherwise (`index import --max-bytes`): a version of
 #: 10 million 512-d float32 embeddings with its index and model is about 41 GB
 DEFAULT_MAX_IMPORT_BYTES = 64 << 30
+#: the most bytes an import writes per byte of archive unless told otherwise (`index import --max-ratio`;
+#: 0: no limit): exports measure 1.2:1 gzip (float32 embeddings, index and weights barely compress) and
+#: under 1:1 plain tar, while gzip reaches about 1000:1 on zeros
+DEFAULT_MAX_RATIO = 20.0
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -167,13 +172,20 @@ def _read_index(tar: tarfile.TarFile, info: tarfile.TarInfo | None) -> dict:
     return index
 
 
-def _check_space(index: dict, work: Path, max_bytes: int | None) -> int:
+def _check_space(index: dict, work: Path, max_bytes: int | None, archive_bytes: int | None = None,
+                 max_ratio: float | None = None) -> int:
     """The bytes the import will write (on disk, whole blocks), refused before any is written when over
-    `max_bytes` (ValueError) or over the free space on the store's filesystem (DiskFull)."""
+    `max_bytes` or over `max_ratio` times the archive's `archive_bytes` (ValueError), or over the free
+    space on the store's filesystem (DiskFull)."""
     stated = sum(f["bytes"] for f in index["files"].values())
     if max_bytes is not None and stated > max_bytes:
         raise ValueError(f"the archive states {stated} bytes ({format_bytes(stated)}), over the import limit of "
                          f"{max_bytes} ({format_bytes(max_bytes)}); raise it with --max-bytes if it is expected")
+    if max_ratio and archive_bytes is not None and stated > max_ratio * max(archive_bytes, 1):
+        raise ValueError(f"the archive states {stated} bytes ({format_bytes(stated)}) from {archive_bytes} "
+                         f"({format_bytes(archive_bytes)}) on disk, a compression ratio of "
+                         f"{stated / max(archive_bytes, 1):.0f}:1, over the import limit of {max_ratio:g}:1; "
+                         "raise it with --max-ratio if it is expected")
     needed = sum(on_disk(f["bytes"]) for f in index["files"].values())
     free = free_bytes(work)
     if free is not None and free < needed:
@@ -246,11 +258,13 @@ def _check_manifest_files(path: Path, version: str, files: dict) -> None:
 
 def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
                    force: bool = False, activate: bool = True, keep: int | None = None,
-                   max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES) -> tuple[str, bool]:
+                   max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES,
+                   max_ratio: float | None = DEFAULT_MAX_RATIO) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
 
-    At most `max_bytes` are written (None: no limit but the free space); see the module docstring for
-    what is checked, and when.
+    At most `max_bytes` are written, and at most `max_ratio` bytes per byte of the archive file (None or
+    0: no limit but the free space); see the module docstring for what is checked, and when. An archive
+    refused by these checks leaves nothing behind (not even an empty store at a new `root`).
 
     The version is committed, then activated only if the quality gate passes against the serving
     version (or `force`). When the gate cannot run here (for example the version's dataset is
@@ -261,9 +275,11 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
     archive = Path(archive)
     if not archive.is_file():
         raise FileNotFoundError(f"archive not found: {archive}")
+    if max_ratio is not None and not max_ratio >= 0:
+        raise ValueError(f"the compression-ratio limit must be >= 0 (0: none), got {max_ratio}")
     store = IndexStore(root)
-    store.ensure()
-    work = store.staging_path(f"{IMPORT_STAGING_PREFIX}{uuid.uuid4().hex[:12]}")
+    # created only once the archive's stated sizes passed (a refused archive leaves nothing behind)
+    work = store.staging_dir / f"{IMPORT_STAGING_PREFIX}{uuid.uuid4().hex[:12]}"
     try:
         try:
             tar = tarfile.open(archive, "r:*")
@@ -274,7 +290,9 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
             try:
                 index = _read_index(tar, tar.next())
                 version, model = index["version"], index["model"]
-                needed = _check_space(index, work, max_bytes)
+                needed = _check_space(index, work, max_bytes, archive.stat().st_size, max_ratio)
+                store.ensure()
+                work.mkdir()
                 members = _read_headers(tar, index)
             except (tarfile.TarError, OSError, EOFError, zlib.error) as err:
                 if isinstance(err, DiskFull):

@@ -388,7 +388,7 @@ def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_
     # stated beyond the free space (1 PiB in the export index; the member itself is never reached)
     huge = tmp_path / "huge.tar"
     _write(huge, _restated(_members(exported["archive"]), lambda files: files[ids].update(bytes=1 << 50)))
-    assert main(["import", "--root", str(root), str(huge), "--max-bytes", "2048T"]) == 4
+    assert main(["import", "--root", str(root), str(huge), "--max-bytes", "2048T", "--max-ratio", "0"]) == 4
     err = capsys.readouterr().err
     assert err.startswith("error: no space left on device writing ") and "staging/import-" in err
     assert "needed" in err and err.count("\n") == 1
@@ -400,3 +400,76 @@ def test_default_import_limit_is_the_documented_one():
     from index.transfer import DEFAULT_MAX_IMPORT_BYTES
     args = _parser().parse_args(["import", "a.tar"])
     assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2 ** 30
+
+
+# ----------------------------------------------------------------------------- compression ratio
+
+def _padded(exported, path, pad: int):
+    """A consistent gzip export whose version carries one more file, `pad` zero bytes: every size and
+    checksum honest (the export index, the version manifest), only the compression ratio is extreme."""
+    version = exported["version"]
+    manifest_name = f"versions/{version}/manifest.json"
+    padding = bytes(pad)
+    entry = {"sha256": hashlib.sha256(padding).hexdigest(), "bytes": pad}
+    members = []
+    for info, data in _members(exported["archive"]):
+        if info.name == manifest_name:
+            manifest = json.loads(data)
+            manifest["files"]["padding.bin"] = entry
+            data = (json.dumps(manifest, indent=2) + "\n").encode()
+        members.append((info.name, data))
+    members.append((f"versions/{version}/padding.bin", padding))
+    index = json.loads(dict(members)[EXPORT_INDEX])
+    index["files"] = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+                      for name, data in members if name != EXPORT_INDEX}
+    members[0] = (EXPORT_INDEX, json.dumps(index).encode())
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return sum(f["bytes"] for f in index["files"].values())
+
+
+def test_compression_ratio_is_limited_before_anything_is_written(tmp_path, exported, capsys):
+    """An honest archive (every size and checksum true) that inflates 32 MiB of zeros from ~0.1 MB is refused
+    by the default ratio limit with one line, before the store is even created; --max-ratio 0 (no limit)
+    imports the very same archive, so the ratio is what refused it."""
+    from index.transfer import DEFAULT_MAX_RATIO
+
+    bomb = tmp_path / "padded.tar.gz"
+    stated = _padded(exported, bomb, 32 << 20)
+    size = bomb.stat().st_size
+    assert stated / size > 5 * DEFAULT_MAX_RATIO                    # far past the limit (~300:1)
+    root = tmp_path / "new" / "store"
+    capsys.readouterr()
+    assert main(["import", "--root", str(root), str(bomb)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: the archive states {stated} bytes (32.1 MiB) from {size} ({size / 1024:.1f} KiB) on disk, "
+                   f"a compression ratio of {stated / size:.0f}:1, over the import limit of 20:1; raise it with "
+                   "--max-ratio if it is expected\n")
+    assert not (tmp_path / "new").exists()                           # nothing left behind, not even a directory
+    # a limit just above the archive's ratio lets it through; just below refuses it
+    with pytest.raises(ValueError, match="compression ratio"):
+        import_version(root, bomb, max_ratio=stated / size * 0.99)
+    assert import_version(root, bomb, max_ratio=stated / size * 1.01) == (exported["version"], False)
+    assert IndexStore(root).load(exported["version"]).manifest.files["padding.bin"]["bytes"] == 32 << 20
+    root0 = tmp_path / "store0"
+    assert main(["import", "--root", str(root0), str(bomb), "--max-ratio", "0"]) == 0
+    assert IndexStore(root0).current_version() == exported["version"]
+    assert main(["import", "--root", str(root0), str(bomb), "--max-ratio", "-1"]) == 2
+    assert "must be >= 0" in capsys.readouterr().err
+    # real exports are far under the limit: gzip and plain tar
+    for archive in (exported["archive"], export_version(exported["root"], tmp_path / "plain.tar")):
+        with tarfile.open(archive) as tar:
+            index = json.load(tar.extractfile(tar.next()))
+        assert sum(f["bytes"] for f in index["files"].values()) / archive.stat().st_size < 2
+
+
+def test_default_ratio_limit_is_the_documented_one():
+    from index.cli import _parser
+    from index.transfer import DEFAULT_MAX_RATIO
+    args = _parser().parse_args(["import", "a.tar"])
+    assert args.max_ratio == DEFAULT_MAX_RATIO == 20
+    help_text = _parser()._subparsers._group_actions[0].choices["import"].format_help()
+    assert "--max-ratio" in help_text and "default 20" in help_text
