@@ -1,7 +1,9 @@
 """The `softsearch` command: one entry point dispatching to each package's `main(argv)`.
 
 Each sub-command lives with the package that owns it (training, index, search, api); this
-module only routes and turns user mistakes into a one-line message with exit code 2.
+module only routes and turns user mistakes into a one-line message with exit code 2. Every command's
+arguments are parsed by a parser that imports nothing heavy (training.cli_parser.CommandParser, one
+`error:` line for a mistyped flag) before torch, FAISS or open_clip are loaded.
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ commands:
 
 
 def _train(argv: list[str]) -> int:
+    from training.train_args import build_parser
+
+    build_parser().parse_args(argv)   # --help and mistakes answered before torch loads
     from training.trainer import main as train_main
 
     return train_main(argv)
@@ -60,16 +65,18 @@ def _index(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):   # the parser alone: no torch, FAISS or scipy for --help
-        from search.evaluation.eval_args import build_parser
+    from search.evaluation.eval_args import build_parser
 
-        return build_parser().parse_args(argv) and 0
+    build_parser().parse_args(argv)   # --help and mistakes answered before torch, FAISS or scipy load
     from search.evaluation.evaluate import main as eval_main
 
     return eval_main(argv)
 
 
 def _dedup(argv: list[str]) -> int:
+    from search.duplicates.dedup_args import build_parser
+
+    build_parser().parse_args(argv)   # --help and mistakes answered before torch, FAISS or PIL load
     from search.duplicates.job import main as dedup_main
 
     return dedup_main(argv)
@@ -96,6 +103,9 @@ def _experiment(argv: list[str]) -> int:
     if argv[0] not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {argv[0]!r}; available: {', '.join(EXPERIMENTS)} "
                          "(softsearch experiment --help)")
+    from training.anneal_args import build_parser
+
+    build_parser().parse_args(argv[1:])   # --help and mistakes answered before torch loads
     from training.anneal_experiment import main as anneal_main
 
     return anneal_main(argv[1:])

@@ -22,6 +22,8 @@ import shutil
 import sys
 import tempfile
 
+from training.cli_parser import CommandParser
+
 logger = logging.getLogger(__name__)
 
 #: uvicorn restarts a worker that has not answered its health ping within this many seconds; a
@@ -30,7 +32,7 @@ WORKER_START_TIMEOUT_S = 300
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch serve", description="Serve the search API and web page.")
+    p = CommandParser(prog="softsearch serve", description="Serve the search API and web page.")
     p.add_argument("--index", dest="index_root", help="index store root (SOFTSEARCH_INDEX_ROOT)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")

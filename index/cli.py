@@ -19,14 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-from index import faiss_index
+from typing import TYPE_CHECKING
+
+from index.defaults import DEFAULT_MARGIN, KINDS
 from index.disk import describe as describe_os_error
 from index.manifest import GateRecord, IndexCorruptError, Manifest
 from index.models import parse_encoder_spec, save_pretrained_checkpoint
-from index.gate import DEFAULT_MARGIN, ActivationRefused, gate_for
-from index.store import IndexStore, require_store
-# torch-backed modules (index.build, index.embed, index.sync, index.transfer) are imported where a command
-# runs them, so `softsearch index ... --help` loads neither torch nor the encoders.
+from training.cli_parser import CommandParser
+
+if TYPE_CHECKING:
+    from index.store import IndexStore
+# FAISS- and torch-backed modules (index.store, index.gate, index.build, index.embed, index.sync,
+# index.transfer) are imported once the arguments are parsed, so `softsearch index ... --help` and a
+# mistyped flag load neither FAISS nor torch.
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +72,7 @@ def parse_params(items: list[str]) -> dict:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch index", description="Build and manage versioned search indexes.")
+    p = CommandParser(prog="softsearch index", description="Build and manage versioned search indexes.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
@@ -116,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
     def kind(sp, default):
-        sp.add_argument("--kind", default=default, choices=[*faiss_index.KINDS, "auto"],
+        sp.add_argument("--kind", default=default, choices=[*KINDS, "auto"],
                         help="index kind (auto: choose from count, dim and --memory-budget)")
         sp.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="index parameter, e.g. nlist=256, nprobe=16, m=16, M=32, efSearch=64")
@@ -418,6 +423,9 @@ CREATES_STORE = ("build", "import")
 
 
 def _run(args, evaluator, calibrator, on_new_items=None) -> int:
+    from index.gate import gate_for
+    from index.store import IndexStore, require_store
+
     if args.command not in CREATES_STORE:
         require_store(args.root)
     store = IndexStore(args.root)
@@ -567,6 +575,8 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_
     if getattr(args, "notify", None) and notifier is None:
         print("error: --notify needs the softsearch command (it brings the HTTP client)", file=sys.stderr)
         return 2
+    from index.gate import ActivationRefused
+
     try:
         return _run(args, evaluator, calibrator, on_new_items)
     except ActivationRefused as err:

@@ -28,9 +28,10 @@ from typing import Callable
 import faiss
 import numpy as np
 
+from index.defaults import KINDS  # re-exported here; defined without FAISS for the command-line parser
+
 logger = logging.getLogger(__name__)
 
-KINDS = ("flat", "ivf-flat", "ivf-pq", "hnsw")
 # Kinds whose stored index accepts ``add`` without retraining. IVF kinds keep their trained
 # coarse quantizer (and PQ codebook); adding far more than they were trained on degrades the
 # partition, so ``index.build.add_items`` logs a warning suggesting a rebuild then.

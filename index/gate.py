@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from index import faiss_index
+from index.defaults import DEFAULT_MARGIN  # re-exported here; defined without numpy for the parser
 from index.manifest import Manifest
 from index.paging import PagedRows, drop_index_pages, read_rows
 
@@ -30,7 +31,6 @@ if TYPE_CHECKING:   # the store imports this module; these are for annotations o
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass
 #: How a refused activation is overridden, named in every refusal.
 FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
 #: A gate for a version that has none: gate(version name) -> its quality_gate record (`gate_version`).

@@ -1,6 +1,6 @@
 """`softsearch experiment anneal`: Langevin annealing schedules on a planted InfoNCE landscape.
 
-Reproduces the claim of papers.md section 3 on a problem whose global minimum is known: a
+Reproduces the claim of docs/theory.md ("Annealed InfoNCE") on a problem whose global minimum is known: a
 logarithmic noise schedule 1/T_t = log(t + t_0)/c (c above the barrier depth) reaches the global
 basin more often than fast schedules, which freeze in local minima.
 
@@ -24,7 +24,6 @@ minimum it reaches by a final zero-temperature gradient quench.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -37,12 +36,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from training.anneal_args import SCHEDULE_NAMES, AnnealConfig, build_parser
 from training.langevin import LangevinNoise, sphere_retract, tangent_project
 from training.schedules import TemperatureSchedule, create_schedule
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_NAMES = ("log", "exp", "cosine", "none")
 
 
 @dataclass
@@ -193,21 +192,6 @@ def make_noise_schedule(name: str, steps: int, c: float, t0: float, lr: float) -
     raise ValueError(f"unknown noise schedule {name!r}; choose from {SCHEDULE_NAMES}")
 
 
-@dataclass
-class AnnealConfig:
-    steps: int = 3000
-    seeds: int = 8
-    particles: int = 64
-    lr: float = 0.05
-    tau: float = 0.25
-    trap_gap: float = 40.0
-    c: float | None = None          # None -> 1.2 x barrier depth
-    t0: float = 2.0
-    schedules: tuple[str, ...] = SCHEDULE_NAMES
-    record_every: int = 25
-    seed: int = 1000                # the noise generator's seed (1000: the runs in docs/results.md)
-
-
 def run_schedule(land: Landscape, name: str, cfg: AnnealConfig, c: float, e_star: float) -> dict:
     """Run all seeds of one schedule (batched): energies, basin fractions and a trajectory."""
     sched = make_noise_schedule(name, cfg.steps, c, cfg.t0, cfg.lr)
@@ -339,22 +323,7 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`softsearch experiment anneal [--steps N --seeds S --particles P --out DIR ...]`."""
-    p = argparse.ArgumentParser(prog="softsearch experiment anneal", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = AnnealConfig()
-    p.add_argument("--steps", type=int, default=d.steps, help="Langevin steps per run")
-    p.add_argument("--seeds", type=int, default=d.seeds, help="number of independent runs (seed batches) per schedule")
-    p.add_argument("--seed", type=int, default=d.seed, help="random seed of the start jitter and the noise draws")
-    p.add_argument("--particles", type=int, default=d.particles, help="particles per run")
-    p.add_argument("--lr", type=float, default=d.lr, help="step size eta")
-    p.add_argument("--tau", type=float, default=d.tau, help="InfoNCE temperature of the energy")
-    p.add_argument("--trap-gap", type=float, default=d.trap_gap, help="degrees between the trap and its negatives")
-    p.add_argument("--c", type=float, default=None, help="log-schedule constant (None: 1.2 x the barrier depth)")
-    p.add_argument("--t0", type=float, default=d.t0, help="log-schedule offset; T_0 = c / log t0")
-    p.add_argument("--schedules", default=",".join(d.schedules), help="comma-separated noise schedules")
-    p.add_argument("--out", default="runs/anneal", help="output directory for anneal.json and anneal.png")
-    p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
+    args = build_parser().parse_args(argv)
     cfg = AnnealConfig(steps=args.steps, seeds=args.seeds, particles=args.particles, lr=args.lr, tau=args.tau,
                        trap_gap=args.trap_gap, c=args.c, t0=args.t0, seed=args.seed,
                        schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()))

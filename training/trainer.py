@@ -17,7 +17,6 @@ Output directory: `init.safetensors` (step-0 weights), `checkpoint.safetensors`,
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -58,6 +57,7 @@ from training.distributed import (
 from training.encoder import Encoder, create_encoder
 from training.losses import ContrastiveLoss, LossOutput, contrastive_similarities, create_loss
 from training.regularizers import gaussian_regularizer, vanishing_weight
+from training.train_args import build_parser
 
 logger = logging.getLogger(__name__)
 
@@ -515,27 +515,6 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
         logger.info("trained to step %d of %d; final loss %s; checkpoint %s", max(stop, start), config.steps,
                     last.get("loss"), final)
     return final
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from training.schedules import describe_schedules
-
-    parser = argparse.ArgumentParser(
-        prog="softsearch train",
-        description="Train a contrastive image encoder from a TOML config. Runs unchanged under "
-                    "`torchrun --nproc-per-node N` (batch_size is the global batch).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="temperature schedules (schedule = NAME, options in [schedule_options]; the same for\n"
-               "noise_schedule / [noise_options]), with their defaults:\n" + describe_schedules() +
-               "\n\nswitching schedule replaces the options table whole, e.g.\n"
-               "  --set schedule='\"cosine\"' --set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
-    )
-    parser.add_argument("--config", help="TOML config file (configs/synthetic.toml, ...); defaults if omitted")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, dotted for tables: --set encoder.width=32 (repeatable)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in out_dir from its train_state")
-    parser.add_argument("--out", help="output directory (overrides out_dir)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

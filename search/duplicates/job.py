@@ -9,7 +9,6 @@ each item's VERIFY_K nearest pixel for pixel (verify.py), the probabilities cali
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import logging
@@ -28,6 +27,7 @@ from search.duplicates.calibration import (LEVELS, QueryScores, calibrate, colle
 from search.duplicates.edits import edited_copy
 from search.duplicates.groups import (VerifiedScores, candidate_sets, describe_group, mutual_groups,
                                       verified_candidate_sets)
+from search.duplicates.dedup_args import MIN_PROBABILITY, build_parser
 from search.duplicates.page import render_page
 from training.images import cache_resolution, load_query, load_rgb, load_square
 
@@ -37,46 +37,11 @@ QUERY_BLOCK = 64
 VERIFY_K = 8            # encoder neighbours re-scored by the verification stage
 TWINS = 2              # extra neighbours a negative query fetches, to stay at k after dropping twins
 TWIN_COSINE = 1.0 - 1e-3   # embeddings at least this close are a twin candidate (the same picture stored twice)
-# the least sure a group kept by default may be: the expected-precision rule alone went down to p 0.69 and took a
-# pair of look-alike originals (two dreidels one letter apart) as its last group at design seed 9; every calibration
-# sample of the design seeds put those pairs at 0.54-0.84 (docs/results.md §12, "A floor under the default")
-MIN_PROBABILITY = 0.9
 FLOOR_QUANTILE = 0.01   # the encoder cosine below which no candidate is verified: this quantile of the
                         # calibration copies' cosine to their original (the edits lose ~1 % there)
 HARD_FRACTION = 0.1     # the hard stratum of the "none" queries: this top share of items by nearest-other cosine
 HARD_SHARE = 0.5        # ... and this share of the "none" queries is drawn from it (all of it when fewer)
 POOL_FACTOR = 20        # hardness is measured on a uniform pool of this many times the queries (bounded work)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch dedup", description="near-duplicate groups of an index version at "
-                                "a calibrated probability", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--index", required=True, help="index store root")
-    p.add_argument("--version", default=None, help="version to scan (default: the current one)")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="probability P a duplicate set must reach (default: from --precision on the calibration)")
-    p.add_argument("--precision", type=float, default=0.99,
-                   help="target pair precision that picks the default P: the lowest group confidence at which "
-                        "the groups kept have a mean calibrated confidence that reaches it")
-    p.add_argument("--min-probability", type=float, default=MIN_PROBABILITY,
-                   help="the default P is never below this: every group kept at least this sure (0: the "
-                        "expected-precision rule alone)")
-    p.add_argument("--calibration-items", type=int, default=300,
-                   help="items copied with random edits (and as many left without a copy) to fit the temperature")
-    p.add_argument("--stage", choices=("verified", "encoder"), default="verified",
-                   help="verified: each item's nearest items re-scored pixel for pixel (verify.py); encoder: embedding "
-                        "cosine only (the pipeline before verification)")
-    p.add_argument("--prior", choices=("calibration", "collection"), default=None,
-                   help="the share of items with a duplicate the probabilities assume: this collection's, estimated "
-                        "from the scan by EM (the default at the verified stage: fewer duplicates than half makes "
-                        "every p lower), or the calibration's (about half: as many copies as 'none' queries; the "
-                        "default, and the only one, at the encoder stage). Both shares are reported")
-    p.add_argument("--k", type=int, default=32, help="neighbours per item from the ANN index")
-    p.add_argument("--max-group", type=int, default=8, help="largest candidate set an item may have")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="also write the JSON here")
-    p.add_argument("--no-progress", action="store_true")
-    return p
 
 
 def source_bytes(snapshot, item_id: str) -> bytes:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+from training.cli_parser import CommandParser
+
 DESCRIPTION = "softsearch eval: retrieval metrics, the cross-entropy gap, calibration, the 1/k law, diagnostics."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="softsearch eval", description=DESCRIPTION,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = CommandParser(prog="softsearch eval", description=DESCRIPTION,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     src = p.add_argument_group("database")
     src.add_argument("--index", help="index root: evaluate its current (or --version) version")
     src.add_argument("--version", help="index version (default: the current one)")
