@@ -5,7 +5,8 @@ Probabilities are the learned softmax search over the WHOLE database (papers.md 
     p(j | x) = exp(s_j / tau) / sum_l exp(s_l / tau),     s_j = z_x . z_j
 
 with the normaliser log Z = logsumexp_l(s_l / tau) from search/serving/normaliser.py: `exact` is a blocked,
-streaming logsumexp over every stored embedding (never a Q x N matrix at once); `bounded` scans a
+streaming logsumexp over every stored embedding (never a Q x N matrix at once), one pass per batch of queries
+that also yields the exact top-k (search/serving/exact_scan.py: no index search); `bounded` scans a
 few lists of the index exactly and samples the rest, and every answer carries a bound that
 contains the exact value; `auto` (the default) is exact up to N * D = 1.28e8 and bounded above.
 tau is the request's temperature or the manifest's `search_temperature`.
@@ -40,6 +41,7 @@ from index.faiss_index import RERANK_PQ, rerank_factor
 from index.models import load_version_encoder
 from index.store import IndexStore, IndexVersion
 from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
+from search.serving.exact_scan import ExactScanner
 from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
 from search.serving.queries import unit_queries
@@ -214,10 +216,10 @@ class SearchSnapshot:
         if mask is not None:   # filtered: selector inside FAISS, exact normaliser over the subset
             rows, log_z_subset = subset_search(self.index.index, self.index.embeddings, q, wanted, mask, taus)
             norm = LogZ.exact(log_z_subset, population)
-        elif self.normaliser is None:
-            _, rows = self.index.search(q, wanted)  # (Q, k') candidate rows, best first; -1 = none
-            norm = LogZ.exact(log_normaliser(q, self.index.embeddings, taus, self.block, release=self.release_pages),
-                              self.count)
+        elif self.normaliser is None:   # exact: one pass over the rows gives log Z AND the exact top-k
+            scan = self.scanner()(q, taus, k_eff)   # (search/serving/exact_scan.py; no index search needed)
+            rows = scan.rows
+            norm = LogZ.exact(scan.log_z, self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
             _, top = self.index.search(q, max(wanted, min(self.normaliser.config.top_rows, self.count)))
             rows = top[:, :wanted]
@@ -238,6 +240,16 @@ class SearchSnapshot:
             p = np.exp(s.astype(np.float64) / taus[i] - log_z[i])
             hits.append([Hit(ids[j], j, sj, pj) for j, sj, pj in zip(r.tolist(), s.tolist(), p.tolist())])
         return SearchAnswer(hits, self.version, taus.tolist(), log_z.tolist(), norm)
+
+    def scanner(self) -> ExactScanner:
+        """The exact scan over this version's rows (made once per snapshot)."""
+        scanner = self._cache.get("scanner")
+        if scanner is None:
+            with self._lock:
+                scanner = self._cache.get("scanner")
+                if scanner is None:
+                    scanner = self._cache["scanner"] = ExactScanner(self.index.embeddings, release=self.release_pages)
+        return scanner
 
     # ---------------------------------------------------------------- metadata and filters
     @property

@@ -300,9 +300,9 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     import search.serving.searcher as searcher_module
 
     seen = []
-    real_exact, real_bounded = searcher_module.log_normaliser, normaliser_module.bounded_log_normaliser
+    real_exact, real_bounded = searcher_module.ExactScanner, normaliser_module.bounded_log_normaliser
 
-    def exact_spy(*args, **kwargs):
+    def exact_spy(*args, **kwargs):   # the exact path's one-pass scan (made once per snapshot)
         seen.append(("exact", kwargs.get("release")))
         return real_exact(*args, **kwargs)
 
@@ -310,7 +310,7 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
         seen.append(("bounded", kwargs.get("release")))
         return real_bounded(*args, **kwargs)
 
-    monkeypatch.setattr(searcher_module, "log_normaliser", exact_spy)
+    monkeypatch.setattr(searcher_module, "ExactScanner", exact_spy)
     monkeypatch.setattr(normaliser_module, "bounded_log_normaliser", bounded_spy)
     answers = {}
     for method in ("exact", "bounded"):

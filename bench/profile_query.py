@@ -1,0 +1,193 @@
+"""Where the milliseconds of one query go: POST /v1/search/vector and POST /v1/search (image) at 10^5 x 512.
+
+Each serving step is timed on its own, in this process, on the same index version the server loads
+(median of `--repeats` runs, one query at a time, 1 torch thread): JSON parsing and validation, the
+exact normaliser's pass (with the mapped pages released after each block, the default, and kept),
+FAISS's flat search, the exact re-score of the hits, the response, the metrics; the image query adds
+the upload's decode and the encoder forward (a default tower with 512-dimensional output over the same
+vectors, so the search half is the vector query's). Then the whole request is timed over HTTP at one
+client (`softsearch serve` in a subprocess for the vector route; the image route on the same snapshot
+served by uvicorn in a subprocess): what the steps do not account for is the HTTP server, the ASGI
+middleware and the event loop. The database is bench/_vectordb_data.py's clustered vectors (the
+vs_vectordb.py setting).
+
+    python bench/profile_query.py                    # ~2 minutes on 2 shared cores
+    python bench/profile_query.py --n 20000 --repeats 20
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import row, write_results  # noqa: E402
+from _vectordb_data import flat_store  # noqa: E402
+
+logger = logging.getLogger("bench.profile_query")
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall time of `fn()` in ms (one untimed warm-up call first)."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def http_median(url: str, path: str, bodies: list[bytes], content_type: str, repeats: int) -> float:
+    """Median latency (ms) of `repeats` sequential POSTs on one keep-alive connection."""
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    lat = []
+    for i in range(repeats + 3):
+        t0 = time.perf_counter()
+        conn.request("POST", path, bodies[i % len(bodies)], {"Content-Type": content_type})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200, resp.status
+        if i >= 3:
+            lat.append((time.perf_counter() - t0) * 1e3)
+    conn.close()
+    return statistics.median(lat)
+
+
+def image_server(version_dir: str, port: int) -> None:
+    """Child process: the app over Searcher.from_parts(a 512-d default tower, the version), served by uvicorn."""
+    import torch
+    import uvicorn
+
+    from api.app import create_app
+    from api.config import Settings
+    from index.store import IndexStore
+    from search.serving.searcher import Searcher
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    store = IndexStore(Path(version_dir))
+    version = store.load()
+    encoder = create_encoder(EncoderConfig(embed_dim=version.embeddings.shape[1])).eval()
+    app = create_app(Settings(port=port), Searcher.from_parts(encoder, version))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--clusters", type=int, default=1000)
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
+    p.add_argument("--name", default="profile_query")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    torch.set_num_threads(1)
+    from api.deps import decode_image
+    from api.config import Settings
+    from api.launch import free_port, serve_process, server_process
+    from api.metrics import Metrics
+    from api.batching import QueryResult
+    from api.routes.models import VectorQuery
+    from api.routes.search import _body
+    from index.store import IndexStore
+    from search.serving.normaliser import log_normaliser
+    from search.serving.queries import unit_queries
+    from search.serving.searcher import Searcher
+    from training.encoder import EncoderConfig, create_encoder
+    from training.images import cache_resolution
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, 100)
+    version = IndexStore(root).load()
+    snap = Searcher.from_parts(create_encoder(EncoderConfig(embed_dim=args.dim)).eval(), version).snapshot()
+    emb = snap.index.embeddings
+    q = queries[:1]
+    body = json.dumps({"vector": q[0].tolist(), "k": 10}).encode()
+    taus = np.array([snap.temperature])
+    r = {}
+    r["parse: json.loads"] = timed(lambda: json.loads(body), args.repeats)
+    r["validate: VectorQuery"] = timed(lambda: VectorQuery.model_validate(json.loads(body)), args.repeats) \
+        - r["parse: json.loads"]
+    r["unit vector"] = timed(lambda: unit_queries(q[0], args.dim), args.repeats)
+    r["normaliser pass (pages released)"] = timed(lambda: log_normaliser(q, emb, taus, release=True), args.repeats)
+    r["normaliser pass (pages kept)"] = timed(lambda: log_normaliser(q, emb, taus, release=False), args.repeats)
+    r["FAISS flat search k=10"] = timed(lambda: snap.index.search(q, 10), args.repeats)
+    r["searcher.search (all of the above but parsing)"] = timed(lambda: snap.search(q, 10), args.repeats)
+    answer = snap.search(q, 10)
+    result = QueryResult(answer[0], answer.version, answer.temperatures[0], answer.log_normalisers[0], 1,
+                         snap.count, answer.normalisers[0])
+    r["response: model + JSON"] = timed(lambda: _body(result, 10).model_dump_json(), args.repeats)
+    try:
+        import orjson
+
+        payload = _body(result, 10).model_dump()
+        r["response: orjson of the same dict"] = timed(lambda: orjson.dumps(payload), args.repeats)
+    except ImportError:
+        pass
+    metrics = Metrics()
+    r["metrics: counter + histogram"] = timed(
+        lambda: (metrics.queries.labels(kind="vector").inc(),
+                 metrics.latency.labels(route="/v1/search/vector", method="POST").observe(0.01),
+                 metrics.requests.labels(route="/v1/search/vector", method="POST", status="200").inc()),
+        args.repeats)
+    # image steps: decode a PNG upload, one encoder forward
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(0).random((64, 64, 3)) * 255).astype(np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    png = buf.getvalue()
+    side = cache_resolution(snap.encoder.image_size)
+    settings = Settings()
+    pixels = decode_image(png, settings, side=side)
+    r["image: decode PNG"] = timed(lambda: decode_image(png, settings, side=side), args.repeats)
+    r["image: encoder forward (1 image)"] = timed(lambda: snap.encode([pixels]), args.repeats)
+
+    # whole requests over HTTP, one client
+    bodies = [json.dumps({"vector": v.tolist(), "k": 10}).encode() for v in queries[:32]]
+    with serve_process(root, "--normaliser", "exact") as server:
+        r["HTTP vector request (1 client)"] = http_median(server.url, "/v1/search/vector", bodies,
+                                                          "application/json", args.repeats)
+    from http_load import BOUNDARY, multipart
+
+    port = free_port()
+    argv = [sys.executable, __file__, "--image-server", str(root), str(port)]
+    with server_process(argv, port, timeout_s=300) as server:
+        r["HTTP image request (1 client)"] = http_median(server.url, "/v1/search", [multipart(png)],
+                                                         f"multipart/form-data; boundary={BOUNDARY}", args.repeats)
+    steps_vec = (r["parse: json.loads"] + r["validate: VectorQuery"] + r["unit vector"]
+                 + r["searcher.search (all of the above but parsing)"] + r["response: model + JSON"]
+                 + r["metrics: counter + histogram"])
+    r["vector: HTTP, middleware, event loop (remainder)"] = r["HTTP vector request (1 client)"] - steps_vec
+    steps_img = (r["image: decode PNG"] + r["image: encoder forward (1 image)"]
+                 + r["searcher.search (all of the above but parsing)"] + r["response: model + JSON"]
+                 + r["metrics: counter + histogram"])
+    r["image: HTTP, multipart, middleware, event loop (remainder)"] = r["HTTP image request (1 client)"] - steps_img
+    rows = [row(case, value, "ms", None) for case, value in r.items()]
+    load = os.getloadavg()
+    write_results(args.name, rows, machine_note=f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
+                                                f"{args.n} x {args.dim}, {args.repeats} repeats")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--image-server":
+        image_server(sys.argv[2], int(sys.argv[3]))
+    else:
+        raise SystemExit(main())
