@@ -128,8 +128,12 @@ def save_checkpoint(
     train_config: dict,
     lineage: dict,
     metrics: dict | None = None,
+    text_encoder=None,
 ) -> Path:
     """Write encoder weights + JSON metadata to `path` atomically; returns the path.
+
+    With `text_encoder` (training/text.py) its tensors go in too, prefixed ``text.``, and its config
+    under the metadata key ``text``: one file holds both towers of an image-text model.
 
     `lineage` should name objective, temperature_schedule, train_config_hash and dataset;
     a missing train_config_hash is filled in from `train_config`.
@@ -149,7 +153,14 @@ def save_checkpoint(
         "lineage": lineage,
         "metrics": metrics or {},
     }
-    _atomic_save(_plain_tensors(encoder.state_dict()), path, {_META_KEY: _canonical_json(meta)})
+    tensors = dict(encoder.state_dict())
+    if text_encoder is not None:
+        from training.text import TEXT_PREFIX
+
+        text_encoder = getattr(text_encoder, "module", text_encoder)
+        meta["text"] = text_encoder.metadata()
+        tensors.update({TEXT_PREFIX + k: v for k, v in text_encoder.state_dict().items()})
+    _atomic_save(_plain_tensors(tensors), path, {_META_KEY: _canonical_json(meta)})
     logger.info("saved checkpoint %s (step %d)", path, step)
     return path
 
@@ -178,6 +189,8 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     # Weights come from the checkpoint, so the original pretrained file is not needed.
     encoder = create_encoder(replace(config, pretrained=None))
     state = _load_tensors(path)
+    if meta.get("text"):   # the text tower's tensors (training/text.py load_text_encoder reads them)
+        state = {k: v for k, v in state.items() if not k.startswith("text.")}
     missing, unexpected = set(encoder.state_dict()) - set(state), set(state) - set(encoder.state_dict())
     if missing or unexpected:
         raise ValueError(
