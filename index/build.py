@@ -38,8 +38,8 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
-from index.manifest import (DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, read_manifest,
-                            update_manifest, write_manifest)
+from index.manifest import (DEFAULT_TEMPERATURE, MANIFEST_NAME, Manifest, create_manifest, describe_files, fsync_dir,
+                            read_manifest, update_manifest, updated_bytes, write_manifest)
 from index.models import is_store_model, model_relpath
 from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
 from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
@@ -320,9 +320,18 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
         serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
         record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
-        update_manifest(staging, quality_gate=record)
+        # an import's version arrived whole: on a full disk here nothing of it is committed (a build's
+        # staged files are removed as after any failed write: the default message)
+        outcome = None if path != "index import" else (
+            f"the import of {version} stopped before its commit: nothing of it is in versions/ and "
+            + (f"`current` still points at {serving_name}, which keeps serving" if serving_name
+               else "no version is current, as before") + "; free some space and rerun the import")
+        needed = updated_bytes(staging, quality_gate=record) + store.switch_bytes(version)   # then its activation
+        with writing(staging / MANIFEST_NAME, needed, outcome):
+            update_manifest(staging, quality_gate=record)
         store.commit(staging, version)
     except BaseException:
+        candidate = None   # unmaps its files (else their blocks stay taken until the error is dropped)
         discard_staging(staging)
         raise
     if activate:

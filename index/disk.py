@@ -4,7 +4,8 @@ left on that filesystem and roughly the space the operation needed (`softsearch 
 Writers wrap their writes in `writing(path, needed)`: a full disk becomes `DiskFull` (an OSError
 naming the path and the bytes needed) whichever way the library underneath reports it -- ENOSPC /
 EDQUOT, numpy's short write without an errno, FAISS's RuntimeError, safetensors' SafetensorError --
-and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line.
+and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line, ending with what the failed operation left (its
+`outcome`: a build's staging removed, an activation not made, ...).
 """
 from __future__ import annotations
 
@@ -19,12 +20,18 @@ SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _SPACE_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
 
 
-class DiskFull(OSError):
-    """A write under `filename` ran out of space; `needed`: bytes the whole operation needs (None: unknown)."""
+#: what a full disk left behind, when the writer says nothing else: a build or import removes its staging
+STAGED_OUTCOME = "its staged files were removed and `current` is unchanged: free some space and rerun"
 
-    def __init__(self, path, needed: int | None = None):
+
+class DiskFull(OSError):
+    """A write under `filename` ran out of space; `needed`: bytes the whole operation needs (None: unknown);
+    `outcome`: what the failed operation left, for the user (None: STAGED_OUTCOME)."""
+
+    def __init__(self, path, needed: int | None = None, outcome: str | None = None):
         super().__init__(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         self.needed = needed
+        self.outcome = outcome
 
 
 def is_space_error(err: BaseException) -> bool:
@@ -39,19 +46,21 @@ def is_space_error(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def writing(path, needed: int | None = None):
-    """Re-raise a full disk inside as DiskFull(path, needed) and name `path` in an OSError that names no
-    file. Nested uses keep the innermost path and the largest `needed`."""
+def writing(path, needed: int | None = None, outcome: str | None = None):
+    """Re-raise a full disk inside as DiskFull(path, needed, outcome) and name `path` in an OSError that
+    names no file. Nested uses keep the innermost path and `outcome`, and the largest `needed`."""
     try:
         yield
     except DiskFull as err:
         if needed is not None and (err.needed or 0) < needed:
             err.needed = int(needed)
+        if err.outcome is None:
+            err.outcome = outcome
         raise
     except Exception as err:  # noqa: BLE001 - only a full disk is translated; everything else re-raised as is
         if is_space_error(err):
             where = err.filename if isinstance(err, OSError) and err.filename else path
-            raise DiskFull(where, needed) from err
+            raise DiskFull(where, needed, outcome) from err
         if isinstance(err, OSError) and err.filename is None and err.errno is not None:
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
@@ -99,7 +108,7 @@ def describe(err: OSError, root=None) -> str:
                 "filesystem")
         if needed:
             text += f", about {format_bytes(needed)} needed"
-        return text + "; its staged files were removed and `current` is unchanged: free some space and rerun"
+        return f"{text}; {getattr(err, 'outcome', None) or STAGED_OUTCOME}"
     code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
     reason = err.strerror or str(err)
     return f"{reason}{f' [{code}]' if code else ''}: {path}" + (f" -> {err.filename2}" if err.filename2 else "")

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import IO, Any, Callable, Mapping
 
-from index.disk import writing
+from index.disk import on_disk, writing
 
 #: Search temperature when neither the manifest nor the checkpoint records one.
 DEFAULT_TEMPERATURE = 0.1
@@ -73,12 +73,13 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False) -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False,
+                 needed: int | None = None) -> None:
     """Call `write(fh)` on a temp file beside `path`, fsync, os.replace, fsync the directory.
 
     Readers see either the old file or the complete new one, also after a crash mid-write."""
     path = Path(path)
-    with writing(path):   # a full disk: DiskFull naming `path`
+    with writing(path, needed):   # a full disk: DiskFull naming `path` (and `needed`, the temp file's bytes)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
@@ -95,7 +96,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: b
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Atomically replace `path` with `text` (see atomic_write)."""
-    atomic_write(path, lambda fh: fh.write(text))
+    atomic_write(path, lambda fh: fh.write(text), needed=on_disk(len(text.encode("utf-8"))))
 
 
 def create_manifest(*, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str,
@@ -134,9 +135,19 @@ def describe_files(directory: str | os.PathLike, names: list[str]) -> dict:
 def write_manifest(directory: str | os.PathLike, manifest: "Manifest | dict") -> Path:
     """Atomically write `directory/manifest.json` (a Manifest as `to_json`, a dict as it is)."""
     path = Path(directory) / MANIFEST_NAME
-    data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n")
+    atomic_write_text(path, manifest_text(manifest))
     return path
+
+
+def manifest_text(manifest: "Manifest | dict") -> str:
+    """The bytes `write_manifest` writes, as text."""
+    data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
+    return json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n"
+
+
+def updated_bytes(directory: str | os.PathLike, **fields) -> int:
+    """On-disk bytes of `directory`'s manifest once `update_manifest(directory, **fields)` has rewritten it."""
+    return on_disk(len(manifest_text(read_manifest(directory).updated(**fields)).encode("utf-8")))
 
 
 def _json_default(obj):

@@ -44,8 +44,9 @@ import numpy as np
 from index import faiss_index
 from index.gate import ActivationRefused, Gate, activation_checks
 from index.list_stats import ListStats
-from index.manifest import (FROZEN_FIELDS, IndexCorruptError, Manifest, atomic_write_text, fsync_dir, read_manifest,
-                            update_manifest, verify_files)
+from index.manifest import (FROZEN_FIELDS, MANIFEST_NAME, IndexCorruptError, Manifest, atomic_write_text, fsync_dir,
+                            read_manifest, update_manifest, updated_bytes, verify_files)
+from index.disk import DiskFull, free_bytes, on_disk, writing
 from index.models import DEFAULT_GRACE_S, MODELS_DIR, ModelStore
 
 logger = logging.getLogger(__name__)
@@ -287,6 +288,14 @@ class IndexStore:
                 previous: str | None = None, decision: dict | None = None) -> dict:
         """Append one entry to the action log (activations: the path that asked, whether forced and
         which checks the force overrode) and write history.json atomically."""
+        entry = self._log_entry(history, action, version, path=path, previous=previous, decision=decision)
+        atomic_write_text(self.history_file, json.dumps(history, indent=2) + "\n")
+        return entry
+
+    @staticmethod
+    def _log_entry(history: dict, action: str, version: str, *, path: str | None = None,
+                   previous: str | None = None, decision: dict | None = None) -> dict:
+        """Append one entry to `history`'s action log (in memory) -> the entry."""
         entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "action": action,
                  "version": version}
         if path is not None:
@@ -294,7 +303,54 @@ class IndexStore:
             if entry["forced"]:
                 entry["overridden"] = [c["message"] for c in decision["failed"]]
         history.setdefault("log", []).append(entry)
-        atomic_write_text(self.history_file, json.dumps(history, indent=2) + "\n")
+        return entry
+
+    def switch_bytes(self, version: str) -> int:
+        """About the bytes an activation of `version` writes: the pointer and history.json with one more
+        entry (each a whole-block temp file beside the old one)."""
+        try:
+            history = self.history_file.stat().st_size
+        except FileNotFoundError:
+            history = 0
+        return on_disk(len(version) + 1) + on_disk(history + 1024)
+
+    def _serving_as_before(self, current: str | None) -> str:
+        return (f"`current` still points at {current}, which keeps serving" if current
+                else "no version is current, as before")
+
+    def _switch(self, action: str, version: str, current: str | None, history: dict, *, path: str,
+                decision: dict) -> dict:
+        """Point `current` at `version` and log it in history.json, both or neither (under the lock): the
+        free space is checked for both first, and the pointer is put back when the history write fails."""
+        entry = self._log_entry(history, action, version, path=path, previous=current, decision=decision)
+        text = json.dumps(history, indent=2) + "\n"
+        needed = on_disk(len(version) + 1) + on_disk(len(text.encode("utf-8")))
+        if action == "rollback":
+            outcome = (f"the rollback to {version} was not made: {self._serving_as_before(current)}; free some "
+                       f"space and rerun 'softsearch index rollback --root {self.root}'")
+        else:
+            outcome = (f"index version {version} was not activated: {self._serving_as_before(current)}; free "
+                       f"some space and run 'softsearch index activate {version} --root {self.root}'")
+        with writing(self.current_file, needed, outcome):
+            free = free_bytes(self.root)
+            if free is not None and free < needed:
+                raise DiskFull(self.current_file, needed)
+            self._write_current(version)
+            try:
+                atomic_write_text(self.history_file, text)
+            except BaseException as err:
+                try:
+                    if current:
+                        self._write_current(current)
+                    else:
+                        self.current_file.unlink(missing_ok=True)
+                except OSError:
+                    if isinstance(err, DiskFull):
+                        err.outcome = (f"`current` now points at {version} but history.json does not record it "
+                                       f"(the disk filled between the two writes); free some space and run "
+                                       f"'softsearch index activate {version} --root {self.root}'")
+                    raise err from None
+                raise
         return entry
 
     def commit(self, staging: str | os.PathLike, version: str) -> Path:
@@ -362,10 +418,9 @@ class IndexStore:
             stack = history["stack"]
             if current and (not stack or stack[-1] != current):
                 stack.append(current)   # pointer written by someone without a history entry
-            self._write_current(version)
             if not stack or stack[-1] != version:
                 stack.append(version)
-            entry = self._record(history, "activate", version, path=path, previous=current, decision=decision)
+            entry = self._switch("activate", version, current, history, path=path, decision=decision)
         self._log_activation(entry)
         return entry
 
@@ -383,8 +438,7 @@ class IndexStore:
             decision = self.check_activation(target, force=force)
             current = self.current_version()
             history["stack"] = stack
-            self._write_current(target)
-            entry = self._record(history, "rollback", target, path=path, previous=current, decision=decision)
+            entry = self._switch("rollback", target, current, history, path=path, decision=decision)
         self._log_activation(entry)
         return target
 
@@ -411,7 +465,11 @@ class IndexStore:
         if gate is None or read_manifest(path).quality_gate is not None:
             return
         record = gate(version)
-        with self.lock():
+        current = self.current_version()
+        needed = updated_bytes(path, quality_gate=record) + self.switch_bytes(version)   # then its activation
+        with self.lock(), writing(path / MANIFEST_NAME, needed,
+                                  f"the quality gate result of {version} was not recorded and it was not "
+                                  f"activated: {self._serving_as_before(current)}; free some space and rerun"):
             update_manifest(path, quality_gate=record)
         logger.info("gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED")
 

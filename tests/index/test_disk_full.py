@@ -6,6 +6,7 @@ STORAGE_FAILED), remove what it staged and leave `current` and every version loa
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -133,7 +134,23 @@ def test_import_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, tmp_pat
     _assert_store_intact(root, capsys, versions[-1], versions)
 
 
+def _needed(line: str) -> int:
+    """The bytes an `error:` line says the operation needed."""
+    needed = re.search(r"about (\S+) (\S+) needed", line)
+    assert needed, line
+    return int(float(needed.group(1)) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}[needed.group(2)])
+
+
+def _free_up_to(mnt, filler, need: int) -> None:
+    """Shrink the filler until `need` bytes are free (what the error line told the user to do)."""
+    free = shutil.disk_usage(mnt).free
+    os.truncate(filler, max(0, filler.stat().st_size - max(0, need - free)))
+
+
 def test_activate_and_rollback_on_a_full_disk(small_fs, two_versions, capsys):
+    """Each says what it needs and what it left: the version not activated / the rollback not made,
+    the previous version still serving -- not "staged files removed" (they stage nothing); freeing the
+    space it names is enough for the rerun."""
     root = small_fs / "store"
     shutil.copytree(two_versions["root"], root)
     old, new = two_versions["versions"]
@@ -141,12 +158,108 @@ def test_activate_and_rollback_on_a_full_disk(small_fs, two_versions, capsys):
     for argv in (["activate", old], ["rollback"]):
         code, err = _run(capsys, *argv, "--root", str(root))
         assert code == STORAGE_FAILED, err
-        _assert_disk_full_line(err, small_fs)
-        assert f"{root}/" in err
+        line = _assert_disk_full_line(err, small_fs)
+        assert f"{root}/" in err and "staged" not in line
+        assert _needed(line) >= 2 * 4096                           # the pointer and history.json
+        assert line.endswith(f"`current` still points at {new}, which keeps serving; free some space and "
+                             + (f"run 'softsearch index activate {old} --root {root}'" if argv[0] == "activate"
+                                else f"rerun 'softsearch index rollback --root {root}'")), line
+        assert (f"index version {old} was not activated: " if argv[0] == "activate"
+                else f"the rollback to {old} was not made: ") in line
         _assert_store_intact(root, capsys, new, [old, new])
-    filler.unlink()
+        assert IndexStore(root).serving_check(new)["failed"] == []
+    _free_up_to(small_fs, filler, _needed(line))
     assert _run(capsys, "rollback", "--root", str(root))[0] == 0
     assert IndexStore(root).current_version() == old
+    _fill(small_fs, 0)
+    code, err = _run(capsys, "activate", new, "--root", str(root))
+    assert code == STORAGE_FAILED and f"`current` still points at {old}, which keeps serving" in err
+    filler.unlink()
+    assert _run(capsys, "activate", new, "--root", str(root))[0] == 0
+
+
+def test_a_disk_that_fills_between_the_pointer_and_the_history_puts_the_pointer_back(small_fs, two_versions,
+                                                                                      monkeypatch, capsys):
+    """`current` and history.json are written one after the other: when the disk fills after the free-space
+    check (another writer), so that the pointer fits and the longer history does not, the pointer is put
+    back -- `current` and its history never disagree."""
+    import index.store as store_module
+
+    root = small_fs / "store"
+    shutil.copytree(two_versions["root"], root)
+    old, new = two_versions["versions"]
+    store = IndexStore(root)
+    for _ in range(10):   # a history.json of a store in use: longer than one block
+        store.rollback(verify=False)
+        store.activate(new, verify=False)
+    history = (root / "history.json").read_bytes()
+    assert len(history) > 4096 and store.current_version() == new
+    real = store_module.free_bytes
+
+    def filled_meanwhile(path):
+        free = real(path)
+        _fill(small_fs, 4096)     # one block left: the pointer's temp file fits, history.json's does not
+        return free
+
+    monkeypatch.setattr(store_module, "free_bytes", filled_meanwhile)
+    code, err = _run(capsys, "activate", old, "--root", str(root), "--force")
+    assert code == STORAGE_FAILED
+    line = _assert_disk_full_line(err, small_fs)
+    assert line.startswith(f"error: no space left on device writing {root}/history.json")   # the pointer got through
+    assert f"index version {old} was not activated: `current` still points at {new}" in line
+    assert store.current_version() == new and (root / "history.json").read_bytes() == history
+    monkeypatch.undo()
+    _assert_store_intact(root, capsys, new, [old, new])
+
+
+def test_gate_records_on_a_full_disk_say_what_they_left(small_fs, two_versions, tiny_checkpoint, tmp_path, capsys):
+    """The quality gate result is written into a manifest: at a version's first activation (a committed
+    version without one) and in an import's staging before its commit. A full disk there says so, with the
+    bytes needed; nothing is activated and the serving version keeps serving."""
+    from index.cli import main as index_main
+    from index.manifest import read_manifest_json, write_manifest
+
+    root = small_fs / "store"
+    shutil.copytree(two_versions["root"], root)
+    old, new = two_versions["versions"]
+    store = IndexStore(root)
+    manifest = read_manifest_json(store.path(old))
+    del manifest["quality_gate"]                        # as a store written before the gate existed
+    write_manifest(store.path(old), manifest)
+    fillers = []
+
+    def fills_the_disk(candidate, serving):             # the gate scores, then the disk is full
+        fillers.append(_fill(small_fs, 0))
+        return {"metric": "score", "candidate": 0.5, "serving": 0.5}
+
+    capsys.readouterr()
+    assert index_main(["activate", old, "--root", str(root)], evaluator=fills_the_disk) == STORAGE_FAILED
+    line = _assert_disk_full_line(capsys.readouterr().err, small_fs)
+    assert line.startswith(f"error: no space left on device writing {store.path(old)}/manifest.json")
+    assert line.endswith(f"the quality gate result of {old} was not recorded and it was not activated: `current` "
+                         f"still points at {new}, which keeps serving; free some space and rerun"), line
+    assert _needed(line) > len(json.dumps(manifest)) and "staged" not in line
+    assert store.manifest(old).quality_gate is None
+    _assert_store_intact(root, capsys, new, [old, new])
+    fillers.pop().unlink()
+
+    other = tmp_path / "other"
+    imported = build_index(tiny_checkpoint, create_dataset("synthetic", split="test", size=30, seed=1), other,
+                           BuildOptions(progress=False))
+    archive = export_version(other, tmp_path / "v.tar")
+    capsys.readouterr()
+    assert index_main(["import", str(archive), "--root", str(root)], evaluator=fills_the_disk) == STORAGE_FAILED
+    line = _assert_disk_full_line(capsys.readouterr().err, small_fs)
+    assert line.startswith(f"error: no space left on device writing {root}/staging/import-")
+    assert line.endswith(f"the import of {imported} stopped before its commit: nothing of it is in versions/ and "
+                         f"`current` still points at {new}, which keeps serving; free some space and rerun the "
+                         "import"), line
+    assert _needed(line) >= 3 * 4096 and "staged files were removed" not in line
+    _assert_store_intact(root, capsys, new, [old, new])
+    fillers.pop().unlink()
+    assert index_main(["import", str(archive), "--root", str(root)],
+                      evaluator=lambda c, s: {"metric": "score", "candidate": 0.5, "serving": 0.5}) == 0
+    assert store.current_version() == imported
 
 
 def test_other_os_errors_name_the_path(tmp_path, two_versions, capsys):
