@@ -11,8 +11,8 @@ A filter is JSON over the version's metadata fields (index/metadata.py):
 An item without a value for a field matches no condition on it (it matches ``not`` of one).
 `parse_filter` checks every field name, operator and value type against the field types and
 raises FilterError naming the field; `Filter.mask(columns)` evaluates it with numpy. Numbers are
-compared as float64, so a number beyond +-MAX_NUMBER (a JSON integer of 400 digits) is refused,
-as is a filter nested deeper than any valid one can be (MAX_DEPTH), before it is decoded.
+compared as float64, so a number beyond +-MAX_NUMBER (a JSON integer of 400 digits) is refused;
+a filter nested more than MAX_DEPTH levels is refused before it is decoded.
 """
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ MAX_NODES = 256          # conditions per filter: bounds the work one request ca
 MAX_IN_VALUES = 4096
 #: the largest magnitude a filter number may have: the metadata columns are float64
 MAX_NUMBER = sys.float_info.max
-#: JSON nesting of a filter: a valid one (at most MAX_NODES conditions) nests at most 2 * MAX_NODES + 1
-#: levels (an object and a list per and / or, an operator object and an `in` list at the leaf)
-MAX_DEPTH = 2 * MAX_NODES + 2
+#: levels of JSON nesting a filter may have (objects and lists; `{"a": {"in": [1]}}` is 3): 31 nested
+#: and / or lists. Below every JSON parser's own limit on the routes (pydantic's is 200), so the same
+#: filter is answered the same on every route, and checked before decoding (400 beyond it)
+MAX_DEPTH = 64
 #: a JSON string (escapes included), removed before the brackets of a filter text are counted
 _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.S)
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]++")
@@ -55,8 +56,7 @@ class FilterTooDeep(FilterError):
     status, code = 400, "filter_too_deep"
 
     def __init__(self):
-        super().__init__(f"filter is nested more than {MAX_DEPTH} levels deep (a filter of at most "
-                         f"{MAX_NODES} conditions nests less)")
+        super().__init__(f"filter is nested more than {MAX_DEPTH} levels deep (objects and lists)")
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ def _condition(field: str, value: Any, types: dict[str, str], where: str):
             if kind != "str" or not isinstance(operand, str):
                 raise FilterError(f"{where}.{field}.prefix needs a string field and a string; {field!r} is {kind}",
                                   field)
-            tests.append(lambda c, p=operand: c.present[field] & np.char.startswith(c.values[field], p))
+            tests.append(lambda c, p=operand: c.present[field] & _startswith(c.values[field], p))
         else:
             raise FilterError(f"{where}.{field}: unknown operator {_name(op)} (use in, gt, gte, lt, lte, prefix, "
                               "or a value for equality)", field)
@@ -224,14 +224,24 @@ def _scalar(field: str, kind: str, value: Any):
 
 
 def _equal(cols: MetadataColumns, field: str, value) -> np.ndarray:
+    if isinstance(value, str) and value.endswith("\0"):   # numpy would read the NUL as padding ("a\0" == "a")
+        return np.zeros(cols.count, dtype=bool)              # and a column holds no value ending in one
     return cols.present[field] & (cols.values[field] == value)
+
+
+def _startswith(column: np.ndarray, prefix: str) -> np.ndarray:
+    """Rows whose string starts with `prefix`; numpy drops a prefix's trailing NULs, so such a prefix
+    is compared in Python."""
+    if prefix.endswith("\0"):
+        return np.fromiter((str(v).startswith(prefix) for v in column), dtype=bool, count=len(column))
+    return np.char.startswith(column, prefix)
 
 
 def _member(cols: MetadataColumns, field: str, values: list) -> np.ndarray:
     column = cols.values[field]
     if column.dtype.kind == "U":   # a value longer than every stored one matches none; an array of the
         width = column.dtype.itemsize // 4   # long ones would take len(values) x the longest of them
-        values = [v for v in values if len(v) <= width]
+        values = [v for v in values if len(v) <= width and not v.endswith("\0")]   # as in _equal
         if not values:
             return np.zeros(column.shape, dtype=bool)
     return cols.present[field] & np.isin(column, np.asarray(values))
@@ -240,7 +250,7 @@ def _member(cols: MetadataColumns, field: str, values: list) -> np.ndarray:
 def filter_json_schema(types: dict[str, str], ref: str) -> dict:
     """The JSON Schema of a filter over fields `types` ({field: str|int|float|bool}); `ref` is where the
     schema itself lives (its and / or / not recurse through it). Every filter it admits parses here;
-    the schema only leaves unsaid the MAX_NODES bound on conditions."""
+    the schema states the MAX_NODES and MAX_DEPTH bounds only in its description."""
     number = {"type": "number", "minimum": -MAX_NUMBER, "maximum": MAX_NUMBER}
     scalar = {"str": {"type": "string"}, "bool": {"type": "boolean"}, "int": number, "float": number}
     properties: dict[str, Any] = {}

@@ -38,6 +38,13 @@ def query(folder_index):
     return version.embeddings[0].tolist(), first, (folder_index["folder"] / first).read_bytes()
 
 
+def _depth(value) -> int:
+    """Levels of objects and lists."""
+    if isinstance(value, (dict, list)):
+        return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0)
+    return 0
+
+
 def _json_routes(vector, item_id, flt: str) -> list[tuple[str, str]]:
     """(route, raw JSON body) with the filter spliced in as text, so integers keep every digit."""
     vec = json.dumps(vector)
@@ -129,22 +136,31 @@ def test_brackets_inside_strings_do_not_count(client, query, folder_index):
         assert (body.get("matched") if "matched" in body else body["responses"][0]["matched"]) == 0
 
 
-def test_the_deepest_valid_filter_is_answered(client, query, folder_index):
-    """MAX_NODES conditions nested as deep as they go (and-lists inside and-lists) are a valid filter:
-    200 on the JSON and the multipart route, matching what the innermost condition selects."""
+def test_the_deepest_filter_is_answered_alike_on_every_route(client, query, folder_index):
+    """A filter nested exactly MAX_DEPTH levels (and-lists inside and-lists, a `not`, an `in` list) is
+    answered on every route, JSON and multipart, matching the items its condition leaves out; one
+    level more is 400 on every route; MAX_NODES + 1 conditions side by side are 422."""
     vector, item_id, png = query
-    flt: dict = {"rating": {"in": [0, 3]}}
-    for _ in range(MAX_NODES - 1):
-        flt = {"and": [flt]}
+    flt: dict = {"rating": {"in": [0, 3]}}                        # 3 levels
+    for _ in range((MAX_DEPTH - 4) // 2):
+        flt = {"and": [flt]}                                      # 2 levels each
+    flt = {"not": flt}                                            # 3 + 60 + 1
     text = json.dumps(flt)
-    expected = sum(1 for n in range(len(folder_index["ids"])) if n % 5 in (0, 3))
-    r = client.post("/v1/search/vector", content=_json_routes(vector, item_id, text)[0][1], headers=JSON)
-    assert r.status_code == 200 and r.json()["matched"] == expected, r.text
-    r = _multipart(client, png, text)[0]
-    assert r.status_code == 200 and r.json()["matched"] == expected, r.text
-    r = client.post("/v1/search/vector", content=_json_routes(vector, item_id, json.dumps({"not": flt}))[0][1],
-                    headers=JSON)
-    assert r.status_code == 422 and f"more than {MAX_NODES} conditions" in r.json()["detail"]   # one more: 422
+    assert _depth(flt) == MAX_DEPTH
+    expected = sum(1 for n in range(len(folder_index["ids"])) if n % 5 not in (0, 3))   # under the `not`
+    for r in [client.post(route, content=body, headers=JSON) for route, body in _json_routes(vector, item_id, text)] \
+            + _multipart(client, png, text):
+        assert r.status_code == 200, (r.request.url, r.text)
+        body = r.json()
+        answers = body["responses"] if "responses" in body else [body]
+        assert all(a["matched"] == expected for a in answers)
+    deeper = json.dumps({"not": flt})
+    for r in [client.post(route, content=body, headers=JSON) for route, body in _json_routes(vector, item_id, deeper)] \
+            + _multipart(client, png, deeper):
+        assert r.status_code == 400 and r.json()["error"] == "filter_too_deep", (r.request.url, r.text)
+    wide = json.dumps({"or": [{"rating": n % 5} for n in range(MAX_NODES)]})
+    r = client.post("/v1/search/vector", content=_json_routes(vector, item_id, wide)[0][1], headers=JSON)
+    assert r.status_code == 422 and f"more than {MAX_NODES} conditions" in r.json()["detail"]
 
 
 def test_the_connection_stays_open_after_a_refused_filter(app, query):
