@@ -45,13 +45,14 @@ def _fetch_count(k: int, offset: int, settings) -> int:
 
 
 def _filter(spec, snapshot) -> Filter | None:
-    """The request's filter parsed against the served version's metadata fields (422 naming the field)."""
+    """The request's filter parsed against the served version's metadata fields (422 naming the field,
+    400 nested too deep)."""
     if spec is None or (isinstance(spec, str) and spec.strip() in ("", "null")):   # JSON null: no filter
         return None
     try:
         return parse_filter(spec, snapshot.metadata_fields)
-    except FilterError as err:
-        raise ApiError(422, "bad_filter", str(err)) from err
+    except FilterError as err:   # 422 bad_filter; 400 filter_too_deep, as for a JSON body nested too deep
+        raise ApiError(err.status, err.code, str(err)) from err
 
 
 def _require_encoder(snapshot) -> None:

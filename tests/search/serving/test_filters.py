@@ -112,3 +112,73 @@ def test_filter_text_and_dict_compile_to_the_same_key():
     a = parse_filter({"size": {"lt": 5, "gt": 1}, "class": "apps"}, TYPES)
     b = parse_filter('{"class": "apps", "size": {"gt": 1, "lt": 5}}', TYPES)
     assert a.key == b.key and a.fields == {"class", "size"}
+
+
+def _true_depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_true_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_true_depth(v) for v in value), default=0)
+    return 0
+
+
+def test_the_text_depth_is_the_decoded_depth():
+    """The bracket count run before json.loads agrees with the depth of what json.loads returns, strings
+    (brackets and escaped quotes inside them) left out."""
+    from search.serving.filters import _depth, _text_depth
+    rng = np.random.default_rng(3)
+
+    def random_json(level):
+        pick = rng.integers(0, 6) if level < 12 else 5
+        if pick <= 1:
+            return [random_json(level + 1) for _ in range(rng.integers(0, 3))]
+        if pick <= 3:
+            return {str(rng.choice(["a", "[", '"{', "\\]"])) + str(i): random_json(level + 1)
+                    for i in range(rng.integers(0, 3))}
+        return str(rng.choice(["x", "[[[", '\\"}', "{", 3, None]))
+    for _ in range(300):
+        value = random_json(0)
+        text = __import__("json").dumps(value)
+        assert _text_depth(text) == _true_depth(value) == _depth(value), text
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ({"size": {"gte": 10 ** 400}}, "out of range"),
+    ({"score": -(10 ** 309)}, "out of range"),
+    ({"size": {"in": [1, 2 ** 1024]}}, "out of range"),
+    ({"score": float("nan")}, "field 'score' is float; got NaN"),
+    ({"score": {"lt": float("inf")}}, "got Infinity"),
+])
+def test_numbers_beyond_float64_are_refused_by_name(spec, needle):
+    with pytest.raises(FilterError, match=needle) as err:
+        parse_filter(spec, TYPES)
+    assert err.value.field in spec or err.value.field in ("size", "score")
+    assert err.value.status == 422 and len(str(err.value)) < 200
+
+
+def test_the_largest_float64_compares_and_a_long_in_list_costs_no_memory():
+    import sys
+    ids, meta = _metadata(200, 0)
+    cols = MetadataColumns.build(meta, ids)
+    biggest = int(sys.float_info.max)          # exactly representable: accepted, compared as itself
+    has_size = np.array(["size" in meta.items[i] for i in ids])
+    np.testing.assert_array_equal(parse_filter({"size": {"lt": biggest}}, TYPES).mask(cols), has_size)
+    assert not parse_filter({"size": {"gt": biggest}}, TYPES).mask(cols).any()
+    # 1,000 values, one of 250,000 characters: no (1,000 x 250,000) array (1 GB) is built; the short one matches
+    spec = {"class": {"in": ["x" * 250_000] + ["apps"] + [""] * 998}}
+    mask = parse_filter(spec, TYPES).mask(cols)
+    np.testing.assert_array_equal(mask, [meta.items[i].get("class") == "apps" for i in ids])
+    assert not parse_filter({"class": {"in": ["y" * 1_000_000]}}, TYPES).mask(cols).any()
+
+
+def test_nesting_deeper_than_a_valid_filter_is_refused_before_decoding():
+    from search.serving.filters import MAX_DEPTH, FilterTooDeep
+    for text in ("[" * 100_000, '{"not":' * 2000 + '{"ok": true}' + "}" * 2000):
+        with pytest.raises(FilterTooDeep) as err:
+            parse_filter(text, TYPES)
+        assert err.value.status == 400 and err.value.code == "filter_too_deep"
+    deep: object = 1
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    with pytest.raises(FilterTooDeep):
+        parse_filter({"size": {"in": deep}}, TYPES)
