@@ -1,6 +1,6 @@
 """The energy scale of the training loss: how deep are the barriers Langevin annealing must climb (issue 31)?
 
-The annealing theorem (papers.md §2) needs c above the depth d* of the deepest non-global basin of the
+The annealing theorem (docs/theory.md §3) needs c above the depth d* of the deepest non-global basin of the
 energy the noise samples, here the training loss: SGLD adds sqrt(2 lr T_t) noise, so its stationary
 density is exp(-L(theta) / T) and T is in nats of the batch-mean loss. This script measures two
 estimates of that scale from finished runs, on the same fixed batches for every model:

@@ -1,7 +1,7 @@
 """FAISS index kinds for unit embeddings: create, train+add, choose, tune, search.
 
 Every kind uses inner product on L2-normalised rows, so scores are cosine similarities
-`s = z_q . z_y` (see papers.md). Kinds:
+`s = z_q . z_y` (docs/theory.md §1). Kinds:
 
 - ``flat``     IndexFlatIP, exact brute force.
 - ``ivf-flat`` inverted lists over a flat-IP coarse quantizer, full vectors in the lists;

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from training.cli_parser import CommandParser
 
 SCHEDULE_NAMES = ("log", "exp", "cosine", "none")
-DESCRIPTION = "Langevin annealing schedules on a planted InfoNCE landscape (docs/theory.md, annealed InfoNCE)."
+DESCRIPTION = "Langevin annealing schedules on a planted InfoNCE landscape (docs/theory.md §3)."
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`softsearch experiment anneal`: Langevin annealing schedules on a planted InfoNCE landscape.
 
-Reproduces the claim of docs/theory.md ("Annealed InfoNCE") on a problem whose global minimum is known: a
+Reproduces the claim of docs/theory.md §3 on a problem whose global minimum is known: a
 logarithmic noise schedule 1/T_t = log(t + t_0)/c (c above the barrier depth) reaches the global
 basin more often than fast schedules, which freeze in local minima.
 

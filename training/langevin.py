@@ -1,4 +1,4 @@
-"""Langevin noise for training: turns an optimizer step into an SGLD step (papers.md section 3).
+"""Langevin noise for training: turns an optimizer step into an SGLD step (docs/theory.md §3).
 
 Discrete Langevin (SGLD):  theta <- theta - eta * grad L + sqrt(2 * eta * T_t) * xi,  xi ~ N(0, I).
 The optimizer has already done the gradient part when ``LangevinNoise.apply`` runs, so this module

@@ -1,4 +1,4 @@
-"""Vanishing Gaussianity regulariser of papers.md section 4 (arXiv 2602.24012).
+"""Vanishing Gaussianity regulariser of docs/theory.md §4 (arXiv 2602.24012).
 
     R(h) = E|h|^2 - log det Cov(h),      added to the loss with weight alpha_t -> 0,
 

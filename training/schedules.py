@@ -1,7 +1,7 @@
 """Temperature schedules: softmax temperature tau_t for the loss and noise temperature T_t for Langevin.
 
 Every schedule maps a training step (or epoch, see ``steps_per_epoch``) to a temperature.
-The same classes serve two roles (papers.md section 3):
+The same classes serve two roles (docs/theory.md §3):
 
 * **softmax temperature** tau_t of InfoNCE / WEINCE: dimensionless, logits are ``s / tau``
   with cosine similarity ``s`` in [-1, 1]; sensible values are 0.01 .. 1.
@@ -185,7 +185,7 @@ class LearnableSchedule(TemperatureSchedule):
 
 @register_schedule("log")
 class LogSchedule(TemperatureSchedule):
-    """Logarithmic annealing of the inverse temperature (the guaranteed one, papers.md section 3).
+    """Logarithmic annealing of the inverse temperature (the guaranteed one, docs/theory.md §3).
 
     1/tau_t = 1/tau_0 + log(1 + t/t_0) / c, then tau_t clipped to [tau_min, tau_max].
     With tau_0 = c / log(t_0) (``tau_0=None``, the default; needs t_0 > 1) this is exactly the paper's

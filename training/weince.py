@@ -1,4 +1,4 @@
-"""WEINCE: InfoNCE with an anchor-adaptive Weibull-shortfall logit blend (papers.md section 2).
+"""WEINCE: InfoNCE with an anchor-adaptive Weibull-shortfall logit blend (docs/theory.md §2).
 
 Cosine similarity is capped at 1, so the hard-negative tail has a finite endpoint (the Weibull
 domain of extreme-value theory) and its natural coordinate is the shortfall delta = 1 - s.
@@ -14,7 +14,7 @@ then the usual cross-entropy over the anchor's candidates (self excluded, positi
   lambda_rho = sigmoid(kappa_rho (log rho_0 - log rho_i));
 * tail shape on the anchor's top-m negative shortfalls delta_(1) <= ... <= delta_(m) with empirical
   CDF F_k = k / (m + 1): least squares of log F on log delta (Weibull / power law, slope beta)
-  against a Gumbel proxy, either log F on delta (exponential tail, papers.md) or, as the
+  against a Gumbel proxy, either log F on delta (exponential tail, docs/theory.md §2) or, as the
   reference code, log(-log F) on log delta; dAIC = AIC_gumbel - AIC_weibull
   = n log(SSE_gumbel / SSE_weibull) (both fits have two parameters);
   lambda_aic = sigmoid(kappa_aic (dAIC - margin));
@@ -31,7 +31,7 @@ above, with the reference's gate rules, plus two terms over {positive + top-M ha
 where beta_t is an EMA (momentum 0.9, start 4) of the power-law slope fitted to the smallest 5 %
 (at least 1024) of all negative shortfalls in the batch, the fit clamped to [beta_min, beta_max]
 and used only when its R^2 >= 0.85. ``variant="blend"`` is the blend alone with the project's
-gate rules (papers.md). docs/weince.md tabulates what still differs from the reference.
+gate rules (docs/theory.md §2). docs/weince.md tabulates what still differs from the reference.
 No trainable parameters; ``lambda = 0`` without top-M terms is exactly InfoNCE.
 
 Distributed training: the batch statistics (rho_0 quantile, EMAs, the beta_t tail) must be
@@ -75,7 +75,7 @@ def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6, presort
     Rows are sorted ascending; the k-th smallest gets F = k / (m + 1) (the normalisation only
     shifts intercepts, so the top-m of K negatives give the same slopes). The ``burn`` smallest
     points, the noisiest ranks, are dropped. ``gumbel``: "exponential" regresses log F on delta
-    (papers.md), "loglog" regresses log(-log F) on log delta (the reference code).
+    (docs/theory.md), "loglog" regresses log(-log F) on log delta (the reference code).
     ``slope_penalty`` adds SLOPE_PENALTY to the SSE of a fit whose slope has the wrong sign.
     """
     if shortfalls.dim() < 1 or shortfalls.shape[-1] - burn < 3:

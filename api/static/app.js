@@ -84,7 +84,7 @@ function render(body) {
     `version ${body.version} · ${body.count} items · tau ${body.temperature.toPrecision(3)}` +
     (body.matched === null || body.matched === undefined ? "" : ` · ${body.matched} match the filter`);
   $("version").textContent = "index " + body.version;
-  // Bars are absolute (width = p): a near-uniform search shows near-empty bars, as it should.
+  // Bars are absolute (probability: width = p): a near-uniform search shows near-empty bars, as it should.
   const peak = body.peakedness;
   const hint = $("peakedness");
   if (hint) {
@@ -111,9 +111,25 @@ function render(body) {
     similar.className = "similar";
     similar.textContent = "similar to this";
     similar.addEventListener("click", () => searchItem(hit.id, img.src));
-    card.append(img, id, sim, bar("sim", (hit.similarity + 1) / 2), prob, bar("prob", hit.probability), similar);
+    card.dataset.similarity = String(hit.similarity);
+    card.dataset.probability = String(hit.probability);
+    // both bars on one 0..1 scale (legend #bar-legend): the cosine as is, clipped at 0; the probability as is
+    const simBar = bar("sim", Math.max(hit.similarity, 0));
+    simBar.title = `cosine similarity ${hit.similarity.toFixed(4)} (bar: 0 to 1)`;
+    const probBar = bar("prob", hit.probability);
+    probBar.title = `probability ${hit.probability.toPrecision(3)} (bar: 0 to 1)`;
+    card.append(img, id, sim, simBar, prob, probBar, similar);
     grid.appendChild(card);
   });
+  $("bar-legend").hidden = body.results.length === 0;
+  const empty = emptyReason(body);
+  if (empty) {
+    const note = document.createElement("p");
+    note.id = "no-results";
+    note.className = "empty";
+    note.textContent = empty;
+    grid.appendChild(note);
+  }
   grid.dataset.count = String(body.results.length);
   grid.dataset.version = body.version;
   // pages of k: "next" while the page was full and more hits may pass the cut-off
@@ -123,7 +139,18 @@ function render(body) {
   pager.hidden = body.offset === 0 && !more;
   $("prev-page").disabled = body.offset === 0;
   $("next-page").disabled = !more;
-  $("page-info").textContent = `results ${body.offset + 1}–${body.offset + body.results.length}`;
+  $("page-info").textContent = body.results.length ? `results ${body.offset + 1}–${body.offset + body.results.length}`
+                                                    : "no results";
+}
+
+// Why a search returned nothing, in words the user can act on (null when it returned something).
+function emptyReason(body) {
+  if (body.results.length) return null;
+  if (body.matched === 0) return "no item matches the filter; widen it";
+  if (body.offset > 0) return `no more results after the first ${body.offset}`;
+  const minP = $("min-probability").value;
+  if (minP) return `no result above the cut-off p ≥ ${minP}; lower it (or clear it to see every hit)`;
+  return "no results";
 }
 
 function chosenK() {
@@ -177,7 +204,8 @@ async function runQuery(send) {
     const body = await r.json();
     if (!r.ok) { setStatus(`${r.status} ${body.error}: ${body.detail}`, true); return; }
     render(body);
-    setStatus(`${body.results.length} results in ${(performance.now() - t0).toFixed(0)} ms`);
+    const ms = (performance.now() - t0).toFixed(0);
+    setStatus(body.results.length ? `${body.results.length} results in ${ms} ms` : `${emptyReason(body)} (${ms} ms)`);
   } catch (e) {
     setStatus("request failed: " + e, true);
   }

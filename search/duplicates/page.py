@@ -27,10 +27,22 @@ def _thumb(snapshot, item_id: str) -> str:
     return _png_data(buf.getvalue())
 
 
-def calibration_figure(calibration: dict) -> bytes:
+def threshold_label(threshold: float) -> str:
+    """How the page names the groups' probability threshold, in its header, its figure and the figure's alt text."""
+    return f"groups kept: p \u2265 {threshold:.3g}"
+
+
+def calibration_figure(calibration: dict, threshold: float) -> bytes:
     """Reliability diagram of the held-out top-1 probability, and the top-1 p of edited copies against
-    items that have no copy (their nearest neighbours are same-class look-alikes)."""
-    from search.evaluation.figures import png_bytes, pyplot
+    items that have no copy (their nearest neighbours are same-class look-alikes), with a line at the
+    `threshold` the groups were kept at (the scan's P, not the calibration queries' own precision threshold)."""
+    from search.evaluation.figures import png_bytes
+
+    return png_bytes(_calibration_axes(calibration, threshold))
+
+
+def _calibration_axes(calibration: dict, threshold: float):
+    from search.evaluation.figures import pyplot
 
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
@@ -48,12 +60,12 @@ def calibration_figure(calibration: dict) -> bytes:
     # the look-alikes are over-sampled (job.hard_negative_sample); their weights give the collection's shares
     right.hist(negatives, bins=bins, weights=calibration.get("negative_weights") or None, alpha=0.7, color="#36c",
                label="no copy (look-alikes, weighted)")
-    right.axvline(calibration["threshold"], color="#b00", lw=1, label=f"threshold {calibration['threshold']:.3g}")
+    right.axvline(threshold, color="#b00", lw=1, label=threshold_label(threshold))
     right.set_xlabel("top-1 probability")
     right.set_yscale("log")
     right.legend(fontsize=8)
     fig.tight_layout()
-    return png_bytes(fig)
+    return fig
 
 
 def render_page(result: dict, snapshot) -> str:
@@ -61,6 +73,7 @@ def render_page(result: dict, snapshot) -> str:
     from search.duplicates.calibration import DuplicateCalibration
 
     cal = result["calibration"]
+    threshold = float(result["threshold"])   # the one threshold the page states: header, figure line, alt text
     calib = DuplicateCalibration.from_json(cal)
     weights = calib.geometry_weights     # a scan written before a penalty existed reads its weight as 0
     esc = html.escape
@@ -73,7 +86,7 @@ def render_page(result: dict, snapshot) -> str:
         ".meta{width:100%;font-size:.85rem;color:#555}</style></head><body>",
         f"<h1>Duplicates in index version {esc(result['version'])}</h1>",
         f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of {result['count']} "
-        f"items) at probability &ge; {result['threshold']:.3g}. Duplicate temperature {result['temperature']:.4g}, "
+        f"items) at probability &ge; {threshold:.3g}. Duplicate temperature {result['temperature']:.4g}, "
         f"no-original score {result['bias']:.4g}, fitted on {cal['fitted_on']} queries made from this collection "
         + ("(edited copies of its items searched with their original, and items searched without themselves); "
            "verified stage (each item's nearest items re-scored pixel for pixel, a match's stretch and crop costing "
@@ -83,7 +96,8 @@ def render_page(result: dict, snapshot) -> str:
         + "; expected calibration error on held-out queries (two-fold cross-fitting) "
         f"{cal['ece']:.3f} over {cal['held_out']} queries. A group's confidence is the smallest, over its members, "
         "of the probability that the member's original is among the others.</p>",
-        f"<img alt='calibration' src='{_png_data(calibration_figure(cal))}'>",
+        f"<img alt='calibration; red line: {esc(threshold_label(threshold))}' "
+        f"src='{_png_data(calibration_figure(cal, threshold))}'>",
     ]
     if result.get("collection_share") is not None:
         share, design = result["collection_share"], calib.design_share

@@ -1,4 +1,4 @@
-"""Search-temperature calibration: the tau minimising held-out H(q, p) (papers.md section 1).
+"""Search-temperature calibration: the tau minimising held-out H(q, p) (docs/theory.md §1).
 
 H(q) does not depend on tau, so minimising H(q, p) minimises the gap KL(q || p). In beta = 1/tau,
 H(q, p) = log Z(beta) - beta E_q[s] is convex (log Z is a log-partition function), hence unimodal

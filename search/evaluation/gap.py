@@ -1,6 +1,6 @@
 """Exact, streaming cross-entropy gap between the ideal and the learned softmax search.
 
-Per query x over a database D = {y_1..y_N} (papers.md section 1):
+Per query x over a database D = {y_1..y_N} (docs/theory.md §1):
 
     ideal    q(j|x) = r(x, y_j) / sum_l r(x, y_l)           (from the generator's log r)
     learned  p(j|x) = exp(s_j / tau) / sum_l exp(s_l / tau)   (s = z_x . z_y)

@@ -1,4 +1,4 @@
-"""The O(1/k) law: InfoNCE risk with k negatives vs the expected search cross-entropy (papers.md section 1).
+"""The O(1/k) law: InfoNCE risk with k negatives vs the expected search cross-entropy (docs/theory.md §1).
 
 For a query x, a positive y_0 ~ p(y|x) and negatives y_1..y_k ~ p(y), with l_j = s(x, y_j)/tau:
 

@@ -1,4 +1,4 @@
-"""Normality tests of a representation (papers.md section 4), each calibrated at the sample's own (n, d).
+"""Normality tests of a representation (docs/theory.md §4), each calibrated at the sample's own (n, d).
 
 - Norm concentration of the pre-normalisation features (coefficient of variation of |h|).
 - Per-column D'Agostino K^2 and Anderson-Darling (scipy's p-values) on coordinates and on random

@@ -1,4 +1,4 @@
-"""Extreme-value tail of the negative similarities (papers.md section 2), with its sensitivity.
+"""Extreme-value tail of the negative similarities (docs/theory.md §2), with its sensitivity.
 
 Input: a (Q, N) block of query-item similarities with a mask of the pairs that count as negatives.
 

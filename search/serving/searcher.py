@@ -1,6 +1,6 @@
 """Searcher: an encoder plus the active index version, with exact softmax probabilities and hot swap.
 
-Probabilities are the learned softmax search over the WHOLE database (papers.md section 1):
+Probabilities are the learned softmax search over the WHOLE database (docs/theory.md §1, §6):
 
     p(j | x) = exp(s_j / tau) / sum_l exp(s_l / tau),     s_j = z_x . z_j
 

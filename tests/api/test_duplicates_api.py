@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,6 +17,8 @@ from api.client import SoftsearchClient, SoftsearchError
 from api.config import Settings
 from index.store import IndexStore
 from search.duplicates.edits import edited_copy
+from search.duplicates.page import _calibration_axes
+from search.evaluation.figures import pyplot
 from training.images import load_rgb
 
 
@@ -61,6 +64,17 @@ def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
         assert body["groups"] == data["groups"][:1]
         page = ss.http.get("/duplicates")
         assert page.status_code == 200 and "Duplicates in index version" in page.text and "data:image/png" in page.text
+        # one threshold on the page: the header's, the figure line's (alt text) and the legend's are the scan's P,
+        # not the calibration queries' own precision threshold (which differs here)
+        header = re.search(r"at probability &ge; ([0-9.e+-]+?)\. ", page.text).group(1)
+        alt = re.search(r"red line: groups kept: p \u2265 ([0-9.e+-]+)'", page.text).group(1)
+        assert float(header) == float(alt) == data["threshold"] == 0.5 and cal["threshold"] != 0.5
+        fig = _calibration_axes(cal, data["threshold"])
+        legend = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
+        assert "groups kept: p \u2265 0.5" in legend, legend
+        lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "groups kept: p \u2265 0.5"]
+        assert len(lines) == 1 and set(lines[0].get_xdata()) == {0.5}
+        pyplot().close(fig)
 
 
 def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):

@@ -145,6 +145,74 @@ def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
             threshold.send_keys(f"{(shown[j] + shown[j + 1]) / 2:.6g}")
             threshold.send_keys("\t")
             wait.until(lambda d: len(d.execute_script(ids_js)) == j + 1)
-            assert "results 1–%d" % (j + 1) in driver.find_element(By.ID, "page-info").text
+            # one short page: the pager is hidden (and, since the hidden attribute now wins, not shown)
+            assert "results 1–%d" % (j + 1) in driver.find_element(By.ID, "page-info").get_attribute("textContent")
+            assert not driver.find_element(By.ID, "pager").is_displayed()
+        finally:
+            driver.quit()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
+def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty_cut_off(tmp_path, folder_index):
+    """Before a search no hidden element shows (no broken query-image icon, no page buttons); the similarity bar
+    is max(s, 0) on a labelled 0..1 scale; a cut-off that leaves nothing says so and what to do."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    cards_js = ("return Array.from(document.querySelectorAll('#results .result')).map(c => ({id: c.dataset.id, "
+                "s: parseFloat(c.dataset.similarity), p: parseFloat(c.dataset.probability), "
+                "sim: c.querySelector('.bar.sim span').style.width, prob: c.querySelector('.bar.prob span').style.width}));")
+    app = create_app(Settings(index_root=folder_index["root"], admin_token=ADMIN_TOKEN))
+    with ServerThread(app) as server:
+        driver = _chromium(tmp_path)
+        try:
+            driver.get(server.url + "/")
+            wait = WebDriverWait(driver, 60)
+            wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#samples img.sample")) == 16)
+            wait.until(lambda d: d.execute_script(
+                "return Array.from(document.querySelectorAll('#samples img')).every(i => i.complete)"))
+            shown = driver.execute_script(
+                "return Array.from(document.querySelectorAll('[hidden]'))"
+                ".filter(e => getComputedStyle(e).display !== 'none').map(e => e.id || e.tagName);")
+            assert shown == [], f"elements with the hidden attribute are displayed: {shown}"
+            assert not driver.find_element(By.ID, "query-preview").is_displayed()
+            assert not driver.find_element(By.ID, "pager").is_displayed()
+            assert not driver.find_element(By.ID, "prev-page").is_displayed()
+            broken = driver.execute_script(
+                "return Array.from(document.images).filter(i => i.getClientRects().length && "
+                "(!i.getAttribute('src') || (i.complete && i.naturalWidth === 0))).map(i => i.id || i.alt);")
+            assert broken == [], f"broken images on the page before any search: {broken}"
+
+            k = driver.find_element(By.ID, "k")   # every item: the far ones have the lowest cosines
+            k.clear()
+            k.send_keys("60")
+            driver.find_elements(By.CSS_SELECTOR, "#samples img.sample")[0].click()
+            wait.until(lambda d: len(d.execute_script(cards_js)) == 60)
+            cards = driver.execute_script(cards_js)
+            assert driver.find_element(By.ID, "query-preview").is_displayed()
+            assert min(c["s"] for c in cards) < 0.9, cards   # where (s+1)/2 and max(s, 0) differ by > 5 %
+            for c in cards:   # the bar is the cosine itself on 0..1 (negatives empty), the probability itself
+                assert abs(float(c["sim"].rstrip("%")) - 100 * max(c["s"], 0.0)) <= 0.051, c
+                assert abs(float(c["prob"].rstrip("%")) - 100 * c["p"]) <= 0.051, c
+            legend = driver.find_element(By.ID, "bar-legend")
+            assert legend.is_displayed() and "cosine similarity" in legend.text and "0 (empty) to 1" in legend.text
+
+            # a cut-off above every hit's probability: nothing passes, and the page says why and what to do
+            top = max(c["p"] for c in cards)
+            assert top < 1.0
+            cut = f"{(top + 1.0) / 2:.6f}"
+            assert float(cut) > top
+            box = driver.find_element(By.ID, "min-probability")
+            box.send_keys(cut)
+            box.send_keys("\t")   # change event
+            wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-count") == "0")
+            note = driver.find_element(By.ID, "no-results").text
+            assert f"no result above the cut-off p ≥ {cut}" in note and "lower it" in note, note
+            assert "cut-off" in driver.find_element(By.ID, "status").text
+            body = driver.find_element(By.TAG_NAME, "body").text
+            assert "results 1–0" not in body and not driver.find_element(By.ID, "bar-legend").is_displayed()
+            assert not driver.find_element(By.ID, "pager").is_displayed()
         finally:
             driver.quit()

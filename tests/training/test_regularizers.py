@@ -1,4 +1,4 @@
-"""The vanishing Gaussianity regulariser (papers.md section 4) against numpy and its closed-form minimiser."""
+"""The vanishing Gaussianity regulariser (docs/theory.md §4) against numpy and its closed-form minimiser."""
 from __future__ import annotations
 
 import json
