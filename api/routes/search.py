@@ -140,9 +140,12 @@ async def search_image(
 async def search_vector(
     request: Request, ctx: Annotated[SearchContext, Depends(search_context(vector_body.JSON, vector_body.OCTET))],
 ) -> Response:
-    """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length): a JSON
-    VectorQuery, or the vector as little-endian float32 bytes (application/octet-stream) with the other
-    fields in the query string."""
+    """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length).
+
+    The body is a JSON VectorQuery, or (`Content-Type: application/octet-stream`) the vector itself as
+    little-endian float32 values, 4 x dim bytes, with k, temperature, offset, min_probability, mass and
+    filter (JSON text) in the query string, e.g. `POST /v1/search/vector?k=10`: no JSON parsing at all.
+    Query-string fields also apply to a JSON body, whose own fields take precedence."""
     query = await vector_body.read_vector_query(request, ctx.media)
     snapshot = ctx.snapshot
     fetch = _fetch_count(query.k, query.offset, ctx.settings)
