@@ -14,8 +14,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile as StarletteUpload
 
+from api import vector_body
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
+from api.vector_body import vector_openapi
 from api.routes.models import ERROR_RESPONSES, FILTER_DOC, MASS_DOC, MAX_BATCH_QUERIES, MAX_TEMPERATURE, \
     MIN_PROBABILITY_DOC, MIN_TEMPERATURE, OFFSET_DOC, BatchImageForm, BatchResponse, BatchVectorQuery, ErrorResponse, \
     HitOut, ItemQuery, NormaliserOut, PeakednessOut, SearchResponse, VectorQuery
@@ -134,11 +136,18 @@ async def search_image(
     return _response(result, k, offset=offset, min_probability=min_probability, mass=mass)
 
 
-@router.post("/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES)
+@router.post("/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES,
+             openapi_extra=vector_openapi())
 async def search_vector(
-    query: VectorQuery, ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
+    request: Request, ctx: Annotated[SearchContext, Depends(search_context(vector_body.JSON, vector_body.OCTET))],
 ) -> Response:
-    """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length)."""
+    """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length).
+
+    The body is a JSON VectorQuery, or (`Content-Type: application/octet-stream`) the vector itself as
+    little-endian float32 values, 4 x dim bytes, with k, temperature, offset, min_probability, mass and
+    filter (JSON text) in the query string, e.g. `POST /v1/search/vector?k=10`: no JSON parsing at all.
+    Query-string fields also apply to a JSON body, whose own fields take precedence."""
+    query = await vector_body.read_vector_query(request, ctx.media)
     snapshot = ctx.snapshot
     fetch = _fetch_count(query.k, query.offset, ctx.settings)
     flt = _filter(query.filter, snapshot)
@@ -148,7 +157,8 @@ async def search_vector(
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
     ctx.metrics.queries.labels(kind="vector").inc()
-    return _response(result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass)
+    return vector_body.json_response(_body(result, query.k, offset=query.offset, min_probability=query.min_probability,
+                                           mass=query.mass))
 
 
 @router.post("/search/item", response_model=SearchResponse, responses={

@@ -19,7 +19,7 @@ from index.paging import release_pages, releasable
 
 __all__ = ["SCAN_BLOCK", "ScanResult", "ExactScanner"]
 
-#: Embedding rows per score block: (SCAN_BLOCK, Q) float32 + float64 scores, ~4 MB at Q = 32.
+#: Embedding rows per score block: (Q, SCAN_BLOCK) float32 + float64 scores, ~3 MB at Q = 32.
 SCAN_BLOCK = 8192
 
 
@@ -57,39 +57,39 @@ class ExactScanner:
 
         queries (Q, D) float32 (unit rows), temperatures (Q,) -> ScanResult (k clipped to N)."""
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))        # (Q, D)
-        inv_tau = torch.from_numpy(1.0 / np.asarray(temperatures, dtype=np.float64))  # (Q,)
+        inv_tau = (1.0 / np.asarray(temperatures, dtype=np.float64))[:, None]         # (Q, 1)
         n, n_q = self.count, q.shape[0]
         k = min(int(k), n)
-        m = torch.full((n_q,), -np.inf, dtype=torch.float64)   # running max of logits
-        acc = torch.zeros(n_q, dtype=torch.float64)            # running sum of exp(logit - m)
-        best_s = torch.full((k, n_q), -np.inf, dtype=torch.float32)
-        best_r = torch.full((k, n_q), -1, dtype=torch.int64)
-        qt = q.T.contiguous()                                  # (D, Q)
+        m = np.full(n_q, -np.inf)              # running max of logits
+        acc = np.zeros(n_q)                    # running sum of exp(logit - m)
+        best_s = np.full((n_q, k), -np.inf, dtype=np.float32)   # running top-k, best first
+        best_r = np.full((n_q, k), -1, dtype=np.int64)
         for start in range(0, n, self.block):
             stop = min(n, start + self.block)
-            s = self._rows[start:stop] @ qt                    # (B, Q) float32, one product for the batch
+            s = (q @ self._rows[start:stop].T).numpy()          # (Q, B) float32: one product for the batch
             if self.release:
                 release_pages(self.embeddings, start, stop)
-            logits = s.double() * inv_tau                       # (B, Q)
-            new_m = torch.maximum(m, logits.max(dim=0).values)
-            acc = acc * torch.exp(m - new_m) + torch.exp(logits - new_m).sum(dim=0)
+            logits = s.astype(np.float64)
+            logits *= inv_tau
+            new_m = np.maximum(m, logits.max(axis=1))
+            logits -= new_m[:, None]
+            np.exp(logits, out=logits)
+            acc = acc * np.exp(m - new_m) + logits.sum(axis=1)
             m = new_m
-            kb = min(k, stop - start)
-            top_s, top_i = torch.topk(s, kb, dim=0)             # (kb, Q)
-            cand_s = torch.cat([best_s, top_s])
-            cand_r = torch.cat([best_r, top_i + start])
-            # ties: prefer the lower row (a stable order independent of the block size)
-            order = _best_first(cand_s, cand_r, k)
-            best_s = torch.gather(cand_s, 0, order)
-            best_r = torch.gather(cand_r, 0, order)
-        log_z = (m + torch.log(acc)).numpy()
-        return ScanResult(log_z, best_r.T.contiguous().numpy())
+            # top-k: only the queries whose block holds a score above their current k-th best
+            better = np.flatnonzero(s.max(axis=1) > best_s[:, -1])
+            if len(better):
+                kb = min(k, stop - start)
+                top_s, top_i = torch.topk(torch.from_numpy(s[better]), kb, dim=1)   # (b, kb)
+                cand_s = np.concatenate([best_s[better], top_s.numpy()], axis=1)
+                cand_r = np.concatenate([best_r[better], top_i.numpy() + start], axis=1)
+                order = _best_first(cand_s, cand_r, k)
+                best_s[better] = np.take_along_axis(cand_s, order, axis=1)
+                best_r[better] = np.take_along_axis(cand_r, order, axis=1)
+        return ScanResult(m + np.log(acc), best_r)
 
 
-def _best_first(scores: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices (k, Q) along dim 0 of the k best (score desc, row asc) of each column."""
-    # sort by row first, then a stable sort by score: equal scores keep the row order
-    by_row = torch.argsort(rows, dim=0, stable=True)
-    s = torch.gather(scores, 0, by_row)
-    by_score = torch.argsort(-s, dim=0, stable=True)[:k]
-    return torch.gather(by_row, 0, by_score)
+def _best_first(scores: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """Indices (b, k) along axis 1 of the k best (score desc, row asc) of each row."""
+    order = np.lexsort((rows, -scores), axis=1)   # last key primary: score desc, then row asc
+    return order[:, :k]

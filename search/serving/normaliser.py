@@ -67,7 +67,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
-    "log_normaliser", "bounded_log_normaliser", "choose_method", "advise_random", "release_pages", "releasable",
+    "log_normaliser", "bounded_log_normaliser", "choose_method", "probe_costs", "advise_random", "release_pages",
+    "releasable",
 ]
 
 METHODS = ("exact", "bounded", "auto")
@@ -76,6 +77,11 @@ DEFAULT_BLOCK = 16384
 #: `auto` keeps `exact` while one query costs at most this many multiply-adds (N * D): N = 10^6 at
 #: D = 128, about 25 ms per query on one core of the development machine, 512 MB of embeddings.
 AUTO_EXACT_MAX_MACS = 128 * 1_000_000
+#: Between exact_max_macs and this many times it (and above head_rows + samples rows, where bounded reads
+#: less than the whole index), `auto` times both methods at load (`probe_costs`) and keeps the cheaper.
+AUTO_PROBE_FACTOR = 8
+#: Stored rows the probe searches with, as one batch.
+AUTO_PROBE_QUERIES = 8
 _U32 = 2.0 ** -24  # unit roundoff of float32
 
 
@@ -113,7 +119,9 @@ def log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np
 
 @dataclass(frozen=True)
 class NormaliserConfig:
-    """How log Z is computed. `method`: exact | bounded | auto (exact while N * D <= exact_max_macs).
+    """How log Z is computed. `method`: exact | bounded | auto (exact while N * D <= exact_max_macs, else
+    bounded; with `probe`, where N * D is within AUTO_PROBE_FACTOR x exact_max_macs and the version stores
+    its list statistics, whichever a short timing at load finds cheaper per query: `probe_costs`).
 
     head_rows: rows scanned exactly per query (whole lists, best upper bound first);
     samples: tail rows drawn per query for the estimate; level: coverage of the sampled interval;
@@ -138,6 +146,7 @@ class NormaliserConfig:
     target_se: float = 0.0125
     max_samples: int = 32768
     exact_max_macs: int = AUTO_EXACT_MAX_MACS
+    probe: bool = True
     kmeans_seed: int = 1234
     release_pages: bool | None = None
 
@@ -166,10 +175,36 @@ class NormaliserConfig:
 
 
 def choose_method(count: int, dim: int, config: NormaliserConfig) -> str:
-    """`exact` or `bounded` for an index of `count` rows of `dim` under `config` (resolves auto)."""
+    """`exact` or `bounded` for an index of `count` rows of `dim` under `config` (resolves auto by size
+    alone; `Normaliser.for_version` times both instead where the size leaves it open: `probe_costs`)."""
     if config.method != "auto":
         return config.method
     return "exact" if count * dim <= config.exact_max_macs else "bounded"
+
+
+def probe_costs(embeddings: np.ndarray, stats: ListStats, config: NormaliserConfig,
+                queries: int = AUTO_PROBE_QUERIES) -> dict:
+    """`auto`'s measurement: wall time per query of the exact one-pass scan (one batch of `queries`
+    stored rows, as the server batches concurrent queries) and of the bounded estimate on the same
+    queries, at the version's search temperature's default; the cheaper is chosen (exact on a tie:
+    it needs no estimate). {exact_ms, bounded_ms, queries, chosen}."""
+    import time
+
+    from search.serving.exact_scan import ExactScanner
+
+    n = embeddings.shape[0]
+    rows = np.linspace(0, n - 1, queries).astype(np.int64)
+    q = np.asarray(embeddings[rows], dtype=np.float32)
+    taus = np.full(queries, 0.1)
+    scanner = ExactScanner(embeddings, release=config.releases("exact"))
+    t0 = time.perf_counter()
+    scanner(q, taus, 10)
+    exact_ms = (time.perf_counter() - t0) * 1e3 / queries
+    t0 = time.perf_counter()
+    bounded_log_normaliser(q, embeddings, stats, taus, config, None, release=config.releases("bounded"))
+    bounded_ms = (time.perf_counter() - t0) * 1e3 / queries
+    return {"exact_ms": exact_ms, "bounded_ms": bounded_ms, "queries": queries,
+            "chosen": "exact" if exact_ms <= bounded_ms else "bounded"}
 
 
 # ----------------------------------------------------------------------------- memory-map residency
@@ -515,6 +550,7 @@ class Normaliser:
         assert method in ("exact", "bounded"), method
         assert method == "exact" or stats is not None, "bounded needs list statistics"
         self.config, self.method, self.stats = config, method, stats
+        self.probe: dict | None = None   # `auto`'s timing probe, when it decided (`probe_costs`)
 
     @classmethod
     def for_version(cls, embeddings: np.ndarray, index=None, config: NormaliserConfig | str | None = None,
@@ -527,16 +563,29 @@ class Normaliser:
         method = choose_method(n, d, config)
         if method == "bounded" and n < 2:
             method = "exact"
-        stats = None
+        stats = probe = None
+        if config.method == "auto" and config.probe and n > config.head_rows + config.samples \
+                and n * d <= AUTO_PROBE_FACTOR * config.exact_max_macs and stored is not None:
+            # between "surely small" and "surely large": time both on this machine, when the version
+            # stores its list statistics (bounded needs them; building them here would cost a pass or more)
+            stats = stored()
+            if stats is not None:
+                probe = probe_costs(embeddings, stats, config)
+                method = probe["chosen"]
+                logger.info("normaliser auto: exact %.2f ms, bounded %.2f ms per query (%d stored rows as queries, "
+                            "batch of %d) -> %s", probe["exact_ms"], probe["bounded_ms"], probe["queries"],
+                            probe["queries"], method)
         if method == "bounded":
-            stats = stored() if stored is not None else None
+            stats = stats if stats is not None else (stored() if stored is not None else None)
             if stats is None:
                 if stored is not None:
                     logger.info("this index version stores no normaliser statistics (written before they were); "
                                 "computing them from its %d rows", n)
                 stats = ListStats.build(embeddings, index, seed=config.kmeans_seed, progress=progress)
             advise_random(embeddings)
-        return cls(config, method, stats)
+        out = cls(config, method, stats if method == "bounded" else None)
+        out.probe = probe
+        return out
 
     def __call__(self, queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
                  block: int = DEFAULT_BLOCK, top_rows: np.ndarray | None = None) -> LogZ:
@@ -550,6 +599,8 @@ class Normaliser:
     def describe(self) -> dict:
         out = {"method": self.method, "requested": self.config.method,
                "release_pages": self.config.releases(self.method)}
+        if self.probe is not None:
+            out["probe"] = dict(self.probe)
         if self.stats is not None:
             out.update(partition=self.stats.source, head_rows=self.config.head_rows, samples=self.config.samples,
                        level=self.config.level, stats_bytes=self.stats.nbytes)

@@ -275,3 +275,28 @@ def test_choose_method_and_config_validation(data):
     for bad in (dict(method="approx"), dict(samples=1), dict(head_rows=-1), dict(level=1.0)):
         with pytest.raises(ValueError):
             NormaliserConfig(**bad)
+
+
+def test_auto_times_both_methods_where_the_size_leaves_it_open(data, stats_ivf):
+    """Within AUTO_PROBE_FACTOR x exact_max_macs, a version with stored list statistics gets whichever
+    method a timing at load finds cheaper; its answers are those of the method chosen."""
+    n, d = data.shape
+    cfg = NormaliserConfig("auto", exact_max_macs=n * d // 2)     # the size rule alone would say bounded
+    norm = Normaliser.for_version(data, None, cfg, stored=lambda: stats_ivf)
+    probe = norm.describe()["probe"]
+    assert probe["queries"] == 8 and probe["exact_ms"] > 0 and probe["bounded_ms"] > 0
+    assert norm.method == probe["chosen"] == ("exact" if probe["exact_ms"] <= probe["bounded_ms"] else "bounded")
+    assert (norm.stats is stats_ivf) == (norm.method == "bounded")
+    q = data[:5]
+    taus = np.full(5, 0.1)
+    got = norm(q, data, taus)
+    exact = log_normaliser(q, data, taus)
+    assert np.all(got.lower - 1e-9 <= exact) and np.all(exact <= got.upper + 1e-9)
+    # outside the window, or without stored statistics or the probe, the size rule decides untimed
+    for config, stored, method in [(NormaliserConfig("auto", exact_max_macs=n * d // 100), lambda: stats_ivf, "bounded"),
+                                   (NormaliserConfig("auto", probe=False), lambda: stats_ivf, "exact"),
+                                   (NormaliserConfig("auto", head_rows=n, exact_max_macs=n * d // 2), lambda: stats_ivf,
+                                    "bounded"),
+                                   (NormaliserConfig("auto"), None, "exact")]:
+        norm = Normaliser.for_version(data, None, config, stored=stored)
+        assert norm.method == method and norm.probe is None and "probe" not in norm.describe()

@@ -1,0 +1,335 @@
+"""softsearch against a vector database's server and the plainest FastAPI + FAISS server, in one run.
+
+Same vectors for all (bench/_vectordb_data.py: N unit vectors of dimension D around `--clusters` random
+centres, `--queries` held-out queries drawn the same way), same load tool, same k:
+
+* softsearch: `softsearch serve` over a flat version built from the vectors, exact normaliser (every
+  answer carries p(j|x) over the whole index), default batching, 1 torch thread; POST /v1/search/vector
+  with a JSON body (`json`) and with the binary float32 body (`binary`).
+* plain: bench/plain_server.py --vectors (FastAPI + faiss.IndexFlatIP, similarities only).
+* chroma: `chroma run` (Chroma's Rust server), one collection with HNSW cosine and Chroma's defaults,
+  filled through its Python client, queried with the JSON body its client sends for `collection.query`
+  (the client's default `include`). Returns no probability.
+
+Servers run one at a time on 127.0.0.1. The load tool is closed-loop: `c` threads in this process, each on
+its own keep-alive connection (http.client, bodies built once: ~0.1 ms of client CPU per request), POSTing
+a random held-out query and reading the whole answer before the next. Per server: recall@k over all
+held-out queries against the exact float32 top-k, then QPS and p50/p99 at each client count, then the
+resident memory of its process tree. softsearch's probabilities are checked against a float64 brute force.
+The machine's load average (other processes share it) is recorded before and after every server.
+
+    python bench/vs_vectordb.py                              # 10^5 x 512: ~10 minutes on 2 shared cores
+    python bench/vs_vectordb.py --n 20000 --duration 3 --systems softsearch-binary chroma
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import row, write_results  # noqa: E402
+from _vectordb_data import flat_store  # noqa: E402
+
+logger = logging.getLogger("bench.vs_vectordb")
+SYSTEMS = ("softsearch-json", "softsearch-binary", "plain", "chroma")
+CHROMA_QUERY = "/api/v2/tenants/default_tenant/databases/default_database/collections/{}/query"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))] if s else float("nan")
+
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory (MiB) of a process and all its descendants, from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+def closed_loop(url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float) -> dict:
+    """`clients` threads, each on its own keep-alive connection, POST a random body and read the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    lat: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    stop_at = time.perf_counter() + duration
+
+    def worker(seed: int) -> None:
+        nonlocal errors
+        rng = random.Random(seed)
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        mine, bad = [], 0
+        while time.perf_counter() < stop_at:
+            body = bodies[rng.randrange(len(bodies))]
+            t0 = time.perf_counter()
+            try:
+                conn.request("POST", path, body, headers)
+                resp = conn.getresponse()
+                resp.read()
+                bad += resp.status != 200
+            except (OSError, http.client.HTTPException):
+                bad += 1
+                conn.close()
+                conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            mine.append(time.perf_counter() - t0)
+        conn.close()
+        with lock:
+            lat.extend(mine)
+            errors += bad
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    return {"qps": len(lat) / elapsed, "p50": percentile(lat, 50) * 1e3, "p99": percentile(lat, 99) * 1e3,
+            "n": len(lat), "errors": errors}
+
+
+def answers(url: str, path: str, bodies: list[bytes], headers: dict, threads: int = 4) -> list[dict]:
+    """Every body POSTed once (in `threads` parallel connections); the parsed JSON answers, in order."""
+    host, port = url.removeprefix("http://").split(":")
+    out: list[dict | None] = [None] * len(bodies)
+
+    def worker(part: range) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        for i in part:
+            conn.request("POST", path, bodies[i], headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{path}: {resp.status} {data[:300]!r}")
+            out[i] = json.loads(data)
+        conn.close()
+
+    ts = [threading.Thread(target=worker, args=(range(j, len(bodies), threads),)) for j in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(o is not None for o in out), "a request failed (see the log)"
+    return out  # type: ignore[return-value]
+
+
+def exact_top(base: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
+    """The exact float32 top-k rows of every query (ground truth for recall)."""
+    from search.serving.exact_scan import ExactScanner
+
+    scan = ExactScanner(base)
+    return np.concatenate([scan(queries[i:i + 64], np.ones(len(queries[i:i + 64])), k).rows
+                           for i in range(0, len(queries), 64)])
+
+
+def recall(found: list[list[str]], truth: np.ndarray) -> float:
+    k = truth.shape[1]
+    return float(np.mean([len(set(f[:k]) & {str(t) for t in row_}) / k for f, row_ in zip(found, truth)]))
+
+
+@contextlib.contextmanager
+def softsearch_server(root: Path, mapped_pages: str):
+    from api.launch import serve_process
+
+    with serve_process(root, "--normaliser", "exact", "--mapped-pages", mapped_pages, "--watch-interval-s", 0,
+                       torch_threads=1, timeout_s=300) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def plain_server(root: Path):
+    from api.launch import free_port, server_process
+    from index.store import IndexStore
+
+    store = IndexStore(root)
+    version_dir = root / "versions" / store.current_version()
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).resolve().parent / "plain_server.py"), "--vectors", str(version_dir),
+            str(port)]
+    with server_process(argv, port, ready=_ready("/openapi.json"), timeout_s=300) as server:
+        yield server
+
+
+def _ready(path: str):
+    from api.launch import http_ready
+
+    return http_ready(path)
+
+
+@contextlib.contextmanager
+def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
+    """Chroma's server over a persistent directory holding collection `bench` (filled here when it does not
+    hold all the rows yet). Yields (server, collection id, fill seconds or None when reused)."""
+    import chromadb
+
+    from api.launch import free_port, server_process
+
+    path = work / f"chroma_{base.shape[0]}x{base.shape[1]}"
+    port = free_port()
+    argv = [shutil.which("chroma") or str(Path(sys.executable).parent / "chroma"), "run", "--path", str(path),
+            "--host", "127.0.0.1", "--port", str(port)]
+    with server_process(argv, port, ready=_ready("/api/v2/heartbeat"), timeout_s=300) as server:
+        client = chromadb.HttpClient(host="127.0.0.1", port=port)
+        col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
+        fill_s = None
+        if col.count() != base.shape[0]:
+            client.delete_collection("bench")
+            col = client.create_collection("bench", metadata={"hnsw:space": "cosine"})
+            t0 = time.perf_counter()
+            for start in range(0, base.shape[0], batch):
+                stop = min(base.shape[0], start + batch)
+                col.add(ids=[str(i) for i in range(start, stop)], embeddings=base[start:stop])
+            fill_s = time.perf_counter() - t0
+            logger.info("chroma: %d rows added in %.0f s", base.shape[0], fill_s)
+        yield server, str(col.id), fill_s
+
+
+def measure(name: str, server, path: str, bodies: list[bytes], headers: dict, ids_of, truth: np.ndarray,
+            clients: list[int], duration: float) -> tuple[dict, list[dict]]:
+    load_before = os.getloadavg()[0]
+    got = answers(server.url, path, bodies, headers)
+    out = {"recall": recall([ids_of(a) for a in got], truth), "answers": got, "load_before": load_before}
+    closed_loop(server.url, path, bodies, headers, 4, min(2.0, duration))   # warm-up
+    for c in clients:
+        res = closed_loop(server.url, path, bodies, headers, c, duration)
+        out[c] = res
+        logger.info("%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors", name, c, res["qps"], res["p50"],
+                    res["p99"], res["errors"])
+    out["rss"] = tree_rss_mib(server.proc.pid)
+    out["load_after"] = os.getloadavg()[0]
+    return out, got
+
+
+def probability_error(got: list[dict], base: np.ndarray, queries: np.ndarray, tau: float, m: int = 20) -> float:
+    """Largest |p - p_exact| over the hits of the first `m` answers, p_exact by float64 brute force."""
+    worst = 0.0
+    e64 = base.astype(np.float64)
+    for a, x in zip(got[:m], queries[:m]):
+        x = x.astype(np.float64) / np.linalg.norm(x.astype(np.float64))
+        s = e64 @ x
+        log_z = np.logaddexp.reduce(s / tau)
+        for h in a["results"]:
+            worst = max(worst, abs(h["probability"] - math.exp(s[int(h["id"])] / tau - log_z)))
+    return worst
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--clusters", type=int, default=1000)
+    p.add_argument("--queries", type=int, default=1000)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per load measurement")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--mapped-pages", default="auto", choices=("auto", "release", "keep"),
+                   help="softsearch's serve --mapped-pages")
+    p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
+    p.add_argument("--name", default="vs_vectordb")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.work.mkdir(parents=True, exist_ok=True)
+    root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
+    truth = exact_top(base, queries, args.k)
+    from index.store import IndexStore
+
+    tau = IndexStore(root).load().manifest.temperature
+    json_bodies = [json.dumps({"vector": q.tolist(), "k": args.k}).encode() for q in queries]
+    results: dict[str, dict] = {}
+    notes: dict[str, str] = {}
+    for system in args.systems:
+        logger.info("%s ...", system)
+        if system.startswith("softsearch"):
+            binary = system.endswith("binary")
+            with softsearch_server(root, args.mapped_pages) as server:
+                path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
+                bodies = [q.astype("<f4").tobytes() for q in queries] if binary else json_bodies
+                headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
+                out, got = measure(system, server, path, bodies, headers, lambda a: [h["id"] for h in a["results"]],
+                                   truth, args.clients, args.duration)
+            out["prob_error"] = probability_error(got, base, queries, tau)
+            methods = {a["normaliser"]["method"] for a in got}
+            notes[system] = f"normaliser {'/'.join(sorted(methods))}, max |p - p_exact| {out['prob_error']:.1e}"
+        elif system == "plain":
+            with plain_server(root) as server:
+                out, _ = measure(system, server, "/search/vector", json_bodies, {"Content-Type": "application/json"},
+                                 lambda a: a["ids"], truth, args.clients, args.duration)
+            notes[system] = "FastAPI + faiss.IndexFlatIP, no probabilities"
+        else:
+            with chroma_server(args.work, base) as (server, col_id, fill_s):
+                bodies = [json.dumps({"ids": None, "query_embeddings": [q.tolist()], "n_results": args.k,
+                                      "where": None, "where_document": None,
+                                      "include": ["metadatas", "documents", "distances"]}).encode() for q in queries]
+                out, _ = measure(system, server, CHROMA_QUERY.format(col_id), bodies,
+                                 {"Content-Type": "application/json"}, lambda a: a["ids"][0], truth, args.clients,
+                                 args.duration)
+            import chromadb
+
+            notes[system] = (f"Chroma {chromadb.__version__} server, HNSW cosine defaults, no probabilities"
+                             + (f"; filled in {fill_s:.0f} s" if fill_s else ""))
+        out.pop("answers", None)
+        results[system] = out
+
+    rows = []
+    ref = results.get("chroma")
+    for system, out in results.items():
+        rows.append(row(f"{system} recall@{args.k}", out["recall"], "fraction", ref["recall"] if ref else None))
+        for c in args.clients:
+            r, b = out[c], (ref[c] if ref else None)
+            rows += [row(f"{system} c={c} qps", r["qps"], "req/s", b["qps"] if b else None),
+                     row(f"{system} c={c} p50", r["p50"], "ms", b["p50"] if b else None),
+                     row(f"{system} c={c} p99", r["p99"], "ms", b["p99"] if b else None),
+                     row(f"{system} c={c} errors", r["errors"], "count", None)]
+        rows.append(row(f"{system} rss", out["rss"], "MiB", ref["rss"] if ref else None))
+        rows.append(row(f"{system} load average before / after", out["load_before"], "load", out["load_after"]))
+        if "prob_error" in out:
+            rows.append(row(f"{system} max |p - p_exact|", out["prob_error"], "probability", None))
+    print()
+    header = "| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | RSS MiB | load avg |".format(
+        k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))
+    print(header)
+    print("|" + "---|" * 7)
+    for system, out in results.items():
+        cs = args.clients
+        qps = " / ".join(f"{out[c]['qps']:.0f}" for c in cs)
+        p50 = " / ".join(f"{out[c]['p50']:.1f}" for c in cs)
+        p99 = " / ".join(f"{out[c]['p99']:.1f}" for c in cs)
+        print(f"| {system} | {out['recall']:.3f} | {qps} | {p50} | {p99} | {out['rss']:.0f} | "
+              f"{out['load_before']:.1f} -> {out['load_after']:.1f} |")
+    for system, note in notes.items():
+        print(f"  {system}: {note}")
+    load = os.getloadavg()
+    write_results(args.name, rows, machine_note=(
+        f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
+        f"{args.duration:g} s per load; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+        f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
