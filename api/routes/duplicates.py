@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse
 from api.deps import ApiError, SettingsDep, SnapshotDep
 from api.routes.models import ERROR_RESPONSES, DuplicatesOut
 from index.store import IndexStore
+from search.duplicates.config import FORMAT
 
 router = APIRouter(tags=["duplicates"])
 
@@ -36,15 +37,17 @@ def _scan_path(settings, snapshot, suffix: str) -> Path:
 def duplicates(settings: SettingsDep, snapshot: SnapshotDep,
                offset: Annotated[int, Query(ge=0, description="groups to skip (largest groups first)")] = 0,
                limit: Annotated[int, Query(ge=1, le=1000, description="groups to return")] = 100) -> DuplicatesOut:
-    """Near-duplicate groups of the served version at its calibrated probability threshold."""
+    """Near-duplicate groups of the served version at its probability threshold, with the scan's notes."""
     path = _scan_path(settings, snapshot, ".json")
     data = _load(str(path), path.stat().st_mtime_ns)
-    cal = data["calibration"]
+    if data.get("format") != FORMAT:
+        raise ApiError(404, "no_duplicates", f"the duplicate scan of version {snapshot.version} was written by an "
+                                             f"older softsearch; run 'softsearch dedup --index {settings.index_root}' again")
     return DuplicatesOut(version=data["version"], created=data["created"], count=data["count"],
-                         threshold=data["threshold"], temperature=data["temperature"], bias=data["bias"],
-                         ece=cal["ece"], target_precision=cal["target_precision"],
-                         prior=data.get("prior", "calibration"), collection_share=data.get("collection_share"),
-                         total_groups=len(data["groups"]),
+                         threshold=data["threshold"], threshold_rule=data["threshold_rule"],
+                         max_probability=data["max_probability"], notes=data["notes"],
+                         collection_share=data["collection_share"], copy_recall=data["model"]["copy_recall"],
+                         skipped=data["skipped"], total_groups=len(data["groups"]),
                          offset=offset, groups=data["groups"][offset:offset + limit])
 
 

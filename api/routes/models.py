@@ -146,31 +146,36 @@ class BatchResponse(BaseModel):
 class DuplicatePairOut(BaseModel):
     a: str
     b: str
-    p_ab: float = Field(description="p(b | a): the model's probability that a's original is b")
-    p_ba: float = Field(description="p(a | b)")
-    similarity: float
+    p_ab: float = Field(description="probability that a and b are one picture edited (symmetric: p_ba equals it)")
+    p_ba: float = Field(description="the same probability (kept for clients of the older pair shape)")
+    similarity: float = Field(description="the pair's probability (kept for clients of the older pair shape)")
 
 
 class DuplicateGroupOut(BaseModel):
     ids: list[str]
     rows: list[int]
-    confidence: float = Field(description="min over members of the probability that its original is among the others")
+    confidence: float = Field(description="the lowest probability among the pairs that hold the group together")
     pairs: list[DuplicatePairOut]
+
+
+class SkippedOut(BaseModel):
+    id: str
+    error: str
 
 
 class DuplicatesOut(BaseModel):
     version: str
     created: str
     count: int = Field(description="items in the version")
-    threshold: float = Field(description="probability a candidate set had to reach")
-    temperature: float = Field(description="duplicate temperature fitted on edited copies of this collection")
-    bias: float = Field(description="score of the 'no original in the index' option")
-    ece: float = Field(description="held-out expected calibration error of the fitted probabilities")
-    target_precision: float
-    prior: str = Field("calibration", description="whose share of items with a duplicate the probabilities assume: "
-                                                  "'calibration' (about half) or 'collection' (collection_share)")
-    collection_share: float | None = Field(None, description="share of this version's items with a duplicate, "
-                                                             "estimated from the scan by EM (no labels)")
+    threshold: float = Field(description="pair probability a pair had to reach to be kept")
+    threshold_rule: str = Field(description="how the threshold was chosen (default, given, or from a precision)")
+    max_probability: float = Field(description="the highest pair probability the scan found (0 when no pairs)")
+    notes: list[str] = Field(description="what to know about this scan (a fit at a bound, no pair at the "
+                                         "threshold, ...), each saying what to do; empty when nothing")
+    collection_share: float = Field(description="share of this version's items with a duplicate, estimated from "
+                                                "the scan (no labels)")
+    copy_recall: float = Field(description="held-out synthetic edited copies found at the default threshold")
+    skipped: list[SkippedOut] = Field(description="items whose image could not be read (not scanned)")
     total_groups: int
     offset: int
     groups: list[DuplicateGroupOut]

@@ -1,9 +1,8 @@
 """`softsearch dedup` on a real folder with planted edited copies, then GET /v1/duplicates and /duplicates."""
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
+import shutil
 
 import numpy as np
 import pytest
@@ -17,8 +16,6 @@ from api.client import SoftsearchClient, SoftsearchError
 from api.config import Settings
 from index.store import IndexStore
 from search.duplicates.edits import edited_copy
-from search.duplicates.page import _calibration_axes
-from search.evaluation.figures import pyplot
 from training.images import load_rgb
 
 
@@ -28,17 +25,20 @@ def scanned(tmp_path_factory, make_image_folder):
     folder = make_image_folder(base / "photos", count=40, classes=2, size=48)
     rng = np.random.default_rng(0)
     originals = sorted(folder.rglob("*.png"))[:4]
+    copies = []
     for path in originals:
-        data, _ = edited_copy(Image.fromarray(load_rgb(path)), rng)
-        path.with_name(path.stem + ".copy.jpg" if data[:2] == b"\xff\xd8" else path.stem + ".copy.png").write_bytes(data)
+        data, _ = edited_copy(Image.fromarray(load_rgb(path)), rng, edits=("jpeg", "colour"))
+        copy = path.with_name(path.stem + (".copy.jpg" if data[:2] == b"\xff\xd8" else ".copy.png"))
+        copy.write_bytes(data)
+        copies.append(copy)
     ck = make_checkpoint(base / "enc.safetensors", seed=1)
     root = base / "index"
     assert main(["index", "build", "--root", str(root), "--checkpoint", str(ck), "--dataset", "folder", "--split", "all",
                  "--data-root", str(folder), "--no-progress"]) == 0
-    return {"root": root, "folder": folder, "out": base / "dups.json"}
+    return {"root": root, "folder": folder, "out": base / "dups.json", "originals": originals, "copies": copies}
 
 
-def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
+def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highest_p(scanned, capsys):
     root = scanned["root"]
     store = IndexStore(root)
     version = store.current_version()
@@ -47,40 +47,59 @@ def test_dedup_writes_groups_that_the_api_serves(scanned, capsys):
         with pytest.raises(SoftsearchError) as err:          # not scanned yet: 404 saying what to run
             ss._call("GET", "/v1/duplicates")
         assert err.value.status == 404 and "softsearch dedup" in err.value.detail
-        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
-                     "--out", str(scanned["out"]), "--no-progress"]) == 0
+        assert main(["dedup", "--index", str(root), "--out", str(scanned["out"]), "--no-progress"]) == 0
         line = capsys.readouterr().out.strip().splitlines()[-1]
-        assert line.startswith(f"dedup {version}:") and "held-out ECE" in line
+        assert line.startswith(f"dedup {version}:") and "highest p" in line
         data = json.loads(store.duplicates_path(version).read_text())
         assert data == json.loads(scanned["out"].read_text())
-        assert data["threshold"] == 0.5 and data["count"] == 44 and data["temperature"] > 0
-        cal = data["calibration"]
-        assert cal["fitted_on"] == cal["held_out"] == 30 and 0 <= cal["ece"] <= 1   # every query held out once
-        for g in data["groups"]:   # every member's original is among the others with p >= the threshold
-            assert len(g["ids"]) >= 2 and g["confidence"] >= 0.5 - 1e-9
-            assert all(p["p_ab"] > 0 and p["p_ba"] > 0 for p in g["pairs"])
+        assert data["threshold"] == 0.5 and data["count"] == 44 and data["threshold_rule"] == "default"
+        # the planted JPEG / colour copies are found, each with its original (folder ids are relative paths)
+        rel = lambda p: p.relative_to(scanned["folder"]).as_posix()   # noqa: E731
+        pairs = {frozenset((q["a"], q["b"])) for g in data["groups"] for q in g["pairs"]}
+        planted = {frozenset((rel(o), rel(c))) for o, c in zip(scanned["originals"], scanned["copies"])}
+        assert len(planted & pairs) >= 3
+        for g in data["groups"]:
+            assert len(g["ids"]) >= 2 and g["confidence"] >= 0.5 - 1e-12
+            assert g["confidence"] == pytest.approx(min(q["p_ab"] for q in g["pairs"]))
+        assert data["max_probability"] == pytest.approx(max(q["p_ab"] for g in data["groups"] for q in g["pairs"]))
         body = ss._call("GET", "/v1/duplicates", params={"limit": 1}).json()
         assert body["version"] == version and body["total_groups"] == len(data["groups"])
         assert body["groups"] == data["groups"][:1]
+        assert body["threshold"] == 0.5 and body["max_probability"] == data["max_probability"]
+        assert body["notes"] == data["notes"] and body["skipped"] == []
         page = ss.http.get("/duplicates")
         assert page.status_code == 200 and "Duplicates in index version" in page.text and "data:image/png" in page.text
-        # one threshold on the page: the header's, the figure line's (alt text) and the legend's are the scan's P,
-        # not the calibration queries' own precision threshold (which differs here)
-        header = re.search(r"at probability &ge; ([0-9.e+-]+?)\. ", page.text).group(1)
-        alt = re.search(r"red line: groups kept: p \u2265 ([0-9.e+-]+)'", page.text).group(1)
-        assert float(header) == float(alt) == data["threshold"] == 0.5 and cal["threshold"] != 0.5
-        fig = _calibration_axes(cal, data["threshold"])
-        legend = [t.get_text() for ax in fig.axes for t in ax.get_legend().get_texts()]
-        assert "groups kept: p \u2265 0.5" in legend, legend
-        lines = [ln for ax in fig.axes for ln in ax.get_lines() if ln.get_label() == "groups kept: p \u2265 0.5"]
-        assert len(lines) == 1 and set(lines[0].get_xdata()) == {0.5}
-        pyplot().close(fig)
+
+
+def test_a_precision_threshold_is_a_probability_the_scan_found(scanned):
+    root = scanned["root"]
+    store = IndexStore(root)
+    assert main(["dedup", "--index", str(root), "--precision", "0.97", "--calibration-items", "100", "--no-progress"]) == 0
+    data = json.loads(store.duplicates_path(store.current_version()).read_text())
+    found = [q["p_ab"] for g in data["groups"] for q in g["pairs"]]
+    if data["threshold_rule"].startswith("lowest p"):
+        assert data["threshold"] in found and np.mean([p for p in found if p >= data["threshold"]]) >= 0.97
+    else:
+        assert any("no pairs are expected" in n for n in data["notes"])
+
+
+def test_an_unreachable_threshold_is_reported_with_the_highest_p(scanned):
+    root = scanned["root"]
+    store = IndexStore(root)
+    assert main(["dedup", "--index", str(root), "--threshold", "0.999999999", "--calibration-items", "100",
+                 "--no-progress"]) == 0
+    data = json.loads(store.duplicates_path(store.current_version()).read_text())
+    if data["max_probability"] < data["threshold"]:
+        assert data["groups"] == [] and any(f"{data['max_probability']:.3g}" in n for n in data["notes"])
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        assert http.get("/v1/duplicates").json()["notes"] == data["notes"]
 
 
 def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
     for argv, needle in ((["--threshold", "1.5"], "--threshold must be in (0, 1)"),
                          (["--precision", "0"], "--precision must be in (0, 1)"),
-                         (["--min-probability", "1"], "--min-probability must be in [0, 1)")):
+                         (["--threshold", "0.5", "--precision", "0.9"], "not both"),
+                         (["--calibration-items", "3"], "calibration_items must be >= 20")):
         assert main(["dedup", "--index", str(scanned["root"]), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0]
@@ -88,73 +107,46 @@ def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_dedup_without_threshold_takes_the_lowest_threshold_expected_to_reach_the_precision(scanned, capsys):
-    """No --threshold: P is the lowest group confidence at which the groups kept have a mean confidence that
-    reaches --precision, never below --min-probability (default job.MIN_PROBABILITY; 0: the rule alone), checked
-    here by brute force on a scan at the lowest level (or, when none does, the calibration's own threshold and a
-    note saying so); every group written is at least P sure."""
-    from search.duplicates.calibration import LEVELS, DuplicateCalibration
-    from search.duplicates.job import MIN_PROBABILITY, find_duplicates
-    from search.serving.searcher import Searcher
-
-    root = scanned["root"]
+def test_an_unreadable_file_is_skipped_and_reported(scanned, tmp_path):
+    """A file corrupted after indexing is left out of the scan and listed, in the JSON and by the API."""
+    root = tmp_path / "index"
+    shutil.copytree(scanned["root"], root)
+    folder = tmp_path / "photos"
+    shutil.copytree(scanned["folder"], folder)
     store = IndexStore(root)
-    for floor in (MIN_PROBABILITY, 0.0):
-        extra = [] if floor == MIN_PROBABILITY else ["--min-probability", "0"]
-        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--precision", "0.9",
-                     "--no-progress", *extra]) == 0
-        out = capsys.readouterr().out
-        data = json.loads(store.duplicates_path(store.current_version()).read_text())
-        calib = DuplicateCalibration.from_json(data["calibration"])
-        searcher = Searcher(root)
-        searcher.load()
-        low = find_duplicates(searcher.snapshot(), calib, threshold=min(LEVELS), progress=False)
-        conf = np.array([g["confidence"] for g in low["groups"]])
-        ok = sorted(min(t, 0.9999) for t in conf if conf[conf >= t].mean() >= 0.9)   # P < 1
-        if ok:
-            assert data["threshold"] == pytest.approx(max(ok[0], floor)) and "note:" not in out
-        else:
-            assert data["threshold"] == calib.threshold and "note: no groups" in out
-        assert all(g["confidence"] >= data["threshold"] - 1e-9 for g in data["groups"])
+    # the copied store still points at the module's folder: corrupt a file there and restore it afterwards
+    victim = sorted(scanned["folder"].rglob("*.png"))[-1]
+    saved = victim.read_bytes()
+    try:
+        victim.write_bytes(b"not an image")
+        assert main(["dedup", "--index", str(root), "--calibration-items", "100", "--no-progress"]) == 0
+    finally:
+        victim.write_bytes(saved)
+    data = json.loads(store.duplicates_path(store.current_version()).read_text())
+    assert [s["id"] for s in data["skipped"]] == [victim.relative_to(scanned["folder"]).as_posix()]
+    assert any("unreadable" in n for n in data["notes"])
+    assert all(data["skipped"][0]["id"] not in g["ids"] for g in data["groups"])
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        assert http.get("/v1/duplicates").json()["skipped"] == data["skipped"]
 
 
-def test_a_second_scan_of_one_calibration_verifies_no_pair_again(scanned, monkeypatch):
-    """The default threshold's scan and the final scan share the verified pair scores (job.scores_cache): the
-    second scan calls verify.match zero times and finds exactly what a scan without the cache finds."""
-    from search.duplicates import verify
-    from search.duplicates.calibration import LEVELS
-    from search.duplicates.job import calibrate_snapshot, find_duplicates, scores_cache
-    from search.serving.searcher import Searcher
-
-    searcher = Searcher(scanned["root"])
-    searcher.load()
-    snap = searcher.snapshot()
-    calib = calibrate_snapshot(snap, "verified", items=15, precision=0.9, progress=False)
-    calls = []
-    real_match = verify.match
-    monkeypatch.setattr(verify, "match", lambda a, b: calls.append(1) or real_match(a, b))
-    cache = scores_cache(snap, calib)
-    low = find_duplicates(snap, calib, threshold=min(LEVELS), progress=False, cache=cache)
-    first = len(calls)
-    assert first > 0 and cache.known.all()
-    high = find_duplicates(snap, calib, threshold=0.95, progress=False, cache=cache)
-    assert len(calls) == first                                  # nothing verified twice
-    for p, cached in ((min(LEVELS), low), (0.95, high)):
-        fresh = find_duplicates(snap, calib, threshold=p, progress=False)
-        assert [g["ids"] for g in cached["groups"]] == [g["ids"] for g in fresh["groups"]]
-        assert [g["confidence"] for g in cached["groups"]] == pytest.approx([g["confidence"] for g in fresh["groups"]])
-    assert scores_cache(snap, dataclasses.replace(calib, stage="encoder")) is None
+def test_a_scan_in_the_older_format_is_refused_with_what_to_run(scanned, tmp_path):
+    root = tmp_path / "index"
+    shutil.copytree(scanned["root"], root)
+    store = IndexStore(root)
+    path = store.duplicates_path(store.current_version())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": "softsearch-duplicates", "groups": []}))
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        r = http.get("/v1/duplicates")
+        assert r.status_code == 404 and "softsearch dedup" in r.text
 
 
 def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys):
-    """After `softsearch dedup`, `index add` says which new items duplicate indexed ones (a byte-identical
-    copy of an indexed file has similarity 1 to it: its group must include that file)."""
-    import shutil
-
+    """After `softsearch dedup`, `index add` says which new items duplicate indexed ones: a byte-identical copy
+    of an indexed file is reported with that file."""
     root = scanned["root"]
-    if not IndexStore(root).duplicates_path(IndexStore(root).current_version()).is_file():
-        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
-                     "--no-progress"]) == 0
+    assert main(["dedup", "--index", str(root), "--calibration-items", "100", "--no-progress"]) == 0
     extra = tmp_path / "extra"   # class folders like the indexed ones (the quality gate scores by class)
     originals = sorted(scanned["folder"].rglob("*.png"))[10:12]
     for n, original in enumerate(originals):
@@ -164,72 +156,7 @@ def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys
     assert main(["index", "add", "--root", str(root), "--dataset", "folder", "--split", "all",
                  "--data-root", str(extra), "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "duplicate groups among 2 new items" in out
+    assert "duplicate pairs among 2 new items" in out
     for n, original in enumerate(originals):
-        line = next((ln for ln in out.splitlines() if ln.startswith(f"duplicate: class{n}/again{n}.png")), None)
-        if line is not None:
-            assert original.relative_to(scanned["folder"]).as_posix() in line
-
-
-def test_dedup_with_the_collection_prior_reweighs_by_the_share_it_reports(scanned, capsys):
-    """The collection prior (the default): the share of items with a duplicate is estimated from the scan (EM),
-    reported, and the written calibration is the calibration prior's with its bias moved by Bayes' rule to that
-    share; the API says which prior the probabilities assume. The encoder stage cannot estimate it: an error."""
-    import math
-
-    root = scanned["root"]
-    store = IndexStore(root)
-    version = store.current_version()
-    runs = {}
-    for prior in ("calibration", "collection"):   # the collection's is the default at the verified stage
-        chosen = ["--prior", prior] if prior == "calibration" else []
-        assert main(["dedup", "--index", str(root), "--calibration-items", "15", "--threshold", "0.5",
-                     *chosen, "--no-progress"]) == 0
-        assert "items with a duplicate:" in capsys.readouterr().out
-        runs[prior] = json.loads(store.duplicates_path(version).read_text())
-    base, shifted = runs["calibration"], runs["collection"]
-    share, pi0 = shifted["collection_share"], shifted["design_share"]
-    assert base["prior"] == "calibration" and shifted["prior"] == "collection"
-    assert 0 < share < 1 and share == pytest.approx(base["collection_share"]) and 0 < pi0 < 1
-    tau = base["temperature"]
-    assert shifted["temperature"] == tau
-    assert shifted["bias"] == pytest.approx(base["bias"] + tau * (math.log((1 - share) / (1 - pi0))
-                                                                  - math.log(share / pi0)))
-    with TestClient(create_app(Settings(index_root=root))) as http:
-        body = http.get("/v1/duplicates").json()
-        assert body["prior"] == "collection" and body["collection_share"] == pytest.approx(share)
-        page = http.get("/duplicates").text
-        assert f"about {share:.1%} of this collection" in page and "assume this collection's share" in page
-    assert main(["dedup", "--index", str(root), "--stage", "encoder", "--prior", "collection"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--prior collection needs the verified stage" in err[0]
-
-
-def test_verified_calibration_negatives_are_the_items_themselves_searched_without_themselves(scanned):
-    """The "none" queries are the pairs a scan judges for an item with no duplicate: the sampled item itself (not an
-    edited copy of it) against its nearest other items, never itself. Checked against a second computation: the
-    sample drawn again with the same seed, each query's candidates re-verified from the item's own pixels."""
-    from search.duplicates import verify
-    from search.duplicates.job import hard_negative_sample, item_thumb, verified_calibration_queries
-    from search.serving.searcher import Searcher
-
-    searcher = Searcher(scanned["root"])
-    searcher.load()
-    snap = searcher.snapshot()
-    items, seed = 15, 3
-    queries, _ = verified_calibration_queries(snap, items, seed, progress=False)
-    rng = np.random.default_rng(seed)
-    m = min(items, snap.count // 2)
-    rng.permutation(snap.count)
-    rows, weights = hard_negative_sample(snap.index, m, rng)
-    negatives = queries[m:]
-    assert len(negatives) == m and all(q.source == -1 for q in negatives)
-    checked = 0
-    for q, row, weight in zip(negatives, rows, weights):
-        assert q.weight == pytest.approx(weight) and int(row) not in q.top_rows.tolist()
-        if q.top.size:
-            own = item_thumb(snap, int(row))
-            best = verify.match(own, item_thumb(snap, int(q.top_rows[0])))
-            assert q.top[0] == pytest.approx(float(verify.evidence(best.ncc)), abs=1e-9)
-            checked += 1
-    assert checked > 0
+        lines = [ln for ln in out.splitlines() if ln.startswith("duplicate:") and f"again{n}.png" in ln]
+        assert any(original.relative_to(scanned["folder"]).as_posix() in ln for ln in lines)

@@ -1,0 +1,154 @@
+"""Pair alignment: one thumbnail warped onto the other by an affine map and a gain/offset, fitted by
+inverse-compositional Lucas-Kanade (coarse to fine), batched over pairs with torch. A crop, resize, small rotation
+or brightness/contrast change is an affine map of the pixels and their values, so after the fit a copy
+correlates with its original almost perfectly; two different pictures do not, however the fit bends.
+
+Features per pair (the better of both directions, and of the mirror with flips):
+  ncc      normalised cross-correlation over the template pixels that land inside the other picture
+  robust   the same with the worst-fitting 15 % of those pixels left out (an overlay, a caption)
+  coverage share of the template that lands inside the other picture
+  stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FEATURES = ("ncc", "robust", "coverage", "stretch")
+TRIM = 0.15
+# the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
+# rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
+MAX_SCALE = 1.4
+MAX_SHEAR = 0.15
+MAX_SHIFT = 0.4
+_BLUR = torch.tensor([1.0, 2.0, 1.0]) / 4.0
+
+
+def _blur(x: torch.Tensor) -> torch.Tensor:
+    k = (_BLUR[:, None] * _BLUR[None, :]).to(x)[None, None]
+    return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), k)
+
+
+def _grid(side: int, device=None) -> torch.Tensor:
+    c = (torch.arange(side, dtype=torch.float32, device=device) + 0.5) / side * 2 - 1
+    y, x = torch.meshgrid(c, c, indexing="ij")
+    return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)      # (P, 2): x, y
+
+
+def _warp(img: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """img (B,1,S,S) sampled at theta (B,2,3) applied to the pixel grid -> (B,P), border-padded."""
+    grid = F.affine_grid(theta, list(img.shape), align_corners=False)
+    return F.grid_sample(img, grid, mode="bilinear", padding_mode="border", align_corners=False).flatten(1)
+
+
+def _inside(theta: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
+    w = torch.einsum("bij,pj->bpi", theta[:, :, :2], pts) + theta[:, None, :, 2]
+    return (w.abs() <= 1.0).all(dim=2).float()
+
+
+def _norm_rows(v: torch.Tensor) -> torch.Tensor:
+    v = v - v.mean(1, keepdim=True)
+    return v / (v.std(1, keepdim=True) + 1e-3)
+
+
+def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
+    """Inverse-compositional Lucas-Kanade: the template's Jacobian and Hessian once, then per step
+    only the warped image (standardised: the gain and offset drop out) and a 6 x P product."""
+    side = t.shape[-1]
+    b = t.shape[0]
+    pts = _grid(side, t.device)
+    x, y = pts[:, 0], pts[:, 1]
+    t = (t - t.mean(dim=(2, 3), keepdim=True)) / (t.std(dim=(2, 3), keepdim=True) + 1e-3)
+    gx = (torch.roll(t, -1, 3) - torch.roll(t, 1, 3)) * (side / 4.0)
+    gy = (torch.roll(t, -1, 2) - torch.roll(t, 1, 2)) * (side / 4.0)
+    gx[..., 0], gx[..., -1] = 0, 0
+    gy[..., 0, :], gy[..., -1, :] = 0, 0
+    gx, gy = gx.flatten(1), gy.flatten(1)
+    jac = torch.stack([gx * x, gx * y, gx, gy * x, gy * y, gy], dim=2)           # (B, P, 6)
+    h = torch.einsum("bpi,bpj->bij", jac, jac)
+    h = h + (1e-3 * h.diagonal(dim1=1, dim2=2).mean(1) + 1e-6)[:, None, None] * torch.eye(6)
+    k = torch.linalg.solve(h, jac.transpose(1, 2))                              # (B, 6, P)
+    tv = _norm_rows(t.flatten(1))
+    full = torch.zeros(b, 3, 3)
+    full[:, 2, 2] = 1.0
+    full[:, :2] = theta
+    eye = torch.eye(3)
+    for _ in range(iters):
+        e = _norm_rows(_warp(i, full[:, :2])) - tv
+        d = torch.einsum("bip,bp->bi", k, e).clamp(-0.3, 0.3)
+        delta = eye.repeat(b, 1, 1)
+        delta[:, :2] += d.reshape(b, 2, 3)
+        full = full @ torch.linalg.inv(delta)
+        # inside the edit family: a crop or resize of up to ~1.4x per axis, a few degrees of rotation
+        diag = full[:, [0, 1], [0, 1]].clamp(1 / MAX_SCALE, MAX_SCALE)
+        full[:, 0, 0], full[:, 1, 1] = diag[:, 0], diag[:, 1]
+        full[:, 0, 1] = full[:, 0, 1].clamp(-MAX_SHEAR, MAX_SHEAR)
+        full[:, 1, 0] = full[:, 1, 0].clamp(-MAX_SHEAR, MAX_SHEAR)
+        full[:, :2, 2] = full[:, :2, 2].clamp(-MAX_SHIFT, MAX_SHIFT)
+    return full[:, :2]
+
+
+def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    side = t.shape[-1] // 2
+    pts = _grid(side, t.device)
+    v = F.avg_pool2d(_warp(i, theta).reshape(i.shape), 2).flatten(1)
+    m = _inside(theta, pts)
+    tv = F.avg_pool2d(t, 2).flatten(1)
+
+    def ncc(w):
+        n = w.sum(1).clamp(min=1.0)
+        mt, mv = (w * tv).sum(1) / n, (w * v).sum(1) / n
+        a, c = tv - mt[:, None], v - mv[:, None]
+        cov = (w * a * c).sum(1)
+        return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
+
+    full, a, c = ncc(m)
+    # robust: drop the worst-fitting TRIM of the inside pixels (residual after the least-squares gain)
+    gain = (m * a * c).sum(1) / ((m * c * c).sum(1) + 1e-9)
+    res = torch.where(m > 0, (a - gain[:, None] * c).abs(), torch.full_like(a, float("inf")))
+    keep_n = (m.sum(1) * (1 - TRIM)).long().clamp(min=1)
+    order = res.argsort(dim=1)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
+    w2 = ((rank < keep_n[:, None]) & (m > 0)).float()
+    robust, _, _ = ncc(w2)
+    det = (theta[:, 0, 0] * theta[:, 1, 1] - theta[:, 0, 1] * theta[:, 1, 0]).abs().clamp(min=1e-3)
+    sx = theta[:, :, 0].norm(dim=1).clamp(min=1e-3)
+    sy = theta[:, :, 1].norm(dim=1).clamp(min=1e-3)
+    stretch = det.log().abs() + (sx / sy).log().abs()
+    return torch.stack([full, robust, m.mean(1), stretch], dim=1)
+
+
+def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.Tensor:
+    """Fit on 2x-pooled thumbnails (coarse: 4x), score on the full ones warped, then pooled: the pooled
+    reading of a warped sharp thumbnail is what a resize would make, not bilinear blur."""
+    b = t.shape[0]
+    theta = torch.zeros(b, 2, 3, device=t.device)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
+    t2, i2 = _blur(F.avg_pool2d(t, 2)), _blur(F.avg_pool2d(i, 2))
+    theta = _fit(_blur(F.avg_pool2d(t2, 2)), _blur(F.avg_pool2d(i2, 2)), theta, iters[0])
+    theta = _fit(t2, i2, theta, iters[1])
+    return _score(t, i, theta)
+
+
+def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, iters=(24, 12), flips: bool = False,
+                  other: np.ndarray | None = None, batch: int = 2048, progress=None) -> np.ndarray:
+    """(len(a), len(FEATURES)) float32 features of pairs (thumbs[a], other[b]) (other: thumbs by default):
+    each direction aligned, the direction (and, with flips, the mirror) with the higher robust ncc kept."""
+    other = thumbs if other is None else other
+    out = np.zeros((len(a), len(FEATURES)), np.float32)
+    with torch.no_grad():
+        for s in range(0, len(a), batch):
+            ta = torch.from_numpy(np.asarray(thumbs[a[s:s + batch]], np.float32))[:, None]
+            tb = torch.from_numpy(np.asarray(other[b[s:s + batch]], np.float32))[:, None]
+            tries = [_one_way(ta, tb, iters), _one_way(tb, ta, iters)]
+            if flips:
+                fb = torch.flip(tb, dims=[3])
+                tries += [_one_way(ta, fb, iters), _one_way(fb, ta, iters)]
+            stack = torch.stack(tries)                                   # (T, B, F)
+            best = stack[:, :, 1].argmax(dim=0)
+            out[s:s + len(ta)] = stack[best, torch.arange(len(ta))].numpy()
+            if progress is not None:
+                progress.update(len(ta))
+    return out

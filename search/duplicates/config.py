@@ -1,0 +1,65 @@
+"""Every constant of `softsearch dedup` in one validated place (DedupConfig): the method itself has none."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+FORMAT = "softsearch-duplicates-2"   # the JSON a scan writes (older scans are not read)
+
+
+@dataclass(frozen=True)
+class DedupConfig:
+    """What the duplicate finder does; the defaults are the method, a collection needs no others.
+
+    thumb: side of the greyscale thumbnail each image is reduced to (aligned at half and a quarter of it, correlated
+        at half after warping at full).
+    dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor.
+    k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
+    calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
+    iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
+    max_share: the highest share of candidate pairs EM may call duplicates (a bound it reports when hit).
+    threshold: the pair probability a pair must reach, unless --threshold or --precision says otherwise.
+    l2: ridge penalty of the logistic regression on standardised features.
+    """
+
+    thumb: int = 64
+    dct: int = 8
+    k_descriptor: int = 6
+    k_embedding: int = 6
+    calibration_items: int = 400
+    iterations: tuple[int, int] = (24, 12)
+    max_share: float = 0.5
+    em_steps: int = 30
+    threshold: float = 0.5
+    l2: float = 1e-2
+    flips: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.thumb < 16 or self.thumb % 4:
+            raise ValueError(f"thumb must be a multiple of 4 and >= 16, got {self.thumb}")
+        if not 2 <= self.dct <= self.thumb:
+            raise ValueError(f"dct must be in [2, thumb], got {self.dct}")
+        if self.k_descriptor < 1 or self.k_embedding < 0:
+            raise ValueError("k_descriptor must be >= 1 and k_embedding >= 0")
+        if self.calibration_items < 20:
+            raise ValueError(f"calibration_items must be >= 20, got {self.calibration_items}")
+        if len(self.iterations) != 2 or min(self.iterations) < 1:
+            raise ValueError(f"iterations must be two positive counts, got {self.iterations}")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
+        if not 0.0 < self.threshold < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
+        if self.l2 < 0 or self.em_steps < 1:
+            raise ValueError("l2 must be >= 0 and em_steps >= 1")
+
+    def to_json(self) -> dict:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DedupConfig":
+        known = {f.name for f in fields(cls)}
+        kw = {k: (tuple(v) if k == "iterations" else v) for k, v in data.items() if k in known}
+        return cls(**kw)
+
+
+

@@ -1,0 +1,30 @@
+"""Per-image descriptors: a small greyscale thumbnail (aligned and correlated pair by pair, align.py) and
+its low-frequency DCT block without the DC term, unit-normalised (the k-NN search key: brightness and
+contrast changes leave it unchanged, JPEG and resizing barely move it)."""
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+from scipy.fft import dctn
+
+from training.images import load_rgb
+
+
+def thumbnail(source, side: int) -> np.ndarray:
+    """(side, side) uint8 greyscale of an image file or bytes, decoded as indexing decodes it (EXIF
+    orientation, transparency on white), the whole picture squeezed to a square (no crop)."""
+    rgb = load_rgb(source, min_side=2 * side)
+    im = Image.fromarray(rgb).convert("L")
+    return np.asarray(im.resize((side, side), Image.BILINEAR, reducing_gap=2.0), dtype=np.uint8)
+
+
+def dct_descriptor(thumbs: np.ndarray, block: int, flip: bool = False) -> np.ndarray:
+    """(n, block^2 - 1) float32 unit vectors: the block x block lowest DCT frequencies of each thumbnail,
+    DC dropped (`flip`: of its mirror image, the odd horizontal frequencies negated)."""
+    t = np.asarray(thumbs, dtype=np.float32)
+    c = dctn(t, type=2, axes=(1, 2), norm="ortho")[:, :block, :block]
+    if flip:
+        c = c * np.where(np.arange(block) % 2, -1.0, 1.0)[None, None, :]
+    c = c.reshape(len(t), -1)[:, 1:]
+    norm = np.linalg.norm(c, axis=1, keepdims=True)
+    return (c / np.maximum(norm, 1e-6)).astype(np.float32)

@@ -1,0 +1,229 @@
+"""One duplicate scan of a collection: thumbnails, candidate pairs, synthetic copies, the self-supervised
+fit (model.py), probabilities, a threshold and groups. Knows nothing of index versions: job.py feeds it an
+index version's images and embeddings, tests and benchmarks a folder's.
+
+In a paragraph: every image becomes a 32 x 32 greyscale thumbnail; each item's nearest items by the
+thumbnail's low-frequency DCT (and, when there are embeddings, by the index's own) are its candidates; each
+candidate pair is aligned (an affine map and a gain, align.py) and scored by how well it then correlates; a
+logistic regression fitted on this collection -- edited copies of its own images as positives, its
+candidate pairs as an unlabelled mixture read by EM -- turns those scores into the probability that the
+pair is one picture edited, at this collection's own share of duplicates.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+from tqdm.auto import tqdm
+
+from search.duplicates.align import pair_features
+from search.duplicates.config import DedupConfig
+from search.duplicates.descriptors import dct_descriptor, thumbnail
+from search.duplicates.edits import edited_copy
+from search.duplicates.model import (DuplicateModel, design, fit_model, items_share, threshold_for_precision)
+from training.images import load_rgb
+
+logger = logging.getLogger(__name__)
+EDIT_SIDE = 384        # synthetic copies are made from the picture shrunk to this longest side (speed)
+
+
+@dataclass
+class Scan:
+    """A scan's pairs (rows a < b), their probabilities and features, the fitted model and what was skipped."""
+
+    a: np.ndarray
+    b: np.ndarray
+    p: np.ndarray
+    x: np.ndarray
+    model: DuplicateModel
+    skipped: dict[int, str]
+    share_items: float
+    seconds: dict = field(default_factory=dict)
+    positives_x: np.ndarray | None = None
+
+
+def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool):
+    """(thumbs (n, side, side) uint8, {row: error}) for the given rows; unreadable rows stay zero."""
+    rows = np.asarray(rows)
+    thumbs = np.zeros((len(rows), side, side), np.uint8)
+    skipped = {}
+    for k, r in enumerate(tqdm(rows, desc="thumbnails", unit="img", disable=not progress, mininterval=1.0)):
+        try:
+            thumbs[k] = thumbnail(read(int(r)), side)
+        except (OSError, ValueError, KeyError) as err:      # ImageError is a ValueError
+            skipped[int(r)] = f"{type(err).__name__}: {err}"
+    return thumbs, skipped
+
+
+def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray | None = None,
+                    flipped: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Unique pairs (a < b) of readable rows: each row's k nearest by descriptor cosine (exact FAISS inner
+    product; with `flipped`, also the nearest of its mirror), plus `extra` (n, k') neighbour rows (-1: none)."""
+    import faiss
+
+    n = len(desc)
+    good = np.flatnonzero(ok)
+    pairs = []
+    if good.size > 1:
+        index = faiss.IndexFlatIP(desc.shape[1])
+        index.add(np.ascontiguousarray(desc[good]))
+        kk = min(k + 1, good.size)
+        for q in (desc, flipped) if flipped is not None else (desc,):
+            _, found = index.search(np.ascontiguousarray(q[good]), kk)
+            a = np.repeat(good, kk)
+            b = np.where(found.reshape(-1) >= 0, good[np.maximum(found.reshape(-1), 0)], -1)
+            pairs.append(np.column_stack([a, b]))
+    if extra is not None:
+        kk = extra.shape[1]
+        pairs.append(np.column_stack([np.repeat(np.arange(n), kk), extra.reshape(-1)]))
+    if not pairs:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    pr = np.concatenate(pairs).astype(np.int64)
+    pr = pr[(pr[:, 1] >= 0) & (pr[:, 0] != pr[:, 1])]
+    pr = pr[ok[pr[:, 0]] & ok[pr[:, 1]]]
+    pr = np.unique(np.sort(pr, axis=1), axis=0)
+    return pr[:, 0], pr[:, 1]
+
+
+def synthetic_positives(read, rows, thumbs, desc, config: DedupConfig, rng, progress: bool) -> np.ndarray:
+    """Design rows of edited copies of the given rows against their originals (a quarter mirrored with flips)."""
+    copies, used = [], []
+    for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
+        try:
+            im = Image.fromarray(load_rgb(read(int(r)), min_side=EDIT_SIDE))
+            im.thumbnail((EDIT_SIDE, EDIT_SIDE))
+            data, _ = edited_copy(im, rng, flip=bool(config.flips and rng.random() < 0.25))
+            copies.append(thumbnail(data, config.thumb))
+            used.append(int(r))
+        except (OSError, ValueError, KeyError) as err:
+            logger.warning("no synthetic copy of row %d: %s", r, err)
+    if not copies:
+        return np.zeros((0, 5))
+    c = np.stack(copies)
+    used = np.asarray(used)
+    f = pair_features(thumbs, used, np.arange(len(used)), other=c, iters=config.iterations, flips=config.flips)
+    cd = dct_descriptor(c, config.dct)
+    cos = np.einsum("ij,ij->i", desc[used], cd)
+    if config.flips:
+        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[used], dct_descriptor(c, config.dct, flip=True)))
+    return design(f, cos)
+
+
+def pair_design(thumbs, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:
+    with tqdm(total=len(a), desc="aligning candidate pairs", unit="pair", disable=not progress,
+              mininterval=1.0) as bar:
+        f = pair_features(thumbs, a, b, iters=config.iterations, flips=config.flips, progress=bar)
+    cos = np.einsum("ij,ij->i", desc[a], desc[b])
+    if flipped is not None:
+        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[a], flipped[b]))
+    return design(f, cos)
+
+
+def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig = DedupConfig(), *,
+                    neighbours: Callable[[int], np.ndarray] | None = None, progress: bool = True) -> Scan:
+    """Scan n items (`read(row)` -> a path or bytes; `neighbours(k)` -> (n, k) nearest rows by the index's
+    embeddings, -1 where none) and fit the model on them."""
+    t = {}
+    t0 = time.perf_counter()
+    thumbs, skipped = read_thumbnails(read, np.arange(n), config.thumb, progress)
+    ok = np.ones(n, bool)
+    ok[list(skipped)] = False
+    if ok.sum() < 20:
+        raise ValueError(f"{int(ok.sum())} readable images; a duplicate scan needs at least 20")
+    t["thumbnails"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    desc = dct_descriptor(thumbs, config.dct)
+    flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
+    extra = neighbours(config.k_embedding) if neighbours is not None and config.k_embedding else None
+    a, b = candidate_pairs(desc, ok, config.k_descriptor, extra, flipped)
+    t["candidates"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    x = pair_design(thumbs, desc, a, b, config, progress, flipped)
+    t["pairs"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(config.seed)
+    good = np.flatnonzero(ok)
+    # each readable item once in random order, again until there are calibration_items copies (small collections)
+    reps = -(-config.calibration_items // good.size)
+    sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[:config.calibration_items]
+    xp = synthetic_positives(read, sample, thumbs, desc, config, rng, progress)
+    t["copies"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, steps=config.em_steps,
+                      threshold=config.threshold)
+    p = model.probability(x)
+    t["fit"] = time.perf_counter() - t0
+    return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp)
+
+
+def score_pairs(thumbs, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False):
+    """Probabilities of given pairs under an already fitted model (new items after `index add`)."""
+    flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
+    return model.probability(pair_design(thumbs, desc, a, b, config, progress, flipped))
+
+
+def choose_threshold(p: np.ndarray, config: DedupConfig, threshold: float | None, precision: float | None):
+    """(threshold, how it was chosen): --threshold as given; --precision: the lowest found p whose pairs are
+    expected to reach it (always a found p); otherwise the config's (0.5: each pair kept is more likely a
+    duplicate than not)."""
+    if threshold is not None:
+        return float(threshold), "given"
+    if precision is not None:
+        t = threshold_for_precision(p, precision)
+        if t is not None:
+            return t, f"lowest p whose pairs are expected to reach precision {precision:g}"
+        return config.threshold, f"no pairs are expected to reach precision {precision:g}; the default"
+    return config.threshold, "default"
+
+
+def groups_of(a, b, p, threshold: float, ids: list[str]) -> list[dict]:
+    """Connected components of the pairs at p >= threshold, largest first; a group's confidence is the
+    lowest p of the pairs that hold it together (each kept pair is listed)."""
+    keep = np.flatnonzero(p >= threshold)
+    parent: dict[int, int] = {}
+
+    def root(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for k in keep:
+        parent[root(int(a[k]))] = root(int(b[k]))
+    members: dict[int, list[int]] = {}
+    for x in list(parent):
+        members.setdefault(root(x), []).append(x)
+    edges: dict[int, list[int]] = {}
+    for k in keep:
+        edges.setdefault(root(int(a[k])), []).append(int(k))
+    out = []
+    for r, rows in members.items():
+        rows = sorted(rows)
+        pairs = [{"a": ids[int(a[k])], "b": ids[int(b[k])], "p_ab": float(p[k]), "p_ba": float(p[k]),
+                  "similarity": float(p[k])} for k in edges[r]]
+        out.append({"ids": [ids[x] for x in rows], "rows": rows,
+                    "confidence": float(min(p[k] for k in edges[r])), "pairs": pairs})
+    return sorted(out, key=lambda g: (-len(g["rows"]), -g["confidence"], g["rows"]))
+
+
+def notes(scan: Scan, threshold: float, how: str) -> list[str]:
+    """What a user should know about this scan's probabilities, each with what to do."""
+    out = []
+    if scan.model.bound:
+        out.append(scan.model.bound)
+    top = float(scan.p.max()) if scan.p.size else 0.0
+    if top < threshold:
+        out.append(f"no pair reaches p >= {threshold:.3g}; the highest p found is {top:.3g}"
+                   + (f" (--threshold {top:.3g} would keep that pair)" if top > 0 else ""))
+    if np.isfinite(scan.model.copy_recall) and scan.model.copy_recall < 0.8:
+        out.append(f"only {scan.model.copy_recall:.0%} of held-out synthetic copies reach p >= "
+                   f"{threshold:.3g}: edited copies here are hard to tell from look-alikes; expect low recall")
+    if scan.skipped:
+        out.append(f"{len(scan.skipped)} unreadable images skipped (listed under 'skipped')")
+    if how.startswith("no pairs"):
+        out.append(how)
+    return out
