@@ -192,6 +192,9 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
             if step % config.log_every == 0:
                 metrics_file.flush()
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['temperature']:.3g}")
+            if (step + 1) % config.checkpoint_every == 0 and step + 1 < stop:   # weights so far (no resume state)
+                save_checkpoint(out / CHECKPOINT_NAME, encoder, step=step + 1, train_config=config.to_dict(),
+                                lineage=lineage, metrics=last, text_encoder=text)
     bar.close()
     path = save_checkpoint(out / CHECKPOINT_NAME, encoder, step=stop, train_config=config.to_dict(),
                            lineage=lineage, metrics=last, text_encoder=text)
