@@ -31,7 +31,8 @@ _TEMPERATURE_DOC = "softmax temperature; default: the index's text temperature (
 
 class TextQuery(JsonPageQuery):
     model_config = {"extra": "forbid"}
-    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, description="words describing the images wanted")
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS, pattern=r"\S",
+                      description="words describing the images wanted (not only white space)")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
     temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
                                       description=_TEMPERATURE_DOC)
@@ -39,7 +40,7 @@ class TextQuery(JsonPageQuery):
 
 class BatchTextQuery(JsonPageQuery):
     model_config = {"extra": "forbid"}
-    texts: list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]] = Field(
+    texts: list[Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS, pattern=r"\S")]] = Field(
         min_length=1, max_length=MAX_BATCH_QUERIES, description="one text per query")
     k: int = Field(10, ge=1, description="results per query, 1..max_k")
     temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
