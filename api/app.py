@@ -29,7 +29,7 @@ from api.metrics import Metrics, MetricsMiddleware
 from api.openapi import install_served_openapi
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.timeouts import BodyTimeoutMiddleware
-from api.routes import admin, duplicates, health, index, items, search, web
+from api.routes import admin, duplicates, health, index, items, search, text, web
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import NotReadyError, Searcher
 
@@ -191,7 +191,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
 
     _install_error_handlers(app)
     install_served_openapi(app, settings.max_k)
-    for module in (search, items, index, duplicates, health, admin, web):
+    for module in (search, text, items, index, duplicates, health, admin, web):
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 

@@ -19,6 +19,7 @@ commands:
                       prune | export | import
   eval                evaluate an index or checkpoint: retrieval metrics, cross-entropy gap, report
   dedup               near-duplicate groups of an index version at a calibrated probability
+  search --text WORDS search a local index by text, with calibrated probabilities
   serve               serve the HTTP API and web page
   experiment anneal   Langevin temperature-annealing experiment on free unit embeddings
 
@@ -42,10 +43,12 @@ def _evaluate_version(*args, **kwargs):
     return evaluate_version(*args, **kwargs)
 
 
-def _calibrate_version(*args, **kwargs):
+def _calibrate_version(candidate, *args, **kwargs):
     from search.evaluation.quality import calibrate_version
+    from search.evaluation.text_eval import store_text_calibration
 
-    return calibrate_version(*args, **kwargs)
+    store_text_calibration(candidate)   # a text tower: its temperature on held-out captions, into the manifest
+    return calibrate_version(candidate, *args, **kwargs)
 
 
 def _report_duplicates(root, base: str | None, version: str) -> None:
@@ -65,12 +68,22 @@ def _index(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
+    if "--text" in argv:   # caption queries: text-to-image gap and recall (search/evaluation/text_eval.py)
+        from search.evaluation.text_eval import main as text_eval_main
+
+        return text_eval_main(argv)
     from search.evaluation.eval_args import build_parser
 
     build_parser().parse_args(argv)   # --help and mistakes answered before torch, FAISS or scipy load
     from search.evaluation.evaluate import main as eval_main
 
     return eval_main(argv)
+
+
+def _search(argv: list[str]) -> int:
+    from search.serving.text import main as search_main
+
+    return search_main(argv)
 
 
 def _dedup(argv: list[str]) -> int:
@@ -116,6 +129,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "index": _index,
     "eval": _eval,
     "dedup": _dedup,
+    "search": _search,
     "serve": _serve,
     "experiment": _experiment,
 }

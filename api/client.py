@@ -126,6 +126,20 @@ class SoftsearchClient:
                            files=[("files", self._image_part(im, n)) for n, im in enumerate(images)])
         return BatchResponse.model_validate_json(r.content).responses
 
+    def search_text(self, text: str, k: int = 10, *, temperature: float | None = None, offset: int = 0,
+                    min_probability: float | None = None, mass: float | None = None,
+                    filter: dict | None = None) -> SearchResponse:
+        """POST /v1/search/text: indexed images described by `text` (needs a version with a text tower)."""
+        body = {"text": text, **self._options(k, temperature, offset, min_probability, mass, filter)}
+        return SearchResponse.model_validate_json(self._call("POST", "/v1/search/text", json=body).content)
+
+    def search_texts(self, texts: Sequence[str], k: int = 10, *, temperature: float | None = None, offset: int = 0,
+                     min_probability: float | None = None, mass: float | None = None,
+                     filter: dict | None = None) -> list[SearchResponse]:
+        """POST /v1/search/text/batch: several texts, one answer each, in order."""
+        body = {"texts": list(texts), **self._options(k, temperature, offset, min_probability, mass, filter)}
+        return BatchResponse.model_validate_json(self._call("POST", "/v1/search/text/batch", json=body).content).responses
+
     # ---------------------------------------------------------------- index and items
     def index(self) -> IndexOut:
         """GET /v1/index: the served version, its manifest and its filterable fields."""

@@ -298,6 +298,7 @@ def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pr
         raise FileNotFoundError(f"--pretrained {pretrained} is not a local file (weights are never downloaded)")
     encoder = create_encoder(EncoderConfig(model_name=model_name, pretrained=str(pretrained.resolve()),
                                            image_size=image_size, image_mean=image_mean, image_std=image_std))
+    text = _pretrained_text_tower(model_name, pretrained.resolve(), encoder.embed_dim)
     lineage = {"objective": "none (pretrained open_clip weights, not trained here)",
                "pretrained": {"model_name": model_name, "file": str(pretrained.resolve()),
                               "sha256": file_sha256(pretrained)}}
@@ -308,6 +309,28 @@ def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pr
 
     path = Path(directory) / f"pretrained-{os.getpid()}-{time.time_ns()}{MODEL_SUFFIX}"
     with writing(path, needed=sum(t.numel() * t.element_size() for t in encoder.state_dict().values())):
-        save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage)
+        save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage,
+                        text_encoder=text)
     return path
+
+
+def _pretrained_text_tower(model_name: str, pretrained: Path, embed_dim: int):
+    """The text tower of the same weights file (training/text.py), None when the model has no usable one."""
+    import open_clip
+
+    from training.text import TextConfig, TextEncoder
+
+    model = open_clip.create_model(model_name, pretrained=str(pretrained), pretrained_image=False,
+                                   pretrained_text=False)
+    try:
+        text = TextEncoder(TextConfig(model_name=model_name), embed_dim, clip_model=model)
+    except (AttributeError, TypeError) as err:   # e.g. a model without a text transformer
+        logger.warning("open_clip model %s: no text tower kept (%s)", model_name, err)
+        return None
+    probe = text.encode(["a photo"])
+    if probe.shape[1] != embed_dim:
+        logger.warning("open_clip model %s: its text tower embeds to %d dims, the image tower to %d; not kept",
+                       model_name, probe.shape[1], embed_dim)
+        return None
+    return text
 

@@ -53,6 +53,8 @@ class TrainConfig:
     schedule_options: dict = field(default_factory=lambda: {"tau": 0.1})
     noise_schedule: str | None = None  # Langevin noise temperature schedule; None -> no noise
     noise_options: dict = field(default_factory=dict)
+    # image-text training: the [text] table (training/text_trainer.py); empty -> image-only training
+    text: dict = field(default_factory=dict)
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
@@ -114,7 +116,9 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        return {k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS}
+        # an empty [text] table is left out, so image-only runs hash as they did before it existed
+        return {k: v for k, v in self.to_dict().items()
+                if k not in RUNTIME_FIELDS and not (k == "text" and not v)}
 
 
 def _jsonable(obj: Any) -> Any:

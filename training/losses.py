@@ -122,8 +122,11 @@ def contrastive_similarities(
     return sim, pos_index, self_index
 
 
-def _masked_logits(sim: torch.Tensor, self_index: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Set each anchor's own column to -inf (it is not a candidate)."""
+def _masked_logits(sim: torch.Tensor, self_index: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    """Set each anchor's own column to -inf (it is not a candidate); None: every column is one
+    (image-text rows, whose candidates are the other modality only)."""
+    if self_index is None:
+        return logits
     rows = torch.arange(sim.shape[0], device=sim.device)
     mask = torch.zeros_like(sim, dtype=torch.bool)
     mask[rows, self_index] = True

@@ -419,6 +419,10 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
     """Train per `config`; returns the final checkpoint path (out_dir/checkpoint.safetensors)."""
     config.validate()
     with distributed_session(config.device) as info:
+        if config.text:   # a [text] table: image and text towers, CLIP objective
+            from training.text_trainer import train_text
+
+            return train_text(config, info, resume)
         return _train(config, info, resume)
 
 

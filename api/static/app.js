@@ -3,7 +3,7 @@
 
 const $ = (id) => document.getElementById(id);
 let maxK = 100;
-let lastQuery = null;   // {kind: "item", id, thumb} or {kind: "image", blob, name}: re-run on filter / page change
+let lastQuery = null;   // {kind: "item", id, thumb}, {kind: "image", blob, name} or {kind: "text", text}: re-run on filter / page change
 let offset = 0;
 
 function setStatus(text, isError) {
@@ -187,6 +187,12 @@ function rerun() {
     return runQuery(() => fetch("/v1/search/item", {
       method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }));
   }
+  if (lastQuery.kind === "text") {   // POST /v1/search/text: the version's text tower, its text temperature
+    $("query-preview").hidden = true;
+    const body = Object.assign({ text: lastQuery.text }, opts);
+    return runQuery(() => fetch("/v1/search/text", {
+      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body) }));
+  }
   showPreview(URL.createObjectURL(lastQuery.blob));
   const form = new FormData();
   form.append("file", lastQuery.blob, lastQuery.name);
@@ -224,6 +230,14 @@ function setupDrop() {
   $("file").addEventListener("change", (e) => {
     const f = e.target.files[0];
     if (f) search(f, f.name);
+  });
+  $("text-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = $("text-query").value.trim();
+    if (!text) { setStatus("type some words to search by text", true); return; }
+    offset = 0;
+    lastQuery = { kind: "text", text: text };
+    rerun();
   });
   $("shuffle").addEventListener("click", loadSamples);
   for (const id of ["filter-class", "filter-prefix", "min-probability", "k", "temperature"]) {

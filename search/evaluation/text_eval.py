@@ -31,7 +31,7 @@ from training.captions import TEMPLATES, CaptionIdeal, CaptionScheme
 logger = logging.getLogger(__name__)
 
 __all__ = ["text_gap", "text_recall", "caption_queries", "evaluate_text", "calibrate_text_version", "main",
-           "DEFAULT_SCHEME"]
+           "DEFAULT_SCHEME", "store_text_calibration"]
 
 DEFAULT_SCHEME = CaptionScheme()
 _QUERY_TAG = 0x7E47   # separates the caption-template stream from other uses of the seed
@@ -176,6 +176,27 @@ def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
     record.update(temperature=float(cal.temperature), source="calibrated: argmin of held-out caption H(q,p)",
                   n_queries=int(zt.shape[0]), gap_at_calibrated=float(cal.gap_at_calibrated["kl"]),
                   cross_entropy_at_calibrated=float(cal.gap_at_calibrated["cross_entropy"]))
+    return record
+
+
+def store_text_calibration(candidate) -> dict | None:
+    """Write `calibrate_text_version`'s record into the candidate version's manifest as `text` (nothing
+    for a version without a text tower); returns the record."""
+    import time
+
+    from index.manifest import update_manifest
+
+    t0 = time.perf_counter()
+    record = calibrate_text_version(candidate)
+    if record is None:
+        return None
+    record["seconds"] = time.perf_counter() - t0
+    update_manifest(candidate.path, text=record)
+    if record.get("temperature"):
+        logger.info("calibrated text temperature %.4g on %d held-out captions", record["temperature"],
+                    record.get("n_queries", 0))
+    else:
+        logger.warning("no text temperature calibrated (%s)", record.get("source"))
     return record
 
 

@@ -1,0 +1,72 @@
+"""Image-text training pieces: the symmetric CLIP loss against an independent formula, unique-caption batches,
+WEINCE on image-text rows, folder captions."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.captions import CaptionScheme
+from training.losses import create_loss
+from training.text import TextConfig, TextEncoder, text_config_from_dict
+from training.text_trainer import CaptionData, caption_data, clip_step, unique_caption_batch
+
+
+class _Fixed(torch.nn.Module):
+    def __init__(self, z):
+        super().__init__()
+        self.z = z
+
+    def forward(self, x):
+        return self.z
+
+
+def test_clip_step_is_symmetric_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    zi = F.normalize(torch.randn(6, 8, generator=g), dim=1)
+    zt = F.normalize(torch.randn(6, 8, generator=g), dim=1)
+    tau = 0.07
+    out = clip_step(_Fixed(zi), _Fixed(zt), create_loss("infonce"), None, None, tau)
+    logits = (zi @ zt.T).double() / tau
+    target = torch.arange(6)
+    expected = 0.5 * (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target))
+    assert float(out.loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_weince_runs_on_image_text_rows():
+    g = torch.Generator().manual_seed(1)
+    zi = F.normalize(torch.randn(32, 8, generator=g), dim=1).requires_grad_()
+    zt = F.normalize(torch.randn(32, 8, generator=g), dim=1)
+    out = clip_step(_Fixed(zi), _Fixed(zt), create_loss("weince"), None, None, 0.1)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and zi.grad.abs().sum() > 0
+
+
+def test_unique_caption_batches():
+    keys = np.array([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    data = CaptionData(np.arange(10), keys, {})
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        idx = unique_caption_batch(data, 4, rng)
+        assert len(idx) == 4 and len(set(keys[idx])) == 4
+    assert len(unique_caption_batch(data, 8, rng)) == 5   # only 5 distinct captions exist
+
+
+def test_synthetic_caption_data_names_the_cells(tiny_synthetic):
+    data = caption_data(tiny_synthetic, {"bins": [4, 3, 4]})
+    scheme = CaptionScheme((4, 3, 4))
+    idx = np.arange(10)
+    texts = data.texts(tiny_synthetic, idx, np.random.default_rng(0))
+    assert [scheme.parse(t) for t in texts] == scheme.cells(tiny_synthetic.latents[idx]).tolist()
+    with pytest.raises(ValueError, match="bins"):
+        caption_data(tiny_synthetic, {"bins": [5, 6, 8]})
+
+
+def test_text_config_checks_and_tokenizer_is_offline():
+    with pytest.raises(ValueError, match="unknown text config keys"):
+        text_config_from_dict({"widht": 3})
+    with pytest.raises(ValueError, match="divisible"):
+        text_config_from_dict({"width": 10, "heads": 4})
+    enc = TextEncoder(TextConfig(width=16, heads=2, layers=1, context_length=12), 8)
+    tokens = enc.tokenize(["a red disc", "x " * 50])
+    assert tokens.shape == (2, 12) and tokens.dtype == torch.long
+    assert int(tokens[1, -1]) == enc.tokenizer.eot_token_id   # truncated, still ends with end-of-text
