@@ -146,6 +146,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--image-std", default=None, metavar="R,G,B", help="--encoder input std (default: the model's own)")
     sp.add_argument("--search-temperature", type=float, default=None,
                     help="calibrated softmax temperature to record (default: the training temperature)")
+    sp.add_argument("--shards", type=int, default=None, metavar="N",
+                    help="split the items into N shards, each with its own FAISS index, embeddings and metadata, "
+                         "in one version (served by fanning out: `serve`, or `serve --engine ray`)")
 
     sp = sub.add_parser("rebuild", help="re-embed the current version's corpus with a new checkpoint")
     common(sp); notify(sp); embedding(sp); kind(sp, None)
@@ -208,6 +211,11 @@ def _parser() -> argparse.ArgumentParser:
     common(sp)
     sp.add_argument("--max-age-s", type=float, default=3600.0,
                     help="only directories untouched this long (default 3600: a build may still be running)")
+
+    sp = sub.add_parser("reshard", help="new version with an existing version's items split into N shards")
+    common(sp); notify(sp); activation(sp)
+    sp.add_argument("--shards", type=int, required=True, metavar="N", help="number of shards (1..items)")
+    sp.add_argument("--version", default=None, help="version to reshard (default: current)")
 
     sp = sub.add_parser("export", help="write one version and its encoder model into a single archive")
     common(sp)
@@ -436,7 +444,25 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     from index.transfer import export_version, import_version
 
     rank = dist_env()[0]
+    if args.command in ("add", "sync", "delete"):
+        base = args.base or store.current_version()
+        if base and store.manifest(base).shards:
+            raise ValueError(f"index {args.command} does not support the sharded version {base} yet: {args.command} "
+                             f"the unsharded version it came from ({store.manifest(base).parent}), then "
+                             f"`index reshard --shards {len(store.manifest(base).shards)}`")
+    if args.command == "reshard":
+        from index.shards import reshard
+
+        version = reshard(args.root, args.shards, source=args.version, evaluator=evaluator,
+                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
+                          target_recall=args.target_recall)
+        print(_summary("reshard", store, version, time.perf_counter() - t0, not args.no_activate)
+              + f", {args.shards} shards")
+        return _notify(args, version) if not args.no_activate else 0
     if args.command in ("build", "rebuild"):
+        shards = getattr(args, "shards", None)
+        if shards is not None and shards < 1:
+            raise ValueError(f"--shards must be a positive integer, got {shards}")
         fields = {}
         if args.search_temperature is not None:
             if args.search_temperature <= 0:
@@ -445,6 +471,8 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
                     calibrator=calibrator, fields=fields,
                     memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
+        if shards:   # built whole first (not activated), then split into the one version that is gated
+            opts.update(activate=False, keep=None)
         if args.command == "build" and args.embeddings is not None:
             version = _build_from_vectors(args, opts)
         elif args.command == "build":
@@ -458,6 +486,14 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                                       BuildOptions(kind=args.kind, **opts))
         else:
             version = rebuild_index(args.root, args.checkpoint, BuildOptions(kind=args.kind, **opts))
+        if shards and rank == 0:
+            from index.shards import remove_unserved, reshard
+
+            whole = version
+            version = reshard(args.root, shards, source=whole, evaluator=evaluator, margin=args.margin,
+                              force=args.force, activate=not args.no_activate, keep=args.keep,
+                              target_recall=args.target_recall, path="index build")
+            remove_unserved(store, whole)
         if rank == 0:
             print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
             if not args.no_activate:

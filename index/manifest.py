@@ -38,7 +38,8 @@ FORMAT_VERSION = 1
 REQUIRED_FIELDS = ("format", "format_version", "version", "created", "count", "dim", "metric",
                    "normalised", "kind", "params", "faiss_version", "files")
 # Fields that `update_manifest_fields` may never change: they describe the stored bytes.
-FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder", "normaliser_stats"}
+FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder", "normaliser_stats",
+                                              "shards", "shard"}
 
 
 class IndexCorruptError(ValueError):
@@ -359,6 +360,9 @@ class Manifest:
     #: "train_rows", "chunk_rows"}; None for an index trained and filled in one call
     build: dict | None = None
     quality_gate: GateRecord | None = None
+    #: a sharded version (index/shards.py): [{"name", "count", "offset", "kind", "params", "recall"}], one per
+    #: shard directory; None for a version in one piece
+    shards: list | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 

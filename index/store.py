@@ -106,6 +106,10 @@ class IndexVersion:
         if not path.is_dir():
             raise FileNotFoundError(f"index version directory not found: {path}")
         manifest = read_manifest(path)
+        if manifest.shards:   # a sharded version: each shard a version directory of its own (index/shards.py)
+            from index.shards import ShardedVersion
+
+            return ShardedVersion.load(path, manifest, verify=verify, gpu=gpu)
         if verify:
             verify_files(path, manifest)
         try:

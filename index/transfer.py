@@ -124,11 +124,16 @@ def _tar_info(name: str, size: int) -> tarfile.TarInfo:
 # ----------------------------------------------------------------------------- import
 
 
+_SHARD_RE = re.compile(r"^shard-[0-9]{3,}$")
+
+
 def _allowed(name: str, version: str, model: str) -> bool:
     """Exactly the paths an export writes: the index, versions/<version>/<file>, models/<model>.safetensors."""
     if name == EXPORT_INDEX or name == model_relpath(model):
         return True
     parts = PurePosixPath(name).parts
+    if len(parts) == 4 and _SHARD_RE.match(parts[2]):   # a sharded version's shard directory (index/shards.py)
+        parts = (*parts[:2], parts[3])
     return len(parts) == 3 and parts[:2] == ("versions", version) and bool(_FILE_NAME_RE.match(parts[2]))
 
 

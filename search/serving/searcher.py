@@ -430,6 +430,8 @@ class Searcher:
 
     def _make_snapshot(self, encoder: Encoder | None, sha: str | None, version: IndexVersion,
                        runner: InferenceEncoder | None = None) -> SearchSnapshot:
+        if version.manifest.shards:   # a sharded version: fanned out to its shards, merged exactly
+            return self._sharded_snapshot(encoder, sha, version, runner)
         dim = version.manifest.dim
         emb = version.embeddings
         if emb.ndim != 2 or (dim is not None and int(dim) != emb.shape[1]):
@@ -453,6 +455,29 @@ class Searcher:
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
                               normaliser if normaliser.method != "exact" else None, runner,
                               release_pages=self.normaliser.releases("exact"))
+
+    def shard_searchers(self, version) -> tuple[list, list[str]]:
+        """(callables (q, k, taus, mask) -> ShardAnswer, names), one per shard of a sharded version: in this
+        process here; api/ray_serve.py fans out to Ray Serve deployments instead."""
+        from search.serving.sharded import local_shards
+
+        return local_shards(version, lambda shard: self._make_snapshot(None, None, shard))
+
+    def _sharded_snapshot(self, encoder: Encoder | None, sha: str | None, version,
+                          runner: InferenceEncoder | None) -> SearchSnapshot:
+        from search.serving.sharded import sharded_snapshot
+
+        if encoder is not None and encoder.embed_dim != version.manifest.dim:
+            raise ValueError(f"index version {version.version} has dimension {version.manifest.dim}, "
+                             f"the encoder produces {encoder.embed_dim}")
+        if encoder is None:
+            runner = None
+        elif runner is None or runner.encoder is not encoder:
+            runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
+        shards, names = self.shard_searchers(version)
+        return sharded_snapshot(dict(encoder=encoder, checkpoint_sha256=sha,
+                                     temperature=_manifest_temperature(version.manifest), block=self.block,
+                                     runner=runner), version, shards, names)
 
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
         if not version.manifest.has_encoder:   # built from vectors: nothing to load
