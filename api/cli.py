@@ -69,6 +69,9 @@ def _index(argv: list[str]) -> int:
 
 def _eval(argv: list[str]) -> int:
     if "--text" in argv:   # caption queries: text-to-image gap and recall (search/evaluation/text_eval.py)
+        from search.evaluation.eval_args import build_text_parser
+
+        build_text_parser().parse_args(argv)
         from search.evaluation.text_eval import main as text_eval_main
 
         return text_eval_main(argv)
@@ -81,6 +84,9 @@ def _eval(argv: list[str]) -> int:
 
 
 def _search(argv: list[str]) -> int:
+    from search.serving.text_args import build_parser
+
+    build_parser().parse_args(argv)   # --help and mistakes answered before torch or FAISS load
     from search.serving.text import main as search_main
 
     return search_main(argv)

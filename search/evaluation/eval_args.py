@@ -47,3 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--device", help="torch device (default: cuda if available)")
     return p
+
+
+def build_text_parser() -> argparse.ArgumentParser:
+    parser = CommandParser(prog="softsearch eval --text",
+                           description="Text-to-image gap and recall of held-out synthetic captions.")
+    parser.add_argument("--text", action="store_true", help="evaluate caption queries (this command)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint with a text tower (softsearch train [text])")
+    parser.add_argument("--size", type=int, default=None, help="held-out images (default: the test split, 512)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=None, help="fixed tau (default: calibrated)")
+    parser.add_argument("--out", help="write the JSON result here as well")
+    return parser

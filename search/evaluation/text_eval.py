@@ -14,7 +14,6 @@ for an index version being built, so its manifest carries the text temperature t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.eval_args import build_text_parser
 from search.evaluation.gap import GapResult, softmax_gap
 from search.evaluation.metrics import knn_search
 from training.captions import TEMPLATES, CaptionIdeal, CaptionScheme
@@ -213,20 +213,9 @@ def _version_captions(datasets: list, ids: list[str]) -> list[str | None]:
     return [by_id.get(i) for i in ids]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="softsearch eval --text",
-                                     description="Text-to-image gap and recall of held-out synthetic captions.")
-    parser.add_argument("--text", action="store_true", help="evaluate caption queries (this command)")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint with a text tower (softsearch train [text])")
-    parser.add_argument("--size", type=int, default=None, help="held-out images (default: the test split, 512)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=None, help="fixed tau (default: calibrated)")
-    parser.add_argument("--out", help="write the JSON result here as well")
-    return parser
-
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_text_parser().parse_args(argv)
     if args.size is not None and args.size < 2:
         raise ValueError(f"--size must be at least 2, got {args.size}")
     if args.temperature is not None and not (args.temperature > 0 and math.isfinite(args.temperature)):

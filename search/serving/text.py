@@ -17,6 +17,7 @@ import numpy as np
 
 from index.models import ModelStore, store_root_of
 from index.manifest import DEFAULT_TEMPERATURE
+from search.serving.text_args import build_parser
 from training.text import MAX_TEXT_CHARS, TextEncoder, load_text_encoder
 
 logger = logging.getLogger(__name__)
@@ -92,23 +93,6 @@ def search_text(snapshot, texts: Sequence[str], k: int, temperature: float | Non
     tau = text_temperature(snapshot) if temperature is None else float(temperature)
     return snapshot.search(vectors, k, tau, mask)
 
-
-def build_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="softsearch search",
-                                     description="Search a local index by text (the version's text tower), with the "
-                                                 "exact probabilities the API gives.")
-    parser.add_argument("--index", required=True, help="index store root (softsearch index build --root)")
-    parser.add_argument("--text", required=True, action="append",
-                        help="words describing the images wanted (repeat for several queries)")
-    parser.add_argument("--version", help="index version (default: the current one)")
-    parser.add_argument("-k", "--k", type=int, default=10, help="results per query (default 10)")
-    parser.add_argument("--temperature", type=float, help="softmax temperature (default: the calibrated text one)")
-    parser.add_argument("--filter", help="metadata filter as JSON, as the API takes it")
-    parser.add_argument("--min-probability", type=float, help="keep hits with at least this probability")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
