@@ -96,8 +96,9 @@ def _stdlib_json(body: bytes):
 
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        pos, msg = (err.pos, err.msg) if isinstance(err, json.JSONDecodeError) else (err.start, str(err))
+    except (ValueError, RecursionError) as err:   # malformed, undecodable, nested past the parser, over int digits
+        pos, msg = ((err.pos, err.msg) if isinstance(err, json.JSONDecodeError)
+                    else (err.start, str(err)) if isinstance(err, UnicodeDecodeError) else (0, str(err)))
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": msg}}]) from err
 
