@@ -112,8 +112,12 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     with TestClient(create_app(Settings(index_root=root))) as http:
         client = SoftsearchClient(http=http)
         served = np.array([[h.row for h in client.search_vector(q.tolist(), k=10).results] for q in queries])
-    assert (served == reranked).all()
-    assert fi.recall_at_k(served, exact, 10) >= 0.9
+    # the exact normaliser's one pass over the mapped rows also yields the exact top-k (search/serving/exact_scan.py),
+    # so the served hits are the exact ones (scores to float32 ties), at least as good as the re-ranked PQ search
+    scores64 = queries.astype(np.float64) @ data.T.astype(np.float64)
+    np.testing.assert_allclose(np.take_along_axis(scores64, served, 1), np.take_along_axis(scores64, exact, 1),
+                               atol=1e-5)
+    assert fi.recall_at_k(served, exact, 10) >= fi.recall_at_k(reranked, exact, 10) >= 0.9
 
 
 def test_rerank_factor_reads_the_manifest_and_defaults_for_pq():
