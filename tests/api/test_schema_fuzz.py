@@ -52,7 +52,7 @@ def test_schemathesis_with_every_check_is_clean_on_every_route(folder_index, tmp
             [str(SCHEMATHESIS), "--config-file", str(_suite_config(tmp_path / "schemathesis.toml")), "run",
              f"{server.url}/openapi.json", "--checks", "all", "--max-examples", str(EXAMPLES), "--seed", "1",
              "--report", "junit", "--report-dir", str(report)],
-            cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
+            cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     generated = int(re.search(r"(\d+) generated", out).group(1))
