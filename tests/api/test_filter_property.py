@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections import Counter
 from datetime import timedelta
 
@@ -293,12 +294,15 @@ ROUTES = ["vector", "item", "batch", "image", "image_batch"]
 
 def test_every_filter_is_answered_as_the_reference_says(served):
     seen: Counter = Counter()                    # (route, status) -> requests; "some" -> 200s matching some items
+    slowest = [0.0]
 
     @given(text=filter_text(), route=st.sampled_from(ROUTES))
     @settings(max_examples=400, deadline=timedelta(seconds=20), database=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
     def run(text, route):
+        start = time.perf_counter()
         r = _send(served, route, text)             # the deadline bounds each request (generously: a shared CI box)
+        slowest[0] = max(slowest[0], time.perf_counter() - start)
         assert r.status_code < 500, r.text
         multipart = route.startswith("image")
         statuses, matched = expected(text, multipart, served["types"], served["items"])
@@ -313,7 +317,8 @@ def test_every_filter_is_answered_as_the_reference_says(served):
         seen["some"] += matched is not None and 0 < matched < len(served["items"])
 
     run()
-    print("filter property test, requests by (route, status):", dict(sorted(seen.items(), key=str)))
+    print("filter property test, requests by (route, status):", dict(sorted(seen.items(), key=str)),
+          f"slowest request {slowest[0]:.3f} s")
     # the examples reached every outcome on every route: answered filters (some selecting a proper
     # subset), refused ones (422) and ones nested too deep or unreadable (400)
     for route in ROUTES:
