@@ -6,7 +6,9 @@ dimension (at least one non-zero value, each within float32), and a `filter` nam
 version's metadata fields with values of their types (search/serving/filters.py: filter_json_schema).
 `install_served_openapi` makes /openapi.json (and /docs) patch those into a copy of the static schema,
 per served version shape, so a client (or a fuzzer) generating schema-valid requests is never refused
-for a limit it could not see.
+for a limit it could not see. An upload part is stated as what the decoder takes: non-empty, of an
+image media type (the multipart `encoding`; "a decodable image" is beyond JSON Schema, so a fuzzer
+needs a generator for those media types: tests/api/schemathesis_hooks.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,26 @@ def _vector_schema(dim: int | None) -> dict:
 
 
 FILTER_REF = "#/components/schemas/Filter"
+#: the media types an upload part may have (Pillow decodes each; the service reads the bytes, not the label)
+IMAGE_MEDIA_TYPES = "image/png, image/jpeg, image/gif, image/webp, image/bmp, image/tiff"
+
+
+def _is_binary(schema: object) -> bool:
+    """A file part: `format: binary`, or OpenAPI 3.1's `contentMediaType: application/octet-stream`."""
+    return isinstance(schema, dict) and schema.get("type") == "string" and (
+        schema.get("format") == "binary" or schema.get("contentMediaType") == "application/octet-stream")
+
+
+def _image_parts(form: dict, media: dict) -> None:
+    """Each file part of a multipart form (one file or a list of them) is a non-empty image. A list's
+    media types are stated in its description only: schemathesis fills an encoded list with one value."""
+    for name, prop in (form.get("properties") or {}).items():
+        if _is_binary(prop):
+            prop["minLength"] = 1
+            media.setdefault("encoding", {})[name] = {"contentType": IMAGE_MEDIA_TYPES}
+        elif prop.get("type") == "array" and _is_binary(prop.get("items")):
+            prop["items"]["minLength"] = 1
+            prop["items"].setdefault("description", f"an image file ({IMAGE_MEDIA_TYPES})")
 
 
 def _patch_object(schema: dict, max_k: int, dim: int | None, fields: dict | None) -> None:
@@ -84,6 +106,7 @@ def served_schema(base: dict, max_k: int, dim: int | None, fields: dict | None =
                     _patch_object(target, max_k, dim, fields)
                     if media_type == "multipart/form-data":
                         _no_nulls(target)
+                        _image_parts(target, media)
                         if fields and "filter" in (target.get("properties") or {}):
                             media.setdefault("encoding", {})["filter"] = {"contentType": "application/json"}
     return schema

@@ -6,7 +6,7 @@ import random
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
@@ -16,6 +16,11 @@ from api.routes.models import ERROR_RESPONSES, ErrorResponse, ItemOut, ItemSampl
 router = APIRouter(prefix="/v1/items", tags=["items"])
 
 THUMBNAIL_MAX_SIDE = 256
+#: longest item id the item routes take (422 beyond): a path of up to 1,024 characters, so the request
+#: line stays within the HTTP server's 16 KiB head even when every character is percent-encoded
+MAX_ITEM_ID_LENGTH = 1024
+ItemId = Annotated[str, Path(min_length=1, max_length=MAX_ITEM_ID_LENGTH, examples=["class0/0001.png"],
+                             description="an indexed item's id ('/' may stay unescaped)")]
 
 
 # the item routes also answer 404 (no such id in the served version, or its image cannot be rebuilt)
@@ -57,7 +62,7 @@ def _png(snapshot, item_id: str) -> bytes:
 
 @router.get("/{item_id:path}/thumbnail", response_class=Response, responses={
     200: {"content": {"image/png": {}}, "description": "the stored image as PNG"}, **ITEM_RESPONSES})
-async def item_thumbnail(item_id: str, snapshot: SnapshotDep) -> Response:
+async def item_thumbnail(item_id: ItemId, snapshot: SnapshotDep) -> Response:
     """The item's stored image (PNG, longest side <= 256), rebuilt from the manifest's dataset spec."""
     png = await run_in_threadpool(_png, snapshot, item_id)
     return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=3600",
@@ -65,7 +70,7 @@ async def item_thumbnail(item_id: str, snapshot: SnapshotDep) -> Response:
 
 
 @router.get("/{item_id:path}", response_model=ItemOut, responses=ITEM_RESPONSES)
-def item_metadata(item_id: str, snapshot: SnapshotDep) -> ItemOut:
+def item_metadata(item_id: ItemId, snapshot: SnapshotDep) -> ItemOut:
     """Metadata of one indexed item."""
     try:
         info = snapshot.item(item_id)

@@ -182,3 +182,16 @@ def test_nesting_deeper_than_a_valid_filter_is_refused_before_decoding():
         deep = [deep]
     with pytest.raises(FilterTooDeep):
         parse_filter({"size": {"in": deep}}, TYPES)
+
+
+def test_a_trailing_nul_is_part_of_the_value():
+    """numpy reads trailing NULs as padding ('apps\\0' == 'apps' on a str array); the filter does not."""
+    ids, meta = _metadata(200, 0)
+    cols = MetadataColumns.build(meta, ids)
+    apps = np.array([meta.items[i].get("class") == "apps" for i in ids])
+    assert apps.any()
+    for spec in ({"class": "apps\0"}, {"class": {"in": ["apps\0", "apps\0\0"]}}):
+        assert not parse_filter(spec, TYPES).mask(cols).any(), spec
+    np.testing.assert_array_equal(parse_filter({"class": {"in": ["apps\0", "apps"]}}, TYPES).mask(cols), apps)
+    assert not parse_filter({"class": {"prefix": "app\0"}}, TYPES).mask(cols).any()
+    np.testing.assert_array_equal(parse_filter({"class": {"prefix": "app"}}, TYPES).mask(cols), apps)
