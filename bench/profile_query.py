@@ -1,13 +1,15 @@
 """Where the milliseconds of one query go: POST /v1/search/vector and POST /v1/search (image) at 10^5 x 512.
 
 Each serving step is timed on its own, in this process, on the same index version the server loads
-(median of `--repeats` runs, one query at a time, 1 torch thread): JSON parsing and validation, the
-exact normaliser's pass (with the mapped pages released after each block, the default, and kept),
-FAISS's flat search, the exact re-score of the hits, the response, the metrics; the image query adds
+(median of `--repeats` runs, one query at a time, 1 torch thread): JSON parsing and validation (the
+standard library's and orjson's), the binary body, the per-query path the server had before (the
+exact normaliser's pass, with the mapped pages released after each block and kept, then FAISS's
+flat search), the one-pass exact scan that replaced both (search/serving/exact_scan.py: log Z and
+the top-k; alone and per query in a batch of 16), the response, the metrics; the image query adds
 the upload's decode and the encoder forward (a default tower with 512-dimensional output over the same
 vectors, so the search half is the vector query's). Then the whole request is timed over HTTP at one
 client (`softsearch serve` in a subprocess for the vector route; the image route on the same snapshot
-served by uvicorn in a subprocess): what the steps do not account for is the HTTP server, the ASGI
+served by uvicorn in a subprocess; mapped pages kept): what the steps do not account for is the HTTP server, the ASGI
 middleware and the event loop. The database is bench/_vectordb_data.py's clustered vectors (the
 vs_vectordb.py setting).
 
@@ -73,6 +75,7 @@ def image_server(version_dir: str, port: int) -> None:
     from api.app import create_app
     from api.config import Settings
     from index.store import IndexStore
+    from search.serving.normaliser import NormaliserConfig
     from search.serving.searcher import Searcher
     from training.encoder import EncoderConfig, create_encoder
 
@@ -81,7 +84,7 @@ def image_server(version_dir: str, port: int) -> None:
     store = IndexStore(Path(version_dir))
     version = store.load()
     encoder = create_encoder(EncoderConfig(embed_dim=version.embeddings.shape[1])).eval()
-    app = create_app(Settings(port=port), Searcher.from_parts(encoder, version))
+    app = create_app(Settings(port=port), Searcher.from_parts(encoder, version, normaliser=NormaliserConfig("exact", release_pages=False)))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from api.routes.models import VectorQuery
     from api.routes.search import _body
     from index.store import IndexStore
-    from search.serving.normaliser import log_normaliser
+    from search.serving.normaliser import NormaliserConfig, log_normaliser
     from search.serving.queries import unit_queries
     from search.serving.searcher import Searcher
     from training.encoder import EncoderConfig, create_encoder
@@ -115,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, 100)
     version = IndexStore(root).load()
-    snap = Searcher.from_parts(create_encoder(EncoderConfig(embed_dim=args.dim)).eval(), version).snapshot()
+    snap = Searcher.from_parts(create_encoder(EncoderConfig(embed_dim=args.dim)).eval(), version,
+                               normaliser=NormaliserConfig("exact", release_pages=False)).snapshot()
     emb = snap.index.embeddings
     q = queries[:1]
     body = json.dumps({"vector": q[0].tolist(), "k": 10}).encode()
@@ -128,18 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     r["normaliser pass (pages released)"] = timed(lambda: log_normaliser(q, emb, taus, release=True), args.repeats)
     r["normaliser pass (pages kept)"] = timed(lambda: log_normaliser(q, emb, taus, release=False), args.repeats)
     r["FAISS flat search k=10"] = timed(lambda: snap.index.search(q, 10), args.repeats)
-    r["searcher.search (all of the above but parsing)"] = timed(lambda: snap.search(q, 10), args.repeats)
+    from search.serving.exact_scan import ExactScanner
+
+    for release in (False, True):
+        scan = ExactScanner(emb, release=release)
+        r[f"exact scan, log Z + top-10 in one pass ({'pages released' if release else 'pages kept'})"] = timed(
+            lambda: scan(q, taus, 10), args.repeats)
+    q16, taus16 = queries[:16], np.full(16, snap.temperature)
+    scan = ExactScanner(emb)
+    r["exact scan, batch of 16, per query (pages kept)"] = timed(lambda: scan(q16, taus16, 10), args.repeats) / 16
+    raw = q[0].astype("<f4").tobytes()
+    r["binary body: np.frombuffer"] = timed(lambda: np.frombuffer(raw, dtype="<f4"), args.repeats)
+    import orjson
+
+    r["orjson.loads + VectorQuery"] = timed(lambda: VectorQuery.model_validate(orjson.loads(body)), args.repeats)
+    r["searcher.search (unit vector, scan, hits)"] = timed(lambda: snap.search(q, 10), args.repeats)
     answer = snap.search(q, 10)
     result = QueryResult(answer[0], answer.version, answer.temperatures[0], answer.log_normalisers[0], 1,
                          snap.count, answer.normalisers[0])
     r["response: model + JSON"] = timed(lambda: _body(result, 10).model_dump_json(), args.repeats)
-    try:
-        import orjson
-
-        payload = _body(result, 10).model_dump()
-        r["response: orjson of the same dict"] = timed(lambda: orjson.dumps(payload), args.repeats)
-    except ImportError:
-        pass
+    r["response: model + orjson (served)"] = timed(lambda: orjson.dumps(_body(result, 10).model_dump()), args.repeats)
     metrics = Metrics()
     r["metrics: counter + histogram"] = timed(
         lambda: (metrics.queries.labels(kind="vector").inc(),
@@ -161,9 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # whole requests over HTTP, one client
     bodies = [json.dumps({"vector": v.tolist(), "k": 10}).encode() for v in queries[:32]]
-    with serve_process(root, "--normaliser", "exact") as server:
-        r["HTTP vector request (1 client)"] = http_median(server.url, "/v1/search/vector", bodies,
-                                                          "application/json", args.repeats)
+    with serve_process(root, "--normaliser", "exact", "--mapped-pages", "keep") as server:
+        r["HTTP vector request, JSON (1 client)"] = http_median(server.url, "/v1/search/vector", bodies,
+                                                                "application/json", args.repeats)
+        r["HTTP vector request, binary (1 client)"] = http_median(
+            server.url, "/v1/search/vector?k=10", [v.astype("<f4").tobytes() for v in queries[:32]],
+            "application/octet-stream", args.repeats)
     from http_load import BOUNDARY, multipart
 
     port = free_port()
@@ -171,14 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     with server_process(argv, port, timeout_s=300) as server:
         r["HTTP image request (1 client)"] = http_median(server.url, "/v1/search", [multipart(png)],
                                                          f"multipart/form-data; boundary={BOUNDARY}", args.repeats)
-    steps_vec = (r["parse: json.loads"] + r["validate: VectorQuery"] + r["unit vector"]
-                 + r["searcher.search (all of the above but parsing)"] + r["response: model + JSON"]
-                 + r["metrics: counter + histogram"])
-    r["vector: HTTP, middleware, event loop (remainder)"] = r["HTTP vector request (1 client)"] - steps_vec
+    steps_vec = (r["orjson.loads + VectorQuery"] + r["searcher.search (unit vector, scan, hits)"]
+                 + r["response: model + orjson (served)"] + r["metrics: counter + histogram"])
+    r["vector: HTTP, middleware, event loop (JSON request - steps)"] = r["HTTP vector request, JSON (1 client)"] - steps_vec
     steps_img = (r["image: decode PNG"] + r["image: encoder forward (1 image)"]
-                 + r["searcher.search (all of the above but parsing)"] + r["response: model + JSON"]
+                 + r["searcher.search (unit vector, scan, hits)"] + r["response: model + orjson (served)"]
                  + r["metrics: counter + histogram"])
-    r["image: HTTP, multipart, middleware, event loop (remainder)"] = r["HTTP image request (1 client)"] - steps_img
+    r["image: HTTP, multipart, middleware, event loop (request - steps)"] = r["HTTP image request (1 client)"] - steps_img
     rows = [row(case, value, "ms", None) for case, value in r.items()]
     load = os.getloadavg()
     write_results(args.name, rows, machine_note=f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
