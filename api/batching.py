@@ -6,8 +6,10 @@ more, and runs the batch in that thread (so the event loop stays free): one snap
 searcher, one `encode` of all images, one `search` with the largest k, then each request gets
 its own top-k prefix. While every thread is busy, new requests queue up, so under load batches
 fill by themselves; with `max_wait_ms == 0` (the default) that adaptive batching is all there
-is, and a query that finds the queue empty and a thread free skips the queue altogether (it
-would form a batch of one anyway). A query that is the only HTTP request in the process runs on
+is, except that a batch waits up to GATHER_S for HTTP requests already in the process (counted by
+ActiveRequestsMiddleware, not yet queued or in a running batch): they would otherwise wait for
+a whole pass. A query that finds the queue empty, a thread free and no such company skips the
+queue altogether (it would form a batch of one anyway). A query that is the only HTTP request in the process runs on
 the event loop itself: at one client the request never changes threads (on a loaded machine each
 wake-up of another thread waits for a time slice). `workers` batches may run at once (torch
 releases the GIL, so they use separate cores).
@@ -35,6 +37,11 @@ from search.serving.queries import unit_queries
 from search.serving.searcher import Hit, NoEncoderError, NotReadyError, Searcher, SearchSnapshot
 
 logger = logging.getLogger(__name__)
+
+#: Adaptive batching (max_wait_ms 0): how long a batch waits at most for requests already in the process
+#: (read or being parsed) to reach the queue. An exact pass costs about the same for 1 query as for 16
+#: (it reads every stored row once either way), so a batch that leaves them behind costs them a pass.
+GATHER_S = 0.002
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,7 @@ class MicroBatcher:
         self._running: set[asyncio.Task] = set()
         self._active = active
         self.inline_answers = 0  # queries answered on the event loop (the lone-request path)
+        self._in_batches = 0     # queries inside running batches
 
     def snapshot(self) -> SearchSnapshot:
         """The current searcher's snapshot; NotReadyError if none is loaded."""
@@ -197,7 +205,8 @@ class MicroBatcher:
                     raise result
                 return result
         pending.future = asyncio.get_running_loop().create_future()
-        if self.max_wait == 0 and self._queue.empty() and not self._slots.locked():  # type: ignore[union-attr]
+        if self.max_wait == 0 and self._queue.empty() and not self._slots.locked() \
+                and not self._company_expected(1):  # type: ignore[union-attr]
             # nothing to batch with and a batch thread is free: run now, without the queue's
             # round trip through the dispatcher task (the batch of one it would form anyway)
             await self._slots.acquire()  # type: ignore[union-attr]  (free: returns at once)
@@ -217,7 +226,13 @@ class MicroBatcher:
             self._queue = asyncio.Queue()
             self._slots = asyncio.Semaphore(self.workers)
             self._running = set()
+            self._in_batches = 0
             self._tasks = [loop.create_task(self._dispatch(), name="softsearch-batcher")]
+
+    def _company_expected(self, have: int) -> bool:
+        """More HTTP requests are in this process than the `have` queries at hand and those inside running
+        batches: the others are being read or parsed and will reach the queue within moments."""
+        return self._active is not None and self._active.count > have + self._in_batches
 
     def _observe(self, size: int) -> None:
         if self.metrics is not None:
@@ -228,13 +243,16 @@ class MicroBatcher:
         queue = self._queue
         assert queue is not None
         batch = [first]
-        deadline = time.monotonic() + self.max_wait
+        adaptive = self.max_wait == 0
+        deadline = time.monotonic() + (GATHER_S if adaptive else self.max_wait)
         while len(batch) < self.max_batch_size:
             try:
                 batch.append(queue.get_nowait())  # already waiting: no need to sleep
                 continue
             except asyncio.QueueEmpty:
                 pass
+            if adaptive and not self._company_expected(len(batch)):
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -269,6 +287,7 @@ class MicroBatcher:
 
     def _start(self, snapshot: SearchSnapshot, batch: list[_Pending]) -> None:
         """Run `batch` in a batch thread (its slot is held) and answer its futures when done."""
+        self._in_batches += len(batch)
         task = asyncio.get_running_loop().create_task(self._run(snapshot, batch))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -299,6 +318,7 @@ class MicroBatcher:
             raise
         finally:
             slots.release()
+            self._in_batches -= len(batch)
         self._observe(len(batch))
         for p, r in zip(batch, results):
             if p.future.done():

@@ -14,8 +14,9 @@ centres, `--queries` held-out queries drawn the same way), same load tool, same 
 Servers run one at a time on 127.0.0.1. The load tool is closed-loop: `c` threads in this process, each on
 its own keep-alive connection (http.client, bodies built once: ~0.1 ms of client CPU per request), POSTing
 a random held-out query and reading the whole answer before the next. Per server: recall@k over all
-held-out queries against the exact float32 top-k, then QPS and p50/p99 at each client count, then the
-resident memory of its process tree. softsearch's probabilities are checked against a float64 brute force.
+held-out queries against the exact float32 top-k, then QPS, p50/p99 and the server's CPU time per
+answered query (its process tree's user + system time over the run: the figure the machine's other
+load disturbs least) at each client count, then the resident memory of its process tree. softsearch's probabilities are checked against a float64 brute force.
 The machine's load average (other processes share it) is recorded before and after every server.
 
     python bench/vs_vectordb.py                              # 10^5 x 512: ~10 minutes on 2 shared cores
@@ -68,6 +69,25 @@ def tree_rss_mib(pid: int) -> float:
         except (OSError, StopIteration):
             continue
     return total / 1024
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by a process and its descendants (/proc/PID/stat; children
+    that have exited are counted in their parent's cutime/cstime)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15]) / tick   # utime stime cutime cstime
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def closed_loop(url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float) -> dict:
@@ -215,7 +235,9 @@ def measure(name: str, server, path: str, bodies: list[bytes], headers: dict, id
     out = {"recall": recall([ids_of(a) for a in got], truth), "answers": got, "load_before": load_before}
     closed_loop(server.url, path, bodies, headers, 4, min(2.0, duration))   # warm-up
     for c in clients:
+        cpu0 = tree_cpu_s(server.proc.pid)
         res = closed_loop(server.url, path, bodies, headers, c, duration)
+        res["cpu_ms"] = (tree_cpu_s(server.proc.pid) - cpu0) * 1e3 / max(res["n"], 1)
         out[c] = res
         logger.info("%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors", name, c, res["qps"], res["p50"],
                     res["p99"], res["errors"])
@@ -304,22 +326,24 @@ def main(argv: list[str] | None = None) -> int:
             rows += [row(f"{system} c={c} qps", r["qps"], "req/s", b["qps"] if b else None),
                      row(f"{system} c={c} p50", r["p50"], "ms", b["p50"] if b else None),
                      row(f"{system} c={c} p99", r["p99"], "ms", b["p99"] if b else None),
+                     row(f"{system} c={c} server CPU per query", r["cpu_ms"], "ms", b["cpu_ms"] if b else None),
                      row(f"{system} c={c} errors", r["errors"], "count", None)]
         rows.append(row(f"{system} rss", out["rss"], "MiB", ref["rss"] if ref else None))
         rows.append(row(f"{system} load average before / after", out["load_before"], "load", out["load_after"]))
         if "prob_error" in out:
             rows.append(row(f"{system} max |p - p_exact|", out["prob_error"], "probability", None))
     print()
-    header = "| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | RSS MiB | load avg |".format(
-        k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))
+    header = ("| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | server CPU ms / query {cs} | RSS MiB "
+              "| load avg |").format(k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))
     print(header)
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 8)
     for system, out in results.items():
         cs = args.clients
         qps = " / ".join(f"{out[c]['qps']:.0f}" for c in cs)
         p50 = " / ".join(f"{out[c]['p50']:.1f}" for c in cs)
         p99 = " / ".join(f"{out[c]['p99']:.1f}" for c in cs)
-        print(f"| {system} | {out['recall']:.3f} | {qps} | {p50} | {p99} | {out['rss']:.0f} | "
+        cpu = " / ".join(f"{out[c]['cpu_ms']:.1f}" for c in cs)
+        print(f"| {system} | {out['recall']:.3f} | {qps} | {p50} | {p99} | {cpu} | {out['rss']:.0f} | "
               f"{out['load_before']:.1f} -> {out['load_after']:.1f} |")
     for system, note in notes.items():
         print(f"  {system}: {note}")

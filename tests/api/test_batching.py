@@ -151,3 +151,39 @@ def test_only_request_runs_on_the_event_loop(api_index):
     for r in (alone, crowded):
         assert [h.id for h in r.hits] == [h.id for h in ref] and r.batch_size == 1
         np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref], rtol=1e-6)
+
+
+def test_a_batch_waits_for_requests_already_in_the_process(api_index, monkeypatch):
+    """Adaptive batching (max_wait 0) with three HTTP requests in the process: the first query does not run
+    alone while the other two are still being parsed; one batch answers all three, each as the searcher
+    alone would. (The gather window is made long so the test cannot depend on the machine's speed: the
+    batch closes when the company has arrived, not when the window ends.)"""
+    import api.batching as batching
+    from api.batching import ActiveRequests
+
+    monkeypatch.setattr(batching, "GATHER_S", 30.0)
+    searcher = Searcher(api_index["root"], load=True)
+    active = ActiveRequests()
+    batcher = MicroBatcher(searcher, max_batch_size=8, max_wait_ms=0, workers=2, active=active)
+    vectors = np.random.default_rng(4).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
+
+    async def late(v, turns):
+        for _ in range(turns):   # still "parsing": a few turns of the loop
+            await asyncio.sleep(0)
+        return await batcher.search_vector(v, 5)
+
+    async def go():
+        active.count = 3
+        try:
+            return await asyncio.wait_for(asyncio.gather(*[late(v, t) for v, t in zip(vectors, (0, 3, 6))]), 60)
+        finally:
+            active.count = 0
+            await batcher.aclose()
+
+    results = asyncio.run(go())
+    batcher.shutdown()
+    assert [r.batch_size for r in results] == [3, 3, 3]
+    for r, v in zip(results, vectors):
+        ref = searcher.search_vectors(v[None], 5)[0]
+        assert [h.id for h in r.hits] == [h.id for h in ref]
+        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref], rtol=1e-6)
