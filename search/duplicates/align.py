@@ -30,8 +30,10 @@ _BLUR = torch.tensor([1.0, 2.0, 1.0]) / 4.0
 
 
 def _blur(x: torch.Tensor) -> torch.Tensor:
-    k = (_BLUR[:, None] * _BLUR[None, :]).to(x)[None, None]
-    return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), k)
+    """[1 2 1] / 4 binomial blur, separable, edges replicated."""
+    k = _BLUR.to(x)
+    x = F.conv2d(F.pad(x, (1, 1, 0, 0), mode="replicate"), k.view(1, 1, 1, 3))
+    return F.conv2d(F.pad(x, (0, 0, 1, 1), mode="replicate"), k.view(1, 1, 3, 1))
 
 
 def _grid(side: int, device=None) -> torch.Tensor:
@@ -41,8 +43,14 @@ def _grid(side: int, device=None) -> torch.Tensor:
 
 
 def _warp(img: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """img (B,1,S,S) sampled at theta (B,2,3) applied to the pixel grid -> (B,P), border-padded."""
-    grid = F.affine_grid(theta, list(img.shape), align_corners=False)
+    """img (B,1,S,S) sampled at theta (B,2,3) applied to the pixel grid -> (B,P), border-padded (the grid
+    computed by broadcasting: affine_grid's batched 3-term matmul was the scan's slowest step)."""
+    b, _, side, _ = img.shape
+    pts = _grid(side, img.device)
+    x, y = pts[:, 0], pts[:, 1]
+    gx = theta[:, 0, 0, None] * x + theta[:, 0, 1, None] * y + theta[:, 0, 2, None]
+    gy = theta[:, 1, 0, None] * x + theta[:, 1, 1, None] * y + theta[:, 1, 2, None]
+    grid = torch.stack([gx, gy], dim=2).reshape(b, side, side, 2)
     return F.grid_sample(img, grid, mode="bilinear", padding_mode="border", align_corners=False).flatten(1)
 
 
@@ -53,7 +61,7 @@ def _inside(theta: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
 
 def _norm_rows(v: torch.Tensor) -> torch.Tensor:
     v = v - v.mean(1, keepdim=True)
-    return v / (v.std(1, keepdim=True) + 1e-3)
+    return v * torch.rsqrt((v * v).mean(1, keepdim=True) + 1e-6)
 
 
 def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
@@ -80,7 +88,7 @@ def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> t
     eye = torch.eye(3)
     for _ in range(iters):
         e = _norm_rows(_warp(i, full[:, :2])) - tv
-        d = torch.einsum("bip,bp->bi", k, e).clamp(-0.3, 0.3)
+        d = torch.bmm(k, e[:, :, None])[:, :, 0].clamp(-0.3, 0.3)
         delta = eye.repeat(b, 1, 1)
         delta[:, :2] += d.reshape(b, 2, 3)
         full = full @ torch.linalg.inv(delta)
@@ -138,15 +146,14 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.
 
 def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted."""
-    grid = F.affine_grid(theta, list(cb.shape), align_corners=False)
-    w = F.grid_sample(cb, grid, mode="bilinear", padding_mode="border", align_corners=False).flatten(1)
+    w = torch.cat([_warp(cb[:, c:c + 1], theta) for c in range(cb.shape[1])], dim=1)
     a = ca.flatten(1)
     g = ((a * w).sum(1) / ((w * w).sum(1) + 1e-6)).clamp(0.5, 2.0)
     res = ((a - g[:, None] * w) ** 2).sum(1)
     return res / ((a * a).sum(1) + CHROMA_FLOOR ** 2 * a.shape[1])
 
 
-def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: np.ndarray, iters=(24, 12),
+def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: np.ndarray, iters=(16, 8),
                   flips: bool = False, other: np.ndarray | None = None, other_colours: np.ndarray | None = None,
                   batch: int = 2048, progress=None) -> np.ndarray:
     """(len(a), len(FEATURES)) float32 features of pairs (thumbs[a], other[b]) (other: thumbs by default;

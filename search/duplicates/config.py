@@ -23,10 +23,10 @@ class DedupConfig:
 
     thumb: int = 64
     dct: int = 8
-    k_descriptor: int = 8
+    k_descriptor: int = 6
     k_embedding: int = 6
     calibration_items: int = 400
-    iterations: tuple[int, int] = (24, 12)
+    iterations: tuple[int, int] = (16, 8)
     max_share: float = 0.5
     em_steps: int = 30
     threshold: float = 0.5
