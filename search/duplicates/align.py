@@ -8,6 +8,9 @@ Features per pair (the better of both directions, and of the mirror with flips):
   robust   the same with the worst-fitting 15 % of those pixels left out (an overlay, a caption)
   coverage share of the template that lands inside the other picture
   stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
+  chroma   share of the template's colour (opponent chroma of the small colour thumbnails, warped by the
+           same map) that the other's, at its best gain, does not explain: a saturation change keeps it
+           near 0, a recoloured look-alike (the same icon in red and in blue) does not
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-FEATURES = ("ncc", "robust", "coverage", "stretch")
+FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
+CHROMA_FLOOR = 8.0     # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
 # rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
@@ -26,8 +30,10 @@ _BLUR = torch.tensor([1.0, 2.0, 1.0]) / 4.0
 
 
 def _blur(x: torch.Tensor) -> torch.Tensor:
-    k = (_BLUR[:, None] * _BLUR[None, :]).to(x)[None, None]
-    return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="replicate"), k)
+    """[1 2 1] / 4 binomial blur, separable, edges replicated."""
+    k = _BLUR.to(x)
+    x = F.conv2d(F.pad(x, (1, 1, 0, 0), mode="replicate"), k.view(1, 1, 1, 3))
+    return F.conv2d(F.pad(x, (0, 0, 1, 1), mode="replicate"), k.view(1, 1, 3, 1))
 
 
 def _grid(side: int, device=None) -> torch.Tensor:
@@ -37,8 +43,14 @@ def _grid(side: int, device=None) -> torch.Tensor:
 
 
 def _warp(img: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """img (B,1,S,S) sampled at theta (B,2,3) applied to the pixel grid -> (B,P), border-padded."""
-    grid = F.affine_grid(theta, list(img.shape), align_corners=False)
+    """img (B,1,S,S) sampled at theta (B,2,3) applied to the pixel grid -> (B,P), border-padded (the grid
+    computed by broadcasting: affine_grid's batched 3-term matmul was the scan's slowest step)."""
+    b, _, side, _ = img.shape
+    pts = _grid(side, img.device)
+    x, y = pts[:, 0], pts[:, 1]
+    gx = theta[:, 0, 0, None] * x + theta[:, 0, 1, None] * y + theta[:, 0, 2, None]
+    gy = theta[:, 1, 0, None] * x + theta[:, 1, 1, None] * y + theta[:, 1, 2, None]
+    grid = torch.stack([gx, gy], dim=2).reshape(b, side, side, 2)
     return F.grid_sample(img, grid, mode="bilinear", padding_mode="border", align_corners=False).flatten(1)
 
 
@@ -49,7 +61,7 @@ def _inside(theta: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
 
 def _norm_rows(v: torch.Tensor) -> torch.Tensor:
     v = v - v.mean(1, keepdim=True)
-    return v / (v.std(1, keepdim=True) + 1e-3)
+    return v * torch.rsqrt((v * v).mean(1, keepdim=True) + 1e-6)
 
 
 def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
@@ -76,7 +88,7 @@ def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> t
     eye = torch.eye(3)
     for _ in range(iters):
         e = _norm_rows(_warp(i, full[:, :2])) - tv
-        d = torch.einsum("bip,bp->bi", k, e).clamp(-0.3, 0.3)
+        d = torch.bmm(k, e[:, :, None])[:, :, 0].clamp(-0.3, 0.3)
         delta = eye.repeat(b, 1, 1)
         delta[:, :2] += d.reshape(b, 2, 3)
         full = full @ torch.linalg.inv(delta)
@@ -129,24 +141,42 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.
     t2, i2 = _blur(F.avg_pool2d(t, 2)), _blur(F.avg_pool2d(i, 2))
     theta = _fit(_blur(F.avg_pool2d(t2, 2)), _blur(F.avg_pool2d(i2, 2)), theta, iters[0])
     theta = _fit(t2, i2, theta, iters[1])
-    return _score(t, i, theta)
+    return _score(t, i, theta), theta
 
 
-def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, iters=(24, 12), flips: bool = False,
-                  other: np.ndarray | None = None, batch: int = 2048, progress=None) -> np.ndarray:
-    """(len(a), len(FEATURES)) float32 features of pairs (thumbs[a], other[b]) (other: thumbs by default):
-    each direction aligned, the direction (and, with flips, the mirror) with the higher robust ncc kept."""
+def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted."""
+    w = torch.cat([_warp(cb[:, c:c + 1], theta) for c in range(cb.shape[1])], dim=1)
+    a = ca.flatten(1)
+    g = ((a * w).sum(1) / ((w * w).sum(1) + 1e-6)).clamp(0.5, 2.0)
+    res = ((a - g[:, None] * w) ** 2).sum(1)
+    return res / ((a * a).sum(1) + CHROMA_FLOOR ** 2 * a.shape[1])
+
+
+def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: np.ndarray, iters=(16, 8),
+                  flips: bool = False, other: np.ndarray | None = None, other_colours: np.ndarray | None = None,
+                  batch: int = 2048, progress=None) -> np.ndarray:
+    """(len(a), len(FEATURES)) float32 features of pairs (thumbs[a], other[b]) (other: thumbs by default;
+    colours: the (n, s, s, 2) chroma thumbnails beside them): each direction aligned, the direction (and,
+    with flips, the mirror) with the higher robust ncc kept, its colour compared through the same map."""
     other = thumbs if other is None else other
+    other_colours = colours if other_colours is None else other_colours
     out = np.zeros((len(a), len(FEATURES)), np.float32)
     with torch.no_grad():
         for s in range(0, len(a), batch):
             ta = torch.from_numpy(np.asarray(thumbs[a[s:s + batch]], np.float32))[:, None]
             tb = torch.from_numpy(np.asarray(other[b[s:s + batch]], np.float32))[:, None]
-            tries = [_one_way(ta, tb, iters), _one_way(tb, ta, iters)]
+            ca = torch.from_numpy(np.asarray(colours[a[s:s + batch]], np.float32)).permute(0, 3, 1, 2)
+            cb = torch.from_numpy(np.asarray(other_colours[b[s:s + batch]], np.float32)).permute(0, 3, 1, 2)
+            tries = [(ta, tb, ca, cb), (tb, ta, cb, ca)]
             if flips:
-                fb = torch.flip(tb, dims=[3])
-                tries += [_one_way(ta, fb, iters), _one_way(fb, ta, iters)]
-            stack = torch.stack(tries)                                   # (T, B, F)
+                fb, fcb = torch.flip(tb, dims=[3]), torch.flip(cb, dims=[3])
+                tries += [(ta, fb, ca, fcb), (fb, ta, fcb, ca)]
+            scored = []
+            for t, i, ct, ci in tries:
+                f, theta = _one_way(t, i, iters)
+                scored.append(torch.cat([f, _chroma_residual(ct, ci, theta)[:, None]], dim=1))
+            stack = torch.stack(scored)                                   # (T, B, F)
             best = stack[:, :, 1].argmax(dim=0)
             out[s:s + len(ta)] = stack[best, torch.arange(len(ta))].numpy()
             if progress is not None:

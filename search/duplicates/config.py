@@ -26,11 +26,11 @@ class DedupConfig:
     k_descriptor: int = 6
     k_embedding: int = 6
     calibration_items: int = 400
-    iterations: tuple[int, int] = (24, 12)
+    iterations: tuple[int, int] = (16, 8)
     max_share: float = 0.5
     em_steps: int = 30
     threshold: float = 0.5
-    l2: float = 1e-2
+    l2: float = 1e-4
     flips: bool = False
     seed: int = 0
 

@@ -10,12 +10,20 @@ from scipy.fft import dctn
 from training.images import load_rgb
 
 
-def thumbnail(source, side: int) -> np.ndarray:
-    """(side, side) uint8 greyscale of an image file or bytes, decoded as indexing decodes it (EXIF
-    orientation, transparency on white), the whole picture squeezed to a square (no crop)."""
-    rgb = load_rgb(source, min_side=2 * side)
-    im = Image.fromarray(rgb).convert("L")
-    return np.asarray(im.resize((side, side), Image.BILINEAR, reducing_gap=2.0), dtype=np.uint8)
+def thumbnail(source, side: int, colour_side: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """((side, side) uint8 greyscale, (colour_side, colour_side, 3) uint8 RGB) of an image file or bytes,
+    decoded as indexing decodes it (EXIF orientation, transparency on white), the whole picture squeezed to
+    a square (no crop)."""
+    rgb = Image.fromarray(load_rgb(source, min_side=2 * side))
+    grey = rgb.convert("L").resize((side, side), Image.BILINEAR, reducing_gap=2.0)
+    colour = rgb.resize((colour_side, colour_side), Image.BILINEAR, reducing_gap=2.0)
+    return np.asarray(grey, dtype=np.uint8), np.asarray(colour, dtype=np.uint8)
+
+
+def chroma(rgb: np.ndarray) -> np.ndarray:
+    """(..., 2) opponent chroma of RGB values: red-green and yellow-blue (zero on greys)."""
+    x = np.asarray(rgb, np.float32)
+    return np.stack([x[..., 0] - x[..., 1], (x[..., 0] + x[..., 1]) / 2 - x[..., 2]], axis=-1)
 
 
 def dct_descriptor(thumbs: np.ndarray, block: int, flip: bool = False) -> np.ndarray:

@@ -146,13 +146,13 @@ def report_new_duplicates(root, base: str | None, version: str, progress: bool =
     a, b = a[keep], b[keep]
     pr = np.unique(np.sort(np.column_stack([a, b]), axis=1), axis=0)
     rows = np.unique(pr.reshape(-1))
-    thumbs, skipped = read_thumbnails(lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress)
+    thumbs, colours, skipped = read_thumbnails(lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress)
     local = {int(r): i for i, r in enumerate(rows)}
     good = np.array([int(x) not in skipped and int(y) not in skipped for x, y in pr], bool)
     pr = pr[good]
     from search.duplicates.descriptors import dct_descriptor
     la, lb = np.array([local[int(x)] for x in pr[:, 0]]), np.array([local[int(y)] for y in pr[:, 1]])
-    p = score_pairs(thumbs, dct_descriptor(thumbs, config.dct), la, lb, model, config) if len(pr) else np.zeros(0)
+    p = score_pairs(thumbs, colours, dct_descriptor(thumbs, config.dct), la, lb, model, config) if len(pr) else np.zeros(0)
     kept = [(ids[int(x)], ids[int(y)], float(q)) for (x, y), q in zip(pr, p) if q >= threshold]
     for x, y, q in kept:
         print(f"duplicate: {x} ~ {y} (p {q:.3f})")

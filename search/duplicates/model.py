@@ -19,23 +19,24 @@ from scipy.special import expit, logit
 from search.duplicates.align import FEATURES
 
 NAMES = (*FEATURES, "descriptor")
+QUADRATIC = 2     # the leading design columns (ncc, robust) whose squares and product also enter
 MIN_SHARE = 1e-6
 
 
 def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
     """(n, len(NAMES)) model inputs: correlations as Fisher z (a copy's 0.995 and 0.9995 differ as much
-    as 0.9 and 0.99 do), coverage and stretch as they are."""
+    as 0.9 and 0.99 do), the chroma residual as a log, coverage and stretch as they are."""
     f = np.asarray(features, dtype=np.float64)
     z = lambda v: np.arctanh(np.clip(v, -0.999, 0.99999))   # noqa: E731
-    return np.column_stack([z(f[:, 0]), z(f[:, 1]), f[:, 2], f[:, 3], z(np.asarray(cosine, np.float64))])
+    return np.column_stack([z(f[:, 0]), z(f[:, 1]), f[:, 2], f[:, 3], np.log(f[:, 4] + 1e-3),
+                            z(np.asarray(cosine, np.float64))])
 
 
 def expand(x: np.ndarray) -> np.ndarray:
-    """The regression's inputs: the design columns, their squares and pairwise products (a copy is told
-    from a look-alike by how the features go together: a high trimmed correlation with a low full one is a
-    local difference)."""
+    """The regression's inputs: the design columns, and the squares and product of the two correlations (a
+    high trimmed correlation with a low full one is a local difference: an overlay, or a look-alike)."""
     x = np.asarray(x, np.float64)
-    i, j = np.triu_indices(x.shape[1])
+    i, j = np.triu_indices(QUADRATIC)
     return np.column_stack([x, x[:, i] * x[:, j]])
 
 
@@ -108,16 +109,16 @@ def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_s
         raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(xp)} and {len(xu)}")
     allx = np.vstack([xp, xu])
     mean, scale = allx.mean(0), allx.std(0) + 1e-6
-    r = np.zeros(len(xu))
-    share, history, step = MIN_SHARE, [], 0
+    # start from every candidate pair as likely a copy as not at half the bound: the duplicates a collection
+    # holds leave the negatives at once (started from "no duplicates", they teach the first fit that copies are
+    # negatives, and a share of 0 is a fixed point of EM)
+    share, history, step = max_share / 2, [], 0
+    r = np.full(len(xu), share)
     for step in range(1, steps + 1):
         coef = _fit_balanced(xp, xu, 1.0 - r, mean, scale, l2)
         lr = ((xu - mean) / scale) @ coef[:-1] + coef[-1]
-        new = float(np.clip(np.mean(expit(lr + logit(max(share, MIN_SHARE)))), MIN_SHARE, max_share))
-        # a share of 0 is a fixed point of EM: start from the regression's own read of the mixture once
-        if step == 1:
-            new = float(np.clip(np.mean(expit(lr)), MIN_SHARE, max_share))
-        r = expit(lr + logit(new))
+        r = expit(lr + logit(share))
+        new = float(np.clip(np.mean(r), MIN_SHARE, max_share))
         history.append(new)
         done = abs(new - share) < 1e-5
         share = new

@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
-from search.duplicates.descriptors import dct_descriptor, thumbnail
+from search.duplicates.descriptors import chroma, dct_descriptor, thumbnail
 from search.duplicates.edits import edited_copy
-from search.duplicates.model import (DuplicateModel, design, fit_model, items_share, threshold_for_precision)
+from search.duplicates.model import (NAMES, DuplicateModel, design, fit_model, items_share,
+                                     threshold_for_precision)
 from training.images import load_rgb
 
 logger = logging.getLogger(__name__)
-EDIT_SIDE = 384        # synthetic copies are made from the picture shrunk to this longest side (speed)
+EDIT_SIDE = 320        # synthetic copies are made from the picture shrunk to this longest side (speed)
 
 
 @dataclass
@@ -47,16 +48,19 @@ class Scan:
 
 
 def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool):
-    """(thumbs (n, side, side) uint8, {row: error}) for the given rows; unreadable rows stay zero."""
+    """(grey (n, side, side) uint8, chroma (n, 16, 16, 2) float16, {row: error}) for the given rows;
+    unreadable rows stay zero."""
     rows = np.asarray(rows)
     thumbs = np.zeros((len(rows), side, side), np.uint8)
+    colours = np.zeros((len(rows), 16, 16, 2), np.float16)
     skipped = {}
     for k, r in enumerate(tqdm(rows, desc="thumbnails", unit="img", disable=not progress, mininterval=1.0)):
         try:
-            thumbs[k] = thumbnail(read(int(r)), side)
+            g, c = thumbnail(read(int(r)), side)
+            thumbs[k], colours[k] = g, chroma(c)
         except (OSError, ValueError, KeyError) as err:      # ImageError is a ValueError
             skipped[int(r)] = f"{type(err).__name__}: {err}"
-    return thumbs, skipped
+    return thumbs, colours, skipped
 
 
 def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray | None = None,
@@ -89,23 +93,30 @@ def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray 
     return pr[:, 0], pr[:, 1]
 
 
-def synthetic_positives(read, rows, thumbs, desc, config: DedupConfig, rng, progress: bool) -> np.ndarray:
+def synthetic_positives(read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool) -> np.ndarray:
     """Design rows of edited copies of the given rows against their originals (a quarter mirrored with flips)."""
-    copies, used = [], []
+    copies, copy_colours, used = [], [], []
+    decoded: dict[int, Image.Image] = {}     # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
         try:
-            im = Image.fromarray(load_rgb(read(int(r)), min_side=EDIT_SIDE))
-            im.thumbnail((EDIT_SIDE, EDIT_SIDE))
+            if int(r) not in decoded:
+                im = Image.fromarray(load_rgb(read(int(r)), min_side=EDIT_SIDE))
+                im.thumbnail((EDIT_SIDE, EDIT_SIDE))
+                decoded[int(r)] = im
+            im = decoded[int(r)]
             data, _ = edited_copy(im, rng, flip=bool(config.flips and rng.random() < 0.25))
-            copies.append(thumbnail(data, config.thumb))
+            g, c = thumbnail(data, config.thumb)
+            copies.append(g)
+            copy_colours.append(chroma(c))
             used.append(int(r))
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no synthetic copy of row %d: %s", r, err)
     if not copies:
-        return np.zeros((0, 5))
+        return np.zeros((0, len(NAMES)))
     c = np.stack(copies)
     used = np.asarray(used)
-    f = pair_features(thumbs, used, np.arange(len(used)), other=c, iters=config.iterations, flips=config.flips)
+    f = pair_features(thumbs, used, np.arange(len(used)), colours=colours, other=c,
+                      other_colours=np.stack(copy_colours), iters=config.iterations, flips=config.flips)
     cd = dct_descriptor(c, config.dct)
     cos = np.einsum("ij,ij->i", desc[used], cd)
     if config.flips:
@@ -113,10 +124,10 @@ def synthetic_positives(read, rows, thumbs, desc, config: DedupConfig, rng, prog
     return design(f, cos)
 
 
-def pair_design(thumbs, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:
+def pair_design(thumbs, colours, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:
     with tqdm(total=len(a), desc="aligning candidate pairs", unit="pair", disable=not progress,
               mininterval=1.0) as bar:
-        f = pair_features(thumbs, a, b, iters=config.iterations, flips=config.flips, progress=bar)
+        f = pair_features(thumbs, a, b, colours=colours, iters=config.iterations, flips=config.flips, progress=bar)
     cos = np.einsum("ij,ij->i", desc[a], desc[b])
     if flipped is not None:
         cos = np.maximum(cos, np.einsum("ij,ij->i", desc[a], flipped[b]))
@@ -129,7 +140,7 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     embeddings, -1 where none) and fit the model on them."""
     t = {}
     t0 = time.perf_counter()
-    thumbs, skipped = read_thumbnails(read, np.arange(n), config.thumb, progress)
+    thumbs, colours, skipped = read_thumbnails(read, np.arange(n), config.thumb, progress)
     ok = np.ones(n, bool)
     ok[list(skipped)] = False
     if ok.sum() < 20:
@@ -142,7 +153,7 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     a, b = candidate_pairs(desc, ok, config.k_descriptor, extra, flipped)
     t["candidates"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    x = pair_design(thumbs, desc, a, b, config, progress, flipped)
+    x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
     t["pairs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
@@ -150,7 +161,7 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     # each readable item once in random order, again until there are calibration_items copies (small collections)
     reps = -(-config.calibration_items // good.size)
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[:config.calibration_items]
-    xp = synthetic_positives(read, sample, thumbs, desc, config, rng, progress)
+    xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
     t["copies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, steps=config.em_steps,
@@ -160,10 +171,10 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp)
 
 
-def score_pairs(thumbs, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False):
+def score_pairs(thumbs, colours, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False):
     """Probabilities of given pairs under an already fitted model (new items after `index add`)."""
     flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
-    return model.probability(pair_design(thumbs, desc, a, b, config, progress, flipped))
+    return model.probability(pair_design(thumbs, colours, desc, a, b, config, progress, flipped))
 
 
 def choose_threshold(p: np.ndarray, config: DedupConfig, threshold: float | None, precision: float | None):
