@@ -70,3 +70,31 @@ def test_text_config_checks_and_tokenizer_is_offline():
     tokens = enc.tokenize(["a red disc", "x " * 50])
     assert tokens.shape == (2, 12) and tokens.dtype == torch.long
     assert int(tokens[1, -1]) == enc.tokenizer.eot_token_id   # truncated, still ends with end-of-text
+
+
+def test_folder_captions_train_and_skip_uncaptioned(tmp_path, make_image_folder):
+    import json
+
+    from training.checkpoint import read_checkpoint_metadata
+    from training.config import TrainConfig
+    from training.datasets import create_dataset
+    from training.encoder import EncoderConfig
+    from training.trainer import train
+
+    folder = make_image_folder(tmp_path / "photos", count=12, classes=2, size=32)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png"))
+    lines = [json.dumps({"file": f, "text": f"photo {n % 5}"}) for n, f in enumerate(files[:9])]
+    (folder / "captions.jsonl").write_text("\n".join(lines) + "\n")
+    ds = create_dataset("folder", split="all", root=str(folder), image_size=32, progress=False)
+    data = caption_data(ds, {})
+    assert data.items.tolist() == list(range(9))          # 3 images without a caption are not trained on
+    batch = unique_caption_batch(data, 8, np.random.default_rng(0))
+    assert len(batch) == 5                                # only 5 distinct captions
+    config = TrainConfig(dataset="folder", data_root=str(folder), split="all", steps=2, batch_size=8, warmup_steps=1,
+                         encoder=EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8),
+                         text={"width": 16, "layers": 1, "heads": 2, "context_length": 8},
+                         out_dir=str(tmp_path / "run"), progress=False, device="cpu")
+    meta = read_checkpoint_metadata(train(config))
+    assert meta["lineage"]["text"]["captions"] == "files" and meta["lineage"]["text"]["captioned"] == 9
+    with pytest.raises(ValueError, match="bins"):
+        caption_data(ds, {"bins": [8, 6, 8]})
