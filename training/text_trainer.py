@@ -14,8 +14,10 @@ item and step, exact ideal), or a folder's `captions.jsonl` / sidecar `.txt` fil
 a caption are not trained on). The checkpoint holds both towers (training/checkpoint.py).
 
 `[text]` keys: the `TextConfig` fields (width, layers, heads, context_length, mlp_ratio) plus
-`bins` (synthetic caption bins, default [8, 6, 8]) and `image_checkpoint` (start the image tower
-from a trained checkpoint of the same architecture). One process; `--resume` is not supported.
+`bins` (synthetic caption bins, default [8, 6, 8]), `image_checkpoint` (start the image tower from a
+trained checkpoint) and `lock_image` (keep that tower fixed and train the text tower alone against
+its embeddings, computed once: locked-image tuning, "LiT", Zhai et al. 2022). One process;
+`--resume` is not supported.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["train_text", "TEXT_RUN_KEYS", "CaptionData", "caption_data", "clip_step", "unique_caption_batch"]
 
 #: `[text]` keys that are not TextConfig fields
-TEXT_RUN_KEYS = ("bins", "image_checkpoint")
+TEXT_RUN_KEYS = ("bins", "image_checkpoint", "lock_image")
 _TEXT_TAG = 0x7E47
 
 
@@ -95,10 +97,11 @@ def unique_caption_batch(data: CaptionData, batch_size: int, rng: np.random.Gene
     return perm[np.sort(first)][:batch_size]
 
 
-def clip_step(encoder, text: TextEncoder, loss_fn, images: torch.Tensor, tokens: torch.Tensor,
-              temperature) -> LossOutput:
-    """Symmetric CLIP loss of N (image, caption) pairs: image->text and text->image rows together."""
-    zi = encoder(images)                      # (N, D)
+def clip_step(encoder, text: TextEncoder, loss_fn, images: torch.Tensor | None, tokens: torch.Tensor,
+              temperature, image_embeddings: torch.Tensor | None = None) -> LossOutput:
+    """Symmetric CLIP loss of N (image, caption) pairs: image->text and text->image rows together.
+    `image_embeddings` (N, D) stand in for `encoder(images)` when the image tower is locked."""
+    zi = encoder(images) if image_embeddings is None else image_embeddings   # (N, D)
     zt = text(tokens)                         # (N, D)
     sim = zi @ zt.T                           # (N, N) s(image i, caption j)
     n = sim.shape[0]
@@ -138,7 +141,15 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
                              f"encoder.image_size is {config.encoder.image_size}")
         encoder.train()
     else:
+        if options.get("lock_image"):
+            raise ValueError("text.lock_image needs text.image_checkpoint (a trained image tower to keep fixed)")
         encoder = create_encoder(config.encoder).to(device)
+    locked = None
+    if options.get("lock_image"):   # LiT: the image tower stays as trained; its embeddings are computed once
+        from training.encoder import embed
+
+        encoder.eval().requires_grad_(False)
+        locked = torch.from_numpy(embed(encoder, dataset.tensors(np.arange(len(dataset))), progress=False))
     text = TextEncoder(text_config, encoder.embed_dim).to(device)
     schedule = create_schedule(config.schedule, **config.schedule_options).to(device)
     loss_fn = create_loss(config.loss, **config.loss_options).to(device)
@@ -157,13 +168,16 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
         "generator": {"name": dataset.default_generator().name, "options": dataset.default_generator().options(),
                       "exact": bool(dataset.default_generator().exact)},
         "text": {**data.describe, "tower": asdict(text.config),
-                 **({"image_checkpoint": str(options["image_checkpoint"])} if options.get("image_checkpoint") else {})},
+                 **({"image_checkpoint": str(options["image_checkpoint"])} if options.get("image_checkpoint") else {}),
+                 "image_tower": "locked (LiT)" if locked is not None else "trained"},
         "world_size": 1,
     }
     stop = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     last: dict = {}
     both.train()
+    if locked is not None:
+        encoder.eval()
     bar = tqdm(range(stop), total=config.steps, desc="train image+text", disable=not config.progress,
                dynamic_ncols=True)
     with (out / METRICS_NAME).open("a") as metrics_file:
@@ -171,10 +185,11 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
             t0 = time.perf_counter()
             rng = np.random.default_rng([config.seed, _TEXT_TAG, step])
             idx = unique_caption_batch(data, config.batch_size, rng)
-            images = dataset.tensors(idx).to(device)
+            images = dataset.tensors(idx).to(device) if locked is None else None
             tokens = text.tokenize(data.texts(dataset, idx, rng)).to(device)
             tau = schedule.temperature(step)
-            result = clip_step(encoder, text, loss_fn, images, tokens, tau)
+            result = clip_step(encoder, text, loss_fn, images, tokens, tau,
+                               None if locked is None else locked[idx].to(device))
             if not torch.isfinite(result.loss):
                 raise FloatingPointError(f"loss became {float(result.loss)} at step {step}")
             optimizer.zero_grad(set_to_none=True)
