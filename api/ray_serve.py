@@ -205,3 +205,51 @@ def build_app(settings: dict, shards: int, *, shard_replicas: int = 1, timeout_s
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=ingress_replicas,
                                ray_actor_options={"num_cpus": 0})
     return ingress.bind(settings, shard_nodes, timeout_s)
+
+
+def serve_on_ray(settings, *, address: str | None = None, shard_replicas: int = 1,
+                 timeout_s: float = DEFAULT_SHARD_TIMEOUT_S, block: bool = True) -> int:
+    """`softsearch serve --engine ray`: start (or join, `address`) Ray, deploy the app for the store's current
+    sharded version on settings.host:port and serve until interrupted. Exit 2 with one `error:` line when the
+    store has no current sharded version or the settings do not fit."""
+    import sys
+    import time
+
+    import ray
+
+    from index.store import IndexStore
+
+    if settings.index_root is None:
+        print("error: --engine ray needs --index ROOT (a store whose current version is sharded)", file=sys.stderr)
+        return 2
+    if shard_replicas < 1 or not timeout_s > 0:
+        print("error: --shard-replicas must be >= 1 and --shard-timeout-s > 0", file=sys.stderr)
+        return 2
+    store = IndexStore(settings.index_root)
+    current = store.current_version()
+    manifest = store.manifest(current) if current else None
+    if manifest is None or not manifest.shards:
+        what = f"version {current} is not sharded" if current else "there is no current version"
+        print(f"error: --engine ray serves a sharded version and {what} under {settings.index_root}; make one with "
+              f"`softsearch index reshard --root {settings.index_root} --shards N`", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    fields = settings.model_dump()
+    fields["index_root"] = str(store.root.resolve())
+    serve.run(build_app(fields, len(manifest.shards), shard_replicas=shard_replicas, timeout_s=timeout_s),
+              name=APP_NAME, route_prefix="/")
+    print(f"serving {current} ({len(manifest.shards)} shards x {shard_replicas} replica(s)) on Ray Serve at "
+          f"http://{settings.host}:{settings.port}/ (Ctrl-C to stop)", flush=True)
+    if not block:
+        return 0
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.delete(APP_NAME)
+    return 0
