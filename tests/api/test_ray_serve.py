@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import shutil
 import socket
+import threading
 import time
 
 import numpy as np
@@ -39,7 +40,7 @@ def ray_app(api_dataset, tmp_path_factory):
     import httpx
 
     from api.ray_serve import APP_NAME, build_app
-    from api_helpers import make_checkpoint
+    from api_helpers import ADMIN_TOKEN, make_checkpoint
     from index.build import BuildOptions, build_index
     from index.metadata import Metadata
 
@@ -55,7 +56,8 @@ def ray_app(api_dataset, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"index_root": str(root), "watch_interval_s": 0}, SHARDS, timeout_s=5.0),
+    serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "admin_token": ADMIN_TOKEN}, SHARDS,
+                        timeout_s=5.0),
               name=APP_NAME, route_prefix="/")
     reference = TestClient(create_app(Settings(index_root=whole, watch_interval_s=0)))
     reference.__enter__()
@@ -122,6 +124,52 @@ def test_vector_item_batch_and_image_routes_equal_the_single_node_server(ray_app
     assert bad.status_code == 422 and bad.json()["error"]   # validation answered by the same app
 
 
+def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_app):
+    """POST /v1/admin/reload to a second sharded version while 3 clients query: 0 failed requests, every answer
+    names one version and equals the reference, and after the reload only the new version answers."""
+    import httpx
+
+    from api_helpers import ADMIN_TOKEN
+
+    c, ref, old = ray_app["client"], ray_app["reference"], ray_app["version"]
+    new = reshard(ray_app["root"], SHARDS, activate=False)
+    body = {"vector": np.cos(np.arange(16)).tolist(), "k": 5}
+    want = ref.post("/v1/search/vector", json=body).json()
+    stop, seen, failures, lock = threading.Event(), [], [], threading.Lock()
+
+    def client():
+        with httpx.Client(base_url=str(c.base_url), timeout=60) as http:
+            while not stop.is_set():
+                r = http.post("/v1/search/vector", json=body)
+                with lock:
+                    if r.status_code != 200:
+                        failures.append((r.status_code, r.text))
+                    else:
+                        got = r.json()
+                        seen.append((time.monotonic(), got["version"]))
+                        try:
+                            _same({**got, "version": want["version"]}, want, want["version"])
+                        except AssertionError as err:
+                            failures.append(("mismatch", str(err)))
+
+    threads = [threading.Thread(target=client) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)
+    r = c.post("/v1/admin/reload", json={"version": new}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    done = time.monotonic()
+    time.sleep(2.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == new and r.json()["previous"] == old
+    assert failures == []
+    assert {v for _, v in seen} == {old, new}
+    assert all(v == new for t, v in seen if t > done + 0.5)   # answers started after the swap: the new version
+    assert len(seen) > 20
+
+
 def _replica_actors(shard: str) -> list:
     names = [a for a in ray.util.list_named_actors(all_namespaces=True)
              if "SERVE_REPLICA" in a["name"] and f"#{shard}#" in a["name"]]
@@ -131,7 +179,8 @@ def _replica_actors(shard: str) -> list:
 def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
     """Killing shard-001's replica: 503 `shard_unavailable` naming it (no results), then, once the Serve
     controller has replaced it, the same answer as before."""
-    c, ref, version = ray_app["client"], ray_app["reference"], ray_app["version"]
+    c, ref = ray_app["client"], ray_app["reference"]
+    version = IndexStore(ray_app["root"]).current_version()   # the one served (a swap test may have moved it)
     body = {"vector": np.linspace(-1, 1, 16).tolist(), "k": 5}
     want = ref.post("/v1/search/vector", json=body).json()
     _same(c.post("/v1/search/vector", json=body).json(), want, version)
