@@ -1,8 +1,9 @@
 """Benchmark sharded serving: QPS and p50/p99 of POST /v1/search/vector for one version served whole by
 `softsearch serve` (the baseline), the same items as a 2- and a 4-shard version on the single-node server
 (in-process fan-out), and as a 1- and a 2-shard version on Ray Serve (`serve --engine ray`: a deployment per
-shard, the ingress merging), all in one run on this machine. The ingress's overhead per query is the Ray
-1-shard p50 minus the baseline p50 (the same scan, plus the proxy -> ingress -> shard hops).
+shard, the ingress merging), all in one run on this machine. The ingress's overhead per query is measured
+apart, where the scan costs next to nothing: a 2000-item version, one client, sequential queries, Ray 1-shard
+p50 minus `serve` p50 (the proxy -> ingress -> shard hops and the merge).
 
 Every configuration answers the same queries; the script first checks that each returns the baseline's ids
 and probabilities (to 1e-6) before it times anything.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import socket
 import tempfile
@@ -34,12 +36,24 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
 
 
+def sequential(url: str, bodies: list[dict]) -> list[float]:
+    """Latencies (s) of `bodies` posted one after another by one client."""
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for b in bodies:
+            t0 = time.perf_counter()
+            http.post("/v1/search/vector", json=b).raise_for_status()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
 def make_store(workdir: Path, size: int, dim: int) -> Path:
     """A flat version built from `size` random unit vectors (no encoder: vector queries only)."""
     from index.build import build_from_vectors
 
     vectors = np.random.default_rng(0).normal(size=(size, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "vectors.npy"
     np.save(path, vectors)
     root = workdir / "whole"
@@ -118,6 +132,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds of load per configuration")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--no-ray", action="store_true", help="skip the Ray Serve configurations")
+    p.add_argument("--overhead-size", type=int, default=2000, help="items of the overhead measurement's version")
+    p.add_argument("--overhead-queries", type=int, default=300)
     args = p.parse_args()
     rng = np.random.default_rng(1)
     bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(64, args.dim))]
@@ -132,6 +148,13 @@ def main() -> None:
         reshard_s = time.perf_counter() - t0
         roots["local-4"] = sharded_copy(whole, tmp / "s4", 4)
         roots["ray-1"] = sharded_copy(whole, tmp / "r1", 1)
+        small = make_store(tmp / "small", args.overhead_size, args.dim)
+        small_1 = sharded_copy(small, tmp / "small-1", 1)
+        small_bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(args.overhead_queries, args.dim))]
+        with serve_process(small) as server:
+            small_ref = answers(server.url, small_bodies[:32])
+            answers(server.url, small_bodies[:32])   # warm-up
+            overhead = {"whole": sequential(server.url, small_bodies)}
         ref = None
         for name, root in [("whole", whole), ("local-2", roots["local-2"]), ("local-4", roots["local-4"])]:
             with serve_process(root) as server:
@@ -151,6 +174,12 @@ def main() -> None:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             url = f"http://127.0.0.1:{port}"
+            serve.run(build_app({"index_root": str(small_1), "watch_interval_s": 0, "torch_threads": 1}, 1),
+                      name=APP_NAME, route_prefix="/")
+            check_equal(answers(url, small_bodies[:32]), small_ref, "overhead ray-1")
+            answers(url, small_bodies[:32])
+            overhead["ray-1"] = sequential(url, small_bodies)
+            serve.delete(APP_NAME)
             for name, root, shards in [("ray-1", roots["ray-1"], 1), ("ray-2", roots["local-2"], 2)]:
                 serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "torch_threads": 1}, shards),
                           name=APP_NAME, route_prefix="/")
@@ -169,12 +198,17 @@ def main() -> None:
                  row(f"{name}: p50", r["p50_ms"], "ms", base["p50_ms"]),
                  row(f"{name}: p99", r["p99_ms"], "ms", base["p99_ms"]),
                  row(f"{name}: failed requests", r["errors"], "requests", None)]
-    if "ray-1" in results:
-        rows.append(row("Ray ingress overhead per query (ray-1 p50 - whole p50)",
-                        results["ray-1"]["p50_ms"] - base["p50_ms"], "ms", None))
-    write_results("shards", rows, machine_note=f"{args.size} x {args.dim} flat, exact normaliser, k={args.k}, "
+    for name, lat in overhead.items():
+        rows.append(row(f"{args.overhead_size}-item version, 1 client, {name}: p50", 1e3 * percentile(lat, 50), "ms",
+                        1e3 * percentile(overhead["whole"], 50)))
+    if "ray-1" in overhead:
+        rows.append(row("Ray ingress overhead per query (p50 ray-1 - p50 whole, 1 client)",
+                        1e3 * (percentile(overhead["ray-1"], 50) - percentile(overhead["whole"], 50)), "ms", None))
+    load_avg = os.getloadavg()[0]
+    write_results("shards", rows, machine_note=f"load average {load_avg:.1f} at the end (other jobs share the cores); "
+                                               f"{args.size} x {args.dim} flat, exact normaliser, k={args.k}, "
                                                f"{args.clients} client threads on this machine, {args.duration:g} s "
-                                               "per configuration; other jobs share the cores")
+                                               "per configuration")
 
 
 if __name__ == "__main__":
