@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="embeddings pages once the normaliser has read them: release (the RSS stays ~index + "
                         "model), keep (no refaults; read pages count in the RSS) or auto (release after the "
                         "exact scan, keep bounded's scattered reads; default)")
+    p.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="local: this process (uvicorn, default); ray: a sharded version on Ray Serve, one deployment "
+                        "per shard and an ingress with the same routes (needs the [ray] extra; README \"Past one "
+                        "machine\")")
+    p.add_argument("--ray-address", default=None,
+                   help="--engine ray: the Ray cluster to join (e.g. auto after `ray start --head`; default: start a "
+                        "local Ray)")
+    p.add_argument("--shard-replicas", type=int, default=1, help="--engine ray: replicas per shard (default 1)")
+    p.add_argument("--shard-timeout-s", type=float, default=10.0,
+                   help="--engine ray: seconds to wait for a shard before answering 503 naming it (default 10)")
     return p
 
 
@@ -165,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from api.config import load_settings
 
+    engine = {k: vars(args).pop(k) for k in ("engine", "ray_address", "shard_replicas", "shard_timeout_s")}
     flags = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
     try:
         settings = load_settings(vars(args), flags=flags)
@@ -175,6 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if engine["engine"] == "ray":
+        try:
+            from api.ray_serve import serve_on_ray
+        except ImportError as err:
+            print(f"error: --engine ray needs Ray Serve ({err}); install the extra: pip install -e '.[ray]'",
+                  file=sys.stderr)
+            return 2
+        return serve_on_ray(settings, address=engine["ray_address"], shard_replicas=engine["shard_replicas"],
+                            timeout_s=engine["shard_timeout_s"])
     import uvicorn
 
     # proxy headers are handled inside the app, only for --forwarded-allow-ips (uvicorn's own default

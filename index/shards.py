@@ -213,7 +213,7 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
         staging.mkdir(parents=True, exist_ok=True)
         for s, (a, b) in enumerate(ranges):
             name = shard_name(s)
-            ids = [str(i) for i in parent.ids[a:b]]
+            ids = [str(parent.ids[i]) for i in range(a, b)]
             extra = {ITEM_METADATA: metadata.encode(ids)} if metadata.types else None
             fields = {**pm.carried(*CARRIED), "parent": pm.version, "shard": {"name": name, "of": version,
                                                                                "offset": a, "shards": shards}}

@@ -13,9 +13,10 @@ and the whole query fails (the API answers 503 naming it).
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -104,8 +105,19 @@ class LocalShard:
         return shard_answer(self.snapshot, q, k, taus, mask)
 
 
-#: fan-out threads per sharded snapshot (numpy and FAISS release the GIL while a shard scans)
-FANOUT_THREADS = 8
+#: fan-out threads shared by every sharded snapshot in the process (numpy and FAISS release the GIL while a
+#: shard scans; a remote shard's thread only waits). Shared, so a swap leaves no idle pool behind.
+FANOUT_THREADS = 16
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fanout_pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(FANOUT_THREADS, thread_name_prefix="softsearch-shard")
+        return _POOL
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,7 +127,6 @@ class ShardedSnapshot(SearchSnapshot):
 
     shards: tuple = ()
     names: tuple = ()
-    _pool: Any = field(default=None, repr=False)
 
     @property
     def dim(self) -> int:
@@ -128,14 +139,6 @@ class ShardedSnapshot(SearchSnapshot):
     @property
     def offsets(self) -> list[int]:
         return [int(e["offset"]) for e in self.index.manifest.shards]
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            pool = self._cache.get("pool")
-            if pool is None:
-                pool = self._cache["pool"] = ThreadPoolExecutor(min(FANOUT_THREADS, max(1, len(self.shards))),
-                                                                thread_name_prefix="softsearch-shard")
-            return pool
 
     def search(self, vectors: np.ndarray, k: int, temperature: float | Sequence[float | None] | None = None,
                mask: np.ndarray | None = None) -> SearchAnswer:
@@ -151,7 +154,7 @@ class ShardedSnapshot(SearchSnapshot):
                                 [float("-inf")] * q.shape[0])
         bounds = [*self.offsets, self.count]
         masks = [None if mask is None else np.asarray(mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        futures = [self._executor().submit(shard, q, k_eff, taus, m) for shard, m in zip(self.shards, masks)]
+        futures = [_fanout_pool().submit(shard, q, k_eff, taus, m) for shard, m in zip(self.shards, masks)]
         parts = []
         for name, fut in zip(self.names, futures):
             try:

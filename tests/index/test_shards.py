@@ -59,6 +59,9 @@ def test_reshard_keeps_rows_and_verify_catches_a_damaged_shard(tmp_path, tiny_ch
     a, b = store.load(whole), store.load(sharded)
     assert a.ids == b.ids
     np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))
+    # rollback and activate move between the sharded version and its parent like any two versions
+    assert main(["rollback", "--root", str(root)]) == 0 and store.current_version() == whole
+    assert main(["activate", "--root", str(root), sharded]) == 0 and store.current_version() == sharded
     # resharding a sharded version: same rows again, in 4 shards
     assert main(["reshard", "--root", str(root), "--shards", "4", "--version", sharded]) == 0
     c = store.load()
