@@ -3,7 +3,9 @@
 Every path goes through the store's activation rule (index.store: `IndexStore.activate` for a
 named version that is not current -- which moves `current`, so the server and the store never
 disagree -- and `IndexStore.serving_check` for the store's current version). A refused version is
-never loaded; the old one keeps serving.
+never loaded; the old one keeps serving. A server never evaluates: a version it is asked to activate that
+has no quality-gate result is refused (`UngatedVersion`, 409 on the admin reload); `softsearch index
+activate` gates it.
 
 Every serving process follows the store's `current` pointer: a task polls it every
 `watch_interval_s` and swaps the new version in when it moves. With `serve --workers N` an
@@ -21,7 +23,7 @@ import threading
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from index.gate import ActivationRefused, gate_for
+from index.gate import ActivationRefused
 from index.store import IndexStore
 from search.serving.searcher import ReloadResult, Searcher
 
@@ -34,17 +36,22 @@ REFUSALS = (*LOAD_ERRORS, ActivationRefused)
 _SWAP_LOCK = threading.Lock()   # fallback for apps built without create_app's own lock
 
 
-def _evaluate_version(candidate, serving) -> dict:
-    """The quality gate's evaluator, imported on first use: a serving process loads no evaluation code
-    until a version without a gate result must be gated."""
-    from search.evaluation.quality import evaluate_version
+class UngatedVersion(ActivationRefused):
+    """A version to activate has no quality-gate result. Gating it means running the evaluator (encoding
+    held-out queries with both versions' encoders), which a serving process never does; the CLI does it."""
 
-    return evaluate_version(candidate, serving)
+    def __init__(self, version: str):
+        super().__init__(version, [{"check": "quality gate", "passed": None, "record": None,
+                                    "message": f"index version {version} has no quality-gate result and a "
+                                               "server does not evaluate"}],
+                         hint=f"gate it with `softsearch index activate {version}` (which runs the quality gate), "
+                              "then reload")
 
 
-def _gate(store: IndexStore):
-    """The quality gate for a version with no gate result yet (gated at its first activation)."""
-    return gate_for(store, _evaluate_version)
+def require_gate(store: IndexStore, version: str) -> None:
+    """UngatedVersion unless `version`'s manifest records a quality-gate result."""
+    if store.manifest(version).quality_gate is None:
+        raise UngatedVersion(version)
 
 
 def serve_version(searcher: Searcher, version: str | None = None, *, force: bool = False,
@@ -52,22 +59,25 @@ def serve_version(searcher: Searcher, version: str | None = None, *, force: bool
     """Serve `version` (default: the store's current one) through the activation rule (blocking).
 
     A version other than the store's current one is checked, loaded, made current in the store
-    (`IndexStore.activate`, recorded with `path`) and only then swapped in. ActivationRefused or a
-    load error leaves both the store and the served version as they were."""
+    (`IndexStore.activate`, recorded with `path`) and only then swapped in. ActivationRefused (UngatedVersion
+    for a version with no gate result, with or without `force`) or a load error leaves both the store and the
+    served version as they were."""
     store = searcher.store
     current = store.current_version()
     if version is None or version == current:
         if current is None:
             raise FileNotFoundError(f"no current index version under {store.root}; build and activate one first")
         if force:
+            require_gate(store, current)
             state = searcher.prepare(current)
-            store.activate(current, force=True, path=path, gate=_gate(store), verify=False)
+            store.activate(current, force=True, path=path, verify=False)
             return searcher.install(state)
         store.serving_check(current)
         return searcher.install(searcher.prepare(current))
-    store.check_activation(version, force=force)   # refuse before loading anything
+    require_gate(store, version)                   # refuse before loading anything
+    store.check_activation(version, force=force)
     state = searcher.prepare(version)              # verified and loaded, not served yet
-    store.activate(version, force=force, path=path, gate=_gate(store), verify=False)
+    store.activate(version, force=force, path=path, verify=False)
     return searcher.install(state)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 import faiss
 import numpy as np
 
-from index import faiss_index
+from index import faiss_index, kinds
 from index.disk import BLOCK, DiskFull, on_disk, writing
 from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
                          prepare_cache, shard_count)
@@ -168,7 +168,7 @@ def released_on_disk_full(caches: list[Path]):
 
 def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: float, seed: int = 0) -> dict:
     """Tune the search knob on a sample of stored rows used as queries; returns the recall record."""
-    if kind == "flat":
+    if kinds.get(kind).exact:
         return {"k": TUNE_K, "recall": 1.0, "exact": True, "target": target_recall}
     n = embeddings.shape[0]
     k = min(TUNE_K, n - 1)
@@ -218,7 +218,7 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
         kind, auto_params = faiss_index.choose_kind(n, dim, memory_budget)
         params = {**auto_params, **params}
         logger.info("--kind auto chose %s %s for %d x %d", kind, params, n, dim)
-    faiss_index._check_kind(kind)
+    kinds.get(kind)   # refuses an unknown kind
     t0 = time.perf_counter()
     if index is None:
         index, params = faiss_index.build(kind, embeddings, **params)
@@ -402,13 +402,13 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
 
     t_start = time.perf_counter()
     o = options or BuildOptions()
-    kind = o.kind or "flat"
+    kind = o.kind or kinds.DEFAULT
     datasets = _as_list(dataset)
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     if kind != "auto":
-        faiss_index._check_kind(kind)
+        kinds.get(kind)   # refuses an unknown kind
     _check_opts(o.batch_size, o.num_workers, o.shard_size, o.target_recall, o.keep, o.margin)
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
@@ -551,7 +551,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     base_version = store.load(base, verify=True, gpu=False)
     require_encoder(base_version.manifest, "index add")
     kind = base_version.kind
-    if kind not in faiss_index.ADDABLE_KINDS:
+    if not kinds.get(kind).addable:
         raise ValueError(f"index kind {kind!r} does not support adding items; run 'index rebuild'")
     recorded = base_version.manifest.checkpoint_record
     if checkpoint is not None:
@@ -590,7 +590,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
     base_train = base_version.manifest.trained_on or base_version.manifest.count
     index.add(res.embeddings)
-    if kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
+    if kinds.get(kind).trained and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
                        kind, index.ntotal, base_train)
     embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
@@ -643,7 +643,7 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
 
     t_start = time.perf_counter()
     if kind != "auto":
-        faiss_index._check_kind(kind)
+        kinds.get(kind)   # refuses an unknown kind
     _check_opts(1, 0, 1, target_recall, keep, margin)
     source = open_vectors(embeddings)
     params = dict(params or {})
@@ -651,9 +651,10 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
         kind, auto_params = faiss_index.choose_kind(source.count, source.dim, memory_budget)
         params = {**auto_params, **params}
         logger.info("--kind auto chose %s %s for %d x %d", kind, params, source.count, source.dim)
-    streamed = kind in streaming.STREAM_KINDS if stream is None else bool(stream)
-    if streamed and kind not in streaming.STREAM_KINDS:
-        raise ValueError(f"a streamed build makes {' or '.join(streaming.STREAM_KINDS)}, not {kind}")
+    streamable = kinds.get(kind).streamable
+    streamed = streamable if stream is None else bool(stream)
+    if streamed and not streamable:
+        raise ValueError(f"a streamed build makes {' or '.join(streaming.stream_kinds())}, not {kind}")
     # row-number ids of a streamed build are never held as N strings (written to ids.json in blocks)
     item_ids = (None if streamed else default_ids(source.count)) if ids is None else read_ids(ids, source.count)
     item_metadata = Metadata.empty()
@@ -714,7 +715,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     if m.has_encoder:
         raise ValueError(f"index version {base_version.version} has an encoder: add images to it ('index add "
                          "--dataset ...'); vectors from elsewhere would mix embedding spaces")
-    if base_version.kind not in faiss_index.ADDABLE_KINDS:
+    if not kinds.get(base_version.kind).addable:
         raise ValueError(f"index kind {base_version.kind!r} does not support adding items; build a new version")
     source = open_vectors(embeddings)
     if source.dim != base_version.dim:
@@ -737,7 +738,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     index = faiss_index.lists_in_ram(faiss_index.read_index(base_version.path / INDEX_FILE))
     base_train = m.trained_on or m.count
     index.add(new)
-    if base_version.kind in ("ivf-flat", "ivf-pq") and index.ntotal > 2 * base_train:
+    if kinds.get(base_version.kind).trained and index.ntotal > 2 * base_train:
         logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
                        base_version.kind, index.ntotal, base_train)
     emb = np.concatenate([np.asarray(base_version.embeddings), new], axis=0)

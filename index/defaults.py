@@ -2,5 +2,7 @@
 numpy so that `softsearch index ... --help` and a mistyped flag load neither."""
 from __future__ import annotations
 
-KINDS = ("flat", "ivf-flat", "ivf-pq", "hnsw")
+from index.kinds import names as _kind_names
+
+KINDS = _kind_names()      # the built-in kinds (index/kinds/), for --kind choices
 DEFAULT_MARGIN = 0.01      # quality gate: a candidate may score this much lower (noise) and still pass

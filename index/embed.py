@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from index.manifest import atomic_write, atomic_write_text
-from training.distributed import leave_process_group
+from training.distributed import leave_process_group, torchrun_env
 
 logger = logging.getLogger(__name__)
 
@@ -337,11 +337,9 @@ def embed_dataset(encoder, dataset, cache_dir: str | os.PathLike, *, key: str = 
 
 
 def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from the torchrun environment; (0, 1, 0) otherwise."""
-    try:
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-    except ValueError as err:
-        raise ValueError(f"bad RANK/WORLD_SIZE/LOCAL_RANK environment: {err}") from err
+    """(rank, world_size, local_rank) from the torchrun environment; (0, 1, 0) otherwise
+    (`training.distributed.torchrun_env`, the one reader of those variables)."""
+    return torchrun_env()
 
 
 @contextlib.contextmanager

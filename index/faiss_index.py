@@ -1,26 +1,19 @@
 """FAISS index kinds for unit embeddings: create, train+add, choose, tune, search.
 
 Every kind uses inner product on L2-normalised rows, so scores are cosine similarities
-`s = z_q . z_y` (docs/theory.md §1). Kinds:
-
-- ``flat``     IndexFlatIP, exact brute force.
-- ``ivf-flat`` inverted lists over a flat-IP coarse quantizer, full vectors in the lists;
-               search knob ``nprobe``.
-- ``ivf-pq``   inverted lists with product-quantised codes (``m`` bytes per vector at
-               8 bits); search knob ``nprobe``. Compact but lossy: recall can plateau.
-- ``hnsw``     IndexHNSWFlat with METRIC_INNER_PRODUCT; search knob ``efSearch``.
+`s = z_q . z_y` (docs/theory.md §1). The kinds (flat, ivf-flat, ivf-pq, hnsw) are modules of the
+registry index/kinds/; this module asks them (`kinds.get(name)`) and never compares a kind's name.
 
 GPU: one code path. When FAISS is a GPU build (``faiss-gpu``, the ``gpu`` extra) and
 ``faiss.get_num_gpus() > 0``, training and adding run on
 ``faiss.index_cpu_to_all_gpus`` (sharded over every visible GPU) and the result is brought
-back with ``index_gpu_to_cpu`` so what is written to disk is always a CPU index. HNSW has no
-GPU implementation in FAISS and always stays on the CPU.
+back with ``index_gpu_to_cpu`` so what is written to disk is always a CPU index. Kinds without a
+FAISS GPU version (``IndexKind.gpu`` false: HNSW) always stay on the CPU.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -28,101 +21,34 @@ from typing import Callable
 import faiss
 import numpy as np
 
-from index.defaults import KINDS  # re-exported here; defined without FAISS for the command-line parser
+from index import kinds
+from index.defaults import KINDS  # noqa: F401  (re-exported: the built-in kind names)
+from index.kinds.base import RERANK_MAX, RERANK_PQ  # noqa: F401  (RERANK_PQ re-exported)
+from index.kinds.choose import (IVF_MIN_COUNT, SMALL_COUNT, choose_kind,  # noqa: F401  (re-exported)
+                                default_memory_budget, suggest_kind)
+from index.kinds.ivf import default_nlist  # noqa: F401  (re-exported)
+from index.kinds.ivf_pq import default_pq_m  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-# Kinds whose stored index accepts ``add`` without retraining. IVF kinds keep their trained
-# coarse quantizer (and PQ codebook); adding far more than they were trained on degrades the
-# partition, so ``index.build.add_items`` logs a warning suggesting a rebuild then.
-ADDABLE_KINDS = frozenset(KINDS)
-SEARCH_PARAM = {"flat": None, "ivf-flat": "nprobe", "ivf-pq": "nprobe", "hnsw": "efSearch"}
-
-#: Candidates per hit re-scored exactly from the stored vectors for PQ kinds whose manifest has no tuned
-#: ``rerank`` (versions built before it was tuned); the codes' order is not the exact order.
-RERANK_PQ = 4
-#: Largest re-rank factor k'/k `tune` tries (k' = 640 candidates at k = 10).
-RERANK_MAX = 64
 #: `tune` keeps k * rerank <= N / RERANK_SHARE (more candidates cost about an exact scan of all N rows).
 RERANK_SHARE = 8
 #: Stored rows used as tuning queries (`tuning_rows`); the gate draws its held-out queries from the rest.
 TUNE_QUERIES = 1000
 
-# choose_kind thresholds (documented in choose_kind).
-SMALL_COUNT = 100_000
-IVF_MIN_COUNT = 1_000   # below this an IVF partition is pointless
-ID_BYTES = 8            # IVF lists store an int64 id next to every code
-
-
-def _check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"unknown index kind {kind!r}; expected one of {', '.join(KINDS)} (or 'auto')")
-    return kind
-
-
-def default_nlist(count: int) -> int:
-    """nlist ~ 4 sqrt(N), capped so every list gets >= 39 training points (FAISS's own minimum)."""
-    nlist = int(round(4 * math.sqrt(max(count, 1))))
-    return max(1, min(nlist, count // 39 if count >= 39 else 1))
-
-
-def default_pq_m(dim: int, bytes_per_vector: int | None = None) -> int:
-    """Largest divisor of dim that is <= the byte budget per vector (default dim // 4)."""
-    target = bytes_per_vector if bytes_per_vector is not None else max(1, dim // 4)
-    divisors = [m for m in range(1, dim + 1) if dim % m == 0 and m <= target]
-    if not divisors:
-        raise ValueError(f"no PQ sub-quantizer count fits {bytes_per_vector} bytes per vector (dim {dim})")
-    return max(divisors)
-
 
 def default_params(kind: str, dim: int, count: int, **params) -> dict:
     """Fill in the build and search parameters of a kind from N and D; given ones win."""
-    _check_kind(kind)
-    out: dict = {}
-    if kind in ("ivf-flat", "ivf-pq"):
-        out["nlist"] = int(params.pop("nlist", default_nlist(count)))
-        out["nprobe"] = int(params.pop("nprobe", min(out["nlist"], 8)))
-        if kind == "ivf-pq":
-            out["m"] = int(params.pop("m", default_pq_m(dim)))
-            # 2^nbits centroids per sub-quantizer need enough training points.
-            nbits_default = 8 if count >= 256 * 39 else max(1, min(8, int(math.log2(max(count // 39, 2)))))
-            out["nbits"] = int(params.pop("nbits", nbits_default))
-            if dim % out["m"] != 0:
-                raise ValueError(f"ivf-pq m={out['m']} must divide the dimension {dim}")
-            if not 1 <= out["nbits"] <= 16:
-                raise ValueError(f"ivf-pq nbits={out['nbits']} must be in 1..16")
-            if "rerank" in params:   # k'/k re-scored exactly by the server (the build tunes it)
-                out["rerank"] = int(params.pop("rerank"))
-                if out["rerank"] < 1:
-                    raise ValueError(f"ivf-pq rerank={out['rerank']} must be >= 1")
-        if out["nlist"] < 1 or out["nlist"] > max(count, 1):
-            raise ValueError(f"nlist={out['nlist']} must be in 1..{max(count, 1)} for {count} vectors")
-        if not 1 <= out["nprobe"]:
-            raise ValueError(f"nprobe={out['nprobe']} must be >= 1")
-        out["nprobe"] = min(out["nprobe"], out["nlist"])
-    elif kind == "hnsw":
-        out["M"] = int(params.pop("M", 32))
-        out["efConstruction"] = int(params.pop("efConstruction", 80))
-        out["efSearch"] = int(params.pop("efSearch", 64))
-        if out["M"] < 2 or out["efConstruction"] < 1 or out["efSearch"] < 1:
-            raise ValueError(f"hnsw parameters must be positive (M >= 2): {out}")
-    if params:
-        raise ValueError(f"unknown parameters for index kind {kind!r}: {sorted(params)}")
+    out = kinds.get(kind).params(dim, count, params)
+    unknown = sorted(set(params) - set(out))
+    if unknown:
+        raise ValueError(f"unknown parameters for index kind {kind!r}: {unknown}")
     return out
 
 
 def factory_string(kind: str, params: dict) -> str:
     """The faiss.index_factory description equivalent to (kind, params)."""
-    _check_kind(kind)
-    if kind == "flat":
-        return "Flat"
-    if kind == "ivf-flat":
-        return f"IVF{params['nlist']},Flat"
-    if kind == "ivf-pq":
-        # "np": no polysemous training. It only serves Hamming pre-filtering, which search here
-        # never uses, and costs ~4x the PQ training time at 8 bits.
-        return f"IVF{params['nlist']},PQ{params['m']}x{params['nbits']}np"
-    return f"HNSW{params['M']},Flat"
+    return kinds.get(kind).factory(params)
 
 
 def create_index(kind: str, dim: int, count: int, **params) -> tuple[faiss.Index, dict]:
@@ -130,23 +56,19 @@ def create_index(kind: str, dim: int, count: int, **params) -> tuple[faiss.Index
     if dim < 1:
         raise ValueError(f"dimension must be >= 1, got {dim}")
     params = default_params(kind, dim, count, **params)
-    index = faiss.index_factory(dim, factory_string(kind, params), faiss.METRIC_INNER_PRODUCT)
-    if kind == "hnsw":
-        index.hnsw.efConstruction = params["efConstruction"]
+    index = kinds.get(kind).create(dim, params)
     set_search_params(index, kind, params)
     return index, params
 
 
 def set_search_params(index: faiss.Index, kind: str, params: dict) -> None:
     """Apply the runtime knob (nprobe / efSearch) stored in params to a CPU or GPU index."""
-    name = SEARCH_PARAM[_check_kind(kind)]
+    spec = kinds.get(kind)
+    name = spec.search_param
     if name is None or name not in params:
         return
     if _is_cpu(index):
-        if name == "nprobe":
-            faiss.extract_index_ivf(index).nprobe = int(params[name])
-        else:
-            faiss.downcast_index(index).hnsw.efSearch = int(params[name])
+        spec.set_search(index, int(params[name]))
     else:  # GPU / sharded: ParameterSpace reaches every shard
         faiss.GpuParameterSpace().set_index_parameter(index, name, int(params[name]))
 
@@ -162,7 +84,7 @@ def gpu_count() -> int:
 
 def use_gpu(kind: str) -> bool:
     """True when FAISS sees GPUs and has a GPU version of this kind (not HNSW)."""
-    return gpu_count() > 0 and kind != "hnsw"
+    return gpu_count() > 0 and kinds.get(kind).gpu
 
 
 def to_gpu(index: faiss.Index) -> faiss.Index:
@@ -213,15 +135,11 @@ def normalise(x: np.ndarray) -> np.ndarray:
     return x / norms
 
 
-def _allow_small_training(index: faiss.Index, kind: str, n_train: int) -> None:
+def allow_small_training(index: faiss.Index, kind: str, n_train: int) -> None:
     """Train on fewer points than FAISS's k-means wants (39 a centroid) without its stderr "WARNING
     clustering N points to K centroids": said once in the log instead, since small collections are
     expected and the recall check after the build measures what the quantizer gives."""
-    ivf = faiss.downcast_index(faiss.extract_index_ivf(index))
-    parts = [("coarse quantizer", ivf.cp, ivf.nlist)]
-    if kind == "ivf-pq":
-        parts.append(("PQ codebooks", ivf.pq.cp, ivf.pq.ksub))
-    for what, cp, k in parts:
+    for what, cp, k in kinds.get(kind).training_parts(index):
         if n_train < k * cp.min_points_per_centroid:
             logger.info("%s: %s trained on %d points for %d centroids (FAISS suggests %d); the recall check "
                         "measures the result", kind, what, n_train, k, k * cp.min_points_per_centroid)
@@ -241,14 +159,12 @@ def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed:
     index, params = create_index(kind, dim, n, **params)
     sample = vectors
     if not index.is_trained:
-        wanted = 256 * params["nlist"]
-        if kind == "ivf-pq":
-            wanted = max(wanted, 64 * 2 ** params["nbits"])  # PQ codebooks need their own points
+        wanted = kinds.get(kind).train_rows(params)  # coarse quantizer and codebooks
         limit = min(n, train_sample or wanted)
         if limit < n:
             sample = vectors[np.sort(np.random.default_rng(seed).choice(n, size=limit, replace=False))]
     if not index.is_trained:
-        _allow_small_training(index, kind, len(sample))
+        allow_small_training(index, kind, len(sample))
     built = None
     if use_gpu(kind):
         try:
@@ -313,11 +229,12 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
 
 def rerank_factor(kind: str, params: dict | None) -> int:
     """k'/k: candidates per hit the server re-scores exactly from the stored vectors (manifest params
-    ``rerank``; RERANK_PQ for PQ kinds without one, whose code order is not the exact order; else 1)."""
+    ``rerank``; RERANK_PQ for re-ranked (PQ) kinds without one, whose code order is not the exact order; else 1)."""
     value = (params or {}).get("rerank")
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    return RERANK_PQ if "pq" in str(kind) else 1
+    spec = kinds.find(kind)
+    return RERANK_PQ if spec is not None and spec.rerank else 1
 
 
 def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray, k: int,
@@ -470,13 +387,14 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     if not 0 < target_recall <= 1:
         raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
     kind = kind or kind_of(index)
-    param = SEARCH_PARAM[_check_kind(kind)]
+    spec = kinds.get(kind)
+    param = spec.search_param
     queries = _as_float32(sample_queries, index.d, "sample queries")
 
     if self_rows is not None:
         exact = _drop_rows(np.asarray(exact), np.asarray(self_rows), k)
-    if kind == "ivf-pq" and embeddings is not None:
-        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release)
+    if spec.rerank and embeddings is not None:
+        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release, kind)
 
     def measure() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -489,12 +407,7 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     if param is None:
         recall, ms = measure()
         return TuneResult(None, None, recall, ms, recall >= target_recall, [{"recall": recall, "latency_ms": ms}])
-    if param == "nprobe":
-        limit = faiss.extract_index_ivf(index).nlist
-        value = 1
-    else:
-        limit = max(2048, k)
-        value = max(k, 16)
+    value, limit = spec.tune_range(index, k)
     history = []
     while True:
         set_search_params(index, kind, {param: value})
@@ -517,7 +430,7 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
 
 def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target_recall: float, k: int,
                    min_gain: float, self_rows: np.ndarray | None, embeddings: np.ndarray,
-                   release: Callable[[], None] | None = None) -> TuneResult:
+                   release: Callable[[], None] | None = None, kind: str = "") -> TuneResult:
     """(nprobe, r) of an IVF-PQ index re-ranked from `embeddings`: the pair reaching the target at the least
     measured time per query, t = t_faiss(nprobe) + t_rerank(r).
 
@@ -571,8 +484,8 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
     ivf.nprobe = chosen["nprobe"]
     reached = best is not None
     if not reached:
-        logger.warning("ivf-pq: recall@%d %.3f below target %.3f even at nprobe=%d with %dx re-ranking", k,
-                       chosen["recall"], target_recall, chosen["nprobe"], chosen["rerank"])
+        logger.warning("%s: recall@%d %.3f below target %.3f even at nprobe=%d with %dx re-ranking",
+                       kind, k, chosen["recall"], target_recall, chosen["nprobe"], chosen["rerank"])
     return TuneResult("nprobe", chosen["nprobe"], chosen["recall"], chosen["latency_ms"], reached, history,
                       rerank=chosen["rerank"])
 
@@ -629,91 +542,13 @@ def lists_in_ram(index: faiss.Index) -> faiss.Index:
 
 def kind_of(index: faiss.Index) -> str:
     """Recover the kind name from a CPU index object."""
-    index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexFlat):
-        return "flat"
-    if isinstance(index, faiss.IndexHNSW):
-        return "hnsw"
-    if isinstance(index, faiss.IndexIVFPQ):
-        return "ivf-pq"
-    if isinstance(index, faiss.IndexIVFFlat):
-        return "ivf-flat"
-    raise ValueError(f"unsupported index type {type(index).__name__}")
+    return kinds.of_index(faiss.downcast_index(index)).name
 
 
 def index_bytes(kind: str, dim: int, count: int, params: dict | None = None) -> int:
     """Approximate resident bytes of an index of `kind` (for choose_kind and the benchmark)."""
     params = default_params(kind, dim, count, **(params or {}))
-    if kind == "flat":
-        return count * dim * 4
-    if kind == "ivf-flat":
-        return count * (dim * 4 + ID_BYTES) + params["nlist"] * dim * 4
-    if kind == "ivf-pq":
-        code = math.ceil(params["m"] * params["nbits"] / 8)
-        return count * (code + ID_BYTES) + params["nlist"] * dim * 4 + params["m"] * (2 ** params["nbits"]) * (dim // params["m"]) * 4
-    # HNSW: vectors + ~2*M neighbour ids (int32) on level 0, levels above are ~1/M of that.
-    return count * (dim * 4 + params["M"] * 2 * 4 + 16)
-
-
-def default_memory_budget() -> int:
-    """A quarter of physical memory: the default budget for `choose_kind`."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 4 << 30
-
-
-def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) -> tuple[str, dict]:
-    """Pick (kind, params) for `--kind auto`, in the spirit of autofaiss.
-
-    Rules, first match wins (budget defaults to a quarter of RAM):
-    1. N < 1,000, or N <= 100,000 and the flat index fits the budget -> ``flat``
-       (exact; brute force over <= 1e5 rows costs a few ms per query).
-    2. The full vectors (IVF-Flat size) fit the budget -> ``ivf-flat`` with nlist ~ 4 sqrt(N).
-    3. Otherwise memory is tight -> ``ivf-pq`` with nlist ~ 4 sqrt(N) and the largest
-       sub-quantizer count m (bytes per vector, a divisor of D) whose codes fit the budget, served
-       with re-ranking: the top k*r candidates of the codes are re-scored exactly from the full
-       vectors, which stay memory-mapped on disk (the budget bounds the in-RAM index, not them);
-       the build tunes r = k'/k together with nprobe (`tune(..., embeddings=)`).
-    HNSW is never chosen automatically (it costs more memory than IVF-Flat for a latency win
-    at batch 1); ask for it with ``--kind hnsw``.
-    """
-    if count < 1 or dim < 1:
-        raise ValueError(f"choose_kind needs count >= 1 and dim >= 1, got count={count}, dim={dim}")
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    if budget <= 0:
-        raise ValueError(f"memory budget must be positive, got {memory_budget_bytes}")
-    if count < IVF_MIN_COUNT or (count <= SMALL_COUNT and index_bytes("flat", dim, count) <= budget):
-        return "flat", default_params("flat", dim, count)
-    if index_bytes("ivf-flat", dim, count) <= budget:
-        return "ivf-flat", default_params("ivf-flat", dim, count)
-    nlist = default_nlist(count)
-    fixed = nlist * dim * 4 + 256 * dim * 4            # coarse centroids + PQ codebooks (8 bits)
-    per_vector = (budget - fixed) // count - ID_BYTES
-    if per_vector < 1:
-        raise ValueError(f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes")
-    m = default_pq_m(dim, min(per_vector, dim))
-    return "ivf-pq", default_params("ivf-pq", dim, count, nlist=nlist, m=m, rerank=RERANK_PQ)
-
-
-def suggest_kind(kind: str, params: dict, count: int, dim: int, target: float) -> str:
-    """A hint naming what reaches a recall target when `kind` with `params` did not (for refusals).
-
-    `--kind auto` (`choose_kind`) picks flat or ivf-flat whenever the full vectors fit the memory
-    budget; both reach any target (flat is exact, IVF-Flat reaches 1.0 at nprobe = nlist)."""
-    auto, auto_params = choose_kind(max(count, 1), max(dim, 1)) if count and dim else ("flat", {})
-    if kind == "ivf-pq":
-        if auto != "ivf-pq":
-            return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors, which reach the target); "
-                    f"or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
-        return (f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget "
-                f"(re-ranking up to {RERANK_MAX}x k candidates from the stored vectors did not reach it)")
-    if kind == "hnsw":
-        return (f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) or --kind "
-                f"{'flat' if auto == 'flat' else auto} (--kind auto)")
-    if kind == "ivf-flat":
-        return "rebuild with --kind flat (exact) or fewer lists (--param nlist=...); --kind auto chooses " + auto
-    return "--kind flat is exact"
+    return kinds.get(kind).bytes(dim, count, params)
 
 
 def subset_selector(mask: np.ndarray) -> tuple[faiss.IDSelector, np.ndarray]:

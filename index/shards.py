@@ -23,7 +23,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index import faiss_index
+from index import faiss_index, kinds
 from index.manifest import IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, read_manifest, \
     verify_files, write_manifest
 from index.metadata import ITEM_METADATA, read_metadata
@@ -169,7 +169,7 @@ def _merged_recall(parent, shard_versions: list, offsets: list[int], target: flo
     k = min(10, n - 1)
     if k < 1:
         return {"k": 0, "recall": 1.0, "exact": False, "target": target, "note": "single item"}
-    if all(s.kind == "flat" for s in shard_versions):
+    if all(kinds.get(s.kind).exact for s in shard_versions):
         return {"k": k, "recall": 1.0, "exact": True, "target": target}
     rows = faiss_index.tuning_rows(n, faiss_index.TUNE_QUERIES, 0)
     queries = np.asarray(emb[rows], dtype=np.float32)

@@ -38,7 +38,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index import faiss_index
+from index import faiss_index, kinds
 from index.disk import on_disk, writing
 from index.list_stats import round_up, save_streamed
 from index.manifest import create_manifest, describe_files, fsync_dir, write_manifest
@@ -49,7 +49,6 @@ from index.vectors import VectorSource, sample_unit_rows, unit_blocks
 
 logger = logging.getLogger(__name__)
 
-STREAM_KINDS = ("ivf-flat", "ivf-pq")
 #: Bytes of rows the quantizer and codebooks train on (32 MiB: 131072 rows at D = 64).
 TRAIN_BYTES = 32 << 20
 #: Rows read, normalised, assigned and encoded at a time.
@@ -70,9 +69,13 @@ def streamed_params(kind: str, count: int, dim: int, params: dict | None = None)
     else:
         params["nlist"] = max(1, min(faiss_index.default_nlist(count), train // 39))
     params = faiss_index.default_params(kind, dim, count, **params)
-    if kind == "ivf-pq":
-        train = min(count, max(train, 64 * 2 ** params["nbits"]))
+    train = min(count, max(train, kinds.get(kind).codebook_rows(params)))   # PQ codebooks need their own rows
     return params, train
+
+
+def stream_kinds() -> tuple[str, ...]:
+    """The registered kinds a streamed build makes (`IndexKind.streamable`)."""
+    return tuple(name for name in kinds.names() if kinds.get(name).streamable)
 
 
 @dataclass
@@ -90,8 +93,8 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
                    chunk_rows: int = CHUNK_ROWS, progress: bool = False) -> Streamed:
     """Write embeddings.npy, index.faiss + index.ivfdata and normaliser_stats.npz of `source` into `staging`
     (steps 1-5 of the module docstring); returns the index read back from disk."""
-    if kind not in STREAM_KINDS:
-        raise ValueError(f"a streamed build makes IVF kinds ({', '.join(STREAM_KINDS)}), not {kind!r}")
+    if not kinds.get(kind).streamable:
+        raise ValueError(f"a streamed build makes IVF kinds ({', '.join(stream_kinds())}), not {kind!r}")
     n, d = source.count, source.dim
     params, train_rows = streamed_params(kind, n, d, params)
     timings: dict = {}
@@ -100,7 +103,7 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     rows = np.sort(np.random.default_rng(seed).choice(n, size=train_rows, replace=False)) if train_rows < n \
         else np.arange(n)
     sample = sample_unit_rows(source, rows)
-    faiss_index._allow_small_training(index, kind, len(sample))
+    faiss_index.allow_small_training(index, kind, len(sample))
     index.train(sample)
     del sample
     timings["train_s"] = time.perf_counter() - t0

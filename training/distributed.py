@@ -50,6 +50,7 @@ __all__ = [
     "average_gradients",
     "barrier",
     "resolve_device",
+    "torchrun_env",
 ]
 
 
@@ -106,11 +107,15 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def torchrun_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK); (0, 1, 0)
+    for a single process. The one reader of these variables (training and index embedding)."""
+    return _env_int("RANK", 0), _env_int("WORLD_SIZE", 1), _env_int("LOCAL_RANK", 0)
+
+
 def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
     """Join the torchrun process group if WORLD_SIZE > 1 (else single process); pick the device."""
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    rank, world_size, local_rank = torchrun_env()
     dev = resolve_device(device, local_rank)
     if world_size <= 1:
         return DistInfo(device=dev)

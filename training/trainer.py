@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import sys
 import threading
@@ -47,6 +46,7 @@ from training.checkpoint import (
 from training.config import TrainConfig, config_from_dict, load_train_config
 from training.distributed import (
     DistInfo,
+    torchrun_env,
     all_reduce_mean,
     average_gradients,
     barrier,
@@ -529,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"out_dir={json.dumps(args.out)}")
     config = load_train_config(args.config, overrides)
     path = train(config, resume=args.resume)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if torchrun_env()[0] == 0:
         print(path)
     return 0
 

@@ -57,11 +57,6 @@ def _served_rows(version, zq: np.ndarray, k: int, exclude: np.ndarray | None) ->
     return out
 
 
-def _overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
-    """Mean over queries of |a[:k] & b[:k]| / k (rows < 0 never count)."""
-    return float(np.mean([np.intersect1d(x[:k][x[:k] >= 0], y[:k]).size / k for x, y in zip(a, b)]))
-
-
 def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     """recall@10 (exact and through the served index), the index's own recall@10 and the gap at the
     version's search temperature for one IndexVersion."""
@@ -80,11 +75,11 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
         ideal = ideal_topk(data.query_meta, data.db_meta, data.generator, k, exclude=data.query_exclude)
 
         def recall_of(rows):
-            return _overlap(rows, ideal, k)
+            return faiss_index.recall_at_k(rows, ideal, k)
         recall_kind = "ideal-neighbour recall@10"
     gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
     return {"version": version.version, "recall_at_10": recall_of(served), "exact_recall_at_10": recall_of(exact),
-            "recall_kind": recall_kind, "index_recall_at_10": _overlap(served, exact, k), "kind": version.kind,
+            "recall_kind": recall_kind, "index_recall_at_10": faiss_index.recall_at_k(served, exact, k), "kind": version.kind,
             "params": dict(version.manifest.params or {}), "gap": gap["kl"],
             "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
             "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),

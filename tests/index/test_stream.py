@@ -86,7 +86,7 @@ def test_streamed_recall_equals_in_ram_build_when_trained_on_a_sample(tmp_path, 
     z = unit_rows(source)
     rows = np.sort(np.random.default_rng(3).choice(len(z), size=4000, replace=False))
     ref, _ = faiss_index.create_index("ivf-pq", 16, len(z), **built.params)
-    faiss_index._allow_small_training(ref, "ivf-pq", 4000)
+    faiss_index.allow_small_training(ref, "ivf-pq", 4000)
     ref.train(z[rows])
     ref.add(z)
     q = z[np.random.default_rng(9).choice(len(z), 300, replace=False)]

@@ -147,3 +147,20 @@ def test_torchrun_two_processes_match_single_process(tmp_path):
     diff = torch.sqrt(sum(((ddp[k] - single[k]) ** 2).sum() for k in single))
     moved = torch.sqrt(sum(((single[k] - init[k]) ** 2).sum() for k in single))
     assert float(diff) < 1e-2 * float(moved), (float(diff), float(moved))
+
+
+def test_one_torchrun_environment_reader(monkeypatch):
+    """training.distributed.torchrun_env is what index embedding reads too (index.embed.dist_env)."""
+    from index.embed import dist_env
+    from training.distributed import torchrun_env
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert torchrun_env() == dist_env() == (0, 1, 0)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert torchrun_env() == dist_env() == (3, 4, 1)
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(ValueError, match="LOCAL_RANK='one' is not an integer"):
+        dist_env()
