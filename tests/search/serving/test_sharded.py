@@ -81,7 +81,7 @@ def test_same_ids_and_probabilities_as_unsharded_and_dense_numpy(stores, tau, k)
     emb = np.asarray(IndexStore(stores["root"]).load(stores["whole"]).embeddings)
     t = tau if tau is not None else whole.snapshot().temperature
     top, p_dense, log_z = _dense(q, emb, t, min(k, 120))
-    np.testing.assert_allclose(b.log_normalisers, a.log_normalisers, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(b.log_normalisers, a.log_normalisers, rtol=0, atol=1e-6)   # float32 partial sums in another order
     np.testing.assert_allclose(b.log_normalisers, log_z, atol=1e-5)   # float32 similarities / tau
     assert b.version == stores["sharded"]
     for i in range(q.shape[0]):
