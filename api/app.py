@@ -83,6 +83,34 @@ class BodySizeLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+class UnhandledErrorMiddleware:
+    """An unhandled error, before any response byte, is logged and answered with the 500 JSON here.
+    Starlette's own last-resort handler re-raises after answering, and uvicorn then closes the
+    connection, so a keep-alive client's next request failed too."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - every error becomes the documented 500
+            if started:
+                raise
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await _error(500, "internal_error", f"internal error ({type(exc).__name__})")(scope, receive, send)
+
+
 def _validation_detail(errors: list[dict]) -> str:
     parts = []
     for e in errors:
@@ -196,6 +224,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so they count 413s and 429s
+    app.add_middleware(UnhandledErrorMiddleware)   # innermost: a route's unhandled error is a 500 on a kept connection
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     if settings.rate_limit_enabled:

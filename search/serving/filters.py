@@ -32,8 +32,8 @@ MAX_NODES = 256          # conditions per filter: bounds the work one request ca
 MAX_IN_VALUES = 4096
 #: the largest magnitude a filter number may have: the metadata columns are float64
 MAX_NUMBER = sys.float_info.max
-#: levels of JSON nesting a filter may have (objects and lists; `{"a": {"in": [1]}}` is 3): 31 nested
-#: and / or lists. Below every JSON parser's own limit on the routes (pydantic's is 200), so the same
+#: levels of JSON nesting a filter may have (objects and lists; `{"a": {"in": [1]}}` is 3): about 30
+#: nested and / or lists. Below every JSON parser's own limit on the routes (pydantic's is 200), so the same
 #: filter is answered the same on every route, and checked before decoding (400 beyond it)
 MAX_DEPTH = 64
 #: a JSON string (escapes included), removed before the brackets of a filter text are counted
@@ -85,7 +85,7 @@ def parse_filter(spec: Any, types: dict[str, str]) -> Filter:
         except RecursionError:   # not reached below MAX_DEPTH; kept so no parser limit ever becomes a 500
             raise FilterTooDeep() from None
         except ValueError as err:   # e.g. an integer literal longer than Python converts (4300 digits)
-            raise FilterError(f"filter is not JSON ({str(err)[:80]})") from None
+            raise FilterError(f"filter is not JSON this server reads ({str(err).split(':')[0][:80]})") from None
     elif _depth(spec) > MAX_DEPTH:
         raise FilterTooDeep()
     counter = [0]
@@ -130,7 +130,8 @@ def _name(name: str) -> str:
 def _show(value: Any, limit: int = 40) -> str:
     """`value` as short JSON for a message (a huge integer by its size, a long text cut)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10 ** 30:
-        return f"{'-' if value < 0 else ''}an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
     try:
         text = json.dumps(value)
     except (ValueError, TypeError, RecursionError):

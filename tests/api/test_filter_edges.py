@@ -186,3 +186,36 @@ def test_the_connection_stays_open_after_a_refused_filter(app, query):
             assert conn.sock is first and first is not None          # still the first socket
         finally:
             conn.close()
+
+
+def test_an_unhandled_error_is_a_500_that_keeps_the_connection(app, query, monkeypatch):
+    """Any error a route does not handle (here one made to happen in the filter parser) is answered with
+    the JSON 500 and the keep-alive connection stays usable (Starlette's last-resort handler re-raised,
+    and uvicorn closed the connection under the client)."""
+    import api.routes.search as search_routes
+
+    vector, item_id, png = query
+    real = search_routes.parse_filter
+
+    def broken(spec, types):
+        if spec == {"rating": 4}:
+            raise RuntimeError("a bug")
+        return real(spec, types)
+    monkeypatch.setattr(search_routes, "parse_filter", broken)
+    bad = _json_routes(vector, item_id, '{"rating": 4}')[0]
+    good = _json_routes(vector, item_id, '{"rating": 2}')[0]
+    with ServerThread(app) as server:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            conn.request("POST", bad[0], body=bad[1], headers=JSON)
+            r = conn.getresponse()
+            assert r.status == 500 and json.loads(r.read()) == {"error": "internal_error",
+                                                                "detail": "internal error (RuntimeError)"}
+            first = conn.sock
+            conn.request("POST", good[0], body=good[1], headers=JSON)
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            r.read()
+            assert conn.sock is first and first is not None
+        finally:
+            conn.close()
