@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from api.config import load_settings
+from api.config import Settings, load_settings
 from index.store import IndexStore
 
 
@@ -56,9 +56,11 @@ def test_bad_normaliser_setting_stops_start_up(capsys):
 def test_mapped_pages_setting_reaches_the_searcher(make_client, capsys):
     from api.server import build_parser, main
 
-    args = build_parser().parse_args(["--mapped-pages", "keep"])
-    assert load_settings(vars(args), environ={}).mapped_pages == "keep"
-    assert load_settings(vars(build_parser().parse_args([])), environ={}).mapped_pages == "auto"
+    def settings_flags(argv):   # the serve flags that are Settings (main() takes the --engine ones apart)
+        return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k in Settings.model_fields}
+
+    assert load_settings(settings_flags(["--mapped-pages", "keep"]), environ={}).mapped_pages == "keep"
+    assert load_settings(settings_flags([]), environ={}).mapped_pages == "auto"
     assert load_settings(environ={"SOFTSEARCH_MAPPED_PAGES": "release"}).mapped_pages == "release"
     with pytest.raises(SystemExit) as exc:
         main(["--mapped-pages", "sometimes"])
