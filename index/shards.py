@@ -13,7 +13,6 @@ log Z = logsumexp of the shards' log Z_s, top-k = the merge of each shard's top-
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -24,8 +23,8 @@ import faiss
 import numpy as np
 
 from index import faiss_index
-from index.manifest import IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, read_manifest, \
-    verify_files, write_manifest
+from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
+    read_manifest, verify_files, write_manifest
 from index.metadata import ITEM_METADATA, read_metadata
 
 logger = logging.getLogger(__name__)
@@ -84,9 +83,14 @@ class ShardedRows:
         if isinstance(key, slice):
             key = np.arange(*key.indices(self.shape[0]))
         rows = np.asarray(key, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < -self.shape[0] or rows.max() >= self.shape[0]):
+            raise IndexError(f"rows out of range for {self.shape[0]} rows")
+        rows = rows % max(self.shape[0], 1)
+        owner = np.searchsorted(self.offsets, rows, side="right") - 1
         out = np.empty((rows.size, self.shape[1]), dtype=np.float32)
-        for i, r in enumerate(rows.tolist()):
-            out[i] = self[r]
+        for s in np.unique(owner).tolist():   # one gather per shard
+            where = np.flatnonzero(owner == s)
+            out[where] = np.take(self.parts[s], rows[where] - int(self.offsets[s]), axis=0)
         return out
 
     def __array__(self, dtype=None, copy=None):
@@ -224,10 +228,8 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             os.rename(shard_staging, staging / name)
             timings[f"{name}_s"] = time.perf_counter() - t0
             shard_manifest = read_manifest(staging / name)
-            for fname, info in {**shard_manifest.files, "manifest.json": describe_files(staging / name,
-                                                                                        ["manifest.json"])[
-                                                                                            "manifest.json"]}.items():
-                files[f"{name}/{fname}"] = info
+            listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
+            files.update({f"{name}/{fname}": info for fname, info in listed.items()})
             entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
                             "params": shard_manifest.params, "recall": (shard_manifest.recall or {}).get("recall")})
         from index.store import IndexVersion
@@ -296,7 +298,3 @@ def remove_unserved(store, version: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
         fsync_dir(store.versions_dir)
 
-
-def shard_record(manifest: Manifest) -> list[dict]:
-    """The manifest's shard list, for `index list --json` and the API's version description."""
-    return json.loads(json.dumps(manifest.shards or []))
