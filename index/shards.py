@@ -126,6 +126,26 @@ class ShardedVersion:
     def list_stats(self):
         return None   # each shard has its own (search/serving/sharded.py reads them per shard)
 
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (Q, k'), global rows (Q, k')) of every shard's FAISS index at its tuned parameters, merged by
+        score (ties: lower row first), k' = min(k, N); -1 = none. What `IndexVersion.search` answers unsharded."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        scores, rows = [], []
+        for shard, off in zip(self.shards, self.offsets):
+            s, r = faiss_index.search(shard.index, q, min(k, len(shard.ids)))
+            scores.append(np.where(r >= 0, s, -np.inf))
+            rows.append(np.where(r >= 0, r + off, -1))
+        scores, rows = np.concatenate(scores, axis=1), np.concatenate(rows, axis=1)
+        order = np.lexsort((np.where(rows >= 0, rows, np.iinfo(np.int64).max), -scores), axis=1)[:, :min(k, len(self))]
+        scores, rows = np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+        return np.where(rows >= 0, scores, -np.inf).astype(np.float32), rows
+
+    def item_ids(self, rows) -> list:
+        """Caller ids for global rows (as `IndexVersion.item_ids`)."""
+        from index.store import IndexVersion
+
+        return IndexVersion.item_ids(self, rows)
+
     @classmethod
     def load(cls, path: str | os.PathLike, manifest: Manifest | None = None, verify: bool = True,
              gpu: bool | None = None) -> "ShardedVersion":
