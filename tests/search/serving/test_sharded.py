@@ -35,8 +35,7 @@ def stores(tmp_path_factory):
     root = base / "index"
     whole = build_index(ck, ds, root, BuildOptions(progress=False, metadata=user))
     sharded = reshard(root, 3)
-    return {"root": root, "whole": whole, "sharded": sharded, "ids": ids,
-            "s_whole": Searcher(root, load=False), "s_sharded": Searcher(root, load=False)}
+    return {"root": root, "whole": whole, "sharded": sharded, "ids": ids}
 
 
 def _loaded(stores, which, **kw):
