@@ -15,6 +15,7 @@ naming it: never probabilities renormalised over the shards that answered.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from index.shards import ShardedRows, ShardedVersion
+from index.shards import ShardedVersion
 from index.manifest import read_manifest, verify_files
 from index.store import EMBEDDINGS_FILE, IDS_FILE, IndexVersion
 from search.serving.normaliser import NormaliserConfig
@@ -100,17 +101,13 @@ def _light_version(path) -> ShardedVersion:
         raise ValueError(f"version {manifest.version} is not sharded: `serve --engine ray` serves sharded versions "
                          "(`softsearch index reshard --shards N`); serve it with `softsearch serve`")
     verify_files(path, manifest)
-    import json
-
     shards = []
     for entry in manifest.shards:
         d = path / entry["name"]
         emb = np.load(d / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
         ids = json.loads((d / IDS_FILE).read_text(encoding="utf-8"))
         shards.append(IndexVersion(d, read_manifest(d), None, ids, emb))
-    version = ShardedVersion(path, manifest, shards)
-    assert isinstance(version.embeddings, ShardedRows)
-    return version
+    return ShardedVersion(path, manifest, shards)
 
 
 def _call_off_loop(fn, *args):

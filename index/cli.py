@@ -396,7 +396,8 @@ def _list(store: IndexStore, as_json: bool) -> None:
             last = store.last_activation(v) or {}
             rows.append({"version": v, "current": v == current, "count": m.count, "kind": m.kind,
                          "created": m.created, "checkpoint": (m.checkpoint_record.get("sha256") or "")[:12],
-                         "recall": (m.recall or {}).get("recall"), **_figures(m),
+                         "recall": (m.recall or {}).get("recall"), "shards": len(m.shards) if m.shards else None,
+                         **_figures(m),
                          "forced": bool(last.get("forced")), "status": "ok"})
         except IndexCorruptError as err:
             rows.append({"version": v, "current": v == current, "status": f"corrupt: {err}"})

@@ -13,7 +13,6 @@ log Z = logsumexp of the shards' log Z_s, top-k = the merge of each shard's top-
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -24,8 +23,8 @@ import faiss
 import numpy as np
 
 from index import faiss_index, kinds
-from index.manifest import IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, read_manifest, \
-    verify_files, write_manifest
+from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
+    read_manifest, verify_files, write_manifest
 from index.metadata import ITEM_METADATA, read_metadata
 
 logger = logging.getLogger(__name__)
@@ -84,9 +83,14 @@ class ShardedRows:
         if isinstance(key, slice):
             key = np.arange(*key.indices(self.shape[0]))
         rows = np.asarray(key, dtype=np.int64).reshape(-1)
+        if rows.size and (rows.min() < -self.shape[0] or rows.max() >= self.shape[0]):
+            raise IndexError(f"rows out of range for {self.shape[0]} rows")
+        rows = rows % max(self.shape[0], 1)
+        owner = np.searchsorted(self.offsets, rows, side="right") - 1
         out = np.empty((rows.size, self.shape[1]), dtype=np.float32)
-        for i, r in enumerate(rows.tolist()):
-            out[i] = self[r]
+        for s in np.unique(owner).tolist():   # one gather per shard
+            where = np.flatnonzero(owner == s)
+            out[where] = np.take(self.parts[s], rows[where] - int(self.offsets[s]), axis=0)
         return out
 
     def __array__(self, dtype=None, copy=None):
@@ -121,6 +125,26 @@ class ShardedVersion:
 
     def list_stats(self):
         return None   # each shard has its own (search/serving/sharded.py reads them per shard)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (Q, k'), global rows (Q, k')) of every shard's FAISS index at its tuned parameters, merged by
+        score (ties: lower row first), k' = min(k, N); -1 = none. What `IndexVersion.search` answers unsharded."""
+        q = np.ascontiguousarray(queries, dtype=np.float32)
+        scores, rows = [], []
+        for shard, off in zip(self.shards, self.offsets):
+            s, r = faiss_index.search(shard.index, q, min(k, len(shard.ids)))
+            scores.append(np.where(r >= 0, s, -np.inf))
+            rows.append(np.where(r >= 0, r + off, -1))
+        scores, rows = np.concatenate(scores, axis=1), np.concatenate(rows, axis=1)
+        order = np.lexsort((np.where(rows >= 0, rows, np.iinfo(np.int64).max), -scores), axis=1)[:, :min(k, len(self))]
+        scores, rows = np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+        return np.where(rows >= 0, scores, -np.inf).astype(np.float32), rows
+
+    def item_ids(self, rows) -> list:
+        """Caller ids for global rows (as `IndexVersion.item_ids`)."""
+        from index.store import IndexVersion
+
+        return IndexVersion.item_ids(self, rows)
 
     @classmethod
     def load(cls, path: str | os.PathLike, manifest: Manifest | None = None, verify: bool = True,
@@ -224,10 +248,8 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             os.rename(shard_staging, staging / name)
             timings[f"{name}_s"] = time.perf_counter() - t0
             shard_manifest = read_manifest(staging / name)
-            for fname, info in {**shard_manifest.files, "manifest.json": describe_files(staging / name,
-                                                                                        ["manifest.json"])[
-                                                                                            "manifest.json"]}.items():
-                files[f"{name}/{fname}"] = info
+            listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
+            files.update({f"{name}/{fname}": info for fname, info in listed.items()})
             entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
                             "params": shard_manifest.params, "recall": (shard_manifest.recall or {}).get("recall")})
         from index.store import IndexVersion
@@ -296,7 +318,3 @@ def remove_unserved(store, version: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
         fsync_dir(store.versions_dir)
 
-
-def shard_record(manifest: Manifest) -> list[dict]:
-    """The manifest's shard list, for `index list --json` and the API's version description."""
-    return json.loads(json.dumps(manifest.shards or []))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from index.cli import main
-from index.shards import ShardedVersion, split_rows
+from index.shards import ShardedRows, ShardedVersion, split_rows
 from index.store import IndexStore
 from index.transfer import export_version, import_version
 
@@ -29,6 +29,21 @@ def test_split_rows_covers_every_row_once():
         split_rows(3, 0)
 
 
+def test_sharded_rows_read_like_the_concatenated_matrix():
+    rng = np.random.default_rng(0)
+    parts = [rng.normal(size=(n, 3)).astype(np.float32) for n in (10, 1, 7)]
+    whole, rows = np.concatenate(parts), ShardedRows(parts)
+    assert rows.shape == whole.shape and len(rows) == 18
+    for key in (0, 10, 11, 17, -1, slice(3, 15), slice(None, None, 4), np.array([17, 0, 10, 11, -2, 5])):
+        np.testing.assert_array_equal(rows[key], whole[key])
+    np.testing.assert_array_equal(np.asarray(rows), whole)
+    assert rows.locate(10) == (1, 0) and rows.locate(11) == (2, 0)
+    with pytest.raises(IndexError):
+        rows[18]
+    with pytest.raises(IndexError):
+        rows[np.array([3, 18])]
+
+
 def test_build_with_shards_writes_one_gated_version(tmp_path, tiny_checkpoint, capsys):
     root = tmp_path / "idx"
     assert main(_build(root, tiny_checkpoint, "--shards", "3")) == 0
@@ -46,6 +61,8 @@ def test_build_with_shards_writes_one_gated_version(tmp_path, tiny_checkpoint, c
         assert shard.index.ntotal == entry["count"]
     assert main(["verify", "--root", str(root)]) == 0
     assert f"{len(m.files)} files" in capsys.readouterr().out
+    assert main(["list", "--root", str(root), "--json"]) == 0
+    assert [v["shards"] for v in json.loads(capsys.readouterr().out)["versions"]] == [3]
 
 
 def test_reshard_keeps_rows_and_verify_catches_a_damaged_shard(tmp_path, tiny_checkpoint, capsys):
