@@ -152,9 +152,7 @@ def test_image_search_on_a_sharded_version_equals_unsharded(stores):
 
 def test_sharded_version_ann_search_and_duplicate_neighbours_equal_unsharded(stores):
     """ShardedVersion.search (each shard's FAISS index, merged by score) answers what the unsharded flat index
-    answers; the duplicate scan's nearest-other cosine, which uses it, agrees."""
-    from search.duplicates.job import nearest_other_cosine
-
+    answers."""
     store = IndexStore(stores["root"])
     whole, sharded = store.load(stores["whole"]), store.load(stores["sharded"])
     q = np.random.default_rng(4).normal(size=(6, 16)).astype(np.float32)
@@ -164,5 +162,3 @@ def test_sharded_version_ann_search_and_duplicate_neighbours_equal_unsharded(sto
     np.testing.assert_allclose(s_b, s_a, atol=1e-6)
     assert sharded.search(q[:1], 500)[1].shape == (1, 120)
     assert sharded.item_ids(r_b[0]) == whole.item_ids(r_a[0])
-    rows = np.arange(0, 120, 7)
-    np.testing.assert_allclose(nearest_other_cosine(sharded, rows), nearest_other_cosine(whole, rows), atol=1e-6)
