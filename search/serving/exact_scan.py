@@ -19,6 +19,9 @@ from index.paging import release_pages, releasable
 
 __all__ = ["SCAN_BLOCK", "ScanResult", "ExactScanner"]
 
+#: Query rows of the product at least (2-3 are padded with zero rows): measured on this project's
+#: 2-core machine at 10^5 x 512, 1 torch thread, one pass took ~51 ms of CPU for 2 queries, ~38 for 4.
+MIN_PRODUCT_ROWS = 4
 #: Embedding rows per score block: (Q, SCAN_BLOCK) float32 + float64 scores, ~3 MB at Q = 32.
 SCAN_BLOCK = 8192
 
@@ -56,9 +59,17 @@ class ExactScanner:
         """Exact log sum_j exp(q . e_j / tau_q) and the k rows of largest q . e_j, for each query.
 
         queries (Q, D) float32 (unit rows), temperatures (Q,) -> ScanResult (k clipped to N)."""
-        q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))        # (Q, D)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)                      # (Q, D)
+        n, n_q = self.count, queries.shape[0]
+        if 1 < n_q < MIN_PRODUCT_ROWS:   # torch's product for 2-3 query rows costs more than for 4
+            pad = np.zeros((MIN_PRODUCT_ROWS, queries.shape[1]), dtype=np.float32)
+            pad[:n_q] = queries
+            taus = np.ones(MIN_PRODUCT_ROWS)
+            taus[:n_q] = temperatures
+            full = self(pad, taus, k)
+            return ScanResult(full.log_z[:n_q], full.rows[:n_q])
+        q = torch.from_numpy(queries)
         inv_tau = (1.0 / np.asarray(temperatures, dtype=np.float64))[:, None]         # (Q, 1)
-        n, n_q = self.count, q.shape[0]
         k = min(int(k), n)
         inv32 = inv_tau.astype(np.float32)
         m = np.full(n_q, -np.inf, dtype=np.float32)   # running max of the similarities s
