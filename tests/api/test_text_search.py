@@ -56,8 +56,13 @@ def test_checkpoint_holds_both_towers(text_store):
     assert meta["lineage"]["objective"] == "clip-symmetric infonce"
     z = text.encode(TEXTS)
     np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
-    # an image-only reader still loads the image tower of the same file
-    assert set(enc.state_dict()) == {k for k in enc.state_dict() if not k.startswith("text.")}
+    # one file, both towers: the image reader takes the un-prefixed tensors, the text reader the text.* ones
+    from safetensors import safe_open
+
+    with safe_open(str(text_store["checkpoint"]), framework="pt") as fh:
+        keys = set(fh.keys())
+    assert {k for k in keys if not k.startswith("text.")} == set(enc.state_dict())
+    assert {k[len("text."):] for k in keys if k.startswith("text.")} == set(text.state_dict())
 
 
 def test_manifest_records_calibrated_text_temperature(text_store):
