@@ -601,7 +601,7 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     sources = sources + [_source_record(ds, res, source_index)]
     skipped = list(m.skipped or []) + _skipped_items(ds, res, source_index)
     fields = m.carried("checkpoint", "encoder", "dataset", "lineage", "search_temperature",
-                       "search_temperature_source", "world_size")
+                       "search_temperature_source", "world_size", "text")   # text: the calibrated text temperature
     fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
                                                 "skipped": len(_skipped_items(ds, res, source_index))})

@@ -130,7 +130,8 @@ def _folder_dataset(base: IndexVersion, data_root):
     return create_dataset(**spec)
 
 
-def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_temperature", "search_temperature_source")) -> dict:
+def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_temperature", "search_temperature_source",
+                                           "text")) -> dict:
     m = base.manifest
     if not m.has_encoder:   # built from vectors: no model to name; its source record carries over
         return {"checkpoint": None, **m.carried(*keys, "source", "added_sources")}
@@ -290,7 +291,7 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
     m = base_version.manifest
     counts = {"base": base_version.version, "deleted": deleted, "missing": len(missing), "count": len(ids_kept)}
     fields = _base_fields(base_version, keys=("encoder", "lineage", "search_temperature", "search_temperature_source",
-                                              "dataset", "sources", "world_size"))
+                                              "dataset", "sources", "world_size", "text"))
     fields.update(skipped=m.skipped or [], skipped_count=m.skipped_count or 0, parent=base_version.version,
                   deleted=counts)
     version, staging = write_version(store, embeddings, ids_kept, kind=base_version.kind,

@@ -56,8 +56,13 @@ def test_checkpoint_holds_both_towers(text_store):
     assert meta["lineage"]["objective"] == "clip-symmetric infonce"
     z = text.encode(TEXTS)
     np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
-    # an image-only reader still loads the image tower of the same file
-    assert set(enc.state_dict()) == {k for k in enc.state_dict() if not k.startswith("text.")}
+    # one file, both towers: the image reader takes the un-prefixed tensors, the text reader the text.* ones
+    from safetensors import safe_open
+
+    with safe_open(str(text_store["checkpoint"]), framework="pt") as fh:
+        keys = set(fh.keys())
+    assert {k for k in keys if not k.startswith("text.")} == set(enc.state_dict())
+    assert {k[len("text."):] for k in keys if k.startswith("text.")} == set(text.state_dict())
 
 
 def test_manifest_records_calibrated_text_temperature(text_store):
@@ -165,3 +170,20 @@ def test_page_text_box_shows_the_text_search(tmp_path, text_store):
             wait.until(lambda d: "type some words" in d.find_element(By.ID, "status").text)
         finally:
             driver.quit()
+
+
+def test_added_and_deleted_versions_keep_the_text_temperature(tmp_path, text_store):
+    import shutil
+
+    from index.build import add_items
+    from index.sync import delete_items
+
+    root = tmp_path / "index"
+    shutil.copytree(text_store["root"], root)
+    record = text_store["version"].manifest.extra["text"]
+    extra = create_dataset("synthetic", split="test", size=90, seed=0)   # 10 new items after the 80
+    added = add_items(root, extra, progress=False)
+    store = IndexStore(root)
+    assert store.load(added, verify=False, gpu=False).manifest.extra["text"] == record
+    gone, _ = delete_items(root, [store.load(added, verify=False, gpu=False).ids[0]])
+    assert store.load(gone, verify=False, gpu=False).manifest.extra["text"] == record
