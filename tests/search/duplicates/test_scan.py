@@ -187,13 +187,20 @@ def test_scan_of_real_stamps_finds_the_planted_copies_and_skips_bad_files():
     assert scan.share_items * len(sources) / (len(sources) - 2) == pytest.approx(true_share, abs=0.1)
 
 
+def _mirror_correlation(data: bytes) -> float:
+    g = np.asarray(Image.open(io.BytesIO(data)).convert("L").resize((32, 32)), np.float64)
+    return float(np.corrcoef(g.ravel(), g[:, ::-1].ravel())[0, 1])
+
+
 @pytest.mark.slow
 def test_mirrored_copies_count_only_with_flips():
-    originals = _generated(80, 21)
+    """Mirrored (and re-encoded) copies of pictures that do not look like their own mirror: found with --flips,
+    not without."""
+    originals = [d for d in _generated(120, 21) if _mirror_correlation(d) < 0.3][:60]
     sources, planted, _ = _plant(originals, 0.2, 22, edits=("jpeg",), flip=True)
     truth = _closure(len(sources), planted)
-    config = DedupConfig(calibration_items=150)
+    config = DedupConfig(calibration_items=120)
     plain = scan_collection(lambda r: sources[r], len(sources), config, progress=False)
     flips = scan_collection(lambda r: sources[r], len(sources), replace(config, flips=True), progress=False)
-    assert _pr(plain, truth)[1] <= 0.2
-    assert _pr(flips, truth)[1] >= 0.8
+    without, with_flips = _pr(plain, truth)[1], _pr(flips, truth)[1]
+    assert without <= 0.3 and with_flips >= 0.8 and with_flips - without >= 0.5    # measured: 0.17 without
