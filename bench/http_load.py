@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
-import math
-import random
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -25,18 +22,11 @@ import httpx
 import numpy as np
 import torch
 
-from _common import row, write_results
+from _common import closed_loop, percentile, row, write_results
 
 from api.launch import serve_process
 
 logger = logging.getLogger("bench.http_load")
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of a sorted list."""
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(len(sorted_values) - 1, max(0, math.ceil(q / 100 * len(sorted_values)) - 1))]
 
 
 def build_bench_index(workdir: Path, size: int) -> Path:
@@ -102,55 +92,9 @@ def multipart(payload: bytes, k: int = 10) -> bytes:
 
 
 def run_load(url: str, clients: int, duration: float, bodies: list[bytes], path: str = "/v1/search") -> dict:
-    """Closed loop: `clients` threads, each on its own keep-alive connection, POST a random pre-encoded
-    query and read the whole answer before sending the next. http.client with bodies built once costs
-    the client ~0.1 ms per request (httpx: ~1 ms), so on a 2-core machine the client takes little of
-    the CPU the servers compete for."""
-    import http.client
-    import threading
-
-    host, port = url.removeprefix("http://").split(":")
-    headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
-    lat: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    start = time.perf_counter()
-    stop_at = start + duration
-
-    def worker(seed: int) -> None:
-        nonlocal errors
-        rng = random.Random(seed)
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        mine, bad = [], 0
-        try:
-            while time.perf_counter() < stop_at:
-                body = bodies[rng.randrange(len(bodies))]
-                t0 = time.perf_counter()
-                try:
-                    conn.request("POST", path, body, headers)
-                    resp = conn.getresponse()
-                    resp.read()
-                    bad += resp.status != 200
-                except (OSError, http.client.HTTPException):
-                    bad += 1
-                    conn.close()
-                    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-                mine.append(time.perf_counter() - t0)
-        finally:
-            conn.close()
-        with lock:
-            lat.extend(mine)
-            errors += bad
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    ordered = sorted(lat)
-    return {"qps": len(lat) / elapsed, "n": len(lat), "errors": errors, "elapsed": elapsed, "latencies": lat,
-            "p50": percentile(ordered, 50) if lat else math.nan, "p99": percentile(ordered, 99) if lat else math.nan}
+    """The closed-loop load (bench/_common.py) of multipart image queries on `path`."""
+    return closed_loop(url, path, bodies, {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}, clients,
+                       duration)
 
 
 def batch_mean(url: str) -> float:

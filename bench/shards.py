@@ -14,7 +14,6 @@ and probabilities (to 1e-6) before it times anything.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import shutil
 import socket
@@ -26,14 +25,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from _common import row, write_results
+from _common import percentile, row, write_results
 
 from api.launch import serve_process
-
-
-def percentile(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
 
 
 def sequential(url: str, bodies: list[dict]) -> list[float]:

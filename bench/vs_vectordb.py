@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import sys
 import threading
@@ -41,18 +40,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import row, write_results  # noqa: E402
+from _common import closed_loop, percentile, row, write_results  # noqa: E402
 from _vectordb_data import flat_store  # noqa: E402
 
 logger = logging.getLogger("bench.vs_vectordb")
 SYSTEMS = ("softsearch-json", "softsearch-binary", "plain", "chroma")
 CHROMA_QUERY = "/api/v2/tenants/default_tenant/databases/default_database/collections/{}/query"
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))] if s else float("nan")
 
 
 def tree_rss_mib(pid: int) -> float:
@@ -90,46 +83,10 @@ def tree_cpu_s(pid: int) -> float:
     return total
 
 
-def closed_loop(url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float) -> dict:
-    """`clients` threads, each on its own keep-alive connection, POST a random body and read the answer."""
-    host, port = url.removeprefix("http://").split(":")
-    lat: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    stop_at = time.perf_counter() + duration
-
-    def worker(seed: int) -> None:
-        nonlocal errors
-        rng = random.Random(seed)
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        mine, bad = [], 0
-        while time.perf_counter() < stop_at:
-            body = bodies[rng.randrange(len(bodies))]
-            t0 = time.perf_counter()
-            try:
-                conn.request("POST", path, body, headers)
-                resp = conn.getresponse()
-                resp.read()
-                bad += resp.status != 200
-            except (OSError, http.client.HTTPException):
-                bad += 1
-                conn.close()
-                conn = http.client.HTTPConnection(host, int(port), timeout=120)
-            mine.append(time.perf_counter() - t0)
-        conn.close()
-        with lock:
-            lat.extend(mine)
-            errors += bad
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    return {"qps": len(lat) / elapsed, "p50": percentile(lat, 50) * 1e3, "p99": percentile(lat, 99) * 1e3,
-            "n": len(lat), "errors": errors}
+def load_ms(url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float) -> dict:
+    """The shared closed-loop load (bench/_common.py), p50 and p99 in ms."""
+    res = closed_loop(url, path, bodies, headers, clients, duration)
+    return {**res, "p50": res["p50"] * 1e3, "p99": res["p99"] * 1e3}
 
 
 def answers(url: str, path: str, bodies: list[bytes], headers: dict, threads: int = 4) -> list[dict]:
@@ -233,10 +190,10 @@ def measure(name: str, server, path: str, bodies: list[bytes], headers: dict, id
     load_before = os.getloadavg()[0]
     got = answers(server.url, path, bodies, headers)
     out = {"recall": recall([ids_of(a) for a in got], truth), "answers": got, "load_before": load_before}
-    closed_loop(server.url, path, bodies, headers, 4, min(2.0, duration))   # warm-up
+    load_ms(server.url, path, bodies, headers, 4, min(2.0, duration))   # warm-up
     for c in clients:
         cpu0 = tree_cpu_s(server.proc.pid)
-        res = closed_loop(server.url, path, bodies, headers, c, duration)
+        res = load_ms(server.url, path, bodies, headers, c, duration)
         res["cpu_ms"] = (tree_cpu_s(server.proc.pid) - cpu0) * 1e3 / max(res["n"], 1)
         out[c] = res
         logger.info("%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors", name, c, res["qps"], res["p50"],
