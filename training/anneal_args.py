@@ -23,7 +23,7 @@ class AnnealConfig:
     t0: float = 2.0
     schedules: tuple[str, ...] = SCHEDULE_NAMES
     record_every: int = 25
-    seed: int = 1000                # the noise generator's seed (1000: the runs in docs/results.md)
+    seed: int = 1000                # the noise generator's seed
 
 
 def build_parser() -> argparse.ArgumentParser:

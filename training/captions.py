@@ -18,7 +18,8 @@ to N e^{-1/(3 tau)}: the known-answer test for text queries.
 
 Captions people have (`read_captions`): a folder with `captions.jsonl` lines
 {"file": relative path, "text": caption} or a sidecar `NAME.txt` beside `NAME.png`; a sidecar's
-first line that is not a `lang.utf8=` translation is the caption (the Tux Paint stamps format).
+first line that is not a `lang.utf8=` translation is the caption (sidecars that carry translations
+of it, one `lang.utf8=text` line each, read the same way).
 """
 
 from __future__ import annotations
