@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -138,6 +138,7 @@ class SearchSnapshot:
     block: int = DEFAULT_BLOCK
     normaliser: Normaliser | None = None                       # None: exact
     runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
+    read_item_metadata: ClassVar = staticmethod(read_metadata)   # version directory -> its Metadata
     release_pages: bool = True                                  # exact scan: unmap the map's pages once read
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
@@ -257,7 +258,8 @@ class SearchSnapshot:
         """The version's per-item fields as row-aligned columns (read once, on first use)."""
         with self._lock:
             if "columns" not in self._cache:
-                self._cache["columns"] = MetadataColumns.build(read_metadata(self.index.path), self.index.ids)
+                self._cache["columns"] = MetadataColumns.build(self.read_item_metadata(self.index.path),
+                                                              self.index.ids)
             return self._cache["columns"]
 
     @property

@@ -16,11 +16,10 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import numpy as np
 
-from index.metadata import MetadataColumns
 from index.shards import ShardedVersion, version_metadata
 from search.serving.normaliser import LogZ
 from search.serving.queries import unit_queries
@@ -127,6 +126,7 @@ class ShardedSnapshot(SearchSnapshot):
 
     shards: tuple = ()
     names: tuple = ()
+    read_item_metadata: ClassVar = staticmethod(version_metadata)   # every shard's, merged in row order
 
     @property
     def dim(self) -> int:
@@ -169,14 +169,6 @@ class ShardedSnapshot(SearchSnapshot):
                 raise ShardUnavailable(name, f"it answered for version {part.version}, not {self.version}")
             parts.append(part)
         return merge_answers(parts, self.offsets, self.index.ids, k_eff, taus, self.version)
-
-    @property
-    def metadata_columns(self) -> MetadataColumns:
-        """The per-item fields of every shard as row-aligned columns over the whole version."""
-        with self._lock:
-            if "columns" not in self._cache:
-                self._cache["columns"] = MetadataColumns.build(version_metadata(self.index.path), self.index.ids)
-            return self._cache["columns"]
 
 
 def local_shards(version: ShardedVersion, make_snapshot: Callable) -> tuple[list[LocalShard], list[str]]:
