@@ -141,35 +141,27 @@ def test_version_without_text_tower_answers_409(tmp_path):
 @pytest.mark.slow
 def test_page_text_box_shows_the_text_search(tmp_path, text_store):
     """Type words in the page's text box (headless Chromium): the grid is the HTTP text search's answer."""
-    from test_web_page import CHROMEDRIVER, CHROMIUM, _chromium
+    from test_web_page import CHROMEDRIVER, CHROMIUM, page_on
 
     if CHROMIUM is None or CHROMEDRIVER is None:
         pytest.skip("headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
-    from api_helpers import ServerThread
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     ids_js = "return Array.from(document.querySelectorAll('#results .result')).map(c => c.dataset.id);"
     app = create_app(Settings(index_root=text_store["root"]))
-    with ServerThread(app) as server:
-        expected = SoftsearchClient(server.url).search_text(TEXTS[1], k=12)
-        driver = _chromium(tmp_path)
-        try:
-            driver.get(server.url + "/")
-            wait = WebDriverWait(driver, 60)
-            wait.until(lambda d: d.find_element(By.ID, "version").text.startswith("index "))
-            driver.find_element(By.ID, "text-query").send_keys(TEXTS[1])
-            driver.find_element(By.ID, "text-search").click()
-            wait.until(lambda d: d.execute_script(ids_js) == [h.id for h in expected.results])
-            meta = driver.find_element(By.ID, "result-meta").text
-            shown_tau = float(meta.split("tau ")[1].split()[0])
-            assert shown_tau == pytest.approx(expected.temperature, rel=5e-3)   # the calibrated text temperature
-            # an empty box says so instead of searching
-            driver.find_element(By.ID, "text-query").clear()
-            driver.find_element(By.ID, "text-search").click()
-            wait.until(lambda d: "type some words" in d.find_element(By.ID, "status").text)
-        finally:
-            driver.quit()
+    with page_on(app, tmp_path) as (driver, wait, url):
+        expected = SoftsearchClient(url).search_text(TEXTS[1], k=12)
+        wait.until(lambda d: d.find_element(By.ID, "version").text.startswith("index "))
+        driver.find_element(By.ID, "text-query").send_keys(TEXTS[1])
+        driver.find_element(By.ID, "text-search").click()
+        wait.until(lambda d: d.execute_script(ids_js) == [h.id for h in expected.results])
+        meta = driver.find_element(By.ID, "result-meta").text
+        shown_tau = float(meta.split("tau ")[1].split()[0])
+        assert shown_tau == pytest.approx(expected.temperature, rel=5e-3)   # the calibrated text temperature
+        # an empty box says so instead of searching
+        driver.find_element(By.ID, "text-query").clear()
+        driver.find_element(By.ID, "text-search").click()
+        wait.until(lambda d: "type some words" in d.find_element(By.ID, "status").text)
 
 
 def test_added_and_deleted_versions_keep_the_text_temperature(tmp_path, text_store):
