@@ -253,7 +253,7 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
             files.update({f"{name}/{fname}": info for fname, info in listed.items()})
             entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
-                            "params": shard_manifest.params, "recall": (shard_manifest.recall or {}).get("recall")})
+                            "params": shard_manifest.params, "recall": shard_manifest.recall.recall if shard_manifest.recall else None})
         from index.store import IndexVersion
 
         shard_versions = [IndexVersion.load(staging / e["name"], verify=False, gpu=False) for e in entries]

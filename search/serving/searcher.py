@@ -46,7 +46,6 @@ from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
 from search.serving.queries import unit_queries
 from search.serving.subset import subset_search
-from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
 from training.transforms import preprocess
 
@@ -322,6 +321,8 @@ class SearchSnapshot:
     def file_backed(self) -> bool:
         """The indexed items came from image files (decoded once into the image cache), so uploads
         should be decoded the same way (training.images.load_square) to meet their indexed twins."""
+        from training.datasets import dataset_is_file_backed   # the dataset registry: loaded on first use only
+
         return any(dataset_is_file_backed(spec) for spec in self.manifest.source_specs)
 
     def dataset_spec(self) -> dict | None:
@@ -484,7 +485,7 @@ class Searcher:
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
         if not version.manifest.has_encoder:   # built from vectors: nothing to load
             return None, None, old is not None and old.encoder is not None
-        sha = version.manifest.checkpoint_record.get("sha256")
+        sha = version.manifest.checkpoint_record.sha256
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
         encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store

@@ -68,7 +68,7 @@ def test_checkpoint_holds_both_towers(text_store):
 def test_manifest_records_calibrated_text_temperature(text_store):
     record = text_store["version"].manifest.extra["text"]
     assert record["exact"] is True and record["temperature"] > 0
-    assert record["model_sha256"] == text_store["version"].manifest.checkpoint_record["sha256"]
+    assert record["model_sha256"] == text_store["version"].manifest.checkpoint_record.sha256
     assert 0 < record["n_queries"] <= 500
 
 

@@ -53,7 +53,7 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     for field in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(sa, field), getattr(sb, field))
     assert a.manifest == b.manifest
-    sha = a.manifest.checkpoint["sha256"]
+    sha = a.manifest.checkpoint.sha256
     assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha
     x = items.tensors(np.arange(6))
     enc_a, _, _ = load_version_encoder(a)
