@@ -215,14 +215,17 @@ class InstanceGenerator(PositiveGenerator):
                    "approximation of q (log r = 0 on the source item, -inf elsewhere)")
 
     def __init__(self, crop_scale: tuple[float, float] = (0.5, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 flip_p: float = 0.5, translate: float = 0.1, brightness: float = 0.2, contrast: float = 0.2):
+                 flip_p: float = 0.5, translate: float = 0.1, brightness: float = 0.2, contrast: float = 0.2,
+                 saturation: float = 0.0, grey_p: float = 0.0, blur_p: float = 0.0, rotate: float = 0.0):
         self.aug = AugmentConfig(crop_scale=tuple(crop_scale), crop_ratio=tuple(crop_ratio), flip_p=flip_p,
-                                 translate=translate, brightness=brightness, contrast=contrast)
+                                 translate=translate, brightness=brightness, contrast=contrast,
+                                 saturation=saturation, grey_p=grey_p, blur_p=blur_p, rotate=rotate)
 
     def options(self) -> dict[str, Any]:
         a = self.aug
         return {"crop_scale": list(a.crop_scale), "crop_ratio": list(a.crop_ratio), "flip_p": a.flip_p,
-                "translate": a.translate, "brightness": a.brightness, "contrast": a.contrast}
+                "translate": a.translate, "brightness": a.brightness, "contrast": a.contrast,
+                "saturation": a.saturation, "grey_p": a.grey_p, "blur_p": a.blur_p, "rotate": a.rotate}
 
     def log_ratio(self, query_meta: np.ndarray, db_meta: np.ndarray) -> np.ndarray:
         q = np.asarray(query_meta).reshape(-1)
