@@ -414,3 +414,51 @@ def test_neighbour_positives_are_augmented_neighbours(rng):
     np.testing.assert_array_equal(clone.neighbour_table(ds), table)
     with pytest.raises(ValueError, match="k must be a positive integer"):
         create_generator("neighbour", k=0)
+
+
+class _CountingEncoder(torch.nn.Module):
+    """A fixed random projection of the pixels (train/eval mode and call count recorded)."""
+
+    def __init__(self, d_in, d_out=5, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(d_in, d_out, generator=g))
+        self.calls, self.modes = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.modes.append(self.training)
+        return x.flatten(1) @ self.w
+
+
+def test_encoder_neighbours_match_brute_force_and_refresh_when_due():
+    from training.neighbours import encoder_neighbours
+
+    ds = _LabelledArrayDataset(np.arange(60) % 3, seed=7)
+    every = ds.tensors(np.arange(len(ds)))
+    enc = _CountingEncoder(every[0].numel())
+    enc.train()
+    table = encoder_neighbours(enc, ds, k=4, batch_size=16)          # several batches
+    assert enc.training and enc.modes and not any(enc.modes)          # embedded in eval mode, mode restored
+    # independent reference: float64 cosine of the projections, self excluded, argsort
+    z = (every.flatten(1).double() @ enc.w.detach().double()).numpy()
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    sim = z @ z.T
+    np.fill_diagonal(sim, -np.inf)
+    np.testing.assert_array_equal(table, np.argsort(-sim, axis=1, kind="stable")[:, :4])
+
+    gen = create_generator("neighbour", k=4, space="encoder", refresh_every=10)
+    with pytest.raises(RuntimeError, match="refresh"):
+        gen.neighbour_table(ds)                                       # the encoder space needs the encoder
+    assert gen.refresh(enc, ds, 0)                                    # first call computes
+    np.testing.assert_array_equal(gen.neighbour_table(ds), table)
+    assert not gen.refresh(enc, ds, 5) and gen.refresh(enc, ds, 10)  # then only every 10 steps
+    once = create_generator("neighbour", k=4, space="encoder")        # refresh_every 0: the step-0 table only
+    assert once.refresh(enc, ds, 0) and not once.refresh(enc, ds, 100)
+    assert not create_generator("neighbour", k=4).refresh(enc, ds, 0)   # pixel space: nothing to refresh
+    # options round trip; the pixel default's options read as before
+    assert repr(create_generator("neighbour", **gen.options())) == repr(gen)
+    assert "space" not in create_generator("neighbour").options()
+    for bad in ({"space": "text"}, {"refresh_every": -1}):
+        with pytest.raises(ValueError):
+            create_generator("neighbour", **bad)
