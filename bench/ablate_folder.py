@@ -37,6 +37,7 @@ from _common import row, write_results  # noqa: E402
 CONFIG = REPO / "configs" / "folder.toml"
 OUT = REPO / "bench" / "results" / "ablate_folder"
 WORK = Path(os.environ.get("ABLATE_WORK", "/tmp/softsearch-ablate"))
+THREADS = int(os.environ.get("ABLATE_THREADS", "1"))   # one thread per run: run two workers side by side
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 
 # collection name -> (root of class folders, glob of a class folder's files, minimum class size)
@@ -72,6 +73,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                    "warmup_steps": 20}),
     "instance-800steps": ("flat", {"generator": "instance", "generator_options.k": None, "steps": 800,
                                    "warmup_steps": 80}),
+    "encnb": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
+                       "generator_options.refresh_every": 50}),
+    "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
+    "simclr": ("flat", {"generator": "instance", "generator_options.k": None,
+                        "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
+                        "generator_options.contrast": 0.4, "generator_options.saturation": 0.4,
+                        "generator_options.grey_p": 0.2, "generator_options.blur_p": 0.3,
+                        "generator_options.rotate": 10.0}),
+    "encnb-simclr": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
+                              "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.3, 1.0],
+                              "generator_options.brightness": 0.4, "generator_options.contrast": 0.4,
+                              "generator_options.saturation": 0.4, "generator_options.grey_p": 0.2,
+                              "generator_options.blur_p": 0.3, "generator_options.rotate": 10.0}),
     "label": ("classes", {"generator": "auto"}),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
 }
@@ -164,7 +178,7 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False) ->
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"
     data.update(data_root=str(classes if layout == "classes" else flat), out_dir=str(run_dir), seed=seed,
-                progress=False, cache_dir=str(cache_dir))
+                progress=False, cache_dir=str(cache_dir), torch_threads=THREADS)
     cfg = config_from_dict(data)
     t0, c0 = time.perf_counter(), time.process_time()
     train(cfg)
