@@ -26,6 +26,7 @@ from index import faiss_index, kinds
 from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
     read_manifest, verify_files, write_manifest
 from index.metadata import ITEM_METADATA, read_metadata
+from index.options import CommitOptions
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +208,8 @@ def _merged_recall(parent, shard_versions: list, offsets: list[int], target: flo
     sims, found = np.concatenate(sims, axis=1), np.concatenate(found, axis=1)
     order = np.argsort(-sims, axis=1, kind="stable")[:, :k + 1]
     merged = np.take_along_axis(found, order, axis=1)
-    merged = faiss_index._drop_rows(merged, rows, k)
-    exact = faiss_index._drop_rows(exact, rows, k)
+    merged = faiss_index.drop_rows(merged, rows, k)
+    exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(merged, exact, k)
     return {"k": k, "recall": float(recall), "exact": False, "target": target, "sample": int(len(rows)),
             "queries": "stored rows, own row excluded; the shards' top-k merged"}
@@ -219,7 +220,8 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     """Split the loaded version `parent` (an IndexVersion) into `shards` contiguous shards and write one sharded
     version into staging: each shard built and tuned by `index.build.write_version` with the parent's kind (or
     `kind`), its metadata restricted to its items. Returns (version, staging dir); nothing is in versions/ yet."""
-    from index.build import discard_staging, write_version
+    from index.build import write_version
+    from index.commit import discard_staging
     from index.store import new_version_name
 
     t_start = time.perf_counter()
@@ -272,16 +274,18 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     return version, staging
 
 
-def reshard(root, shards: int, *, source: str | None = None, evaluator=None, margin: float = 0.0,
-            force: bool = False, activate: bool = True, keep: int | None = None,
-            target_recall: float = 0.95, path: str = "index reshard") -> str:
+def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptions | None = None,
+            path: str = "index reshard") -> str:
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
     merged FAISS search (`_merged_recall`)."""
-    from index.build import _gate_and_activate
+    from index.commit import Staged
+    from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion
 
+    commit = commit or CommitOptions(margin=0.0)
+    commit.check()
     store = IndexStore(root)
     source = source or store.current_version()
     if source is None:
@@ -289,12 +293,11 @@ def reshard(root, shards: int, *, source: str | None = None, evaluator=None, mar
     parent = store.load(source, verify=True, gpu=False)
     if isinstance(parent, ShardedVersion):
         parent = _flat_view(parent)
-    version, staging = write_sharded(store, parent, shards, target_recall=target_recall)
+    version, staging = write_sharded(store, parent, shards, target_recall=commit.target_recall)
     manifest = read_manifest(staging)
     # the gate runs on the source's rows under the sharded manifest (same items, rows and temperature)
     candidate = IndexVersion(staging, manifest, parent.index, parent.ids, parent.embeddings)
-    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                              activate=activate, keep=keep, path=path, candidate=candidate)
+    return commit_staged(store, Staged(version, staging, candidate), commit, path=path)
 
 
 def _flat_view(sharded: ShardedVersion):

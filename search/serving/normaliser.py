@@ -61,7 +61,7 @@ from typing import Callable, Literal
 import numpy as np
 
 from index.list_stats import ListStats
-from index.paging import _release_bytes, advise_random, release_pages, releasable
+from index.paging import release_bytes, advise_random, release_pages, releasable
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
     for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(rows)]):
         np.take(view, rows[a:b], axis=0, out=out[a:b])
         lo = origin + int(stretch[a]) * span
-        _release_bytes(embeddings, lo, lo + span)
+        release_bytes(embeddings, lo, lo + span)
     return out
 
 
