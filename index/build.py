@@ -390,7 +390,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: Buil
         raise ValueError(f"no readable items to index ({len(skipped)} skipped)")
     temperature, temp_source = training_temperature(info)
     manifest_fields = {
-        "checkpoint": _checkpoint_field(store, checkpoint, ckpt_sha, info),
+        "checkpoint": checkpoint_field(store, checkpoint, ckpt_sha, info),
         "encoder": info.get("encoder"),
         "dataset": {"spec": sources[0]["spec"], "fingerprint": sources[0]["fingerprint"]},
         "sources": sources,
@@ -416,7 +416,7 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: Buil
     return version
 
 
-def _checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) -> dict:
+def checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) -> dict:
     """The manifest's encoder reference: the model's sha256 and place in the store; `path` is provenance
     only (None for a file inside the store, e.g. a pretrained model saved for this build)."""
     path = Path(checkpoint).resolve()

@@ -185,7 +185,7 @@ def version_metadata(path):
     return merged
 
 
-def _merged_recall(parent, shard_versions: list, offsets: list[int], target: float) -> dict:
+def merged_recall(parent, shard_versions: list, offsets: list[int], target: float) -> dict:
     """recall@10 of the shards' FAISS indexes at their tuned parameters, their top-k merged, against exact
     search over all rows, on stored rows as queries (each query's own row excluded): the activation rule's
     recall check for a sharded version."""
@@ -257,7 +257,7 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
         from index.store import IndexVersion
 
         shard_versions = [IndexVersion.load(staging / e["name"], verify=False, gpu=False) for e in entries]
-        recall = _merged_recall(parent, shard_versions, [e["offset"] for e in entries], target_recall)
+        recall = merged_recall(parent, shard_versions, [e["offset"] for e in entries], target_recall)
         shard_versions = []
         timings["total_s"] = time.perf_counter() - t_start
         manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=base,
@@ -279,7 +279,7 @@ def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptio
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
-    merged FAISS search (`_merged_recall`)."""
+    merged FAISS search (`merged_recall`)."""
     from index.commit import Staged
     from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion
@@ -292,7 +292,7 @@ def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptio
         raise FileNotFoundError(f"no current index version under {root} to reshard; build one first")
     parent = store.load(source, verify=True, gpu=False)
     if isinstance(parent, ShardedVersion):
-        parent = _flat_view(parent)
+        parent = flat_view(parent)
     version, staging = write_sharded(store, parent, shards, target_recall=commit.target_recall)
     manifest = read_manifest(staging)
     # the gate runs on the source's rows under the sharded manifest (same items, rows and temperature)
@@ -300,7 +300,7 @@ def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptio
     return commit_staged(store, Staged(version, staging, candidate), commit, path=path)
 
 
-def _flat_view(sharded: ShardedVersion):
+def flat_view(sharded: ShardedVersion):
     """A sharded version read as one unsharded IndexVersion (rows concatenated, one flat FAISS index over
     them): the source when an already sharded version is resharded."""
     from index.store import IndexVersion

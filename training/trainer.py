@@ -459,6 +459,9 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
     if start >= stop:
         logger.info("%s is already at step %d (>= %d); nothing to do", out, start, stop)
         return out / CHECKPOINT_NAME
+    refresh = getattr(run.generator, "refresh", None)   # encoder-space neighbours follow the encoder
+    if refresh is not None:
+        refresh(run.encoder, run.dataset, start)
     prefetch = _Prefetcher(views, config.num_workers, stop)
     train_params = [p for group in run.optimizer.param_groups for p in group["params"]]
     encoder_params = [p for p in run.encoder.parameters() if p.requires_grad]
@@ -470,6 +473,8 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
     try:
         for step in bar:
             t0 = time.perf_counter()
+            if refresh is not None and step > start:
+                refresh(run.encoder, run.dataset, step)   # views already prefetched keep the old table
             view_a, view_b = prefetch.get(step)
             view_a = view_a.to(info.device, non_blocking=True)
             view_b = view_b.to(info.device, non_blocking=True)
