@@ -72,7 +72,7 @@ def parse_params(items: list[str]) -> dict:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="softsearch index", description="Build and manage versioned search indexes.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_
     search-temperature calibration (see index.build), both injected by the caller, as are
     `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report),
     and `notifier` (api.notify.notify_server) for --notify."""
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:   # argparse already printed usage / the error

@@ -143,7 +143,7 @@ def write_manifest(directory: str | os.PathLike, manifest: "Manifest | dict") ->
 def manifest_text(manifest: "Manifest | dict") -> str:
     """The bytes `write_manifest` writes, as text."""
     data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
-    return json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n"
+    return json.dumps(data, indent=2, sort_keys=False, default=json_default) + "\n"
 
 
 def updated_bytes(directory: str | os.PathLike, **fields) -> int:
@@ -151,7 +151,7 @@ def updated_bytes(directory: str | os.PathLike, **fields) -> int:
     return on_disk(len(manifest_text(read_manifest(directory).updated(**fields)).encode("utf-8")))
 
 
-def _json_default(obj):
+def json_default(obj):
     # numpy scalars and paths end up in timings / params; store them as plain JSON.
     if hasattr(obj, "item"):
         return obj.item()

@@ -224,8 +224,8 @@ def _read_headers(tar: tarfile.TarFile, index: dict) -> dict[str, tarfile.TarInf
         members[name] = member
 
 
-def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
-             needed: int | None = None) -> None:
+def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
+                   needed: int | None = None) -> None:
     """Stream one member to `target`, counting and hashing as it goes; ValueError at the first byte past
     its stated size or on a checksum mismatch, DiskFull (naming `needed`, the import's bytes) when the disk
     fills."""
@@ -326,7 +326,7 @@ def import_version(root, archive, *, commit: CommitOptions | None = None,
                     raise DiskFull(work / name, needed)
                 remaining -= on_disk(index["files"][name]["bytes"])
                 try:
-                    _extract(tar, members[name], index["files"][name], work / name, needed)
+                    extract_member(tar, members[name], index["files"][name], work / name, needed)
                 except (tarfile.TarError, EOFError, zlib.error) as err:
                     raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
                 if name == manifest_name:

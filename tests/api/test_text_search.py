@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.cli import _calibrate_version
+from api.cli import gate_calibrator
 from api.cli import main as cli_main
 from api.client import SoftsearchClient, SoftsearchError
 from api.config import Settings
@@ -38,7 +38,7 @@ def text_store(tmp_path_factory):
     ck = train(config)
     ds = create_dataset("synthetic", split="test", size=80, seed=0)
     root = base / "index"
-    build_index(ck, ds, root, BuildOptions(progress=False, calibrator=_calibrate_version))
+    build_index(ck, ds, root, BuildOptions(progress=False, calibrator=gate_calibrator))
     version = IndexStore(root).load(verify=False, gpu=False)
     return {"root": root, "checkpoint": ck, "version": version, "base": base}
 

@@ -11,7 +11,7 @@ from index_refs import unit_vectors
 
 from index.build import BuildOptions, add_items, build_index, write_version
 from index.gate import activation_checks, score_check
-from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, _json_default, create_manifest,
+from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, json_default, create_manifest,
                             read_manifest, read_manifest_json, update_manifest, write_manifest)
 from index.options import EmbedOptions
 from index.store import IndexStore
@@ -21,7 +21,7 @@ SPEC = {"name": "synthetic", "size": 64, "image_size": 32, "seed": 0, "split": "
 
 def _serialised(manifest: Manifest) -> bytes:
     """What write_manifest stores for `manifest` (the same dumps call)."""
-    return (json.dumps(manifest.to_json(), indent=2, sort_keys=False, default=_json_default) + "\n").encode()
+    return (json.dumps(manifest.to_json(), indent=2, sort_keys=False, default=json_default) + "\n").encode()
 
 
 def _today(**fields) -> dict:
