@@ -279,7 +279,8 @@ def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptio
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
-    merged FAISS search (`merged_recall`)."""
+    merged FAISS search (`merged_recall`). `commit` None: `CommitOptions(margin=0.0)` (the same rows scored
+    twice: no noise to tolerate)."""
     from index.commit import Staged
     from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion
