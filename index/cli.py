@@ -149,6 +149,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--shards", type=int, default=None, metavar="N",
                     help="split the items into N shards, each with its own FAISS index, embeddings and metadata, "
                          "in one version (served by fanning out: `serve`, or `serve --engine ray`)")
+    sp.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="ray: with --shards N, each shard embedded (Ray Data over an actor pool) and built as a Ray "
+                         "task on a Ray cluster (extra [ray]; every node reads the store at the same path)")
+    sp.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --engine ray: the cluster to join (e.g. auto, HEAD:6379; default: start a local Ray)")
+    sp.add_argument("--ray-actors", type=int, default=1, metavar="N",
+                    help="with --engine ray: embedding actors per shard (default 1)")
+    sp.add_argument("--ray-actor-cpus", type=float, default=1.0, metavar="C",
+                    help="with --engine ray: CPUs each embedding actor reserves (default 1)")
 
     sp = sub.add_parser("rebuild", help="re-embed the current version's corpus with a new checkpoint")
     common(sp); notify(sp); embedding(sp); kind(sp, None)
@@ -323,6 +332,32 @@ def _build_from_vectors(args, opts: dict) -> str:
                               **{k: opts[k] for k in keys})
 
 
+def _build_on_ray(args, store: IndexStore, opts: dict, t0: float) -> int:
+    """`index build --engine ray --shards N` (index/ray_build.py)."""
+    if not args.shards:
+        raise ValueError("--engine ray builds a sharded version: give --shards N")
+    if args.embeddings is not None or not args.dataset:
+        raise ValueError("--engine ray embeds a dataset: give --dataset NAME with --checkpoint or --encoder "
+                         "(for your own vectors use --embeddings without --engine ray)")
+    if args.ids is not None:
+        raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
+    try:
+        import ray  # noqa: F401
+        import ray.data  # noqa: F401
+    except ImportError as err:   # Ray, or Ray Data's pandas / pyarrow: the ray extra installs them
+        raise ModuleNotFoundError(f"Ray Data is not installed ({err})", name="ray") from None
+    from index.build import BuildOptions
+    from index.ray_build import build_on_ray
+
+    with _build_checkpoint(args, store) as checkpoint:
+        version = build_on_ray(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
+                               args.shards, BuildOptions(kind=args.kind, **opts), address=args.ray_address,
+                               actors=args.ray_actors, actor_cpus=args.ray_actor_cpus)
+    print(_summary("build", store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {args.shards} shards built on Ray")
+    return _notify(args, version) if not args.no_activate else 0
+
+
 def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
     """`index add --embeddings FILE [--ids FILE] [--metadata FILE]` onto a version built from vectors."""
     from index.build import add_vectors
@@ -472,6 +507,8 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
                     calibrator=calibrator, fields=fields,
                     memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
+        if getattr(args, "engine", "local") == "ray":
+            return _build_on_ray(args, store, opts, t0)
         if shards:   # built whole first (not activated), then split into the one version that is gated
             opts.update(activate=False, keep=None)
         if args.command == "build" and args.embeddings is not None:
