@@ -319,6 +319,10 @@ def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evalua
         if candidate is None:
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
         serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
+        if serving is not None and serving.index is None:   # a sharded version: scored as its rows, one flat index
+            from index.shards import _flat_view
+
+            serving = _flat_view(serving)
         record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
         # an import's version arrived whole: on a full disk here nothing of it is committed (a build's
         # staged files are removed as after any failed write: the default message)

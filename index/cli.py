@@ -332,6 +332,45 @@ def _build_from_vectors(args, opts: dict) -> str:
                               **{k: opts[k] for k in keys})
 
 
+def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, on_new_items, t0: float) -> int:
+    """`index add | sync | delete` on a sharded version: the change applied to an unsharded copy of it (never
+    activated), the result resharded into as many shards, gated against what serves and activated; both
+    intermediates removed. Rows are split contiguously again, so items may move between shards; the version
+    answers what the unsharded one would, probabilities exact (search/serving/sharded.py)."""
+    import argparse
+    import contextlib
+    import io
+
+    from index.shards import remove_unserved, reshard, unshard
+
+    shards = len(store.manifest(base).shards)
+    before = set(store.versions())
+    whole = unshard(store, base, target_recall=args.target_recall)
+    changed = None
+    try:
+        inner = argparse.Namespace(**{**vars(args), "base": whole, "no_activate": True, "keep": None, "notify": None})
+        with contextlib.redirect_stdout(io.StringIO()):
+            _run(inner, None, calibrator)   # the quality gate runs once, on the resharded result
+        made = [v for v in store.versions() if v not in before and v != whole]
+        if not made:   # sync: the folder is in step with the base
+            print(f"index sync: {base} is already in step with its folder (nothing to re-embed)")
+            return 0
+        changed = made[-1]
+        version = reshard(args.root, shards, source=changed, evaluator=evaluator, margin=args.margin,
+                          force=args.force, activate=not args.no_activate, keep=args.keep,
+                          target_recall=args.target_recall, path=f"index {args.command}")
+    finally:
+        for v in (whole, changed):
+            if v is not None:
+                remove_unserved(store, v)
+    m = store.manifest(version)
+    print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {shards} shards ({m.count} items; {store.manifest(base).count} in {base})")
+    if on_new_items is not None and args.command in ("add", "sync"):
+        on_new_items(args.root, base, version)
+    return 0 if args.no_activate else _notify(args, version)
+
+
 def _build_on_ray(args, store: IndexStore, opts: dict, t0: float) -> int:
     """`index build --engine ray --shards N` (index/ray_build.py)."""
     if not args.shards:
@@ -483,9 +522,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command in ("add", "sync", "delete"):
         base = args.base or store.current_version()
         if base and store.manifest(base).shards:
-            raise ValueError(f"index {args.command} does not support the sharded version {base} yet: {args.command} "
-                             f"the unsharded version it came from ({store.manifest(base).parent}), then "
-                             f"`index reshard --shards {len(store.manifest(base).shards)}`")
+            return _change_sharded(args, store, base, evaluator, calibrator, on_new_items, t0)
     if args.command == "reshard":
         from index.shards import reshard
 
