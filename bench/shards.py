@@ -88,7 +88,7 @@ def ray_build(tmp: Path, size: int, shards: int, batch: int) -> list[dict]:
 
     torch.manual_seed(0)
     ckpt = tmp / "encoder.safetensors"
-    save_checkpoint(ckpt, create_encoder(EncoderConfig()), step=0)
+    save_checkpoint(ckpt, create_encoder(EncoderConfig()), step=0, train_config={}, lineage={})
     ds = create_dataset("synthetic", split="train", size=size)
     opts = BuildOptions(progress=False, batch_size=batch)
     t0 = time.perf_counter()
