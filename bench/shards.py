@@ -45,7 +45,7 @@ def sequential(url: str, bodies: list[dict]) -> list[float]:
 
 def make_store(workdir: Path, size: int, dim: int) -> Path:
     """A flat version built from `size` random unit vectors (no encoder: vector queries only)."""
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
 
     vectors = np.random.default_rng(0).normal(size=(size, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -53,7 +53,7 @@ def make_store(workdir: Path, size: int, dim: int) -> Path:
     path = workdir / "vectors.npy"
     np.save(path, vectors)
     root = workdir / "whole"
-    build_from_vectors(path, root, progress=False)
+    build_from_vectors(path, root, BuildOptions(progress=False))
     return root
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -318,7 +319,7 @@ def _build_checkpoint(args, store: IndexStore):
         checkpoint.unlink(missing_ok=True)
 
 
-def _build_from_vectors(args, opts: dict) -> str:
+def _build_from_vectors(args, options) -> str:
     """`index build --embeddings FILE [--ids FILE] [--metadata FILE]`: a version without an encoder."""
     from index.build import build_from_vectors
 
@@ -326,10 +327,7 @@ def _build_from_vectors(args, opts: dict) -> str:
                                       ("--encoder", args.encoder), ("--pretrained", args.pretrained)) if value]
     if given:
         raise ValueError(f"--embeddings indexes your own vectors; drop {', '.join(given)} (no images are embedded)")
-    keys = ("params", "evaluator", "margin", "force", "activate", "keep", "memory_budget", "target_recall",
-            "fields", "progress", "metadata")
-    return build_from_vectors(args.embeddings, args.root, kind=args.kind, ids=args.ids,
-                              **{k: opts[k] for k in keys})
+    return build_from_vectors(args.embeddings, args.root, dataclasses.replace(options, calibrator=None), ids=args.ids)
 
 
 def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, on_new_items, t0: float) -> int:
@@ -356,9 +354,8 @@ def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, o
             print(f"index sync: {base} is already in step with its folder (nothing to re-embed)")
             return 0
         changed = made[-1]
-        version = reshard(args.root, shards, source=changed, evaluator=evaluator, margin=args.margin,
-                          force=args.force, activate=not args.no_activate, keep=args.keep,
-                          target_recall=args.target_recall, path=f"index {args.command}")
+        version = reshard(args.root, shards, source=changed, commit=_commit_options(args, evaluator),
+                          path=f"index {args.command}")
     finally:
         for v in (whole, changed):
             if v is not None:
@@ -371,7 +368,7 @@ def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, o
     return 0 if args.no_activate else _notify(args, version)
 
 
-def _build_on_ray(args, store: IndexStore, opts: dict, t0: float) -> int:
+def _build_on_ray(args, store: IndexStore, options, t0: float) -> int:
     """`index build --engine ray --shards N` (index/ray_build.py)."""
     if not args.shards:
         raise ValueError("--engine ray builds a sharded version: give --shards N")
@@ -385,12 +382,11 @@ def _build_on_ray(args, store: IndexStore, opts: dict, t0: float) -> int:
         import ray.data  # noqa: F401
     except ImportError as err:   # Ray, or Ray Data's pandas / pyarrow: the ray extra installs them
         raise ModuleNotFoundError(f"Ray Data is not installed ({err})", name="ray") from None
-    from index.build import BuildOptions
     from index.ray_build import build_on_ray
 
     with _build_checkpoint(args, store) as checkpoint:
         version = build_on_ray(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
-                               args.shards, BuildOptions(kind=args.kind, **opts), address=args.ray_address,
+                               args.shards, options, address=args.ray_address,
                                actors=args.ray_actors, actor_cpus=args.ray_actor_cpus)
     print(_summary("build", store, version, time.perf_counter() - t0, not args.no_activate)
           + f", {args.shards} shards built on Ray")
@@ -405,19 +401,26 @@ def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
                                       ("--checkpoint", args.checkpoint)) if value]
     if given:
         raise ValueError(f"--embeddings adds your own vectors; drop {', '.join(given)} (no images are embedded)")
-    version = add_vectors(args.root, args.embeddings, ids=args.ids, base=args.base, evaluator=evaluator,
-                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
-                          target_recall=args.target_recall, progress=not args.no_progress,
-                          metadata=_user_metadata(args))
+    version = add_vectors(args.root, args.embeddings, ids=args.ids, base=args.base, metadata=_user_metadata(args),
+                          progress=not args.no_progress, commit=_commit_options(args, evaluator))
     print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
     return 0 if args.no_activate else _notify(args, version)
 
 
-def _embed_opts(args) -> dict:
-    return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
-                device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
-                margin=args.margin, activate=not args.no_activate, progress=not args.no_progress,
-                metadata=_user_metadata(args))
+def _embed_options(args):
+    """The embedding knobs of build, rebuild, add and sync."""
+    from index.options import EmbedOptions
+
+    return EmbedOptions(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
+                        device=args.device, progress=not args.no_progress)
+
+
+def _commit_options(args, evaluator, calibrator=None):
+    """The commit knobs (tuning target, quality gate, activation, pruning) of every command that makes a version."""
+    from index.options import CommitOptions
+
+    return CommitOptions(target_recall=args.target_recall, evaluator=evaluator, calibrator=calibrator,
+                         margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep)
 
 
 def _user_metadata(args):
@@ -526,9 +529,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command == "reshard":
         from index.shards import reshard
 
-        version = reshard(args.root, args.shards, source=args.version, evaluator=evaluator,
-                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
-                          target_recall=args.target_recall)
+        version = reshard(args.root, args.shards, source=args.version, commit=_commit_options(args, evaluator))
         print(_summary("reshard", store, version, time.perf_counter() - t0, not args.no_activate)
               + f", {args.shards} shards")
         return _notify(args, version) if not args.no_activate else 0
@@ -541,15 +542,18 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
             if args.search_temperature <= 0:
                 raise ValueError(f"--search-temperature must be positive, got {args.search_temperature}")
             fields = {"search_temperature": args.search_temperature, "search_temperature_source": "command line"}
-        opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
-                    calibrator=calibrator, fields=fields,
-                    memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
+        commit = _commit_options(args, evaluator, calibrator)
         if getattr(args, "engine", "local") == "ray":
-            return _build_on_ray(args, store, opts, t0)
+            return _build_on_ray(args, store, BuildOptions.combine(
+                _embed_options(args), commit, kind=args.kind, params=parse_params(args.param), fields=fields,
+                metadata=_user_metadata(args)), t0)
         if shards:   # built whole first (not activated), then split into the one version that is gated
-            opts.update(activate=False, keep=None)
+            commit = dataclasses.replace(commit, activate=False, keep=None)
+        options = BuildOptions.combine(_embed_options(args), commit, kind=args.kind, params=parse_params(args.param),
+                                       fields=fields, metadata=_user_metadata(args),
+                                       memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
         if args.command == "build" and args.embeddings is not None:
-            version = _build_from_vectors(args, opts)
+            version = _build_from_vectors(args, options)
         elif args.command == "build":
             if args.ids is not None:
                 raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
@@ -558,16 +562,15 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                                  "--embeddings FILE (your own vectors)")
             with _build_checkpoint(args, store) as checkpoint:
                 version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
-                                      BuildOptions(kind=args.kind, **opts))
+                                      options)
         else:
-            version = rebuild_index(args.root, args.checkpoint, BuildOptions(kind=args.kind, **opts))
+            version = rebuild_index(args.root, args.checkpoint, options)
         if shards and rank == 0:
             from index.shards import remove_unserved, reshard
 
             whole = version
-            version = reshard(args.root, shards, source=whole, evaluator=evaluator, margin=args.margin,
-                              force=args.force, activate=not args.no_activate, keep=args.keep,
-                              target_recall=args.target_recall, path="index build")
+            version = reshard(args.root, shards, source=whole, commit=_commit_options(args, evaluator),
+                              path="index build")
             remove_unserved(store, whole)
         if rank == 0:
             print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
@@ -585,14 +588,15 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         image_size = (base.encoder or {}).get("image_size")
         base_version = args.base or store.current_version()
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
-                            base=args.base, evaluator=evaluator, **_embed_opts(args))
+                            base=args.base, metadata=_user_metadata(args), embed=_embed_options(args),
+                            commit=_commit_options(args, evaluator))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
         if on_new_items is not None:
             on_new_items(args.root, base_version, version)
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "sync":
-        version, counts = sync_index(args.root, args.data_root, base=args.base, evaluator=evaluator,
-                                     calibrator=calibrator, **_embed_opts(args))
+        version, counts = sync_index(args.root, args.data_root, base=args.base, metadata=_user_metadata(args),
+                                     embed=_embed_options(args), commit=_commit_options(args, evaluator, calibrator))
         if version == counts["base"]:
             print(f"index sync: {version} is already in step with {counts['data_root']} "
                   f"({counts['unchanged']} unchanged, {counts['touched']} touched, nothing to re-embed)")
@@ -605,9 +609,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "delete":
         version, counts = delete_items(args.root, read_ids_file(args.ids_file), base=args.base,
-                                       ignore_missing=args.ignore_missing, evaluator=evaluator, margin=args.margin,
-                                       force=args.force, activate=not args.no_activate, keep=args.keep,
-                                       target_recall=args.target_recall)
+                                       ignore_missing=args.ignore_missing, commit=_commit_options(args, evaluator))
         print(_summary("delete", store, version, time.perf_counter() - t0, not args.no_activate)
               + f"; {counts['deleted']} deleted" + (f", {counts['missing']} ids not found" if counts["missing"] else ""))
         return 0 if args.no_activate else _notify(args, version)
@@ -661,9 +663,13 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         print(f"exported {args.version or store.current_version()} to {out} ({out.stat().st_size} bytes)")
         return 0
     if args.command == "import":
-        version, existed = import_version(args.root, args.archive, evaluator=evaluator, margin=args.margin,
-                                          force=args.force, activate=not args.no_activate, keep=args.keep,
-                                          max_bytes=parse_bytes(args.max_bytes), max_ratio=args.max_ratio)
+        from index.options import CommitOptions
+
+        version, existed = import_version(args.root, args.archive, max_bytes=parse_bytes(args.max_bytes),
+                                          max_ratio=args.max_ratio,
+                                          commit=CommitOptions(evaluator=evaluator, margin=args.margin,
+                                                               force=args.force, activate=not args.no_activate,
+                                                               keep=args.keep))
         state = "activated" if store.current_version() == version else "not activated"
         print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
         return _notify(args, version) if state == "activated" else 0

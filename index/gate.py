@@ -24,6 +24,7 @@ import numpy as np
 from index import faiss_index
 from index.defaults import DEFAULT_MARGIN  # re-exported here; defined without numpy for the parser
 from index.manifest import Manifest
+from index.options import Calibrator, Evaluator  # noqa: F401  (re-exported: the gate's injected callables)
 from index.paging import PagedRows, drop_index_pages, read_rows
 
 if TYPE_CHECKING:   # the store imports this module; these are for annotations only
@@ -40,9 +41,6 @@ Gate = Callable[[str], dict]
 GATE_QUERIES = 1000
 GATE_SEED = 1
 
-Evaluator = Callable[["IndexVersion", "IndexVersion"], dict]
-# calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
-Calibrator = Callable[["IndexVersion"], "dict | None"]
 
 
 class ActivationRefused(RuntimeError):
@@ -207,8 +205,8 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     exact = faiss_index.exact_neighbours(emb, queries, k + 1)
     release = (lambda: drop_index_pages(version.index)) if faiss_index.on_disk_lists(version.index) else None
     _, found = faiss_index.search_reranked(version.index, PagedRows(emb), queries, k + 1, rerank, release=release)
-    found = faiss_index._drop_rows(found, rows, k)
-    exact = faiss_index._drop_rows(exact, rows, k)
+    found = faiss_index.drop_rows(found, rows, k)
+    exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(found, exact, k)
     logger.info("held-out recall@%d of %s: %.4f on %d %s (re-rank %d)", k, version.version, recall, len(rows), where,
                 rerank)

@@ -12,6 +12,7 @@ Every node must read and write the store at the same path (a shared filesystem),
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -21,13 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from index import kinds
-from index.build import (BuildOptions, _checkpoint_field, _gate_and_activate, discard_staging, training_temperature,
+from index.build import (BuildOptions, checkpoint_field, discard_staging, training_temperature,
                          write_version)
+from index.commit import Staged
+from index.commit import commit as commit_staged
 from index.manifest import (MANIFEST_NAME, create_manifest, describe_files, fsync_dir, read_manifest,
                             update_manifest, write_manifest)
 from index.metadata import dataset_metadata, item_files, report_unknown_ids
 from index.items import dataset_records
-from index.shards import CARRIED, ShardedVersion, _flat_view, _merged_recall, shard_name, split_rows
+from index.shards import CARRIED, ShardedVersion, flat_view, merged_recall, shard_name, split_rows
 from index.store import IndexStore, new_version_name
 
 logger = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ class Embedder:
     def __init__(self, checkpoint: str, spec: dict, device: str = "cpu", threads: int = 1):
         import torch
 
-        from index.embed import _SafeItems
+        from index.embed import SafeItems
         from training.checkpoint import load_checkpoint
         from training.datasets import create_dataset
 
@@ -53,7 +56,7 @@ class Embedder:
         self.encoder, _ = load_checkpoint(checkpoint, device=self.device)
         self.encoder.eval()
         self.dataset = create_dataset(**spec)
-        self.items = _SafeItems(self.dataset, np.arange(len(self.dataset), dtype=np.int64), self.encoder.image_size)
+        self.items = SafeItems(self.dataset, np.arange(len(self.dataset), dtype=np.int64), self.encoder.image_size)
 
     def __call__(self, batch: dict) -> dict:
         import torch
@@ -205,7 +208,7 @@ def build_on_ray(checkpoint, dataset, root, shards: int, options: BuildOptions |
         started = True
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        shared = {"checkpoint": _checkpoint_field(store, checkpoint, ckpt_sha, info), "encoder": info.get("encoder"),
+        shared = {"checkpoint": checkpoint_field(store, checkpoint, ckpt_sha, info), "encoder": info.get("encoder"),
                   "dataset": {"spec": spec, "fingerprint": dataset.fingerprint()}, "lineage": dict(info.get("lineage") or {}),
                   "search_temperature": temperature, "search_temperature_source": temp_source, **(o.fields or {})}
         task = ray.remote(num_cpus=0)(_build_shard)
@@ -234,7 +237,7 @@ def build_on_ray(checkpoint, dataset, root, shards: int, options: BuildOptions |
             offset += d["count"]
         loaded = ShardedVersion.load(staging, _provisional(version, entries, offset, shard_manifest), verify=False,
                                      gpu=False)
-        recall = _merged_recall(loaded, loaded.shards, loaded.offsets, o.target_recall)
+        recall = merged_recall(loaded, loaded.shards, loaded.offsets, o.target_recall)
         embed_s = max(d["embed_s"] for d in done)
         timings = {"embed_s": embed_s, "ray_s": ray_s, **{f"{d['name']}_embed_s": d["embed_s"] for d in done},
                    **{f"{d['name']}_build_s": d["build_s"] for d in done}}
@@ -251,7 +254,7 @@ def build_on_ray(checkpoint, dataset, root, shards: int, options: BuildOptions |
         write_manifest(staging, manifest)
         fsync_dir(staging)
         loaded = ShardedVersion.load(staging, verify=False, gpu=False)
-        candidate = _flat_view(loaded)   # the gate and calibration read the rows as one version, as for a reshard
+        candidate = flat_view(loaded)   # the gate and calibration read the rows as one version, as for a reshard
         loaded = None
         if o.calibrator is not None and temp_source != "command line":
             result = o.calibrator(candidate)
@@ -265,9 +268,9 @@ def build_on_ray(checkpoint, dataset, root, shards: int, options: BuildOptions |
     finally:
         if started:
             ray.shutdown()
-    version = _gate_and_activate(store, version, staging, evaluator=o.evaluator, margin=o.margin, force=o.force,
-                                 activate=o.activate, keep=o.keep, path="index build", t_start=t_start,
-                                 model=(ckpt_sha, checkpoint), candidate=candidate)
+    # calibrated above (unless the temperature came from the command line): the commit only gates and activates
+    version = commit_staged(store, Staged(version, staging, candidate), dataclasses.replace(o, calibrator=None),
+                            path="index build", t_start=t_start, model=(ckpt_sha, checkpoint))
     logger.info("built %s on Ray: %d items in %d shards (%.1f s)", version, offset, shards,
                 time.perf_counter() - t_start)
     return version

@@ -1,8 +1,9 @@
 """Vectorised random augmentations on preprocessed batches (B, 3, S, S), for instance positives.
 
 One ``affine_grid`` + ``grid_sample`` call applies a per-sample random resized crop, horizontal
-flip and small translation; brightness and contrast jitter act on the [0, 1] pixel scale.
-Random parameters come from a numpy Generator, so a seeded rng gives the same views.
+flip, rotation and small translation; brightness, contrast and saturation jitter, greyscale and a
+3x3 blur act on the [0, 1] pixel scale. Random parameters come from a numpy Generator, so a seeded
+rng gives the same views; the options that are off (0) draw no random numbers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class AugmentConfig:
     translate: float = 0.1                              # extra shift, fraction of the side
     brightness: float = 0.2                             # multiply [0,1] pixels by U(1-b, 1+b)
     contrast: float = 0.2                               # scale about the image mean by U(1-c, 1+c)
+    saturation: float = 0.0                             # scale colour about each pixel's grey by U(1-s, 1+s)
+    grey_p: float = 0.0                                 # probability of turning the view grey
+    blur_p: float = 0.0                                 # probability of a 3x3 binomial blur
+    rotate: float = 0.0                                 # rotation, uniform in +-degrees
 
     def __post_init__(self) -> None:
         lo, hi = self.crop_scale
@@ -45,6 +50,12 @@ class AugmentConfig:
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {v}")
+        for name in ("saturation", "grey_p", "blur_p"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        if not 0 <= self.rotate <= 180:
+            raise ValueError(f"rotate must be in [0, 180] degrees, got {self.rotate}")
 
 
 def sample_params(n: int, rng: np.random.Generator, config: AugmentConfig = AugmentConfig()) -> dict[str, np.ndarray]:
@@ -61,8 +72,18 @@ def sample_params(n: int, rng: np.random.Generator, config: AugmentConfig = Augm
     flip = rng.random(n) < config.flip_p
     bright = rng.uniform(1 - config.brightness, 1 + config.brightness, size=n)
     contrast = rng.uniform(1 - config.contrast, 1 + config.contrast, size=n)
-    return {"w": w, "h": h, "cx": cx, "cy": cy, "flip": flip.astype(np.float64),
-            "brightness": bright, "contrast": contrast}
+    out = {"w": w, "h": h, "cx": cx, "cy": cy, "flip": flip.astype(np.float64),
+           "brightness": bright, "contrast": contrast}
+    # the later options draw only when on, so views of configs without them stay as they were
+    if config.saturation > 0:
+        out["saturation"] = rng.uniform(1 - config.saturation, 1 + config.saturation, size=n)
+    if config.grey_p > 0:
+        out["grey"] = (rng.random(n) < config.grey_p).astype(np.float64)
+    if config.blur_p > 0:
+        out["blur"] = (rng.random(n) < config.blur_p).astype(np.float64)
+    if config.rotate > 0:
+        out["angle"] = np.radians(rng.uniform(-config.rotate, config.rotate, size=n))
+    return out
 
 
 def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int | None = None) -> torch.Tensor:
@@ -82,11 +103,17 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
         assert v.shape == (b,), f"param {k} has shape {tuple(v.shape)}, expected ({b},)"
     # output grid u_out in [-1,1] maps to input u_in = diag(sx, sy) u_out + (cx, cy),
     # sx = w * (-1 if flip else 1): a crop of relative size (w, h) centred at (cx, cy).
+    # A rotation by a turns the output grid first: u_in = diag(sx, sy) R(a) u_out + (cx, cy).
     sx = p["w"] * (1.0 - 2.0 * p["flip"])
     theta = torch.zeros(b, 2, 3, dtype=dt, device=dev)
-    theta[:, 0, 0] = sx
+    if "angle" in p:
+        cos, sin = torch.cos(p["angle"]), torch.sin(p["angle"])
+        theta[:, 0, 0], theta[:, 0, 1] = sx * cos, -sx * sin
+        theta[:, 1, 0], theta[:, 1, 1] = p["h"] * sin, p["h"] * cos
+    else:
+        theta[:, 0, 0] = sx
+        theta[:, 1, 1] = p["h"]
     theta[:, 0, 2] = p["cx"]
-    theta[:, 1, 1] = p["h"]
     theta[:, 1, 2] = p["cy"]
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)                # (B, R, R, 2)
     y = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
@@ -97,6 +124,18 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
     pix = pix * p["brightness"].view(b, 1, 1, 1)
     mean = pix.mean(dim=(1, 2, 3), keepdim=True)
     pix = mean + p["contrast"].view(b, 1, 1, 1) * (pix - mean)
+    if "saturation" in p or "grey" in p:
+        grey = pix.mean(dim=1, keepdim=True)
+        s = p["saturation"] if "saturation" in p else torch.ones_like(p["grey"])
+        if "grey" in p:
+            s = s * (1.0 - p["grey"])            # a grey view: saturation 0
+        pix = grey + s.view(b, 1, 1, 1) * (pix - grey)
+    if "blur" in p:
+        k1 = torch.tensor([0.25, 0.5, 0.25], dtype=dt, device=dev)
+        kernel = (k1[:, None] * k1[None, :]).expand(pix.shape[1], 1, 3, 3)
+        blurred = F.conv2d(F.pad(pix, (1, 1, 1, 1), mode="replicate"), kernel, groups=pix.shape[1])
+        w = p["blur"].view(b, 1, 1, 1)
+        pix = w * blurred + (1.0 - w) * pix
     return ((pix.clamp(0.0, 1.0) - MEAN) / STD).contiguous()
 
 

@@ -7,7 +7,8 @@
   ``log r = sum_i [kappa cos(th'_i - th_i) - log I0(kappa)]`` (uniform marginal on the torus). Exact.
 * ``label``   (class-conditional): ``log r = log(1[c = c'] / pi_c)``. Exact at the label level.
 * ``instance`` (augmentations): q approximated by a point mass on the source item. Not exact.
-* ``neighbour`` (augmented k nearest grey-pixel neighbours, no labels): same approximation. Not exact.
+* ``neighbour`` (augmented k nearest neighbours in grey pixels or the encoder, no labels): same
+  approximation. Not exact.
 """
 
 from __future__ import annotations
@@ -215,14 +216,17 @@ class InstanceGenerator(PositiveGenerator):
                    "approximation of q (log r = 0 on the source item, -inf elsewhere)")
 
     def __init__(self, crop_scale: tuple[float, float] = (0.5, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 flip_p: float = 0.5, translate: float = 0.1, brightness: float = 0.2, contrast: float = 0.2):
+                 flip_p: float = 0.5, translate: float = 0.1, brightness: float = 0.2, contrast: float = 0.2,
+                 saturation: float = 0.0, grey_p: float = 0.0, blur_p: float = 0.0, rotate: float = 0.0):
         self.aug = AugmentConfig(crop_scale=tuple(crop_scale), crop_ratio=tuple(crop_ratio), flip_p=flip_p,
-                                 translate=translate, brightness=brightness, contrast=contrast)
+                                 translate=translate, brightness=brightness, contrast=contrast,
+                                 saturation=saturation, grey_p=grey_p, blur_p=blur_p, rotate=rotate)
 
     def options(self) -> dict[str, Any]:
         a = self.aug
         return {"crop_scale": list(a.crop_scale), "crop_ratio": list(a.crop_ratio), "flip_p": a.flip_p,
-                "translate": a.translate, "brightness": a.brightness, "contrast": a.contrast}
+                "translate": a.translate, "brightness": a.brightness, "contrast": a.contrast,
+                "saturation": a.saturation, "grey_p": a.grey_p, "blur_p": a.blur_p, "rotate": a.rotate}
 
     def log_ratio(self, query_meta: np.ndarray, db_meta: np.ndarray) -> np.ndarray:
         q = np.asarray(query_meta).reshape(-1)
@@ -239,37 +243,66 @@ class InstanceGenerator(PositiveGenerator):
 
 @register_generator("neighbour")
 class NeighbourGenerator(InstanceGenerator):
-    """Pixel-neighbour positives: the anchor and one of its k nearest grey-pixel neighbours,
-    each randomly augmented (NNCLR-style support fixed before training; no labels).
+    """Neighbour positives: the anchor and one of its k nearest neighbours, each randomly augmented
+    (no labels). The neighbours come from ``space``:
 
-    The neighbour table of a dataset is computed once, on first use (training/neighbours.py).
-    Its ideal search is only defined among training items, so ``log_ratio`` keeps the instance
+    * ``"pixels"``: grey-pixel cosine, computed once on first use (training/neighbours.py);
+    * ``"encoder"``: the encoder being trained (cosine of its embeddings), computed by ``refresh``
+      before the first step (the untrained tower's neighbours) and again every ``refresh_every``
+      steps (0: never again), NNCLR-style: the support follows what the encoder has learned.
+
+    The ideal search is only defined among training items, so ``log_ratio`` keeps the instance
     point-mass approximation (``exact = False``); evaluate with the ``label`` generator.
     """
 
     exact = False
+    SPACES = ("pixels", "encoder")
 
-    def __init__(self, k: int = 5, **augment_options: Any):
+    def __init__(self, k: int = 5, space: str = "pixels", refresh_every: int = 0, **augment_options: Any):
         super().__init__(**augment_options)
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        self.k = int(k)
-        self.description = (f"neighbour: anchor and one of its {self.k} nearest grey-pixel neighbours, both "
+        if space not in self.SPACES:
+            raise ValueError(f"space must be one of {', '.join(self.SPACES)}, got {space!r}")
+        if isinstance(refresh_every, bool) or not isinstance(refresh_every, (int, np.integer)) or refresh_every < 0:
+            raise ValueError(f"refresh_every must be a non-negative integer, got {refresh_every!r}")
+        self.k, self.space, self.refresh_every = int(k), space, int(refresh_every)
+        where = ("grey-pixel" if space == "pixels" else "encoder"
+                 + (f", refreshed every {self.refresh_every} steps" if self.refresh_every else ", at step 0"))
+        self.description = (f"neighbour: anchor and one of its {self.k} nearest {where} neighbours, both "
                             "augmented; APPROXIMATE: point-mass approximation of q")
         self._table: tuple[Any, np.ndarray] | None = None  # (weakref to the dataset, (N, k) rows)
 
     def options(self) -> dict[str, Any]:
-        return {"k": self.k, **super().options()}
+        out: dict[str, Any] = {"k": self.k}
+        if self.space != "pixels":   # the pixel default's options read as before
+            out.update(space=self.space, refresh_every=self.refresh_every)
+        return {**out, **super().options()}
 
     def neighbour_table(self, dataset: "ImageDataset") -> np.ndarray:
-        """(N, k) neighbour rows of `dataset`, computed on first use and kept for this dataset."""
+        """(N, k) neighbour rows of `dataset`, computed on first use (pixels) or by `refresh` (encoder)."""
         if self._table is not None and self._table[0]() is dataset:
             return self._table[1]
+        if self.space == "encoder":
+            raise RuntimeError("encoder-space neighbours need refresh(encoder, dataset, step) before sampling")
         from training.neighbours import pixel_neighbours
 
         table = pixel_neighbours(dataset, self.k)
         self._table = (weakref.ref(dataset), table)
         return table
+
+    def refresh(self, encoder: torch.nn.Module, dataset: "ImageDataset", step: int) -> bool:
+        """Recompute the encoder-space table when it is due (first call, then every refresh_every
+        steps); the trainer calls this before each step. Returns whether it recomputed."""
+        if self.space != "encoder":
+            return False
+        have = self._table is not None and self._table[0]() is dataset
+        if have and not (self.refresh_every and step % self.refresh_every == 0):
+            return False
+        from training.neighbours import encoder_neighbours
+
+        self._table = (weakref.ref(dataset), encoder_neighbours(encoder, dataset, self.k))
+        return True
 
     def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
                      rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""Nearest neighbours of every dataset item in grey-level pixel space (no labels, no encoder).
+"""Nearest neighbours of every dataset item, in grey-level pixel space or in an encoder's embeddings.
 
 The `neighbour` positive generator (training/generators.py) draws a positive for an anchor from
-its k nearest pixel-space neighbours, NNCLR-style but with a fixed support set: pairs that raw
-pixels already relate become positives, augmentation adds the invariances pixels lack.
+its k nearest neighbours: in pixels a fixed support set (pairs that raw pixels already relate
+become positives, augmentation adds the invariances pixels lack); in the encoder's own space,
+recomputed as it trains, NNCLR-style.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["grey_pixels", "pixel_neighbours"]
+__all__ = ["grey_pixels", "pixel_neighbours", "encoder_neighbours", "top_k_cosine"]
 
 
 def grey_pixels(dataset: "ImageDataset", batch_size: int = 4096) -> torch.Tensor:
@@ -36,6 +37,23 @@ def grey_pixels(dataset: "ImageDataset", batch_size: int = 4096) -> torch.Tensor
     return torch.cat(rows) if rows else torch.zeros((0, 0))
 
 
+def top_k_cosine(x: torch.Tensor, k: int, block: int = 2048, progress: bool = False,
+                 desc: str = "neighbours") -> np.ndarray:
+    """(N, k) int64: row i lists the k rows of unit-norm `x` (N, D) with the largest inner product
+    with row i, best first, never i itself. Exact (blocked matmul + top-k), O(block N) memory."""
+    n = x.shape[0]
+    if not 1 <= k < n:
+        raise ValueError(f"k must be in [1, {n - 1}] for a dataset of {n} items, got {k}")
+    out = np.empty((n, k), dtype=np.int64)
+    starts = range(0, n, block)
+    for start in tqdm(starts, desc=desc, unit="block", disable=not progress, leave=False):
+        stop = min(start + block, n)
+        sim = x[start:stop] @ x.T  # (b, N) cosine similarities
+        sim[torch.arange(stop - start), torch.arange(start, stop)] = -float("inf")  # not its own neighbour
+        out[start:stop] = sim.topk(k, dim=1).indices.numpy()
+    return out
+
+
 def pixel_neighbours(dataset: "ImageDataset", k: int, block: int = 2048, progress: bool = True) -> np.ndarray:
     """(N, k) int64: row i lists the k items most cosine-similar to item i in grey pixels, best
     first, never i itself. Exact (blocked matmul + top-k), O(N^2 S^2) work and O(block N) memory."""
@@ -43,13 +61,27 @@ def pixel_neighbours(dataset: "ImageDataset", k: int, block: int = 2048, progres
     if not 1 <= k < n:
         raise ValueError(f"k must be in [1, {n - 1}] for a dataset of {n} items, got {k}")
     t0 = time.perf_counter()
-    x = grey_pixels(dataset)  # (N, P)
-    out = np.empty((n, k), dtype=np.int64)
-    starts = range(0, n, block)
-    for start in tqdm(starts, desc="pixel neighbours", unit="block", disable=not progress, leave=False):
-        stop = min(start + block, n)
-        sim = x[start:stop] @ x.T  # (b, N) cosine similarities
-        sim[torch.arange(stop - start), torch.arange(start, stop)] = -float("inf")  # not its own neighbour
-        out[start:stop] = sim.topk(k, dim=1).indices.numpy()
+    out = top_k_cosine(grey_pixels(dataset), k, block, progress, "pixel neighbours")
     logger.info("pixel neighbours: %d items, k=%d in %.1f s", n, k, time.perf_counter() - t0)
+    return out
+
+
+def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int, batch_size: int = 512) -> np.ndarray:
+    """(N, k) int64: each item's k nearest items by cosine of the encoder's embeddings (eval mode, as
+    an index embeds them), best first, never itself; the encoder's train/eval mode is restored."""
+    n = len(dataset)
+    if not 1 <= k < n:
+        raise ValueError(f"k must be in [1, {n - 1}] for a dataset of {n} items, got {k}")
+    t0 = time.perf_counter()
+    was_training = encoder.training
+    device = next(encoder.parameters()).device
+    encoder.eval()
+    try:
+        with torch.no_grad():
+            z = torch.cat([encoder(dataset.tensors(np.arange(s, min(s + batch_size, n))).to(device)).float().cpu()
+                           for s in range(0, n, batch_size)])
+    finally:
+        encoder.train(was_training)
+    out = top_k_cosine(F.normalize(z, dim=1), k)
+    logger.info("encoder neighbours: %d items, k=%d in %.1f s", n, k, time.perf_counter() - t0)
     return out

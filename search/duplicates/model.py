@@ -1,25 +1,31 @@
 """The duplicate classifier, fitted on each collection without labels.
 
-A logistic regression on a few pair features (align.FEATURES and the descriptors' cosine, correlations
-read as Fisher z) separates POSITIVES -- synthetic edited copies of the collection's own images against
-their originals (edits.py) -- from the collection's candidate pairs (each item and its nearest items), which
-are UNLABELLED: mostly look-alikes, plus whatever duplicates the collection holds. EM reads the mixture:
-with positives and (1 - r)-weighted candidate pairs balanced, the regression's logit is the log likelihood
-ratio of "copy" to "not a copy"; a candidate pair's probability is r = sigmoid(logit + logit(pi)) and pi,
-the share of candidate pairs that are duplicates, is the mean r. So the probabilities carry this
-collection's own base rate, and the duplicates it holds stop counting as negatives as they are found.
+A monotone logistic model on a few pair features (align.FEATURES and the descriptors' cosine, correlations
+read as Fisher z): each feature enters as a piecewise-linear function with non-negative slopes in the
+direction of "more alike" (higher correlation, coverage and cosine; less stretch and unexplained colour), so
+a pair more alike than another in every feature is never less likely a copy -- in particular a pair more
+alike than any synthetic copy (an identical file, a mirrored copy with --flips) keeps the highest odds the
+fit gives, instead of falling outside what it saw. It separates POSITIVES -- synthetic edited copies of the
+collection's own images against their originals (edits.py) -- from the collection's candidate pairs (each
+item and its nearest items), which are UNLABELLED: mostly look-alikes, plus whatever duplicates the collection
+holds. EM reads the mixture: with positives and (1 - r)-weighted candidate pairs balanced, the model's logit
+is the log likelihood ratio of "copy" to "not a copy"; a candidate pair's probability is
+r = sigmoid(logit + logit(pi)) and pi, the share of candidate pairs that are duplicates, is the mean r.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import minimize
 from scipy.special import expit, logit
 
 from search.duplicates.align import FEATURES
 
 NAMES = (*FEATURES, "descriptor")
-QUADRATIC = 2     # the leading design columns (ncc, robust) whose squares and product also enter
+# +1: larger is more alike (correlations, coverage, cosine); -1: smaller is (stretch, unexplained colour)
+SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
+SEGMENTS = 8       # pieces of each feature's monotone function, at quantiles of the pooled pairs
 MIN_SHARE = 1e-6
 
 
@@ -32,39 +38,49 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
                             z(np.asarray(cosine, np.float64))])
 
 
-def expand(x: np.ndarray) -> np.ndarray:
-    """The regression's inputs: the design columns, and the squares and product of the two correlations (a
-    high trimmed correlation with a low full one is a local difference: an overlay, or a look-alike)."""
-    x = np.asarray(x, np.float64)
-    i, j = np.triu_indices(QUADRATIC)
-    return np.column_stack([x, x[:, i] * x[:, j]])
+def knots_of(x: np.ndarray, segments: int = SEGMENTS) -> list[np.ndarray]:
+    """Per feature, the increasing knots of its piecewise-linear function (quantiles of the signed values;
+    a feature with a single value gets no piece)."""
+    sx = np.asarray(x, np.float64) * SIGN
+    return [np.unique(np.quantile(sx[:, j], np.linspace(0, 1, segments + 1))) for j in range(sx.shape[1])]
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, steps: int = 50) -> np.ndarray:
-    """Weighted ridge logistic regression by Newton's method -> coefficients (intercept last); the
-    intercept is not penalised. x is expected standardised."""
+def basis(x: np.ndarray, knots: list[np.ndarray]) -> np.ndarray:
+    """(n, pieces) how far each pair's signed feature runs through each piece, 0..1: with non-negative
+    weights any sum of these is non-decreasing in every signed feature (and flat past the outer knots)."""
+    sx = np.asarray(x, np.float64) * SIGN
+    cols = []
+    for j, k in enumerate(knots):
+        if k.size > 1:
+            lo, hi = k[:-1], k[1:]
+            cols.append((np.clip(sx[:, j, None], lo, hi) - lo) / (hi - lo))
+    return np.concatenate(cols, axis=1) if cols else np.zeros((len(sx), 0))
+
+
+def fit_monotone(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None) -> np.ndarray:
+    """Weighted ridge logistic regression on basis columns with non-negative slopes (L-BFGS-B) ->
+    coefficients (intercept last, free and not penalised)."""
     xa = np.column_stack([x, np.ones(len(x))])
-    beta = np.zeros(xa.shape[1])
     pen = np.full(xa.shape[1], l2 * w.sum())
     pen[-1] = 0.0
-    for _ in range(steps):
-        p = expit(xa @ beta)
-        g = xa.T @ (w * (p - y)) + pen * beta
-        h = (xa * (w * p * (1 - p))[:, None]).T @ xa + np.diag(pen + 1e-9)
-        step = np.linalg.solve(h, g)
-        beta -= step
-        if np.abs(step).max() < 1e-8:
-            break
-    return beta
+
+    def loss(beta):
+        f = xa @ beta
+        val = w @ (np.logaddexp(0.0, f) - y * f) + 0.5 * pen @ (beta * beta)
+        return val, xa.T @ (w * (expit(f) - y)) + pen * beta
+
+    bounds = [(0.0, None)] * x.shape[1] + [(None, None)]
+    res = minimize(loss, np.zeros(xa.shape[1]) if start is None else start, jac=True, method="L-BFGS-B", bounds=bounds,
+                   options={"maxiter": 500, "ftol": 1e-10, "gtol": 1e-7})
+    return res.x
 
 
 @dataclass
 class DuplicateModel:
-    """What a scan's probabilities are: log LR(x) = coef . (x - mean) / scale + intercept, p = sigmoid(log LR
+    """What a scan's probabilities are: log LR(x) = coef . basis(x, knots) + intercept, p = sigmoid(log LR
     + logit(share)); `bound` names a limit the fit reached ("" when none)."""
 
-    mean: np.ndarray
-    scale: np.ndarray
+    knots: list
     coef: np.ndarray
     share: float
     steps: int
@@ -75,52 +91,69 @@ class DuplicateModel:
     history: list = field(default_factory=list)
 
     def log_ratio(self, x: np.ndarray) -> np.ndarray:
-        xs = (expand(x) - self.mean) / self.scale
-        return xs @ self.coef[:-1] + self.coef[-1]
+        return basis(x, self.knots) @ self.coef[:-1] + self.coef[-1]
 
     def probability(self, x: np.ndarray, share: float | None = None) -> np.ndarray:
         s = self.share if share is None else share
         return expit(self.log_ratio(x) + logit(np.clip(s, MIN_SHARE, 1 - MIN_SHARE)))
 
     def to_json(self) -> dict:
-        return {"features": list(NAMES), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+        return {"features": list(NAMES), "sign": SIGN.tolist(), "knots": [k.tolist() for k in self.knots],
                 "coef": self.coef.tolist(), "share": self.share, "steps": self.steps, "bound": self.bound,
                 "positives": self.positives, "candidates": self.candidates, "copy_recall": self.copy_recall}
 
     @classmethod
     def from_json(cls, d: dict) -> "DuplicateModel":
-        return cls(np.asarray(d["mean"]), np.asarray(d["scale"]), np.asarray(d["coef"]), float(d["share"]),
+        return cls([np.asarray(k, np.float64) for k in d["knots"]], np.asarray(d["coef"]), float(d["share"]),
                    int(d["steps"]), d.get("bound", ""), int(d.get("positives", 0)), int(d.get("candidates", 0)),
                    float(d.get("copy_recall", float("nan"))))
 
 
-def _fit_balanced(xp, xu, wu, mean, scale, l2):
-    x = (np.vstack([xp, xu]) - mean) / scale
-    y = np.r_[np.ones(len(xp)), np.zeros(len(xu))]
-    w = np.r_[np.full(len(xp), max(wu.sum(), 1e-9) / len(xp)), wu]   # equal total weight: logit = log LR
-    return fit_logistic(x, y, w / w.mean(), l2)
+def _fit_balanced(bp, bu, wu, l2, start=None):
+    x = np.vstack([bp, bu])
+    y = np.r_[np.ones(len(bp)), np.zeros(len(bu))]
+    w = np.r_[np.full(len(bp), max(wu.sum(), 1e-9) / len(bp)), wu]   # equal total weight: logit = log LR
+    return fit_monotone(x, y, w / w.mean(), l2, start)
+
+
+def largest_share(log_ratio: np.ndarray, max_share: float) -> float:
+    """The largest share pi in [MIN_SHARE, max_share] that the log likelihood ratios reproduce,
+    pi = mean sigmoid(log LR + logit pi) (0 always does: taking the largest is what keeps EM from draining
+    to it while the ratios still say some pairs are copies); max_share when even it is exceeded."""
+    g = lambda pi: float(np.mean(expit(log_ratio + logit(pi)))) - pi   # noqa: E731
+    if g(max_share) >= 0:
+        return max_share
+    grid = np.geomspace(MIN_SHARE, max_share, 121)
+    above = [k for k, pi in enumerate(grid) if g(pi) > 0]
+    if not above:
+        return MIN_SHARE
+    lo, hi = grid[above[-1]], grid[above[-1] + 1]
+    for _ in range(50):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if g(mid) > 0 else (lo, mid)
+    return float(lo)
 
 
 def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, steps: int,
               threshold: float = 0.5) -> DuplicateModel:
     """EM over the unlabelled candidate pairs (module docstring); positives and unlabelled are `design` rows."""
-    xp, xu = expand(positives), expand(unlabelled)
-    if len(xp) < 4 or len(xu) < 4:
-        raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(xp)} and {len(xu)}")
-    allx = np.vstack([xp, xu])
-    mean, scale = allx.mean(0), allx.std(0) + 1e-6
-    # start from every candidate pair as likely a copy as not at half the bound: the duplicates a collection
-    # holds leave the negatives at once (started from "no duplicates", they teach the first fit that copies are
-    # negatives, and a share of 0 is a fixed point of EM)
-    share, history, step = max_share / 2, [], 0
+    if len(positives) < 4 or len(unlabelled) < 4:
+        raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
+                         f"{len(unlabelled)}")
+    knots = knots_of(np.vstack([positives, unlabelled]))
+    xp, xu = basis(positives, knots), basis(unlabelled, knots)
+    # start from every candidate pair as likely a copy as not at half the bound (started from "no duplicates",
+    # the duplicates a collection holds teach the first fit that copies are negatives); each step then takes the
+    # largest share the fitted ratios reproduce, not one EM update of it (a share of 0 is always a fixed point)
+    share, history, step, coef = max_share / 2, [], 0, None
     r = np.full(len(xu), share)
     for step in range(1, steps + 1):
-        coef = _fit_balanced(xp, xu, 1.0 - r, mean, scale, l2)
-        lr = ((xu - mean) / scale) @ coef[:-1] + coef[-1]
-        r = expit(lr + logit(share))
-        new = float(np.clip(np.mean(r), MIN_SHARE, max_share))
+        coef = _fit_balanced(xp, xu, 1.0 - r, l2, coef)
+        lr = xu @ coef[:-1] + coef[-1]
+        new = largest_share(lr, max_share)
+        r = expit(lr + logit(new))
         history.append(new)
-        done = abs(new - share) < 1e-5
+        done = abs(new - share) < 1e-4
         share = new
         if done:
             break
@@ -131,13 +164,13 @@ def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_s
                  "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies")
     elif step == steps:
         bound = f"EM did not settle in {steps} steps (share {share:.3g}); rerun with more --calibration-items"
-    model = DuplicateModel(mean, scale, coef, share, step, bound, len(xp), len(xu), history=history)
+    model = DuplicateModel(knots, coef, share, step, bound, len(xp), len(xu), history=history)
     # held-out copy recall: each half of the positives scored by a fit on the other half (same weights)
     half = np.arange(len(xp)) % 2 == 0
     hits = []
     for held in (half, ~half):
-        c = _fit_balanced(xp[~held], xu, 1.0 - r, mean, scale, l2)
-        p = expit(((xp[held] - mean) / scale) @ c[:-1] + c[-1] + logit(max(share, MIN_SHARE)))
+        c = _fit_balanced(xp[~held], xu, 1.0 - r, l2, coef)
+        p = expit(xp[held] @ c[:-1] + c[-1] + logit(max(share, MIN_SHARE)))
         hits.append(p >= threshold)
     model.copy_recall = float(np.concatenate(hits).mean())
     return model

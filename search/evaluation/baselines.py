@@ -55,22 +55,52 @@ def paired_difference(this: np.ndarray, other: np.ndarray, n_boot: int = 1000, s
     return {"mean": mean, "low": low, "high": high}
 
 
-def verdict(metric: str, baseline: str, diff: dict) -> str:
-    """One plain sentence: improved (interval above 0), worse (below 0), or no clear difference."""
+def verdict(metric: str, baseline: str, diff: dict, recipe: str | None = None) -> str:
+    """One plain sentence: improved (interval above 0), worse (below 0), or no clear difference;
+    with `recipe`, which training recipe it judges."""
     span = f"{diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
     if diff["low"] > 0:
-        return f"training improved {metric} over {baseline} by {span}"
-    if diff["high"] < 0:
-        return f"training did not improve {metric} over {baseline}: it is worse by {span}"
-    return f"training did not clearly improve {metric} over {baseline}: {span} (the interval includes 0)"
+        out = f"training improved {metric} over {baseline} by {span}"
+    elif diff["high"] < 0:
+        out = f"training did not improve {metric} over {baseline}: it is worse by {span}"
+    else:
+        out = f"training did not clearly improve {metric} over {baseline}: {span} (the interval includes 0)"
+    return f"{out}; recipe: {recipe}" if recipe else out
+
+
+def recipe_description(info: dict) -> str | None:
+    """The training recipe of a checkpoint in a few words (its positives, tower input size, steps), from the
+    checkpoint's metadata; None when it records no generator (e.g. an imported model)."""
+    gen = (info.get("lineage") or {}).get("generator") or {}
+    if not gen.get("name"):
+        return None
+    opts = gen.get("options") or {}
+    name = gen["name"]
+    if name == "label":
+        what = "class folders as positives (label)"
+    elif name == "neighbour":
+        where = opts.get("space", "pixels")
+        every = opts.get("refresh_every", 0)
+        what = (f"{'grey-pixel' if where == 'pixels' else 'encoder'} neighbours as positives (neighbour, k {opts.get('k')}"
+                + (f", refreshed every {every} steps" if where == "encoder" and every else "")
+                + (", step-0 tower" if where == "encoder" and not every else "") + ")")
+    elif name == "instance":
+        what = "two augmentations of one image as positives (instance)"
+    else:
+        what = f"{name} positives"
+    tc = info.get("train_config") or {}
+    size = (tc.get("encoder") or {}).get("image_size")
+    extra = [f"{size} px" if size else None, f"{tc['steps']} steps" if tc.get("steps") else None]
+    return ", ".join([what] + [e for e in extra if e])
 
 
 def baseline_comparison(rows: dict[str, tuple[np.ndarray, np.ndarray]], trained: tuple[np.ndarray, np.ndarray],
-                        ks=(10, 1), n_boot: int = 1000, seed: int = 0) -> dict:
+                        ks=(10, 1), n_boot: int = 1000, seed: int = 0, recipe: str | None = None) -> dict:
     """Report part: each baseline's precision@k and the trained encoder's paired difference to it.
 
     ``rows`` maps a baseline name to its (per-query prec@ks[0], per-query prec@ks[1]) arrays; ``trained``
-    holds the trained encoder's arrays on the same queries. The verdict compares with raw pixels."""
+    holds the trained encoder's arrays on the same queries. The verdict compares with raw pixels and
+    names the training `recipe` when given."""
     out: dict = {"ks": list(ks), "n_queries": int(trained[0].size), "n_boot": n_boot,
                  "trained": {f"precision@{k}": float(np.mean(v)) for k, v in zip(ks, trained)}, "rows": []}
     for name, per_q in rows.items():
@@ -81,5 +111,7 @@ def baseline_comparison(rows: dict[str, tuple[np.ndarray, np.ndarray]], trained:
         out["rows"].append(row)
     first = next((r for r in out["rows"] if r["name"] == RAW_PIXELS), out["rows"][0] if out["rows"] else None)
     if first is not None:
-        out["verdict"] = verdict(f"precision@{ks[0]}", first["name"], first[f"difference@{ks[0]}"])
+        out["verdict"] = verdict(f"precision@{ks[0]}", first["name"], first[f"difference@{ks[0]}"], recipe)
+    if recipe:
+        out["recipe"] = recipe
     return out

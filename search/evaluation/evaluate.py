@@ -22,7 +22,8 @@ from index.build import training_temperature
 from index.manifest import Manifest, file_sha256
 from index.models import load_version_encoder
 from index.store import IndexStore, require_store
-from search.evaluation.baselines import RAW_PIXELS, baseline_comparison, per_query_precision, raw_pixel_features, centred_unit
+from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
+                                         raw_pixel_features, recipe_description)
 from search.evaluation.eval_args import build_parser
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.gap import ideal_and_learned, softmax_gap
@@ -433,7 +434,7 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
         report["compare"] = _compare(cfg, data, part, device)
         compared = report["compare"].pop("embeddings")
     if data.query_labels is not None and data.db_labels is not None:
-        report["baselines"] = _baselines(cfg, data, zdb, zq, compared, device)
+        report["baselines"] = _baselines(cfg, data, zdb, zq, compared, device, recipe_description(info))
     return report, figs
 
 
@@ -452,8 +453,9 @@ def _raw_pixel_db(data: EvalData) -> np.ndarray:
     return out
 
 
-def _baselines(cfg: EvalConfig, data: EvalData, zdb, zq, compared, device) -> dict:
-    """The trained encoder against raw pixels (and the --compare checkpoint): paired label precision."""
+def _baselines(cfg: EvalConfig, data: EvalData, zdb, zq, compared, device, recipe: str | None = None) -> dict:
+    """The trained encoder against raw pixels (and the --compare checkpoint): paired label precision; the
+    verdict names the training recipe."""
     ks = (10, 1)
 
     def precisions(q, db):
@@ -464,7 +466,7 @@ def _baselines(cfg: EvalConfig, data: EvalData, zdb, zq, compared, device) -> di
     rows = {RAW_PIXELS: precisions(pix_q, pix_db)}
     if compared is not None:
         rows["compared checkpoint (--compare)"] = precisions(compared[1], compared[0])
-    return baseline_comparison(rows, precisions(zq, zdb), ks=ks, n_boot=cfg.n_boot, seed=cfg.seed)
+    return baseline_comparison(rows, precisions(zq, zdb), ks=ks, n_boot=cfg.n_boot, seed=cfg.seed, recipe=recipe)
 
 
 def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:

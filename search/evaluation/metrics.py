@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from search.evaluation.gap import _Rows
+from search.evaluation.gap import DeviceRows
 from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65
         if exclude.shape != (zq.shape[0],):
             raise ValueError(f"exclude has shape {exclude.shape}, expected ({zq.shape[0]},)")
     dev = default_device(device)
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
     scores = np.empty((zq.shape[0], k), dtype=np.float32)
     rows = np.empty((zq.shape[0], k), dtype=np.int64)
     for q0 in range(0, zq.shape[0], block_q):

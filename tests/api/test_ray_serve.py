@@ -19,6 +19,7 @@ serve = pytest.importorskip("ray.serve")
 
 from api.app import create_app  # noqa: E402
 from api.config import Settings  # noqa: E402
+from index.options import CommitOptions  # noqa: E402
 from index.shards import reshard  # noqa: E402
 from index.store import IndexStore  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_ap
     from api_helpers import ADMIN_TOKEN
 
     c, ref, old = ray_app["client"], ray_app["reference"], ray_app["version"]
-    new = reshard(ray_app["root"], SHARDS, activate=False)
+    new = reshard(ray_app["root"], SHARDS, commit=CommitOptions(margin=0.0, activate=False))
     body = {"vector": np.cos(np.arange(16)).tolist(), "k": 5}
     want = ref.post("/v1/search/vector", json=body).json()
     stop, seen, failures, lock = threading.Event(), [], [], threading.Lock()

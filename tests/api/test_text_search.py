@@ -168,13 +168,14 @@ def test_added_and_deleted_versions_keep_the_text_temperature(tmp_path, text_sto
     import shutil
 
     from index.build import add_items
+    from index.options import EmbedOptions
     from index.sync import delete_items
 
     root = tmp_path / "index"
     shutil.copytree(text_store["root"], root)
     record = text_store["version"].manifest.extra["text"]
     extra = create_dataset("synthetic", split="test", size=90, seed=0)   # 10 new items after the 80
-    added = add_items(root, extra, progress=False)
+    added = add_items(root, extra, embed=EmbedOptions(progress=False))
     store = IndexStore(root)
     assert store.load(added, verify=False, gpu=False).manifest.extra["text"] == record
     gone, _ = delete_items(root, [store.load(added, verify=False, gpu=False).ids[0]])

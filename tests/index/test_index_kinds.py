@@ -66,7 +66,7 @@ def test_builtin_kinds_recognise_their_own_indexes():
 
 
 def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
     from index.gate import activation_checks
     from index.store import IndexStore
     from search.serving.searcher import Searcher
@@ -76,8 +76,8 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
     np.save(tmp_path / "v.npy", emb)
     root = tmp_path / "index"
     target = 0.9
-    version = build_from_vectors(tmp_path / "v.npy", root, kind=toy_kind.name, target_recall=target,
-                                 progress=False)
+    version = build_from_vectors(tmp_path / "v.npy", root,
+                                 BuildOptions(kind=toy_kind.name, target_recall=target, progress=False))
 
     stored = IndexStore(root)
     assert stored.current_version() == version                       # activated: the gate let it through

@@ -13,6 +13,7 @@ from index.build import BuildOptions, add_items, build_index, write_version
 from index.gate import activation_checks, score_check
 from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, _json_default, create_manifest,
                             read_manifest, read_manifest_json, update_manifest, write_manifest)
+from index.options import EmbedOptions
 from index.store import IndexStore
 
 SPEC = {"name": "synthetic", "size": 64, "image_size": 32, "seed": 0, "split": "train"}
@@ -51,7 +52,7 @@ def test_a_built_manifest_round_trips_byte_for_byte(tmp_path, tiny_checkpoint, t
     exported archives and the files themselves stay valid)."""
     root = tmp_path / "idx"
     v1 = build_index(tiny_checkpoint, tiny_synthetic, root, BuildOptions(progress=False))
-    v2 = add_items(root, tiny_synthetic_test, progress=False)
+    v2 = add_items(root, tiny_synthetic_test, embed=EmbedOptions(progress=False))
     store = IndexStore(root)
     for v in (v1, v2):
         raw = (store.path(v) / MANIFEST_NAME).read_bytes()

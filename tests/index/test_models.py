@@ -12,6 +12,7 @@ from index_refs import copy_checkpoint
 
 from index.build import BuildOptions, add_items, build_index, rebuild_index
 from index.manifest import IndexCorruptError, file_sha256
+from index.options import EmbedOptions
 from index.models import load_version_encoder, model_relpath
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
@@ -45,7 +46,7 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
     assert got_sha == sha
     x = items.tensors(np.arange(8))
     np.testing.assert_array_equal(embed(encoder, x, progress=False), embed(reference, x, progress=False))
-    v2 = add_items(root, more_items, progress=False)             # grows without the original checkpoint
+    v2 = add_items(root, more_items, embed=EmbedOptions(progress=False))             # grows without the original checkpoint
     assert store.manifest(v2).checkpoint["sha256"] == sha and store.models.shas() == [sha]
 
 

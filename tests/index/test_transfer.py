@@ -15,6 +15,7 @@ from index.build import BuildOptions, QualityGateError, build_index
 from index.cli import main
 from index.manifest import file_sha256
 from index.models import load_version_encoder, model_relpath
+from index.options import CommitOptions
 from index.store import LIST_STATS_FILE, IndexStore
 from index.transfer import EXPORT_INDEX, export_version, import_version
 from training.datasets import create_dataset
@@ -71,7 +72,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
         return {"metric": "score", "candidate": 0.1, "serving": 0.9}
 
     with pytest.raises(QualityGateError):
-        import_version(root, exported["archive"], evaluator=worse)
+        import_version(root, exported["archive"], commit=CommitOptions(evaluator=worse))
     assert store.current_version() == serving and exported["version"] in store.versions()
     assert store.manifest(exported["version"]).quality_gate.passed is False
 
@@ -82,7 +83,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
         raise FileNotFoundError("image folder /elsewhere not found")
 
     with pytest.raises(QualityGateError, match="cannot score this version here: .*elsewhere.* did not activate it"):
-        import_version(root2, exported["archive"], evaluator=unavailable)
+        import_version(root2, exported["archive"], commit=CommitOptions(evaluator=unavailable))
     store2 = IndexStore(root2)
     assert store2.current_version() != exported["version"]
     assert store2.manifest(exported["version"]).quality_gate.passed is False   # 'activate' needs --force
@@ -91,7 +92,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
 
     root3 = tmp_path / "serving3"
     build_index(other_checkpoint, items, root3, BuildOptions(progress=False))
-    import_version(root3, exported["archive"], evaluator=unavailable, force=True)
+    import_version(root3, exported["archive"], commit=CommitOptions(evaluator=unavailable, force=True))
     assert IndexStore(root3).current_version() == exported["version"]
 
 
@@ -104,7 +105,7 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     serving = build_index(other_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     version = exported["version"]
-    assert import_version(root, exported["archive"], activate=False) == (version, False)
+    assert import_version(root, exported["archive"], commit=CommitOptions(activate=False)) == (version, False)
     assert store.current_version() == serving and version in store.versions()
     capsys.readouterr()
     assert main(["import", str(exported["archive"]), "--root", str(root), "--no-activate"]) == 0
@@ -124,9 +125,9 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     def worse(candidate, current):
         return {"metric": "score", "candidate": 0.1, "serving": 0.9}
 
-    import_version(root2, exported["archive"], evaluator=worse, activate=False)
+    import_version(root2, exported["archive"], commit=CommitOptions(evaluator=worse, activate=False))
     with pytest.raises(QualityGateError):
-        import_version(root2, exported["archive"], evaluator=worse)
+        import_version(root2, exported["archive"], commit=CommitOptions(evaluator=worse))
     assert main(["import", str(exported["archive"]), "--root", str(root2)]) == 1
     assert IndexStore(root2).current_version() == serving2
     assert main(["import", str(exported["archive"]), "--root", str(root2), "--force"]) == 0

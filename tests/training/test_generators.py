@@ -321,6 +321,51 @@ def test_augment_random_params_in_range():
         AugmentConfig(crop_scale=(0.0, 1.0))
 
 
+def test_augment_colour_grey_blur_against_references():
+    """Saturation, greyscale and blur checked against plain numpy formulas on the [0, 1] pixels."""
+    x = _batch(n=2, s=8)
+    p = ((x + 1) / 2).double().numpy()
+    grey = p.mean(axis=1, keepdims=True)
+    y = apply_params(x, _params(2, saturation=0.5))
+    np.testing.assert_allclose((y.double().numpy() + 1) / 2, np.clip(grey + 0.5 * (p - grey), 0, 1), atol=1e-5)
+    y = apply_params(x, _params(2, grey=1.0)).double().numpy()
+    np.testing.assert_allclose((y + 1) / 2, np.repeat(grey, 3, axis=1), atol=1e-5)   # every channel its grey
+    # grey on one view only: the other keeps its colour
+    y = apply_params(x, {**_params(2), "grey": np.array([1.0, 0.0])})
+    torch.testing.assert_close(y[1], x[1], atol=1e-5, rtol=0)
+    # blur: [1 2 1]/4 outer product, edge pixels repeated
+    y = apply_params(x, _params(2, blur=1.0)).double().numpy()
+    pad = np.pad(p, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="edge")
+    k = np.array([0.25, 0.5, 0.25])
+    ref = sum(k[i] * k[j] * pad[:, :, i:i + 8, j:j + 8] for i in range(3) for j in range(3))
+    np.testing.assert_allclose((y + 1) / 2, ref, atol=1e-5)
+
+
+def test_augment_rotation_quarter_turn():
+    """A 90 degree rotation of the sampling grid is an exact quarter turn of the pixels."""
+    x = _batch(s=16)
+    y = apply_params(x, _params(3, angle=np.pi / 2))
+    turned = [torch.rot90(x, k, dims=(-2, -1)) for k in (1, -1)]
+    assert min(float((y - t).abs().max()) for t in turned) < 1e-5
+    torch.testing.assert_close(apply_params(x, _params(3, angle=0.0)), x, atol=1e-5, rtol=0)
+
+
+def test_augment_new_options_draw_only_when_on():
+    """Configs without the new options give the same views as before; with them the ranges hold."""
+    base = sample_params(5000, np.random.default_rng(3), AugmentConfig())
+    assert set(base) == {"w", "h", "cx", "cy", "flip", "brightness", "contrast"}
+    cfg = AugmentConfig(saturation=0.5, grey_p=0.2, blur_p=0.5, rotate=10.0)
+    p = sample_params(5000, np.random.default_rng(3), cfg)
+    for k in base:
+        np.testing.assert_array_equal(p[k], base[k])
+    assert 0.5 <= p["saturation"].min() and p["saturation"].max() <= 1.5
+    assert abs(p["grey"].mean() - 0.2) < 0.03 and abs(p["blur"].mean() - 0.5) < 0.03
+    assert np.abs(p["angle"]).max() <= np.radians(10.0)
+    for bad in ({"grey_p": 1.5}, {"saturation": -0.1}, {"rotate": 200.0}):
+        with pytest.raises(ValueError):
+            AugmentConfig(**bad)
+
+
 # --- neighbour ----------------------------------------------------------------------------
 
 def test_pixel_neighbours_match_brute_force():
@@ -369,3 +414,51 @@ def test_neighbour_positives_are_augmented_neighbours(rng):
     np.testing.assert_array_equal(clone.neighbour_table(ds), table)
     with pytest.raises(ValueError, match="k must be a positive integer"):
         create_generator("neighbour", k=0)
+
+
+class _CountingEncoder(torch.nn.Module):
+    """A fixed random projection of the pixels (train/eval mode and call count recorded)."""
+
+    def __init__(self, d_in, d_out=5, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.randn(d_in, d_out, generator=g))
+        self.calls, self.modes = 0, []
+
+    def forward(self, x):
+        self.calls += 1
+        self.modes.append(self.training)
+        return x.flatten(1) @ self.w
+
+
+def test_encoder_neighbours_match_brute_force_and_refresh_when_due():
+    from training.neighbours import encoder_neighbours
+
+    ds = _LabelledArrayDataset(np.arange(60) % 3, seed=7)
+    every = ds.tensors(np.arange(len(ds)))
+    enc = _CountingEncoder(every[0].numel())
+    enc.train()
+    table = encoder_neighbours(enc, ds, k=4, batch_size=16)          # several batches
+    assert enc.training and enc.modes and not any(enc.modes)          # embedded in eval mode, mode restored
+    # independent reference: float64 cosine of the projections, self excluded, argsort
+    z = (every.flatten(1).double() @ enc.w.detach().double()).numpy()
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    sim = z @ z.T
+    np.fill_diagonal(sim, -np.inf)
+    np.testing.assert_array_equal(table, np.argsort(-sim, axis=1, kind="stable")[:, :4])
+
+    gen = create_generator("neighbour", k=4, space="encoder", refresh_every=10)
+    with pytest.raises(RuntimeError, match="refresh"):
+        gen.neighbour_table(ds)                                       # the encoder space needs the encoder
+    assert gen.refresh(enc, ds, 0)                                    # first call computes
+    np.testing.assert_array_equal(gen.neighbour_table(ds), table)
+    assert not gen.refresh(enc, ds, 5) and gen.refresh(enc, ds, 10)  # then only every 10 steps
+    once = create_generator("neighbour", k=4, space="encoder")        # refresh_every 0: the step-0 table only
+    assert once.refresh(enc, ds, 0) and not once.refresh(enc, ds, 100)
+    assert not create_generator("neighbour", k=4).refresh(enc, ds, 0)   # pixel space: nothing to refresh
+    # options round trip; the pixel default's options read as before
+    assert repr(create_generator("neighbour", **gen.options())) == repr(gen)
+    assert "space" not in create_generator("neighbour").options()
+    for bad in ({"space": "text"}, {"refresh_every": -1}):
+        with pytest.raises(ValueError):
+            create_generator("neighbour", **bad)

@@ -196,3 +196,30 @@ def test_contrastive_step_single_process_equals_loss_forward():
     ref = loss(enc(a), enc(b), 0.3)
     assert torch.allclose(got.loss, ref.loss, atol=1e-6)
     assert got.stats == pytest.approx(ref.stats)
+
+
+def test_encoder_space_neighbours_follow_the_encoder(tmp_path, monkeypatch):
+    """generator neighbour/space=encoder: the table is computed from the encoder before step 0 and at
+    every refresh_every-th step, each time from the encoder's weights at that step."""
+    from training import generators, neighbours
+
+    seen = []
+    real = neighbours.encoder_neighbours
+
+    def spy(encoder, dataset, k, **kw):
+        seen.append({n: p.detach().clone() for n, p in encoder.state_dict().items()})
+        return real(encoder, dataset, k, **kw)
+
+    monkeypatch.setattr(neighbours, "encoder_neighbours", spy)
+    cfg = load_train_config(TINY, ["steps=7", 'generator="neighbour"', f'out_dir="{tmp_path}"',
+                                   'generator_options={k = 3, space = "encoder", refresh_every = 3}'])
+    train(cfg)
+    assert len(seen) == 3                                            # steps 0, 3, 6
+    init = load_file(str(tmp_path / "init.safetensors"))
+    for name, value in init.items():
+        torch.testing.assert_close(seen[0][name].float(), value.float())   # the untrained tower's neighbours
+    for a, b in zip(seen, seen[1:]):                                        # each later table: newer weights
+        assert any(not torch.equal(a[n], b[n]) for n in a)
+    info = json.loads((tmp_path / "config.json").read_text())
+    assert info["generator_options"]["space"] == "encoder"
+    assert isinstance(generators.create_generator("neighbour", **info["generator_options"]), generators.NeighbourGenerator)

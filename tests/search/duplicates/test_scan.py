@@ -19,7 +19,7 @@ from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, thumbnail
 from search.duplicates.edits import EDITS, edited_copy
-from search.duplicates.model import NAMES, fit_model, threshold_for_precision
+from search.duplicates.model import NAMES, SIGN, fit_model, threshold_for_precision
 from search.duplicates.scan import groups_of, scan_collection
 from training.images import load_rgb
 
@@ -107,12 +107,13 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
 
 
 def test_em_recovers_the_share_and_the_posterior_of_a_known_mixture():
-    """Positives and negatives from two Gaussians with one covariance (the log likelihood ratio is linear,
-    inside the model); unlabelled = a 7 % mixture. The fitted share and each unlabelled pair's probability
-    are compared with the exact values computed from the generating densities."""
+    """Positives and negatives from two Gaussians with one covariance, the positives' mean further along every
+    feature's "more alike" direction (the log likelihood ratio is linear and increasing in each signed feature:
+    inside the monotone model); unlabelled = a 7 % mixture. The fitted share and each unlabelled pair's
+    probability are compared with the exact values computed from the generating densities."""
     rng = np.random.default_rng(0)
     d = len(NAMES)
-    mu_pos, mu_neg = np.full(d, 1.2), np.zeros(d)
+    mu_pos, mu_neg = 1.2 * SIGN, np.zeros(d)
     pos = rng.normal(mu_pos, 1.0, (600, d))
     u_is_dup = rng.random(4000) < 0.07
     unl = np.where(u_is_dup[:, None], rng.normal(mu_pos, 1.0, (4000, d)), rng.normal(mu_neg, 1.0, (4000, d)))
@@ -127,8 +128,8 @@ def test_a_share_at_its_bound_is_reported():
     """Unlabelled pairs that are mostly like the copies (80 %) drive the share to the bound, and the fit says so."""
     rng = np.random.default_rng(1)
     d = len(NAMES)
-    pos = rng.normal(2.0, 1, (300, d))
-    unl = np.where(rng.random(600)[:, None] < 0.8, rng.normal(2.0, 1, (600, d)), rng.normal(0, 1, (600, d)))
+    pos = rng.normal(2.0 * SIGN, 1, (300, d))
+    unl = np.where(rng.random(600)[:, None] < 0.8, rng.normal(2.0 * SIGN, 1, (600, d)), rng.normal(0, 1, (600, d)))
     model = fit_model(pos, unl, l2=1e-4, max_share=0.3, steps=50)
     assert model.share == pytest.approx(0.3) and "bound" in model.bound and "--threshold" in model.bound
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
-                                         raw_pixel_features, verdict)
+                                         raw_pixel_features, recipe_description, verdict)
 
 
 def test_raw_pixel_features_are_grey_area_thumbnails():
@@ -54,3 +54,20 @@ def test_paired_difference_and_verdict_follow_the_interval():
     assert "it is worse by -0.1" in worse["verdict"]
     same = verdict("precision@10", RAW_PIXELS, {"mean": 0.01, "low": -0.02, "high": 0.04})
     assert "did not clearly improve" in same and "includes 0" in same
+
+
+def test_verdict_names_the_recipe():
+    info = {"lineage": {"generator": {"name": "neighbour", "options": {"k": 5, "space": "encoder", "refresh_every": 50}}},
+            "train_config": {"steps": 400, "encoder": {"image_size": 32}}}
+    recipe = recipe_description(info)
+    assert recipe == "encoder neighbours as positives (neighbour, k 5, refreshed every 50 steps), 32 px, 400 steps"
+    pixels = {"lineage": {"generator": {"name": "neighbour", "options": {"k": 3}}}, "train_config": {}}
+    assert recipe_description(pixels) == "grey-pixel neighbours as positives (neighbour, k 3)"
+    assert recipe_description({"lineage": {"generator": {"name": "label"}}}).startswith("class folders")
+    assert recipe_description({}) is None                      # an imported model records no recipe
+    rng = np.random.default_rng(4)
+    base = rng.uniform(0.2, 0.5, 100)
+    out = baseline_comparison({RAW_PIXELS: (base, base)}, (base + 0.1, base + 0.1), n_boot=200, recipe=recipe)
+    assert out["verdict"].startswith("training improved") and out["verdict"].endswith("; recipe: " + recipe)
+    assert out["recipe"] == recipe
+    assert "recipe" not in baseline_comparison({RAW_PIXELS: (base, base)}, (base, base), n_boot=50)

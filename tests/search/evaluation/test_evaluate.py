@@ -20,7 +20,8 @@ TINY = EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8)
 def _ckpt(path, seed, tau):
     torch.manual_seed(seed)
     enc = create_encoder(TINY)
-    return save_checkpoint(path, enc, step=0, train_config={"seed": seed}, lineage={"objective": "infonce"},
+    return save_checkpoint(path, enc, step=0, train_config={"seed": seed, "steps": 7},
+                           lineage={"objective": "infonce", "generator": {"name": "label", "options": {}}},
                            metrics={"temperature": tau})
 
 
@@ -124,6 +125,7 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
     assert row["name"].startswith("raw pixels") and row["precision@10"] == pytest.approx(raw.mean(), abs=0.01)
     assert row["difference@10"]["low"] <= row["difference@10"]["mean"] <= row["difference@10"]["high"]
     assert b["verdict"].startswith("training ") and b["verdict"] in (out / "report.html").read_text()
+    assert b["verdict"].endswith("; recipe: class folders as positives (label), 7 steps")   # which recipe ran
     # the label gap's ideal entropy is log n_c (closed form)
     counts = np.bincount(db.labels, minlength=10)
     assert rep["gap"]["serving"]["ideal_entropy"] == pytest.approx(np.mean(np.log(counts[qs.labels])), rel=1e-9)
