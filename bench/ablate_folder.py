@@ -80,6 +80,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "encnb-mild": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                             "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.8, 1.0],
                             "generator_options.translate": 0.05}),
+    "bothnb": ("flat", {"generator": "neighbour", "generator_options.space": "both",
+                        "generator_options.refresh_every": 50}),
     "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
     "simclr": ("flat", {"generator": "instance", "generator_options.k": None,
                         "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
