@@ -29,7 +29,7 @@ class DedupConfig:
     calibration_items: int = 400
     iterations: tuple[int, int] = (16, 8)
     max_share: float = 0.5
-    quantile: float = 0.75
+    quantile: float = 0.5
     threshold: float = 0.5
     l2: float = 1e-4
     flips: bool = False
