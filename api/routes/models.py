@@ -238,6 +238,9 @@ class IndexOut(BaseModel):
     categories: dict[str, list[str]] = Field(default_factory=dict,
                                              description="distinct values of the string fields that have at most "
                                                          "100 (e.g. the class folders), for filter pickers")
+    normaliser: dict | None = Field(None, description="how log Z is computed for this version: method (exact | "
+                                                      "bounded), what `auto` measured to choose it (probe), where "
+                                                      "the top-k comes from, the bounded estimate's settings")
     manifest: dict
 
 
