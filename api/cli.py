@@ -149,6 +149,7 @@ INSTALL_HINTS = {
     "torchvision": "pip install -e . (torchvision is a core dependency)",
     "open_clip": "pip install -e . (open_clip_torch is a core dependency)",
     "onnxruntime": "pip install -e . (onnxruntime is a core dependency)",
+    "ray": "pip install -e '.[ray]' (the ray extra: Ray Serve and Ray Data, README 'Past one machine')",
 }
 
 

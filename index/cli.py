@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shards", type=int, default=None, metavar="N",
                     help="split the items into N shards, each with its own FAISS index, embeddings and metadata, "
                          "in one version (served by fanning out: `serve`, or `serve --engine ray`)")
+    sp.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="ray: with --shards N, each shard embedded (Ray Data over an actor pool) and built as a Ray "
+                         "task on a Ray cluster (extra [ray]; every node reads the store at the same path)")
+    sp.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --engine ray: the cluster to join (e.g. auto, HEAD:6379; default: start a local Ray)")
+    sp.add_argument("--ray-actors", type=int, default=1, metavar="N",
+                    help="with --engine ray: embedding actors per shard (default 1)")
+    sp.add_argument("--ray-actor-cpus", type=float, default=1.0, metavar="C",
+                    help="with --engine ray: CPUs each embedding actor reserves (default 1)")
 
     sp = sub.add_parser("rebuild", help="re-embed the current version's corpus with a new checkpoint")
     common(sp); notify(sp); embedding(sp); kind(sp, None)
@@ -321,6 +330,69 @@ def _build_from_vectors(args, options) -> str:
     return build_from_vectors(args.embeddings, args.root, dataclasses.replace(options, calibrator=None), ids=args.ids)
 
 
+def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, on_new_items, t0: float) -> int:
+    """`index add | sync | delete` on a sharded version: the change applied to an unsharded copy of it (never
+    activated), the result resharded into as many shards, gated against what serves and activated; both
+    intermediates removed. Rows are split contiguously again, so items may move between shards; the version
+    answers what the unsharded one would, probabilities exact (search/serving/sharded.py)."""
+    import argparse
+    import contextlib
+    import io
+
+    from index.shards import remove_unserved, reshard, unshard
+
+    shards = len(store.manifest(base).shards)
+    before = set(store.versions())
+    whole = unshard(store, base, target_recall=args.target_recall)
+    changed = None
+    try:
+        inner = argparse.Namespace(**{**vars(args), "base": whole, "no_activate": True, "keep": None, "notify": None})
+        with contextlib.redirect_stdout(io.StringIO()):
+            _run(inner, None, calibrator)   # the quality gate runs once, on the resharded result
+        made = [v for v in store.versions() if v not in before and v != whole]
+        if not made:   # sync: the folder is in step with the base
+            print(f"index sync: {base} is already in step with its folder (nothing to re-embed)")
+            return 0
+        changed = made[-1]
+        version = reshard(args.root, shards, source=changed, commit=_commit_options(args, evaluator),
+                          path=f"index {args.command}")
+    finally:
+        for v in (whole, changed):
+            if v is not None:
+                remove_unserved(store, v)
+    m = store.manifest(version)
+    print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {shards} shards ({m.count} items; {store.manifest(base).count} in {base})")
+    if on_new_items is not None and args.command in ("add", "sync"):
+        on_new_items(args.root, base, version)
+    return 0 if args.no_activate else _notify(args, version)
+
+
+def _build_on_ray(args, store: IndexStore, options, t0: float) -> int:
+    """`index build --engine ray --shards N` (index/ray_build.py)."""
+    if not args.shards:
+        raise ValueError("--engine ray builds a sharded version: give --shards N")
+    if args.embeddings is not None or not args.dataset:
+        raise ValueError("--engine ray embeds a dataset: give --dataset NAME with --checkpoint or --encoder "
+                         "(for your own vectors use --embeddings without --engine ray)")
+    if args.ids is not None:
+        raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
+    try:
+        import ray  # noqa: F401
+        import ray.data  # noqa: F401
+    except ImportError as err:   # Ray, or Ray Data's pandas / pyarrow: the ray extra installs them
+        raise ModuleNotFoundError(f"Ray Data is not installed ({err})", name="ray") from None
+    from index.ray_build import build_on_ray
+
+    with _build_checkpoint(args, store) as checkpoint:
+        version = build_on_ray(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
+                               args.shards, options, address=args.ray_address,
+                               actors=args.ray_actors, actor_cpus=args.ray_actor_cpus)
+    print(_summary("build", store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {args.shards} shards built on Ray")
+    return _notify(args, version) if not args.no_activate else 0
+
+
 def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
     """`index add --embeddings FILE [--ids FILE] [--metadata FILE]` onto a version built from vectors."""
     from index.build import add_vectors
@@ -454,9 +526,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command in ("add", "sync", "delete"):
         base = args.base or store.current_version()
         if base and store.manifest(base).shards:
-            raise ValueError(f"index {args.command} does not support the sharded version {base} yet: {args.command} "
-                             f"the unsharded version it came from ({store.manifest(base).parent}), then "
-                             f"`index reshard --shards {len(store.manifest(base).shards)}`")
+            return _change_sharded(args, store, base, evaluator, calibrator, on_new_items, t0)
     if args.command == "reshard":
         from index.shards import reshard
 
@@ -474,6 +544,10 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                 raise ValueError(f"--search-temperature must be positive, got {args.search_temperature}")
             fields = {"search_temperature": args.search_temperature, "search_temperature_source": "command line"}
         commit = _commit_options(args, evaluator, calibrator)
+        if getattr(args, "engine", "local") == "ray":
+            return _build_on_ray(args, store, BuildOptions.combine(
+                _embed_options(args), commit, kind=args.kind, params=parse_params(args.param), fields=fields,
+                metadata=_user_metadata(args)), t0)
         if shards:   # built whole first (not activated), then split into the one version that is gated
             commit = dataclasses.replace(commit, activate=False, keep=None)
         options = BuildOptions.combine(_embed_options(args), commit, kind=args.kind, params=parse_params(args.param),

@@ -55,6 +55,10 @@ def commit(store: IndexStore, staged: Staged, options: CommitOptions, *, path: s
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
         serving = (store.load(serving_name, verify=False, gpu=False)
                    if serving_name and options.evaluator else None)
+        if serving is not None and serving.index is None:   # a sharded version: scored as its rows, one flat index
+            from index.shards import flat_view
+
+            serving = flat_view(serving)
         record = gate_record(candidate, serving, options.evaluator, margin=options.margin, force=options.force)
         # an import's version arrived whole: on a full disk here nothing of it is committed (a build's
         # staged files are removed as after any failed write: the default message)

@@ -25,7 +25,7 @@ import numpy as np
 from index import faiss_index, kinds
 from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
     read_manifest, verify_files, write_manifest
-from index.metadata import ITEM_METADATA, read_metadata
+from index.metadata import item_files, read_metadata
 from index.options import CommitOptions
 
 logger = logging.getLogger(__name__)
@@ -185,6 +185,20 @@ def version_metadata(path):
     return merged
 
 
+def version_records(path) -> dict:
+    """The file records (item_files.json) of a version directory, a sharded one's merged over its shards."""
+    from index.items import read_records
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    if not manifest.shards:
+        return read_records(path)
+    merged: dict = {}
+    for entry in manifest.shards:
+        merged.update(read_records(path / entry["name"]))
+    return merged
+
+
 def merged_recall(parent, shard_versions: list, offsets: list[int], target: float) -> dict:
     """recall@10 of the shards' FAISS indexes at their tuned parameters, their top-k merged, against exact
     search over all rows, on stored rows as queries (each query's own row excluded): the activation rule's
@@ -234,13 +248,14 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}:shards{shards}")
     staging = store.staging_path(version)
     metadata = version_metadata(parent.path)
+    records = version_records(parent.path)
     entries, files, shard_versions, timings = [], {}, [], {}
     try:
         staging.mkdir(parents=True, exist_ok=True)
         for s, (a, b) in enumerate(ranges):
             name = shard_name(s)
             ids = [str(parent.ids[i]) for i in range(a, b)]
-            extra = {ITEM_METADATA: metadata.encode(ids)} if metadata.types else None
+            extra = item_files(records, metadata, ids)
             fields = {**pm.carried(*CARRIED), "parent": pm.version, "shard": {"name": name, "of": version,
                                                                                "offset": a, "shards": shards}}
             t0 = time.perf_counter()
@@ -312,9 +327,34 @@ def flat_view(sharded: ShardedVersion):
     return IndexVersion(sharded.path, sharded.manifest, index, list(sharded.ids), emb)
 
 
+def unshard(store, version: str, *, target_recall: float = 0.95) -> str:
+    """Commit (never activate) an unsharded version equal to the sharded `version`: its rows, ids, metadata and
+    file records in global row order, the shards' kind rebuilt over all rows, the encoder, data and temperature
+    carried over. What `index add / sync / delete` start from on a sharded version (their result is resharded)."""
+    from index.build import write_version
+    from index.commit import discard_staging
+
+    sharded = store.load(version, verify=True, gpu=False)
+    m = sharded.manifest
+    ids = list(sharded.ids)
+    kind = m.shards[0].get("kind") or m.kind
+    params = {k: v for k, v in (m.params or {}).items() if k not in ("nprobe", "efSearch", "rerank")}
+    fields = {**m.carried(*CARRIED, "skipped", "world_size", "text"), "parent": m.version}
+    extra = item_files(version_records(sharded.path), version_metadata(sharded.path), ids)
+    whole, staging = write_version(store, np.asarray(sharded.embeddings, dtype=np.float32), ids, kind=kind,
+                                   params=params, target_recall=target_recall, fields=fields, extra_files=extra)
+    try:
+        store.commit(staging, whole)
+    except BaseException:
+        discard_staging(staging)
+        raise
+    return whole
+
+
 def remove_unserved(store, version: str) -> None:
     """Delete a version that was never activated (the unsharded intermediate of `index build --shards`)."""
-    if version in (store.current_version(), *store.history().get("stack", [])):
+    if version in (store.current_version(), *store.history().get("stack", [])) \
+            or not (store.versions_dir / version).is_dir():   # serving, or already pruned
         return
     with store.lock():
         trash = store.root / f".trash-{version}"

@@ -117,6 +117,15 @@ class ReloadResult:
     encoder_reloaded: bool
 
 
+def _index_recall(manifest) -> float | None:
+    """The recall@10 an approximate index measured at build (None for an exact index or none recorded)."""
+    record = getattr(manifest, "recall", None)
+    record = record() if callable(record) else record
+    if not isinstance(record, dict) or record.get("exact") or record.get("recall") is None:
+        return None
+    return float(record["recall"])
+
+
 def _manifest_temperature(manifest: Manifest) -> float:
     value = manifest.temperature
     if value is not None:
@@ -139,6 +148,7 @@ class SearchSnapshot:
     runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
     read_item_metadata: ClassVar = staticmethod(read_metadata)   # version directory -> its Metadata
     release_pages: bool = True                                  # exact scan: unmap the map's pages once read
+    normaliser_info: dict | None = None                         # how log Z is computed (`Normaliser.describe`)
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -449,7 +459,8 @@ class Searcher:
         # built off to the side like the rest of the snapshot (bounded: the version's stored list
         # statistics; one pass over the rows for a version written before they were stored)
         normaliser = Normaliser.for_version(emb, version.index, self.normaliser,
-                                            stored=getattr(version, "list_stats", None))
+                                            stored=getattr(version, "list_stats", None),
+                                            index_recall=_index_recall(version.manifest))
         if encoder is None:
             runner = None
         elif runner is None or runner.encoder is not encoder:
@@ -457,7 +468,7 @@ class Searcher:
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
                               normaliser if normaliser.method != "exact" else None, runner,
-                              release_pages=self.normaliser.releases("exact"))
+                              release_pages=self.normaliser.releases("exact"), normaliser_info=normaliser.describe())
 
     def shard_searchers(self, version) -> tuple[list, list[str]]:
         """(callables (q, k, taus, mask) -> ShardAnswer, names), one per shard of a sharded version: in this

@@ -187,3 +187,34 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(tmp_path, folders, tiny_checkpoint,
+                                                                                embedded_ids, capsys):
+    """`index sync` on a 3-shard version: the file records survive the reshard, so exactly the added and modified
+    files are embedded; the result is a 3-shard version with a fresh build's ids and rows; a second sync is in step
+    and writes nothing."""
+    from index.shards import ShardedVersion, reshard
+
+    folder, spare = folders
+    root = tmp_path / "index"
+    build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
+    v1 = reshard(root, 3)
+    embedded_ids.clear()
+    change = _change(folder, spare, np.random.default_rng(0))
+    assert main(["sync", "--root", str(root), "--no-progress"]) == 0
+    assert "3 shards" in capsys.readouterr().out
+    assert sorted(embedded_ids) == sorted(change["added"] + change["modified"])
+    store = IndexStore(root)
+    synced = store.load(verify=True)
+    assert isinstance(synced, ShardedVersion) and len(synced.manifest.shards) == 3
+    fresh_root = tmp_path / "fresh"
+    fresh = IndexStore(fresh_root).load(build_index(tiny_checkpoint, _folder_ds(folder), fresh_root,
+                                                    BuildOptions(progress=False)))
+    assert synced.ids == fresh.ids
+    np.testing.assert_allclose(np.asarray(synced.embeddings), fresh.embeddings, atol=1e-6, rtol=0)
+    versions = store.versions()
+    embedded_ids.clear()
+    assert main(["sync", "--root", str(root), "--no-progress"]) == 0
+    assert "already in step" in capsys.readouterr().out and embedded_ids == []
+    assert store.versions() == versions and v1 in versions and len(versions) == 3   # whole, v1, synced
