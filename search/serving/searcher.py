@@ -119,11 +119,10 @@ class ReloadResult:
 
 def _index_recall(manifest) -> float | None:
     """The recall@10 an approximate index measured at build (None for an exact index or none recorded)."""
-    record = getattr(manifest, "recall", None)
-    record = record() if callable(record) else record
-    if not isinstance(record, dict) or record.get("exact") or record.get("recall") is None:
+    record = getattr(manifest, "recall", None)   # a RecallRecord (index.manifest) or None
+    if record is None or record.exact or record.recall is None:
         return None
-    return float(record["recall"])
+    return float(record.recall)
 
 
 def _manifest_temperature(manifest: Manifest) -> float:
