@@ -131,6 +131,12 @@ class NormaliserConfig:
     up to max_samples rows sized to reach it replaces it (a two-stage design);
     max_se: a query whose estimate still has a larger standard error (nats) is computed exactly;
     top_rows: rows the ANN index ranks first, summed exactly too (heavy terms out of the sample);
+    control_variate: estimate each list's mean of exp(t) through exp(t) - t (t has mean 0 over the list):
+    2.5x fewer rows for the same standard error in the tests' clusters, but the interval then covers a
+    little under its level (0.87-0.89 at 0.90 there: what is left of the variance is the rare heavy
+    rows', which a sample underestimates); False: the plain mean of exp(t), interval at its level;
+    recall_target: recall@10 an approximate index must have measured at build for `auto` to serve
+    bounded answers over it (their top-k comes from the index);
     release_pages: unmap the memory map's pages from the process once read (`release_pages`), so the
     file's pages do not pile up in the process's RSS (they stay in the shared, reclaimable page
     cache); False keeps them mapped (no refaults); None (default) releases after the exact scan's
@@ -152,6 +158,7 @@ class NormaliserConfig:
     kmeans_seed: int = 1234
     release_pages: bool | None = None
     recall_target: float = 0.99
+    control_variate: bool = True
 
     def releases(self, method: str) -> bool:
         """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""
@@ -408,7 +415,8 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     if len(todo):
         seeds = np.array([_query_seed(q[i], float(taus[i])) for i in todo], dtype=np.uint64)
         known_keys = np.sort(kq * np.int64(embeddings.shape[0]) + kr)
-        sample = _SampleInputs(embeddings, stats, q, taus, centre, log_lo, tail, known_keys, release)
+        sample = _SampleInputs(embeddings, stats, q, taus, centre, log_lo, tail, known_keys, release,
+                               1.0 if config.control_variate else 0.0)
         log_t, log_se, m = _sample_tail(sample, todo, seeds, np.full(len(todo), config.samples), 0)
         rows_read[todo] += m
         with np.errstate(over="ignore", invalid="ignore"):
@@ -575,6 +583,7 @@ class _SampleInputs:
     tail: np.ndarray        # (Q, L) bool
     known_keys: np.ndarray  # sorted query * N + row of the rows already summed exactly
     release: bool
+    control: float = 1.0    # 1: y = exp(t) - t (control variate), 0: y = exp(t)
 
 
 #: Fewest draws a list gets to be a stratum of its own (its variance estimate has MIN - 1 degrees of
@@ -666,7 +675,7 @@ def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, sampl
     is_known = (pos < len(inp.known_keys)) & (inp.known_keys[np.minimum(pos, len(inp.known_keys) - 1)] == keys) \
         if len(inp.known_keys) else np.zeros(len(keys), bool)
     scale = np.exp(-top[dw])
-    y = np.where(is_known, 0.0, np.exp(t - top[dw])) - t * scale                  # (exp(t) - t) / exp(top)
+    y = np.where(is_known, 0.0, np.exp(t - top[dw])) - t * scale * inp.control                  # (exp(t) - t) / exp(top)
     width = n_w * (n_lists + 1)
     m = np.bincount(sid, minlength=width).astype(np.float64)
     mean = np.bincount(sid, weights=y, minlength=width) / np.maximum(m, 1)

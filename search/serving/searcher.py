@@ -119,7 +119,7 @@ class ReloadResult:
 
 def _index_recall(manifest) -> float | None:
     """The recall@10 an approximate index measured at build (None for an exact index or none recorded)."""
-    record = manifest.recall   # a RecallRecord (index.manifest), None when none is recorded
+    record = getattr(manifest, "recall", None)   # a RecallRecord (index.manifest) or None
     if record is None or record.exact or record.recall is None:
         return None
     return float(record.recall)
