@@ -75,6 +75,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                    "warmup_steps": 80}),
     "encnb": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                        "generator_options.refresh_every": 50}),
+    "neighbour-mild": ("flat", {"generator": "neighbour", "generator_options.crop_scale": [0.8, 1.0],
+                                "generator_options.translate": 0.05}),
+    "encnb-mild": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
+                            "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.8, 1.0],
+                            "generator_options.translate": 0.05}),
+    "bothnb": ("flat", {"generator": "neighbour", "generator_options.space": "both",
+                        "generator_options.refresh_every": 50}),
     "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
     "simclr": ("flat", {"generator": "instance", "generator_options.k": None,
                         "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
@@ -89,6 +96,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "label": ("classes", {"generator": "auto"}),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
 }
+
+
+SCREEN = {"steps": 150, "batch_size": 64, "warmup_steps": 15}
 
 
 def _set(data: dict, key: str, value) -> None:
@@ -162,18 +172,21 @@ def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_
     return res
 
 
-def run_one(collection: str, config_name: str, seed: int, keep: bool = False) -> Path | None:
+def run_one(collection: str, config_name: str, seed: int, keep: bool = False, scale: dict | None = None,
+            tag: str = "") -> Path | None:
+    """Train, embed and score one run; `scale` (e.g. fewer steps for a screen) applies over the config,
+    `tag` names that scale in the run's name."""
     from training.config import config_from_dict
     from training.trainer import train
 
-    name = f"{collection}--{config_name}--s{seed}"
+    name = f"{collection}--{config_name}--s{seed}" + (f"--{tag}" if tag else "")
     out_json = OUT / f"{name}.json"
     if out_json.exists():
         return None
     layout, changes = CONFIGS[config_name]
     classes, flat = split_collection(collection, seed)
     data = tomllib.loads(CONFIG.read_text())
-    for k, v in changes.items():
+    for k, v in {**changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"
@@ -187,6 +200,7 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False) ->
                    classes, cfg.encoder.image_size, cache_dir)
     info = json.loads((run_dir / "config.json").read_text())
     res.update(run=name, collection=collection, config=config_name, layout=layout, seed=seed, changes=changes,
+               scale=scale or {}, tag=tag,
                steps=cfg.steps, batch_size=cfg.batch_size, image_size=cfg.encoder.image_size,
                train_wall_s=train_s, train_cpu_s=cpu_s, load_avg=os.getloadavg()[0],
                generator=info.get("generator"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -209,7 +223,7 @@ def summary() -> int:
     runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["collection"], r["config"]), []).append(r)
+        groups.setdefault((r["collection"], r["config"] + (f" [{r['tag']}]" if r.get("tag") else "")), []).append(r)
     rows = []
     for (coll, cfg), rs in sorted(groups.items()):
         tr = np.mean([r["precision"]["trained"]["p@10"] for r in rs])
@@ -232,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--summary", action="store_true")
     p.add_argument("--keep", action="store_true", help="keep the resume state of each run")
+    p.add_argument("--screen", action="store_true",
+                   help="the cheap scale: 150 steps of batch 64 (runs tagged 'screen'), to rank configs")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.summary:
@@ -241,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             for coll in args.collections.split(","):
                 if cfg not in CONFIGS or coll not in COLLECTIONS:
                     raise SystemExit(f"error: unknown config {cfg!r} or collection {coll!r}")
-                run_one(coll, cfg, seed, args.keep)
+                run_one(coll, cfg, seed, args.keep, SCREEN if args.screen else None, "screen" if args.screen else "")
     return 0
 
 

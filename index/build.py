@@ -48,7 +48,7 @@ from index.gate import QualityGateError  # noqa: F401  (re-exported: what a refu
 from index.manifest import DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, write_manifest
 from index.models import is_store_model, model_relpath
 from index.options import CommitOptions, EmbedOptions
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore,
                          new_version_name)
 from training.distributed import default_device
 
@@ -472,12 +472,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metada
     recorded = base_version.manifest.checkpoint_record
     if checkpoint is not None:
         sha = checkpoint_sha256(checkpoint)
-        if recorded.get("sha256") and sha != recorded["sha256"]:
+        if recorded.sha256 and sha != recorded.sha256:
             raise ValueError(f"checkpoint {checkpoint} (sha256 {sha[:12]}) is not the one {base_version.version} was "
-                             f"built with ({recorded['sha256'][:12]}); use 'index rebuild' to change the encoder")
+                             f"built with ({recorded.sha256[:12]}); use 'index rebuild' to change the encoder")
         store.models.add_file(checkpoint, sha)
     ckpt = store.models.resolve(recorded, base_version.version)   # the store's own copy of the weights
-    sha = recorded["sha256"]
+    sha = recorded.sha256
     ds = _as_list(dataset)[0]
     known = set(base_version.ids)
     new_ids = ds.item_ids()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from index.defaults import DEFAULT_MARGIN, KINDS
 from index.disk import describe as describe_os_error
-from index.manifest import GateRecord, IndexCorruptError, Manifest
+from index.manifest import GateRecord, IndexCorruptError, Manifest, RecallRecord
 from index.models import parse_encoder_spec, save_pretrained_checkpoint
 from training.cli_parser import CommandParser
 
@@ -72,7 +72,7 @@ def parse_params(items: list[str]) -> dict:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="softsearch index", description="Build and manage versioned search indexes.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -438,10 +438,11 @@ def _figures(m: Manifest) -> dict:
     exact search and through the served index, and the gate result."""
     gate = m.quality_gate or GateRecord()
     recall = gate.recall
-    tuned = m.recall or {}
-    exact = (gate.exact_recall_at_10 or {}).get("candidate")
-    served = (gate.recall_at_10 or {}).get("candidate") if exact is not None else None
-    return {"index_recall": recall.get("served", tuned.get("recall")), "target": recall.get("target", tuned.get("target")),
+    tuned = m.recall or RecallRecord()
+    exact = gate.exact_recall_at_10.candidate if gate.exact_recall_at_10 is not None else None
+    served = gate.recall_at_10.candidate if exact is not None and gate.recall_at_10 is not None else None
+    return {"index_recall": recall.served if "served" in recall.key_order else tuned.recall,
+            "target": recall.target if "target" in recall.key_order else tuned.target,
             "recall_exact": exact, "recall_served": served, "gate": gate.passed,
             "metric": gate.metric, "candidate": gate.candidate, "serving": gate.serving}
 
@@ -472,8 +473,8 @@ def _list(store: IndexStore, as_json: bool) -> None:
             m = store.manifest(v)
             last = store.last_activation(v) or {}
             rows.append({"version": v, "current": v == current, "count": m.count, "kind": m.kind,
-                         "created": m.created, "checkpoint": (m.checkpoint_record.get("sha256") or "")[:12],
-                         "recall": (m.recall or {}).get("recall"), "shards": len(m.shards) if m.shards else None,
+                         "created": m.created, "checkpoint": (m.checkpoint_record.sha256 or "")[:12],
+                         "recall": m.recall.recall if m.recall is not None else None, "shards": len(m.shards) if m.shards else None,
                          **_figures(m),
                          "forced": bool(last.get("forced")), "status": "ok"})
         except IndexCorruptError as err:
@@ -636,13 +637,13 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
             try:
                 loaded = store.load(v, verify=True, gpu=False)
                 record = loaded.manifest.checkpoint_record
-                if not record.get("sha256") and not record.get("path"):   # built from vectors: no model
+                if not record.sha256 and not record.path:   # built from vectors: no model
                     print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files match their sha256 "
                           "(built from vectors: no encoder model)")
                     continue
                 store.models.resolve(record, v)   # the encoder weights too (migrates an old store)
                 print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files and encoder model "
-                      f"{record['sha256'][:12]} match their sha256")
+                      f"{record.sha256[:12]} match their sha256")
             except IndexCorruptError as err:
                 bad += 1
                 print(f"CORRUPT {v}: {err}")
@@ -681,7 +682,7 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_
     search-temperature calibration (see index.build), both injected by the caller, as are
     `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report),
     and `notifier` (api.notify.notify_server) for --notify."""
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:   # argparse already printed usage / the error

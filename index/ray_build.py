@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from index import kinds
-from index.build import (BuildOptions, checkpoint_field, discard_staging, training_temperature,
-                         write_version)
-from index.commit import Staged
+from index.build import BuildOptions, checkpoint_field, training_temperature, write_version
+from index.commit import Staged, discard_staging
 from index.commit import commit as commit_staged
 from index.manifest import (MANIFEST_NAME, create_manifest, describe_files, fsync_dir, read_manifest,
                             update_manifest, write_manifest)
@@ -232,7 +231,7 @@ def build_on_ray(checkpoint, dataset, root, shards: int, options: BuildOptions |
             files.update({f"{d['name']}/{fname}": info_ for fname, info_ in listed.items()})
             entries.append({"name": d["name"], "count": d["count"], "offset": offset, "kind": shard_manifest.kind,
                             "params": shard_manifest.params,
-                            "recall": (shard_manifest.recall or {}).get("recall")})
+                            "recall": shard_manifest.recall.recall if shard_manifest.recall else None})
             skipped.extend(d["skipped"])
             offset += d["count"]
         loaded = ShardedVersion.load(staging, _provisional(version, entries, offset, shard_manifest), verify=False,

@@ -268,7 +268,7 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
             files.update({f"{name}/{fname}": info for fname, info in listed.items()})
             entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
-                            "params": shard_manifest.params, "recall": (shard_manifest.recall or {}).get("recall")})
+                            "params": shard_manifest.params, "recall": shard_manifest.recall.recall if shard_manifest.recall else None})
         from index.store import IndexVersion
 
         shard_versions = [IndexVersion.load(staging / e["name"], verify=False, gpu=False) for e in entries]
@@ -294,7 +294,8 @@ def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptio
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
-    merged FAISS search (`merged_recall`)."""
+    merged FAISS search (`merged_recall`). `commit` None: `CommitOptions(margin=0.0)` (the same rows scored
+    twice: no noise to tolerate)."""
     from index.commit import Staged
     from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion

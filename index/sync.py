@@ -139,8 +139,9 @@ def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_tempera
     if not m.has_encoder:   # built from vectors: no model to name; its source record carries over
         return {"checkpoint": None, **m.carried(*keys, "source", "added_sources")}
     record = m.checkpoint_record
-    record.setdefault("model", model_relpath(record["sha256"]))
-    return {"checkpoint": record, **m.carried(*keys)}
+    if "model" not in record.key_order:   # recorded before models lived in the store: name its place there
+        record = dataclasses.replace(record, model=model_relpath(record.sha256))
+    return {"checkpoint": record.to_json(), **m.carried(*keys)}
 
 
 def _rebuild_params(base: IndexVersion, count: int) -> dict:
@@ -163,7 +164,7 @@ def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
         try:
             return evaluator(candidate, serving)
         except (ValueError, FileNotFoundError) as err:
-            if serving.manifest.checkpoint_record.get("sha256") != sha:
+            if serving.manifest.checkpoint_record.sha256 != sha:
                 raise
             logger.info("serving version %s cannot be scored on its own items (%s); scoring its encoder and "
                         "temperature on the candidate's items", serving.version, err)
@@ -299,7 +300,7 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
                                      params=_rebuild_params(base_version, len(ids_kept)),
                                      target_recall=commit.target_recall, fields=fields, extra_files=item_files(read_records(base_version.path),
                                                                            read_metadata(base_version.path), ids_kept))
-    sha = m.checkpoint_record["sha256"]
+    sha = m.checkpoint_record.sha256
     try:
         if m.has_encoder:   # a version built from vectors names no model
             store.models.resolve(m.checkpoint_record, base_version.version)   # present (or migrated) before the commit

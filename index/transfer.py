@@ -77,16 +77,16 @@ def export_version(root, out, version: str | None = None) -> Path:
         raise FileNotFoundError(f"no current index version under {root} to export; name one with --version")
     loaded = store.load(version, verify=True, gpu=False)
     record = loaded.manifest.checkpoint_record
-    if not record.get("sha256"):
+    if not record.sha256:
         raise ValueError(f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
                          "export does not support it; copy the store root or build it again from the vectors")
     model = store.models.resolve(record, version)
     members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
     for name in loaded.manifest.files:
         members[f"versions/{version}/{name}"] = loaded.path / name
-    members[model_relpath(record["sha256"])] = model
+    members[model_relpath(record.sha256)] = model
     index = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "version": version,
-             "model": record["sha256"], "created": utc_now(), "count": loaded.manifest.count,
+             "model": record.sha256, "created": utc_now(), "count": loaded.manifest.count,
              "files": {name: _describe(path) for name, path in members.items()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,8 +224,8 @@ def _read_headers(tar: tarfile.TarFile, index: dict) -> dict[str, tarfile.TarInf
         members[name] = member
 
 
-def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
-             needed: int | None = None) -> None:
+def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
+                   needed: int | None = None) -> None:
     """Stream one member to `target`, counting and hashing as it goes; ValueError at the first byte past
     its stated size or on a checksum mismatch, DiskFull (naming `needed`, the import's bytes) when the disk
     fills."""
@@ -326,7 +326,7 @@ def import_version(root, archive, *, commit: CommitOptions | None = None,
                     raise DiskFull(work / name, needed)
                 remaining -= on_disk(index["files"][name]["bytes"])
                 try:
-                    _extract(tar, members[name], index["files"][name], work / name, needed)
+                    extract_member(tar, members[name], index["files"][name], work / name, needed)
                 except (tarfile.TarError, EOFError, zlib.error) as err:
                     raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
                 if name == manifest_name:
@@ -334,7 +334,7 @@ def import_version(root, archive, *, commit: CommitOptions | None = None,
         staged = work / "versions" / version
         manifest = read_manifest(staged)
         verify_files(staged, manifest)
-        named = manifest.checkpoint_record.get("sha256")
+        named = manifest.checkpoint_record.sha256
         if manifest.version != version or named != model:
             raise IndexCorruptError(f"{archive}: the manifest names version {manifest.version} / model "
                                     f"{named}, the export index {version} / {model}")

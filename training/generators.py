@@ -249,14 +249,16 @@ class NeighbourGenerator(InstanceGenerator):
     * ``"pixels"``: grey-pixel cosine, computed once on first use (training/neighbours.py);
     * ``"encoder"``: the encoder being trained (cosine of its embeddings), computed by ``refresh``
       before the first step (the untrained tower's neighbours) and again every ``refresh_every``
-      steps (0: never again), NNCLR-style: the support follows what the encoder has learned.
+      steps (0: never again), NNCLR-style: the support follows what the encoder has learned;
+    * ``"both"``: as ``"encoder"``, ranked by the mean of the grey-pixel and the embedding cosines,
+      so a positive is close in both.
 
     The ideal search is only defined among training items, so ``log_ratio`` keeps the instance
     point-mass approximation (``exact = False``); evaluate with the ``label`` generator.
     """
 
     exact = False
-    SPACES = ("pixels", "encoder")
+    SPACES = ("pixels", "encoder", "both")
 
     def __init__(self, k: int = 5, space: str = "pixels", refresh_every: int = 0, **augment_options: Any):
         super().__init__(**augment_options)
@@ -267,7 +269,7 @@ class NeighbourGenerator(InstanceGenerator):
         if isinstance(refresh_every, bool) or not isinstance(refresh_every, (int, np.integer)) or refresh_every < 0:
             raise ValueError(f"refresh_every must be a non-negative integer, got {refresh_every!r}")
         self.k, self.space, self.refresh_every = int(k), space, int(refresh_every)
-        where = ("grey-pixel" if space == "pixels" else "encoder"
+        where = ("grey-pixel" if space == "pixels" else {"encoder": "encoder", "both": "pixel+encoder"}[space]
                  + (f", refreshed every {self.refresh_every} steps" if self.refresh_every else ", at step 0"))
         self.description = (f"neighbour: anchor and one of its {self.k} nearest {where} neighbours, both "
                             "augmented; APPROXIMATE: point-mass approximation of q")
@@ -283,8 +285,8 @@ class NeighbourGenerator(InstanceGenerator):
         """(N, k) neighbour rows of `dataset`, computed on first use (pixels) or by `refresh` (encoder)."""
         if self._table is not None and self._table[0]() is dataset:
             return self._table[1]
-        if self.space == "encoder":
-            raise RuntimeError("encoder-space neighbours need refresh(encoder, dataset, step) before sampling")
+        if self.space != "pixels":
+            raise RuntimeError(f"{self.space}-space neighbours need refresh(encoder, dataset, step) before sampling")
         from training.neighbours import pixel_neighbours
 
         table = pixel_neighbours(dataset, self.k)
@@ -294,14 +296,15 @@ class NeighbourGenerator(InstanceGenerator):
     def refresh(self, encoder: torch.nn.Module, dataset: "ImageDataset", step: int) -> bool:
         """Recompute the encoder-space table when it is due (first call, then every refresh_every
         steps); the trainer calls this before each step. Returns whether it recomputed."""
-        if self.space != "encoder":
+        if self.space == "pixels":
             return False
         have = self._table is not None and self._table[0]() is dataset
         if have and not (self.refresh_every and step % self.refresh_every == 0):
             return False
         from training.neighbours import encoder_neighbours
 
-        self._table = (weakref.ref(dataset), encoder_neighbours(encoder, dataset, self.k))
+        self._table = (weakref.ref(dataset), encoder_neighbours(encoder, dataset, self.k,
+                                                                with_pixels=self.space == "both"))
         return True
 
     def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,

@@ -66,9 +66,11 @@ def pixel_neighbours(dataset: "ImageDataset", k: int, block: int = 2048, progres
     return out
 
 
-def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int, batch_size: int = 512) -> np.ndarray:
+def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int, batch_size: int = 512,
+                       with_pixels: bool = False) -> np.ndarray:
     """(N, k) int64: each item's k nearest items by cosine of the encoder's embeddings (eval mode, as
-    an index embeds them), best first, never itself; the encoder's train/eval mode is restored."""
+    an index embeds them), best first, never itself; the encoder's train/eval mode is restored.
+    ``with_pixels``: ranked by the mean of that cosine and the grey-pixel one instead."""
     n = len(dataset)
     if not 1 <= k < n:
         raise ValueError(f"k must be in [1, {n - 1}] for a dataset of {n} items, got {k}")
@@ -82,6 +84,9 @@ def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int
                            for s in range(0, n, batch_size)])
     finally:
         encoder.train(was_training)
-    out = top_k_cosine(F.normalize(z, dim=1), k)
+    x = F.normalize(z, dim=1)
+    if with_pixels:   # [a, b] / sqrt(2) of unit rows: inner products are the mean of the two cosines
+        x = torch.cat([x, grey_pixels(dataset)], dim=1) / np.sqrt(2.0)
+    out = top_k_cosine(x, k)
     logger.info("encoder neighbours: %d items, k=%d in %.1f s", n, k, time.perf_counter() - t0)
     return out

@@ -1,24 +1,25 @@
 """The duplicate classifier, fitted on each collection without labels.
 
-A monotone logistic model on a few pair features (align.FEATURES and the descriptors' cosine, correlations
-read as Fisher z): each feature enters as a piecewise-linear function with non-negative slopes in the
-direction of "more alike" (higher correlation, coverage and cosine; less stretch and unexplained colour), so
-a pair more alike than another in every feature is never less likely a copy -- in particular a pair more
-alike than any synthetic copy (an identical file, a mirrored copy with --flips) keeps the highest odds the
-fit gives, instead of falling outside what it saw. It separates POSITIVES -- synthetic edited copies of the
-collection's own images against their originals (edits.py) -- from the collection's candidate pairs (each
-item and its nearest items), which are UNLABELLED: mostly look-alikes, plus whatever duplicates the collection
-holds. EM reads the mixture: with positives and (1 - r)-weighted candidate pairs balanced, the model's logit
-is the log likelihood ratio of "copy" to "not a copy"; a candidate pair's probability is
-r = sigmoid(logit + logit(pi)) and pi, the share of candidate pairs that are duplicates, is the mean r.
+POSITIVES are synthetic edited copies of the collection's own images against their originals (edits.py); the
+collection's candidate pairs (each item and its nearest items) are UNLABELLED: mostly look-alikes, plus whatever
+duplicates the collection holds, at an unknown share pi. One monotone logistic model, positives against all
+candidate pairs at equal total weight, estimates log R(x) = log p_copy(x) / p_candidate(x). Among the pairs most
+like copies, candidates are all duplicates, so there p_candidate = pi p_copy and R = 1 / pi: pi is read off
+where the synthetic copies sit (R at their `quantile`), and a pair's probability is pi R(x) (Elkan and Noto's
+positive-unlabelled estimate), capped at 1. No iteration, so nothing can drain to "no duplicates".
+
+The model is monotone: each feature (align.FEATURES and the descriptors' cosine, correlations read as Fisher z)
+enters as a piecewise-linear function with non-negative slopes in the direction of "more alike" (higher
+correlation, coverage and cosine; less stretch and unexplained colour), so a pair more alike than another in
+every feature is never less likely a copy, and a pair more alike than any synthetic copy (a mirrored copy with
+--flips) keeps the highest odds instead of falling outside what the fit saw.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import minimize
-from scipy.special import expit, logit
+from scipy.special import expit
 
 from search.duplicates.align import FEATURES
 
@@ -57,28 +58,50 @@ def basis(x: np.ndarray, knots: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(cols, axis=1) if cols else np.zeros((len(sx), 0))
 
 
-def fit_monotone(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None) -> np.ndarray:
-    """Weighted ridge logistic regression on basis columns with non-negative slopes (L-BFGS-B) ->
-    coefficients (intercept last, free and not penalised)."""
+def fit_monotone(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None, steps: int = 50) -> np.ndarray:
+    """Weighted ridge logistic regression on basis columns with non-negative slopes -> coefficients (intercept
+    last, free and not penalised): projected Newton (the slopes at zero whose gradient pushes them below it
+    held there, a Newton step on the rest, halved until the loss falls)."""
     xa = np.column_stack([x, np.ones(len(x))])
     pen = np.full(xa.shape[1], l2 * w.sum())
     pen[-1] = 0.0
+    bounded = np.r_[np.ones(x.shape[1], bool), False]
 
     def loss(beta):
         f = xa @ beta
-        val = w @ (np.logaddexp(0.0, f) - y * f) + 0.5 * pen @ (beta * beta)
-        return val, xa.T @ (w * (expit(f) - y)) + pen * beta
+        return w @ (np.logaddexp(0.0, f) - y * f) + 0.5 * pen @ (beta * beta)
 
-    bounds = [(0.0, None)] * x.shape[1] + [(None, None)]
-    res = minimize(loss, np.zeros(xa.shape[1]) if start is None else start, jac=True, method="L-BFGS-B", bounds=bounds,
-                   options={"maxiter": 500, "ftol": 1e-10, "gtol": 1e-7})
-    return res.x
+    beta = np.zeros(xa.shape[1]) if start is None else np.maximum(np.asarray(start, np.float64), 0.0)
+    beta[-1] = 0.0 if start is None else start[-1]
+    val = loss(beta)
+    for _ in range(steps):
+        p = expit(xa @ beta)
+        g = xa.T @ (w * (p - y)) + pen * beta
+        free = ~bounded | (beta > 1e-12) | (g < 0)
+        h = (xa[:, free] * (w * p * (1 - p))[:, None]).T @ xa[:, free] + np.diag(pen[free] + 1e-9)
+        d = np.zeros_like(beta)
+        d[free] = -np.linalg.solve(h, g[free])
+        t = 1.0
+        while t > 1e-6:
+            cand = beta + t * d
+            cand[bounded] = np.maximum(cand[bounded], 0.0)
+            new = loss(cand)
+            if new <= val:
+                break
+            t /= 2
+        else:
+            break
+        moved = np.abs(cand - beta).max()
+        beta, val = cand, new
+        if moved < 1e-7:
+            break
+    return beta
 
 
 @dataclass
 class DuplicateModel:
-    """What a scan's probabilities are: log LR(x) = coef . basis(x, knots) + intercept, p = sigmoid(log LR
-    + logit(share)); `bound` names a limit the fit reached ("" when none)."""
+    """What a scan's probabilities are: log R(x) = coef . basis(x, knots) + intercept (copies against candidate
+    pairs), p = min(1, share R(x)); `bound` names a limit the fit reached ("" when none)."""
 
     knots: list
     coef: np.ndarray
@@ -95,7 +118,7 @@ class DuplicateModel:
 
     def probability(self, x: np.ndarray, share: float | None = None) -> np.ndarray:
         s = self.share if share is None else share
-        return expit(self.log_ratio(x) + logit(np.clip(s, MIN_SHARE, 1 - MIN_SHARE)))
+        return np.exp(np.minimum(self.log_ratio(x) + np.log(max(s, MIN_SHARE)), 0.0))
 
     def to_json(self) -> dict:
         return {"features": list(NAMES), "sign": SIGN.tolist(), "knots": [k.tolist() for k in self.knots],
@@ -116,62 +139,31 @@ def _fit_balanced(bp, bu, wu, l2, start=None):
     return fit_monotone(x, y, w / w.mean(), l2, start)
 
 
-def largest_share(log_ratio: np.ndarray, max_share: float) -> float:
-    """The largest share pi in [MIN_SHARE, max_share] that the log likelihood ratios reproduce,
-    pi = mean sigmoid(log LR + logit pi) (0 always does: taking the largest is what keeps EM from draining
-    to it while the ratios still say some pairs are copies); max_share when even it is exceeded."""
-    g = lambda pi: float(np.mean(expit(log_ratio + logit(pi)))) - pi   # noqa: E731
-    if g(max_share) >= 0:
-        return max_share
-    grid = np.geomspace(MIN_SHARE, max_share, 121)
-    above = [k for k, pi in enumerate(grid) if g(pi) > 0]
-    if not above:
-        return MIN_SHARE
-    lo, hi = grid[above[-1]], grid[above[-1] + 1]
-    for _ in range(50):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if g(mid) > 0 else (lo, mid)
-    return float(lo)
-
-
-def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, steps: int,
+def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, quantile: float,
               threshold: float = 0.5) -> DuplicateModel:
-    """EM over the unlabelled candidate pairs (module docstring); positives and unlabelled are `design` rows."""
+    """The positive-unlabelled fit of the module docstring; positives and unlabelled are `design` rows."""
     if len(positives) < 4 or len(unlabelled) < 4:
         raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
                          f"{len(unlabelled)}")
     knots = knots_of(np.vstack([positives, unlabelled]))
     xp, xu = basis(positives, knots), basis(unlabelled, knots)
-    # start from every candidate pair as likely a copy as not at half the bound (started from "no duplicates",
-    # the duplicates a collection holds teach the first fit that copies are negatives); each step then takes the
-    # largest share the fitted ratios reproduce, not one EM update of it (a share of 0 is always a fixed point)
-    share, history, step, coef = max_share / 2, [], 0, None
-    r = np.full(len(xu), share)
-    for step in range(1, steps + 1):
-        coef = _fit_balanced(xp, xu, 1.0 - r, l2, coef)
-        lr = xu @ coef[:-1] + coef[-1]
-        new = largest_share(lr, max_share)
-        r = expit(lr + logit(new))
-        history.append(new)
-        done = abs(new - share) < 1e-4
-        share = new
-        if done:
-            break
+    ones = np.ones(len(xu))
+    coef = _fit_balanced(xp, xu, ones, l2)
+    top = float(np.quantile(xp @ coef[:-1] + coef[-1], quantile))
+    share = float(np.exp(-top)) if top > -np.log(max_share) else max_share
     bound = ""
-    if share >= max_share - 1e-9:
-        bound = (f"EM put the share of candidate pairs that are duplicates at its bound {max_share:g}: most "
-                 "neighbours here look like edited copies of each other (the edits the fit knows do not tell "
+    if share >= max_share:
+        bound = (f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
+                 "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
                  "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies")
-    elif step == steps:
-        bound = f"EM did not settle in {steps} steps (share {share:.3g}); rerun with more --calibration-items"
-    model = DuplicateModel(knots, coef, share, step, bound, len(xp), len(xu), history=history)
-    # held-out copy recall: each half of the positives scored by a fit on the other half (same weights)
+    share = max(share, MIN_SHARE)
+    model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])
+    # held-out copy recall: each half of the positives scored by a fit on the other half, at this share
     half = np.arange(len(xp)) % 2 == 0
     hits = []
     for held in (half, ~half):
-        c = _fit_balanced(xp[~held], xu, 1.0 - r, l2, coef)
-        p = expit(xp[held] @ c[:-1] + c[-1] + logit(max(share, MIN_SHARE)))
-        hits.append(p >= threshold)
+        c = _fit_balanced(xp[~held], xu, ones, l2, coef)
+        hits.append(np.minimum(xp[held] @ c[:-1] + c[-1] + np.log(share), 0.0) >= np.log(threshold))
     model.copy_recall = float(np.concatenate(hits).mean())
     return model
 

@@ -7,7 +7,7 @@ decoded pixels or identical thumbnails are one group at once (p 1), and one item
 then on; each such item's nearest items by the thumbnail's low-frequency DCT (and, when there are embeddings,
 by the index's own) are its candidates; each candidate pair is aligned (an affine map and a gain, align.py)
 and scored by how well it then correlates; a logistic regression fitted on this collection -- edited copies
-of its own images as positives, its candidate pairs as an unlabelled mixture read by EM -- turns those scores
+of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled learning) -- turns those scores
 into the probability that the pair is one picture edited, at this collection's own share of duplicates.
 """
 from __future__ import annotations
@@ -182,7 +182,7 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
     t["copies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, steps=config.em_steps,
+    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, quantile=config.quantile,
                       threshold=config.threshold)
     p = model.probability(x)
     t["fit"] = time.perf_counter() - t0

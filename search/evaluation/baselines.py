@@ -81,9 +81,10 @@ def recipe_description(info: dict) -> str | None:
     elif name == "neighbour":
         where = opts.get("space", "pixels")
         every = opts.get("refresh_every", 0)
-        what = (f"{'grey-pixel' if where == 'pixels' else 'encoder'} neighbours as positives (neighbour, k {opts.get('k')}"
-                + (f", refreshed every {every} steps" if where == "encoder" and every else "")
-                + (", step-0 tower" if where == "encoder" and not every else "") + ")")
+        space = {"pixels": "grey-pixel", "encoder": "encoder", "both": "pixel+encoder"}.get(where, where)
+        what = (f"{space} neighbours as positives (neighbour, k {opts.get('k')}"
+                + (f", refreshed every {every} steps" if where != "pixels" and every else "")
+                + (", step-0 tower" if where != "pixels" and not every else "") + ")")
     elif name == "instance":
         what = "two augmentations of one image as positives (instance)"
     else:

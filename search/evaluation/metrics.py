@@ -239,11 +239,11 @@ def ideal_topk(query_meta, db_meta, generator, k: int, exclude: np.ndarray | Non
             ex = np.asarray(exclude[q0 : q0 + bq])
             has = ex >= 0
             lr[np.flatnonzero(has), ex[has]] = -np.inf
-        out[q0 : q0 + lr.shape[0]] = _top_k_stable(lr, k)
+        out[q0 : q0 + lr.shape[0]] = top_k_stable(lr, k)
     return out
 
 
-def _top_k_stable(values: np.ndarray, k: int) -> np.ndarray:
+def top_k_stable(values: np.ndarray, k: int) -> np.ndarray:
     """(B, k) columns of the k largest values per row, ties by column order: the first k columns of a
     stable descending argsort, from a partition (O(N)) and a stable sort of the candidates only
     (every column tied with the k-th largest value, so ties at the cut keep their order)."""

@@ -9,11 +9,11 @@ from index.build import BuildOptions, QualityGateError, add_items, build_index, 
 from index.embed import cache_key, embed_shards, prepare_cache
 from index.options import EmbedOptions
 from index.store import IndexStore, IndexVersion
-
-QUIET = EmbedOptions(progress=False)
 from training.checkpoint import checkpoint_sha256, load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed
+
+QUIET = EmbedOptions(progress=False)
 
 
 def _reference(checkpoint, dataset) -> np.ndarray:
@@ -44,7 +44,7 @@ def test_build_embeds_indexes_and_describes(tmp_path, tiny_checkpoint, train_ds)
     _, rows = loaded.search(ref[:10], 1)
     np.testing.assert_array_equal(rows[:, 0], np.arange(10))          # every item finds itself
     m = loaded.manifest
-    assert m.checkpoint["sha256"] == checkpoint_sha256(tiny_checkpoint) and m.checkpoint["step"] == 7
+    assert m.checkpoint.sha256 == checkpoint_sha256(tiny_checkpoint) and m.checkpoint.step == 7
     assert m.encoder["embed_dim"] == 16 and m.dim == 16
     assert m.dataset == {"spec": train_ds.spec(), "fingerprint": train_ds.fingerprint()}
     assert m.lineage["objective"] == "infonce" and m.lineage["temperature_schedule"] == "fixed"

@@ -85,9 +85,9 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
     m = loaded.manifest
     assert m.kind == toy_kind.name and isinstance(faiss.downcast_index(loaded.index), faiss.IndexIVFScalarQuantizer)
     assert m.params["nprobe"] == faiss.extract_index_ivf(loaded.index).nprobe      # tuned knob applied on load
-    assert m.recall["param"] == "nprobe" and m.recall["recall"] >= target
+    assert m.recall.param == "nprobe" and m.recall.recall >= target
     checks = activation_checks(m)
-    assert [c["passed"] for c in checks] == [True, True], [c["message"] for c in checks]
+    assert [c.passed for c in checks] == [True, True], [c.message for c in checks]
 
     searcher = Searcher(root, load=True)
     queries = _unit(rng, 50, DIM)

@@ -52,7 +52,7 @@ def test_build_with_shards_writes_one_gated_version(tmp_path, tiny_checkpoint, c
     assert store.versions() == [store.current_version()]          # the unsharded intermediate is gone
     m = store.manifest(store.current_version())
     assert [e["count"] for e in m.shards] == [16, 17, 17] and m.count == 50
-    assert m.quality_gate is not None and m.recall["recall"] == 1.0
+    assert m.quality_gate is not None and m.recall.recall == 1.0
     assert "50 items" in out and "activated" in out
     loaded = store.load()
     assert isinstance(loaded, ShardedVersion)

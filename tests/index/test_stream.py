@@ -177,7 +177,7 @@ def test_streamed_version_serves_moves_and_accepts_additions(tmp_path):
     assert m.build["streamed"] and IVFDATA_FILE in m.files and LIST_STATS_FILE in m.files
     assert loaded.ids[:3] == ["0", "1", "2"] and len(loaded.ids) == 5000
     assert faiss_index.on_disk_lists(loaded.index)
-    assert m.quality_gate.passed and m.recall["reached"]
+    assert m.quality_gate.passed and m.recall.reached
     z = unit_rows(open_vectors(tmp_path / "x.npy"))
     q = z[:20]
     served = faiss_index.search_reranked(loaded.index, loaded.embeddings, q, 10, m.params["rerank"])

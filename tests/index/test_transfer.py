@@ -53,7 +53,7 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     for field in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(sa, field), getattr(sb, field))
     assert a.manifest == b.manifest
-    sha = a.manifest.checkpoint["sha256"]
+    sha = a.manifest.checkpoint.sha256
     assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha
     x = items.tensors(np.arange(6))
     enc_a, _, _ = load_version_encoder(a)
@@ -351,7 +351,7 @@ def test_gzip_bomb_stated_small_writes_nothing(tmp_path, exported):
 def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, exported):
     """The streaming guard itself: a member whose data runs past what the export index states is cut
     off at that size, not written out (here a 2 GiB bomb stated as 1 MiB, past the header check)."""
-    from index.transfer import _extract
+    from index.transfer import extract_member
     ids = f"versions/{exported['version']}/ids.json"
     bomb = tmp_path / "bomb.tar.gz"
     _gzip_bomb(bomb, _members(exported["archive"]), ids, 2 << 30)
@@ -359,7 +359,7 @@ def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, expor
     with tarfile.open(bomb, "r:gz") as tar:
         member = next(m for m in tar if m.name == ids)
         with pytest.raises(ValueError, match="larger than the 1048576 bytes its export index states"):
-            _extract(tar, member, {"bytes": 1 << 20, "sha256": "0" * 64}, target)
+            extract_member(tar, member, {"bytes": 1 << 20, "sha256": "0" * 64}, target)
     assert target.stat().st_size <= 1 << 20
 
 
@@ -397,9 +397,9 @@ def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_
 
 
 def test_default_import_limit_is_the_documented_one():
-    from index.cli import _parser, parse_bytes
+    from index.cli import build_parser, parse_bytes
     from index.transfer import DEFAULT_MAX_IMPORT_BYTES
-    args = _parser().parse_args(["import", "a.tar"])
+    args = build_parser().parse_args(["import", "a.tar"])
     assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2 ** 30
 
 
@@ -468,9 +468,9 @@ def test_compression_ratio_is_limited_before_anything_is_written(tmp_path, expor
 
 
 def test_default_ratio_limit_is_the_documented_one():
-    from index.cli import _parser
+    from index.cli import build_parser
     from index.transfer import DEFAULT_MAX_RATIO
-    args = _parser().parse_args(["import", "a.tar"])
+    args = build_parser().parse_args(["import", "a.tar"])
     assert args.max_ratio == DEFAULT_MAX_RATIO == 20
-    help_text = _parser()._subparsers._group_actions[0].choices["import"].format_help()
+    help_text = build_parser()._subparsers._group_actions[0].choices["import"].format_help()
     assert "--max-ratio" in help_text and "default 20" in help_text

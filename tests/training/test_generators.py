@@ -447,6 +447,18 @@ def test_encoder_neighbours_match_brute_force_and_refresh_when_due():
     np.fill_diagonal(sim, -np.inf)
     np.testing.assert_array_equal(table, np.argsort(-sim, axis=1, kind="stable")[:, :4])
 
+    # space "both": the mean of the embedding and grey-pixel cosines
+    from training.neighbours import grey_pixels
+
+    g = grey_pixels(ds).double().numpy()
+    both = (sim + g @ g.T) / 2
+    np.fill_diagonal(both, -np.inf)
+    np.testing.assert_array_equal(encoder_neighbours(enc, ds, k=4, with_pixels=True),
+                                  np.argsort(-both, axis=1, kind="stable")[:, :4])
+    gb = create_generator("neighbour", k=4, space="both")
+    assert gb.refresh(enc, ds, 0)
+    np.testing.assert_array_equal(gb.neighbour_table(ds), np.argsort(-both, axis=1, kind="stable")[:, :4])
+
     gen = create_generator("neighbour", k=4, space="encoder", refresh_every=10)
     with pytest.raises(RuntimeError, match="refresh"):
         gen.neighbour_table(ds)                                       # the encoder space needs the encoder
