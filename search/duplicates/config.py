@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-FORMAT = "softsearch-duplicates-2"   # the JSON a scan writes (older scans are not read)
+FORMAT = "softsearch-duplicates-3"   # the JSON a scan writes (older scans are not read)
 
 
 @dataclass(frozen=True)
