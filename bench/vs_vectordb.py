@@ -9,7 +9,8 @@ centres, `--queries` held-out queries drawn the same way), same load tool, same 
 * softsearch-ann (`softsearch-ann-json`, `softsearch-ann-binary`): the same server over an approximate
   version (`--ann-kind`, default hnsw, its knob tuned at build to `--ann-target-recall` on stored rows)
   with `--ann-normaliser` (default bounded: log Z estimated within its standard error from a few thousand
-  rows, every answer's log Z checked here against a float64 brute force).
+  rows, the first 200 answers' log Z checked here against a float64 brute force). When these run, the
+  exact systems and the plain server serve the same version (the exact path never searches its index).
 * plain: bench/plain_server.py --vectors (FastAPI + faiss.IndexFlatIP, similarities only).
 * chroma: `chroma run` (Chroma's Rust server), one collection with HNSW cosine and Chroma's defaults,
   filled through its Python client, queried with the JSON body its client sends for `collection.query`
@@ -262,15 +263,15 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("chromadb is not installed (pip install -e '.[bench]'): Chroma is left out")
             args.systems = [s for s in args.systems if s != "chroma"]
     args.work.mkdir(parents=True, exist_ok=True)
-    flat_needed = any(s in ("softsearch-json", "softsearch-binary", "plain") for s in args.systems)
+    # with an ANN version at hand the exact systems serve it too: the exact path never searches the index
+    # (one pass gives log Z and the exact top-k), and the plain server builds its own flat index
     ann_root = None
     if any(s.startswith("softsearch-ann") for s in args.systems):
         ann_root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries,
                                              kind=args.ann_kind, target_recall=args.ann_target_recall)
-    if flat_needed or ann_root is None:
-        root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
-    else:
         root = ann_root
+    else:
+        root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
     truth = exact_top(base, queries, args.k)
     from index.store import IndexStore
 
