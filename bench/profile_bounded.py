@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     alone = steps["SearchSnapshot.search (search, normaliser, hits), one query"]
     steps["left for HTTP, middleware, route, event loop (JSON)"] = steps["HTTP request, JSON body, server CPU"] - alone
     steps["left for HTTP, middleware, route, event loop (binary)"] = steps["HTTP request, binary body, server CPU"] - alone
-    print(f"\n{args.n} x {args.dim} {args.kind} (efSearch {index.params.get('efSearch', index.params)}), bounded "
+    print(f"\n{args.n} x {args.dim} {args.kind} ({index.manifest.params}), bounded "
           f"normaliser, rows read per query {rows_read.mean():.0f}")
     print("| step | CPU ms | wall ms |\n|---|---|---|")
     for name, ms in steps.items():

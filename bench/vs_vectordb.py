@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                                    truth, args.clients, args.duration)
             out["prob_error"], out["log_z_error"] = probability_error(got, base, queries, tau)
             methods = {a["normaliser"]["method"] for a in got}
-            notes[system] = (f"{described.get('kind')} {described.get('params')}, normaliser "
+            manifest = described.get("manifest") or {}
+            notes[system] = (f"{manifest.get('kind')} {manifest.get('params')}, normaliser "
                              f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
                              f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}")
         elif system == "plain":
