@@ -252,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ann-target-recall", type=float, default=0.999,
                    help="recall@10 on stored rows the ANN knob is tuned to at build (held-out queries recall less)")
     p.add_argument("--ann-normaliser", default="bounded", choices=("exact", "bounded", "auto"))
+    p.add_argument("--ann-params", type=json.loads, default=None, help='index params as JSON, e.g. \'{"nlist": 1024}\'')
     p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
@@ -268,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ann_root = None
     if any(s.startswith("softsearch-ann") for s in args.systems):
         ann_root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries,
-                                             kind=args.ann_kind, target_recall=args.ann_target_recall)
+                                             kind=args.ann_kind, params=args.ann_params,
+                                             target_recall=args.ann_target_recall)
         root = ann_root
     else:
         root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
