@@ -9,7 +9,8 @@ centres, `--queries` held-out queries drawn the same way), same load tool, same 
 * softsearch-ann (`softsearch-ann-json`, `softsearch-ann-binary`): the same server over an approximate
   version (`--ann-kind`, default hnsw, its knob tuned at build to `--ann-target-recall` on stored rows)
   with `--ann-normaliser` (default bounded: log Z estimated within its standard error from a few thousand
-  rows, every answer's log Z checked here against a float64 brute force).
+  rows, the first 200 answers' log Z checked here against a float64 brute force). When these run, the
+  exact systems and the plain server serve the same version (the exact path never searches its index).
 * plain: bench/plain_server.py --vectors (FastAPI + faiss.IndexFlatIP, similarities only).
 * chroma: `chroma run` (Chroma's Rust server), one collection with HNSW cosine and Chroma's defaults,
   filled through its Python client, queried with the JSON body its client sends for `collection.query`
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ann-target-recall", type=float, default=0.999,
                    help="recall@10 on stored rows the ANN knob is tuned to at build (held-out queries recall less)")
     p.add_argument("--ann-normaliser", default="bounded", choices=("exact", "bounded", "auto"))
+    p.add_argument("--ann-params", type=json.loads, default=None, help='index params as JSON, e.g. \'{"nlist": 1024}\'')
     p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
@@ -262,15 +264,16 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("chromadb is not installed (pip install -e '.[bench]'): Chroma is left out")
             args.systems = [s for s in args.systems if s != "chroma"]
     args.work.mkdir(parents=True, exist_ok=True)
-    flat_needed = any(s in ("softsearch-json", "softsearch-binary", "plain") for s in args.systems)
+    # with an ANN version at hand the exact systems serve it too: the exact path never searches the index
+    # (one pass gives log Z and the exact top-k), and the plain server builds its own flat index
     ann_root = None
     if any(s.startswith("softsearch-ann") for s in args.systems):
         ann_root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries,
-                                             kind=args.ann_kind, target_recall=args.ann_target_recall)
-    if flat_needed or ann_root is None:
-        root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
-    else:
+                                             kind=args.ann_kind, params=args.ann_params,
+                                             target_recall=args.ann_target_recall)
         root = ann_root
+    else:
+        root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
     truth = exact_top(base, queries, args.k)
     from index.store import IndexStore
 
@@ -293,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                    truth, args.clients, args.duration)
             out["prob_error"], out["log_z_error"] = probability_error(got, base, queries, tau)
             methods = {a["normaliser"]["method"] for a in got}
-            notes[system] = (f"{described.get('kind')} {described.get('params')}, normaliser "
+            manifest = described.get("manifest") or {}
+            notes[system] = (f"{manifest.get('kind')} {manifest.get('params')}, normaliser "
                              f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
                              f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}")
         elif system == "plain":
