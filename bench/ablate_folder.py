@@ -49,33 +49,35 @@ COLLECTIONS = {
 
 # config name -> (layout, changes to configs/folder.toml). "flat": no class folders; "classes": with them.
 # Keys with a dot set inside a table (generator_options.crop_scale); None deletes the key.
+PIXELS = {"generator_options.space": None, "generator_options.refresh_every": None}   # pixel neighbours
+INSTANCE = {"generator_options.k": None, **PIXELS}                                     # no neighbours at all
 CONFIGS: dict[str, tuple[str, dict]] = {
     "shipped": ("flat", {}),
     "shipped-classes": ("classes", {}),
-    "neighbour": ("flat", {"generator": "neighbour"}),
-    "instance": ("flat", {"generator": "instance", "generator_options.k": None}),
-    "instance-crop02": ("flat", {"generator": "instance", "generator_options.k": None,
+    "neighbour": ("flat", {"generator": "neighbour", **PIXELS}),
+    "instance": ("flat", {"generator": "instance", **INSTANCE}),
+    "instance-crop02": ("flat", {"generator": "instance", **INSTANCE,
                                  "generator_options.crop_scale": [0.2, 1.0]}),
-    "instance-strong": ("flat", {"generator": "instance", "generator_options.k": None,
+    "instance-strong": ("flat", {"generator": "instance", **INSTANCE,
                                  "generator_options.crop_scale": [0.2, 1.0],
                                  "generator_options.brightness": 0.4, "generator_options.contrast": 0.4}),
-    "neighbour-k1": ("flat", {"generator": "neighbour", "generator_options.k": 1}),
-    "neighbour-k20": ("flat", {"generator": "neighbour", "generator_options.k": 20}),
-    "instance-tau01": ("flat", {"generator": "instance", "generator_options.k": None,
+    "neighbour-k1": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 1}),
+    "neighbour-k20": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 20}),
+    "instance-tau01": ("flat", {"generator": "instance", **INSTANCE,
                                 "schedule_options.tau": 0.1}),
-    "instance-tau05": ("flat", {"generator": "instance", "generator_options.k": None,
+    "instance-tau05": ("flat", {"generator": "instance", **INSTANCE,
                                 "schedule_options.tau": 0.5}),
-    "instance-64px": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.image_size": 64}),
-    "instance-vit": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.layers": 4,
+    "instance-64px": ("flat", {"generator": "instance", **INSTANCE, "encoder.image_size": 64}),
+    "instance-vit": ("flat", {"generator": "instance", **INSTANCE, "encoder.layers": 4,
                               "encoder.width": 64, "encoder.patch_size": 4}),
-    "instance-wide": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.width": 64}),
-    "instance-200steps": ("flat", {"generator": "instance", "generator_options.k": None, "steps": 200,
+    "instance-wide": ("flat", {"generator": "instance", **INSTANCE, "encoder.width": 64}),
+    "instance-200steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 200,
                                    "warmup_steps": 20}),
-    "instance-800steps": ("flat", {"generator": "instance", "generator_options.k": None, "steps": 800,
+    "instance-800steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 800,
                                    "warmup_steps": 80}),
     "encnb": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                        "generator_options.refresh_every": 50}),
-    "neighbour-mild": ("flat", {"generator": "neighbour", "generator_options.crop_scale": [0.8, 1.0],
+    "neighbour-mild": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.crop_scale": [0.8, 1.0],
                                 "generator_options.translate": 0.05}),
     "encnb-mild": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                             "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.8, 1.0],
@@ -83,7 +85,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "bothnb": ("flat", {"generator": "neighbour", "generator_options.space": "both",
                         "generator_options.refresh_every": 50}),
     "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
-    "simclr": ("flat", {"generator": "instance", "generator_options.k": None,
+    "simclr": ("flat", {"generator": "instance", **INSTANCE,
                         "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
                         "generator_options.contrast": 0.4, "generator_options.saturation": 0.4,
                         "generator_options.grey_p": 0.2, "generator_options.blur_p": 0.3,
@@ -209,7 +211,7 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False, sc
     tmp.write_text(json.dumps(res, indent=1) + "\n")
     tmp.rename(out_json)
     if not keep:
-        for f in ("state.pt", "train_state.pt"):
+        for f in ("train_state.safetensors",):
             (run_dir / f).unlink(missing_ok=True)
     p = res["precision"]
     print(f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
