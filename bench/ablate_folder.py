@@ -220,6 +220,43 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False, sc
     return out_json
 
 
+TOWERS = {   # untrained towers: what the architecture's pooling alone buys over pixels
+    "resnet-w32-32px": dict(image_size=32, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w64-32px": dict(image_size=32, embed_dim=128, width=64, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w32-64px": dict(image_size=64, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w32-d2-32px": dict(image_size=32, embed_dim=128, width=32, layers=(2, 2, 2, 2), heads=4),
+    "vit-w64-d4-p4-32px": dict(image_size=32, embed_dim=128, width=64, layers=4, heads=4, patch_size=4),
+    "vit-w64-d2-p8-64px": dict(image_size=64, embed_dim=128, width=64, layers=2, heads=4, patch_size=8),
+}
+
+
+def towers(collections: list[str], split_seed: int = 0, init_seeds=(0, 1)) -> int:
+    """Untrained towers vs pixels on the seed-0 split (no training): bench/results/ablate_folder_towers.json."""
+    import torch
+
+    from training.checkpoint import save_checkpoint
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.set_num_threads(THREADS)
+    rows = []
+    for coll in collections:
+        classes, _ = split_collection(coll, split_seed)
+        for name, kw in TOWERS.items():
+            for seed in init_seeds:
+                torch.manual_seed(seed)
+                path = WORK / "towers" / f"{name}-{seed}.safetensors"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_checkpoint(path, create_encoder(EncoderConfig(**kw)), step=0, train_config={}, lineage={},
+                                metrics={})
+                r = evaluate({"trained": path, "init": path}, classes, kw["image_size"], WORK / "cache")
+                d = r["trained_vs_pixels"]
+                rows.append(row(f"{coll} {name} init seed {seed} p@10 (tower - pixels {d['mean']:+.3f} "
+                                f"[{d['low']:+.3f}, {d['high']:+.3f}])", r["precision"]["trained"]["p@10"], "p@10",
+                                r["precision"]["pixels"]["p@10"]))
+    write_results("ablate_folder_towers", rows)
+    return 0
+
+
 def summary() -> int:
     """Table of finished runs (mean over seeds per collection x config) and the results JSON."""
     runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
@@ -247,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="neighbour,instance")
     p.add_argument("--seeds", default="0")
     p.add_argument("--summary", action="store_true")
+    p.add_argument("--towers", action="store_true", help="untrained towers vs pixels only (no training)")
     p.add_argument("--keep", action="store_true", help="keep the resume state of each run")
     p.add_argument("--screen", action="store_true",
                    help="the cheap scale: 150 steps of batch 64 (runs tagged 'screen'), to rank configs")
@@ -254,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.summary:
         return summary()
+    if args.towers:
+        return towers(args.collections.split(","))
     for seed in [int(s) for s in args.seeds.split(",")]:
         for cfg in args.configs.split(","):
             for coll in args.collections.split(","):
