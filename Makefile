@@ -57,5 +57,10 @@ test-fast: venv
 bench: venv
 	for script in bench/[a-z]*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
 
+# ruff ([tool.ruff] in pyproject.toml): lint and check the formatting, changing nothing
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
 clean:
 	rm -rf runs .pytest_cache

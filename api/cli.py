@@ -36,14 +36,15 @@ def _train(argv: list[str]) -> int:
     return train_main(argv)
 
 
-def _evaluate_version(*args, **kwargs):
+def gate_evaluator(*args, **kwargs):
     """The index quality gate's evaluator, imported when a command first gates a version (not for --help)."""
     from search.evaluation.quality import evaluate_version
 
     return evaluate_version(*args, **kwargs)
 
 
-def _calibrate_version(candidate, *args, **kwargs):
+def gate_calibrator(candidate, *args, **kwargs):
+    """The index build's search-temperature calibrator (and a text tower's), imported on first use."""
     from search.evaluation.quality import calibrate_version
     from search.evaluation.text_eval import store_text_calibration
 
@@ -63,7 +64,7 @@ def _index(argv: list[str]) -> int:
 
     from api.notify import notify_server
 
-    return index_main(argv, evaluator=_evaluate_version, calibrator=_calibrate_version,
+    return index_main(argv, evaluator=gate_evaluator, calibrator=gate_calibrator,
                       on_new_items=_report_duplicates, notifier=notify_server)
 
 
@@ -148,6 +149,7 @@ INSTALL_HINTS = {
     "torchvision": "pip install -e . (torchvision is a core dependency)",
     "open_clip": "pip install -e . (open_clip_torch is a core dependency)",
     "onnxruntime": "pip install -e . (onnxruntime is a core dependency)",
+    "ray": "pip install -e '.[ray]' (the ray extra: Ray Serve and Ray Data, README 'Past one machine')",
 }
 
 

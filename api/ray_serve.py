@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse
 from ray import serve
 
 from index.shards import ShardedVersion
-from index.manifest import read_manifest, verify_files
-from index.store import EMBEDDINGS_FILE, IDS_FILE, IndexVersion
+from index.manifest import MANIFEST_NAME, read_manifest, verify_files
+from index.store import EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, IndexVersion
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import Searcher
 from search.serving.sharded import ShardAnswer, ShardUnavailable, shard_answer
@@ -73,6 +73,22 @@ class ShardServer:
 
     def search(self, version: str, q: np.ndarray, k: int, taus: np.ndarray, mask: np.ndarray | None) -> ShardAnswer:
         return shard_answer(self._snapshot(version), q, k, taus, mask)
+
+    def check_health(self) -> None:
+        """Ray Serve's periodic health check (and a new replica's first one): this shard of the store's current
+        version is on disk (its manifest and index file), i.e. a replica can load what it must serve. A shard whose
+        files are gone stays down -- Serve keeps replacing the replica -- and every query gets 503 naming it."""
+        store = self.searcher.store
+        current = store.current_version()
+        if current is None:
+            return
+        shards = store.manifest(current).shards or []
+        if self.position >= len(shards):
+            return   # not a version this app can serve: the ingress refuses it, the replica is not at fault
+        where = store.path(current) / shards[self.position]["name"]
+        for name in (MANIFEST_NAME, INDEX_FILE):
+            if not (where / name).is_file():
+                raise RuntimeError(f"{where / name} is missing: shard {self.position} of {current} cannot be loaded")
 
 
 class RemoteShard:
@@ -191,12 +207,14 @@ class Ingress:
 
 
 def build_app(settings: dict, shards: int, *, shard_replicas: int = 1, timeout_s: float = DEFAULT_SHARD_TIMEOUT_S,
-              ingress_replicas: int = 1):
-    """The Ray Serve application: `shards` shard deployments and the ingress bound to their handles."""
+              ingress_replicas: int = 1, health_check_period_s: float = 10.0):
+    """The Ray Serve application: `shards` shard deployments (health-checked every `health_check_period_s`:
+    `ShardServer.check_health`) and the ingress bound to their handles."""
     from index.shards import shard_name
 
     root, normaliser = str(settings["index_root"]), settings.get("normaliser", "auto")
     shard_nodes = [serve.deployment(ShardServer, name=shard_name(i), num_replicas=shard_replicas,
+                                    health_check_period_s=health_check_period_s,
                                     ray_actor_options={"num_cpus": 0}).bind(root, i, normaliser)
                    for i in range(shards)]
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=ingress_replicas,

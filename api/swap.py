@@ -23,7 +23,7 @@ import threading
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from index.gate import ActivationRefused
+from index.gate import ActivationRefused, ScoreCheck
 from index.store import IndexStore
 from search.serving.searcher import ReloadResult, Searcher
 
@@ -41,9 +41,8 @@ class UngatedVersion(ActivationRefused):
     held-out queries with both versions' encoders), which a serving process never does; the CLI does it."""
 
     def __init__(self, version: str):
-        super().__init__(version, [{"check": "quality gate", "passed": None, "record": None,
-                                    "message": f"index version {version} has no quality-gate result and a "
-                                               "server does not evaluate"}],
+        super().__init__(version, [ScoreCheck(None, f"index version {version} has no quality-gate result and a "
+                                                    "server does not evaluate")],
                          hint=f"gate it with `softsearch index activate {version}` (which runs the quality gate), "
                               "then reload")
 

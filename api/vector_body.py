@@ -58,10 +58,13 @@ async def read_vector_query(request: Request, media: str) -> VectorQuery | Binar
     body = await request.body()
     if len(request.query_params.getlist("filter")) > 1:
         raise ApiError(422, "bad_filter", "give `filter` once")
-    try:
-        params = VectorParams.model_validate(dict(request.query_params))
-    except ValidationError as err:
-        raise _invalid(err, "query") from err
+    if request.scope.get("query_string") or media == OCTET:
+        try:
+            params = VectorParams.model_validate(dict(request.query_params))
+        except ValidationError as err:
+            raise _invalid(err, "query") from err
+    else:   # a JSON body and no query string: nothing to merge (skips a validation per request)
+        params = None
     if media == OCTET:
         import numpy as np
 
@@ -75,7 +78,7 @@ async def read_vector_query(request: Request, media: str) -> VectorQuery | Binar
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
         data = _stdlib_json(body)   # NaN / Infinity / 1e999 literals: parsed, then refused as a bad vector (422)
-    from_query = params.model_dump(exclude_unset=True)
+    from_query = params.model_dump(exclude_unset=True) if params is not None else {}
     if from_query and isinstance(data, dict):
         if from_query.get("filter") is not None:
             try:

@@ -29,9 +29,10 @@ def clustered(n: int, dim: int, clusters: int, queries: int, spread: float = 0.6
 
 
 def flat_store(work: Path, n: int, dim: int, clusters: int, queries: int, kind: str = "flat",
-               params: dict | None = None) -> tuple[Path, np.ndarray, np.ndarray]:
-    """(store root, database, queries): a store over `clustered(...)` built once under `work` and reused."""
-    from index.build import build_from_vectors
+               params: dict | None = None, target_recall: float = 0.95) -> tuple[Path, np.ndarray, np.ndarray]:
+    """(store root, database, queries): a store of index `kind` over `clustered(...)` built once under `work`
+    and reused (an approximate kind's knob tuned at build to `target_recall` on stored rows)."""
+    from index.build import BuildOptions, build_from_vectors
     from index.store import IndexStore
 
     base, q = clustered(n, dim, clusters, queries)
@@ -40,7 +41,8 @@ def flat_store(work: Path, n: int, dim: int, clusters: int, queries: int, kind: 
     if not (root / "current").exists():
         vec = work / f"vectors_{n}x{dim}.npy"
         np.save(vec, base)
-        build_from_vectors(vec, root, kind=kind, params=params, force=True, progress=False)
+        build_from_vectors(vec, root, BuildOptions(kind=kind, params=params, force=True, progress=False,
+                                                   target_recall=target_recall))
         vec.unlink()
     assert store.current_version() is not None
     return root, base, q

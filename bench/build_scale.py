@@ -125,8 +125,8 @@ def measure(n: int, args) -> dict:
                                             faiss_index.rerank_factor(version.kind, params))
     disk = sum(f["bytes"] for f in m.files.values())
     out = {"n": n, "d": args.d, "build_s": build["seconds"], "peak_rss_mib": build["peak_rss_mib"],
-           "recall": recall(served, exact), "target": m.recall.get("target"), "params": params,
-           "gate_recall": ((m.quality_gate.checks or {}).get("recall") or {}).get("served") if m.quality_gate else None,
+           "recall": recall(served, exact), "target": m.recall.target, "params": params,
+           "gate_recall": m.quality_gate.recall.served if m.quality_gate else None,
            "timings": m.timings, "train_rows": (m.build or {}).get("train_rows"), "version_bytes": disk,
            "index_faiss_bytes": m.files["index.faiss"]["bytes"], "ivfdata_bytes": m.files["index.ivfdata"]["bytes"],
            "generate_s": gen_s, "exact_s": exact_s}

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     index_bytes = (version.path / INDEX_FILE).stat().st_size
     params = m.params
     print(f"built {m.kind} {params} in {build_s:.1f} s; index.faiss {index_bytes / 2**20:.2f} MiB "
-          f"(budget {budget / 2**20:.1f} MiB); gate {json.dumps(m.quality_gate.recall['message'])}")
+          f"(budget {budget / 2**20:.1f} MiB); gate {json.dumps(m.quality_gate.recall.message)}")
 
     faiss.omp_set_num_threads(args.threads)
     _, exact = faiss.knn(queries, data, 10, metric=faiss.METRIC_INNER_PRODUCT)   # brute force reference
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     old_index = faiss.read_index(str(version.path / INDEX_FILE))
     sample = fi.tuning_rows(args.n)
     _, tune_exact = faiss.knn(data[sample], data, 11, metric=faiss.METRIC_INNER_PRODUCT)
-    old = fi.tune(old_index, data[sample], tune_exact, target_recall=m.recall["target"], k=10, kind="ivf-pq",
+    old = fi.tune(old_index, data[sample], tune_exact, target_recall=m.recall.target, k=10, kind="ivf-pq",
                   self_rows=sample)
     methods = {"raw": lambda q: fi.search(raw, q, 10)[1][0],
                "reranked": lambda q: fi.search_reranked(raw, version.embeddings, q, 10, params["rerank"])[1][0],
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         row("build time (index build --embeddings, incl. tuning and gate)", build_s, "s", None),
     ]
     note = (f"{args.n} x {args.dim} clustered, {args.queries} held-out queries, FAISS threads {args.threads} "
-            f"while querying; chosen {m.kind} {ctx}; tuned recall {m.recall['recall']:.4f}, gate "
-            f"{m.quality_gate.recall['served']:.4f} on held-out stored rows")
+            f"while querying; chosen {m.kind} {ctx}; tuned recall {m.recall.recall:.4f}, gate "
+            f"{m.quality_gate.recall.served:.4f} on held-out stored rows")
     write_results(args.name, rows_out, command="python bench/byo_rerank.py " + " ".join(argv or sys.argv[1:]),
                   machine_note=note)
     if args.workdir is None:

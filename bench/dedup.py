@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--planted", type=float, default=0.2)
     ap.add_argument("--max-items", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dump", default=None, help="also save the aligned pairs' design rows, the synthetic copies' "
+                    "and the truth labels (.npz) for fitting model variants offline")
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     files = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
@@ -161,8 +163,13 @@ def main(argv=None) -> int:
     prec, rec, f1 = scores(found, truth)
     dprec, drec, df1 = scores(direct, truth)
     label = np.array([frozenset((int(a), int(b))) in truth for a, b in zip(scan.a, scan.b)])
-    ece_all = expected_calibration_error(scan.p, label)
-    sure = scan.p >= 0.05
+    # calibration is judged on the aligned pairs only: the pairs joined as identical (p 1, always right) would
+    # flatter it
+    aligned = ~scan.identical
+    ece_all = expected_calibration_error(scan.p[aligned], label[aligned])
+    if args.dump:
+        np.savez(args.dump, x=scan.x, positives=scan.positives_x, label=label[aligned], p=scan.p[aligned])
+    sure = aligned & (scan.p >= 0.05)
     ece_sure = expected_calibration_error(scan.p[sure], label[sure])
     has_dup = np.zeros(n, bool)
     for pair in truth:
@@ -173,12 +180,15 @@ def main(argv=None) -> int:
             row("softsearch F1", f1, "ratio", None),
             row("softsearch precision, scored pairs only (no grouping)", dprec, "ratio", None),
             row("softsearch recall, scored pairs only (no grouping)", drec, "ratio", None),
-            row("softsearch ECE (all scored pairs)", ece_all, "ratio", None),
+            row("pairs joined as identical pictures (digest)", float(scan.identical.sum()), "pairs", None),
+            row("softsearch ECE (all aligned pairs)", ece_all, "ratio", None),
             row("softsearch ECE (pairs at p >= 0.05)", ece_sure, "ratio", None),
             row("share of items with a duplicate, estimated", scan.share_items, "ratio", float(has_dup.mean())),
             row("softsearch seconds (end to end)", seconds, "s", None),
             *[row(f"softsearch seconds: {k}", v, "s", None) for k, v in scan.seconds.items()],
-            row("candidate pair recall", float(label.sum() / max(len(truth), 1)), "ratio", None)]
+            row("candidate pair recall (aligned or identical)", float(label.sum() / max(len(truth), 1)), "ratio", None),
+            row("share of candidate pairs that are duplicates, estimated", scan.model.share, "ratio",
+                float(label[aligned].mean()) if aligned.any() else None)]
     per_edit = defaultdict(list)
     for a, c in planted:
         for e in edits[c]:

@@ -36,9 +36,9 @@ from _common import row, write_results  # noqa: E402
 
 def fixed_batches(config, n_batches: int):
     """`n_batches` pairs of view tensors from the run's own data and generator, away from its training steps."""
-    from training.trainer import _build_data, batch_indices, sample_views
+    from training.trainer import build_data, batch_indices, sample_views
 
-    dataset, generator = _build_data(config)
+    dataset, generator = build_data(config)
     out = []
     for b in range(n_batches):
         step = 10**6 + b

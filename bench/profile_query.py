@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from api.metrics import Metrics
     from api.batching import QueryResult
     from api.routes.models import VectorQuery
-    from api.routes.search import _body
+    from api.routes.search import result_body
     from index.store import IndexStore
     from search.serving.normaliser import NormaliserConfig, log_normaliser
     from search.serving.queries import unit_queries
@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     answer = snap.search(q, 10)
     result = QueryResult(answer[0], answer.version, answer.temperatures[0], answer.log_normalisers[0], 1,
                          snap.count, answer.normalisers[0])
-    r["response: model + JSON"] = timed(lambda: _body(result, 10).model_dump_json(), args.repeats, "response: model + JSON")
-    r["response: model + orjson (served)"] = timed(lambda: orjson.dumps(_body(result, 10).model_dump()), args.repeats, "response: model + orjson (served)")
+    r["response: model + JSON"] = timed(lambda: result_body(result, 10).model_dump_json(), args.repeats, "response: model + JSON")
+    r["response: model + orjson (served)"] = timed(lambda: orjson.dumps(result_body(result, 10).model_dump()), args.repeats, "response: model + orjson (served)")
     metrics = Metrics()
     r["metrics: counter + histogram"] = timed(
         lambda: (metrics.queries.labels(kind="vector").inc(),

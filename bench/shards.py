@@ -1,7 +1,9 @@
 """Benchmark sharded serving: QPS and p50/p99 of POST /v1/search/vector for one version served whole by
 `softsearch serve` (the baseline), the same items as a 2- and a 4-shard version on the single-node server
-(in-process fan-out), and as a 1- and a 2-shard version on Ray Serve (`serve --engine ray`: a deployment per
-shard, the ingress merging), all in one run on this machine. The ingress's overhead per query is measured
+(in-process fan-out), and as a 1-, 2- and 4-shard version on Ray Serve (`serve --engine ray`: a deployment per
+shard, the ingress merging), all in one run on this machine, under the shared closed-loop load tool
+(bench/_common.py). Then the build: the same synthetic images embedded and indexed by `index build` in one
+process and by `index build --engine ray --shards 2` (Ray tasks, Ray Data actors), rows checked equal. The ingress's overhead per query is measured
 apart, where the scan costs next to nothing: a 2000-item version, one client, sequential queries, Ray 1-shard
 p50 minus `serve` p50 (the proxy -> ingress -> shard hops and the merge).
 
@@ -14,18 +16,18 @@ and probabilities (to 1e-6) before it times anything.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
-from _common import percentile, row, write_results
+from _common import closed_loop, percentile, row, write_results
 
 from api.launch import serve_process
 
@@ -43,7 +45,7 @@ def sequential(url: str, bodies: list[dict]) -> list[float]:
 
 def make_store(workdir: Path, size: int, dim: int) -> Path:
     """A flat version built from `size` random unit vectors (no encoder: vector queries only)."""
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
 
     vectors = np.random.default_rng(0).normal(size=(size, dim)).astype(np.float32)
     vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
@@ -51,7 +53,7 @@ def make_store(workdir: Path, size: int, dim: int) -> Path:
     path = workdir / "vectors.npy"
     np.save(path, vectors)
     root = workdir / "whole"
-    build_from_vectors(path, root, progress=False)
+    build_from_vectors(path, root, BuildOptions(progress=False))
     return root
 
 
@@ -64,35 +66,45 @@ def sharded_copy(whole: Path, dest: Path, shards: int) -> Path:
 
 
 def load(url: str, bodies: list[dict], clients: int, duration: float) -> dict:
-    """`clients` threads posting `bodies` round robin for `duration` s -> QPS, p50, p99 (ms), errors."""
-    latencies: list[float] = []
-    errors = [0]
-    lock = threading.Lock()
-    stop = time.perf_counter() + duration
+    """The shared closed loop (bench/_common.py): `clients` keep-alive connections posting pre-encoded bodies for
+    `duration` s -> QPS, p50, p99 (ms), errors."""
+    encoded = [json.dumps(b).encode() for b in bodies]
+    r = closed_loop(url, "/v1/search/vector", encoded, {"Content-Type": "application/json"}, clients, duration)
+    return {"qps": r["qps"], "p50_ms": 1e3 * r["p50"], "p99_ms": 1e3 * r["p99"], "errors": r["errors"], "n": r["n"]}
 
-    def client(c: int):
-        with httpx.Client(base_url=url, timeout=60) as http:
-            i = c
-            while time.perf_counter() < stop:
-                t0 = time.perf_counter()
-                r = http.post("/v1/search/vector", json=bodies[i % len(bodies)])
-                dt = time.perf_counter() - t0
-                with lock:
-                    if r.status_code == 200:
-                        latencies.append(dt)
-                    else:
-                        errors[0] += 1
-                i += clients
 
+def ray_build(tmp: Path, size: int, shards: int, batch: int) -> list[dict]:
+    """Rows: the default encoder (random weights) embedding `size` synthetic images and building a flat version,
+    by `build_index` in this process and by `build_on_ray` with `shards` shards (one actor of 1 CPU each) on the
+    running Ray; the two versions' rows are checked equal (1e-6) first."""
+    import torch
+
+    from index.build import BuildOptions, build_index
+    from index.ray_build import build_on_ray
+    from index.store import IndexStore
+    from training.checkpoint import save_checkpoint
+    from training.datasets import create_dataset
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.manual_seed(0)
+    ckpt = tmp / "encoder.safetensors"
+    save_checkpoint(ckpt, create_encoder(EncoderConfig()), step=0, train_config={}, lineage={})
+    ds = create_dataset("synthetic", split="train", size=size)
+    opts = BuildOptions(progress=False, batch_size=batch)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"qps": len(latencies) / wall, "p50_ms": 1e3 * percentile(latencies, 50),
-            "p99_ms": 1e3 * percentile(latencies, 99), "errors": errors[0], "n": len(latencies)}
+    build_index(ckpt, ds, tmp / "build-plain", opts)
+    plain_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    build_on_ray(ckpt, ds, tmp / "build-ray", shards, opts)
+    ray_s = time.perf_counter() - t0
+    a, b = IndexStore(tmp / "build-plain").load(), IndexStore(tmp / "build-ray").load()
+    assert a.ids == b.ids and np.abs(np.asarray(a.embeddings) - np.asarray(b.embeddings)).max() <= 1e-6
+    t = b.manifest.timings
+    rows = [row(f"index build, {size} synthetic images, one process (embed + flat build + gate)", plain_s, "s", None),
+            row(f"index build --engine ray --shards {shards} (same items)", ray_s, "s", plain_s)]
+    rows += [row(f"  ray {k.replace('_s', '')}", v, "s", None) for k, v in t.items()
+             if k.startswith("shard-") or k in ("ray_s",)]
+    return rows
 
 
 def answers(url: str, bodies: list[dict]) -> list[dict]:
@@ -128,10 +140,14 @@ def main() -> None:
     p.add_argument("--no-ray", action="store_true", help="skip the Ray Serve configurations")
     p.add_argument("--overhead-size", type=int, default=2000, help="items of the overhead measurement's version")
     p.add_argument("--overhead-queries", type=int, default=300)
+    p.add_argument("--build-size", type=int, default=2048,
+                   help="synthetic images of the build comparison (plain vs --engine ray, 2 shards); 0: skip")
+    p.add_argument("--build-batch", type=int, default=256)
     args = p.parse_args()
     rng = np.random.default_rng(1)
     bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(64, args.dim))]
     results: dict[str, dict] = {}
+    build_rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-shards-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -174,7 +190,8 @@ def main() -> None:
             answers(url, small_bodies[:32])
             overhead["ray-1"] = sequential(url, small_bodies)
             serve.delete(APP_NAME)
-            for name, root, shards in [("ray-1", roots["ray-1"], 1), ("ray-2", roots["local-2"], 2)]:
+            for name, root, shards in [("ray-1", roots["ray-1"], 1), ("ray-2", roots["local-2"], 2),
+                                       ("ray-4", roots["local-4"], 4)]:
                 serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "torch_threads": 1}, shards),
                           name=APP_NAME, route_prefix="/")
                 check_equal(answers(url, bodies), ref, name)
@@ -183,6 +200,7 @@ def main() -> None:
                 print(name, results[name], flush=True)
                 serve.delete(APP_NAME)
             serve.shutdown()
+            build_rows = ray_build(tmp, args.build_size, 2, args.build_batch) if args.build_size else []
             ray.shutdown()
     base = results["whole"]
     rows = [row("build whole version (flat, from vectors)", build_s, "s", None),
@@ -198,6 +216,7 @@ def main() -> None:
     if "ray-1" in overhead:
         rows.append(row("Ray ingress overhead per query (p50 ray-1 - p50 whole, 1 client)",
                         1e3 * (percentile(overhead["ray-1"], 50) - percentile(overhead["whole"], 50)), "ms", None))
+    rows += build_rows
     load_avg = os.getloadavg()[0]
     write_results("shards", rows, machine_note=f"load average {load_avg:.1f} at the end (other jobs share the cores); "
                                                f"{args.size} x {args.dim} flat, exact normaliser, k={args.k}, "

@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from index.build import BuildOptions, build_index
     from index.store import IndexStore
+    from index.options import CommitOptions, EmbedOptions
     from index.sync import sync_index
     from index.transfer import export_version, import_version
     from training.checkpoint import save_checkpoint
@@ -96,7 +97,8 @@ def main(argv=None) -> int:
         sync_s, build_s, counts = [], [], {}
         for r in range(args.repeats):            # interleaved: sync, then the from-scratch build
             t0 = time.perf_counter()
-            version, counts = sync_index(root, base=base, activate=False, progress=False)
+            version, counts = sync_index(root, base=base, embed=EmbedOptions(progress=False),
+                                         commit=CommitOptions(activate=False))
             sync_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             build_index(ck, dataset(), work / f"scratch{r}", BuildOptions(progress=False))

@@ -6,6 +6,10 @@ centres, `--queries` held-out queries drawn the same way), same load tool, same 
 * softsearch: `softsearch serve` over a flat version built from the vectors, exact normaliser (every
   answer carries p(j|x) over the whole index), default batching, 1 torch thread; POST /v1/search/vector
   with a JSON body (`json`) and with the binary float32 body (`binary`).
+* softsearch-ann (`softsearch-ann-json`, `softsearch-ann-binary`): the same server over an approximate
+  version (`--ann-kind`, default hnsw, its knob tuned at build to `--ann-target-recall` on stored rows)
+  with `--ann-normaliser` (default bounded: log Z estimated within its standard error from a few thousand
+  rows, every answer's log Z checked here against a float64 brute force).
 * plain: bench/plain_server.py --vectors (FastAPI + faiss.IndexFlatIP, similarities only).
 * chroma: `chroma run` (Chroma's Rust server), one collection with HNSW cosine and Chroma's defaults,
   filled through its Python client, queried with the JSON body its client sends for `collection.query`
@@ -44,7 +48,7 @@ from _common import closed_loop, percentile, row, write_results  # noqa: E402
 from _vectordb_data import flat_store  # noqa: E402
 
 logger = logging.getLogger("bench.vs_vectordb")
-SYSTEMS = ("softsearch-json", "softsearch-binary", "plain", "chroma")
+SYSTEMS = ("softsearch-json", "softsearch-binary", "softsearch-ann-json", "softsearch-ann-binary", "plain", "chroma")
 CHROMA_QUERY = "/api/v2/tenants/default_tenant/databases/default_database/collections/{}/query"
 
 
@@ -129,10 +133,10 @@ def recall(found: list[list[str]], truth: np.ndarray) -> float:
 
 
 @contextlib.contextmanager
-def softsearch_server(root: Path, mapped_pages: str, batch_workers: int = 2):
+def softsearch_server(root: Path, mapped_pages: str, batch_workers: int = 2, normaliser: str = "exact"):
     from api.launch import serve_process
 
-    with serve_process(root, "--normaliser", "exact", "--mapped-pages", mapped_pages, "--watch-interval-s", 0,
+    with serve_process(root, "--normaliser", normaliser, "--mapped-pages", mapped_pages, "--watch-interval-s", 0,
                        "--batch-workers", batch_workers, torch_threads=1, timeout_s=300) as server:
         yield server
 
@@ -203,17 +207,31 @@ def measure(name: str, server, path: str, bodies: list[bytes], headers: dict, id
     return out, got
 
 
-def probability_error(got: list[dict], base: np.ndarray, queries: np.ndarray, tau: float, m: int = 20) -> float:
-    """Largest |p - p_exact| over the hits of the first `m` answers, p_exact by float64 brute force."""
-    worst = 0.0
-    e64 = base.astype(np.float64)
-    for a, x in zip(got[:m], queries[:m]):
-        x = x.astype(np.float64) / np.linalg.norm(x.astype(np.float64))
-        s = e64 @ x
-        log_z = np.logaddexp.reduce(s / tau)
-        for h in a["results"]:
-            worst = max(worst, abs(h["probability"] - math.exp(s[int(h["id"])] / tau - log_z)))
-    return worst
+def probability_error(got: list[dict], base: np.ndarray, queries: np.ndarray, tau: float,
+                      m: int = 200) -> tuple[float, float]:
+    """(largest |p - p_exact| over the hits, largest |log Z - log Z_exact|) over the first `m` answers, the
+    exact values by float64 brute force."""
+    worst = worst_z = 0.0
+    for start in range(0, min(m, len(got)), 50):
+        stop = min(m, len(got), start + 50)
+        x = queries[start:stop].astype(np.float64)
+        x /= np.linalg.norm(x, axis=1, keepdims=True)
+        s = np.concatenate([x @ base[i:i + 65536].astype(np.float64).T for i in range(0, len(base), 65536)], axis=1)
+        log_z = np.logaddexp.reduce(s / tau, axis=1)
+        for a, row_s, lz in zip(got[start:stop], s, log_z):
+            worst_z = max(worst_z, abs(a["log_normaliser"] - lz))
+            for h in a["results"]:
+                worst = max(worst, abs(h["probability"] - math.exp(row_s[int(h["id"])] / tau - lz)))
+    return worst, worst_z
+
+
+def _get_json(url: str, path: str) -> dict:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", path)
+    data = conn.getresponse().read()
+    conn.close()
+    return json.loads(data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mapped-pages", default="auto", choices=("auto", "release", "keep"),
                    help="softsearch's serve --mapped-pages")
     p.add_argument("--batch-workers", type=int, default=2, help="softsearch's serve --batch-workers (default 2)")
+    p.add_argument("--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)")
+    p.add_argument("--ann-target-recall", type=float, default=0.999,
+                   help="recall@10 on stored rows the ANN knob is tuned to at build (held-out queries recall less)")
+    p.add_argument("--ann-normaliser", default="bounded", choices=("exact", "bounded", "auto"))
     p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
@@ -240,7 +262,15 @@ def main(argv: list[str] | None = None) -> int:
             logger.warning("chromadb is not installed (pip install -e '.[bench]'): Chroma is left out")
             args.systems = [s for s in args.systems if s != "chroma"]
     args.work.mkdir(parents=True, exist_ok=True)
-    root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
+    flat_needed = any(s in ("softsearch-json", "softsearch-binary", "plain") for s in args.systems)
+    ann_root = None
+    if any(s.startswith("softsearch-ann") for s in args.systems):
+        ann_root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries,
+                                             kind=args.ann_kind, target_recall=args.ann_target_recall)
+    if flat_needed or ann_root is None:
+        root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
+    else:
+        root = ann_root
     truth = exact_top(base, queries, args.k)
     from index.store import IndexStore
 
@@ -252,15 +282,20 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("%s ...", system)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
-            with softsearch_server(root, args.mapped_pages, args.batch_workers) as server:
+            ann = system.startswith("softsearch-ann")
+            with softsearch_server(ann_root if ann else root, args.mapped_pages, args.batch_workers,
+                                   args.ann_normaliser if ann else "exact") as server:
+                described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
                 bodies = [q.astype("<f4").tobytes() for q in queries] if binary else json_bodies
                 headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
                 out, got = measure(system, server, path, bodies, headers, lambda a: [h["id"] for h in a["results"]],
                                    truth, args.clients, args.duration)
-            out["prob_error"] = probability_error(got, base, queries, tau)
+            out["prob_error"], out["log_z_error"] = probability_error(got, base, queries, tau)
             methods = {a["normaliser"]["method"] for a in got}
-            notes[system] = f"normaliser {'/'.join(sorted(methods))}, max |p - p_exact| {out['prob_error']:.1e}"
+            notes[system] = (f"{described.get('kind')} {described.get('params')}, normaliser "
+                             f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
+                             f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}")
         elif system == "plain":
             with plain_server(root) as server:
                 out, _ = measure(system, server, "/search/vector", json_bodies, {"Content-Type": "application/json"},
@@ -296,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row(f"{system} load average before / after", out["load_before"], "load", out["load_after"]))
         if "prob_error" in out:
             rows.append(row(f"{system} max |p - p_exact|", out["prob_error"], "probability", None))
+            rows.append(row(f"{system} max |log Z - exact|", out["log_z_error"], "nats", None))
     print()
     header = ("| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | server CPU ms / query {cs} | RSS MiB "
               "| load avg |").format(k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))

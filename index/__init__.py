@@ -8,7 +8,9 @@ from index.lazy import lazy_exports
 _HOMES = {
     "ActivationRefused": "index.gate", "QualityGateError": "index.gate", "activation_checks": "index.gate",
     "gate_for": "index.gate", "add_items": "index.build", "build_index": "index.build",
-    "rebuild_index": "index.build",
+    "rebuild_index": "index.build", "BuildOptions": "index.build", "build_from_vectors": "index.build",
+    "add_vectors": "index.build", "CommitOptions": "index.options", "EmbedOptions": "index.options",
+    "Staged": "index.commit",
     "choose_kind": "index.faiss_index", "create_index": "index.faiss_index", "exact_neighbours": "index.faiss_index",
     "recall_at_k": "index.faiss_index", "tune": "index.faiss_index",
     "ListStats": "index.list_stats", "IndexCorruptError": "index.manifest",

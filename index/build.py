@@ -15,6 +15,10 @@ goes through `IndexStore.activate` (the one activation rule), which refuses (Qua
 ActivationRefused) when ``candidate < serving - margin`` or the recall is below target, unless
 `force`. The version is still committed, so it can be inspected or activated later with
 ``index activate --force``. A build that fails before its commit removes its staging directory.
+
+Every path takes its inputs as arguments and its knobs as `EmbedOptions` / `CommitOptions`
+(index/options.py; `BuildOptions` is both plus what to build), stages with `write_version` and ends in
+the one `index.commit.commit` step.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 import faiss
 import numpy as np
@@ -38,11 +42,13 @@ from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_sha
 from index.items import dataset_records, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
 from index.list_stats import ListStats
-from index.manifest import (DEFAULT_TEMPERATURE, MANIFEST_NAME, Manifest, create_manifest, describe_files, fsync_dir,
-                            read_manifest, update_manifest, updated_bytes, write_manifest)
+from index.commit import Staged, discard_staging
+from index.commit import commit as commit_staged
+from index.gate import QualityGateError  # noqa: F401  (re-exported: what a refused build raises)
+from index.manifest import DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, write_manifest
 from index.models import is_store_model, model_relpath
-from index.gate import DEFAULT_MARGIN, Calibrator, Evaluator, QualityGateError, gate_record, recall_check
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore, IndexVersion,
+from index.options import CommitOptions, EmbedOptions
+from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore,
                          new_version_name)
 from training.distributed import default_device
 
@@ -50,11 +56,6 @@ logger = logging.getLogger(__name__)
 
 TUNE_QUERIES = faiss_index.TUNE_QUERIES
 TUNE_K = 10
-
-
-
-
-
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -96,26 +97,13 @@ def _as_list(datasets) -> list:
     return out
 
 
-def _check_opts(batch_size: int, num_workers: int, shard_size: int, target_recall: float, keep,
-                margin: float = 0.0) -> None:
-    """User-facing option checks, each naming the bad value."""
-    if not margin >= 0:
-        raise ValueError(f"margin must be >= 0, got {margin}")
-    for name, value, low in (("batch_size", batch_size, 1), ("shard_size", shard_size, 1),
-                             ("num_workers", num_workers, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if not 0 < target_recall <= 1:
-        raise ValueError(f"target_recall must be in (0, 1], got {target_recall}")
-    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-
-
-def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *, indices: list | None = None,
-                   shard_size: int, batch_size: int, num_workers: int, device, rank: int, world: int,
-                   progress: bool) -> tuple[list[EmbedResult], list[Path]] | None:
-    """Embed every source into its own resumable cache; rank 0 gets the results, others None.
-    On a full disk the caches written so far are removed (DiskFull)."""
+def embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, embed: EmbedOptions, *,
+                  indices: list | None = None, device, rank: int = 0,
+                  world: int = 1) -> tuple[list[EmbedResult], list[Path]] | None:
+    """Embed every source into its own resumable cache (`device`: the resolved torch device); rank 0
+    gets (results, caches), other ranks None. On a full disk the caches written so far are removed
+    (DiskFull)."""
+    shard_size = embed.shard_size
     results, caches = [], []
     for s, ds in enumerate(datasets):
         idx = np.arange(len(ds), dtype=np.int64) if indices is None or indices[s] is None else np.asarray(indices[s], np.int64)
@@ -135,8 +123,9 @@ def _embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, *,
             barrier()
             t0 = time.perf_counter()
             if len(idx):
-                embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=batch_size,
-                             num_workers=num_workers, device=device, rank=rank, world_size=world, progress=progress)
+                embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=embed.batch_size,
+                             num_workers=embed.num_workers, device=device, rank=rank, world_size=world,
+                             progress=embed.progress)
             barrier()
         if rank == 0:
             res = collect_shards(cache, idx, shard_size, encoder.embed_dim)
@@ -284,79 +273,16 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     return version, staging
 
 
-def _calibrate(staging: Path, calibrator: Calibrator) -> None:
-    """Store the calibrated search temperature in the staged manifest (unless one was given explicitly)."""
-    if read_manifest(staging).search_temperature_source == "command line":
-        return
-    t0 = time.perf_counter()
-    result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
-    if result is None:
-        return
-    update_manifest(staging, calibration={**result, "seconds": time.perf_counter() - t0},
-                    search_temperature=float(result["temperature"]),
-                    search_temperature_source="calibrated: argmin of held-out H(q,p)")
-    logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
-                result.get("train_temperature", float("nan")))
-
-
-def _gate_and_activate(store: IndexStore, version: str, staging: Path, *, evaluator: Evaluator | None,
-                       margin: float, force: bool, activate: bool, keep: int | None,
-                       calibrator: Calibrator | None = None, path: str = "index build",
-                       t_start: float | None = None, model: tuple = (),
-                       candidate: IndexVersion | None = None) -> str:
-    """Stamp the total time, make sure the encoder `model` (sha256[, file]) is in the store, calibrate
-    tau, gate (on the staged copy, or the already loaded `candidate`), commit into versions/, then activate
-    through the store's activation rule and prune. Removes the staging directory when anything before the
-    commit fails."""
-    try:
-        if t_start is not None:
-            _stamp_total(staging, t_start)
-        if model:
-            store.models.ensure(*model)
-        if calibrator is not None:
-            _calibrate(staging, calibrator)
-        serving_name = store.current_version()
-        if candidate is None:
-            candidate = IndexVersion.load(staging, verify=False, gpu=False)
-        serving = store.load(serving_name, verify=False, gpu=False) if serving_name and evaluator else None
-        record = gate_record(candidate, serving, evaluator, margin=margin, force=force)
-        # an import's version arrived whole: on a full disk here nothing of it is committed (a build's
-        # staged files are removed as after any failed write: the default message)
-        outcome = None if path != "index import" else (
-            f"the import of {version} stopped before its commit: nothing of it is in versions/ and "
-            + (f"`current` still points at {serving_name}, which keeps serving" if serving_name
-               else "no version is current, as before") + "; free some space and rerun the import")
-        needed = updated_bytes(staging, quality_gate=record) + store.switch_bytes(version)   # then its activation
-        with writing(staging / MANIFEST_NAME, needed, outcome):
-            update_manifest(staging, quality_gate=record)
-        store.commit(staging, version)
-    except BaseException:
-        candidate = None   # unmaps its files (else their blocks stay taken until the error is dropped)
-        discard_staging(staging)
-        raise
-    if activate:
-        store.activate(version, force=force, path=path, verify=False)   # ActivationRefused when a check failed
-        if keep is not None:
-            store.prune(keep)
-    return version
-
-
-def discard_staging(staging: Path) -> None:
-    """Remove a version's staging directory after a failed build (never embedding caches)."""
-    if Path(staging).is_dir():
-        shutil.rmtree(staging, ignore_errors=True)
-        logger.info("removed the staging directory of the failed build: %s", staging)
-
-
-def _skipped_items(ds, res: EmbedResult, source: int) -> list[dict]:
+def skipped_items(ds, res: EmbedResult, source: int) -> list[dict]:
     """Every item of a source that is not indexed, once: files the dataset could not decode
     (over a limit, unreadable: ``ds.skipped``, with a ``reason``) and items the embedding skipped."""
     return [{"source": source, **item} for item in [*(getattr(ds, "skipped", None) or []), *res.skipped]]
 
 
-def _source_record(ds, res: EmbedResult, source: int) -> dict:
+def embedded_source(ds, res: EmbedResult, source: int) -> dict:
+    """The manifest's record of one embedded source (its spec, fingerprint, counts and speed)."""
     return {"spec": ds.spec(), "fingerprint": ds.fingerprint(), "count": int(len(res.rows)),
-            "skipped": len(_skipped_items(ds, res, source)), "source": source, "resumed_shards": res.resumed_shards,
+            "skipped": len(skipped_items(ds, res, source)), "source": source, "resumed_shards": res.resumed_shards,
             "embed_s": res.seconds, "images_per_s": len(res.rows) / res.seconds if res.seconds > 0 else None}
 
 
@@ -364,29 +290,30 @@ def _source_record(ds, res: EmbedResult, source: int) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class BuildOptions:
-    """The knobs of `build_index` and `rebuild_index` (one bag, checked once by `build_index`)."""
+class BuildOptions(CommitOptions, EmbedOptions):
+    """The knobs of `build_index`, `rebuild_index` and `build_from_vectors`: how to embed (EmbedOptions),
+    how to commit (CommitOptions), and what to build."""
 
-    #: FAISS kind (index/faiss_index.py KINDS) or "auto" (`choose_kind` under `memory_budget`); None: flat
-    #: for a build, the current version's kind for a rebuild
+    #: FAISS kind (index/kinds/) or "auto" (`choose_kind` under `memory_budget`); None: flat for a build,
+    #: the current version's kind for a rebuild
     kind: str | None = None
     params: dict | None = None                  # FAISS build parameters (nlist, m, M, ...)
-    evaluator: Evaluator | None = None          # the quality gate's scorer (index/gate.py)
-    calibrator: Calibrator | None = None        # the search temperature's calibration
-    margin: float = DEFAULT_MARGIN              # quality gate: candidate >= serving - margin
-    force: bool = False                         # activate even when the activation rule refuses
-    activate: bool = True
-    keep: int | None = None                     # prune to this many versions after activating
     memory_budget: int | None = None            # bytes, for kind "auto"
-    target_recall: float = 0.95                 # recall@10 the FAISS parameters are tuned to reach
-    batch_size: int = 256                       # embedding batch
-    num_workers: int = 0                        # DataLoader workers
-    shard_size: int = 8192                      # items per resumable embedding shard
-    device: Any = None                          # torch device (None: default_device)
     fields: dict | None = None                  # extra manifest fields (e.g. search_temperature)
-    progress: bool = True                       # tqdm bars
     metadata: Metadata | None = None            # user per-item fields, merged over the built-in ones
 
+    @classmethod
+    def combine(cls, embed: EmbedOptions, commit: CommitOptions, **what) -> "BuildOptions":
+        """Options from the two records plus what to build (`what`: kind, params, memory_budget, fields, metadata)."""
+        knobs = {f.name: getattr(o, f.name) for o in (embed, commit) for f in dataclasses.fields(o)}
+        return cls(**knobs, **what)
+
+    def check(self) -> None:
+        """Both option records' checks, and the kind (an unknown one is refused)."""
+        CommitOptions.check(self)
+        EmbedOptions.check(self)
+        if self.kind is not None and self.kind != "auto":
+            kinds.get(self.kind)
 
 
 def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, *, _parent: str | None = None) -> str:
@@ -407,9 +334,7 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
     checkpoint = Path(checkpoint)
     if not checkpoint.is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    if kind != "auto":
-        kinds.get(kind)   # refuses an unknown kind
-    _check_opts(o.batch_size, o.num_workers, o.shard_size, o.target_recall, o.keep, o.margin)
+    o.check()
     store = IndexStore(root)
     with distributed() as (rank, world, dist_device):
         device = default_device(o.device if o.device is not None else dist_device)
@@ -429,9 +354,7 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
                 item_metadata = item_metadata.merge(o.metadata)
                 report_unknown_ids(o.metadata, [i for ds in datasets for i in ds.item_ids()], "--metadata")
         t0 = time.perf_counter()
-        embedded = _embed_sources(encoder, ckpt_sha, datasets, store, shard_size=o.shard_size,
-                                  batch_size=o.batch_size, num_workers=o.num_workers, device=device, rank=rank,
-                                  world=world, progress=o.progress)
+        embedded = embed_sources(encoder, ckpt_sha, datasets, store, o, device=device, rank=rank, world=world)
         embed_s = time.perf_counter() - t0
         outcome: tuple[str | None, BaseException | None] = (None, None)
         if rank == 0:
@@ -460,14 +383,14 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: Buil
         all_ids = ds.item_ids()
         embeddings.append(res.embeddings)
         ids.extend(all_ids[int(i)] for i in res.rows)
-        skipped.extend(_skipped_items(ds, res, s))
-        sources.append(_source_record(ds, res, s))
+        skipped.extend(skipped_items(ds, res, s))
+        sources.append(embedded_source(ds, res, s))
     emb = np.concatenate(embeddings, axis=0)
     if emb.shape[0] == 0:
         raise ValueError(f"no readable items to index ({len(skipped)} skipped)")
     temperature, temp_source = training_temperature(info)
     manifest_fields = {
-        "checkpoint": _checkpoint_field(store, checkpoint, ckpt_sha, info),
+        "checkpoint": checkpoint_field(store, checkpoint, ckpt_sha, info),
         "encoder": info.get("encoder"),
         "dataset": {"spec": sources[0]["spec"], "fingerprint": sources[0]["fingerprint"]},
         "sources": sources,
@@ -486,27 +409,20 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: Buil
                                          memory_budget=o.memory_budget, target_recall=o.target_recall,
                                          fields=manifest_fields, timings=timings,
                                          extra_files=item_files(records, o.metadata, ids))
-        version = _gate_and_activate(store, version, staging, evaluator=o.evaluator, margin=o.margin, force=o.force,
-                                     activate=o.activate, keep=o.keep, calibrator=o.calibrator,
-                                     path="index rebuild" if parent else "index build", t_start=t_start,
-                                     model=(ckpt_sha, checkpoint))
+        version = commit_staged(store, Staged(version, staging), o, path="index rebuild" if parent else "index build",
+                                t_start=t_start, model=(ckpt_sha, checkpoint))
     for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version
 
 
-def _checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) -> dict:
+def checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) -> dict:
     """The manifest's encoder reference: the model's sha256 and place in the store; `path` is provenance
     only (None for a file inside the store, e.g. a pretrained model saved for this build)."""
     path = Path(checkpoint).resolve()
     inside = store.root.resolve() in path.parents or is_store_model(path)
     return {"sha256": sha, "model": model_relpath(sha), "path": None if inside else str(path),
             "step": info.get("step")}
-
-
-def _stamp_total(staging: Path, t_start: float) -> None:
-    timings = read_manifest(staging).timings or {}
-    update_manifest(staging, timings={**timings, "total_s": time.perf_counter() - t_start})
 
 
 def rebuild_index(root, checkpoint, options: BuildOptions | None = None) -> str:
@@ -534,10 +450,8 @@ def rebuild_index(root, checkpoint, options: BuildOptions | None = None) -> str:
                                                                        metadata=metadata), _parent=current)
 
 
-def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evaluator: Evaluator | None = None,
-              margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True, keep: int | None = None,
-              target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0, shard_size: int = 8192,
-              device=None, progress: bool = True, metadata: Metadata | None = None) -> str:
+def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metadata: Metadata | None = None,
+              embed: EmbedOptions | None = None, commit: CommitOptions | None = None) -> str:
     """New version = `base` (default current) + the items of `dataset`, without re-embedding old rows.
 
     Uses the base's checkpoint (its sha256 must still match; a different `checkpoint` would mix
@@ -546,7 +460,9 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     from training.checkpoint import checkpoint_sha256, load_checkpoint
 
     t_start = time.perf_counter()
-    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
+    embed, commit = embed or EmbedOptions(), commit or CommitOptions()
+    commit.check()
+    embed.check()
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     require_encoder(base_version.manifest, "index add")
@@ -556,12 +472,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     recorded = base_version.manifest.checkpoint_record
     if checkpoint is not None:
         sha = checkpoint_sha256(checkpoint)
-        if recorded.get("sha256") and sha != recorded["sha256"]:
+        if recorded.sha256 and sha != recorded.sha256:
             raise ValueError(f"checkpoint {checkpoint} (sha256 {sha[:12]}) is not the one {base_version.version} was "
-                             f"built with ({recorded['sha256'][:12]}); use 'index rebuild' to change the encoder")
+                             f"built with ({recorded.sha256[:12]}); use 'index rebuild' to change the encoder")
         store.models.add_file(checkpoint, sha)
     ckpt = store.models.resolve(recorded, base_version.version)   # the store's own copy of the weights
-    sha = recorded["sha256"]
+    sha = recorded.sha256
     ds = _as_list(dataset)[0]
     known = set(base_version.ids)
     new_ids = ds.item_ids()
@@ -574,14 +490,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     if metadata is not None:
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, list(base_version.ids) + new_ids, "--metadata")
-    device = default_device(device)
+    device = default_device(embed.device)
     encoder, info = load_checkpoint(ckpt, device=device)
     if encoder.embed_dim != base_version.dim:
         raise ValueError(f"checkpoint embeds to {encoder.embed_dim} dims, index has {base_version.dim}")
     t0 = time.perf_counter()
-    results, caches = _embed_sources(encoder, sha, [ds], store, indices=[todo], shard_size=shard_size,
-                                     batch_size=batch_size, num_workers=num_workers, device=device, rank=0,
-                                     world=1, progress=progress)
+    results, caches = embed_sources(encoder, sha, [ds], store, embed, indices=[todo], device=device)
     res = results[0]
     embed_s = time.perf_counter() - t0
     if len(res.rows) == 0:
@@ -598,20 +512,20 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, evalua
     m = base_version.manifest
     sources = list(m.sources or [])
     source_index = len(sources)
-    sources = sources + [_source_record(ds, res, source_index)]
-    skipped = list(m.skipped or []) + _skipped_items(ds, res, source_index)
+    sources = sources + [embedded_source(ds, res, source_index)]
+    skipped = list(m.skipped or []) + skipped_items(ds, res, source_index)
     fields = m.carried("checkpoint", "encoder", "dataset", "lineage", "search_temperature",
                        "search_temperature_source", "world_size", "text")   # text: the calibrated text temperature
     fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
                   trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
-                                                "skipped": len(_skipped_items(ds, res, source_index))})
+                                                "skipped": len(skipped_items(ds, res, source_index))})
     params = dict(m.params)
     with released_on_disk_full(caches):
         version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
-                                         target_recall=target_recall, fields=fields, timings={"embed_s": embed_s},
-                                         extra_files=item_files(records, item_metadata, ids))
-        version = _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                     activate=activate, keep=keep, path="index add", t_start=t_start, model=(sha, ckpt))
+                                         target_recall=commit.target_recall, fields=fields,
+                                         timings={"embed_s": embed_s}, extra_files=item_files(records, item_metadata, ids))
+        version = commit_staged(store, Staged(version, staging), commit, path="index add", t_start=t_start,
+                                model=(sha, ckpt))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     return version
@@ -625,11 +539,8 @@ def require_encoder(manifest: Manifest, command: str) -> None:
                          "'index build --embeddings' over all the vectors")
 
 
-def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params: dict | None = None,
-                       evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
-                       activate: bool = True, keep: int | None = None, memory_budget: int | None = None,
-                       target_recall: float = 0.95, fields: dict | None = None, progress: bool = True,
-                       metadata: Metadata | None = None, stream: bool | None = None) -> str:
+def build_from_vectors(embeddings, root, options: BuildOptions | None = None, *, ids=None,
+                       stream: bool | None = None) -> str:
     """A new version from vectors computed elsewhere: `embeddings` is a `.npy` file or a directory of `.npy`
     shards (index/vectors.py), `ids` an ids file (one per line; default: the row number as a string).
 
@@ -637,18 +548,20 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
     vectors and their sha256): it serves vector queries only. Its quality gate is the recall check on
     held-out stored rows (index/gate.py). IVF kinds (given, or chosen by ``auto``) are built streaming
     (index/stream.py: trained on a sample, lists on disk, RAM independent of N) unless `stream` is False.
-    Returns the version name (activated unless `activate=False`)."""
+    `options`: kind (default flat), params, memory_budget, fields, metadata, progress and the commit knobs
+    (nothing is embedded: the embedding knobs are unused). Returns the version name (activated unless
+    `options.activate` is False)."""
     from index import stream as streaming
     from index.vectors import default_ids, open_vectors, read_ids, source_record, unit_rows
 
     t_start = time.perf_counter()
-    if kind != "auto":
-        kinds.get(kind)   # refuses an unknown kind
-    _check_opts(1, 0, 1, target_recall, keep, margin)
+    o = options or BuildOptions()
+    o.check()
+    kind, metadata, progress = o.kind or kinds.DEFAULT, o.metadata, o.progress
     source = open_vectors(embeddings)
-    params = dict(params or {})
+    params = dict(o.params or {})
     if kind == "auto":
-        kind, auto_params = faiss_index.choose_kind(source.count, source.dim, memory_budget)
+        kind, auto_params = faiss_index.choose_kind(source.count, source.dim, o.memory_budget)
         params = {**auto_params, **params}
         logger.info("--kind auto chose %s %s for %d x %d", kind, params, source.count, source.dim)
     streamable = kinds.get(kind).streamable
@@ -667,24 +580,22 @@ def build_from_vectors(embeddings, root, kind: str = "flat", *, ids=None, params
         store = IndexStore(root)
         store.ensure()
         version, staging, candidate = streaming.write_streamed_version(
-            store, source, item_ids, kind=kind, params=params, target_recall=target_recall,
-            fields=_vector_fields(record, fields), timings={},
+            store, source, item_ids, kind=kind, params=params, target_recall=o.target_recall,
+            fields=_vector_fields(record, o.fields), timings={},
             extra_files=item_files({}, item_metadata, item_ids) if metadata is not None else None, progress=progress)
-        return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                                  activate=activate, keep=keep, path="index build --embeddings", t_start=t_start,
-                                  candidate=candidate)
+        return commit_staged(store, Staged(version, staging, candidate), o, path="index build --embeddings",
+                             t_start=t_start)
     t0 = time.perf_counter()
     emb = unit_rows(source, progress=progress)
     record = source_record(source, ids)
     load_s = time.perf_counter() - t0
     store = IndexStore(root)
     store.ensure()
-    version, staging = write_version(store, emb, item_ids, kind=kind, params=params, memory_budget=memory_budget,
-                                     target_recall=target_recall, fields=_vector_fields(record, fields),
+    version, staging = write_version(store, emb, item_ids, kind=kind, params=params, memory_budget=o.memory_budget,
+                                     target_recall=o.target_recall, fields=_vector_fields(record, o.fields),
                                      timings={"load_vectors_s": load_s},
                                      extra_files=item_files({}, item_metadata, item_ids))
-    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                              activate=activate, keep=keep, path="index build --embeddings", t_start=t_start)
+    return commit_staged(store, Staged(version, staging), o, path="index build --embeddings", t_start=t_start)
 
 
 def _vector_fields(record: dict, fields: dict | None) -> dict:
@@ -697,9 +608,8 @@ def _vector_fields(record: dict, fields: dict | None) -> dict:
     return out
 
 
-def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluator: Evaluator | None = None,
-                margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True, keep: int | None = None,
-                target_recall: float = 0.95, progress: bool = True, metadata: Metadata | None = None) -> str:
+def add_vectors(root, embeddings, *, ids=None, base: str | None = None, metadata: Metadata | None = None,
+                progress: bool = True, commit: CommitOptions | None = None) -> str:
     """New version = `base` (default current, a version built from vectors) + the rows of `embeddings`
     (a .npy file or a directory of shards), added to a copy of its FAISS index without retraining.
 
@@ -708,7 +618,8 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
     from index.vectors import open_vectors, read_ids, source_record, unit_rows
 
     t_start = time.perf_counter()
-    _check_opts(1, 0, 1, target_recall, keep, margin)
+    commit = commit or CommitOptions()
+    commit.check()
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     m = base_version.manifest
@@ -754,8 +665,7 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, evaluato
                   added_sources=[*(m.added_sources or []), record])
     store.ensure()
     version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m.params),
-                                     index=index, target_recall=target_recall, fields=fields,
+                                     index=index, target_recall=commit.target_recall, fields=fields,
                                      timings={"load_vectors_s": load_s},
                                      extra_files=item_files({}, item_metadata, item_ids))
-    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                              activate=activate, keep=keep, path="index add --embeddings", t_start=t_start)
+    return commit_staged(store, Staged(version, staging), commit, path="index add --embeddings", t_start=t_start)

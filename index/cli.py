@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from index.defaults import DEFAULT_MARGIN, KINDS
 from index.disk import describe as describe_os_error
-from index.manifest import GateRecord, IndexCorruptError, Manifest
+from index.manifest import GateRecord, IndexCorruptError, Manifest, RecallRecord
 from index.models import parse_encoder_spec, save_pretrained_checkpoint
 from training.cli_parser import CommandParser
 
@@ -71,7 +72,7 @@ def parse_params(items: list[str]) -> dict:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="softsearch index", description="Build and manage versioned search indexes.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -149,6 +150,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--shards", type=int, default=None, metavar="N",
                     help="split the items into N shards, each with its own FAISS index, embeddings and metadata, "
                          "in one version (served by fanning out: `serve`, or `serve --engine ray`)")
+    sp.add_argument("--engine", choices=["local", "ray"], default="local",
+                    help="ray: with --shards N, each shard embedded (Ray Data over an actor pool) and built as a Ray "
+                         "task on a Ray cluster (extra [ray]; every node reads the store at the same path)")
+    sp.add_argument("--ray-address", default=None, metavar="ADDR",
+                    help="with --engine ray: the cluster to join (e.g. auto, HEAD:6379; default: start a local Ray)")
+    sp.add_argument("--ray-actors", type=int, default=1, metavar="N",
+                    help="with --engine ray: embedding actors per shard (default 1)")
+    sp.add_argument("--ray-actor-cpus", type=float, default=1.0, metavar="C",
+                    help="with --engine ray: CPUs each embedding actor reserves (default 1)")
 
     sp = sub.add_parser("rebuild", help="re-embed the current version's corpus with a new checkpoint")
     common(sp); notify(sp); embedding(sp); kind(sp, None)
@@ -309,7 +319,7 @@ def _build_checkpoint(args, store: IndexStore):
         checkpoint.unlink(missing_ok=True)
 
 
-def _build_from_vectors(args, opts: dict) -> str:
+def _build_from_vectors(args, options) -> str:
     """`index build --embeddings FILE [--ids FILE] [--metadata FILE]`: a version without an encoder."""
     from index.build import build_from_vectors
 
@@ -317,10 +327,70 @@ def _build_from_vectors(args, opts: dict) -> str:
                                       ("--encoder", args.encoder), ("--pretrained", args.pretrained)) if value]
     if given:
         raise ValueError(f"--embeddings indexes your own vectors; drop {', '.join(given)} (no images are embedded)")
-    keys = ("params", "evaluator", "margin", "force", "activate", "keep", "memory_budget", "target_recall",
-            "fields", "progress", "metadata")
-    return build_from_vectors(args.embeddings, args.root, kind=args.kind, ids=args.ids,
-                              **{k: opts[k] for k in keys})
+    return build_from_vectors(args.embeddings, args.root, dataclasses.replace(options, calibrator=None), ids=args.ids)
+
+
+def _change_sharded(args, store: IndexStore, base: str, evaluator, calibrator, on_new_items, t0: float) -> int:
+    """`index add | sync | delete` on a sharded version: the change applied to an unsharded copy of it (never
+    activated), the result resharded into as many shards, gated against what serves and activated; both
+    intermediates removed. Rows are split contiguously again, so items may move between shards; the version
+    answers what the unsharded one would, probabilities exact (search/serving/sharded.py)."""
+    import argparse
+    import contextlib
+    import io
+
+    from index.shards import remove_unserved, reshard, unshard
+
+    shards = len(store.manifest(base).shards)
+    before = set(store.versions())
+    whole = unshard(store, base, target_recall=args.target_recall)
+    changed = None
+    try:
+        inner = argparse.Namespace(**{**vars(args), "base": whole, "no_activate": True, "keep": None, "notify": None})
+        with contextlib.redirect_stdout(io.StringIO()):
+            _run(inner, None, calibrator)   # the quality gate runs once, on the resharded result
+        made = [v for v in store.versions() if v not in before and v != whole]
+        if not made:   # sync: the folder is in step with the base
+            print(f"index sync: {base} is already in step with its folder (nothing to re-embed)")
+            return 0
+        changed = made[-1]
+        version = reshard(args.root, shards, source=changed, commit=_commit_options(args, evaluator),
+                          path=f"index {args.command}")
+    finally:
+        for v in (whole, changed):
+            if v is not None:
+                remove_unserved(store, v)
+    m = store.manifest(version)
+    print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {shards} shards ({m.count} items; {store.manifest(base).count} in {base})")
+    if on_new_items is not None and args.command in ("add", "sync"):
+        on_new_items(args.root, base, version)
+    return 0 if args.no_activate else _notify(args, version)
+
+
+def _build_on_ray(args, store: IndexStore, options, t0: float) -> int:
+    """`index build --engine ray --shards N` (index/ray_build.py)."""
+    if not args.shards:
+        raise ValueError("--engine ray builds a sharded version: give --shards N")
+    if args.embeddings is not None or not args.dataset:
+        raise ValueError("--engine ray embeds a dataset: give --dataset NAME with --checkpoint or --encoder "
+                         "(for your own vectors use --embeddings without --engine ray)")
+    if args.ids is not None:
+        raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
+    try:
+        import ray  # noqa: F401
+        import ray.data  # noqa: F401
+    except ImportError as err:   # Ray, or Ray Data's pandas / pyarrow: the ray extra installs them
+        raise ModuleNotFoundError(f"Ray Data is not installed ({err})", name="ray") from None
+    from index.ray_build import build_on_ray
+
+    with _build_checkpoint(args, store) as checkpoint:
+        version = build_on_ray(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
+                               args.shards, options, address=args.ray_address,
+                               actors=args.ray_actors, actor_cpus=args.ray_actor_cpus)
+    print(_summary("build", store, version, time.perf_counter() - t0, not args.no_activate)
+          + f", {args.shards} shards built on Ray")
+    return _notify(args, version) if not args.no_activate else 0
 
 
 def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
@@ -331,19 +401,26 @@ def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
                                       ("--checkpoint", args.checkpoint)) if value]
     if given:
         raise ValueError(f"--embeddings adds your own vectors; drop {', '.join(given)} (no images are embedded)")
-    version = add_vectors(args.root, args.embeddings, ids=args.ids, base=args.base, evaluator=evaluator,
-                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
-                          target_recall=args.target_recall, progress=not args.no_progress,
-                          metadata=_user_metadata(args))
+    version = add_vectors(args.root, args.embeddings, ids=args.ids, base=args.base, metadata=_user_metadata(args),
+                          progress=not args.no_progress, commit=_commit_options(args, evaluator))
     print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
     return 0 if args.no_activate else _notify(args, version)
 
 
-def _embed_opts(args) -> dict:
-    return dict(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
-                device=args.device, target_recall=args.target_recall, keep=args.keep, force=args.force,
-                margin=args.margin, activate=not args.no_activate, progress=not args.no_progress,
-                metadata=_user_metadata(args))
+def _embed_options(args):
+    """The embedding knobs of build, rebuild, add and sync."""
+    from index.options import EmbedOptions
+
+    return EmbedOptions(batch_size=args.batch_size, num_workers=args.num_workers, shard_size=args.shard_size,
+                        device=args.device, progress=not args.no_progress)
+
+
+def _commit_options(args, evaluator, calibrator=None):
+    """The commit knobs (tuning target, quality gate, activation, pruning) of every command that makes a version."""
+    from index.options import CommitOptions
+
+    return CommitOptions(target_recall=args.target_recall, evaluator=evaluator, calibrator=calibrator,
+                         margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep)
 
 
 def _user_metadata(args):
@@ -361,10 +438,11 @@ def _figures(m: Manifest) -> dict:
     exact search and through the served index, and the gate result."""
     gate = m.quality_gate or GateRecord()
     recall = gate.recall
-    tuned = m.recall or {}
-    exact = (gate.exact_recall_at_10 or {}).get("candidate")
-    served = (gate.recall_at_10 or {}).get("candidate") if exact is not None else None
-    return {"index_recall": recall.get("served", tuned.get("recall")), "target": recall.get("target", tuned.get("target")),
+    tuned = m.recall or RecallRecord()
+    exact = gate.exact_recall_at_10.candidate if gate.exact_recall_at_10 is not None else None
+    served = gate.recall_at_10.candidate if exact is not None and gate.recall_at_10 is not None else None
+    return {"index_recall": recall.served if "served" in recall.key_order else tuned.recall,
+            "target": recall.target if "target" in recall.key_order else tuned.target,
             "recall_exact": exact, "recall_served": served, "gate": gate.passed,
             "metric": gate.metric, "candidate": gate.candidate, "serving": gate.serving}
 
@@ -395,8 +473,8 @@ def _list(store: IndexStore, as_json: bool) -> None:
             m = store.manifest(v)
             last = store.last_activation(v) or {}
             rows.append({"version": v, "current": v == current, "count": m.count, "kind": m.kind,
-                         "created": m.created, "checkpoint": (m.checkpoint_record.get("sha256") or "")[:12],
-                         "recall": (m.recall or {}).get("recall"), "shards": len(m.shards) if m.shards else None,
+                         "created": m.created, "checkpoint": (m.checkpoint_record.sha256 or "")[:12],
+                         "recall": m.recall.recall if m.recall is not None else None, "shards": len(m.shards) if m.shards else None,
                          **_figures(m),
                          "forced": bool(last.get("forced")), "status": "ok"})
         except IndexCorruptError as err:
@@ -448,15 +526,11 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
     if args.command in ("add", "sync", "delete"):
         base = args.base or store.current_version()
         if base and store.manifest(base).shards:
-            raise ValueError(f"index {args.command} does not support the sharded version {base} yet: {args.command} "
-                             f"the unsharded version it came from ({store.manifest(base).parent}), then "
-                             f"`index reshard --shards {len(store.manifest(base).shards)}`")
+            return _change_sharded(args, store, base, evaluator, calibrator, on_new_items, t0)
     if args.command == "reshard":
         from index.shards import reshard
 
-        version = reshard(args.root, args.shards, source=args.version, evaluator=evaluator,
-                          margin=args.margin, force=args.force, activate=not args.no_activate, keep=args.keep,
-                          target_recall=args.target_recall)
+        version = reshard(args.root, args.shards, source=args.version, commit=_commit_options(args, evaluator))
         print(_summary("reshard", store, version, time.perf_counter() - t0, not args.no_activate)
               + f", {args.shards} shards")
         return _notify(args, version) if not args.no_activate else 0
@@ -469,13 +543,18 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
             if args.search_temperature <= 0:
                 raise ValueError(f"--search-temperature must be positive, got {args.search_temperature}")
             fields = {"search_temperature": args.search_temperature, "search_temperature_source": "command line"}
-        opts = dict(_embed_opts(args), params=parse_params(args.param), evaluator=evaluator,
-                    calibrator=calibrator, fields=fields,
-                    memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
+        commit = _commit_options(args, evaluator, calibrator)
+        if getattr(args, "engine", "local") == "ray":
+            return _build_on_ray(args, store, BuildOptions.combine(
+                _embed_options(args), commit, kind=args.kind, params=parse_params(args.param), fields=fields,
+                metadata=_user_metadata(args)), t0)
         if shards:   # built whole first (not activated), then split into the one version that is gated
-            opts.update(activate=False, keep=None)
+            commit = dataclasses.replace(commit, activate=False, keep=None)
+        options = BuildOptions.combine(_embed_options(args), commit, kind=args.kind, params=parse_params(args.param),
+                                       fields=fields, metadata=_user_metadata(args),
+                                       memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None)
         if args.command == "build" and args.embeddings is not None:
-            version = _build_from_vectors(args, opts)
+            version = _build_from_vectors(args, options)
         elif args.command == "build":
             if args.ids is not None:
                 raise ValueError("--ids goes with --embeddings (a dataset names its own items)")
@@ -484,16 +563,15 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
                                  "--embeddings FILE (your own vectors)")
             with _build_checkpoint(args, store) as checkpoint:
                 version = build_index(checkpoint, _dataset(args, _checkpoint_image_size(checkpoint)), args.root,
-                                      BuildOptions(kind=args.kind, **opts))
+                                      options)
         else:
-            version = rebuild_index(args.root, args.checkpoint, BuildOptions(kind=args.kind, **opts))
+            version = rebuild_index(args.root, args.checkpoint, options)
         if shards and rank == 0:
             from index.shards import remove_unserved, reshard
 
             whole = version
-            version = reshard(args.root, shards, source=whole, evaluator=evaluator, margin=args.margin,
-                              force=args.force, activate=not args.no_activate, keep=args.keep,
-                              target_recall=args.target_recall, path="index build")
+            version = reshard(args.root, shards, source=whole, commit=_commit_options(args, evaluator),
+                              path="index build")
             remove_unserved(store, whole)
         if rank == 0:
             print(_summary(args.command, store, version, time.perf_counter() - t0, not args.no_activate))
@@ -511,14 +589,15 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         image_size = (base.encoder or {}).get("image_size")
         base_version = args.base or store.current_version()
         version = add_items(args.root, _dataset(args, image_size), checkpoint=args.checkpoint,
-                            base=args.base, evaluator=evaluator, **_embed_opts(args))
+                            base=args.base, metadata=_user_metadata(args), embed=_embed_options(args),
+                            commit=_commit_options(args, evaluator))
         print(_summary("add", store, version, time.perf_counter() - t0, not args.no_activate))
         if on_new_items is not None:
             on_new_items(args.root, base_version, version)
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "sync":
-        version, counts = sync_index(args.root, args.data_root, base=args.base, evaluator=evaluator,
-                                     calibrator=calibrator, **_embed_opts(args))
+        version, counts = sync_index(args.root, args.data_root, base=args.base, metadata=_user_metadata(args),
+                                     embed=_embed_options(args), commit=_commit_options(args, evaluator, calibrator))
         if version == counts["base"]:
             print(f"index sync: {version} is already in step with {counts['data_root']} "
                   f"({counts['unchanged']} unchanged, {counts['touched']} touched, nothing to re-embed)")
@@ -531,9 +610,7 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         return 0 if args.no_activate else _notify(args, version)
     if args.command == "delete":
         version, counts = delete_items(args.root, read_ids_file(args.ids_file), base=args.base,
-                                       ignore_missing=args.ignore_missing, evaluator=evaluator, margin=args.margin,
-                                       force=args.force, activate=not args.no_activate, keep=args.keep,
-                                       target_recall=args.target_recall)
+                                       ignore_missing=args.ignore_missing, commit=_commit_options(args, evaluator))
         print(_summary("delete", store, version, time.perf_counter() - t0, not args.no_activate)
               + f"; {counts['deleted']} deleted" + (f", {counts['missing']} ids not found" if counts["missing"] else ""))
         return 0 if args.no_activate else _notify(args, version)
@@ -560,13 +637,13 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
             try:
                 loaded = store.load(v, verify=True, gpu=False)
                 record = loaded.manifest.checkpoint_record
-                if not record.get("sha256") and not record.get("path"):   # built from vectors: no model
+                if not record.sha256 and not record.path:   # built from vectors: no model
                     print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files match their sha256 "
                           "(built from vectors: no encoder model)")
                     continue
                 store.models.resolve(record, v)   # the encoder weights too (migrates an old store)
                 print(f"ok {v}: {len(loaded)} items, {len(loaded.manifest.files)} files and encoder model "
-                      f"{record['sha256'][:12]} match their sha256")
+                      f"{record.sha256[:12]} match their sha256")
             except IndexCorruptError as err:
                 bad += 1
                 print(f"CORRUPT {v}: {err}")
@@ -587,9 +664,13 @@ def _run(args, evaluator, calibrator, on_new_items=None) -> int:
         print(f"exported {args.version or store.current_version()} to {out} ({out.stat().st_size} bytes)")
         return 0
     if args.command == "import":
-        version, existed = import_version(args.root, args.archive, evaluator=evaluator, margin=args.margin,
-                                          force=args.force, activate=not args.no_activate, keep=args.keep,
-                                          max_bytes=parse_bytes(args.max_bytes), max_ratio=args.max_ratio)
+        from index.options import CommitOptions
+
+        version, existed = import_version(args.root, args.archive, max_bytes=parse_bytes(args.max_bytes),
+                                          max_ratio=args.max_ratio,
+                                          commit=CommitOptions(evaluator=evaluator, margin=args.margin,
+                                                               force=args.force, activate=not args.no_activate,
+                                                               keep=args.keep))
         state = "activated" if store.current_version() == version else "not activated"
         print(f"imported {version} into {args.root}{' (already present)' if existed else ''}, {state}")
         return _notify(args, version) if state == "activated" else 0
@@ -601,7 +682,7 @@ def main(argv: list[str] | None = None, evaluator=None, calibrator=None, on_new_
     search-temperature calibration (see index.build), both injected by the caller, as are
     `on_new_items(root, base, version)`, told after `add` / `sync` wrote a version (duplicate report),
     and `notifier` (api.notify.notify_server) for --notify."""
-    parser = _parser()
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:   # argparse already printed usage / the error

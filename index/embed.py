@@ -97,7 +97,7 @@ def _shard_done(cache_dir: Path, s: int) -> bool:
     return meta.is_file() and (cache_dir / f"{_shard_name(s)}.npy").is_file()
 
 
-class _SafeItems(Dataset):
+class SafeItems(Dataset):
     """Wraps a dataset so that an unreadable item becomes (index, None, error) instead of raising."""
 
     def __init__(self, dataset, indices: np.ndarray, image_size: int):
@@ -141,8 +141,7 @@ class CpuStreams:
     """Throughput-mode CPU inference: a batch runs as chunks on `n` single-threaded streams.
 
     One forward on n OpenMP threads meets at a barrier after every op, so on a shared machine one
-    descheduled thread stalls them all (measured here: 2 threads embedded 4x slower than 1 under a
-    load of 6 on 2 cores). Streams never wait for each other inside a chunk, and a slow one holds
+    descheduled thread stalls them all (docs/results.md §22). Streams never wait for each other inside a chunk, and a slow one holds
     back only its own chunk. Rows are independent in eval mode (BatchNorm uses running stats), so
     the result equals one forward over the batch. Conv towers get channels-last input.
     """
@@ -217,7 +216,7 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
         return 0
     device = torch.device(device) if device is not None else next(encoder.parameters()).device
     positions = np.concatenate([np.arange(s * shard_size, min((s + 1) * shard_size, len(indices))) for s in mine])
-    loader = DataLoader(_SafeItems(dataset, indices[positions], encoder.image_size), batch_size=batch_size,
+    loader = DataLoader(SafeItems(dataset, indices[positions], encoder.image_size), batch_size=batch_size,
                         shuffle=False, num_workers=num_workers, collate_fn=_collate,
                         persistent_workers=False, pin_memory=device.type == "cuda")
     was_training = encoder.training

@@ -355,7 +355,7 @@ class TuneResult:
         return asdict(self)
 
 
-def _drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
+def drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
     """Per query, remove the row `drop[q]` from its result list and keep the first k."""
     out = np.full((rows.shape[0], k), -1, np.int64)
     for q, (r, d) in enumerate(zip(rows, drop)):
@@ -392,7 +392,7 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     queries = _as_float32(sample_queries, index.d, "sample queries")
 
     if self_rows is not None:
-        exact = _drop_rows(np.asarray(exact), np.asarray(self_rows), k)
+        exact = drop_rows(np.asarray(exact), np.asarray(self_rows), k)
     if spec.rerank and embeddings is not None:
         return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release, kind)
 
@@ -401,7 +401,7 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
         _, rows = search_paged(index, queries, k + (self_rows is not None), release)
         dt = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
         if self_rows is not None:
-            rows = _drop_rows(rows, self_rows, k)
+            rows = drop_rows(rows, self_rows, k)
         return recall_at_k(rows, exact, k), dt
 
     if param is None:
@@ -461,7 +461,7 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
             _, rows = rerank_candidates(embeddings, queries, cand[:, :kq * r], kq)
             ms = t_faiss + (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
             if self_rows is not None:
-                rows = _drop_rows(rows, self_rows, k)
+                rows = drop_rows(rows, self_rows, k)
             recall = recall_at_k(rows, exact, k)
             entry = {"nprobe": nprobe, "rerank": r, "recall": recall, "latency_ms": ms}
             history.append(entry)

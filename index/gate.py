@@ -14,16 +14,18 @@ uses for a version that has none yet.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, ClassVar, Union
 
 import numpy as np
 
 from index import faiss_index
 from index.defaults import DEFAULT_MARGIN  # re-exported here; defined without numpy for the parser
-from index.manifest import Manifest
+from index.manifest import Manifest, RecallCheck
+from index.options import Calibrator, Evaluator  # noqa: F401  (re-exported: the gate's injected callables)
 from index.paging import PagedRows, drop_index_pages, read_rows
 
 if TYPE_CHECKING:   # the store imports this module; these are for annotations only
@@ -40,20 +42,42 @@ Gate = Callable[[str], dict]
 GATE_QUERIES = 1000
 GATE_SEED = 1
 
-Evaluator = Callable[["IndexVersion", "IndexVersion"], dict]
-# calibrator(candidate) -> {"temperature": tau*, ...} or None; injected like the evaluator.
-Calibrator = Callable[["IndexVersion"], "dict | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreCheck:
+    """The quality-gate half of the rule (`score_check`): the recorded comparison with the serving version."""
+
+    name: ClassVar[str] = "quality gate"
+    passed: bool | None                 # None: the version has no gate result
+    message: str
+    record: dict | None = None          # the gate record's JSON (None: none recorded)
+
+
+#: One check of the activation rule: both have `name`, `passed` (True, False, None: not recorded), `message`
+#: (RecallCheck is index.manifest's: the gate record stores it).
+Check = Union[ScoreCheck, RecallCheck]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The activation rule applied to one version (`IndexStore.check_activation`)."""
+
+    version: str
+    checks: tuple[Check, ...]
+    failed: tuple[Check, ...]
+    forced: bool                        # some check failed and `force` overrode it
 
 
 class ActivationRefused(RuntimeError):
     """The activation rule refused a version (`failed`: the checks that failed); nothing changed.
     Every command exits 1 on it; the admin reload answers 409."""
 
-    def __init__(self, version: str, failed: list[dict], hint: str = FORCE_HINT):
-        self.version, self.failed = version, failed
-        gate = next((c for c in failed if c["check"] == "quality gate"), {})
-        self.comparison = gate.get("record") or {}
-        super().__init__(f"activation of index version {version} refused: " + "; ".join(c["message"] for c in failed)
+    def __init__(self, version: str, failed, hint: str = FORCE_HINT):
+        self.version, self.failed = version, tuple(failed)
+        gate = next((c for c in self.failed if isinstance(c, ScoreCheck)), None)
+        self.comparison = (gate.record if gate is not None else None) or {}
+        super().__init__(f"activation of index version {version} refused: " + "; ".join(c.message for c in self.failed)
                          + f"; {hint}")
 
 
@@ -75,31 +99,33 @@ def _fmt(x) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) else str(x)
 
 
-def recall_check(manifest: Manifest, served: dict | None = None) -> dict:
+def recall_check(manifest: Manifest, served: dict | None = None) -> RecallCheck:
     """The recall half of the rule: recall@10 of the version's own FAISS index at its tuned search
     parameters (`faiss_index.search`, the call the server makes) against the target it was built for.
 
     The figure is the gate's measurement on held-out queries (`served` or the recorded gate's
     `checks.recall`) when there is one, else the build's tuning measurement on stored rows (each
-    query's own row excluded). {"check", "passed" (None: nothing recorded), "served", "tuned",
-    "target", "kind", "params", "measured_on", "message"}."""
-    tuned = manifest.recall or {}
-    gate_recall = manifest.quality_gate.recall if manifest.quality_gate is not None else {}
-    target = tuned.get("target", gate_recall.get("target"))
+    query's own row excluded)."""
+    tuned = manifest.recall
+    gate_recall = manifest.quality_gate.recall if manifest.quality_gate is not None else RecallCheck()
+    target = tuned.target if tuned is not None and "target" in tuned.key_order else gate_recall.target
     kind, params = manifest.kind, dict(manifest.params or {})
-    out = {"check": "recall", "kind": kind, "params": params, "target": target, "tuned": tuned.get("recall")}
+    out = {"kind": kind, "params": params, "target": target, "tuned": None if tuned is None else tuned.recall}
     if served is not None and served.get("recall") is not None:
         out.update(served=float(served["recall"]),
                    measured_on=served.get("measured_on") or f"{served.get('n_queries', '?')} held-out queries")
-    elif gate_recall.get("served") is not None:
-        out.update(served=float(gate_recall["served"]), measured_on=gate_recall.get("measured_on", "held-out queries"))
-    elif tuned.get("recall") is not None:
-        out.update(served=float(tuned["recall"]), measured_on=f"{tuned.get('sample', 'all')} stored rows (tuning)")
+    elif gate_recall.served is not None:
+        out.update(served=float(gate_recall.served), measured_on=(gate_recall.measured_on
+                                                                  if "measured_on" in gate_recall.key_order
+                                                                  else "held-out queries"))
+    elif tuned is not None and tuned.recall is not None:
+        out.update(served=float(tuned.recall),
+                   measured_on=f"{tuned.sample if 'sample' in tuned.key_order else 'all'} stored rows (tuning)")
     else:
         out.update(served=None, measured_on=None)
     if out["served"] is None or target is None:
         out.update(passed=None, message="recall: not recorded")
-        return out
+        return RecallCheck.from_json(out)
     out["passed"] = bool(out["served"] >= float(target) - 1e-9)
     described = f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'exact'})"
     if out["passed"]:
@@ -110,34 +136,34 @@ def recall_check(manifest: Manifest, served: dict | None = None) -> dict:
                           f"{float(target):.3f} on {out['measured_on']}; "
                           + faiss_index.suggest_kind(kind, params, int(manifest.count), int(manifest.dim),
                                                      float(target)))
-    return out
+    return RecallCheck.from_json(out)
 
 
-def score_check(manifest: Manifest) -> dict:
-    """The quality-gate half of the rule: the recorded comparison with the version that was serving.
-    {"check", "passed" (None: the version has no gate result), "message", "record" (the gate's JSON)}."""
+def score_check(manifest: Manifest) -> ScoreCheck:
+    """The quality-gate half of the rule: the recorded comparison with the version that was serving."""
     gate = manifest.quality_gate
-    out = {"check": "quality gate", "record": None if gate is None else gate.to_json()}
+    record = None if gate is None else gate.to_json()
     if gate is None:
-        return {**out, "passed": None, "message": "quality gate: no result recorded"}
+        return ScoreCheck(None, "quality gate: no result recorded", record)
     if gate.error:
-        return {**out, "passed": False, "message": f"quality gate could not score it: {gate.error}"}
+        return ScoreCheck(False, f"quality gate could not score it: {gate.error}", record)
     # checks.score: None when nothing was serving or no evaluator; a record older than the rule with
     # no comparison carries only its verdict there (GateRecord.from_json)
     score = gate.score
-    if not score or score.get("candidate") is None or score.get("serving") is None:
-        passed = score.get("passed") if score else True
+    if score is None or score.candidate is None or score.serving is None:
+        passed = score.passed if score is not None and score.key_order else True
         message = "quality gate: nothing was serving to compare with" if passed is not False else "quality gate failed"
-        return {**out, "passed": passed, "message": gate.note or message}
-    margin = float(score.get("margin") or 0.0)
-    passed = score_passes(score["candidate"], score["serving"], margin)
-    return {**out, "passed": passed,
-            "message": f"quality gate {'passed' if passed else 'failed'} ({score.get('metric', 'score')}): candidate "
-                       f"{_fmt(score['candidate'])} {'>=' if passed else '<'} serving {_fmt(score['serving'])} - "
-                       f"margin {_fmt(margin)} (serving version {score.get('serving_version')})"}
+        return ScoreCheck(passed, gate.note or message, record)
+    margin = float(score.margin or 0.0)
+    passed = score_passes(score.candidate, score.serving, margin)
+    metric = score.metric if "metric" in score.key_order else "score"
+    return ScoreCheck(passed, f"quality gate {'passed' if passed else 'failed'} ({metric}): "
+                      f"candidate {_fmt(score.candidate)} {'>=' if passed else '<'} serving "
+                      f"{_fmt(score.serving)} - margin {_fmt(margin)} (serving version {score.serving_version})",
+                      record)
 
 
-def activation_checks(manifest: Manifest) -> list[dict]:
+def activation_checks(manifest: Manifest) -> list[Check]:
     """Both checks of the activation rule for one manifest (see `recall_check`, `score_check`)."""
     return [score_check(manifest), recall_check(manifest)]
 
@@ -164,8 +190,7 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
         try:
             result = evaluator(candidate, serving)
         except GateUnavailable as err:
-            recall = recall_check(candidate.manifest)
-            recall.pop("check", None)
+            recall = recall_check(candidate.manifest).to_json()
             return {"passed": False, "forced": bool(force), "serving_version": serving.version,
                     "error": f"the quality gate cannot score this version here: {err}",
                     "checks": {"score": None, "recall": recall}}
@@ -178,13 +203,13 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
         record.update(serving_version=serving.version, margin=float(margin), seconds=time.perf_counter() - t0)
     served = ((record.get("index_recall") or {}).get("candidate")) if record else None
     recall = recall_check(candidate.manifest, served)
-    recall.pop("check", None)
-    passed = (score is None or score["passed"]) and recall["passed"] is not False
-    record.update(passed=bool(passed), forced=bool(force and not passed), checks={"score": score, "recall": recall})
+    passed = (score is None or score["passed"]) and recall.passed is not False
+    record.update(passed=bool(passed), forced=bool(force and not passed),
+                  checks={"score": score, "recall": recall.to_json()})
     if score is not None:
         logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
                     "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
-    logger.info("%s", recall["message"])
+    logger.info("%s", recall.message)
     return record
 
 
@@ -207,8 +232,8 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     exact = faiss_index.exact_neighbours(emb, queries, k + 1)
     release = (lambda: drop_index_pages(version.index)) if faiss_index.on_disk_lists(version.index) else None
     _, found = faiss_index.search_reranked(version.index, PagedRows(emb), queries, k + 1, rerank, release=release)
-    found = faiss_index._drop_rows(found, rows, k)
-    exact = faiss_index._drop_rows(exact, rows, k)
+    found = faiss_index.drop_rows(found, rows, k)
+    exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(found, exact, k)
     logger.info("held-out recall@%d of %s: %.4f on %d %s (re-rank %d)", k, version.version, recall, len(rows), where,
                 rerank)

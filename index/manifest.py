@@ -23,7 +23,7 @@ import os
 import tempfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any, Callable, Mapping
+from typing import IO, Any, Callable, ClassVar, Mapping
 
 from index.disk import on_disk, writing
 
@@ -143,7 +143,7 @@ def write_manifest(directory: str | os.PathLike, manifest: "Manifest | dict") ->
 def manifest_text(manifest: "Manifest | dict") -> str:
     """The bytes `write_manifest` writes, as text."""
     data = manifest.to_json() if isinstance(manifest, Manifest) else manifest
-    return json.dumps(data, indent=2, sort_keys=False, default=_json_default) + "\n"
+    return json.dumps(data, indent=2, sort_keys=False, default=json_default) + "\n"
 
 
 def updated_bytes(directory: str | os.PathLike, **fields) -> int:
@@ -151,7 +151,7 @@ def updated_bytes(directory: str | os.PathLike, **fields) -> int:
     return on_disk(len(manifest_text(read_manifest(directory).updated(**fields)).encode("utf-8")))
 
 
-def _json_default(obj):
+def json_default(obj):
     # numpy scalars and paths end up in timings / params; store them as plain JSON.
     if hasattr(obj, "item"):
         return obj.item()
@@ -243,7 +243,39 @@ def _to_layout(record) -> dict:
             out[key] = getattr(record, key)
     for key, value in record.extra.items():
         out.setdefault(key, value)
-    return {k: (v.to_json() if isinstance(v, GateRecord) else copy.deepcopy(v)) for k, v in out.items()}
+    return {k: _plain(v) for k, v in out.items()}
+
+
+def _plain(value):
+    """`value` as plain JSON data: records (anything with `to_json`) written out, containers copied."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _record(cls, value):
+    """A stored JSON object as the record `cls` (None when it is not an object, as for a missing record)."""
+    if isinstance(value, cls):
+        return value
+    return cls.from_json(value) if isinstance(value, dict) else None
+
+
+class _Record:
+    """A frozen record read from a JSON object: known keys are fields, the rest kept in `extra`, and `to_json`
+    gives the object back with its keys in the order read (new keys last)."""
+
+    @classmethod
+    def from_json(cls, data: dict):
+        return _from_layout(cls, _plain(dict(data)))
+
+    def to_json(self) -> dict:
+        return _to_layout(self)
+
+
 
 
 def _positive(value) -> float | None:
@@ -251,6 +283,104 @@ def _positive(value) -> float | None:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef(_Record):
+    """A version's ``checkpoint``: the encoder model it was built with -- its sha256, its place in the store
+    (``models/<sha256>.safetensors``), where it came from (provenance only; None for a file inside the store)
+    and the training step. An empty one (all None) stands for a version built from vectors."""
+
+    sha256: str | None = None
+    model: str | None = None
+    path: str | None = None
+    step: int | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallRecord(_Record):
+    """A version's ``recall``: recall@k of its FAISS index at the tuned search parameters, measured by the
+    build's tuning on stored rows (`index.build.write_version`), and the target it was tuned to."""
+
+    k: int | None = None
+    recall: float | None = None
+    exact: bool | None = None
+    target: float | None = None
+    param: str | None = None            # the tuned search knob (nprobe, efSearch), its value below
+    value: Any = None
+    reached: bool | None = None
+    rerank: int | None = None
+    latency_ms: float | None = None
+    sample: int | None = None
+    queries: str | None = None
+    history: list | None = None
+    note: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecallCheck(_Record):
+    """The recall half of the activation rule (`index.gate.recall_check`), as the gate record's
+    ``checks.recall`` stores it: recall@10 judged (`served`, measured on `measured_on`) against `target`."""
+
+    name: ClassVar[str] = "recall"
+    kind: str | None = None
+    params: dict | None = None
+    target: float | None = None
+    tuned: float | None = None          # the build's tuning measurement
+    served: float | None = None         # the figure judged (held-out when measured, else the tuning one)
+    measured_on: str | None = None
+    passed: bool | None = None          # None: nothing recorded
+    message: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateScore(_Record):
+    """The gate record's ``checks.score``: the evaluator's comparison with the version that was serving
+    (a record older than the activation rule with no comparison holds only its verdict, `passed`)."""
+
+    metric: str | None = None
+    candidate: float | None = None
+    serving: float | None = None
+    margin: float | None = None
+    serving_version: str | None = None
+    passed: bool | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compared(_Record):
+    """One of the evaluator's figures for both versions the gate compared (``recall_at_10``,
+    ``exact_recall_at_10``, ``index_recall``): the candidate's and the serving version's (None: none)."""
+
+    candidate: Any = None
+    serving: Any = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GateChecks(_Record):
+    """The gate record's ``checks``: what the activation rule reads."""
+
+    score: GateScore | None = None      # None: nothing was compared
+    recall: RecallCheck | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
+    key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GateChecks":
+        data = _plain(dict(data))
+        for key, record in (("score", GateScore), ("recall", RecallCheck)):
+            if key in data:
+                data[key] = _record(record, data[key])
+        return _from_layout(cls, data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,13 +399,13 @@ class GateRecord:
     serving_version: str | None = None
     margin: float | None = None
     seconds: float | None = None
-    checks: dict | None = None
+    checks: GateChecks | None = None
     metric: str | None = None
     candidate: float | None = None
     serving: float | None = None
-    recall_at_10: dict | None = None
-    exact_recall_at_10: dict | None = None
-    index_recall: dict | None = None
+    recall_at_10: Compared | None = None
+    exact_recall_at_10: Compared | None = None
+    index_recall: Compared | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
@@ -284,7 +414,7 @@ class GateRecord:
         """Migrate a stored gate record to today's layout. Records written before the activation rule
         existed have no ``checks``: their comparison (metric, candidate, serving, margin) sits at the top
         level, or, with no comparison, their ``passed`` is the score check's verdict."""
-        data = copy.deepcopy(dict(data))
+        data = _plain(dict(data))
         if not isinstance(data.get("checks"), dict):
             if data.get("candidate") is not None and data.get("serving") is not None:
                 score = {"metric": data.get("metric", "score"), "candidate": data["candidate"],
@@ -293,6 +423,10 @@ class GateRecord:
             else:
                 score = {"passed": data.get("passed")}
             data["checks"] = {"score": score, "recall": None}
+        data["checks"] = GateChecks.from_json(data["checks"])
+        for key in ("recall_at_10", "exact_recall_at_10", "index_recall"):
+            if key in data:
+                data[key] = _record(Compared, data[key])
         return _from_layout(cls, data)
 
     def to_json(self) -> dict:
@@ -300,14 +434,15 @@ class GateRecord:
         return _to_layout(self)
 
     @property
-    def score(self) -> dict | None:
+    def score(self) -> GateScore | None:
         """The comparison with the version that was serving (None: nothing was compared)."""
-        return (self.checks or {}).get("score")
+        return self.checks.score if self.checks is not None else None
 
     @property
-    def recall(self) -> dict:
-        """The recall check recorded by the gate ({} when none)."""
-        return (self.checks or {}).get("recall") or {}
+    def recall(self) -> RecallCheck:
+        """The recall check recorded by the gate (all None when none)."""
+        recall = self.checks.recall if self.checks is not None else None
+        return recall if recall is not None else RecallCheck()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,9 +466,8 @@ class Manifest:
     faiss_version: str
     files: dict
     timings: dict | None = None
-    #: the encoder model: {"sha256", "model": "models/<sha256>.safetensors", "path", "step"}; None when
-    #: the version was built from vectors computed elsewhere
-    checkpoint: dict | None = None
+    #: the encoder model; None when the version was built from vectors computed elsewhere
+    checkpoint: CheckpointRef | None = None
     encoder: dict | None = None
     #: the first source's {"spec", "fingerprint"}
     dataset: dict | None = None
@@ -353,7 +487,7 @@ class Manifest:
     added_sources: list | None = None
     deleted: dict | None = None
     sync: dict | None = None
-    recall: dict | None = None
+    recall: RecallRecord | None = None
     normaliser_stats: dict | None = None
     calibration: dict | None = None
     #: how a streamed build made the index (index/stream.py): {"streamed": true, "lists_file": "index.ivfdata",
@@ -393,10 +527,10 @@ class Manifest:
             raise IndexCorruptError(f"{source} has format_version {data['format_version']}, newer than {FORMAT_VERSION}")
         if data["metric"] != "inner_product" or data["normalised"] is not True:
             raise IndexCorruptError(f"{source}: only normalised inner-product indexes are supported")
-        data = _migrate(copy.deepcopy({k: v.to_json() if isinstance(v, GateRecord) else v for k, v in data.items()}))
-        gate = data.get("quality_gate")
-        if "quality_gate" in data:
-            data["quality_gate"] = GateRecord.from_json(gate) if isinstance(gate, dict) else None
+        data = _migrate(_plain(data))
+        for key, record in (("quality_gate", GateRecord), ("checkpoint", CheckpointRef), ("recall", RecallRecord)):
+            if key in data:
+                data[key] = _record(record, data[key])
         return _from_layout(cls, data)
 
     def to_json(self) -> dict:
@@ -422,17 +556,16 @@ class Manifest:
         return _positive(self.search_temperature)
 
     @property
-    def checkpoint_record(self) -> dict:
-        """The encoder reference as {"sha256", "path", ...} (a copy); {"path": None, "sha256": None}
-        for a version built from vectors."""
-        return dict(self.checkpoint) if isinstance(self.checkpoint, dict) else {"path": None, "sha256": None}
+    def checkpoint_record(self) -> CheckpointRef:
+        """The encoder reference; an empty one (sha256 and path None) for a version built from vectors."""
+        return self.checkpoint if self.checkpoint is not None else CheckpointRef()
 
     @property
     def has_encoder(self) -> bool:
         """False for a version built from vectors computed elsewhere (`index build --embeddings`,
         ``checkpoint: null``): it names no encoder model, so only vector queries can search it."""
         record = self.checkpoint_record
-        return bool(record.get("sha256") or record.get("path"))
+        return bool(record.sha256 or record.path)
 
     @property
     def source_specs(self) -> list[dict]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from index.disk import writing
-from index.manifest import IndexCorruptError, file_sha256, fsync_dir
+from index.manifest import CheckpointRef, IndexCorruptError, file_sha256, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class ModelStore:
         return sha
 
     # ------------------------------------------------------------------ reading
-    def resolve(self, record: dict, version: str = "?", migrate: bool = True) -> Path:
+    def resolve(self, record: CheckpointRef, version: str = "?", migrate: bool = True) -> Path:
         """The verified model file a manifest's checkpoint record names (migrating an old store on first use).
 
         Raises FileNotFoundError saying what to copy where when neither the store nor the recorded
@@ -196,7 +196,7 @@ class ModelStore:
         `migrate=False` reads only the store's own file (by its sha256), never the recorded path:
         an imported version's path names a file on the machine that exported it.
         """
-        sha = record.get("sha256")
+        sha = record.sha256
         if not sha:
             raise ValueError(f"index version {version} names no encoder sha256; rebuild it with 'index rebuild'")
         check_sha(sha)
@@ -210,7 +210,7 @@ class ModelStore:
                 raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); import the "
                                         "archive again")
             return target
-        source = record.get("path")
+        source = record.path
 
         def source_ok() -> bool:
             return bool(source) and Path(source).is_file() and _sha_of(Path(source)) == sha
@@ -234,13 +234,13 @@ class ModelStore:
         self.add_file(source, sha)
         return target
 
-    def load_encoder(self, record: dict, device="cpu", version: str = "?", migrate: bool = True):
+    def load_encoder(self, record: CheckpointRef, device="cpu", version: str = "?", migrate: bool = True):
         """(encoder, checkpoint metadata, sha256) of a manifest's checkpoint record, from the store."""
         from training.checkpoint import load_checkpoint
 
         path = self.resolve(record, version, migrate=migrate)
         encoder, info = load_checkpoint(path, device=device)
-        return encoder, info, record["sha256"]
+        return encoder, info, record.sha256
 
     def remove_unused(self, used: set[str], grace_s: float = DEFAULT_GRACE_S) -> list[str]:
         """Delete models no version uses (older than `grace_s`, so a build in progress keeps its own)."""

@@ -107,10 +107,10 @@ def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = Non
     if stop <= start:
         return False
     row, base = embeddings.strides[0], embeddings.ctypes.data
-    return _release_bytes(embeddings, base + int(start) * row, base + stop * row)
+    return release_bytes(embeddings, base + int(start) * row, base + stop * row)
 
 
-def _release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
+def release_bytes(embeddings: np.ndarray, lo: int, hi: int) -> bool:
     """MADV_DONTNEED on the addresses [lo, hi) of the releasable map `embeddings`, clipped to it."""
     import mmap
 

@@ -25,7 +25,8 @@ import numpy as np
 from index import faiss_index, kinds
 from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
     read_manifest, verify_files, write_manifest
-from index.metadata import ITEM_METADATA, read_metadata
+from index.metadata import item_files, read_metadata
+from index.options import CommitOptions
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,21 @@ def version_metadata(path):
     return merged
 
 
-def _merged_recall(parent, shard_versions: list, offsets: list[int], target: float) -> dict:
+def version_records(path) -> dict:
+    """The file records (item_files.json) of a version directory, a sharded one's merged over its shards."""
+    from index.items import read_records
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    if not manifest.shards:
+        return read_records(path)
+    merged: dict = {}
+    for entry in manifest.shards:
+        merged.update(read_records(path / entry["name"]))
+    return merged
+
+
+def merged_recall(parent, shard_versions: list, offsets: list[int], target: float) -> dict:
     """recall@10 of the shards' FAISS indexes at their tuned parameters, their top-k merged, against exact
     search over all rows, on stored rows as queries (each query's own row excluded): the activation rule's
     recall check for a sharded version."""
@@ -207,8 +222,8 @@ def _merged_recall(parent, shard_versions: list, offsets: list[int], target: flo
     sims, found = np.concatenate(sims, axis=1), np.concatenate(found, axis=1)
     order = np.argsort(-sims, axis=1, kind="stable")[:, :k + 1]
     merged = np.take_along_axis(found, order, axis=1)
-    merged = faiss_index._drop_rows(merged, rows, k)
-    exact = faiss_index._drop_rows(exact, rows, k)
+    merged = faiss_index.drop_rows(merged, rows, k)
+    exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(merged, exact, k)
     return {"k": k, "recall": float(recall), "exact": False, "target": target, "sample": int(len(rows)),
             "queries": "stored rows, own row excluded; the shards' top-k merged"}
@@ -219,7 +234,8 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     """Split the loaded version `parent` (an IndexVersion) into `shards` contiguous shards and write one sharded
     version into staging: each shard built and tuned by `index.build.write_version` with the parent's kind (or
     `kind`), its metadata restricted to its items. Returns (version, staging dir); nothing is in versions/ yet."""
-    from index.build import discard_staging, write_version
+    from index.build import write_version
+    from index.commit import discard_staging
     from index.store import new_version_name
 
     t_start = time.perf_counter()
@@ -232,13 +248,14 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}:shards{shards}")
     staging = store.staging_path(version)
     metadata = version_metadata(parent.path)
+    records = version_records(parent.path)
     entries, files, shard_versions, timings = [], {}, [], {}
     try:
         staging.mkdir(parents=True, exist_ok=True)
         for s, (a, b) in enumerate(ranges):
             name = shard_name(s)
             ids = [str(parent.ids[i]) for i in range(a, b)]
-            extra = {ITEM_METADATA: metadata.encode(ids)} if metadata.types else None
+            extra = item_files(records, metadata, ids)
             fields = {**pm.carried(*CARRIED), "parent": pm.version, "shard": {"name": name, "of": version,
                                                                                "offset": a, "shards": shards}}
             t0 = time.perf_counter()
@@ -251,11 +268,11 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
             files.update({f"{name}/{fname}": info for fname, info in listed.items()})
             entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
-                            "params": shard_manifest.params, "recall": (shard_manifest.recall or {}).get("recall")})
+                            "params": shard_manifest.params, "recall": shard_manifest.recall.recall if shard_manifest.recall else None})
         from index.store import IndexVersion
 
         shard_versions = [IndexVersion.load(staging / e["name"], verify=False, gpu=False) for e in entries]
-        recall = _merged_recall(parent, shard_versions, [e["offset"] for e in entries], target_recall)
+        recall = merged_recall(parent, shard_versions, [e["offset"] for e in entries], target_recall)
         shard_versions = []
         timings["total_s"] = time.perf_counter() - t_start
         manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=base,
@@ -272,32 +289,34 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     return version, staging
 
 
-def reshard(root, shards: int, *, source: str | None = None, evaluator=None, margin: float = 0.0,
-            force: bool = False, activate: bool = True, keep: int | None = None,
-            target_recall: float = 0.95, path: str = "index reshard") -> str:
+def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptions | None = None,
+            path: str = "index reshard") -> str:
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
-    merged FAISS search (`_merged_recall`)."""
-    from index.build import _gate_and_activate
+    merged FAISS search (`merged_recall`). `commit` None: `CommitOptions(margin=0.0)` (the same rows scored
+    twice: no noise to tolerate)."""
+    from index.commit import Staged
+    from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion
 
+    commit = commit or CommitOptions(margin=0.0)
+    commit.check()
     store = IndexStore(root)
     source = source or store.current_version()
     if source is None:
         raise FileNotFoundError(f"no current index version under {root} to reshard; build one first")
     parent = store.load(source, verify=True, gpu=False)
     if isinstance(parent, ShardedVersion):
-        parent = _flat_view(parent)
-    version, staging = write_sharded(store, parent, shards, target_recall=target_recall)
+        parent = flat_view(parent)
+    version, staging = write_sharded(store, parent, shards, target_recall=commit.target_recall)
     manifest = read_manifest(staging)
     # the gate runs on the source's rows under the sharded manifest (same items, rows and temperature)
     candidate = IndexVersion(staging, manifest, parent.index, parent.ids, parent.embeddings)
-    return _gate_and_activate(store, version, staging, evaluator=evaluator, margin=margin, force=force,
-                              activate=activate, keep=keep, path=path, candidate=candidate)
+    return commit_staged(store, Staged(version, staging, candidate), commit, path=path)
 
 
-def _flat_view(sharded: ShardedVersion):
+def flat_view(sharded: ShardedVersion):
     """A sharded version read as one unsharded IndexVersion (rows concatenated, one flat FAISS index over
     them): the source when an already sharded version is resharded."""
     from index.store import IndexVersion
@@ -308,9 +327,34 @@ def _flat_view(sharded: ShardedVersion):
     return IndexVersion(sharded.path, sharded.manifest, index, list(sharded.ids), emb)
 
 
+def unshard(store, version: str, *, target_recall: float = 0.95) -> str:
+    """Commit (never activate) an unsharded version equal to the sharded `version`: its rows, ids, metadata and
+    file records in global row order, the shards' kind rebuilt over all rows, the encoder, data and temperature
+    carried over. What `index add / sync / delete` start from on a sharded version (their result is resharded)."""
+    from index.build import write_version
+    from index.commit import discard_staging
+
+    sharded = store.load(version, verify=True, gpu=False)
+    m = sharded.manifest
+    ids = list(sharded.ids)
+    kind = m.shards[0].get("kind") or m.kind
+    params = {k: v for k, v in (m.params or {}).items() if k not in ("nprobe", "efSearch", "rerank")}
+    fields = {**m.carried(*CARRIED, "skipped", "world_size", "text"), "parent": m.version}
+    extra = item_files(version_records(sharded.path), version_metadata(sharded.path), ids)
+    whole, staging = write_version(store, np.asarray(sharded.embeddings, dtype=np.float32), ids, kind=kind,
+                                   params=params, target_recall=target_recall, fields=fields, extra_files=extra)
+    try:
+        store.commit(staging, whole)
+    except BaseException:
+        discard_staging(staging)
+        raise
+    return whole
+
+
 def remove_unserved(store, version: str) -> None:
     """Delete a version that was never activated (the unsharded intermediate of `index build --shards`)."""
-    if version in (store.current_version(), *store.history().get("stack", [])):
+    if version in (store.current_version(), *store.history().get("stack", [])) \
+            or not (store.versions_dir / version).is_dir():   # serving, or already pruned
         return
     with store.lock():
         trash = store.root / f".trash-{version}"

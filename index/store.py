@@ -42,7 +42,7 @@ import faiss
 import numpy as np
 
 from index import faiss_index
-from index.gate import ActivationRefused, Gate, activation_checks
+from index.gate import ActivationRefused, Decision, Gate, activation_checks
 from index.list_stats import ListStats
 from index.manifest import (FROZEN_FIELDS, MANIFEST_NAME, IndexCorruptError, Manifest, atomic_write_text, fsync_dir,
                             read_manifest, update_manifest, updated_bytes, verify_files)
@@ -298,14 +298,14 @@ class IndexStore:
 
     @staticmethod
     def _log_entry(history: dict, action: str, version: str, *, path: str | None = None,
-                   previous: str | None = None, decision: dict | None = None) -> dict:
+                   previous: str | None = None, decision: Decision | None = None) -> dict:
         """Append one entry to `history`'s action log (in memory) -> the entry."""
         entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "action": action,
                  "version": version}
         if path is not None:
-            entry.update(path=path, previous=previous, forced=bool(decision and decision["forced"]))
+            entry.update(path=path, previous=previous, forced=bool(decision and decision.forced))
             if entry["forced"]:
-                entry["overridden"] = [c["message"] for c in decision["failed"]]
+                entry["overridden"] = [c.message for c in decision.failed]
         history.setdefault("log", []).append(entry)
         return entry
 
@@ -372,20 +372,19 @@ class IndexStore:
         return target
 
     # ------------------------------------------------------------------ the activation rule
-    def check_activation(self, version: str, *, force: bool = False) -> dict:
+    def check_activation(self, version: str, *, force: bool = False) -> Decision:
         """Apply the activation rule to `version` without changing anything.
 
-        Returns {"version", "checks", "failed", "forced"}; raises ActivationRefused when a check
-        failed and not `force`. A version with no gate result is judged on its recall alone here
+        Returns the Decision; raises ActivationRefused when a check failed and not `force`. A version with no gate result is judged on its recall alone here
         (`activate` with a `gate` first gates it)."""
         manifest = self.manifest(version)
-        checks = activation_checks(manifest)
-        failed = [c for c in checks if c["passed"] is False]
+        checks = tuple(activation_checks(manifest))
+        failed = tuple(c for c in checks if c.passed is False)
         if failed and not force:
             raise ActivationRefused(version, failed)
-        return {"version": version, "checks": checks, "failed": failed, "forced": bool(failed)}
+        return Decision(version, checks, failed, bool(failed))
 
-    def serving_check(self, version: str) -> dict:
+    def serving_check(self, version: str) -> Decision:
         """May a serving process load `version` (start-up, following `current`, a plain reload)?
 
         Yes when it passes the activation rule, or when the activation that made it current was
@@ -495,7 +494,7 @@ class IndexStore:
                      if (p / "manifest.json").is_file()]
         for d in dirs:
             try:
-                sha = read_manifest(d).checkpoint_record.get("sha256")
+                sha = read_manifest(d).checkpoint_record.sha256
             except IndexCorruptError:
                 continue
             if sha:

@@ -308,12 +308,12 @@ def tune_streamed(index: faiss.Index, kind: str, embeddings: np.ndarray, target_
 def write_streamed_version(store: IndexStore, source: VectorSource, ids: list[str] | None, *, kind: str,
                            params: dict | None, target_recall: float, fields: dict, timings: dict,
                            extra_files: dict[str, bytes] | None = None, tune_k: int = 10,
-                           progress: bool = False) -> tuple[str, Path, IndexVersion]:
+                           progress: bool = False, version: str | None = None) -> tuple[str, Path, IndexVersion]:
     """A complete version of `source` in staging, built by `build_streamed` and tuned -> (version, staging dir,
     the staged version loaded with its lists mapped and row-number ids unmaterialised, for the gate).
-    `ids` None: row numbers. Nothing is visible in versions/ until `IndexStore.commit`."""
+    `ids` None: row numbers; `version` None: a new name. Nothing is visible in versions/ until `IndexStore.commit`."""
     n, dim = source.count, source.dim
-    version = new_version_name(salt=f"{n}:{dim}:{kind}:streamed")
+    version = version or new_version_name(salt=f"{n}:{dim}:{kind}:streamed")
     staging = store.staging_path(version)
     # embeddings.npy, index.ivfdata (codes + 8 B ids; at most the rows again for ivf-flat), stats (~4 B a row
     # + lists), ids (~ digits + 4 B a row), extra files and the manifest

@@ -24,6 +24,7 @@ encoder, it is scored by its settings (encoder, search temperature) on the candi
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -33,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from index.gate import DEFAULT_MARGIN, Evaluator
-from index.build import (_check_opts, require_encoder, _embed_sources, _gate_and_activate,
-                         _skipped_items, _source_record, discard_staging, released_on_disk_full, write_version)
+from index.build import (embed_sources, embedded_source, released_on_disk_full, require_encoder, skipped_items,
+                         write_version)
+from index.commit import Staged, discard_staging
+from index.commit import commit as commit_staged
+from index.options import CommitOptions, EmbedOptions, Evaluator
 from index.embed import EmbedResult
 from index.items import dataset_records, file_record, read_id_lines, read_records
 from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids
@@ -136,8 +139,9 @@ def _base_fields(base: IndexVersion, keys=("encoder", "lineage", "search_tempera
     if not m.has_encoder:   # built from vectors: no model to name; its source record carries over
         return {"checkpoint": None, **m.carried(*keys, "source", "added_sources")}
     record = m.checkpoint_record
-    record.setdefault("model", model_relpath(record["sha256"]))
-    return {"checkpoint": record, **m.carried(*keys)}
+    if "model" not in record.key_order:   # recorded before models lived in the store: name its place there
+        record = dataclasses.replace(record, model=model_relpath(record.sha256))
+    return {"checkpoint": record.to_json(), **m.carried(*keys)}
 
 
 def _rebuild_params(base: IndexVersion, count: int) -> dict:
@@ -160,7 +164,7 @@ def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
         try:
             return evaluator(candidate, serving)
         except (ValueError, FileNotFoundError) as err:
-            if serving.manifest.checkpoint_record.get("sha256") != sha:
+            if serving.manifest.checkpoint_record.sha256 != sha:
                 raise
             logger.info("serving version %s cannot be scored on its own items (%s); scoring its encoder and "
                         "temperature on the candidate's items", serving.version, err)
@@ -174,11 +178,8 @@ def same_model_gate(evaluator: Evaluator | None, sha: str) -> Evaluator | None:
     return gate
 
 
-def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Evaluator | None = None,
-               calibrator=None, margin: float = DEFAULT_MARGIN, force: bool = False, activate: bool = True,
-               keep: int | None = None, target_recall: float = 0.95, batch_size: int = 256, num_workers: int = 0,
-               shard_size: int = 8192, device=None, progress: bool = True,
-               metadata: Metadata | None = None) -> tuple[str, dict]:
+def sync_index(root, data_root=None, *, base: str | None = None, metadata: Metadata | None = None,
+               embed: EmbedOptions | None = None, commit: CommitOptions | None = None) -> tuple[str, dict]:
     """New version = the folder's current contents (see the module docstring) -> (version, counts).
 
     `metadata` adds or updates user fields (a new version is written for it even when no file changed).
@@ -187,7 +188,9 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
     or modified the base version is returned unchanged (counts say so) and nothing is written.
     """
     t_start = time.perf_counter()
-    _check_opts(batch_size, num_workers, shard_size, target_recall, keep, margin)
+    embed, commit = embed or EmbedOptions(), commit or CommitOptions()
+    commit.check()
+    embed.check()
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     require_encoder(base_version.manifest, "index sync")
@@ -205,15 +208,13 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, dataset.item_ids(), "--metadata")
     record = base_version.manifest.checkpoint_record
-    device = default_device(device)
+    device = default_device(embed.device)
     encoder, _, sha = store.models.load_encoder(record, device=device, version=base_version.version)
     if encoder.image_size != dataset.image_size:
         raise ValueError(f"folder dataset image_size {dataset.image_size} differs from the encoder's {encoder.image_size}")
     t0 = time.perf_counter()
     if len(todo):
-        (res,), caches = _embed_sources(encoder, sha, [dataset], store, indices=[todo], shard_size=shard_size,
-                                        batch_size=batch_size, num_workers=num_workers, device=device, rank=0,
-                                        world=1, progress=progress)
+        (res,), caches = embed_sources(encoder, sha, [dataset], store, embed, indices=[todo], device=device)
     else:
         res, caches = EmbedResult(np.zeros((0, encoder.embed_dim), np.float32), np.zeros(0, np.int64)), []
     embed_s = time.perf_counter() - t0
@@ -222,9 +223,9 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
         raise ValueError(f"no readable items left in {dataset.root} "
                          f"({len(res.skipped) + len(getattr(dataset, 'skipped', []))} skipped)")
     reused = len(plan.unchanged) + len(plan.touched)
-    skipped = _skipped_items(dataset, res, 0)   # undecodable files and embedding failures, once each
+    skipped = skipped_items(dataset, res, 0)   # undecodable files and embedding failures, once each
     counts.update(embedded=int(len(res.rows)), skipped=len(skipped), count=len(ids), reused=reused)
-    source = _source_record(dataset, res, 0)
+    source = embedded_source(dataset, res, 0)
     source.update(count=len(ids), embedded=int(len(res.rows)))
     fields = _base_fields(base_version)
     fields.update(dataset={"spec": source["spec"], "fingerprint": source["fingerprint"]}, sources=[source],
@@ -232,12 +233,13 @@ def sync_index(root, data_root=None, *, base: str | None = None, evaluator: Eval
                   parent=base_version.version, sync=counts)
     with released_on_disk_full(caches):
         version, staging = write_version(store, embeddings, ids, kind=base_version.kind,
-                                         params=_rebuild_params(base_version, len(ids)), target_recall=target_recall,
-                                         fields=fields, timings={"embed_s": embed_s},
+                                         params=_rebuild_params(base_version, len(ids)),
+                                         target_recall=commit.target_recall, fields=fields,
+                                         timings={"embed_s": embed_s},
                                          extra_files=item_files(plan.records, item_metadata, ids))
-        _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
-                           force=force, activate=activate, keep=keep, calibrator=calibrator, path="index sync",
-                           t_start=t_start, model=(sha,))
+        commit_staged(store, Staged(version, staging),
+                      dataclasses.replace(commit, evaluator=same_model_gate(commit.evaluator, sha)),
+                      path="index sync", t_start=t_start, model=(sha,))
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     logger.info("synced %s -> %s: %s", base_version.version, version, counts)
@@ -268,11 +270,11 @@ def read_ids_file(path) -> list[str]:
 
 
 def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = False,
-                 evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN, force: bool = False,
-                 activate: bool = True, keep: int | None = None, target_recall: float = 0.95) -> tuple[str, dict]:
+                 commit: CommitOptions | None = None) -> tuple[str, dict]:
     """New version = `base` (default current) without the items `ids` -> (version, counts). No re-embedding."""
     t_start = time.perf_counter()
-    _check_opts(1, 0, 1, target_recall, keep, margin)
+    commit = commit or CommitOptions()
+    commit.check()
     store = IndexStore(root)
     base_version = store.load(base, verify=True, gpu=False)
     drop = set(ids)
@@ -295,16 +297,17 @@ def delete_items(root, ids, *, base: str | None = None, ignore_missing: bool = F
     fields.update(skipped=m.skipped or [], skipped_count=m.skipped_count or 0, parent=base_version.version,
                   deleted=counts)
     version, staging = write_version(store, embeddings, ids_kept, kind=base_version.kind,
-                                     params=_rebuild_params(base_version, len(ids_kept)), target_recall=target_recall,
-                                     fields=fields, extra_files=item_files(read_records(base_version.path),
+                                     params=_rebuild_params(base_version, len(ids_kept)),
+                                     target_recall=commit.target_recall, fields=fields, extra_files=item_files(read_records(base_version.path),
                                                                            read_metadata(base_version.path), ids_kept))
-    sha = m.checkpoint_record["sha256"]
+    sha = m.checkpoint_record.sha256
     try:
         if m.has_encoder:   # a version built from vectors names no model
             store.models.resolve(m.checkpoint_record, base_version.version)   # present (or migrated) before the commit
     except BaseException:
         discard_staging(staging)
         raise
-    _gate_and_activate(store, version, staging, evaluator=same_model_gate(evaluator, sha), margin=margin,
-                       force=force, activate=activate, keep=keep, path="index delete", t_start=t_start)
+    commit_staged(store, Staged(version, staging),
+                  dataclasses.replace(commit, evaluator=same_model_gate(commit.evaluator, sha)),
+                  path="index delete", t_start=t_start)
     return version, counts

@@ -22,6 +22,7 @@ through the quality gate (or `force`).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import json
@@ -35,11 +36,13 @@ import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
-from index.build import _gate_and_activate
-from index.gate import DEFAULT_MARGIN, ActivationRefused, Evaluator, GateUnavailable, gate_for
+from index.commit import Staged
+from index.commit import commit as commit_staged
+from index.gate import ActivationRefused, GateUnavailable, gate_for
 from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import IMPORT_STAGING_PREFIX, check_sha, model_relpath
+from index.options import CommitOptions
 from index.store import IndexStore, VersionExists, check_version_name
 
 logger = logging.getLogger(__name__)
@@ -74,16 +77,16 @@ def export_version(root, out, version: str | None = None) -> Path:
         raise FileNotFoundError(f"no current index version under {root} to export; name one with --version")
     loaded = store.load(version, verify=True, gpu=False)
     record = loaded.manifest.checkpoint_record
-    if not record.get("sha256"):
+    if not record.sha256:
         raise ValueError(f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
                          "export does not support it; copy the store root or build it again from the vectors")
     model = store.models.resolve(record, version)
     members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
     for name in loaded.manifest.files:
         members[f"versions/{version}/{name}"] = loaded.path / name
-    members[model_relpath(record["sha256"])] = model
+    members[model_relpath(record.sha256)] = model
     index = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "version": version,
-             "model": record["sha256"], "created": utc_now(), "count": loaded.manifest.count,
+             "model": record.sha256, "created": utc_now(), "count": loaded.manifest.count,
              "files": {name: _describe(path) for name, path in members.items()}}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -221,8 +224,8 @@ def _read_headers(tar: tarfile.TarFile, index: dict) -> dict[str, tarfile.TarInf
         members[name] = member
 
 
-def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
-             needed: int | None = None) -> None:
+def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
+                   needed: int | None = None) -> None:
     """Stream one member to `target`, counting and hashing as it goes; ValueError at the first byte past
     its stated size or on a checksum mismatch, DiskFull (naming `needed`, the import's bytes) when the disk
     fills."""
@@ -261,8 +264,7 @@ def _check_manifest_files(path: Path, version: str, files: dict) -> None:
                          "refused")
 
 
-def import_version(root, archive, *, evaluator: Evaluator | None = None, margin: float = DEFAULT_MARGIN,
-                   force: bool = False, activate: bool = True, keep: int | None = None,
+def import_version(root, archive, *, commit: CommitOptions | None = None,
                    max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES,
                    max_ratio: float | None = DEFAULT_MAX_RATIO) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
@@ -277,6 +279,8 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
     a kill between the commit and the activation finishes that activation (the gate result the
     first run recorded decides), so an import is rerunnable at any point.
     """
+    commit = commit or CommitOptions()
+    commit.check()
     archive = Path(archive)
     if not archive.is_file():
         raise FileNotFoundError(f"archive not found: {archive}")
@@ -322,7 +326,7 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
                     raise DiskFull(work / name, needed)
                 remaining -= on_disk(index["files"][name]["bytes"])
                 try:
-                    _extract(tar, members[name], index["files"][name], work / name, needed)
+                    extract_member(tar, members[name], index["files"][name], work / name, needed)
                 except (tarfile.TarError, EOFError, zlib.error) as err:
                     raise ValueError(f"{archive} is damaged or truncated at {name} ({err})") from err
                 if name == manifest_name:
@@ -330,7 +334,7 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
         staged = work / "versions" / version
         manifest = read_manifest(staged)
         verify_files(staged, manifest)
-        named = manifest.checkpoint_record.get("sha256")
+        named = manifest.checkpoint_record.sha256
         if manifest.version != version or named != model:
             raise IndexCorruptError(f"{archive}: the manifest names version {manifest.version} / model "
                                     f"{named}, the export index {version} / {model}")
@@ -339,29 +343,28 @@ def import_version(root, archive, *, evaluator: Evaluator | None = None, margin:
             # gated and committed from this import's own staging directory: the commit's rename, under the
             # store lock, decides between concurrent imports of one archive (the loser goes on below)
             try:
-                _activate_imported(store, version, staged, evaluator=evaluator, margin=margin, force=force,
-                                   activate=activate, keep=keep)
+                _activate_imported(store, version, staged, commit)
                 return version, False
             except VersionExists:
                 logger.info("a concurrent import committed index version %s first", version)
         if store.manifest(version).files != manifest.files:
             raise ValueError(f"a different index version named {version} already exists under {root}")
         logger.info("index version %s is already in %s", version, root)
-        if activate and store.current_version() != version:
+        if commit.activate and store.current_version() != version:
             # committed by a run killed before its activation, a concurrent import, or activate=False
-            _activate_imported(store, version, None, evaluator=evaluator, margin=margin, force=force,
-                               activate=activate, keep=keep)
+            _activate_imported(store, version, None, commit)
         return version, True
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _activate_imported(store: IndexStore, version: str, staging: Path | None, *, evaluator, margin, force, activate,
-                       keep) -> None:
+def _activate_imported(store: IndexStore, version: str, staging: Path | None, options: CommitOptions) -> None:
     """Gate, commit and activate an imported version (`staging` None: already committed, activate it,
     through the gate result recorded at its commit). When the gate cannot score it here, that is
     recorded in its manifest (so a plain 'index activate' refuses it too) and it is not activated
     unless `force`."""
+    evaluator = options.evaluator
+
     def guarded(candidate, serving):
         try:
             return evaluator(candidate, serving)
@@ -370,13 +373,14 @@ def _activate_imported(store: IndexStore, version: str, staging: Path | None, *,
 
     try:
         if staging is not None:
-            _gate_and_activate(store, version, staging, evaluator=None if evaluator is None else guarded,
-                               margin=margin, force=force, activate=activate, keep=keep, path="index import")
+            commit_staged(store, Staged(version, staging),
+                          dataclasses.replace(options, evaluator=None if evaluator is None else guarded),
+                          path="index import")
         else:
-            gate = gate_for(store, None if evaluator is None else guarded, margin)
-            store.activate(version, force=force, path="index import", gate=gate)
-            if keep is not None:
-                store.prune(keep)
+            gate = gate_for(store, None if evaluator is None else guarded, options.margin)
+            store.activate(version, force=options.force, path="index import", gate=gate)
+            if options.keep is not None:
+                store.prune(options.keep)
     except ActivationRefused as err:
         gate = store.manifest(version).quality_gate
         error = gate.error if gate is not None else None

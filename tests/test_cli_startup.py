@@ -15,10 +15,10 @@ HEAVY = ("torch", "faiss", "open_clip", "torchvision", "scipy", "onnxruntime", "
 CHILD = r"""
 import contextlib, io, json, sys
 from api.cli import COMMANDS, EXPERIMENTS, main
-from index.cli import _parser
+from index.cli import build_parser
 
 heavy = json.loads(sys.argv[1])
-index_subs = sorted(next(a for a in _parser()._actions if a.dest == "command").choices)
+index_subs = sorted(next(a for a in build_parser()._actions if a.dest == "command").choices)
 commands = []
 for name in COMMANDS:
     if name == "index":

@@ -43,8 +43,8 @@ def test_export_import_between_machines_without_the_training_run(tmp_path, capsy
     root_a = tmp_path / "machine-a" / "store"
     version = build_index(ckpt_a, items, root_a, BuildOptions(progress=False))
     archive = export_version(root_a, tmp_path / "shipped" / "v.tar.gz")
-    sha_a = IndexStore(root_a).manifest(version).checkpoint["sha256"]
-    assert IndexStore(root_a).manifest(version).checkpoint["path"] == str(ckpt_a)   # recorded, about to vanish
+    sha_a = IndexStore(root_a).manifest(version).checkpoint.sha256
+    assert IndexStore(root_a).manifest(version).checkpoint.path == str(ckpt_a)   # recorded, about to vanish
     shutil.rmtree(run_a)
     # machine B: another model (seed 0) already serving, at another path
     root_b = tmp_path / "machine-b" / "srv" / "index"
@@ -58,7 +58,7 @@ def test_export_import_between_machines_without_the_training_run(tmp_path, capsy
     assert capsys.readouterr().out.strip() == f"imported {version} into {root_b}, activated"
     assert store_b.current_version() == version and store_b.versions() == sorted([serving, version])
     gate = store_b.manifest(version).quality_gate
-    assert gate.passed and gate.error is None and gate.score["serving_version"] == serving   # really scored
+    assert gate.passed and gate.error is None and gate.score.serving_version == serving   # really scored
     assert store_b.models.has(sha_a) and (root_b / model_relpath(sha_a)).is_file()
     assert not any((root_b / "staging").iterdir())
 

@@ -114,8 +114,8 @@ def clip_step(encoder, text: TextEncoder, loss_fn, images: torch.Tensor | None, 
 def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     """Train image and text towers per `config` (its `text` table set); returns the checkpoint path."""
     from training.schedules import create_schedule
-    from training.trainer import (CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, STATE_NAME, _build_data,
-                                  _param_groups, _seed_everything, _to_float, lr_at)
+    from training.trainer import (CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, STATE_NAME, build_data,
+                                  optimizer_groups, seed_everything, to_float, lr_at)
 
     if resume:
         raise ValueError("--resume is not supported for image-text training (a [text] table); start a fresh run")
@@ -130,8 +130,8 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     (out / STATE_NAME).unlink(missing_ok=True)
     (out / METRICS_NAME).write_text("")
     (out / CONFIG_NAME).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
-    _seed_everything(config.seed)
-    dataset, _ = _build_data(config)
+    seed_everything(config.seed)
+    dataset, _ = build_data(config)
     data = caption_data(dataset, options)
     device = info.device
     if options.get("image_checkpoint"):
@@ -154,7 +154,7 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     schedule = create_schedule(config.schedule, **config.schedule_options).to(device)
     loss_fn = create_loss(config.loss, **config.loss_options).to(device)
     both = torch.nn.ModuleDict({"image": encoder, "text": text})
-    optimizer = torch.optim.AdamW(_param_groups(both, schedule, config.weight_decay), lr=config.lr)
+    optimizer = torch.optim.AdamW(optimizer_groups(both, schedule, config.weight_decay), lr=config.lr)
     describe = getattr(schedule, "describe", None)
     lineage = {
         "objective": f"clip-symmetric {config.loss}",
@@ -201,7 +201,7 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
                 group["lr"] = lr
             optimizer.step()
             dt = time.perf_counter() - t0
-            last = {"step": step, "loss": float(result.loss.detach()), "temperature": _to_float(tau), "lr": lr,
+            last = {"step": step, "loss": float(result.loss.detach()), "temperature": to_float(tau), "lr": lr,
                     "pairs": int(len(idx)), "pairs_per_s": len(idx) / dt, **result.stats}
             metrics_file.write(json.dumps(last) + "\n")
             if step % config.log_every == 0:

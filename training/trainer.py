@@ -190,7 +190,7 @@ class _Run:
 AUTO_GENERATOR = "auto"
 
 
-def _build_data(config: TrainConfig):
+def build_data(config: TrainConfig):
     from training.datasets import create_dataset, dataset_is_file_backed
     from training.generators import create_generator
 
@@ -237,7 +237,7 @@ def _report_skipped(dataset, out: Path, info: DistInfo) -> None:
                        dataset.name, dataset.split, len(skipped), summarise_skipped(skipped), path)
 
 
-def _param_groups(encoder: Encoder, schedule: nn.Module, weight_decay: float) -> list[dict]:
+def optimizer_groups(encoder: Encoder, schedule: nn.Module, weight_decay: float) -> list[dict]:
     # Decay matrices only; biases, norms, class/position embeddings and the temperature are not decayed.
     decay = [p for p in encoder.parameters() if p.ndim >= 2 and p.requires_grad]
     no_decay = [p for p in encoder.parameters() if p.ndim < 2 and p.requires_grad]
@@ -248,7 +248,7 @@ def _param_groups(encoder: Encoder, schedule: nn.Module, weight_decay: float) ->
     return groups
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -257,8 +257,8 @@ def _seed_everything(seed: int) -> None:
 def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
     from training.schedules import create_schedule
 
-    _seed_everything(config.seed)
-    dataset, generator = _build_data(config)
+    seed_everything(config.seed)
+    dataset, generator = build_data(config)
     _report_skipped(dataset, out, info)
     if config.batch_size % info.world_size:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the world size {info.world_size}")
@@ -278,7 +278,7 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
         # A floor ends annealing, so decaying noise schedules (log, exp) default to none: T_t -> 0.
         noise_options = ({"tau_min": 0.0} if config.noise_schedule in ("log", "exp") else {}) | config.noise_options
         noise = LangevinNoise(create_schedule(config.noise_schedule, **noise_options), generator=noise_gen)
-    optimizer = torch.optim.AdamW(_param_groups(encoder, schedule, config.weight_decay), lr=config.lr)
+    optimizer = torch.optim.AdamW(optimizer_groups(encoder, schedule, config.weight_decay), lr=config.lr)
     model: nn.Module = encoder
     if info.enabled:
         from torch.nn.parallel import DistributedDataParallel
@@ -411,7 +411,7 @@ class _Prefetcher:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _to_float(value) -> float:
+def to_float(value) -> float:
     return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
@@ -499,7 +499,7 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
             dt = time.perf_counter() - t0
-            last = {"step": step, "loss": loss_value, "temperature": _to_float(tau), "lr": lr,
+            last = {"step": step, "loss": loss_value, "temperature": to_float(tau), "lr": lr,
                     "images_per_s": 2 * config.batch_size / dt, **out_loss.stats}
             if noise_t is not None:
                 last["noise_temperature"] = noise_t

@@ -47,7 +47,8 @@ def duplicates(settings: SettingsDep, snapshot: SnapshotDep,
                          threshold=data["threshold"], threshold_rule=data["threshold_rule"],
                          max_probability=data["max_probability"], notes=data["notes"],
                          collection_share=data["collection_share"], copy_recall=data["model"]["copy_recall"],
-                         skipped=data["skipped"], total_groups=len(data["groups"]),
+                         skipped=data["skipped"], identical_pairs=data.get("identical_pairs", 0),
+                         baselines=data.get("baselines", []), total_groups=len(data["groups"]),
                          offset=offset, groups=data["groups"][offset:offset + limit])
 
 

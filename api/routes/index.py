@@ -14,7 +14,8 @@ def index_manifest(snapshot: SnapshotDep) -> IndexOut:
     """The manifest of the index version now answering queries."""
     return IndexOut(version=snapshot.version, count=snapshot.count, dim=snapshot.dim,
                     temperature=snapshot.temperature, fields=snapshot.metadata_fields,
-                    categories=snapshot.metadata_categories(), manifest=snapshot.manifest.to_json())
+                    categories=snapshot.metadata_categories(), normaliser=getattr(snapshot, "normaliser_info", None),
+                    manifest=snapshot.manifest.to_json())
 
 
 @router.get("/config", response_model=ServiceConfigOut)

@@ -37,7 +37,7 @@ IMAGE_RESPONSES = {**ERROR_RESPONSES, 409: {"model": ErrorResponse, "description
                                                                                   "no encoder (built from vectors)"}}
 
 
-def _fetch_count(k: int, offset: int, settings) -> int:
+def fetch_count(k: int, offset: int, settings) -> int:
     """Hits to fetch for a page: k + offset, each at most the server's max_k (422 beyond; two bounds the
     OpenAPI schema can state, api/openapi.py), so a page fetches at most 2 max_k hits."""
     check_k(k, settings)
@@ -46,7 +46,7 @@ def _fetch_count(k: int, offset: int, settings) -> int:
     return k + offset
 
 
-def _filter(spec, snapshot) -> Filter | None:
+def query_filter(spec, snapshot) -> Filter | None:
     """The request's filter parsed against the served version's metadata fields (422 naming the field,
     400 nested too deep)."""
     if spec is None or (isinstance(spec, str) and spec.strip() in ("", "null")):   # JSON null: no filter
@@ -72,16 +72,16 @@ def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.nda
         raise ApiError(422, "bad_vector", str(err)) from err
 
 
-def _response(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
-              min_probability: float | None = None, mass: float | None = None) -> Response:
+def result_response(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
+                    min_probability: float | None = None, mass: float | None = None) -> Response:
     """The SearchResponse as JSON, validated once and serialised by pydantic (returned as a model,
     FastAPI would validate it a second time and encode it again in Python: ~3x the time)."""
-    body = _body(result, k, self_rank, offset, min_probability, mass)
+    body = result_body(result, k, self_rank, offset, min_probability, mass)
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _body(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
-          min_probability: float | None = None, mass: float | None = None) -> SearchResponse:
+def result_body(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
+                min_probability: float | None = None, mass: float | None = None) -> SearchResponse:
     """One query's SearchResponse. `result.hits` are the ranked hits fetched; the cut-offs and the page
     are applied here, and the peakedness is measured on the ranked hits before paging."""
     ranked = result.hits
@@ -120,8 +120,8 @@ async def search_image(
     """Top-k most similar indexed images to an uploaded image, with exact softmax probabilities."""
     settings, snapshot = ctx.settings, ctx.snapshot
     _require_encoder(snapshot)
-    fetch = _fetch_count(k, offset, settings)
-    flt = _filter(filter, snapshot)
+    fetch = fetch_count(k, offset, settings)
+    flt = query_filter(filter, snapshot)
     data = await file.read(settings.max_upload_bytes + 1)
     # decoded as an indexed file was (training/images.py), where the query runs (batch thread or, alone, the loop)
     decode = partial(decode_image, data, settings, side=cache_resolution(snapshot.encoder.image_size),
@@ -133,7 +133,7 @@ async def search_image(
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     ctx.metrics.queries.labels(kind="image").inc()
-    return _response(result, k, offset=offset, min_probability=min_probability, mass=mass)
+    return result_response(result, k, offset=offset, min_probability=min_probability, mass=mass)
 
 
 @router.post("/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES,
@@ -149,15 +149,15 @@ async def search_vector(
     Query-string fields also apply to a JSON body, whose own fields take precedence."""
     query = await vector_body.read_vector_query(request, ctx.media)
     snapshot = ctx.snapshot
-    fetch = _fetch_count(query.k, query.offset, ctx.settings)
-    flt = _filter(query.filter, snapshot)
+    fetch = fetch_count(query.k, query.offset, ctx.settings)
+    flt = query_filter(query.filter, snapshot)
     vector = _unit_vector(query.vector, snapshot)
     try:
         result = await ctx.batcher.search_vector(vector, fetch, query.temperature, flt)
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
     ctx.metrics.queries.labels(kind="vector").inc()
-    return vector_body.json_response(_body(result, query.k, offset=query.offset, min_probability=query.min_probability,
+    return vector_body.json_response(result_body(result, query.k, offset=query.offset, min_probability=query.min_probability,
                                            mass=query.mass))
 
 
@@ -171,8 +171,8 @@ async def search_item(
     The item itself (normally rank 1) is reported as `self_rank` and left out of `results` unless
     `include_self`; its probability is the same p(j|x) as for any other hit."""
     snapshot = ctx.snapshot
-    fetch = _fetch_count(query.k, query.offset, ctx.settings)
-    flt = _filter(query.filter, snapshot)
+    fetch = fetch_count(query.k, query.offset, ctx.settings)
+    flt = query_filter(query.filter, snapshot)
     try:
         row = snapshot.row_of(query.id)
     except KeyError as err:
@@ -188,7 +188,7 @@ async def search_item(
     if not query.include_self:   # the item leaves the ranking; the others keep their probabilities
         result = dataclasses.replace(result, hits=[h for h in result.hits if h.id != query.id][:fetch])
     ctx.metrics.queries.labels(kind="item").inc()
-    return _response(result, query.k, self_rank, offset=query.offset, min_probability=query.min_probability,
+    return result_response(result, query.k, self_rank, offset=query.offset, min_probability=query.min_probability,
                      mass=query.mass)
 
 
@@ -219,8 +219,8 @@ async def search_batch(
             query = BatchVectorQuery.model_validate_json(await request.body())
         except ValidationError as err:
             raise _request_error(err, "body") from err
-        fetch = _fetch_count(query.k, query.offset, ctx.settings)
-        flt = _filter(query.filter, snapshot)
+        fetch = fetch_count(query.k, query.offset, ctx.settings)
+        flt = query_filter(query.filter, snapshot)
         vectors = [_unit_vector(v, snapshot, f"vectors[{i}]") for i, v in enumerate(query.vectors)]
         jobs = [ctx.batcher.search_vector(v, fetch, query.temperature, flt) for v in vectors]
         kind = "vector"
@@ -238,7 +238,7 @@ async def search_batch(
         if isinstance(r, BaseException):
             raise r
     ctx.metrics.queries.labels(kind=f"batch_{kind}").inc(len(results))
-    body = BatchResponse(responses=[_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
+    body = BatchResponse(responses=[result_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
                                           mass=query.mass) for r in results])
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -264,8 +264,8 @@ async def _image_batch(request: Request, ctx: SearchContext):
         query = BatchImageForm.model_validate({k: (None if v == "" else v) for k, v in fields.items()})
     except ValidationError as err:
         raise _request_error(err, "form") from err
-    fetch = _fetch_count(query.k, query.offset, settings)
-    flt = _filter(text_filter, snapshot)
+    fetch = fetch_count(query.k, query.offset, settings)
+    flt = query_filter(text_filter, snapshot)
     side, square = cache_resolution(snapshot.encoder.image_size), snapshot.file_backed
     jobs = []
     for upload in files:

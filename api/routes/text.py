@@ -16,7 +16,7 @@ from pydantic import Field
 from api.deps import ApiError, SearchContext, search_context
 from api.routes.models import ERROR_RESPONSES, MAX_BATCH_QUERIES, MAX_TEMPERATURE, MIN_TEMPERATURE, BatchResponse, \
     ErrorResponse, JsonPageQuery, SearchResponse
-from api.routes.search import _body, _fetch_count, _filter, _response
+from api.routes.search import result_body, fetch_count, query_filter, result_response
 from search.serving.text import NoTextTowerError, encode_texts, text_temperature
 from training.text import MAX_TEXT_CHARS
 
@@ -50,8 +50,8 @@ class BatchTextQuery(JsonPageQuery):
 async def _text_jobs(ctx: SearchContext, texts: list[str], query) -> list:
     """One search job per text: embedded off the event loop, then searched like a vector."""
     snapshot = ctx.snapshot
-    fetch = _fetch_count(query.k, query.offset, ctx.settings)
-    flt = _filter(query.filter, snapshot)
+    fetch = fetch_count(query.k, query.offset, ctx.settings)
+    flt = query_filter(query.filter, snapshot)
     try:
         vectors = await anyio.to_thread.run_sync(encode_texts, snapshot, texts)
         tau = query.temperature if query.temperature is not None else text_temperature(snapshot)
@@ -73,7 +73,7 @@ async def search_text(
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
     ctx.metrics.queries.labels(kind="text").inc()
-    return _response(result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass)
+    return result_response(result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass)
 
 
 @router.post("/search/text/batch", response_model=BatchResponse, responses=TEXT_RESPONSES)
@@ -89,6 +89,6 @@ async def search_text_batch(
         if isinstance(r, BaseException):
             raise r
     ctx.metrics.queries.labels(kind="batch_text").inc(len(results))
-    body = BatchResponse(responses=[_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
+    body = BatchResponse(responses=[result_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
                                           mass=query.mass) for r in results])
     return Response(body.model_dump_json(), media_type="application/json")

@@ -16,7 +16,8 @@ class DedupConfig:
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
     iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
-    max_share: the highest share of candidate pairs EM may call duplicates (a bound it reports when hit).
+    max_share: the highest share of candidate pairs the fit may call duplicates (a bound it reports when hit).
+    quantile: where among the synthetic copies the fit reads the share (their ratio there is 1 / share).
     threshold: the pair probability a pair must reach, unless --threshold or --precision says otherwise.
     l2: ridge penalty of the logistic regression on standardised features.
     """
@@ -28,7 +29,7 @@ class DedupConfig:
     calibration_items: int = 400
     iterations: tuple[int, int] = (16, 8)
     max_share: float = 0.5
-    em_steps: int = 30
+    quantile: float = 0.5
     threshold: float = 0.5
     l2: float = 1e-4
     flips: bool = False
@@ -49,8 +50,8 @@ class DedupConfig:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        if self.l2 < 0 or self.em_steps < 1:
-            raise ValueError("l2 must be >= 0 and em_steps >= 1")
+        if self.l2 < 0 or not 0.0 < self.quantile < 1.0:
+            raise ValueError("l2 must be >= 0 and quantile in (0, 1)")
 
     def to_json(self) -> dict:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}

@@ -3,6 +3,8 @@ its low-frequency DCT block without the DC term, unit-normalised (the k-NN searc
 contrast changes leave it unchanged, JPEG and resizing barely move it)."""
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from PIL import Image
 from scipy.fft import dctn
@@ -14,10 +16,40 @@ def thumbnail(source, side: int, colour_side: int = 16) -> tuple[np.ndarray, np.
     """((side, side) uint8 greyscale, (colour_side, colour_side, 3) uint8 RGB) of an image file or bytes,
     decoded as indexing decodes it (EXIF orientation, transparency on white), the whole picture squeezed to
     a square (no crop)."""
-    rgb = Image.fromarray(load_rgb(source, min_side=2 * side))
+    return thumbnail_and_digest(source, side, colour_side)[:2]
+
+
+def thumbnail_and_digest(source, side: int, colour_side: int = 16) -> tuple[np.ndarray, np.ndarray, bytes]:
+    """`thumbnail`'s two arrays and a digest of the decoded pixels (shape and values): equal digests are
+    identical pictures, whatever their names or containers."""
+    pixels = load_rgb(source, min_side=2 * side)
+    digest = hashlib.blake2b(str(pixels.shape).encode() + pixels.tobytes(), digest_size=16).digest()
+    rgb = Image.fromarray(pixels)
     grey = rgb.convert("L").resize((side, side), Image.BILINEAR, reducing_gap=2.0)
     colour = rgb.resize((colour_side, colour_side), Image.BILINEAR, reducing_gap=2.0)
-    return np.asarray(grey, dtype=np.uint8), np.asarray(colour, dtype=np.uint8)
+    return np.asarray(grey, dtype=np.uint8), np.asarray(colour, dtype=np.uint8), digest
+
+
+def identical_groups(keys: list) -> np.ndarray:
+    """(n,) row of each item's representative: the first row with an equal key (None: its own), the keys
+    given as lists per item (two items are one picture when any of their keys agree, closed transitively)."""
+    n = len(keys)
+    parent = np.arange(n)
+
+    def root(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first: dict = {}
+    for i, ks in enumerate(keys):
+        for k in ks or ():
+            j = first.setdefault(k, i)
+            if j != i:
+                ri, rj = root(i), root(j)
+                parent[max(ri, rj)] = min(ri, rj)
+    return np.array([root(i) for i in range(n)], np.int64)
 
 
 def chroma(rgb: np.ndarray) -> np.ndarray:

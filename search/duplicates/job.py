@@ -19,6 +19,7 @@ import numpy as np
 
 from index.manifest import atomic_write, utc_now
 from index.store import IndexStore, require_store
+from search.duplicates.baselines import table as baseline_table
 from search.duplicates.config import FORMAT, DedupConfig
 from search.duplicates.dedup_args import build_parser
 from search.duplicates.model import DuplicateModel
@@ -82,15 +83,21 @@ def scan_snapshot(snapshot, config: DedupConfig, progress: bool = True):
 
 
 def result_of(scan, ids: list[str], config: DedupConfig, threshold: float | None = None,
-              precision: float | None = None) -> dict:
-    """The JSON record of a scan: threshold, groups, the model, the notes, skipped files, figures."""
+              precision: float | None = None, embeddings=None) -> dict:
+    """The JSON record of a scan: threshold, groups, the model, the notes, skipped files, figures, and what
+    the usual hash rules (and cosine >= 0.99 on `embeddings`) would keep on the same items."""
     t, how = choose_threshold(scan.p, config, threshold, precision)
     groups = groups_of(scan.a, scan.b, scan.p, t, ids)
+    kept = {frozenset((int(x), int(y))) for x, y, q in zip(scan.a, scan.b, scan.p) if q >= t}
+    ok = scan.ok if scan.ok is not None else np.ones(len(ids), bool)
+    compared = baseline_table(scan.hashes, ok, groups, kept, embeddings) if scan.hashes else []
     top = int(np.argmax(scan.p)) if scan.p.size else None
     return {"threshold": t, "threshold_rule": how, "groups": groups, "notes": notes(scan, t, how),
             "max_probability": float(scan.p[top]) if top is not None else 0.0,
             "max_pair": [ids[int(scan.a[top])], ids[int(scan.b[top])]] if top is not None else None,
             "pairs_scored": int(scan.p.size), "pairs_kept": int((scan.p >= t).sum()),
+            "identical_pairs": int(scan.identical.sum()) if scan.identical is not None else 0,
+            "baselines": compared,
             "collection_share": scan.share_items, "pair_share": scan.model.share,
             "model": scan.model.to_json(), "config": config.to_json(),
             "skipped": [{"id": ids[r], "error": e} for r, e in sorted(scan.skipped.items())],
@@ -146,7 +153,7 @@ def report_new_duplicates(root, base: str | None, version: str, progress: bool =
     a, b = a[keep], b[keep]
     pr = np.unique(np.sort(np.column_stack([a, b]), axis=1), axis=0)
     rows = np.unique(pr.reshape(-1))
-    thumbs, colours, skipped = read_thumbnails(lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress)
+    thumbs, colours, skipped, _ = read_thumbnails(lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress)
     local = {int(r): i for i, r in enumerate(rows)}
     good = np.array([int(x) not in skipped and int(y) not in skipped for x, y in pr], bool)
     pr = pr[good]
@@ -181,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     snapshot = searcher.snapshot()
     scan = scan_snapshot(snapshot, config, progress=not args.no_progress)
     result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
-              **result_of(scan, snapshot.index.ids, config, args.threshold, args.precision)}
+              **result_of(scan, snapshot.index.ids, config, args.threshold, args.precision,
+                          embeddings=snapshot.index.embeddings)}
     path = store.duplicates_path(version)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=1)

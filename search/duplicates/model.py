@@ -1,25 +1,32 @@
 """The duplicate classifier, fitted on each collection without labels.
 
-A logistic regression on a few pair features (align.FEATURES and the descriptors' cosine, correlations
-read as Fisher z) separates POSITIVES -- synthetic edited copies of the collection's own images against
-their originals (edits.py) -- from the collection's candidate pairs (each item and its nearest items), which
-are UNLABELLED: mostly look-alikes, plus whatever duplicates the collection holds. EM reads the mixture:
-with positives and (1 - r)-weighted candidate pairs balanced, the regression's logit is the log likelihood
-ratio of "copy" to "not a copy"; a candidate pair's probability is r = sigmoid(logit + logit(pi)) and pi,
-the share of candidate pairs that are duplicates, is the mean r. So the probabilities carry this
-collection's own base rate, and the duplicates it holds stop counting as negatives as they are found.
+POSITIVES are synthetic edited copies of the collection's own images against their originals (edits.py); the
+collection's candidate pairs (each item and its nearest items) are UNLABELLED: mostly look-alikes, plus whatever
+duplicates the collection holds, at an unknown share pi. One monotone logistic model, positives against all
+candidate pairs at equal total weight, estimates log R(x) = log p_copy(x) / p_candidate(x). Among the pairs most
+like copies, candidates are all duplicates, so there p_candidate = pi p_copy and R = 1 / pi: pi is read off
+where the synthetic copies sit (R at their `quantile`), and a pair's probability is pi R(x) (Elkan and Noto's
+positive-unlabelled estimate), capped at 1. No iteration, so nothing can drain to "no duplicates".
+
+The model is monotone: each feature (align.FEATURES and the descriptors' cosine, correlations read as Fisher z)
+enters as a piecewise-linear function with non-negative slopes in the direction of "more alike" (higher
+correlation, coverage and cosine; less stretch and unexplained colour), so a pair more alike than another in
+every feature is never less likely a copy, and a pair more alike than any synthetic copy (a mirrored copy with
+--flips) keeps the highest odds instead of falling outside what the fit saw.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.special import expit, logit
+from scipy.special import expit
 
 from search.duplicates.align import FEATURES
 
 NAMES = (*FEATURES, "descriptor")
-QUADRATIC = 2     # the leading design columns (ncc, robust) whose squares and product also enter
+# +1: larger is more alike (correlations, coverage, cosine); -1: smaller is (stretch, unexplained colour)
+SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
+SEGMENTS = 8       # pieces of each feature's monotone function, at quantiles of the pooled pairs
 MIN_SHARE = 1e-6
 
 
@@ -32,39 +39,71 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
                             z(np.asarray(cosine, np.float64))])
 
 
-def expand(x: np.ndarray) -> np.ndarray:
-    """The regression's inputs: the design columns, and the squares and product of the two correlations (a
-    high trimmed correlation with a low full one is a local difference: an overlay, or a look-alike)."""
-    x = np.asarray(x, np.float64)
-    i, j = np.triu_indices(QUADRATIC)
-    return np.column_stack([x, x[:, i] * x[:, j]])
+def knots_of(x: np.ndarray, segments: int = SEGMENTS) -> list[np.ndarray]:
+    """Per feature, the increasing knots of its piecewise-linear function (quantiles of the signed values;
+    a feature with a single value gets no piece)."""
+    sx = np.asarray(x, np.float64) * SIGN
+    return [np.unique(np.quantile(sx[:, j], np.linspace(0, 1, segments + 1))) for j in range(sx.shape[1])]
 
 
-def fit_logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, steps: int = 50) -> np.ndarray:
-    """Weighted ridge logistic regression by Newton's method -> coefficients (intercept last); the
-    intercept is not penalised. x is expected standardised."""
+def basis(x: np.ndarray, knots: list[np.ndarray]) -> np.ndarray:
+    """(n, pieces) how far each pair's signed feature runs through each piece, 0..1: with non-negative
+    weights any sum of these is non-decreasing in every signed feature (and flat past the outer knots)."""
+    sx = np.asarray(x, np.float64) * SIGN
+    cols = []
+    for j, k in enumerate(knots):
+        if k.size > 1:
+            lo, hi = k[:-1], k[1:]
+            cols.append((np.clip(sx[:, j, None], lo, hi) - lo) / (hi - lo))
+    return np.concatenate(cols, axis=1) if cols else np.zeros((len(sx), 0))
+
+
+def fit_monotone(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None, steps: int = 50) -> np.ndarray:
+    """Weighted ridge logistic regression on basis columns with non-negative slopes -> coefficients (intercept
+    last, free and not penalised): projected Newton (the slopes at zero whose gradient pushes them below it
+    held there, a Newton step on the rest, halved until the loss falls)."""
     xa = np.column_stack([x, np.ones(len(x))])
-    beta = np.zeros(xa.shape[1])
     pen = np.full(xa.shape[1], l2 * w.sum())
     pen[-1] = 0.0
+    bounded = np.r_[np.ones(x.shape[1], bool), False]
+
+    def loss(beta):
+        f = xa @ beta
+        return w @ (np.logaddexp(0.0, f) - y * f) + 0.5 * pen @ (beta * beta)
+
+    beta = np.zeros(xa.shape[1]) if start is None else np.maximum(np.asarray(start, np.float64), 0.0)
+    beta[-1] = 0.0 if start is None else start[-1]
+    val = loss(beta)
     for _ in range(steps):
         p = expit(xa @ beta)
         g = xa.T @ (w * (p - y)) + pen * beta
-        h = (xa * (w * p * (1 - p))[:, None]).T @ xa + np.diag(pen + 1e-9)
-        step = np.linalg.solve(h, g)
-        beta -= step
-        if np.abs(step).max() < 1e-8:
+        free = ~bounded | (beta > 1e-12) | (g < 0)
+        h = (xa[:, free] * (w * p * (1 - p))[:, None]).T @ xa[:, free] + np.diag(pen[free] + 1e-9)
+        d = np.zeros_like(beta)
+        d[free] = -np.linalg.solve(h, g[free])
+        t = 1.0
+        while t > 1e-6:
+            cand = beta + t * d
+            cand[bounded] = np.maximum(cand[bounded], 0.0)
+            new = loss(cand)
+            if new <= val:
+                break
+            t /= 2
+        else:
+            break
+        moved = np.abs(cand - beta).max()
+        beta, val = cand, new
+        if moved < 1e-7:
             break
     return beta
 
 
 @dataclass
 class DuplicateModel:
-    """What a scan's probabilities are: log LR(x) = coef . (x - mean) / scale + intercept, p = sigmoid(log LR
-    + logit(share)); `bound` names a limit the fit reached ("" when none)."""
+    """What a scan's probabilities are: log R(x) = coef . basis(x, knots) + intercept (copies against candidate
+    pairs), p = min(1, share R(x)); `bound` names a limit the fit reached ("" when none)."""
 
-    mean: np.ndarray
-    scale: np.ndarray
+    knots: list
     coef: np.ndarray
     share: float
     steps: int
@@ -75,70 +114,56 @@ class DuplicateModel:
     history: list = field(default_factory=list)
 
     def log_ratio(self, x: np.ndarray) -> np.ndarray:
-        xs = (expand(x) - self.mean) / self.scale
-        return xs @ self.coef[:-1] + self.coef[-1]
+        return basis(x, self.knots) @ self.coef[:-1] + self.coef[-1]
 
     def probability(self, x: np.ndarray, share: float | None = None) -> np.ndarray:
         s = self.share if share is None else share
-        return expit(self.log_ratio(x) + logit(np.clip(s, MIN_SHARE, 1 - MIN_SHARE)))
+        return np.exp(np.minimum(self.log_ratio(x) + np.log(max(s, MIN_SHARE)), 0.0))
 
     def to_json(self) -> dict:
-        return {"features": list(NAMES), "mean": self.mean.tolist(), "scale": self.scale.tolist(),
+        return {"features": list(NAMES), "sign": SIGN.tolist(), "knots": [k.tolist() for k in self.knots],
                 "coef": self.coef.tolist(), "share": self.share, "steps": self.steps, "bound": self.bound,
                 "positives": self.positives, "candidates": self.candidates, "copy_recall": self.copy_recall}
 
     @classmethod
     def from_json(cls, d: dict) -> "DuplicateModel":
-        return cls(np.asarray(d["mean"]), np.asarray(d["scale"]), np.asarray(d["coef"]), float(d["share"]),
+        return cls([np.asarray(k, np.float64) for k in d["knots"]], np.asarray(d["coef"]), float(d["share"]),
                    int(d["steps"]), d.get("bound", ""), int(d.get("positives", 0)), int(d.get("candidates", 0)),
                    float(d.get("copy_recall", float("nan"))))
 
 
-def _fit_balanced(xp, xu, wu, mean, scale, l2):
-    x = (np.vstack([xp, xu]) - mean) / scale
-    y = np.r_[np.ones(len(xp)), np.zeros(len(xu))]
-    w = np.r_[np.full(len(xp), max(wu.sum(), 1e-9) / len(xp)), wu]   # equal total weight: logit = log LR
-    return fit_logistic(x, y, w / w.mean(), l2)
+def _fit_balanced(bp, bu, wu, l2, start=None):
+    x = np.vstack([bp, bu])
+    y = np.r_[np.ones(len(bp)), np.zeros(len(bu))]
+    w = np.r_[np.full(len(bp), max(wu.sum(), 1e-9) / len(bp)), wu]   # equal total weight: logit = log LR
+    return fit_monotone(x, y, w / w.mean(), l2, start)
 
 
-def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, steps: int,
+def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, quantile: float,
               threshold: float = 0.5) -> DuplicateModel:
-    """EM over the unlabelled candidate pairs (module docstring); positives and unlabelled are `design` rows."""
-    xp, xu = expand(positives), expand(unlabelled)
-    if len(xp) < 4 or len(xu) < 4:
-        raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(xp)} and {len(xu)}")
-    allx = np.vstack([xp, xu])
-    mean, scale = allx.mean(0), allx.std(0) + 1e-6
-    # start from every candidate pair as likely a copy as not at half the bound: the duplicates a collection
-    # holds leave the negatives at once (started from "no duplicates", they teach the first fit that copies are
-    # negatives, and a share of 0 is a fixed point of EM)
-    share, history, step = max_share / 2, [], 0
-    r = np.full(len(xu), share)
-    for step in range(1, steps + 1):
-        coef = _fit_balanced(xp, xu, 1.0 - r, mean, scale, l2)
-        lr = ((xu - mean) / scale) @ coef[:-1] + coef[-1]
-        r = expit(lr + logit(share))
-        new = float(np.clip(np.mean(r), MIN_SHARE, max_share))
-        history.append(new)
-        done = abs(new - share) < 1e-5
-        share = new
-        if done:
-            break
+    """The positive-unlabelled fit of the module docstring; positives and unlabelled are `design` rows."""
+    if len(positives) < 4 or len(unlabelled) < 4:
+        raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
+                         f"{len(unlabelled)}")
+    knots = knots_of(np.vstack([positives, unlabelled]))
+    xp, xu = basis(positives, knots), basis(unlabelled, knots)
+    ones = np.ones(len(xu))
+    coef = _fit_balanced(xp, xu, ones, l2)
+    top = float(np.quantile(xp @ coef[:-1] + coef[-1], quantile))
+    share = float(np.exp(-top)) if top > -np.log(max_share) else max_share
     bound = ""
-    if share >= max_share - 1e-9:
-        bound = (f"EM put the share of candidate pairs that are duplicates at its bound {max_share:g}: most "
-                 "neighbours here look like edited copies of each other (the edits the fit knows do not tell "
+    if share >= max_share:
+        bound = (f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
+                 "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
                  "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies")
-    elif step == steps:
-        bound = f"EM did not settle in {steps} steps (share {share:.3g}); rerun with more --calibration-items"
-    model = DuplicateModel(mean, scale, coef, share, step, bound, len(xp), len(xu), history=history)
-    # held-out copy recall: each half of the positives scored by a fit on the other half (same weights)
+    share = max(share, MIN_SHARE)
+    model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])
+    # held-out copy recall: each half of the positives scored by a fit on the other half, at this share
     half = np.arange(len(xp)) % 2 == 0
     hits = []
     for held in (half, ~half):
-        c = _fit_balanced(xp[~held], xu, 1.0 - r, mean, scale, l2)
-        p = expit(((xp[held] - mean) / scale) @ c[:-1] + c[-1] + logit(max(share, MIN_SHARE)))
-        hits.append(p >= threshold)
+        c = _fit_balanced(xp[~held], xu, ones, l2, coef)
+        hits.append(np.minimum(xp[held] @ c[:-1] + c[-1] + np.log(share), 0.0) >= np.log(threshold))
     model.copy_recall = float(np.concatenate(hits).mean())
     return model
 

@@ -29,7 +29,7 @@ def _thumb(snapshot, item_id: str) -> str:
 
 def probability_figure(result: dict) -> bytes:
     """Histogram of the candidate pairs' p (log counts) beside the synthetic copies' p, the threshold marked."""
-    from search.evaluation.figures import png_bytes, pyplot
+    from search.figures import png_bytes, pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
@@ -65,11 +65,25 @@ def render_page(result: dict, snapshot) -> str:
         f"probability found is {result['max_probability']:.3g}. {result['pairs_scored']} candidate pairs scored "
         f"(each item's nearest by thumbnail DCT and by embedding), aligned and correlated; the classifier was "
         f"fitted on {model['positives']} edited copies of this collection's own images against those pairs, no "
-        f"labels (EM: {model['steps']} steps). Items with a duplicate: about {result['collection_share']:.1%} "
+        f"labels (positives against unlabelled pairs; share of candidate pairs that are duplicates {model['share']:.3g}). Items with a duplicate: about {result['collection_share']:.1%} "
         f"(estimated); held-out synthetic copies found at the default threshold: "
         f"{model['copy_recall']:.0%}.</p>",
     ]
+    if result.get("identical_pairs"):
+        parts.append(f"<p>{result['identical_pairs']} items are pictures identical to another item (same decoded "
+                     "pixels or same thumbnails), joined to it at p 1 before any comparison.</p>")
     parts += [f"<p class='note'><b>Note:</b> {esc(n)}</p>" for n in result.get("notes", [])]
+    if result.get("baselines"):
+        rows = "".join(f"<tr><td>{esc(b['name'])}</td><td>{esc(b['rule'])}</td><td>{b['pairs']}</td>"
+                       f"<td>{b['items']}</td><td>{b['pairs_in_scan_groups']}</td>"
+                       f"<td>{b['scan_pairs_kept_too']} of {b['scan_pairs']}</td></tr>" for b in result["baselines"])
+        parts.append("<h2>The usual rules on the same items</h2><p>What each common rule would call a duplicate "
+                     "here (no labels, so no one is scored; bench/dedup.py measures them against planted copies): "
+                     "the pairs it keeps, the items they touch, how many of its pairs lie inside one of the groups "
+                     "below, and how many of the pairs this scan kept it keeps too.</p><table border='1' "
+                     "cellpadding='3' style='border-collapse:collapse'><tr><th>rule</th><th>cut-off</th><th>pairs"
+                     "</th><th>items</th><th>pairs inside a group here</th><th>this scan's pairs it keeps</th></tr>"
+                     + rows + "</table>")
     parts.append(f"<img alt='probabilities' src='{_png_data(probability_figure(result))}'>")
     if result.get("skipped"):
         parts.append("<p>Skipped (unreadable): " + ", ".join(esc(s["id"]) for s in result["skipped"][:50]) + "</p>")

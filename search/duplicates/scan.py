@@ -1,13 +1,14 @@
-"""One duplicate scan of a collection: thumbnails, candidate pairs, synthetic copies, the self-supervised
-fit (model.py), probabilities, a threshold and groups. Knows nothing of index versions: job.py feeds it an
-index version's images and embeddings, tests and benchmarks a folder's.
+"""One duplicate scan of a collection: thumbnails, identical pictures joined by digest, candidate pairs,
+synthetic copies, the self-supervised fit (model.py), probabilities, a threshold and groups. Knows nothing of
+index versions: job.py feeds it an index version's images and embeddings, tests and benchmarks a folder's.
 
-In a paragraph: every image becomes a 32 x 32 greyscale thumbnail; each item's nearest items by the
-thumbnail's low-frequency DCT (and, when there are embeddings, by the index's own) are its candidates; each
-candidate pair is aligned (an affine map and a gain, align.py) and scored by how well it then correlates; a
-logistic regression fitted on this collection -- edited copies of its own images as positives, its
-candidate pairs as an unlabelled mixture read by EM -- turns those scores into the probability that the
-pair is one picture edited, at this collection's own share of duplicates.
+In a paragraph: every image becomes a 64 x 64 greyscale and a 16 x 16 colour thumbnail; pictures with identical
+decoded pixels or identical thumbnails are one group at once (p 1), and one item per group stands for it from
+then on; each such item's nearest items by the thumbnail's low-frequency DCT (and, when there are embeddings,
+by the index's own) are its candidates; each candidate pair is aligned (an affine map and a gain, align.py)
+and scored by how well it then correlates; a logistic regression fitted on this collection -- edited copies
+of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled learning) -- turns those scores
+into the probability that the pair is one picture edited, at this collection's own share of duplicates.
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from search.duplicates.align import pair_features
+from search.duplicates.baselines import hash_table
 from search.duplicates.config import DedupConfig
-from search.duplicates.descriptors import chroma, dct_descriptor, thumbnail
+from search.duplicates.descriptors import (chroma, dct_descriptor, identical_groups, thumbnail,
+                                           thumbnail_and_digest)
 from search.duplicates.edits import edited_copy
 from search.duplicates.model import (NAMES, DuplicateModel, design, fit_model, items_share,
                                      threshold_for_precision)
@@ -34,7 +37,8 @@ EDIT_SIDE = 320        # synthetic copies are made from the picture shrunk to th
 
 @dataclass
 class Scan:
-    """A scan's pairs (rows a < b), their probabilities and features, the fitted model and what was skipped."""
+    """A scan's pairs (rows a < b), their probabilities, the fitted model and what was skipped: first the
+    aligned candidate pairs (their design rows in x), then the pairs joined as identical (`identical` True, p 1)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -45,28 +49,33 @@ class Scan:
     share_items: float
     seconds: dict = field(default_factory=dict)
     positives_x: np.ndarray | None = None
+    identical: np.ndarray | None = None
+    hashes: dict = field(default_factory=dict)     # baselines.hash_table of the items (the page's comparison)
+    ok: np.ndarray | None = None
 
 
 def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool):
-    """(grey (n, side, side) uint8, chroma (n, 16, 16, 2) float16, {row: error}) for the given rows;
-    unreadable rows stay zero."""
+    """(grey (n, side, side) uint8, chroma (n, 16, 16, 2) float16, {row: error}, keys) for the given rows;
+    unreadable rows stay zero; keys[k] is (pixel digest, thumbnail digest), None when unreadable."""
     rows = np.asarray(rows)
     thumbs = np.zeros((len(rows), side, side), np.uint8)
     colours = np.zeros((len(rows), 16, 16, 2), np.float16)
-    skipped = {}
+    skipped, keys = {}, [None] * len(rows)
     for k, r in enumerate(tqdm(rows, desc="thumbnails", unit="img", disable=not progress, mininterval=1.0)):
         try:
-            g, c = thumbnail(read(int(r)), side)
+            g, c, digest = thumbnail_and_digest(read(int(r)), side)
             thumbs[k], colours[k] = g, chroma(c)
+            keys[k] = (b"p" + digest, b"t" + g.tobytes() + c.tobytes())
         except (OSError, ValueError, KeyError) as err:      # ImageError is a ValueError
             skipped[int(r)] = f"{type(err).__name__}: {err}"
-    return thumbs, colours, skipped
+    return thumbs, colours, skipped, keys
 
 
 def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray | None = None,
-                    flipped: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Unique pairs (a < b) of readable rows: each row's k nearest by descriptor cosine (exact FAISS inner
-    product; with `flipped`, also the nearest of its mirror), plus `extra` (n, k') neighbour rows (-1: none)."""
+                    flipped: np.ndarray | None = None, rep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Unique pairs (a < b) of `ok` rows: each row's k nearest by descriptor cosine (exact FAISS inner
+    product; with `flipped`, also the nearest of its mirror), plus `extra` (n, k') neighbour rows (-1: none),
+    those read through `rep` (each row's representative: a group's members lend it their neighbours)."""
     import faiss
 
     n = len(desc)
@@ -83,7 +92,11 @@ def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray 
             pairs.append(np.column_stack([a, b]))
     if extra is not None:
         kk = extra.shape[1]
-        pairs.append(np.column_stack([np.repeat(np.arange(n), kk), extra.reshape(-1)]))
+        own = np.repeat(np.arange(n), kk)
+        other = extra.reshape(-1)
+        if rep is not None:
+            own, other = rep[own], np.where(other >= 0, rep[np.maximum(other, 0)], -1)
+        pairs.append(np.column_stack([own, other]))
     if not pairs:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     pr = np.concatenate(pairs).astype(np.int64)
@@ -140,35 +153,45 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     embeddings, -1 where none) and fit the model on them."""
     t = {}
     t0 = time.perf_counter()
-    thumbs, colours, skipped = read_thumbnails(read, np.arange(n), config.thumb, progress)
+    thumbs, colours, skipped, keys = read_thumbnails(read, np.arange(n), config.thumb, progress)
     ok = np.ones(n, bool)
     ok[list(skipped)] = False
     if ok.sum() < 20:
         raise ValueError(f"{int(ok.sum())} readable images; a duplicate scan needs at least 20")
     t["thumbnails"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # identical pictures (pixels or thumbnails) are one group before any neighbour search: each member is
+    # linked to the group's first row at p 1, and only that row takes part in the candidates and the fit
+    rep = identical_groups(keys)
+    same = np.flatnonzero(rep != np.arange(n))
+    lead = ok & (rep == np.arange(n))
     desc = dct_descriptor(thumbs, config.dct)
     flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
     extra = neighbours(config.k_embedding) if neighbours is not None and config.k_embedding else None
-    a, b = candidate_pairs(desc, ok, config.k_descriptor, extra, flipped)
+    a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
     t["candidates"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
     t["pairs"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
-    good = np.flatnonzero(ok)
+    good = np.flatnonzero(lead)
     # each readable item once in random order, again until there are calibration_items copies (small collections)
     reps = -(-config.calibration_items // good.size)
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[:config.calibration_items]
     xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
     t["copies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, steps=config.em_steps,
+    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, quantile=config.quantile,
                       threshold=config.threshold)
     p = model.probability(x)
     t["fit"] = time.perf_counter() - t0
-    return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp)
+    a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
+    identical = np.r_[np.zeros(len(x), bool), np.ones(same.size, bool)]
+    t0 = time.perf_counter()
+    hashes = hash_table(thumbs, ok)
+    t["baseline hashes"] = time.perf_counter() - t0
+    return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok)
 
 
 def score_pairs(thumbs, colours, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from index.build import training_temperature
-from index.manifest import Manifest, file_sha256
+from index.manifest import CheckpointRef, Manifest, file_sha256
 from index.models import load_version_encoder
 from index.store import IndexStore, require_store
 from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
@@ -366,7 +366,7 @@ def _load_database(cfg: EvalConfig, device):
         manifest = version.manifest
         datasets, rows = version_database(version)
         encoder, info, _ = load_version_encoder(version, device=device)   # the store's own copy of the weights
-        ckpt = store.models.path(manifest.checkpoint_record["sha256"])
+        ckpt = store.models.path(manifest.checkpoint_record.sha256)
         return (encoder, info, ckpt, version.embeddings, datasets, rows,
                 {"root": display_path(cfg.index), "version": version.version}, manifest)
     if cfg.checkpoint is None or cfg.dataset is None:
@@ -505,12 +505,12 @@ def display_path(path) -> str:
 def checkpoint_description(path, info: dict, manifest: Manifest | None = None) -> dict:
     """The encoder as a report names it: file name, sha256, step and the training settings that shape the
     statistics (loss, temperature schedule, Gaussianity regulariser weight); never an absolute path."""
-    record = manifest.checkpoint_record if manifest is not None else {}
+    record = manifest.checkpoint_record if manifest is not None else CheckpointRef()
     tc = info.get("train_config") or {}
     return {
-        "file": Path(record.get("path") or path).name,
-        "sha256": record.get("sha256") or file_sha256(path),
-        "step": info.get("step", record.get("step")),
+        "file": Path(record.path or path).name,
+        "sha256": record.sha256 or file_sha256(path),
+        "step": info.get("step", record.step),
         "training": {k: tc.get(k) for k in ("loss", "schedule", "schedule_options", "steps", "batch_size",
                                             "gaussian_reg", "gaussian_reg_decay") if k in tc},
     }

@@ -98,7 +98,7 @@ def _latent_kappa(generator) -> float | None:
 RESIDENT_BYTES = 4 << 30  # keep a whole float32 operand on the device when it is at most this big
 
 
-class _Rows:
+class DeviceRows:
     """Row blocks of a float32 matrix on `dev`: uploaded once when it fits in RESIDENT_BYTES
     (zero-copy on CPU), otherwise block by block (databases larger than device memory)."""
 
@@ -174,7 +174,7 @@ def _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSu
         return out
     out = np.empty(zq.shape[0], dtype=np.float64)
     inv_tau = 1.0 / temperature
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
     for q0 in range(0, zq.shape[0], block_q):
         xq = rq[q0 : q0 + block_q] * inv_tau  # (bq, D) z/tau
         m = torch.full((xq.shape[0],), -math.inf, dtype=torch.float64, device=dev)
@@ -189,7 +189,7 @@ def _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSu
     return out
 
 
-def _max_norm(rows: _Rows, n: int, block: int) -> float:
+def _max_norm(rows: DeviceRows, n: int, block: int) -> float:
     return max(float(torch.linalg.vector_norm(rows[i : i + block], dim=1).max()) for i in range(0, n, block))
 
 
@@ -198,7 +198,7 @@ def _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, tile_sums: 
     nq, nn = zq.shape[0], zn.shape[0]
     out = np.empty(nq, dtype=np.float64)
     redo = np.zeros(nq, dtype=bool)
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
     max_n = _max_norm(rn, nn, block_n)
     for q0 in range(0, nq, block_q):
         xq = rq[q0 : q0 + block_q] * (1.0 / temperature)  # (bq, D) z/tau
@@ -271,8 +271,8 @@ def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev
     nq, nn = zq.shape[0], zn.shape[0]
     ce, h = np.empty(nq, dtype=np.float64), np.empty(nq, dtype=np.float64)
     redo = np.zeros(nq, dtype=bool)
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
-    ruq, run = _Rows(uq_all, dev), _Rows(un_all, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
+    ruq, run = DeviceRows(uq_all, dev), DeviceRows(un_all, dev)
     max_n, max_un = _max_norm(rn, nn, block_n), _max_norm(run, nn, block_n)
     for q0 in range(0, nq, block_q):
         xq = rq[q0 : q0 + block_q] * (1.0 / temperature)  # (bq, D) z/tau
@@ -299,9 +299,9 @@ def _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperat
     (latent) or, when they are None, from `generator.log_ratio` per tile."""
     inv_tau = 1.0 / temperature
     oracle = uq_all is not None
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
     if oracle:
-        ruq, run = _Rows(uq_all, dev), _Rows(un_all, dev)
+        ruq, run = DeviceRows(uq_all, dev), DeviceRows(un_all, dev)
     nq = zq.shape[0]
     ce = np.empty(nq, dtype=np.float64)
     h = np.empty(nq, dtype=np.float64)

@@ -41,7 +41,7 @@ from scipy import stats
 from scipy.special import i0e, logsumexp
 from tqdm import tqdm
 
-from search.evaluation.figures import png_bytes, pyplot
+from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 

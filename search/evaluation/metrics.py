@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from search.evaluation.gap import _Rows
+from search.evaluation.gap import DeviceRows
 from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65
         if exclude.shape != (zq.shape[0],):
             raise ValueError(f"exclude has shape {exclude.shape}, expected ({zq.shape[0]},)")
     dev = default_device(device)
-    rq, rn = _Rows(zq, dev), _Rows(zn, dev)
+    rq, rn = DeviceRows(zq, dev), DeviceRows(zn, dev)
     scores = np.empty((zq.shape[0], k), dtype=np.float32)
     rows = np.empty((zq.shape[0], k), dtype=np.int64)
     for q0 in range(0, zq.shape[0], block_q):
@@ -239,11 +239,11 @@ def ideal_topk(query_meta, db_meta, generator, k: int, exclude: np.ndarray | Non
             ex = np.asarray(exclude[q0 : q0 + bq])
             has = ex >= 0
             lr[np.flatnonzero(has), ex[has]] = -np.inf
-        out[q0 : q0 + lr.shape[0]] = _top_k_stable(lr, k)
+        out[q0 : q0 + lr.shape[0]] = top_k_stable(lr, k)
     return out
 
 
-def _top_k_stable(values: np.ndarray, k: int) -> np.ndarray:
+def top_k_stable(values: np.ndarray, k: int) -> np.ndarray:
     """(B, k) columns of the k largest values per row, ties by column order: the first k columns of a
     stable descending argsort, from a partition (O(N)) and a stable sort of the candidates only
     (every column tied with the k-th largest value, so ties at the cut keep their order)."""

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from scipy import stats
 
-from search.evaluation.figures import png_bytes, pyplot
+from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from search.evaluation.figures import png_bytes, pyplot
+from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 

@@ -145,7 +145,7 @@ def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
 
     datasets, rows = version_database(candidate)
     zdb = np.asarray(candidate.embeddings, dtype=np.float32)
-    record = {"tower": text.metadata()["config"], "model_sha256": candidate.manifest.checkpoint_record["sha256"]}
+    record = {"tower": text.metadata()["config"], "model_sha256": candidate.manifest.checkpoint_record.sha256}
     if len(datasets) == 1 and datasets[0].name == "synthetic":
         ds = datasets[0]
         db_cells = scheme.cells(ds.latents[np.asarray(rows)[:, 1]])   # db row -> (source 0, item)

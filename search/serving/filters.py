@@ -76,7 +76,7 @@ class Filter:
 def parse_filter(spec: Any, types: dict[str, str]) -> Filter:
     """Validate `spec` (the decoded JSON) against `types` ({field: str|int|float|bool}) and compile it."""
     if isinstance(spec, str):
-        if _text_depth(spec) > MAX_DEPTH:
+        if text_depth(spec) > MAX_DEPTH:
             raise FilterTooDeep()
         try:
             spec = json.loads(spec)
@@ -86,7 +86,7 @@ def parse_filter(spec: Any, types: dict[str, str]) -> Filter:
             raise FilterTooDeep() from None
         except ValueError as err:   # e.g. an integer literal longer than Python converts (4300 digits)
             raise FilterError(f"filter is not JSON this server reads ({str(err).split(':')[0][:80]})") from None
-    elif _depth(spec) > MAX_DEPTH:
+    elif filter_depth(spec) > MAX_DEPTH:
         raise FilterTooDeep()
     counter = [0]
     fields: set[str] = set()
@@ -98,7 +98,7 @@ def parse_filter(spec: Any, types: dict[str, str]) -> Filter:
     return Filter(key, evaluate, frozenset(fields))
 
 
-def _text_depth(text: str) -> int:
+def text_depth(text: str) -> int:
     """Deepest bracket nesting of JSON text, strings left out: the depth json.loads would recurse to."""
     brackets = _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)).encode("ascii")
     if not brackets:
@@ -108,7 +108,7 @@ def _text_depth(text: str) -> int:
     return int(np.cumsum(steps).max())
 
 
-def _depth(spec: Any) -> int:
+def filter_depth(spec: Any) -> int:
     """Nesting of decoded JSON (objects and lists), walked without recursion, stopping past MAX_DEPTH."""
     deepest, stack = 0, [(spec, 0)]
     while stack:

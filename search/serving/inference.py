@@ -2,12 +2,10 @@
 each checked against eager.
 
 A small tower answering one query spends most of its forward in per-operator dispatch, not in
-arithmetic (the default ViT: ~60 operators of 64 tokens x 64 channels). Measured per single-image
-forward, CPU time, one thread, medians of interleaved runs: default ViT eager 0.74 ms, TorchScript
-(traced + frozen) 0.49 ms, ONNX Runtime 0.30 ms (fused attention, layer norm and GELU kernels,
-~1 us per node); the 32-pixel ResNet of configs/folder.toml gains 1.2-1.3x from TorchScript.
-`optimize_for_inference` (MKL-DNN convolutions) was 5-10 % faster from batches of 4 but slower
-for one image, the case that sets single-request latency, so it is not used.
+arithmetic (the default ViT: ~60 operators of 64 tokens x 64 channels), which ONNX Runtime's fused
+kernels and a frozen TorchScript graph cut (figures: docs/results.md §22). `optimize_for_inference`
+(MKL-DNN convolutions) is not used: it is slower for one image, the case that sets single-request
+latency.
 
 Backends are tried in order (`BACKENDS`: ONNX Runtime on CPU, then TorchScript); a copy is
 accepted only if it matches the eager encoder on a probe batch (max |dz| <= PROBE_TOL on unit

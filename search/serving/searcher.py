@@ -46,7 +46,6 @@ from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
 from search.serving.queries import unit_queries
 from search.serving.subset import subset_search
-from training.datasets import dataset_is_file_backed
 from training.encoder import Encoder
 from training.transforms import preprocess
 
@@ -118,6 +117,14 @@ class ReloadResult:
     encoder_reloaded: bool
 
 
+def _index_recall(manifest) -> float | None:
+    """The recall@10 an approximate index measured at build (None for an exact index or none recorded)."""
+    record = getattr(manifest, "recall", None)   # a RecallRecord (index.manifest) or None
+    if record is None or record.exact or record.recall is None:
+        return None
+    return float(record.recall)
+
+
 def _manifest_temperature(manifest: Manifest) -> float:
     value = manifest.temperature
     if value is not None:
@@ -140,6 +147,7 @@ class SearchSnapshot:
     runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
     read_item_metadata: ClassVar = staticmethod(read_metadata)   # version directory -> its Metadata
     release_pages: bool = True                                  # exact scan: unmap the map's pages once read
+    normaliser_info: dict | None = None                         # how log Z is computed (`Normaliser.describe`)
     _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
     _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
@@ -322,6 +330,8 @@ class SearchSnapshot:
     def file_backed(self) -> bool:
         """The indexed items came from image files (decoded once into the image cache), so uploads
         should be decoded the same way (training.images.load_square) to meet their indexed twins."""
+        from training.datasets import dataset_is_file_backed   # the dataset registry: loaded on first use only
+
         return any(dataset_is_file_backed(spec) for spec in self.manifest.source_specs)
 
     def dataset_spec(self) -> dict | None:
@@ -448,7 +458,8 @@ class Searcher:
         # built off to the side like the rest of the snapshot (bounded: the version's stored list
         # statistics; one pass over the rows for a version written before they were stored)
         normaliser = Normaliser.for_version(emb, version.index, self.normaliser,
-                                            stored=getattr(version, "list_stats", None))
+                                            stored=getattr(version, "list_stats", None),
+                                            index_recall=_index_recall(version.manifest))
         if encoder is None:
             runner = None
         elif runner is None or runner.encoder is not encoder:
@@ -456,7 +467,7 @@ class Searcher:
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
         return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
                               normaliser if normaliser.method != "exact" else None, runner,
-                              release_pages=self.normaliser.releases("exact"))
+                              release_pages=self.normaliser.releases("exact"), normaliser_info=normaliser.describe())
 
     def shard_searchers(self, version) -> tuple[list, list[str]]:
         """(callables (q, k, taus, mask) -> ShardAnswer, names), one per shard of a sharded version: in this
@@ -484,7 +495,7 @@ class Searcher:
     def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
         if not version.manifest.has_encoder:   # built from vectors: nothing to load
             return None, None, old is not None and old.encoder is not None
-        sha = version.manifest.checkpoint_record.get("sha256")
+        sha = version.manifest.checkpoint_record.sha256
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
         encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store

@@ -43,7 +43,7 @@ def text_tower(snapshot) -> TextEncoder:
     """The text tower of the snapshot's model (loaded once per model sha256); NoTextTowerError if none."""
     manifest = snapshot.manifest
     record = manifest.checkpoint_record
-    sha = record.get("sha256") if manifest.has_encoder else None
+    sha = record.sha256 if manifest.has_encoder else None
     if not sha:
         raise NoTextTowerError(snapshot.version)
     with _LOCK:

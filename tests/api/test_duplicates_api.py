@@ -67,8 +67,17 @@ def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highes
         assert body["groups"] == data["groups"][:1]
         assert body["threshold"] == 0.5 and body["max_probability"] == data["max_probability"]
         assert body["notes"] == data["notes"] and body["skipped"] == []
+        # the usual rules beside the scan: cosine >= 0.99 against brute force on the stored embeddings
+        assert body["baselines"] == data["baselines"] and data["baselines"][:2] == [
+            {**b, "name": n} for b, n in zip(data["baselines"][:2], ("dHash", "pHash"))]
+        emb = np.asarray(store.load(version, verify=False, gpu=False).embeddings, np.float64)
+        emb /= np.linalg.norm(emb, axis=1, keepdims=True)
+        cos = emb @ emb.T
+        want = int((np.triu(cos, 1) >= 0.99).sum())
+        assert [b["pairs"] for b in data["baselines"] if b["name"] == "cosine"] == [want]
         page = ss.http.get("/duplicates")
         assert page.status_code == 200 and "Duplicates in index version" in page.text and "data:image/png" in page.text
+        assert "The usual rules on the same items" in page.text
 
 
 def test_a_precision_threshold_is_a_probability_the_scan_found(scanned):

@@ -26,7 +26,7 @@ K = 5
 def _expected(root, version, images):
     """Brute force for one version: its own checkpoint's encoder, its stored embeddings."""
     v = IndexStore(root).load(version)
-    enc, _ = load_checkpoint(v.manifest.checkpoint["path"])
+    enc, _ = load_checkpoint(v.manifest.checkpoint.path)
     z = embed(enc, preprocess(images, enc.image_size), progress=False)
     s = z.astype(np.float64) @ v.embeddings.astype(np.float64).T  # (Q, N)
     top = np.argsort(-s, axis=1, kind="stable")[:, :K]

@@ -236,7 +236,7 @@ def _expected(root, version, images, k):
     """Brute force for one version: its own encoder, its stored embeddings."""
     store = IndexStore(root)
     v = store.load(version, gpu=False)
-    enc, _ = load_checkpoint(store.models.path(v.manifest.checkpoint["sha256"]))   # the store's copy
+    enc, _ = load_checkpoint(store.models.path(v.manifest.checkpoint.sha256))   # the store's copy
     z = embed(enc, preprocess(images, enc.image_size), progress=False)
     s = z.astype(np.float64) @ v.embeddings.astype(np.float64).T
     return [[v.ids[j] for j in row] for row in np.argsort(-s, axis=1, kind="stable")[:, :k]]

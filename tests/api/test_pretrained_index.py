@@ -33,7 +33,7 @@ def test_index_from_pretrained_weights_serves(tmp_path, open_clip_weights, make_
     assert m.encoder["model_name"] == open_clip_weights["name"] and m.encoder["image_size"] == SIZE
     assert m.encoder["image_mean"] == pytest.approx(open_clip.OPENAI_DATASET_MEAN)
     assert m.lineage["pretrained"]["sha256"] == file_sha256(weights)
-    assert m.checkpoint["path"] is None and store.models.shas() == [m.checkpoint["sha256"]]
+    assert m.checkpoint.path is None and store.models.shas() == [m.checkpoint.sha256]
     assert not list(store.staging_dir.glob("pretrained-*"))          # the temporary checkpoint is gone
     assert m.search_temperature > 0 and m.count == 24
 

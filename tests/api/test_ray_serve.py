@@ -19,6 +19,7 @@ serve = pytest.importorskip("ray.serve")
 
 from api.app import create_app  # noqa: E402
 from api.config import Settings  # noqa: E402
+from index.options import CommitOptions  # noqa: E402
 from index.shards import reshard  # noqa: E402
 from index.store import IndexStore  # noqa: E402
 
@@ -58,7 +59,7 @@ def ray_app(api_dataset, tmp_path_factory):
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "admin_token": ADMIN_TOKEN}, SHARDS,
-                        timeout_s=5.0),
+                        timeout_s=5.0, health_check_period_s=1.0),
               name=APP_NAME, route_prefix="/")
     reference = TestClient(create_app(Settings(index_root=whole, watch_interval_s=0)))
     reference.__enter__()
@@ -133,7 +134,7 @@ def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_ap
     from api_helpers import ADMIN_TOKEN
 
     c, ref, old = ray_app["client"], ray_app["reference"], ray_app["version"]
-    new = reshard(ray_app["root"], SHARDS, activate=False)
+    new = reshard(ray_app["root"], SHARDS, commit=CommitOptions(margin=0.0, activate=False))
     body = {"vector": np.cos(np.arange(16)).tolist(), "k": 5}
     want = ref.post("/v1/search/vector", json=body).json()
     stop, seen, failures, lock = threading.Event(), [], [], threading.Lock()
@@ -213,6 +214,50 @@ def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
         if r.status_code == 200:
             break
         assert r.status_code == 503 and r.json()["shard"] == "shard-001", r.text   # never a partial answer
+        time.sleep(1.0)
+    assert r.status_code == 200, statuses
+    _same(r.json(), want, version)
+
+
+def test_a_shard_that_stays_down_gives_503_naming_it_until_its_files_return(ray_app):
+    """shard-001's files moved out of the store: its health check fails, Serve replaces the replica and every new
+    one fails too, so the shard stays down and every query is 503 `shard_unavailable` naming it (no results, never
+    probabilities over shard-000 alone) for as long as it is down; files back: the same answer as before."""
+    c, ref = ray_app["client"], ray_app["reference"]
+    store = IndexStore(ray_app["root"])
+    version = store.current_version()
+    shard_dir = store.path(version) / "shard-001"
+    away = ray_app["root"].parent / f"away-{version}-shard-001"
+    body = {"vector": np.sin(np.arange(16)).tolist(), "k": 5}
+    want = ref.post("/v1/search/vector", json=body).json()
+    _same(c.post("/v1/search/vector", json=body).json(), want, version)
+    shard_dir.rename(away)
+    try:
+        deadline = time.monotonic() + 90   # the health checks (every 1 s) mark the replica down, Serve replaces it
+        while True:
+            r = c.post("/v1/search/vector", json=body)
+            if r.status_code != 200:
+                break
+            _same(r.json(), want, version)   # the old replica still answered, and rightly
+            assert time.monotonic() < deadline, "shard-001 never went down"
+            time.sleep(0.5)
+        down_since, answers = time.monotonic(), []
+        while time.monotonic() < down_since + 15:   # and it stays down: 503 naming it, every time
+            answers.append(c.post("/v1/search/vector", json=body))
+        for r in [r, *answers]:
+            assert r.status_code == 503, r.text
+            assert r.json()["error"] == "shard_unavailable" and r.json()["shard"] == "shard-001"
+            assert "results" not in r.json() and r.headers["Retry-After"]
+        assert len(answers) >= 2
+    finally:
+        away.rename(shard_dir)
+    deadline, statuses = time.monotonic() + 120, []
+    while time.monotonic() < deadline:   # a replacement now passes its first health check and loads the shard
+        r = c.post("/v1/search/vector", json=body)
+        statuses.append(r.status_code)
+        if r.status_code == 200:
+            break
+        assert r.status_code == 503 and r.json()["shard"] == "shard-001", r.text
         time.sleep(1.0)
     assert r.status_code == 200, statuses
     _same(r.json(), want, version)

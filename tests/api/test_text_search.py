@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.cli import _calibrate_version
+from api.cli import gate_calibrator
 from api.cli import main as cli_main
 from api.client import SoftsearchClient, SoftsearchError
 from api.config import Settings
@@ -38,7 +38,7 @@ def text_store(tmp_path_factory):
     ck = train(config)
     ds = create_dataset("synthetic", split="test", size=80, seed=0)
     root = base / "index"
-    build_index(ck, ds, root, BuildOptions(progress=False, calibrator=_calibrate_version))
+    build_index(ck, ds, root, BuildOptions(progress=False, calibrator=gate_calibrator))
     version = IndexStore(root).load(verify=False, gpu=False)
     return {"root": root, "checkpoint": ck, "version": version, "base": base}
 
@@ -68,7 +68,7 @@ def test_checkpoint_holds_both_towers(text_store):
 def test_manifest_records_calibrated_text_temperature(text_store):
     record = text_store["version"].manifest.extra["text"]
     assert record["exact"] is True and record["temperature"] > 0
-    assert record["model_sha256"] == text_store["version"].manifest.checkpoint_record["sha256"]
+    assert record["model_sha256"] == text_store["version"].manifest.checkpoint_record.sha256
     assert 0 < record["n_queries"] <= 500
 
 
@@ -168,13 +168,14 @@ def test_added_and_deleted_versions_keep_the_text_temperature(tmp_path, text_sto
     import shutil
 
     from index.build import add_items
+    from index.options import EmbedOptions
     from index.sync import delete_items
 
     root = tmp_path / "index"
     shutil.copytree(text_store["root"], root)
     record = text_store["version"].manifest.extra["text"]
     extra = create_dataset("synthetic", split="test", size=90, seed=0)   # 10 new items after the 80
-    added = add_items(root, extra, progress=False)
+    added = add_items(root, extra, embed=EmbedOptions(progress=False))
     store = IndexStore(root)
     assert store.load(added, verify=False, gpu=False).manifest.extra["text"] == record
     gone, _ = delete_items(root, [store.load(added, verify=False, gpu=False).ids[0]])

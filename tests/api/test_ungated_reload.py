@@ -21,14 +21,15 @@ def _vectors(path, seed):
 def test_reload_of_an_ungated_version_is_409_until_the_cli_gates_it(tmp_path, force):
     from api.app import create_app
     from api.config import Settings
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
     from index.cli import main as index_main
     from index.manifest import read_manifest_json, write_manifest
     from index.store import IndexStore
 
     root = tmp_path / "index"
-    v1 = build_from_vectors(_vectors(tmp_path / "a.npy", 0), root, kind="flat", progress=False)
-    v2 = build_from_vectors(_vectors(tmp_path / "b.npy", 1), root, kind="flat", progress=False, activate=False)
+    v1 = build_from_vectors(_vectors(tmp_path / "a.npy", 0), root, BuildOptions(kind="flat", progress=False))
+    v2 = build_from_vectors(_vectors(tmp_path / "b.npy", 1), root,
+                            BuildOptions(kind="flat", progress=False, activate=False))
     store = IndexStore(root)
     manifest = read_manifest_json(store.path(v2))
     del manifest["quality_gate"]                       # as a store written before the gate existed

@@ -14,7 +14,7 @@ N, DIM = 3000, 32
 @pytest.fixture(scope="module")
 def vector_index(tmp_path_factory):
     """{root, emb, tau}: a flat version built from clustered unit vectors (no encoder)."""
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
     from index.store import IndexStore
 
     base = tmp_path_factory.mktemp("vector_fast")
@@ -23,7 +23,7 @@ def vector_index(tmp_path_factory):
     emb = centres[rng.integers(0, 30, N)] + 0.5 * rng.standard_normal((N, DIM))
     emb = (emb / np.linalg.norm(emb, axis=1, keepdims=True)).astype(np.float32)
     np.save(base / "v.npy", emb)
-    build_from_vectors(base / "v.npy", base / "index", kind="flat", force=True, progress=False)
+    build_from_vectors(base / "v.npy", base / "index", BuildOptions(kind="flat", force=True, progress=False))
     version = IndexStore(base / "index").load()
     return {"root": base / "index", "emb": np.asarray(version.embeddings), "tau": version.manifest.temperature}
 

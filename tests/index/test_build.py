@@ -7,10 +7,13 @@ from PIL import Image
 
 from index.build import BuildOptions, QualityGateError, add_items, build_index, rebuild_index
 from index.embed import cache_key, embed_shards, prepare_cache
+from index.options import EmbedOptions
 from index.store import IndexStore, IndexVersion
 from training.checkpoint import checkpoint_sha256, load_checkpoint
 from training.datasets import create_dataset
 from training.encoder import embed
+
+QUIET = EmbedOptions(progress=False)
 
 
 def _reference(checkpoint, dataset) -> np.ndarray:
@@ -41,7 +44,7 @@ def test_build_embeds_indexes_and_describes(tmp_path, tiny_checkpoint, train_ds)
     _, rows = loaded.search(ref[:10], 1)
     np.testing.assert_array_equal(rows[:, 0], np.arange(10))          # every item finds itself
     m = loaded.manifest
-    assert m.checkpoint["sha256"] == checkpoint_sha256(tiny_checkpoint) and m.checkpoint["step"] == 7
+    assert m.checkpoint.sha256 == checkpoint_sha256(tiny_checkpoint) and m.checkpoint.step == 7
     assert m.encoder["embed_dim"] == 16 and m.dim == 16
     assert m.dataset == {"spec": train_ds.spec(), "fingerprint": train_ds.fingerprint()}
     assert m.lineage["objective"] == "infonce" and m.lineage["temperature_schedule"] == "fixed"
@@ -56,7 +59,7 @@ def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, te
     v1 = build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="hnsw", progress=False))
     store = IndexStore(tmp_path)
     old = store.load()
-    v2 = add_items(tmp_path, test_ds, progress=False)
+    v2 = add_items(tmp_path, test_ds, embed=QUIET)
     new = store.load()
     assert store.current_version() == v2 and new.manifest.parent == v1
     assert len(new) == 136 and new.ids == old.ids + test_ds.item_ids()
@@ -67,10 +70,10 @@ def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, te
     assert new.manifest.added == {"count": 40, "duplicates": 0, "skipped": 0}
     assert [s["spec"]["split"] for s in new.manifest.sources] == ["train", "test"]
     with pytest.raises(ValueError, match="already in"):
-        add_items(tmp_path, test_ds, progress=False)
+        add_items(tmp_path, test_ds, embed=QUIET)
     # partly new: only the unseen items are embedded
     more = create_dataset("synthetic", split="test", size=50, seed=0)
-    v3 = add_items(tmp_path, more, progress=False)
+    v3 = add_items(tmp_path, more, embed=QUIET)
     assert store.load(v3).manifest.added == {"count": 10, "duplicates": 40, "skipped": 0}
     assert len(store.load(v3)) == 146
 
@@ -78,12 +81,12 @@ def test_add_appends_without_reembedding(tmp_path, tiny_checkpoint, train_ds, te
 def test_add_refuses_another_checkpoint(tmp_path, tiny_checkpoint, other_checkpoint, train_ds, test_ds):
     build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(progress=False))
     with pytest.raises(ValueError, match="rebuild"):
-        add_items(tmp_path, test_ds, checkpoint=other_checkpoint, progress=False)
+        add_items(tmp_path, test_ds, checkpoint=other_checkpoint, embed=QUIET)
 
 
 def test_rebuild_reembeds_current_corpus(tmp_path, tiny_checkpoint, other_checkpoint, train_ds, test_ds):
     build_index(tiny_checkpoint, train_ds, tmp_path, BuildOptions(kind="ivf-flat", params={"nlist": 2}, progress=False))
-    v2 = add_items(tmp_path, test_ds, progress=False)
+    v2 = add_items(tmp_path, test_ds, embed=QUIET)
     v3 = rebuild_index(tmp_path, other_checkpoint, BuildOptions(progress=False))
     store = IndexStore(tmp_path)
     new = store.load()

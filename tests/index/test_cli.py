@@ -263,14 +263,14 @@ def test_a_version_without_gate_result_is_gated_at_first_activation(tmp_path, ti
 
 
 def test_help_states_the_rules(capsys):
-    from index.cli import _parser
+    from index.cli import build_parser
 
     for argv, needles in ((["build", "--help"], ["--target-recall", "not activated, exit 1", "recorded as forced"]),
                           (["activate", "--help"], ["--force", "recorded as forced", "--notify-timeout", "exit 3"]),
                           (["rollback", "--help"], ["--force", "activation rule"]),
                           (["gc", "--help"], ["--max-age-s", "killed builds"])):
         with pytest.raises(SystemExit):
-            _parser().parse_args(argv)
+            build_parser().parse_args(argv)
         text = " ".join(capsys.readouterr().out.split())
         for needle in needles:
             assert needle in text, (argv, needle)

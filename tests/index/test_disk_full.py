@@ -167,7 +167,7 @@ def test_activate_and_rollback_on_a_full_disk(small_fs, two_versions, capsys):
         assert (f"index version {old} was not activated: " if argv[0] == "activate"
                 else f"the rollback to {old} was not made: ") in line
         _assert_store_intact(root, capsys, new, [old, new])
-        assert IndexStore(root).serving_check(new)["failed"] == []
+        assert IndexStore(root).serving_check(new).failed == ()
     _free_up_to(small_fs, filler, _needed(line))
     assert _run(capsys, "rollback", "--root", str(root))[0] == 0
     assert IndexStore(root).current_version() == old

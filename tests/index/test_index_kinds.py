@@ -66,7 +66,7 @@ def test_builtin_kinds_recognise_their_own_indexes():
 
 
 def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
-    from index.build import build_from_vectors
+    from index.build import BuildOptions, build_from_vectors
     from index.gate import activation_checks
     from index.store import IndexStore
     from search.serving.searcher import Searcher
@@ -76,8 +76,8 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
     np.save(tmp_path / "v.npy", emb)
     root = tmp_path / "index"
     target = 0.9
-    version = build_from_vectors(tmp_path / "v.npy", root, kind=toy_kind.name, target_recall=target,
-                                 progress=False)
+    version = build_from_vectors(tmp_path / "v.npy", root,
+                                 BuildOptions(kind=toy_kind.name, target_recall=target, progress=False))
 
     stored = IndexStore(root)
     assert stored.current_version() == version                       # activated: the gate let it through
@@ -85,9 +85,9 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
     m = loaded.manifest
     assert m.kind == toy_kind.name and isinstance(faiss.downcast_index(loaded.index), faiss.IndexIVFScalarQuantizer)
     assert m.params["nprobe"] == faiss.extract_index_ivf(loaded.index).nprobe      # tuned knob applied on load
-    assert m.recall["param"] == "nprobe" and m.recall["recall"] >= target
+    assert m.recall.param == "nprobe" and m.recall.recall >= target
     checks = activation_checks(m)
-    assert [c["passed"] for c in checks] == [True, True], [c["message"] for c in checks]
+    assert [c.passed for c in checks] == [True, True], [c.message for c in checks]
 
     searcher = Searcher(root, load=True)
     queries = _unit(rng, 50, DIM)

@@ -11,8 +11,9 @@ from index_refs import unit_vectors
 
 from index.build import BuildOptions, add_items, build_index, write_version
 from index.gate import activation_checks, score_check
-from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, _json_default, create_manifest,
+from index.manifest import (MANIFEST_NAME, GateRecord, IndexCorruptError, Manifest, json_default, create_manifest,
                             read_manifest, read_manifest_json, update_manifest, write_manifest)
+from index.options import EmbedOptions
 from index.store import IndexStore
 
 SPEC = {"name": "synthetic", "size": 64, "image_size": 32, "seed": 0, "split": "train"}
@@ -20,7 +21,7 @@ SPEC = {"name": "synthetic", "size": 64, "image_size": 32, "seed": 0, "split": "
 
 def _serialised(manifest: Manifest) -> bytes:
     """What write_manifest stores for `manifest` (the same dumps call)."""
-    return (json.dumps(manifest.to_json(), indent=2, sort_keys=False, default=_json_default) + "\n").encode()
+    return (json.dumps(manifest.to_json(), indent=2, sort_keys=False, default=json_default) + "\n").encode()
 
 
 def _today(**fields) -> dict:
@@ -51,7 +52,7 @@ def test_a_built_manifest_round_trips_byte_for_byte(tmp_path, tiny_checkpoint, t
     exported archives and the files themselves stay valid)."""
     root = tmp_path / "idx"
     v1 = build_index(tiny_checkpoint, tiny_synthetic, root, BuildOptions(progress=False))
-    v2 = add_items(root, tiny_synthetic_test, progress=False)
+    v2 = add_items(root, tiny_synthetic_test, embed=EmbedOptions(progress=False))
     store = IndexStore(root)
     for v in (v1, v2):
         raw = (store.path(v) / MANIFEST_NAME).read_bytes()
@@ -97,7 +98,7 @@ def test_today_layout_is_read_as_written():
     m = Manifest.from_json(copy.deepcopy(data))
     assert m.to_json() == data and list(m.to_json()) == list(data)
     assert m.temperature == 0.07 and m.has_encoder and m.source_specs == [SPEC]
-    assert m.checkpoint_record == data["checkpoint"] and m.quality_gate.recall["served"] == 1.0
+    assert m.checkpoint_record.to_json() == data["checkpoint"] and m.quality_gate.recall.served == 1.0
 
 
 @pytest.mark.parametrize("flat", [
@@ -109,14 +110,14 @@ def test_flat_encoder_reference_becomes_the_checkpoint_record(flat):
     del data["checkpoint"]
     data.update(flat)
     m = Manifest.from_json(data)
-    assert m.checkpoint == {"sha256": "b" * 64, "path": "/runs/a/ck.safetensors"} and m.has_encoder
+    assert m.checkpoint.to_json() == {"sha256": "b" * 64, "path": "/runs/a/ck.safetensors"} and m.has_encoder
     out = m.to_json()
-    assert "checkpoint_path" not in out and "checkpoint_sha256" not in out and out["checkpoint"] == m.checkpoint
+    assert "checkpoint_path" not in out and "checkpoint_sha256" not in out and out["checkpoint"] == m.checkpoint.to_json()
 
 
 def test_vectors_version_names_no_encoder():
     m = Manifest.from_json(_today(checkpoint=None, encoder=None, dataset=None, sources=[]))
-    assert not m.has_encoder and m.checkpoint_record == {"path": None, "sha256": None}
+    assert not m.has_encoder and m.checkpoint_record.path is None and m.checkpoint_record.sha256 is None
     assert m.sources == [] and m.dataset is None and m.to_json()["checkpoint"] is None
 
 
@@ -161,7 +162,7 @@ def test_versions_before_the_gate_and_before_add():
     del data["quality_gate"], data["recall"]
     m = Manifest.from_json(data)
     assert m.quality_gate is None and m.recall is None and m.trained_on is None and m.added is None
-    assert [c["passed"] for c in activation_checks(m)] == [None, None]
+    assert [c.passed for c in activation_checks(m)] == [None, None]
 
 
 def test_gate_record_before_the_rule_with_a_comparison():
@@ -170,20 +171,20 @@ def test_gate_record_before_the_rule_with_a_comparison():
               "passed": False, "ok": False}
     m = Manifest.from_json(_today(quality_gate=legacy))
     gate = m.quality_gate
-    assert gate.score == {"metric": "neg_gap", "candidate": -0.50, "serving": -0.45, "margin": 0.01,
+    assert gate.score.to_json() == {"metric": "neg_gap", "candidate": -0.50, "serving": -0.45, "margin": 0.01,
                           "serving_version": "v0", "passed": False}
     assert gate.extra["ok"] is False and gate.candidate == -0.50
     check = score_check(m)
-    assert check["passed"] is False and "-0.5 < serving -0.45 - margin 0.01" in check["message"]
-    assert check["record"] == gate.to_json()
+    assert check.passed is False and "-0.5 < serving -0.45 - margin 0.01" in check.message
+    assert check.record == gate.to_json()
     passing = Manifest.from_json(_today(quality_gate={**legacy, "candidate": -0.455}))
-    assert score_check(passing)["passed"] is True        # -0.455 >= -0.45 - 0.01
+    assert score_check(passing).passed is True        # -0.455 >= -0.45 - 0.01
 
 
 @pytest.mark.parametrize("verdict", [True, False, None])
 def test_gate_record_before_the_rule_without_a_comparison_keeps_its_verdict(verdict):
     m = Manifest.from_json(_today(quality_gate={"passed": verdict, "note": "first version"}))
-    assert score_check(m)["passed"] is verdict
+    assert score_check(m).passed is verdict
 
 
 def test_gate_that_is_not_a_record_reads_as_none():

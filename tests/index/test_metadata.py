@@ -11,6 +11,7 @@ from PIL import Image
 from index.build import BuildOptions, add_items, build_index
 from index.cli import main
 from index.metadata import (ITEM_METADATA, Metadata, MetadataError, load_user_metadata, read_metadata)
+from index.options import EmbedOptions
 from index.store import IndexStore
 from index.sync import delete_items, sync_index
 from training.datasets import create_dataset
@@ -91,14 +92,14 @@ def test_metadata_follows_items_through_add_sync_delete_and_rebuild(tmp_path, fo
     extra = make_image_folder(tmp_path / "extra", count=1, classes=1, size=40)
     new = next(extra.rglob("*.png"))
     shutil.copy2(new, folder / "class0" / "added.png")
-    v2, counts = sync_index(root, progress=False)
+    v2, counts = sync_index(root, embed=EmbedOptions(progress=False))
     m2 = read_metadata(store.path(v2))
     assert ids[0] not in m2.items and m2.items["class0/added.png"]["class"] == "class0"
     assert "rating" not in m2.items["class0/added.png"] and m2.items[ids[5]]["rating"] == 0
     # sync with only new metadata writes a version with it
     more = tmp_path / "more.csv"
     more.write_text("id,rating\nclass0/added.png,4\n")
-    v3, _ = sync_index(root, progress=False, metadata=load_user_metadata(more))
+    v3, _ = sync_index(root, embed=EmbedOptions(progress=False), metadata=load_user_metadata(more))
     assert v3 != v2 and read_metadata(store.path(v3)).items["class0/added.png"]["rating"] == 4
     # delete: the dropped item's fields go with it
     v4, _ = delete_items(root, [ids[5]])

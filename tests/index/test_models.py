@@ -12,6 +12,7 @@ from index_refs import copy_checkpoint
 
 from index.build import BuildOptions, add_items, build_index, rebuild_index
 from index.manifest import IndexCorruptError, file_sha256
+from index.options import EmbedOptions
 from index.models import load_version_encoder, model_relpath
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
@@ -36,8 +37,8 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
     store = IndexStore(root)
     sha = file_sha256(ck)
     m = store.manifest(v1)
-    assert m.checkpoint["sha256"] == sha and m.checkpoint["model"] == model_relpath(sha)
-    assert m.checkpoint["path"] == str(ck.resolve())          # provenance only
+    assert m.checkpoint.sha256 == sha and m.checkpoint.model == model_relpath(sha)
+    assert m.checkpoint.path == str(ck.resolve())          # provenance only
     assert file_sha256(root / model_relpath(sha)) == sha         # a byte-exact copy
     reference, _ = load_checkpoint(ck)
     shutil.move(run, tmp_path / "moved-away")                   # the training directory is gone
@@ -45,8 +46,8 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
     assert got_sha == sha
     x = items.tensors(np.arange(8))
     np.testing.assert_array_equal(embed(encoder, x, progress=False), embed(reference, x, progress=False))
-    v2 = add_items(root, more_items, progress=False)             # grows without the original checkpoint
-    assert store.manifest(v2).checkpoint["sha256"] == sha and store.models.shas() == [sha]
+    v2 = add_items(root, more_items, embed=EmbedOptions(progress=False))             # grows without the original checkpoint
+    assert store.manifest(v2).checkpoint.sha256 == sha and store.models.shas() == [sha]
 
 
 def test_versions_share_one_model_and_prune_drops_unused_ones(tmp_path, tiny_checkpoint, other_checkpoint, items):
@@ -62,7 +63,7 @@ def test_versions_share_one_model_and_prune_drops_unused_ones(tmp_path, tiny_che
     assert store.prune(2) and store.models.shas() == sorted([first, second])  # grace period: both young
     store.prune(1, model_grace_s=0.0)
     assert store.versions() == [v3] and store.models.shas() == [second]     # only the model v3 uses is left
-    assert store.load().manifest.checkpoint["sha256"] == second
+    assert store.load().manifest.checkpoint.sha256 == second
 
 
 def test_damaged_model_is_refused_or_repaired_from_its_source(tmp_path, tiny_checkpoint, items):

@@ -103,9 +103,9 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     store = IndexStore(root)
     v = store.load()
     m = v.manifest
-    assert m.kind == "ivf-pq" and m.params["rerank"] == m.recall["rerank"] >= 1
+    assert m.kind == "ivf-pq" and m.params["rerank"] == m.recall.rerank >= 1
     assert (v.path / INDEX_FILE).stat().st_size <= budget < data.nbytes
-    assert m.quality_gate.passed and m.quality_gate.recall["served"] >= 0.95
+    assert m.quality_gate.passed and m.quality_gate.recall.served >= 0.95
     queries = clustered_unit(100, 32, seed=9)
     exact = np.argsort(-(queries.astype(np.float64) @ data.T.astype(np.float64)), axis=1, kind="stable")[:, :10]
     _, reranked = fi.search_reranked(v.index, v.embeddings, queries, 10, m.params["rerank"])

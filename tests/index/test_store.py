@@ -52,7 +52,7 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
     # the tuned knob survives the write/read cycle
     m = loaded.manifest
     if kind in ("ivf-flat", "ivf-pq"):
-        assert faiss.extract_index_ivf(loaded.index).nprobe == m.params["nprobe"] == m.recall["value"]
+        assert faiss.extract_index_ivf(loaded.index).nprobe == m.params["nprobe"] == m.recall.value
     if kind == "hnsw":
         assert faiss.downcast_index(loaded.index).hnsw.efSearch == m.params["efSearch"]
     assert loaded.item_ids(rows[0]) == [ids[r] for r in rows[0]]
@@ -70,7 +70,7 @@ def test_manifest_contents(tmp_path):
     for name, info in m.files.items():      # recorded checksums are the real ones
         path = store.path(version) / name
         assert info["sha256"] == file_sha256(path) and info["bytes"] == path.stat().st_size
-    assert m.recall["recall"] == 1.0 and {"build_s", "tune_s", "write_s"} <= set(m.timings)
+    assert m.recall.recall == 1.0 and {"build_s", "tune_s", "write_s"} <= set(m.timings)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from index import faiss_index, stream
-from index.build import add_vectors, build_from_vectors
+from index.build import BuildOptions, add_vectors, build_from_vectors
 from index.list_stats import ListStats
 from index.paging import PagedRows, drop_index_pages, read_rows
 from index.store import IndexStore, IVFDATA_FILE, LIST_STATS_FILE
@@ -170,14 +170,14 @@ def test_streamed_version_serves_moves_and_accepts_additions(tmp_path):
     x = _clustered(5000, 16, seed=6)
     np.save(tmp_path / "x.npy", x)
     root = tmp_path / "store"
-    version = build_from_vectors(tmp_path / "x.npy", root, "ivf-pq", progress=False)
+    version = build_from_vectors(tmp_path / "x.npy", root, BuildOptions(kind="ivf-pq", progress=False))
     store = IndexStore(root)
     loaded = store.load(version, verify=True, gpu=False)
     m = loaded.manifest
     assert m.build["streamed"] and IVFDATA_FILE in m.files and LIST_STATS_FILE in m.files
     assert loaded.ids[:3] == ["0", "1", "2"] and len(loaded.ids) == 5000
     assert faiss_index.on_disk_lists(loaded.index)
-    assert m.quality_gate.passed and m.recall["reached"]
+    assert m.quality_gate.passed and m.recall.reached
     z = unit_rows(open_vectors(tmp_path / "x.npy"))
     q = z[:20]
     served = faiss_index.search_reranked(loaded.index, loaded.embeddings, q, 10, m.params["rerank"])

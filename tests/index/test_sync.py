@@ -13,6 +13,7 @@ import index.build
 from index.build import BuildOptions, build_index
 from index.cli import main
 from index.items import ITEM_FILES
+from index.options import EmbedOptions
 from index.store import IndexStore
 from index.sync import delete_items, sync_index
 from training.datasets import create_dataset
@@ -84,7 +85,7 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
     embedded_ids.clear()
     change = _change(folder, spare, np.random.default_rng(0))
 
-    v2, counts = sync_index(root, progress=False)
+    v2, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert v2 != v1 and store.current_version() == v2
     assert (counts["added"], counts["removed"], counts["modified"], counts["touched"]) == (8, 8, 4, 4)
     assert counts["unchanged"] == N - 8 - 4 - 4 and counts["embedded"] == 12 and counts["skipped"] == 0
@@ -106,7 +107,7 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
     assert synced.manifest.dataset["fingerprint"] == _folder_ds(folder).fingerprint()
 
     embedded_ids.clear()
-    assert sync_index(root, progress=False)[0] == v2 and embedded_ids == []   # in step: nothing to do
+    assert sync_index(root, embed=EmbedOptions(progress=False))[0] == v2 and embedded_ids == []   # in step: nothing to do
     assert store.versions() == [v1, v2]
 
 
@@ -118,14 +119,14 @@ def test_sync_skips_and_reports_bad_files_and_retries_them(tmp_path, folders, ti
     good = victim.read_bytes()
     victim.write_bytes(good[: len(good) // 3])                        # truncated in place
     (folder / "class0" / "notes.png").write_text("this is not an image")
-    version, counts = sync_index(root, progress=False)
+    version, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert counts["modified"] == 1 and counts["added"] == 1 and counts["skipped"] == 2
     m = IndexStore(root).manifest(version)
     assert {s["id"] for s in m.skipped} == {victim.relative_to(folder).as_posix(), "class0/notes.png"}
     assert m.count == N - 1
     victim.write_bytes(good)                                          # repaired: embedded again ("retried")
     embedded_ids.clear()
-    version, counts = sync_index(root, progress=False)
+    version, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert counts["retried"] == 2 and counts["embedded"] == 1 and counts["skipped"] == 1
     assert IndexStore(root).manifest(version).count == N and embedded_ids.count(victim.relative_to(folder).as_posix()) == 1
 
@@ -140,7 +141,7 @@ def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_fo
     (path / ITEM_FILES).unlink()
     (path / "manifest.json").write_text(json.dumps(manifest))
     next(iter(sorted(folder.rglob("*.png")))).unlink()
-    _, counts = sync_index(root, progress=False)
+    _, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert counts["removed"] == 1 and counts["modified"] == counts["unrecorded"] == N - 1 and counts["embedded"] == N - 1
 
 
@@ -186,3 +187,34 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(tmp_path, folders, tiny_checkpoint,
+                                                                                embedded_ids, capsys):
+    """`index sync` on a 3-shard version: the file records survive the reshard, so exactly the added and modified
+    files are embedded; the result is a 3-shard version with a fresh build's ids and rows; a second sync is in step
+    and writes nothing."""
+    from index.shards import ShardedVersion, reshard
+
+    folder, spare = folders
+    root = tmp_path / "index"
+    build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
+    v1 = reshard(root, 3)
+    embedded_ids.clear()
+    change = _change(folder, spare, np.random.default_rng(0))
+    assert main(["sync", "--root", str(root), "--no-progress"]) == 0
+    assert "3 shards" in capsys.readouterr().out
+    assert sorted(embedded_ids) == sorted(change["added"] + change["modified"])
+    store = IndexStore(root)
+    synced = store.load(verify=True)
+    assert isinstance(synced, ShardedVersion) and len(synced.manifest.shards) == 3
+    fresh_root = tmp_path / "fresh"
+    fresh = IndexStore(fresh_root).load(build_index(tiny_checkpoint, _folder_ds(folder), fresh_root,
+                                                    BuildOptions(progress=False)))
+    assert synced.ids == fresh.ids
+    np.testing.assert_allclose(np.asarray(synced.embeddings), fresh.embeddings, atol=1e-6, rtol=0)
+    versions = store.versions()
+    embedded_ids.clear()
+    assert main(["sync", "--root", str(root), "--no-progress"]) == 0
+    assert "already in step" in capsys.readouterr().out and embedded_ids == []
+    assert store.versions() == versions and v1 in versions and len(versions) == 3   # whole, v1, synced

@@ -15,6 +15,7 @@ from index.build import BuildOptions, QualityGateError, build_index
 from index.cli import main
 from index.manifest import file_sha256
 from index.models import load_version_encoder, model_relpath
+from index.options import CommitOptions
 from index.store import LIST_STATS_FILE, IndexStore
 from index.transfer import EXPORT_INDEX, export_version, import_version
 from training.datasets import create_dataset
@@ -52,7 +53,7 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     for field in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(sa, field), getattr(sb, field))
     assert a.manifest == b.manifest
-    sha = a.manifest.checkpoint["sha256"]
+    sha = a.manifest.checkpoint.sha256
     assert dst.models.shas() == [sha] and file_sha256(dst.root / model_relpath(sha)) == sha
     x = items.tensors(np.arange(6))
     enc_a, _, _ = load_version_encoder(a)
@@ -71,7 +72,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
         return {"metric": "score", "candidate": 0.1, "serving": 0.9}
 
     with pytest.raises(QualityGateError):
-        import_version(root, exported["archive"], evaluator=worse)
+        import_version(root, exported["archive"], commit=CommitOptions(evaluator=worse))
     assert store.current_version() == serving and exported["version"] in store.versions()
     assert store.manifest(exported["version"]).quality_gate.passed is False
 
@@ -82,7 +83,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
         raise FileNotFoundError("image folder /elsewhere not found")
 
     with pytest.raises(QualityGateError, match="cannot score this version here: .*elsewhere.* did not activate it"):
-        import_version(root2, exported["archive"], evaluator=unavailable)
+        import_version(root2, exported["archive"], commit=CommitOptions(evaluator=unavailable))
     store2 = IndexStore(root2)
     assert store2.current_version() != exported["version"]
     assert store2.manifest(exported["version"]).quality_gate.passed is False   # 'activate' needs --force
@@ -91,7 +92,7 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
 
     root3 = tmp_path / "serving3"
     build_index(other_checkpoint, items, root3, BuildOptions(progress=False))
-    import_version(root3, exported["archive"], evaluator=unavailable, force=True)
+    import_version(root3, exported["archive"], commit=CommitOptions(evaluator=unavailable, force=True))
     assert IndexStore(root3).current_version() == exported["version"]
 
 
@@ -104,7 +105,7 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     serving = build_index(other_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     version = exported["version"]
-    assert import_version(root, exported["archive"], activate=False) == (version, False)
+    assert import_version(root, exported["archive"], commit=CommitOptions(activate=False)) == (version, False)
     assert store.current_version() == serving and version in store.versions()
     capsys.readouterr()
     assert main(["import", str(exported["archive"]), "--root", str(root), "--no-activate"]) == 0
@@ -124,9 +125,9 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     def worse(candidate, current):
         return {"metric": "score", "candidate": 0.1, "serving": 0.9}
 
-    import_version(root2, exported["archive"], evaluator=worse, activate=False)
+    import_version(root2, exported["archive"], commit=CommitOptions(evaluator=worse, activate=False))
     with pytest.raises(QualityGateError):
-        import_version(root2, exported["archive"], evaluator=worse)
+        import_version(root2, exported["archive"], commit=CommitOptions(evaluator=worse))
     assert main(["import", str(exported["archive"]), "--root", str(root2)]) == 1
     assert IndexStore(root2).current_version() == serving2
     assert main(["import", str(exported["archive"]), "--root", str(root2), "--force"]) == 0
@@ -350,7 +351,7 @@ def test_gzip_bomb_stated_small_writes_nothing(tmp_path, exported):
 def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, exported):
     """The streaming guard itself: a member whose data runs past what the export index states is cut
     off at that size, not written out (here a 2 GiB bomb stated as 1 MiB, past the header check)."""
-    from index.transfer import _extract
+    from index.transfer import extract_member
     ids = f"versions/{exported['version']}/ids.json"
     bomb = tmp_path / "bomb.tar.gz"
     _gzip_bomb(bomb, _members(exported["archive"]), ids, 2 << 30)
@@ -358,7 +359,7 @@ def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, expor
     with tarfile.open(bomb, "r:gz") as tar:
         member = next(m for m in tar if m.name == ids)
         with pytest.raises(ValueError, match="larger than the 1048576 bytes its export index states"):
-            _extract(tar, member, {"bytes": 1 << 20, "sha256": "0" * 64}, target)
+            extract_member(tar, member, {"bytes": 1 << 20, "sha256": "0" * 64}, target)
     assert target.stat().st_size <= 1 << 20
 
 
@@ -396,9 +397,9 @@ def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_
 
 
 def test_default_import_limit_is_the_documented_one():
-    from index.cli import _parser, parse_bytes
+    from index.cli import build_parser, parse_bytes
     from index.transfer import DEFAULT_MAX_IMPORT_BYTES
-    args = _parser().parse_args(["import", "a.tar"])
+    args = build_parser().parse_args(["import", "a.tar"])
     assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2 ** 30
 
 
@@ -467,9 +468,9 @@ def test_compression_ratio_is_limited_before_anything_is_written(tmp_path, expor
 
 
 def test_default_ratio_limit_is_the_documented_one():
-    from index.cli import _parser
+    from index.cli import build_parser
     from index.transfer import DEFAULT_MAX_RATIO
-    args = _parser().parse_args(["import", "a.tar"])
+    args = build_parser().parse_args(["import", "a.tar"])
     assert args.max_ratio == DEFAULT_MAX_RATIO == 20
-    help_text = _parser()._subparsers._group_actions[0].choices["import"].format_help()
+    help_text = build_parser()._subparsers._group_actions[0].choices["import"].format_help()
     assert "--max-ratio" in help_text and "default 20" in help_text

@@ -172,7 +172,7 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
         hits += len(set(served) & set(exact))
     assert got["recall"] == pytest.approx(hits / (10 * len(rows)), abs=1e-9)
     recorded = v.manifest.quality_gate.recall
-    assert recorded["measured_on"].startswith("1000 held-out stored rows")
+    assert recorded.measured_on.startswith("1000 held-out stored rows")
 
 
 def test_cli_add_vectors_extends_the_version(tmp_path, capsys):

@@ -19,7 +19,7 @@ from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, thumbnail
 from search.duplicates.edits import EDITS, edited_copy
-from search.duplicates.model import NAMES, fit_model, threshold_for_precision
+from search.duplicates.model import NAMES, SIGN, fit_model, threshold_for_precision
 from search.duplicates.scan import groups_of, scan_collection
 from training.images import load_rgb
 
@@ -106,30 +106,38 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]   # another picture: low correlation, more unexplained colour
 
 
-def test_em_recovers_the_share_and_the_posterior_of_a_known_mixture():
-    """Positives and negatives from two Gaussians with one covariance (the log likelihood ratio is linear,
-    inside the model); unlabelled = a 7 % mixture. The fitted share and each unlabelled pair's probability
-    are compared with the exact values computed from the generating densities."""
+def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture():
+    """Positives and negatives from two Gaussians with one covariance, the positives' mean far along every
+    feature's "more alike" direction (the pairs most like copies are copies: the estimate's assumption);
+    unlabelled = a 7 % mixture. The fitted share and each unlabelled pair's probability are compared with the
+    exact values computed from the generating densities (measured: share 0.067 against 0.070, mean |error| of
+    the posterior 0.007)."""
     rng = np.random.default_rng(0)
     d = len(NAMES)
-    mu_pos, mu_neg = np.full(d, 1.2), np.zeros(d)
+    mu_pos, mu_neg = 4.0 * SIGN, np.zeros(d)
     pos = rng.normal(mu_pos, 1.0, (600, d))
     u_is_dup = rng.random(4000) < 0.07
     unl = np.where(u_is_dup[:, None], rng.normal(mu_pos, 1.0, (4000, d)), rng.normal(mu_neg, 1.0, (4000, d)))
-    model = fit_model(pos, unl, l2=1e-4, max_share=0.5, steps=200)
-    assert model.share == pytest.approx(u_is_dup.mean(), abs=0.015) and not model.bound
+    model = fit_model(pos, unl, l2=1e-4, max_share=0.5, quantile=DedupConfig().quantile)
+    assert model.share == pytest.approx(u_is_dup.mean(), rel=0.25) and not model.bound
     log_lr = unl @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
     exact = expit(log_lr + np.log(0.07 / 0.93))
-    assert np.mean(np.abs(model.probability(unl) - exact)) < 0.03
+    assert np.mean(np.abs(model.probability(unl) - exact)) < 0.02
+    # monotone: moving any pair further along every "more alike" direction never lowers its probability
+    p0 = model.probability(unl)
+    for j in range(d):
+        moved = unl.copy()
+        moved[:, j] += 0.5 * SIGN[j]
+        assert (model.probability(moved) >= p0 - 1e-12).all()
 
 
 def test_a_share_at_its_bound_is_reported():
     """Unlabelled pairs that are mostly like the copies (80 %) drive the share to the bound, and the fit says so."""
     rng = np.random.default_rng(1)
     d = len(NAMES)
-    pos = rng.normal(2.0, 1, (300, d))
-    unl = np.where(rng.random(600)[:, None] < 0.8, rng.normal(2.0, 1, (600, d)), rng.normal(0, 1, (600, d)))
-    model = fit_model(pos, unl, l2=1e-4, max_share=0.3, steps=50)
+    pos = rng.normal(2.0 * SIGN, 1, (300, d))
+    unl = np.where(rng.random(600)[:, None] < 0.8, rng.normal(2.0 * SIGN, 1, (600, d)), rng.normal(0, 1, (600, d)))
+    model = fit_model(pos, unl, l2=1e-4, max_share=0.3, quantile=0.9)
     assert model.share == pytest.approx(0.3) and "bound" in model.bound and "--threshold" in model.bound
 
 
@@ -209,3 +217,20 @@ def test_mirrored_copies_match_only_with_flips():
     flips = pair_features(grey, a, b, colours=col, flips=True)
     assert (flips[:n, 0] > 0.97).all() and (plain[:n, 0] < 0.8).all()
     assert (flips[n:, 0] < 0.8).all()
+
+
+@pytest.mark.slow
+def test_mirrored_copies_are_found_with_flips_and_the_share_does_not_drain():
+    """75 generated pictures and 15 mirrored JPEG copies (more alike than the synthetic copies, which carry one to
+    three edits): the replaced EM fit drained to a zero share here and kept none; the monotone fit keeps them."""
+    originals = _generated(75, 31)
+    rng = np.random.default_rng(5)
+    sources, planted = list(originals), set()
+    for i in rng.choice(75, 15, replace=False):
+        data, _ = edited_copy(Image.open(io.BytesIO(originals[i])), rng, edits=("jpeg",), flip=True)
+        sources.append(data)
+        planted.add(frozenset((int(i), len(sources) - 1)))
+    scan = scan_collection(lambda r: sources[r], len(sources), DedupConfig(calibration_items=200, flips=True),
+                           progress=False)
+    precision, recall = _pr(scan, planted)
+    assert scan.model.share > 0.01 and recall >= 0.8 and precision >= 0.9

@@ -122,7 +122,7 @@ def test_ideal_topk_matches_sorting():
 def test_top_k_by_partition_equals_the_stable_argsort():
     """ideal_topk's selection: the first k of a stable descending argsort, ties (many, and -inf)
     kept in column order, also when the tie straddles the cut."""
-    from search.evaluation.metrics import _top_k_stable
+    from search.evaluation.metrics import top_k_stable
 
     rng = np.random.default_rng(3)
     for trial in range(300):
@@ -131,4 +131,4 @@ def test_top_k_by_partition_equals_the_stable_argsort():
         v = rng.integers(0, int(rng.integers(1, 8)), size=(b, n)).astype(np.float64)
         if trial % 3 == 0:
             v[rng.random(v.shape) < 0.3] = -np.inf
-        np.testing.assert_array_equal(_top_k_stable(v, k), np.argsort(-v, axis=1, kind="stable")[:, :k])
+        np.testing.assert_array_equal(top_k_stable(v, k), np.argsort(-v, axis=1, kind="stable")[:, :k])

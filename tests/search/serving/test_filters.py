@@ -125,7 +125,7 @@ def _true_depth(value) -> int:
 def test_the_text_depth_is_the_decoded_depth():
     """The bracket count run before json.loads agrees with the depth of what json.loads returns, strings
     (brackets and escaped quotes inside them) left out."""
-    from search.serving.filters import _depth, _text_depth
+    from search.serving.filters import filter_depth, text_depth
     rng = np.random.default_rng(3)
 
     def random_json(level):
@@ -139,7 +139,7 @@ def test_the_text_depth_is_the_decoded_depth():
     for _ in range(300):
         value = random_json(0)
         text = __import__("json").dumps(value)
-        assert _text_depth(text) == _true_depth(value) == _depth(value), text
+        assert text_depth(text) == _true_depth(value) == filter_depth(value), text
 
 
 @pytest.mark.parametrize("spec, needle", [

@@ -92,14 +92,14 @@ def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
     x, mm = mapped
     rows = np.sort(np.random.default_rng(2).choice(N, 3000, replace=False))
     seen = []
-    real = normaliser._release_bytes
+    real = normaliser.release_bytes
 
     def watched(emb, lo, hi):
         seen.append(mapping_rss(emb))
         return real(emb, lo, hi)
 
     release_pages(mm)
-    monkeypatch.setattr(normaliser, "_release_bytes", watched)
+    monkeypatch.setattr(normaliser, "release_bytes", watched)
     span = 2 << 20                                                            # 2 MiB stretches of an 8 MiB file
     got = normaliser._gather(mm, rows, release=True, span_bytes=span)
     np.testing.assert_array_equal(got, x[rows])

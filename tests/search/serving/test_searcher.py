@@ -199,7 +199,7 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     # the store holds its own copy of the weights: overwriting the training checkpoint changes nothing
     store = IndexStore(root)
     store.activate(v2)
-    sha_b = store.manifest(v2).checkpoint["sha256"]
+    sha_b = store.manifest(v2).checkpoint.sha256
     _checkpoint(store_setup["ck_b"], seed=99)  # overwrite ck_b with different weights
     assert searcher.reload().version == v2
     assert [h.id for h in searcher.search_images(img, 1)[0]] == [h.id for h in new.search(new.encode(img), 1)[0]]
@@ -375,7 +375,7 @@ def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, r
     build_index(store_setup["ck_a"], store_setup["ds"], root, BuildOptions(kind="ivf-pq", params={"nlist": 4, "m": 4},
                                                                            progress=False, force=True))
     snap = Searcher(root, load=True).snapshot()
-    assert snap.rerank == snap.manifest.params["rerank"] == snap.manifest.recall["rerank"] >= 1
+    assert snap.rerank == snap.manifest.params["rerank"] == snap.manifest.recall.rerank >= 1
     emb = np.asarray(snap.index.embeddings)
     q = rng.normal(size=(40, snap.dim)).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)

@@ -1,5 +1,7 @@
-"""Headless matplotlib for the report's plots: one place that picks the Agg backend and turns a figure
-into PNG bytes (the report inlines them as base64, so nothing is written next to it)."""
+"""Headless matplotlib for every page with plots (the evaluation report, the duplicates page): one place
+that picks the Agg backend and turns a figure into PNG bytes (pages inline them as base64, so nothing is
+written next to them). Neutral ground: search.evaluation and search.duplicates both import it, neither
+imports the other."""
 
 from __future__ import annotations
 
