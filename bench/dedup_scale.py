@@ -70,6 +70,7 @@ def child(n: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
+    ap.add_argument("--name", default="dedup_scale", help="results file name (bench/results/NAME.json)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                  row(f"{n} images: peak RSS", res["peak_rss_mib"], "MiB", None),
                  row(f"{n} images: planted copies found", res["planted_found"], "ratio", None),
                  row(f"{n} images: pairs kept", float(res["pairs_kept"]), "pairs", None)]
-    write_results("dedup_scale", rows, machine_note=f"load {os.getloadavg()[0]:.1f}")
+    write_results(args.name, rows, machine_note=f"load {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -143,7 +143,18 @@ def main() -> None:
     p.add_argument("--build-size", type=int, default=2048,
                    help="synthetic images of the build comparison (plain vs --engine ray, 2 shards); 0: skip")
     p.add_argument("--build-batch", type=int, default=256)
+    p.add_argument("--build-only", action="store_true",
+                   help="only the build comparison (on a local Ray), written to bench/results/shards_build.json")
     args = p.parse_args()
+    if args.build_only:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with tempfile.TemporaryDirectory(prefix="bench-shards-build-") as tmp:
+            rows = ray_build(Path(tmp), args.build_size, 2, args.build_batch)
+        ray.shutdown()
+        write_results("shards_build", rows, machine_note=f"load average {os.getloadavg()[0]:.1f} at the end")
+        return
     rng = np.random.default_rng(1)
     bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(64, args.dim))]
     results: dict[str, dict] = {}
@@ -161,13 +172,13 @@ def main() -> None:
         small = make_store(tmp / "small", args.overhead_size, args.dim)
         small_1 = sharded_copy(small, tmp / "small-1", 1)
         small_bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(args.overhead_queries, args.dim))]
-        with serve_process(small) as server:
+        with serve_process(small, "--normaliser", "exact") as server:
             small_ref = answers(server.url, small_bodies[:32])
             answers(server.url, small_bodies[:32])   # warm-up
             overhead = {"whole": sequential(server.url, small_bodies)}
         ref = None
         for name, root in [("whole", whole), ("local-2", roots["local-2"]), ("local-4", roots["local-4"])]:
-            with serve_process(root) as server:
+            with serve_process(root, "--normaliser", "exact") as server:
                 got = answers(server.url, bodies)
                 ref = ref or got
                 check_equal(got, ref, name)
@@ -184,7 +195,8 @@ def main() -> None:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             url = f"http://127.0.0.1:{port}"
-            serve.run(build_app({"index_root": str(small_1), "watch_interval_s": 0, "torch_threads": 1}, 1),
+            serve.run(build_app({"index_root": str(small_1), "watch_interval_s": 0, "torch_threads": 1,
+                                "normaliser": "exact"}, 1),
                       name=APP_NAME, route_prefix="/")
             check_equal(answers(url, small_bodies[:32]), small_ref, "overhead ray-1")
             answers(url, small_bodies[:32])
@@ -192,7 +204,8 @@ def main() -> None:
             serve.delete(APP_NAME)
             for name, root, shards in [("ray-1", roots["ray-1"], 1), ("ray-2", roots["local-2"], 2),
                                        ("ray-4", roots["local-4"], 4)]:
-                serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "torch_threads": 1}, shards),
+                serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "torch_threads": 1,
+                                    "normaliser": "exact"}, shards),
                           name=APP_NAME, route_prefix="/")
                 check_equal(answers(url, bodies), ref, name)
                 load(url, bodies, args.clients, 1.0)

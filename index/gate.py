@@ -43,7 +43,6 @@ GATE_QUERIES = 1000
 GATE_SEED = 1
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ScoreCheck:
     """The quality-gate half of the rule (`score_check`): the recorded comparison with the serving version."""

@@ -22,11 +22,11 @@ import numpy as np
 from scipy.special import expit
 
 from search.duplicates.align import FEATURES
+from search.duplicates.config import DedupConfig
 
 NAMES = (*FEATURES, "descriptor")
 # +1: larger is more alike (correlations, coverage, cosine); -1: smaller is (stretch, unexplained colour)
 SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
-SEGMENTS = 8       # pieces of each feature's monotone function, at quantiles of the pooled pairs
 MIN_SHARE = 1e-6
 
 
@@ -39,7 +39,7 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
                             z(np.asarray(cosine, np.float64))])
 
 
-def knots_of(x: np.ndarray, segments: int = SEGMENTS) -> list[np.ndarray]:
+def knots_of(x: np.ndarray, segments: int) -> list[np.ndarray]:
     """Per feature, the increasing knots of its piecewise-linear function (quantiles of the signed values;
     a feature with a single value gets no piece)."""
     sx = np.asarray(x, np.float64) * SIGN
@@ -140,12 +140,12 @@ def _fit_balanced(bp, bu, wu, l2, start=None):
 
 
 def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, quantile: float,
-              threshold: float = 0.5) -> DuplicateModel:
+              threshold: float = 0.5, segments: int = DedupConfig.segments) -> DuplicateModel:
     """The positive-unlabelled fit of the module docstring; positives and unlabelled are `design` rows."""
     if len(positives) < 4 or len(unlabelled) < 4:
         raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
                          f"{len(unlabelled)}")
-    knots = knots_of(np.vstack([positives, unlabelled]))
+    knots = knots_of(np.vstack([positives, unlabelled]), segments)
     xp, xu = basis(positives, knots), basis(unlabelled, knots)
     ones = np.ones(len(xu))
     coef = _fit_balanced(xp, xu, ones, l2)

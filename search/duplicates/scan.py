@@ -183,6 +183,7 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     t["copies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, quantile=config.quantile,
+                      segments=config.segments,
                       threshold=config.threshold)
     p = model.probability(x)
     t["fit"] = time.perf_counter() - t0

@@ -64,7 +64,7 @@ def test_ray_build_equals_the_single_process_build(tmp_path, tiny_checkpoint):
         assert [e["offset"] for e in m.shards] == list(np.cumsum([0] + [e["count"] for e in m.shards[:-1]]))
         assert got.ids == ref.ids
         np.testing.assert_allclose(np.asarray(got.embeddings), ref_emb, atol=1e-6, rtol=0)
-        assert m.to_json()["build"]["engine"] == "ray" and m.checkpoint_record["sha256"] == ref.manifest.checkpoint_record["sha256"]
+        assert m.to_json()["build"]["engine"] == "ray" and m.checkpoint_record.sha256 == ref.manifest.checkpoint_record.sha256
         for entry, shard in zip(m.shards, got.shards):   # each shard a complete version of its own rows
             assert shard.manifest.to_json()["shard"]["offset"] == entry["offset"] and len(shard.ids) == entry["count"]
         gate = m.quality_gate   # scored on the same held-out queries as the plain version it replaced: equal
@@ -74,7 +74,7 @@ def test_ray_build_equals_the_single_process_build(tmp_path, tiny_checkpoint):
         assert m.search_temperature == pytest.approx(ref.manifest.search_temperature, rel=1e-4)
         assert m.search_temperature_source == ref.manifest.search_temperature_source
     assert all(s.manifest.to_json()["build"]["streamed"] for s in IndexStore(ivf).load().shards)
-    assert IndexStore(ivf).manifest(IndexStore(ivf).current_version()).recall["recall"] >= 0.95
+    assert IndexStore(ivf).manifest(IndexStore(ivf).current_version()).recall.recall >= 0.95
 
     rng = np.random.default_rng(3)
     clients = [TestClient(create_app(Settings(index_root=r, watch_interval_s=0))) for r in (plain, flat, ivf)]
