@@ -49,33 +49,35 @@ COLLECTIONS = {
 
 # config name -> (layout, changes to configs/folder.toml). "flat": no class folders; "classes": with them.
 # Keys with a dot set inside a table (generator_options.crop_scale); None deletes the key.
+PIXELS = {"generator_options.space": None, "generator_options.refresh_every": None}   # pixel neighbours
+INSTANCE = {"generator_options.k": None, **PIXELS}                                     # no neighbours at all
 CONFIGS: dict[str, tuple[str, dict]] = {
     "shipped": ("flat", {}),
     "shipped-classes": ("classes", {}),
-    "neighbour": ("flat", {"generator": "neighbour"}),
-    "instance": ("flat", {"generator": "instance", "generator_options.k": None}),
-    "instance-crop02": ("flat", {"generator": "instance", "generator_options.k": None,
+    "neighbour": ("flat", {"generator": "neighbour", **PIXELS}),
+    "instance": ("flat", {"generator": "instance", **INSTANCE}),
+    "instance-crop02": ("flat", {"generator": "instance", **INSTANCE,
                                  "generator_options.crop_scale": [0.2, 1.0]}),
-    "instance-strong": ("flat", {"generator": "instance", "generator_options.k": None,
+    "instance-strong": ("flat", {"generator": "instance", **INSTANCE,
                                  "generator_options.crop_scale": [0.2, 1.0],
                                  "generator_options.brightness": 0.4, "generator_options.contrast": 0.4}),
-    "neighbour-k1": ("flat", {"generator": "neighbour", "generator_options.k": 1}),
-    "neighbour-k20": ("flat", {"generator": "neighbour", "generator_options.k": 20}),
-    "instance-tau01": ("flat", {"generator": "instance", "generator_options.k": None,
+    "neighbour-k1": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 1}),
+    "neighbour-k20": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 20}),
+    "instance-tau01": ("flat", {"generator": "instance", **INSTANCE,
                                 "schedule_options.tau": 0.1}),
-    "instance-tau05": ("flat", {"generator": "instance", "generator_options.k": None,
+    "instance-tau05": ("flat", {"generator": "instance", **INSTANCE,
                                 "schedule_options.tau": 0.5}),
-    "instance-64px": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.image_size": 64}),
-    "instance-vit": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.layers": 4,
+    "instance-64px": ("flat", {"generator": "instance", **INSTANCE, "encoder.image_size": 64}),
+    "instance-vit": ("flat", {"generator": "instance", **INSTANCE, "encoder.layers": 4,
                               "encoder.width": 64, "encoder.patch_size": 4}),
-    "instance-wide": ("flat", {"generator": "instance", "generator_options.k": None, "encoder.width": 64}),
-    "instance-200steps": ("flat", {"generator": "instance", "generator_options.k": None, "steps": 200,
+    "instance-wide": ("flat", {"generator": "instance", **INSTANCE, "encoder.width": 64}),
+    "instance-200steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 200,
                                    "warmup_steps": 20}),
-    "instance-800steps": ("flat", {"generator": "instance", "generator_options.k": None, "steps": 800,
+    "instance-800steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 800,
                                    "warmup_steps": 80}),
     "encnb": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                        "generator_options.refresh_every": 50}),
-    "neighbour-mild": ("flat", {"generator": "neighbour", "generator_options.crop_scale": [0.8, 1.0],
+    "neighbour-mild": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.crop_scale": [0.8, 1.0],
                                 "generator_options.translate": 0.05}),
     "encnb-mild": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
                             "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.8, 1.0],
@@ -83,7 +85,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "bothnb": ("flat", {"generator": "neighbour", "generator_options.space": "both",
                         "generator_options.refresh_every": 50}),
     "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
-    "simclr": ("flat", {"generator": "instance", "generator_options.k": None,
+    "simclr": ("flat", {"generator": "instance", **INSTANCE,
                         "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
                         "generator_options.contrast": 0.4, "generator_options.saturation": 0.4,
                         "generator_options.grey_p": 0.2, "generator_options.blur_p": 0.3,
@@ -209,13 +211,50 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False, sc
     tmp.write_text(json.dumps(res, indent=1) + "\n")
     tmp.rename(out_json)
     if not keep:
-        for f in ("state.pt", "train_state.pt"):
+        for f in ("train_state.safetensors",):
             (run_dir / f).unlink(missing_ok=True)
     p = res["precision"]
     print(f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
           f"(vs pixels {res['trained_vs_pixels']['mean']:+.3f} [{res['trained_vs_pixels']['low']:+.3f}, "
           f"{res['trained_vs_pixels']['high']:+.3f}]) {train_s:.0f} s wall, {cpu_s:.0f} s cpu", flush=True)
     return out_json
+
+
+TOWERS = {   # untrained towers: what the architecture's pooling alone buys over pixels
+    "resnet-w32-32px": dict(image_size=32, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w64-32px": dict(image_size=32, embed_dim=128, width=64, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w32-64px": dict(image_size=64, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
+    "resnet-w32-d2-32px": dict(image_size=32, embed_dim=128, width=32, layers=(2, 2, 2, 2), heads=4),
+    "vit-w64-d4-p4-32px": dict(image_size=32, embed_dim=128, width=64, layers=4, heads=4, patch_size=4),
+    "vit-w64-d2-p8-64px": dict(image_size=64, embed_dim=128, width=64, layers=2, heads=4, patch_size=8),
+}
+
+
+def towers(collections: list[str], split_seed: int = 0, init_seeds=(0, 1)) -> int:
+    """Untrained towers vs pixels on the seed-0 split (no training): bench/results/ablate_folder_towers.json."""
+    import torch
+
+    from training.checkpoint import save_checkpoint
+    from training.encoder import EncoderConfig, create_encoder
+
+    torch.set_num_threads(THREADS)
+    rows = []
+    for coll in collections:
+        classes, _ = split_collection(coll, split_seed)
+        for name, kw in TOWERS.items():
+            for seed in init_seeds:
+                torch.manual_seed(seed)
+                path = WORK / "towers" / f"{name}-{seed}.safetensors"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                save_checkpoint(path, create_encoder(EncoderConfig(**kw)), step=0, train_config={}, lineage={},
+                                metrics={})
+                r = evaluate({"trained": path, "init": path}, classes, kw["image_size"], WORK / "cache")
+                d = r["trained_vs_pixels"]
+                rows.append(row(f"{coll} {name} init seed {seed} p@10 (tower - pixels {d['mean']:+.3f} "
+                                f"[{d['low']:+.3f}, {d['high']:+.3f}])", r["precision"]["trained"]["p@10"], "p@10",
+                                r["precision"]["pixels"]["p@10"]))
+    write_results("ablate_folder_towers", rows)
+    return 0
 
 
 def summary() -> int:
@@ -245,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="neighbour,instance")
     p.add_argument("--seeds", default="0")
     p.add_argument("--summary", action="store_true")
+    p.add_argument("--towers", action="store_true", help="untrained towers vs pixels only (no training)")
     p.add_argument("--keep", action="store_true", help="keep the resume state of each run")
     p.add_argument("--screen", action="store_true",
                    help="the cheap scale: 150 steps of batch 64 (runs tagged 'screen'), to rank configs")
@@ -252,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.summary:
         return summary()
+    if args.towers:
+        return towers(args.collections.split(","))
     for seed in [int(s) for s in args.seeds.split(",")]:
         for cfg in args.configs.split(","):
             for coll in args.collections.split(","):

@@ -223,3 +223,23 @@ def test_encoder_space_neighbours_follow_the_encoder(tmp_path, monkeypatch):
     info = json.loads((tmp_path / "config.json").read_text())
     assert info["generator_options"]["space"] == "encoder"
     assert isinstance(generators.create_generator("neighbour", **info["generator_options"]), generators.NeighbourGenerator)
+
+
+def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
+    """configs/folder.toml on a flat folder (no class subfolders): generator auto -> the neighbour
+    generator in the encoder's space, as the checkpoint's lineage records."""
+    from PIL import Image
+
+    img = tmp_path / "img"
+    img.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(img / f"{i:02d}.png")
+    cfg = load_train_config(ROOT / "configs" / "folder.toml", [
+        f'data_root="{img}"', f'out_dir="{tmp_path / "run"}"', "steps=3", "batch_size=8", "warmup_steps=1",
+        "num_workers=0", "cache_workers=1", "progress=false", f'cache_dir="{tmp_path / "cache"}"',
+        "checkpoint_every=1000", "device=\"cpu\""])
+    ckpt = train(cfg)
+    gen = read_checkpoint_metadata(ckpt)["lineage"]["generator"]
+    assert gen["name"] == "neighbour" and gen["options"]["space"] == "encoder"
+    assert gen["options"]["refresh_every"] == cfg.generator_options["refresh_every"] > 0
