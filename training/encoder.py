@@ -239,7 +239,7 @@ class Encoder(nn.Module):
         self.clip_temperature = tower.temperature
         from open_clip.modified_resnet import ModifiedResNet
         # convolutional towers run faster on CPU from channels-last input (oneDNN's NHWC kernels; same
-        # outputs; docs/results.md §22); a ViT's patch embedding is slower that way
+        # outputs; docs/results.md §23); a ViT's patch embedding is slower that way
         self.prefers_channels_last = isinstance(self.tower, ModifiedResNet)
         # x' = x * (0.5 / std) + (0.5 - mean) / std maps the project's (p - 0.5) / 0.5 to (p - mean) / std
         std = torch.tensor(config.image_std, dtype=torch.float32).view(1, 3, 1, 1)

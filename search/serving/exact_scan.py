@@ -20,7 +20,7 @@ from index.paging import release_pages, releasable
 __all__ = ["SCAN_BLOCK", "ScanResult", "ExactScanner"]
 
 #: Query rows of the product at least (2-3 are padded with zero rows): a pass for 4 rows costs less
-#: CPU than one for 2 (docs/results.md §22).
+#: CPU than one for 2 (docs/results.md §23).
 MIN_PRODUCT_ROWS = 4
 #: Embedding rows per score block: (Q, SCAN_BLOCK) float32 + float64 scores, ~3 MB at Q = 32.
 SCAN_BLOCK = 8192

@@ -3,7 +3,7 @@ each checked against eager.
 
 A small tower answering one query spends most of its forward in per-operator dispatch, not in
 arithmetic (the default ViT: ~60 operators of 64 tokens x 64 channels), which ONNX Runtime's fused
-kernels and a frozen TorchScript graph cut (figures: docs/results.md §22). `optimize_for_inference`
+kernels and a frozen TorchScript graph cut (figures: docs/results.md §23). `optimize_for_inference`
 (MKL-DNN convolutions) is not used: it is slower for one image, the case that sets single-request
 latency.
 
