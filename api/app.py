@@ -3,6 +3,7 @@
 Every error is JSON `{"error": code, "detail": message}`: HTTP errors, validation errors
 (422; malformed JSON is 400), not-ready (503), and the catch-all 500 (logged).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,8 +29,8 @@ from api.deps import ApiError
 from api.metrics import Metrics, MetricsMiddleware
 from api.openapi import install_served_openapi
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
-from api.timeouts import BodyTimeoutMiddleware
 from api.routes import admin, duplicates, health, index, items, search, text, web
+from api.timeouts import BodyTimeoutMiddleware
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import NotReadyError, Searcher
 
@@ -39,10 +40,19 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 #: Room for multipart boundaries and form fields on top of the image itself.
 BODY_OVERHEAD_BYTES = 64 * 1024
 
-_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                 405: "method_not_allowed", 409: "conflict", 413: "payload_too_large",
-                 415: "unsupported_media_type", 422: "validation_error", 429: "rate_limited",
-                 503: "not_ready"}
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "validation_error",
+    429: "rate_limited",
+    503: "not_ready",
+}
 
 
 def _error(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
@@ -66,8 +76,11 @@ class BodySizeLimitMiddleware:
             except ValueError:
                 too_big = False
             if too_big:
-                await _error(413, "upload_too_large",
-                             f"request body is {int(declared)} bytes, limit is {self.limit} bytes")(scope, receive, send)
+                await _error(
+                    413,
+                    "upload_too_large",
+                    f"request body is {int(declared)} bytes, limit is {self.limit} bytes",
+                )(scope, receive, send)
                 return
         seen = 0
 
@@ -108,7 +121,9 @@ class UnhandledErrorMiddleware:
             if started:
                 raise
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
-            await _error(500, "internal_error", f"internal error ({type(exc).__name__})")(scope, receive, send)
+            await _error(500, "internal_error", f"internal error ({type(exc).__name__})")(
+                scope, receive, send
+            )
 
 
 def _validation_detail(errors: list[dict]) -> str:
@@ -133,12 +148,19 @@ def _install_error_handlers(app: FastAPI) -> None:
         if bad_json:
             ctx = bad_json[0].get("ctx") or {}
             pos = bad_json[0].get("loc", ("body", "?"))[-1]
-            return _error(400, "malformed_json", f"malformed JSON body: {ctx.get('error', 'decode error')} "
-                                                 f"at position {pos}")
-        slim = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
-                for e in errors]
-        return JSONResponse({"error": "validation_error", "detail": _validation_detail(errors), "errors": slim},
-                            status_code=422)
+            return _error(
+                400,
+                "malformed_json",
+                f"malformed JSON body: {ctx.get('error', 'decode error')} at position {pos}",
+            )
+        slim = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg")), "type": str(e.get("type"))}
+            for e in errors
+        ]
+        return JSONResponse(
+            {"error": "validation_error", "detail": _validation_detail(errors), "errors": slim},
+            status_code=422,
+        )
 
     @app.exception_handler(NotReadyError)
     async def not_ready(request: Request, exc: NotReadyError) -> JSONResponse:
@@ -167,22 +189,32 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     if searcher is None and settings.index_root is not None:
         try:
             searcher = make_searcher()
-            swap.load_at_startup(searcher)   # through the store's activation rule
+            swap.load_at_startup(searcher)  # through the store's activation rule
         except swap.REFUSALS as err:
             load_error = str(err)
-            fixes = [f"`softsearch index build --root {settings.index_root} ...` (picked up within "
-                     f"{settings.watch_interval_s:g} s)"] if settings.watch_interval_s > 0 else []
+            fixes = (
+                [
+                    f"`softsearch index build --root {settings.index_root} ...` (picked up within "
+                    f"{settings.watch_interval_s:g} s)"
+                ]
+                if settings.watch_interval_s > 0
+                else []
+            )
             if settings.admin_token:
                 fixes.append("POST /v1/admin/reload")
-            logger.warning("no index loaded at start-up (%s); /readyz is 503 until %s", err,
-                           " or ".join(fixes) or "a restart (no watcher, no admin token)")
+            logger.warning(
+                "no index loaded at start-up (%s); /readyz is 503 until %s",
+                err,
+                " or ".join(fixes) or "a restart (no watcher, no admin token)",
+            )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         follower = None
         if settings.index_root is not None and settings.watch_interval_s > 0:
-            follower = asyncio.get_running_loop().create_task(swap.follow_store(app, settings.watch_interval_s),
-                                                              name="softsearch-store-follower")
+            follower = asyncio.get_running_loop().create_task(
+                swap.follow_store(app, settings.watch_interval_s), name="softsearch-store-follower"
+            )
         yield
         if follower is not None:
             follower.cancel()
@@ -199,21 +231,26 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         version="1",
         summary="Image similarity search with exact softmax probabilities over the whole index.",
         description="Upload an image (or send an embedding) and get the top-k indexed items with their cosine "
-                    "similarity and the learned softmax-search probability p(j|x) over the whole index. "
-                    "Errors are JSON {error, detail}.",
+        "similarity and the learned softmax-search probability p(j|x) over the whole index. "
+        "Errors are JSON {error, detail}.",
         lifespan=lifespan,
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.searcher = searcher
     app.state.make_searcher = make_searcher
-    app.state.swap_lock = threading.Lock()   # one swap at a time (admin reloads, the follower)
+    app.state.swap_lock = threading.Lock()  # one swap at a time (admin reloads, the follower)
     app.state.load_error = load_error
 
     active = ActiveRequests()
-    app.state.batcher = MicroBatcher(lambda: app.state.searcher, settings.batch_max_size,
-                                     settings.batch_max_wait_ms, metrics, workers=settings.batch_workers,
-                                     active=active)
+    app.state.batcher = MicroBatcher(
+        lambda: app.state.searcher,
+        settings.batch_max_size,
+        settings.batch_max_wait_ms,
+        metrics,
+        workers=settings.batch_workers,
+        active=active,
+    )
 
     metrics.observe_searcher(searcher)
 
@@ -224,13 +261,19 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so they count 413s and 429s
-    app.add_middleware(UnhandledErrorMiddleware)   # innermost: a route's unhandled error is a 500 on a kept connection
+    app.add_middleware(
+        UnhandledErrorMiddleware
+    )  # innermost: a route's unhandled error is a 500 on a kept connection
     app.add_middleware(BodySizeLimitMiddleware, limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES)
     app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)
     if settings.rate_limit_enabled:
         limiter = TokenBucketLimiter(settings.rate_limit_rps, settings.rate_limit_burst)
-        app.add_middleware(RateLimitMiddleware, limiter=limiter, on_limited=lambda: metrics.rate_limited.inc(),
-                           admin_token=settings.admin_token)
+        app.add_middleware(
+            RateLimitMiddleware,
+            limiter=limiter,
+            on_limited=lambda: metrics.rate_limited.inc(),
+            admin_token=settings.admin_token,
+        )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if settings.forwarded_allow_ips:
         # outside the limits: the client address every layer below sees (the rate-limit key) is the
@@ -238,4 +281,3 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     app.add_middleware(ActiveRequestsMiddleware, active=active)  # outermost: counts every request
     return app
-

@@ -15,19 +15,19 @@ wake-up of another thread waits for a time slice). `workers` batches may run at 
 releases the GIL, so they use separate cores).
 `max_batch_size == 1` disables batching: each query runs directly in the thread pool.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import anyio.to_thread
 import numpy as np
 from PIL import Image
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.metrics import Metrics
@@ -60,12 +60,14 @@ class QueryResult:
 
 @dataclass
 class _Pending:
-    image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray] | None  # image/pixels, or a decoder
+    image: (
+        Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray] | None
+    )  # image/pixels, or a decoder
     vector: np.ndarray | None
     k: int
     temperature: float | None
     future: asyncio.Future
-    filter: Filter | None = None   # restrict the search to the rows passing it
+    filter: Filter | None = None  # restrict the search to the rows passing it
 
 
 def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryResult | Exception]:
@@ -81,7 +83,9 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
             images[i] = p.image() if callable(p.image) else p.image
         except Exception as err:  # noqa: BLE001 - handed back to that request's caller
             out[i] = err
-    if images and snapshot.encoder is None:   # a version built from vectors (swapped in meanwhile): 409 for these
+    if (
+        images and snapshot.encoder is None
+    ):  # a version built from vectors (swapped in meanwhile): 409 for these
         for i in images:
             out[i] = NoEncoderError(snapshot.version)
     elif images:
@@ -89,7 +93,7 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
     for i, p in enumerate(batch):
         if p.vector is None:
             continue
-        try:   # a bad vector (or one for a version swapped in meanwhile) fails only its own request
+        try:  # a bad vector (or one for a version swapped in meanwhile) fails only its own request
             vecs[i] = unit_queries(np.asarray(p.vector).reshape(-1), snapshot.dim)[0]
         except ValueError as err:
             out[i] = err
@@ -108,9 +112,16 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
                 out[i] = err
             continue
         for j, i in enumerate(members):
-            out[i] = QueryResult(answer[j][: batch[i].k], answer.version, answer.temperatures[j],
-                                 answer.log_normalisers[j], len(valid), snapshot.count, answer.normalisers[j],
-                                 None if mask is None else int(np.count_nonzero(mask)))
+            out[i] = QueryResult(
+                answer[j][: batch[i].k],
+                answer.version,
+                answer.temperatures[j],
+                answer.log_normalisers[j],
+                len(valid),
+                snapshot.count,
+                answer.normalisers[j],
+                None if mask is None else int(np.count_nonzero(mask)),
+            )
     return out  # type: ignore[return-value]
 
 
@@ -141,9 +152,15 @@ class ActiveRequestsMiddleware:
 class MicroBatcher:
     """Groups concurrent `search_image` / `search_vector` calls into batched searcher calls."""
 
-    def __init__(self, searcher: Searcher | Callable[[], Searcher | None], max_batch_size: int = 32,
-                 max_wait_ms: float = 0.0, metrics: Metrics | None = None, workers: int = 1,
-                 active: ActiveRequests | None = None):
+    def __init__(
+        self,
+        searcher: Searcher | Callable[[], Searcher | None],
+        max_batch_size: int = 32,
+        max_wait_ms: float = 0.0,
+        metrics: Metrics | None = None,
+        workers: int = 1,
+        active: ActiveRequests | None = None,
+    ):
         """`searcher` may be a callable returning the current Searcher (the app swaps it on reload).
         With `active` (the app's request count), a query that is the only request in the process
         runs on the event loop itself (see `_submit`)."""
@@ -161,7 +178,7 @@ class MicroBatcher:
         self._running: set[asyncio.Task] = set()
         self._active = active
         self.inline_answers = 0  # queries answered on the event loop (the lone-request path)
-        self._in_batches = 0     # queries inside running batches
+        self._in_batches = 0  # queries inside running batches
 
     def snapshot(self) -> SearchSnapshot:
         """The current searcher's snapshot; NotReadyError if none is loaded."""
@@ -174,13 +191,19 @@ class MicroBatcher:
     def enabled(self) -> bool:
         return self.max_batch_size > 1
 
-    async def search_image(self, image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray], k: int,
-                           temperature: float | None = None, filter: Filter | None = None) -> QueryResult:
+    async def search_image(
+        self,
+        image: Image.Image | np.ndarray | Callable[[], Image.Image | np.ndarray],
+        k: int,
+        temperature: float | None = None,
+        filter: Filter | None = None,
+    ) -> QueryResult:
         """Search with one image; `image` may be a zero-argument decoder (its errors are re-raised here)."""
         return await self._submit(_Pending(image, None, k, temperature, None, filter))  # type: ignore[arg-type]
 
-    async def search_vector(self, vector: np.ndarray, k: int, temperature: float | None = None,
-                            filter: Filter | None = None) -> QueryResult:
+    async def search_vector(
+        self, vector: np.ndarray, k: int, temperature: float | None = None, filter: Filter | None = None
+    ) -> QueryResult:
         return await self._submit(_Pending(None, vector, k, temperature, None, filter))  # type: ignore[arg-type]
 
     async def _submit(self, pending: _Pending) -> QueryResult:
@@ -205,8 +228,12 @@ class MicroBatcher:
                     raise result
                 return result
         pending.future = asyncio.get_running_loop().create_future()
-        if self.max_wait == 0 and self._queue.empty() and not self._slots.locked() \
-                and not self._company_expected(1):  # type: ignore[union-attr]
+        if (
+            self.max_wait == 0
+            and self._queue.empty()
+            and not self._slots.locked()
+            and not self._company_expected(1)
+        ):  # type: ignore[union-attr]
             # nothing to batch with and a batch thread is free: run now, without the queue's
             # round trip through the dispatcher task (the batch of one it would form anyway)
             await self._slots.acquire()  # type: ignore[union-attr]  (free: returns at once)

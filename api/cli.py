@@ -5,6 +5,7 @@ module only routes and turns user mistakes into a one-line message with exit cod
 arguments are parsed by a parser that imports nothing heavy (training.cli_parser.CommandParser, one
 `error:` line for a mistyped flag) before torch, FAISS or open_clip are loaded.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ commands:
 def _train(argv: list[str]) -> int:
     from training.train_args import build_parser
 
-    build_parser().parse_args(argv)   # --help and mistakes answered before torch loads
+    build_parser().parse_args(argv)  # --help and mistakes answered before torch loads
     from training.trainer import main as train_main
 
     return train_main(argv)
@@ -48,7 +49,7 @@ def gate_calibrator(candidate, *args, **kwargs):
     from search.evaluation.quality import calibrate_version
     from search.evaluation.text_eval import store_text_calibration
 
-    store_text_calibration(candidate)   # a text tower: its temperature on held-out captions, into the manifest
+    store_text_calibration(candidate)  # a text tower: its temperature on held-out captions, into the manifest
     return calibrate_version(candidate, *args, **kwargs)
 
 
@@ -60,16 +61,20 @@ def _report_duplicates(root, base: str | None, version: str) -> None:
 
 
 def _index(argv: list[str]) -> int:
+    from api.notify import notify_server
     from index.cli import main as index_main
 
-    from api.notify import notify_server
-
-    return index_main(argv, evaluator=gate_evaluator, calibrator=gate_calibrator,
-                      on_new_items=_report_duplicates, notifier=notify_server)
+    return index_main(
+        argv,
+        evaluator=gate_evaluator,
+        calibrator=gate_calibrator,
+        on_new_items=_report_duplicates,
+        notifier=notify_server,
+    )
 
 
 def _eval(argv: list[str]) -> int:
-    if "--text" in argv:   # caption queries: text-to-image gap and recall (search/evaluation/text_eval.py)
+    if "--text" in argv:  # caption queries: text-to-image gap and recall (search/evaluation/text_eval.py)
         from search.evaluation.eval_args import build_text_parser
 
         build_text_parser().parse_args(argv)
@@ -78,7 +83,7 @@ def _eval(argv: list[str]) -> int:
         return text_eval_main(argv)
     from search.evaluation.eval_args import build_parser
 
-    build_parser().parse_args(argv)   # --help and mistakes answered before torch, FAISS or scipy load
+    build_parser().parse_args(argv)  # --help and mistakes answered before torch, FAISS or scipy load
     from search.evaluation.evaluate import main as eval_main
 
     return eval_main(argv)
@@ -87,7 +92,7 @@ def _eval(argv: list[str]) -> int:
 def _search(argv: list[str]) -> int:
     from search.serving.text_args import build_parser
 
-    build_parser().parse_args(argv)   # --help and mistakes answered before torch or FAISS load
+    build_parser().parse_args(argv)  # --help and mistakes answered before torch or FAISS load
     from search.serving.text import main as search_main
 
     return search_main(argv)
@@ -96,7 +101,7 @@ def _search(argv: list[str]) -> int:
 def _dedup(argv: list[str]) -> int:
     from search.duplicates.dedup_args import build_parser
 
-    build_parser().parse_args(argv)   # --help and mistakes answered before torch, FAISS or PIL load
+    build_parser().parse_args(argv)  # --help and mistakes answered before torch, FAISS or PIL load
     from search.duplicates.job import main as dedup_main
 
     return dedup_main(argv)
@@ -111,9 +116,11 @@ def _serve(argv: list[str]) -> int:
 EXPERIMENTS = {
     "anneal": "Langevin temperature annealing on a planted InfoNCE landscape (log vs exp vs cosine schedules)",
 }
-EXPERIMENT_USAGE = ("usage: softsearch experiment NAME [options]\n\nexperiments:\n"
-                    + "".join(f"  {k:<10} {v}\n" for k, v in EXPERIMENTS.items())
-                    + "\n`softsearch experiment NAME --help` lists each experiment's options.\n")
+EXPERIMENT_USAGE = (
+    "usage: softsearch experiment NAME [options]\n\nexperiments:\n"
+    + "".join(f"  {k:<10} {v}\n" for k, v in EXPERIMENTS.items())
+    + "\n`softsearch experiment NAME --help` lists each experiment's options.\n"
+)
 
 
 def _experiment(argv: list[str]) -> int:
@@ -121,11 +128,13 @@ def _experiment(argv: list[str]) -> int:
         print(EXPERIMENT_USAGE, end="")
         return 0 if argv else 2
     if argv[0] not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {argv[0]!r}; available: {', '.join(EXPERIMENTS)} "
-                         "(softsearch experiment --help)")
+        raise ValueError(
+            f"unknown experiment {argv[0]!r}; available: {', '.join(EXPERIMENTS)} "
+            "(softsearch experiment --help)"
+        )
     from training.anneal_args import build_parser
 
-    build_parser().parse_args(argv[1:])   # --help and mistakes answered before torch loads
+    build_parser().parse_args(argv[1:])  # --help and mistakes answered before torch loads
     from training.anneal_experiment import main as anneal_main
 
     return anneal_main(argv[1:])

@@ -2,6 +2,7 @@
 
 Invalid values fail at start-up with a message naming the setting, never at the first request.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -35,7 +36,8 @@ class Settings(BaseModel):
     host: str = Field("127.0.0.1", description="bind address; loopback by default")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
     admin_token: str | None = Field(
-        None, description="bearer token for /v1/admin/*, at least 8 characters; unset disables the admin routes (404)"
+        None,
+        description="bearer token for /v1/admin/*, at least 8 characters; unset disables the admin routes (404)",
     )
     max_k: int = Field(DEFAULT_MAX_K, ge=1, le=10_000, description="largest k a request may ask for")
     max_upload_bytes: int = Field(
@@ -46,52 +48,79 @@ class Settings(BaseModel):
     )
     batch_max_size: int = Field(32, ge=1, le=4096, description="micro-batch size; 1 disables batching")
     batch_max_wait_ms: float = Field(
-        0.0, ge=0.0, le=1000.0,
+        0.0,
+        ge=0.0,
+        le=1000.0,
         description="how long the first query of a batch waits for company; 0 = adaptive batching only "
-                    "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
+        "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
     )
     batch_workers: int = Field(2, ge=1, le=64, description="micro-batches in flight at once (threads)")
-    workers: int = Field(1, ge=1, le=64,
-                         description="serving processes sharing the port (they share the memory-mapped "
-                                     "embeddings and merge their metrics)")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="serving processes sharing the port (they share the memory-mapped "
+        "embeddings and merge their metrics)",
+    )
     watch_interval_s: float = Field(
-        1.0, ge=0.0, le=3600.0,
+        1.0,
+        ge=0.0,
+        le=3600.0,
         description="how often each process checks the store's current pointer and swaps to a new version; "
-                    "0 = only on POST /v1/admin/reload")
+        "0 = only on POST /v1/admin/reload",
+    )
     rate_limit_rps: float = Field(0.0, ge=0.0, description="per-client token refill rate; 0 = off")
     rate_limit_burst: int = Field(20, ge=1, description="per-client bucket size")
     forwarded_allow_ips: str | None = Field(
-        None, description="comma-separated IP addresses / networks of trusted reverse proxies whose "
-                          "X-Forwarded-For / X-Forwarded-Proto are honoured (the rate-limit key becomes the client "
-                          "they forward for); unset = proxy headers ignored, clients keyed by the TCP peer")
+        None,
+        description="comma-separated IP addresses / networks of trusted reverse proxies whose "
+        "X-Forwarded-For / X-Forwarded-Proto are honoured (the rate-limit key becomes the client "
+        "they forward for); unset = proxy headers ignored, clients keyed by the TCP peer",
+    )
     header_timeout_s: float = Field(
-        10.0, gt=0.0, le=3600.0,
+        10.0,
+        gt=0.0,
+        le=3600.0,
         description="a request's head (request line + headers) must arrive within this many seconds of the "
-                    "connection opening or of its first byte; otherwise the connection is closed")
+        "connection opening or of its first byte; otherwise the connection is closed",
+    )
     body_timeout_s: float = Field(
-        60.0, gt=0.0, le=3600.0,
+        60.0,
+        gt=0.0,
+        le=3600.0,
         description="a request's body must arrive within this many seconds of its head; otherwise 408 and the "
-                    "connection is closed (60 s lets a 10 MiB upload through at ~1.4 Mbit/s)")
+        "connection is closed (60 s lets a 10 MiB upload through at ~1.4 Mbit/s)",
+    )
     keep_alive_timeout_s: float = Field(
-        5.0, gt=0.0, le=3600.0, description="an idle keep-alive connection is closed this long after its last "
-                                            "response (uvicorn's timeout_keep_alive)")
+        5.0,
+        gt=0.0,
+        le=3600.0,
+        description="an idle keep-alive connection is closed this long after its last "
+        "response (uvicorn's timeout_keep_alive)",
+    )
     report_path: Path | None = Field(None, description="evaluation report (html/json) linked from the page")
     device: str = Field("cpu", description="torch device for the encoder")
     torch_threads: int | None = Field(
-        None, ge=1, le=1024,
+        None,
+        ge=1,
+        le=1024,
         description="torch intra-op threads per serving process (None = cores / (workers x batch_workers), "
-                    "at least 1, so concurrent batches do not oversubscribe the CPU with spinning OpenMP threads)",
+        "at least 1, so concurrent batches do not oversubscribe the CPU with spinning OpenMP threads)",
     )
     log_level: str = Field("info", description="uvicorn / logging level")
     normaliser: Literal["exact", "bounded", "auto"] = Field(
-        "auto", description="softmax normaliser log Z: exact (every embedding per query), bounded (a few IVF "
-                            "lists + a sampled tail; the response carries a bound that contains the exact value) "
-                            "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)")
+        "auto",
+        description="softmax normaliser log Z: exact (every embedding per query), bounded (a few IVF "
+        "lists + a sampled tail; the response carries a bound that contains the exact value) "
+        "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)",
+    )
     mapped_pages: Literal["auto", "release", "keep"] = Field(
-        "auto", description="the embeddings memory map's pages once the normaliser has read them: release "
-                            "(unmapped from the process: its RSS stays ~index + model), keep (no refaults, but "
-                            "every page read counts in the RSS as shared page cache) or auto (release after the "
-                            "exact scan, keep the bounded estimate's scattered reads)")
+        "auto",
+        description="the embeddings memory map's pages once the normaliser has read them: release "
+        "(unmapped from the process: its RSS stays ~index + model), keep (no refaults, but "
+        "every page read counts in the RSS as shared page cache) or auto (release after the "
+        "exact scan, keep the bounded estimate's scattered reads)",
+    )
 
     @field_validator("host")
     @classmethod
@@ -125,11 +154,19 @@ class Settings(BaseModel):
             try:
                 ipaddress.ip_network(entry, strict=False)
             except ValueError:
-                raise ValueError(f"{entry!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/24)") from None
+                raise ValueError(
+                    f"{entry!r} is not an IP address or network (e.g. 10.0.0.5 or 10.0.0.0/24)"
+                ) from None
         return ",".join(entries)
 
-    @field_validator("batch_max_wait_ms", "rate_limit_rps", "watch_interval_s", "header_timeout_s",
-                     "body_timeout_s", "keep_alive_timeout_s")
+    @field_validator(
+        "batch_max_wait_ms",
+        "rate_limit_rps",
+        "watch_interval_s",
+        "header_timeout_s",
+        "body_timeout_s",
+        "keep_alive_timeout_s",
+    )
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -164,8 +201,11 @@ class Settings(BaseModel):
         return self.batch_max_size > 1
 
 
-def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-                  flags: Mapping[str, str] | None = None) -> Settings:
+def load_settings(
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> Settings:
     """Build Settings from SOFTSEARCH_* env vars, then `overrides` (CLI values; None = not given).
 
     Raises ValueError with one line per bad setting, naming where the bad value came from: its
@@ -181,7 +221,7 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             values[name] = environ[key]
             origin[name] = key
     unknown = sorted(
-        k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX):].lower() not in fields
+        k for k in environ if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() not in fields
     )
     if unknown:
         logger.warning("ignoring unknown settings in the environment: %s", ", ".join(unknown))

@@ -5,6 +5,7 @@ Route handlers stay a few lines long by taking `SettingsDep`,
 The dependencies are `async def` although none of them awaits: FastAPI runs a plain `def`
 dependency in its thread pool, one thread hop each (five per search request).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -70,7 +71,7 @@ class SearchContext:
     batcher: MicroBatcher
     snapshot: SearchSnapshot
     metrics: Metrics
-    media: str = ""   # the request's content type (routes that take two)
+    media: str = ""  # the request's content type (routes that take two)
 
 
 def search_context(*content_types: str):
@@ -96,8 +97,11 @@ def _check_media(request: Request, allowed: tuple[str, ...]) -> str:
     """The request's media type, or 415 unless it is one of `allowed`."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media not in allowed:
-        raise ApiError(415, "unsupported_media_type",
-                       f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}")
+        raise ApiError(
+            415,
+            "unsupported_media_type",
+            f"content-type must be {' or '.join(allowed)}, got {media or 'none'!r}",
+        )
     return media
 
 
@@ -108,8 +112,12 @@ async def require_admin(settings: SettingsDep, authorization: Annotated[str | No
         raise ApiError(404, "not_found", "admin routes are disabled (no admin token configured)")
     scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise ApiError(401, "unauthorized", "admin route needs 'Authorization: Bearer <token>'",
-                       headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "unauthorized",
+            "admin route needs 'Authorization: Bearer <token>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if not hmac.compare_digest(token.strip().encode(), settings.admin_token.encode()):
         raise ApiError(403, "forbidden", "wrong admin token")
 
@@ -134,7 +142,9 @@ _UPLOAD_ERRORS = {
 }
 
 
-def decode_image(data: bytes, settings: Settings, side: int | None = None, square: bool = False) -> np.ndarray:
+def decode_image(
+    data: bytes, settings: Settings, side: int | None = None, square: bool = False
+) -> np.ndarray:
     """Upload bytes -> (H, W, 3) uint8 RGB pixels through training.images (the decode policy every path uses),
     or a 4xx naming the problem: size in bytes (413), not an image (400), width x height over
     max_image_pixels from the header before any pixel is decoded (413), truncated data (400).

@@ -7,6 +7,7 @@ yield a `ServerProcess` once its ready check answers (`/readyz` 200 by default) 
 `timeout_s` raises RuntimeError with the tail of its output. Output goes to `log_path` (a temporary
 file when none is given), never to a pipe nobody drains.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,6 +58,7 @@ class ServerProcess:
 
 def http_ready(path: str = "/readyz", timeout_s: float = 5.0) -> Callable[[ServerProcess], bool]:
     """A ready check: GET path answers 200 (connection errors count as not yet)."""
+
     def check(server: ServerProcess) -> bool:
         import httpx
 
@@ -64,20 +66,45 @@ def http_ready(path: str = "/readyz", timeout_s: float = 5.0) -> Callable[[Serve
             return httpx.get(server.url + path, timeout=timeout_s).status_code == 200
         except httpx.HTTPError:
             return False
+
     return check
 
 
 def serve_argv(root, port: int, *args, torch_threads: int = 1, log_level: str = "warning") -> list[str]:
     """`softsearch serve --index ROOT` on 127.0.0.1:`port` with `args`, as this interpreter runs it."""
-    return [sys.executable, "-m", "api.cli", "serve", "--index", str(root), "--host", "127.0.0.1",
-            "--port", str(port), "--torch-threads", str(torch_threads), "--log-level", log_level, *map(str, args)]
+    return [
+        sys.executable,
+        "-m",
+        "api.cli",
+        "serve",
+        "--index",
+        str(root),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--torch-threads",
+        str(torch_threads),
+        "--log-level",
+        log_level,
+        *map(str, args),
+    ]
 
 
 @contextlib.contextmanager
-def server_process(argv: Sequence[str], port: int, *, ready: Callable[[ServerProcess], bool] | None = None,
-                   timeout_s: float = 120.0, log_path: str | os.PathLike | None = None, env: dict | None = None,
-                   cwd: str | os.PathLike | None = None, stop_signal: int = signal.SIGTERM,
-                   stop_timeout_s: float = 20.0, poll_s: float = 0.2) -> Iterator[ServerProcess]:
+def server_process(
+    argv: Sequence[str],
+    port: int,
+    *,
+    ready: Callable[[ServerProcess], bool] | None = None,
+    timeout_s: float = 120.0,
+    log_path: str | os.PathLike | None = None,
+    env: dict | None = None,
+    cwd: str | os.PathLike | None = None,
+    stop_signal: int = signal.SIGTERM,
+    stop_timeout_s: float = 20.0,
+    poll_s: float = 0.2,
+) -> Iterator[ServerProcess]:
     """Run `argv` (a server listening on 127.0.0.1:`port`) until `ready(server)` is true, yield it, stop it.
 
     `env` is added to this process's environment, with the repository root first on PYTHONPATH."""
@@ -87,22 +114,34 @@ def server_process(argv: Sequence[str], port: int, *, ready: Callable[[ServerPro
     url = f"http://127.0.0.1:{port}"
     name = " ".join(map(str, argv[1:4]))
     with contextlib.ExitStack() as stack:
-        if log_path is None:   # removed after the block; pass log_path to read the output afterwards
-            log_path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="softsearch-serve-"))) / "server.log"
+        if log_path is None:  # removed after the block; pass log_path to read the output afterwards
+            log_path = (
+                Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="softsearch-serve-")))
+                / "server.log"
+            )
         log = stack.enter_context(open(log_path, "w"))
         t0 = time.perf_counter()
-        proc = subprocess.Popen(list(map(str, argv)), stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                cwd=str(cwd or REPO_ROOT))
+        proc = subprocess.Popen(
+            list(map(str, argv)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=str(cwd or REPO_ROOT),
+        )
         server = ServerProcess(url, port, proc, Path(log_path), argv=list(map(str, argv)))
         try:
             deadline = time.monotonic() + timeout_s
             while not ready(server):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready; its output "
-                                       f"ends:\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"{name} exited with {proc.returncode} before it was ready; its output "
+                        f"ends:\n{server.log_tail()}"
+                    )
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not become ready at {url} in {timeout_s:g} s; its output "
-                                       f"ends:\n{server.log_tail()}")
+                    raise RuntimeError(
+                        f"{name} did not become ready at {url} in {timeout_s:g} s; its output "
+                        f"ends:\n{server.log_tail()}"
+                    )
                 time.sleep(poll_s)
             server.ready_s = time.perf_counter() - t0
             yield server
@@ -122,10 +161,20 @@ def _stop(proc: subprocess.Popen, stop_signal: int, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def serve_process(root, *args, log_path: str | os.PathLike | None = None, torch_threads: int = 1,
-                  log_level: str = "warning", **kw) -> Iterator[ServerProcess]:
+def serve_process(
+    root,
+    *args,
+    log_path: str | os.PathLike | None = None,
+    torch_threads: int = 1,
+    log_level: str = "warning",
+    **kw,
+) -> Iterator[ServerProcess]:
     """`softsearch serve --index ROOT ARGS...` on a free loopback port, ready on entry (see `server_process`)."""
     port = free_port()
-    with server_process(serve_argv(root, port, *args, torch_threads=torch_threads, log_level=log_level), port,
-                        log_path=log_path, **kw) as server:
+    with server_process(
+        serve_argv(root, port, *args, torch_threads=torch_threads, log_level=log_level),
+        port,
+        log_path=log_path,
+        **kw,
+    ) as server:
         yield server

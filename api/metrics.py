@@ -10,13 +10,21 @@ counters and histograms add up over workers. Gauges say in their help how worker
 The process collectors describe one process and are not merged; per-worker memory is exported
 instead as `softsearch_worker_resident_memory_bytes{pid}`.
 """
+
 from __future__ import annotations
 
 import os
 import time
 
 import prometheus_client
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client import multiprocess as _multiprocess
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,33 +62,61 @@ class Metrics:
         self.multiprocess_dir = multiprocess_dir()
         own = None if self.multiprocess_dir else CollectorRegistry()  # None: samples go to the shared files
         self.requests = Counter(
-            "softsearch_http_requests_total", "HTTP requests by route template, method and status",
-            ("route", "method", "status"), registry=own)
+            "softsearch_http_requests_total",
+            "HTTP requests by route template, method and status",
+            ("route", "method", "status"),
+            registry=own,
+        )
         self.latency = Histogram(
-            "softsearch_http_request_duration_seconds", "HTTP request latency by route template",
-            ("route", "method"), buckets=LATENCY_BUCKETS, registry=own)
+            "softsearch_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ("route", "method"),
+            buckets=LATENCY_BUCKETS,
+            registry=own,
+        )
         self.batch_size = Histogram(
-            "softsearch_batch_size", "queries per encoder/index call (micro-batch size)", buckets=BATCH_BUCKETS,
-            registry=own)
-        self.queries = Counter("softsearch_queries_total", "search queries answered, by kind", ("kind",),
-                               registry=own)
-        self.reloads = Counter("softsearch_index_reloads_total", "index reload attempts by result", ("result",),
-                               registry=own)
-        self.rate_limited = Counter("softsearch_rate_limited_total", "requests refused with 429", registry=own)
+            "softsearch_batch_size",
+            "queries per encoder/index call (micro-batch size)",
+            buckets=BATCH_BUCKETS,
+            registry=own,
+        )
+        self.queries = Counter(
+            "softsearch_queries_total", "search queries answered, by kind", ("kind",), registry=own
+        )
+        self.reloads = Counter(
+            "softsearch_index_reloads_total", "index reload attempts by result", ("result",), registry=own
+        )
+        self.rate_limited = Counter(
+            "softsearch_rate_limited_total", "requests refused with 429", registry=own
+        )
         self.index_info = Gauge(
-            "softsearch_index_info", "1 for an index version answering queries (in any live worker), else 0",
-            ("version",), registry=own, multiprocess_mode="livemax")
+            "softsearch_index_info",
+            "1 for an index version answering queries (in any live worker), else 0",
+            ("version",),
+            registry=own,
+            multiprocess_mode="livemax",
+        )
         self.index_items = Gauge(
-            "softsearch_index_items", "items in the active index version (the most recently loaded one)",
-            registry=own, multiprocess_mode="livemostrecent")
+            "softsearch_index_items",
+            "items in the active index version (the most recently loaded one)",
+            registry=own,
+            multiprocess_mode="livemostrecent",
+        )
         self.ready = Gauge(
-            "softsearch_ready", "1 when an index and encoder are loaded (in every live worker)",
-            registry=own, multiprocess_mode="livemin")
-        self.workers = Gauge("softsearch_workers", "live serving processes", registry=own,
-                             multiprocess_mode="livesum")
+            "softsearch_ready",
+            "1 when an index and encoder are loaded (in every live worker)",
+            registry=own,
+            multiprocess_mode="livemin",
+        )
+        self.workers = Gauge(
+            "softsearch_workers", "live serving processes", registry=own, multiprocess_mode="livesum"
+        )
         self.worker_memory = Gauge(
-            "softsearch_worker_resident_memory_bytes", "resident set size of each serving process",
-            registry=own, multiprocess_mode="liveall")
+            "softsearch_worker_resident_memory_bytes",
+            "resident set size of each serving process",
+            registry=own,
+            multiprocess_mode="liveall",
+        )
         self.workers.set(1)
         self.ready.set(0)
         self._version: str | None = None
@@ -160,8 +196,10 @@ class MetricsMiddleware:
         key = (template, method, status)
         children = self._children.get(key)
         if children is None:  # labels() validates and locks on every call: once per label set instead
-            children = (self.metrics.requests.labels(template, method, status),
-                        self.metrics.latency.labels(template, method))
+            children = (
+                self.metrics.requests.labels(template, method, status),
+                self.metrics.latency.labels(template, method),
+            )
             if len(self._children) < 4096:  # route templates bound the label sets; this bounds the cache
                 self._children[key] = children
         children[0].inc()
@@ -183,4 +221,6 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_wrapper)
         finally:
-            self._observe(_route_label(scope), scope.get("method", "GET"), str(status), time.perf_counter() - start)
+            self._observe(
+                _route_label(scope), scope.get("method", "GET"), str(status), time.perf_counter() - start
+            )

@@ -1,5 +1,6 @@
 """POST /v1/admin/reload from a store command (`index build | add | sync | activate ... --notify URL`):
 the HTTP client with retries that tells a running server about a new version."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,16 @@ def _served_version(url: str, timeout: float) -> str | None:
         return None
 
 
-def notify_server(url: str, token: str | None, version: str, *, wait_s: float = DEFAULT_NOTIFY_TIMEOUT_S,
-                  timeout: float = 10.0, sleep=time.sleep, clock=time.monotonic) -> tuple[bool, str]:
+def notify_server(
+    url: str,
+    token: str | None,
+    version: str,
+    *,
+    wait_s: float = DEFAULT_NOTIFY_TIMEOUT_S,
+    timeout: float = 10.0,
+    sleep=time.sleep,
+    clock=time.monotonic,
+) -> tuple[bool, str]:
     """POST {url}/v1/admin/reload {"version": version} until the server reports serving it -> (ok, message).
 
     429 / 5xx / connection errors are retried after Retry-After (else 0.25 s doubling, at most 5 s)
@@ -46,8 +55,12 @@ def notify_server(url: str, token: str | None, version: str, *, wait_s: float = 
     attempt = 0
     while True:
         attempt += 1
-        request = urllib.request.Request(endpoint, data=json.dumps({"version": version}).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            endpoint,
+            data=json.dumps({"version": version}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         if token:
             request.add_header("Authorization", f"Bearer {token}")
         wait = None
@@ -66,7 +79,7 @@ def notify_server(url: str, token: str | None, version: str, *, wait_s: float = 
             if err.code not in RETRY_STATUSES:
                 return False, f"{endpoint}: {reason}"
             wait = _retry_after(err.headers)
-        except ValueError as err:   # not a URL at all: retrying cannot help
+        except ValueError as err:  # not a URL at all: retrying cannot help
             return False, f"{endpoint}: {err}"
         except (urllib.error.URLError, OSError) as err:
             reason = str(getattr(err, "reason", err))
@@ -79,5 +92,7 @@ def notify_server(url: str, token: str | None, version: str, *, wait_s: float = 
     served = _served_version(url, timeout)
     if served == version:
         return True, f"{url} serves {version} (it followed the store; the reload answered {reason})"
-    return False, (f"{endpoint}: no success after {attempt} attempts in {wait_s:g} s ({reason}); "
-                   f"the server reports version {served!r}")
+    return False, (
+        f"{endpoint}: no success after {attempt} attempts in {wait_s:g} s ({reason}); "
+        f"the server reports version {served!r}"
+    )

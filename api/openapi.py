@@ -10,6 +10,7 @@ for a limit it could not see. An upload part is stated as what the decoder takes
 image media type (the multipart `encoding`; "a decodable image" is beyond JSON Schema, so a fuzzer
 needs a generator for those media types: tests/api/schemathesis_hooks.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,8 +27,11 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 def _vector_schema(dim: int | None) -> dict:
     """A query embedding: `dim` finite float32 values, not all zero (a zero vector has no direction)."""
-    schema = {"type": "array", "items": {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX},
-              "contains": {"not": {"const": 0}}}
+    schema = {
+        "type": "array",
+        "items": {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX},
+        "contains": {"not": {"const": 0}},
+    }
     if dim is not None:
         schema["minItems"] = schema["maxItems"] = dim
     return schema
@@ -40,8 +44,11 @@ IMAGE_MEDIA_TYPES = "image/png, image/jpeg, image/gif, image/webp, image/bmp, im
 
 def _is_binary(schema: object) -> bool:
     """A file part: `format: binary`, or OpenAPI 3.1's `contentMediaType: application/octet-stream`."""
-    return isinstance(schema, dict) and schema.get("type") == "string" and (
-        schema.get("format") == "binary" or schema.get("contentMediaType") == "application/octet-stream")
+    return (
+        isinstance(schema, dict)
+        and schema.get("type") == "string"
+        and (schema.get("format") == "binary" or schema.get("contentMediaType") == "application/octet-stream")
+    )
 
 
 def _image_parts(form: dict, media: dict) -> None:
@@ -61,12 +68,17 @@ def _patch_object(schema: dict, max_k: int, dim: int | None, fields: dict | None
     if "filter" in props and fields is not None:
         keep = {key: props["filter"][key] for key in ("description", "title") if key in props["filter"]}
         as_text = props["filter"].get("type") == "string" or any(
-            alt.get("type") == "string" for alt in props["filter"].get("anyOf", []))
-        if as_text:   # a multipart field: the filter object as a JSON part (the media type's encoding)
-            props["filter"] = {"$ref": FILTER_REF, **keep} if fields else {"type": "string", "maxLength": 0, **keep}
+            alt.get("type") == "string" for alt in props["filter"].get("anyOf", [])
+        )
+        if as_text:  # a multipart field: the filter object as a JSON part (the media type's encoding)
+            props["filter"] = (
+                {"$ref": FILTER_REF, **keep} if fields else {"type": "string", "maxLength": 0, **keep}
+            )
         else:
-            props["filter"] = {"anyOf": [{"$ref": FILTER_REF}, {"type": "null"}] if fields else [{"type": "null"}],
-                               **keep}
+            props["filter"] = {
+                "anyOf": [{"$ref": FILTER_REF}, {"type": "null"}] if fields else [{"type": "null"}],
+                **keep,
+            }
     for name in ("k", "offset"):
         if name in props and "maximum" not in props[name]:
             props[name]["maximum"] = max_k

@@ -8,6 +8,7 @@ those proxies with the client they forward for. Health and metrics routes are ne
 neither are admin requests carrying the right bearer token (an operator's reload must not wait
 behind, or be refused by, the search clients' buckets); wrong or missing tokens are charged.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -38,8 +39,9 @@ def is_admin(scope: Scope, token: str | None) -> bool:
 class TokenBucketLimiter:
     """Thread-safe token buckets keyed by client; bounded memory (least recently seen evicted)."""
 
-    def __init__(self, rate: float, burst: int, max_clients: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, rate: float, burst: int, max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ):
         assert rate > 0 and burst >= 1, f"bad limiter rate={rate} burst={burst}"
         self.rate, self.burst, self.max_clients, self.clock = float(rate), int(burst), max_clients, clock
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # client -> (tokens, last time)
@@ -65,8 +67,13 @@ class TokenBucketLimiter:
 class RateLimitMiddleware:
     """ASGI middleware applying a TokenBucketLimiter to every non-exempt HTTP request."""
 
-    def __init__(self, app: ASGIApp, limiter: TokenBucketLimiter, on_limited: Callable[[], None] | None = None,
-                 admin_token: str | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        limiter: TokenBucketLimiter,
+        on_limited: Callable[[], None] | None = None,
+        admin_token: str | None = None,
+    ):
         self.app, self.limiter, self.on_limited, self.admin_token = app, limiter, on_limited, admin_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,14 +89,22 @@ class RateLimitMiddleware:
         if self.on_limited is not None:
             self.on_limited()
         retry_after = max(1, math.ceil(wait))
-        body = json.dumps({
-            "error": "rate_limited",
-            "detail": f"too many requests from {key}: limit {self.limiter.rate:g}/s, burst {self.limiter.burst}; "
-                      f"retry in {retry_after} s",
-        }).encode()
-        await send({
-            "type": "http.response.start", "status": 429,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                        (b"retry-after", str(retry_after).encode())],
-        })
+        body = json.dumps(
+            {
+                "error": "rate_limited",
+                "detail": f"too many requests from {key}: limit {self.limiter.rate:g}/s, burst {self.limiter.burst}; "
+                f"retry in {retry_after} s",
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 429,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(retry_after).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -12,6 +12,7 @@ every shard load the new version and only then moves the ingress's snapshot. A s
 within `shard_timeout_s` (replica down, being restarted by Ray) fails the query with 503 `shard_unavailable`
 naming it: never probabilities renormalised over the shards that answered.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
-from index.shards import ShardedVersion
 from index.manifest import MANIFEST_NAME, read_manifest, verify_files
+from index.shards import ShardedVersion
 from index.store import EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, IndexVersion
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import Searcher
@@ -71,7 +72,9 @@ class ShardServer:
         """Load `version`'s shard (a swap calls this on every shard before it moves)."""
         return self._snapshot(version).version
 
-    def search(self, version: str, q: np.ndarray, k: int, taus: np.ndarray, mask: np.ndarray | None) -> ShardAnswer:
+    def search(
+        self, version: str, q: np.ndarray, k: int, taus: np.ndarray, mask: np.ndarray | None
+    ) -> ShardAnswer:
         return shard_answer(self._snapshot(version), q, k, taus, mask)
 
     def check_health(self) -> None:
@@ -84,11 +87,13 @@ class ShardServer:
             return
         shards = store.manifest(current).shards or []
         if self.position >= len(shards):
-            return   # not a version this app can serve: the ingress refuses it, the replica is not at fault
+            return  # not a version this app can serve: the ingress refuses it, the replica is not at fault
         where = store.path(current) / shards[self.position]["name"]
         for name in (MANIFEST_NAME, INDEX_FILE):
             if not (where / name).is_file():
-                raise RuntimeError(f"{where / name} is missing: shard {self.position} of {current} cannot be loaded")
+                raise RuntimeError(
+                    f"{where / name} is missing: shard {self.position} of {current} cannot be loaded"
+                )
 
 
 class RemoteShard:
@@ -100,7 +105,7 @@ class RemoteShard:
     def __call__(self, q, k, taus, mask) -> ShardAnswer:
         try:
             return self.handle.search.remote(self.version, q, k, taus, mask).result(timeout_s=self.timeout_s)
-        except Exception as err:   # noqa: BLE001 - down, restarting, timed out: this query cannot be exact
+        except Exception as err:  # noqa: BLE001 - down, restarting, timed out: this query cannot be exact
             raise ShardUnavailable(self.name, _reason(err)) from err
 
 
@@ -114,8 +119,10 @@ def _light_version(path) -> ShardedVersion:
     embeddings of each shard (item routes), no FAISS index (the shard deployments search)."""
     manifest = read_manifest(path)
     if not manifest.shards:
-        raise ValueError(f"version {manifest.version} is not sharded: `serve --engine ray` serves sharded versions "
-                         "(`softsearch index reshard --shards N`); serve it with `softsearch serve`")
+        raise ValueError(
+            f"version {manifest.version} is not sharded: `serve --engine ray` serves sharded versions "
+            "(`softsearch index reshard --shards N`); serve it with `softsearch serve`"
+        )
     verify_files(path, manifest)
     shards = []
     for entry in manifest.shards:
@@ -159,10 +166,12 @@ class RaySearcher(Searcher):
     def shard_searchers(self, version):
         names = list(version.names)
         if len(names) != len(self.handles):
-            raise ValueError(f"version {version.version} has {len(names)} shards; this Ray app serves "
-                             f"{len(self.handles)} (restart `serve --engine ray` to change the shard count)")
+            raise ValueError(
+                f"version {version.version} has {len(names)} shards; this Ray app serves "
+                f"{len(self.handles)} (restart `serve --engine ray` to change the shard count)"
+            )
 
-        def warm():   # every shard holds the new version before the ingress moves to it
+        def warm():  # every shard holds the new version before the ingress moves to it
             responses = [h.prepare.remote(version.version) for h in self.handles]
             for name, response in zip(names, responses):
                 try:
@@ -171,13 +180,18 @@ class RaySearcher(Searcher):
                     raise ShardUnavailable(name, _reason(err)) from err
 
         _call_off_loop(warm)
-        return [RemoteShard(n, h, version.version, self.timeout_s) for n, h in zip(names, self.handles)], names
+        return [
+            RemoteShard(n, h, version.version, self.timeout_s) for n, h in zip(names, self.handles)
+        ], names
 
 
 def shard_unavailable_response(request: Request, err: ShardUnavailable) -> JSONResponse:
     """503 naming the shard: the answer would need every shard's log Z_s."""
-    return JSONResponse({"error": "shard_unavailable", "detail": str(err), "shard": err.shard}, status_code=503,
-                        headers={"Retry-After": "5"})
+    return JSONResponse(
+        {"error": "shard_unavailable", "detail": str(err), "shard": err.shard},
+        status_code=503,
+        headers={"Retry-After": "5"},
+    )
 
 
 @serve.ingress()
@@ -197,8 +211,13 @@ class Ingress:
 
         settings = Settings(**self.settings)
         release = {"auto": None, "release": True, "keep": False}[settings.mapped_pages]
-        searcher = RaySearcher(settings.index_root, self.handles, timeout_s=self.timeout_s, device=settings.device,
-                               normaliser=NormaliserConfig(method=settings.normaliser, release_pages=release))
+        searcher = RaySearcher(
+            settings.index_root,
+            self.handles,
+            timeout_s=self.timeout_s,
+            device=settings.device,
+            normaliser=NormaliserConfig(method=settings.normaliser, release_pages=release),
+        )
         swap.load_at_startup(searcher)
         app = create_app(settings, searcher)
         app.state.make_searcher = lambda: searcher
@@ -206,24 +225,44 @@ class Ingress:
         return app
 
 
-def build_app(settings: dict, shards: int, *, shard_replicas: int = 1, timeout_s: float = DEFAULT_SHARD_TIMEOUT_S,
-              ingress_replicas: int = 1, health_check_period_s: float = 10.0):
+def build_app(
+    settings: dict,
+    shards: int,
+    *,
+    shard_replicas: int = 1,
+    timeout_s: float = DEFAULT_SHARD_TIMEOUT_S,
+    ingress_replicas: int = 1,
+    health_check_period_s: float = 10.0,
+):
     """The Ray Serve application: `shards` shard deployments (health-checked every `health_check_period_s`:
     `ShardServer.check_health`) and the ingress bound to their handles."""
     from index.shards import shard_name
 
     root, normaliser = str(settings["index_root"]), settings.get("normaliser", "auto")
-    shard_nodes = [serve.deployment(ShardServer, name=shard_name(i), num_replicas=shard_replicas,
-                                    health_check_period_s=health_check_period_s,
-                                    ray_actor_options={"num_cpus": 0}).bind(root, i, normaliser)
-                   for i in range(shards)]
-    ingress = serve.deployment(Ingress, name="ingress", num_replicas=ingress_replicas,
-                               ray_actor_options={"num_cpus": 0})
+    shard_nodes = [
+        serve.deployment(
+            ShardServer,
+            name=shard_name(i),
+            num_replicas=shard_replicas,
+            health_check_period_s=health_check_period_s,
+            ray_actor_options={"num_cpus": 0},
+        ).bind(root, i, normaliser)
+        for i in range(shards)
+    ]
+    ingress = serve.deployment(
+        Ingress, name="ingress", num_replicas=ingress_replicas, ray_actor_options={"num_cpus": 0}
+    )
     return ingress.bind(settings, shard_nodes, timeout_s)
 
 
-def serve_on_ray(settings, *, address: str | None = None, shard_replicas: int = 1,
-                 timeout_s: float = DEFAULT_SHARD_TIMEOUT_S, block: bool = True) -> int:
+def serve_on_ray(
+    settings,
+    *,
+    address: str | None = None,
+    shard_replicas: int = 1,
+    timeout_s: float = DEFAULT_SHARD_TIMEOUT_S,
+    block: bool = True,
+) -> int:
     """`softsearch serve --engine ray`: start (or join, `address`) Ray, deploy the app for the store's current
     sharded version on settings.host:port and serve until interrupted. Exit 2 with one `error:` line when the
     store has no current sharded version or the settings do not fit."""
@@ -235,7 +274,10 @@ def serve_on_ray(settings, *, address: str | None = None, shard_replicas: int = 
     from index.store import IndexStore
 
     if settings.index_root is None:
-        print("error: --engine ray needs --index ROOT (a store whose current version is sharded)", file=sys.stderr)
+        print(
+            "error: --engine ray needs --index ROOT (a store whose current version is sharded)",
+            file=sys.stderr,
+        )
         return 2
     if shard_replicas < 1 or not timeout_s > 0:
         print("error: --shard-replicas must be >= 1 and --shard-timeout-s > 0", file=sys.stderr)
@@ -245,19 +287,30 @@ def serve_on_ray(settings, *, address: str | None = None, shard_replicas: int = 
     manifest = store.manifest(current) if current else None
     if manifest is None or not manifest.shards:
         what = f"version {current} is not sharded" if current else "there is no current version"
-        print(f"error: --engine ray serves a sharded version and {what} under {settings.index_root}; make one with "
-              f"`softsearch index reshard --root {settings.index_root} --shards N`", file=sys.stderr)
+        print(
+            f"error: --engine ray serves a sharded version and {what} under {settings.index_root}; make one with "
+            f"`softsearch index reshard --root {settings.index_root} --shards N`",
+            file=sys.stderr,
+        )
         return 2
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     ray.init(address=address, ignore_reinit_error=True, include_dashboard=False)
     serve.start(http_options={"host": settings.host, "port": settings.port})
     fields = settings.model_dump()
     fields["index_root"] = str(store.root.resolve())
-    serve.run(build_app(fields, len(manifest.shards), shard_replicas=shard_replicas, timeout_s=timeout_s),
-              name=APP_NAME, route_prefix="/")
-    print(f"serving {current} ({len(manifest.shards)} shards x {shard_replicas} replica(s)) on Ray Serve at "
-          f"http://{settings.host}:{settings.port}/ (Ctrl-C to stop)", flush=True)
+    serve.run(
+        build_app(fields, len(manifest.shards), shard_replicas=shard_replicas, timeout_s=timeout_s),
+        name=APP_NAME,
+        route_prefix="/",
+    )
+    print(
+        f"serving {current} ({len(manifest.shards)} shards x {shard_replicas} replica(s)) on Ray Serve at "
+        f"http://{settings.host}:{settings.port}/ (Ctrl-C to stop)",
+        flush=True,
+    )
     if not block:
         return 0
     try:

@@ -11,6 +11,7 @@ so the page cache holds one copy for all of them; they merge their Prometheus sa
 PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
 follows the store's `current` pointer (api/swap.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", dest="index_root", help="index store root (SOFTSEARCH_INDEX_ROOT)")
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
-    p.add_argument("--admin-token", help="enables /v1/admin/* with this bearer token, at least 8 characters "
-                                         "(SOFTSEARCH_ADMIN_TOKEN); admin requests with it are never rate limited")
+    p.add_argument(
+        "--admin-token",
+        help="enables /v1/admin/* with this bearer token, at least 8 characters "
+        "(SOFTSEARCH_ADMIN_TOKEN); admin requests with it are never rate limited",
+    )
     p.add_argument("--max-k", type=int, help="largest k per request (default 100)")
     p.add_argument("--max-upload-bytes", type=int, help="largest upload in bytes (default 10 MiB)")
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
@@ -45,49 +49,85 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
     p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
     p.add_argument("--workers", type=int, help="serving processes on the same port (default 1)")
-    p.add_argument("--watch-interval-s", type=float,
-                   help="seconds between checks of the store's current pointer; 0 = admin reload only (default 1)")
+    p.add_argument(
+        "--watch-interval-s",
+        type=float,
+        help="seconds between checks of the store's current pointer; 0 = admin reload only (default 1)",
+    )
     p.add_argument("--rate-limit-rps", type=float, help="per-client requests/s; 0 = off (default)")
     p.add_argument("--rate-limit-burst", type=int, help="per-client burst (default 20)")
-    p.add_argument("--forwarded-allow-ips", metavar="IPS",
-                   help="comma-separated addresses / networks of trusted reverse proxies: only requests from them "
-                        "have X-Forwarded-For honoured (rate-limit key = the forwarded client). Default: none, "
-                        "proxy headers are ignored and clients are keyed by the TCP peer")
-    p.add_argument("--header-timeout-s", type=float,
-                   help="close a connection whose request head has not arrived within S seconds of it opening or "
-                        "of the head's first byte (default 10)")
-    p.add_argument("--body-timeout-s", type=float,
-                   help="answer 408 and close when a request body has not arrived within S seconds (default 60)")
-    p.add_argument("--keep-alive-timeout-s", type=float,
-                   help="close an idle keep-alive connection S seconds after its last response (default 5)")
+    p.add_argument(
+        "--forwarded-allow-ips",
+        metavar="IPS",
+        help="comma-separated addresses / networks of trusted reverse proxies: only requests from them "
+        "have X-Forwarded-For honoured (rate-limit key = the forwarded client). Default: none, "
+        "proxy headers are ignored and clients are keyed by the TCP peer",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        help="close a connection whose request head has not arrived within S seconds of it opening or "
+        "of the head's first byte (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        help="answer 408 and close when a request body has not arrived within S seconds (default 60)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        help="close an idle keep-alive connection S seconds after its last response (default 5)",
+    )
     p.add_argument("--report", dest="report_path", help="evaluation report linked from the web page")
     p.add_argument("--device", help="torch device for the encoder (default cpu)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads (default: torch's own choice)")
     p.add_argument("--log-level", help="info, warning, debug, ...")
-    p.add_argument("--normaliser", choices=("exact", "bounded", "auto"),
-                   help="log Z per query: exact (scan every embedding), bounded (IVF lists + sampled tail, with a "
-                        "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)")
-    p.add_argument("--mapped-pages", choices=("auto", "release", "keep"),
-                   help="embeddings pages once the normaliser has read them: release (the RSS stays ~index + "
-                        "model), keep (no refaults; read pages count in the RSS) or auto (release after the "
-                        "exact scan, keep bounded's scattered reads; default)")
-    p.add_argument("--engine", choices=("local", "ray"), default="local",
-                   help="local: this process (uvicorn, default); ray: a sharded version on Ray Serve, one deployment "
-                        "per shard and an ingress with the same routes (needs the [ray] extra; README \"Past one "
-                        "machine\")")
-    p.add_argument("--ray-address", default=None,
-                   help="--engine ray: the Ray cluster to join (e.g. auto after `ray start --head`; default: start a "
-                        "local Ray)")
-    p.add_argument("--shard-replicas", type=int, default=1, help="--engine ray: replicas per shard (default 1)")
-    p.add_argument("--shard-timeout-s", type=float, default=10.0,
-                   help="--engine ray: seconds to wait for a shard before answering 503 naming it (default 10)")
+    p.add_argument(
+        "--normaliser",
+        choices=("exact", "bounded", "auto"),
+        help="log Z per query: exact (scan every embedding), bounded (IVF lists + sampled tail, with a "
+        "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)",
+    )
+    p.add_argument(
+        "--mapped-pages",
+        choices=("auto", "release", "keep"),
+        help="embeddings pages once the normaliser has read them: release (the RSS stays ~index + "
+        "model), keep (no refaults; read pages count in the RSS) or auto (release after the "
+        "exact scan, keep bounded's scattered reads; default)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local: this process (uvicorn, default); ray: a sharded version on Ray Serve, one deployment "
+        'per shard and an ingress with the same routes (needs the [ray] extra; README "Past one '
+        'machine")',
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="--engine ray: the Ray cluster to join (e.g. auto after `ray start --head`; default: start a "
+        "local Ray)",
+    )
+    p.add_argument(
+        "--shard-replicas", type=int, default=1, help="--engine ray: replicas per shard (default 1)"
+    )
+    p.add_argument(
+        "--shard-timeout-s",
+        type=float,
+        default=10.0,
+        help="--engine ray: seconds to wait for a shard before answering 503 naming it (default 10)",
+    )
     return p
 
 
 def _configure(settings) -> None:
     """Logging and torch threads of one serving process."""
-    logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     threads = settings.torch_threads
     if threads is None:  # workers x batch threads x torch's default (all cores) would oversubscribe the CPU
         threads = max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
@@ -129,7 +169,11 @@ def _settings_env(settings) -> dict[str, str]:
     """SOFTSEARCH_* variables that rebuild `settings` in a worker process."""
     from api.config import ENV_PREFIX
 
-    return {ENV_PREFIX + name.upper(): str(value) for name, value in settings.model_dump().items() if value is not None}
+    return {
+        ENV_PREFIX + name.upper(): str(value)
+        for name, value in settings.model_dump().items()
+        if value is not None
+    }
 
 
 def _metrics_dir() -> tuple[str, bool]:
@@ -152,7 +196,7 @@ def _port_problem(host: str, port: int) -> str | None:
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn binds: TIME_WAIT is fine
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is fine
         try:
             sock.bind((host, port))
         except OSError as err:
@@ -164,8 +208,10 @@ def _startup_problem(settings) -> str | None:
     """A setting no running server could recover from: a busy port, or an index path that is not there."""
     root = settings.index_root
     if root is not None and not root.exists():
-        return (f"--index {root} does not exist; build a version there first "
-                f"(softsearch index build --root {root} ...) or fix the path")
+        return (
+            f"--index {root} does not exist; build a version there first "
+            f"(softsearch index build --root {root} ...) or fix the path"
+        )
     return _port_problem(settings.host, settings.port)
 
 
@@ -190,11 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from api.ray_serve import serve_on_ray
         except ImportError as err:
-            print(f"error: --engine ray needs Ray Serve ({err}); install the extra: pip install -e '.[ray]'",
-                  file=sys.stderr)
+            print(
+                f"error: --engine ray needs Ray Serve ({err}); install the extra: pip install -e '.[ray]'",
+                file=sys.stderr,
+            )
             return 2
-        return serve_on_ray(settings, address=engine["ray_address"], shard_replicas=engine["shard_replicas"],
-                            timeout_s=engine["shard_timeout_s"])
+        return serve_on_ray(
+            settings,
+            address=engine["ray_address"],
+            shard_replicas=engine["shard_replicas"],
+            timeout_s=engine["shard_timeout_s"],
+        )
     import uvicorn
 
     # proxy headers are handled inside the app, only for --forwarded-allow-ips (uvicorn's own default
@@ -203,21 +255,35 @@ def main(argv: list[str] | None = None) -> int:
     # serving process (worker_app for --workers N); idle keep-alive is uvicorn's own timer
     from api.timeouts import HeadTimeoutH11Protocol
 
-    serve = dict(host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                 timeout_graceful_shutdown=10, proxy_headers=False, http=HeadTimeoutH11Protocol,
-                 timeout_keep_alive=settings.keep_alive_timeout_s)
+    serve = dict(
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        proxy_headers=False,
+        http=HeadTimeoutH11Protocol,
+        timeout_keep_alive=settings.keep_alive_timeout_s,
+    )
     if settings.workers > 1:
         from api.metrics import MULTIPROC_ENV
 
-        logging.basicConfig(level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
         metrics_dir, created = _metrics_dir()
         os.environ[MULTIPROC_ENV] = metrics_dir
         os.environ.update(_settings_env(settings))
         logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)
         try:
-            uvicorn.run("api.server:worker_app", factory=True, workers=settings.workers,
-                        timeout_worker_healthcheck=WORKER_START_TIMEOUT_S, **serve)
+            uvicorn.run(
+                "api.server:worker_app",
+                factory=True,
+                workers=settings.workers,
+                timeout_worker_healthcheck=WORKER_START_TIMEOUT_S,
+                **serve,
+            )
         finally:
             if created:
                 shutil.rmtree(metrics_dir, ignore_errors=True)

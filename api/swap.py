@@ -14,6 +14,7 @@ activation (`index activate`, `index build`, a rollback, a reload that moves `cu
 every worker. A version that fails to load is refused once (logged, counted) and retried only
 when the pointer moves again; the old version keeps serving.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 LOAD_ERRORS = (FileNotFoundError, ValueError, KeyError, OSError)
 #: Everything that refuses a reload: load errors and the activation rule.
 REFUSALS = (*LOAD_ERRORS, ActivationRefused)
-_SWAP_LOCK = threading.Lock()   # fallback for apps built without create_app's own lock
+_SWAP_LOCK = threading.Lock()  # fallback for apps built without create_app's own lock
 
 
 class UngatedVersion(ActivationRefused):
@@ -41,10 +42,16 @@ class UngatedVersion(ActivationRefused):
     held-out queries with both versions' encoders), which a serving process never does; the CLI does it."""
 
     def __init__(self, version: str):
-        super().__init__(version, [ScoreCheck(None, f"index version {version} has no quality-gate result and a "
-                                                    "server does not evaluate")],
-                         hint=f"gate it with `softsearch index activate {version}` (which runs the quality gate), "
-                              "then reload")
+        super().__init__(
+            version,
+            [
+                ScoreCheck(
+                    None, f"index version {version} has no quality-gate result and a server does not evaluate"
+                )
+            ],
+            hint=f"gate it with `softsearch index activate {version}` (which runs the quality gate), "
+            "then reload",
+        )
 
 
 def require_gate(store: IndexStore, version: str) -> None:
@@ -53,8 +60,13 @@ def require_gate(store: IndexStore, version: str) -> None:
         raise UngatedVersion(version)
 
 
-def serve_version(searcher: Searcher, version: str | None = None, *, force: bool = False,
-                  path: str = "POST /v1/admin/reload") -> ReloadResult:
+def serve_version(
+    searcher: Searcher,
+    version: str | None = None,
+    *,
+    force: bool = False,
+    path: str = "POST /v1/admin/reload",
+) -> ReloadResult:
     """Serve `version` (default: the store's current one) through the activation rule (blocking).
 
     A version other than the store's current one is checked, loaded, made current in the store
@@ -65,7 +77,9 @@ def serve_version(searcher: Searcher, version: str | None = None, *, force: bool
     current = store.current_version()
     if version is None or version == current:
         if current is None:
-            raise FileNotFoundError(f"no current index version under {store.root}; build and activate one first")
+            raise FileNotFoundError(
+                f"no current index version under {store.root}; build and activate one first"
+            )
         if force:
             require_gate(store, current)
             state = searcher.prepare(current)
@@ -73,9 +87,9 @@ def serve_version(searcher: Searcher, version: str | None = None, *, force: bool
             return searcher.install(state)
         store.serving_check(current)
         return searcher.install(searcher.prepare(current))
-    require_gate(store, version)                   # refuse before loading anything
+    require_gate(store, version)  # refuse before loading anything
     store.check_activation(version, force=force)
-    state = searcher.prepare(version)              # verified and loaded, not served yet
+    state = searcher.prepare(version)  # verified and loaded, not served yet
     store.activate(version, force=force, path=path, verify=False)
     return searcher.install(state)
 
@@ -88,15 +102,16 @@ def load_at_startup(searcher: Searcher) -> ReloadResult | None:
     return serve_version(searcher, current, path="start-up")
 
 
-async def reload(app: FastAPI, version: str | None = None, *, force: bool = False,
-                 path: str = "POST /v1/admin/reload") -> tuple[Searcher, ReloadResult]:
+async def reload(
+    app: FastAPI, version: str | None = None, *, force: bool = False, path: str = "POST /v1/admin/reload"
+) -> tuple[Searcher, ReloadResult]:
     """Serve `version` (default: the store's current one) in the app's Searcher, creating it if
     needed; counts the attempt in softsearch_index_reloads_total. Raises REFUSALS on refusal."""
     metrics = app.state.metrics
     lock = getattr(app.state, "swap_lock", _SWAP_LOCK)
 
     def run() -> tuple[Searcher, ReloadResult]:
-        with lock:   # one swap at a time per process: admin reloads and the follower never interleave
+        with lock:  # one swap at a time per process: admin reloads and the follower never interleave
             searcher = app.state.searcher or app.state.make_searcher()
             app.state.searcher = searcher
             return searcher, serve_version(searcher, version, force=force, path=path)
@@ -135,5 +150,9 @@ async def follow_store(app: FastAPI, interval: float) -> None:
             logger.info("following the store: now serving index version %s", current)
         except REFUSALS as err:
             refused = current
-            logger.warning("store's current version %s refused (%s); still serving %s", current, err,
-                           searcher.version if searcher is not None else None)
+            logger.warning(
+                "store's current version %s refused (%s); still serving %s",
+                current,
+                err,
+                searcher.version if searcher is not None else None,
+            )

@@ -10,6 +10,7 @@ Three clocks, each a `softsearch serve` setting:
 - keep_alive_timeout_s: an idle keep-alive connection is closed this long after its last response
   (uvicorn's own timeout_keep_alive).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -43,9 +44,9 @@ class HeadTimeoutH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-            self._cancel_head_timer()        # a head arrived (or the connection is going)
+            self._cancel_head_timer()  # a head arrived (or the connection is going)
         elif self.conn.trailing_data[0]:
-            self._arm_head_timer()           # part of the next head is buffered: its clock runs
+            self._arm_head_timer()  # part of the next head is buffered: its clock runs
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -80,7 +81,7 @@ class BodyTimeoutMiddleware:
 
         async def timed_receive() -> Message:
             if state["body_done"] or state["timed_out"]:
-                return await receive()           # after the body: waits for a disconnect, never timed
+                return await receive()  # after the body: waits for a disconnect, never timed
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
@@ -92,7 +93,7 @@ class BodyTimeoutMiddleware:
 
         async def guarded_send(message: Message) -> None:
             if state["timed_out"]:
-                return                           # the app's own answer to the aborted read is dropped
+                return  # the app's own answer to the aborted read is dropped
             if message["type"] == "http.response.start":
                 state["started"] = True
             await send(message)
@@ -103,11 +104,23 @@ class BodyTimeoutMiddleware:
             if not state["timed_out"]:
                 raise
         if state["timed_out"] and not state["started"]:
-            body = json.dumps({"error": "request_timeout",
-                               "detail": f"request body not received within {self.timeout_s:g} s"}).encode()
-            await send({"type": "http.response.start", "status": 408,
-                        "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
-                                    (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                {
+                    "error": "request_timeout",
+                    "detail": f"request body not received within {self.timeout_s:g} s",
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 408,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"connection", b"close"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
 

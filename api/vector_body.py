@@ -9,6 +9,7 @@
 
 Answers are encoded by orjson from the validated response model (`json_response`).
 """
+
 from __future__ import annotations
 
 import orjson
@@ -16,8 +17,15 @@ from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
-from api.routes.models import MAX_TEMPERATURE, MIN_TEMPERATURE, FILTER_DOC, MASS_DOC, MIN_PROBABILITY_DOC, \
-    OFFSET_DOC, VectorQuery
+from api.routes.models import (
+    FILTER_DOC,
+    MASS_DOC,
+    MAX_TEMPERATURE,
+    MIN_PROBABILITY_DOC,
+    MIN_TEMPERATURE,
+    OFFSET_DOC,
+    VectorQuery,
+)
 
 OCTET = "application/octet-stream"
 JSON = "application/json"
@@ -25,12 +33,20 @@ JSON = "application/json"
 
 class VectorParams(BaseModel):
     """The query-string fields of a binary (octet-stream) vector query."""
+
     model_config = {"extra": "forbid"}
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
-    temperature: float | None = Field(None, ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                      description="softmax temperature; default: the index's search_temperature")
+    temperature: float | None = Field(
+        None,
+        ge=MIN_TEMPERATURE,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description="softmax temperature; default: the index's search_temperature",
+    )
     offset: int = Field(0, ge=0, description=OFFSET_DOC)
-    min_probability: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC)
+    min_probability: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC
+    )
     mass: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)
     filter: str | None = Field(None, description=FILTER_DOC + " (as JSON text)")
 
@@ -63,21 +79,29 @@ async def read_vector_query(request: Request, media: str) -> VectorQuery | Binar
             params = VectorParams.model_validate(dict(request.query_params))
         except ValidationError as err:
             raise _invalid(err, "query") from err
-    else:   # a JSON body and no query string: nothing to merge (skips a validation per request)
+    else:  # a JSON body and no query string: nothing to merge (skips a validation per request)
         params = None
     if media == OCTET:
         import numpy as np
 
         if len(body) % 4:
-            raise ApiError(422, "bad_vector", f"an octet-stream body is little-endian float32 values: {len(body)} "
-                                              "bytes is not a multiple of 4")
+            raise ApiError(
+                422,
+                "bad_vector",
+                f"an octet-stream body is little-endian float32 values: {len(body)} "
+                "bytes is not a multiple of 4",
+            )
         return BinaryVectorQuery(np.frombuffer(body, dtype="<f4"), params)
-    if not body:   # as FastAPI words a missing body
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    if not body:  # as FastAPI words a missing body
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+        )
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError:
-        data = _stdlib_json(body)   # NaN / Infinity / 1e999 literals: parsed, then refused as a bad vector (422)
+        data = _stdlib_json(
+            body
+        )  # NaN / Infinity / 1e999 literals: parsed, then refused as a bad vector (422)
     from_query = params.model_dump(exclude_unset=True) if params is not None else {}
     if from_query and isinstance(data, dict):
         if from_query.get("filter") is not None:
@@ -99,11 +123,28 @@ def _stdlib_json(body: bytes):
 
     try:
         return json.loads(body)
-    except (ValueError, RecursionError) as err:   # malformed, undecodable, nested past the parser, over int digits
-        pos, msg = ((err.pos, err.msg) if isinstance(err, json.JSONDecodeError)
-                    else (err.start, str(err)) if isinstance(err, UnicodeDecodeError) else (0, str(err)))
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": msg}}]) from err
+    except (
+        ValueError,
+        RecursionError,
+    ) as err:  # malformed, undecodable, nested past the parser, over int digits
+        pos, msg = (
+            (err.pos, err.msg)
+            if isinstance(err, json.JSONDecodeError)
+            else (err.start, str(err))
+            if isinstance(err, UnicodeDecodeError)
+            else (0, str(err))
+        )
+        raise RequestValidationError(
+            [
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", pos),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": msg},
+                }
+            ]
+        ) from err
 
 
 def json_response(body: BaseModel) -> Response:

@@ -1,4 +1,5 @@
 """Shared helpers for benchmark scripts: machine description and the results JSON."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -32,7 +33,9 @@ def row(case: str, value: float, unit: str, baseline: float | None) -> dict:
     return {"case": case, "value": value, "unit": unit, "baseline": baseline, "ratio": ratio}
 
 
-def write_results(name: str, rows: list[dict], command: str | None = None, machine_note: str | None = None) -> Path:
+def write_results(
+    name: str, rows: list[dict], command: str | None = None, machine_note: str | None = None
+) -> Path:
     """Print a table and write bench/results/NAME.json in the project's shape (`machine_note`, e.g. the
     load other jobs put on the machine, is appended to the machine line)."""
     command = command or " ".join([Path(sys.executable).name] + sys.argv)
@@ -62,7 +65,9 @@ def percentile(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, max(0, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
 
 
-def closed_loop(url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float) -> dict:
+def closed_loop(
+    url: str, path: str, bodies: list[bytes], headers: dict, clients: int, duration: float
+) -> dict:
     """Closed loop: `clients` threads, each on its own keep-alive connection, POST a random pre-encoded body
     and read the whole answer before sending the next. http.client with bodies built once costs the client
     ~0.1 ms per request (httpx: ~1 ms), so on a 2-core machine it takes little of the CPU the servers compete
@@ -110,5 +115,12 @@ def closed_loop(url: str, path: str, bodies: list[bytes], headers: dict, clients
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
-    return {"qps": len(lat) / elapsed, "n": len(lat), "errors": errors, "elapsed": elapsed, "latencies": lat,
-            "p50": percentile(lat, 50), "p99": percentile(lat, 99)}
+    return {
+        "qps": len(lat) / elapsed,
+        "n": len(lat),
+        "errors": errors,
+        "elapsed": elapsed,
+        "latencies": lat,
+        "p50": percentile(lat, 50),
+        "p99": percentile(lat, 99),
+    }

@@ -10,6 +10,7 @@ minutes on 2 cores). 32-byte PQ codes of these embeddings reach a recall@10 belo
 so a refused version is activated with `force` (recorded in the store's history as such): these
 stores measure time and memory, not search quality.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,16 +34,26 @@ def encoder_checkpoint(path: Path, steps: int = 300) -> Path:
     if path.is_file():
         return path
     out = path.parent / (path.stem + "_run")
-    sets = [f'out_dir="{out}"', f"steps={steps}", "warmup_steps=30", "checkpoint_every=100000", "progress=false",
-            'device="cpu"', "dataset_options={resolution=16}"]
+    sets = [
+        f'out_dir="{out}"',
+        f"steps={steps}",
+        "warmup_steps=30",
+        "checkpoint_every=100000",
+        "progress=false",
+        'device="cpu"',
+        "dataset_options={resolution=16}",
+    ]
     sets += [f"encoder.{k}={v}" for k, v in ENCODER.items()]
-    checkpoint = train(load_train_config(Path(__file__).resolve().parents[1] / "configs" / "synthetic.toml", sets))
+    checkpoint = train(
+        load_train_config(Path(__file__).resolve().parents[1] / "configs" / "synthetic.toml", sets)
+    )
     shutil.copyfile(checkpoint, path)
     return path
 
 
-def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | None = None,
-                    checkpoint: Path | None = None) -> tuple[Path, str]:
+def synthetic_store(
+    root: Path, size: int, kind: str = "ivf-pq", params: dict | None = None, checkpoint: Path | None = None
+) -> tuple[Path, str]:
     """(root, current version): a store over `size` synthetic items, built unless it already exists."""
     from index.build import BuildOptions, build_index
     from index.store import IndexStore
@@ -57,11 +68,21 @@ def synthetic_store(root: Path, size: int, kind: str = "ivf-pq", params: dict | 
             logger.info("reusing %s (%d items, %s)", root, size, kind)
             return root, _servable(store, current)
     checkpoint = checkpoint or encoder_checkpoint(root.parent / "scale_encoder.safetensors")
-    ds = create_dataset("synthetic", split="train", size=size, seed=0, image_size=ENCODER["image_size"],
-                        resolution=ENCODER["image_size"])
+    ds = create_dataset(
+        "synthetic",
+        split="train",
+        size=size,
+        seed=0,
+        image_size=ENCODER["image_size"],
+        resolution=ENCODER["image_size"],
+    )
     params = dict(IVF_PQ if params is None and kind == "ivf-pq" else params or {})
-    version = build_index(checkpoint, ds, root,
-                          BuildOptions(kind=kind, params=params, batch_size=1024, progress=True, force=True))
+    version = build_index(
+        checkpoint,
+        ds,
+        root,
+        BuildOptions(kind=kind, params=params, batch_size=1024, progress=True, force=True),
+    )
     return root, _servable(store, version)
 
 

@@ -14,6 +14,7 @@ when that file exists, so the script can be killed and restarted (run it under n
     python bench/ablate_folder.py --collections stamps,oxygen --configs neighbour,instance --seeds 0
     python bench/ablate_folder.py --summary
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,12 @@ import json
 import logging
 import os
 import random
-import resource
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 import numpy as np
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -37,64 +37,122 @@ from _common import row, write_results  # noqa: E402
 CONFIG = REPO / "configs" / "folder.toml"
 OUT = REPO / "bench" / "results" / "ablate_folder"
 WORK = Path(os.environ.get("ABLATE_WORK", "/tmp/softsearch-ablate"))
-THREADS = int(os.environ.get("ABLATE_THREADS", "1"))   # one thread per run: run two workers side by side
+THREADS = int(os.environ.get("ABLATE_THREADS", "1"))  # one thread per run: run two workers side by side
 IMAGE_EXT = {".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp"}
 
 # collection name -> (root of class folders, glob of a class folder's files, minimum class size)
 COLLECTIONS = {
-    "stamps": ("/usr/share/tuxpaint/stamps", "**/*", 10),          # Tux Paint clip art, 16 categories
-    "oxygen": ("/usr/share/icons/oxygen/base/64x64", "*", 10),     # Oxygen icons by context folder
-    "wesnoth": ("/usr/share/games/wesnoth/1.16/data/core/images/units", "**/*", 10),   # unit sprites by faction
+    "stamps": ("/usr/share/tuxpaint/stamps", "**/*", 10),  # Tux Paint clip art, 16 categories
+    "oxygen": ("/usr/share/icons/oxygen/base/64x64", "*", 10),  # Oxygen icons by context folder
+    "wesnoth": (
+        "/usr/share/games/wesnoth/1.16/data/core/images/units",
+        "**/*",
+        10,
+    ),  # unit sprites by faction
 }
 
 # config name -> (layout, changes to configs/folder.toml). "flat": no class folders; "classes": with them.
 # Keys with a dot set inside a table (generator_options.crop_scale); None deletes the key.
-PIXELS = {"generator_options.space": None, "generator_options.refresh_every": None}   # pixel neighbours
-INSTANCE = {"generator_options.k": None, **PIXELS}                                     # no neighbours at all
+PIXELS = {"generator_options.space": None, "generator_options.refresh_every": None}  # pixel neighbours
+INSTANCE = {"generator_options.k": None, **PIXELS}  # no neighbours at all
 CONFIGS: dict[str, tuple[str, dict]] = {
     "shipped": ("flat", {}),
     "shipped-classes": ("classes", {}),
     "neighbour": ("flat", {"generator": "neighbour", **PIXELS}),
     "instance": ("flat", {"generator": "instance", **INSTANCE}),
-    "instance-crop02": ("flat", {"generator": "instance", **INSTANCE,
-                                 "generator_options.crop_scale": [0.2, 1.0]}),
-    "instance-strong": ("flat", {"generator": "instance", **INSTANCE,
-                                 "generator_options.crop_scale": [0.2, 1.0],
-                                 "generator_options.brightness": 0.4, "generator_options.contrast": 0.4}),
+    "instance-crop02": (
+        "flat",
+        {"generator": "instance", **INSTANCE, "generator_options.crop_scale": [0.2, 1.0]},
+    ),
+    "instance-strong": (
+        "flat",
+        {
+            "generator": "instance",
+            **INSTANCE,
+            "generator_options.crop_scale": [0.2, 1.0],
+            "generator_options.brightness": 0.4,
+            "generator_options.contrast": 0.4,
+        },
+    ),
     "neighbour-k1": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 1}),
     "neighbour-k20": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.k": 20}),
-    "instance-tau01": ("flat", {"generator": "instance", **INSTANCE,
-                                "schedule_options.tau": 0.1}),
-    "instance-tau05": ("flat", {"generator": "instance", **INSTANCE,
-                                "schedule_options.tau": 0.5}),
+    "instance-tau01": ("flat", {"generator": "instance", **INSTANCE, "schedule_options.tau": 0.1}),
+    "instance-tau05": ("flat", {"generator": "instance", **INSTANCE, "schedule_options.tau": 0.5}),
     "instance-64px": ("flat", {"generator": "instance", **INSTANCE, "encoder.image_size": 64}),
-    "instance-vit": ("flat", {"generator": "instance", **INSTANCE, "encoder.layers": 4,
-                              "encoder.width": 64, "encoder.patch_size": 4}),
+    "instance-vit": (
+        "flat",
+        {
+            "generator": "instance",
+            **INSTANCE,
+            "encoder.layers": 4,
+            "encoder.width": 64,
+            "encoder.patch_size": 4,
+        },
+    ),
     "instance-wide": ("flat", {"generator": "instance", **INSTANCE, "encoder.width": 64}),
-    "instance-200steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 200,
-                                   "warmup_steps": 20}),
-    "instance-800steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 800,
-                                   "warmup_steps": 80}),
-    "encnb": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
-                       "generator_options.refresh_every": 50}),
-    "neighbour-mild": ("flat", {"generator": "neighbour", **PIXELS, "generator_options.crop_scale": [0.8, 1.0],
-                                "generator_options.translate": 0.05}),
-    "encnb-mild": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
-                            "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.8, 1.0],
-                            "generator_options.translate": 0.05}),
-    "bothnb": ("flat", {"generator": "neighbour", "generator_options.space": "both",
-                        "generator_options.refresh_every": 50}),
+    "instance-200steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 200, "warmup_steps": 20}),
+    "instance-800steps": ("flat", {"generator": "instance", **INSTANCE, "steps": 800, "warmup_steps": 80}),
+    "encnb": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "encoder",
+            "generator_options.refresh_every": 50,
+        },
+    ),
+    "neighbour-mild": (
+        "flat",
+        {
+            "generator": "neighbour",
+            **PIXELS,
+            "generator_options.crop_scale": [0.8, 1.0],
+            "generator_options.translate": 0.05,
+        },
+    ),
+    "encnb-mild": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "encoder",
+            "generator_options.refresh_every": 50,
+            "generator_options.crop_scale": [0.8, 1.0],
+            "generator_options.translate": 0.05,
+        },
+    ),
+    "bothnb": (
+        "flat",
+        {"generator": "neighbour", "generator_options.space": "both", "generator_options.refresh_every": 50},
+    ),
     "encnb0": ("flat", {"generator": "neighbour", "generator_options.space": "encoder"}),
-    "simclr": ("flat", {"generator": "instance", **INSTANCE,
-                        "generator_options.crop_scale": [0.3, 1.0], "generator_options.brightness": 0.4,
-                        "generator_options.contrast": 0.4, "generator_options.saturation": 0.4,
-                        "generator_options.grey_p": 0.2, "generator_options.blur_p": 0.3,
-                        "generator_options.rotate": 10.0}),
-    "encnb-simclr": ("flat", {"generator": "neighbour", "generator_options.space": "encoder",
-                              "generator_options.refresh_every": 50, "generator_options.crop_scale": [0.3, 1.0],
-                              "generator_options.brightness": 0.4, "generator_options.contrast": 0.4,
-                              "generator_options.saturation": 0.4, "generator_options.grey_p": 0.2,
-                              "generator_options.blur_p": 0.3, "generator_options.rotate": 10.0}),
+    "simclr": (
+        "flat",
+        {
+            "generator": "instance",
+            **INSTANCE,
+            "generator_options.crop_scale": [0.3, 1.0],
+            "generator_options.brightness": 0.4,
+            "generator_options.contrast": 0.4,
+            "generator_options.saturation": 0.4,
+            "generator_options.grey_p": 0.2,
+            "generator_options.blur_p": 0.3,
+            "generator_options.rotate": 10.0,
+        },
+    ),
+    "encnb-simclr": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "encoder",
+            "generator_options.refresh_every": 50,
+            "generator_options.crop_scale": [0.3, 1.0],
+            "generator_options.brightness": 0.4,
+            "generator_options.contrast": 0.4,
+            "generator_options.saturation": 0.4,
+            "generator_options.grey_p": 0.2,
+            "generator_options.blur_p": 0.3,
+            "generator_options.rotate": 10.0,
+        },
+    ),
     "label": ("classes", {"generator": "auto"}),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
 }
@@ -150,7 +208,12 @@ def _embed(encoder, ds, batch: int = 256) -> np.ndarray:
 
 def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_dir: Path) -> dict:
     """Label precision@10/@1 of each checkpoint and of raw pixels on the held-out test/ queries."""
-    from search.evaluation.baselines import centred_unit, paired_difference, per_query_precision, raw_pixel_features
+    from search.evaluation.baselines import (
+        centred_unit,
+        paired_difference,
+        per_query_precision,
+        raw_pixel_features,
+    )
     from training.checkpoint import load_checkpoint
     from training.datasets import create_dataset
 
@@ -165,8 +228,12 @@ def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_
         enc.eval()
         zdb, zq = _embed(enc, db), _embed(enc, q)
         per[name] = {k: per_query_precision(zq, zdb, q.labels, db.labels, k) for k in (10, 1)}
-    res = {"n_db": len(db), "n_queries": len(q), "n_classes": int(len(set(db.labels.tolist()))),
-           "precision": {n: {f"p@{k}": float(v[k].mean()) for k in v} for n, v in per.items()}}
+    res = {
+        "n_db": len(db),
+        "n_queries": len(q),
+        "n_classes": int(len(set(db.labels.tolist()))),
+        "precision": {n: {f"p@{k}": float(v[k].mean()) for k in v} for n, v in per.items()},
+    }
     res["trained_vs_pixels"] = paired_difference(per["trained"][10], per["pixels"][10])
     res["trained_vs_init"] = paired_difference(per["trained"][10], per["init"][10])
     res["init_vs_pixels"] = paired_difference(per["init"][10], per["pixels"][10])
@@ -174,8 +241,9 @@ def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_
     return res
 
 
-def run_one(collection: str, config_name: str, seed: int, keep: bool = False, scale: dict | None = None,
-            tag: str = "") -> Path | None:
+def run_one(
+    collection: str, config_name: str, seed: int, keep: bool = False, scale: dict | None = None, tag: str = ""
+) -> Path | None:
     """Train, embed and score one run; `scale` (e.g. fewer steps for a screen) applies over the config,
     `tag` names that scale in the run's name."""
     from training.config import config_from_dict
@@ -192,20 +260,43 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False, sc
         _set(data, k, v)
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"
-    data.update(data_root=str(classes if layout == "classes" else flat), out_dir=str(run_dir), seed=seed,
-                progress=False, cache_dir=str(cache_dir), torch_threads=THREADS)
+    data.update(
+        data_root=str(classes if layout == "classes" else flat),
+        out_dir=str(run_dir),
+        seed=seed,
+        progress=False,
+        cache_dir=str(cache_dir),
+        torch_threads=THREADS,
+    )
     cfg = config_from_dict(data)
     t0, c0 = time.perf_counter(), time.process_time()
     train(cfg)
     train_s, cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    res = evaluate({"trained": run_dir / "checkpoint.safetensors", "init": run_dir / "init.safetensors"},
-                   classes, cfg.encoder.image_size, cache_dir)
+    res = evaluate(
+        {"trained": run_dir / "checkpoint.safetensors", "init": run_dir / "init.safetensors"},
+        classes,
+        cfg.encoder.image_size,
+        cache_dir,
+    )
     info = json.loads((run_dir / "config.json").read_text())
-    res.update(run=name, collection=collection, config=config_name, layout=layout, seed=seed, changes=changes,
-               scale=scale or {}, tag=tag,
-               steps=cfg.steps, batch_size=cfg.batch_size, image_size=cfg.encoder.image_size,
-               train_wall_s=train_s, train_cpu_s=cpu_s, load_avg=os.getloadavg()[0],
-               generator=info.get("generator"), date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    res.update(
+        run=name,
+        collection=collection,
+        config=config_name,
+        layout=layout,
+        seed=seed,
+        changes=changes,
+        scale=scale or {},
+        tag=tag,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        image_size=cfg.encoder.image_size,
+        train_wall_s=train_s,
+        train_cpu_s=cpu_s,
+        load_avg=os.getloadavg()[0],
+        generator=info.get("generator"),
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     tmp = out_json.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1) + "\n")
@@ -214,13 +305,16 @@ def run_one(collection: str, config_name: str, seed: int, keep: bool = False, sc
         for f in ("train_state.safetensors",):
             (run_dir / f).unlink(missing_ok=True)
     p = res["precision"]
-    print(f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
-          f"(vs pixels {res['trained_vs_pixels']['mean']:+.3f} [{res['trained_vs_pixels']['low']:+.3f}, "
-          f"{res['trained_vs_pixels']['high']:+.3f}]) {train_s:.0f} s wall, {cpu_s:.0f} s cpu", flush=True)
+    print(
+        f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
+        f"(vs pixels {res['trained_vs_pixels']['mean']:+.3f} [{res['trained_vs_pixels']['low']:+.3f}, "
+        f"{res['trained_vs_pixels']['high']:+.3f}]) {train_s:.0f} s wall, {cpu_s:.0f} s cpu",
+        flush=True,
+    )
     return out_json
 
 
-TOWERS = {   # untrained towers: what the architecture's pooling alone buys over pixels
+TOWERS = {  # untrained towers: what the architecture's pooling alone buys over pixels
     "resnet-w32-32px": dict(image_size=32, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
     "resnet-w64-32px": dict(image_size=32, embed_dim=128, width=64, layers=(1, 1, 1, 1), heads=4),
     "resnet-w32-64px": dict(image_size=64, embed_dim=128, width=32, layers=(1, 1, 1, 1), heads=4),
@@ -246,13 +340,20 @@ def towers(collections: list[str], split_seed: int = 0, init_seeds=(0, 1)) -> in
                 torch.manual_seed(seed)
                 path = WORK / "towers" / f"{name}-{seed}.safetensors"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                save_checkpoint(path, create_encoder(EncoderConfig(**kw)), step=0, train_config={}, lineage={},
-                                metrics={})
+                save_checkpoint(
+                    path, create_encoder(EncoderConfig(**kw)), step=0, train_config={}, lineage={}, metrics={}
+                )
                 r = evaluate({"trained": path, "init": path}, classes, kw["image_size"], WORK / "cache")
                 d = r["trained_vs_pixels"]
-                rows.append(row(f"{coll} {name} init seed {seed} p@10 (tower - pixels {d['mean']:+.3f} "
-                                f"[{d['low']:+.3f}, {d['high']:+.3f}])", r["precision"]["trained"]["p@10"], "p@10",
-                                r["precision"]["pixels"]["p@10"]))
+                rows.append(
+                    row(
+                        f"{coll} {name} init seed {seed} p@10 (tower - pixels {d['mean']:+.3f} "
+                        f"[{d['low']:+.3f}, {d['high']:+.3f}])",
+                        r["precision"]["trained"]["p@10"],
+                        "p@10",
+                        r["precision"]["pixels"]["p@10"],
+                    )
+                )
     write_results("ablate_folder_towers", rows)
     return 0
 
@@ -262,17 +363,25 @@ def summary() -> int:
     runs = [json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in runs:
-        groups.setdefault((r["collection"], r["config"] + (f" [{r['tag']}]" if r.get("tag") else "")), []).append(r)
+        groups.setdefault(
+            (r["collection"], r["config"] + (f" [{r['tag']}]" if r.get("tag") else "")), []
+        ).append(r)
     rows = []
     for (coll, cfg), rs in sorted(groups.items()):
         tr = np.mean([r["precision"]["trained"]["p@10"] for r in rs])
         px = np.mean([r["precision"]["pixels"]["p@10"] for r in rs])
         ini = np.mean([r["precision"]["init"]["p@10"] for r in rs])
         d = [r["trained_vs_pixels"] for r in rs]
-        ci = " ".join(f"s{r['seed']}:{x['mean']:+.3f}[{x['low']:+.3f},{x['high']:+.3f}]" for r, x in zip(rs, d))
-        print(f"{coll:8s} {cfg:18s} n={len(rs)} pixels {px:.3f} init {ini:.3f} trained {tr:.3f} "
-              f"d {tr - px:+.3f}  {ci}  {np.mean([r['train_wall_s'] for r in rs]):.0f}s")
-        rows.append(row(f"{coll} {cfg} p@10 ({len(rs)} seeds; baseline pixels)", float(tr), "p@10", float(px)))
+        ci = " ".join(
+            f"s{r['seed']}:{x['mean']:+.3f}[{x['low']:+.3f},{x['high']:+.3f}]" for r, x in zip(rs, d)
+        )
+        print(
+            f"{coll:8s} {cfg:18s} n={len(rs)} pixels {px:.3f} init {ini:.3f} trained {tr:.3f} "
+            f"d {tr - px:+.3f}  {ci}  {np.mean([r['train_wall_s'] for r in rs]):.0f}s"
+        )
+        rows.append(
+            row(f"{coll} {cfg} p@10 ({len(rs)} seeds; baseline pixels)", float(tr), "p@10", float(px))
+        )
     if rows:
         write_results("ablate_folder", rows)
     return 0
@@ -286,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--summary", action="store_true")
     p.add_argument("--towers", action="store_true", help="untrained towers vs pixels only (no training)")
     p.add_argument("--keep", action="store_true", help="keep the resume state of each run")
-    p.add_argument("--screen", action="store_true",
-                   help="the cheap scale: 150 steps of batch 64 (runs tagged 'screen'), to rank configs")
+    p.add_argument(
+        "--screen",
+        action="store_true",
+        help="the cheap scale: 150 steps of batch 64 (runs tagged 'screen'), to rank configs",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.summary:
@@ -299,7 +411,14 @@ def main(argv: list[str] | None = None) -> int:
             for coll in args.collections.split(","):
                 if cfg not in CONFIGS or coll not in COLLECTIONS:
                     raise SystemExit(f"error: unknown config {cfg!r} or collection {coll!r}")
-                run_one(coll, cfg, seed, args.keep, SCREEN if args.screen else None, "screen" if args.screen else "")
+                run_one(
+                    coll,
+                    cfg,
+                    seed,
+                    args.keep,
+                    SCREEN if args.screen else None,
+                    "screen" if args.screen else "",
+                )
     return 0
 
 

@@ -19,12 +19,12 @@ Resumable: each finished size is kept in bench/results/build_scale_sizes.json an
 
     nice -n 19 .venv/bin/python bench/build_scale.py --sizes 1e6,1e7,3e7   # writes bench/results/build_scale.json
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _common import RESULTS_DIR, row, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +51,9 @@ def generate(path: Path, n: int, d: int, seed: int, spread: float = 1.0, cluster
         for i, start in enumerate(range(0, n, CHUNK)):
             rng = np.random.default_rng([seed, i])
             b = min(CHUNK, n - start)
-            x = centres[rng.integers(0, clusters, b)] + spread * rng.standard_normal((b, d), dtype=np.float32) / np.sqrt(d)
+            x = centres[rng.integers(0, clusters, b)] + spread * rng.standard_normal(
+                (b, d), dtype=np.float32
+            ) / np.sqrt(d)
             x /= np.linalg.norm(x, axis=1, keepdims=True)
             fh.write(np.ascontiguousarray(x, dtype=np.float32).tobytes())
     os.replace(tmp, path)
@@ -62,11 +63,16 @@ def run_child(cmd: list[str], log: Path) -> dict:
     """Run `cmd`, wait for it with os.wait4 -> {"seconds", "peak_rss_mib" (its ru_maxrss), "rc"}."""
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "rc": proc.returncode,
+    }
 
 
 def baseline_child(path: str, nlist: int, m: int, nprobe: int, queries_path: str, out_path: str) -> None:
@@ -105,42 +111,82 @@ def measure(n: int, args) -> dict:
     shutil.rmtree(root, ignore_errors=True)
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "api.cli", "index", "build", "--root", str(root), "--embeddings", str(data),
-           "--kind", "ivf-pq", "--param", f"m={args.m}", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "api.cli",
+        "index",
+        "build",
+        "--root",
+        str(root),
+        "--embeddings",
+        str(data),
+        "--kind",
+        "ivf-pq",
+        "--param",
+        f"m={args.m}",
+        "--no-progress",
+    ]
     print(f"[{n}] building: {' '.join(cmd)}", flush=True)
     build = run_child(cmd, logs / f"bigbuild-build-{n}.log")
     if build["rc"] != 0:
         raise SystemExit(f"build of {n} failed (rc {build['rc']}); see {logs / f'bigbuild-build-{n}.log'}")
     store = IndexStore(root)
-    version = store.load(store.current_version(), verify=False, gpu=False)   # what `softsearch serve` loads
+    version = store.load(store.current_version(), verify=False, gpu=False)  # what `softsearch serve` loads
     m = version.manifest
     params = dict(m.params)
     qpath = work / f"q_{n}.npy"
-    generate(qpath, QUERIES, args.d, seed=10**9 + n)                           # held out: never stored
+    generate(qpath, QUERIES, args.d, seed=10**9 + n)  # held out: never stored
     queries = np.load(qpath)
     t0 = time.perf_counter()
     exact = faiss_index.exact_neighbours(version.embeddings, queries, 10)
     exact_s = time.perf_counter() - t0
-    _, served = faiss_index.search_reranked(version.index, version.embeddings, queries, 10,
-                                            faiss_index.rerank_factor(version.kind, params))
+    _, served = faiss_index.search_reranked(
+        version.index, version.embeddings, queries, 10, faiss_index.rerank_factor(version.kind, params)
+    )
     disk = sum(f["bytes"] for f in m.files.values())
-    out = {"n": n, "d": args.d, "build_s": build["seconds"], "peak_rss_mib": build["peak_rss_mib"],
-           "recall": recall(served, exact), "target": m.recall.target, "params": params,
-           "gate_recall": m.quality_gate.recall.served if m.quality_gate else None,
-           "timings": m.timings, "train_rows": (m.build or {}).get("train_rows"), "version_bytes": disk,
-           "index_faiss_bytes": m.files["index.faiss"]["bytes"], "ivfdata_bytes": m.files["index.ivfdata"]["bytes"],
-           "generate_s": gen_s, "exact_s": exact_s}
+    out = {
+        "n": n,
+        "d": args.d,
+        "build_s": build["seconds"],
+        "peak_rss_mib": build["peak_rss_mib"],
+        "recall": recall(served, exact),
+        "target": m.recall.target,
+        "params": params,
+        "gate_recall": m.quality_gate.recall.served if m.quality_gate else None,
+        "timings": m.timings,
+        "train_rows": (m.build or {}).get("train_rows"),
+        "version_bytes": disk,
+        "index_faiss_bytes": m.files["index.faiss"]["bytes"],
+        "ivfdata_bytes": m.files["index.ivfdata"]["bytes"],
+        "generate_s": gen_s,
+        "exact_s": exact_s,
+    }
     if n <= args.baseline_max:
         bout = work / f"baseline_{n}.npy"
-        bcmd = [sys.executable, str(Path(__file__).resolve()), "--_baseline", str(data), str(params["nlist"]),
-                str(params["m"]), str(params["nprobe"]), str(qpath), str(bout)]
+        bcmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--_baseline",
+            str(data),
+            str(params["nlist"]),
+            str(params["m"]),
+            str(params["nprobe"]),
+            str(qpath),
+            str(bout),
+        ]
         print(f"[{n}] baseline: plain FAISS in RAM", flush=True)
         base = run_child(bcmd, logs / f"bigbuild-baseline-{n}.log")
         if base["rc"] == 0:
             inner = json.loads(Path(str(bout) + ".json").read_text())
-            out["baseline"] = {"wall_s": base["seconds"], "build_s": inner["build_s"], "peak_rss_mib": base["peak_rss_mib"],
-                               "recall": recall(np.load(bout), exact), "factory": f"IVF{params['nlist']},PQ{params['m']}x8np",
-                               "nprobe": params["nprobe"]}
+            out["baseline"] = {
+                "wall_s": base["seconds"],
+                "build_s": inner["build_s"],
+                "peak_rss_mib": base["peak_rss_mib"],
+                "recall": recall(np.load(bout), exact),
+                "factory": f"IVF{params['nlist']},PQ{params['m']}x8np",
+                "nprobe": params["nprobe"],
+            }
         else:
             out["baseline"] = {"failed": f"rc {base['rc']}"}
     del version
@@ -157,17 +203,49 @@ def table(results: dict) -> list[dict]:
         r = results[key]
         b = r.get("baseline") or {}
         n = f"N={int(key):.0e}"
-        rows.append(row(f"{n}: build seconds, streamed `index build --embeddings` (vs plain FAISS train+add in RAM)",
-                        r["build_s"], "s", b.get("wall_s")))
-        rows.append(row(f"{n}: build peak RSS (vs plain FAISS in RAM)", r["peak_rss_mib"], "MiB", b.get("peak_rss_mib")))
-        rows.append(row(f"{n}: served recall@10, nprobe={r['params']['nprobe']} rerank={r['params'].get('rerank')} "
-                        f"nlist={r['params']['nlist']} m={r['params']['m']} (vs plain IVF-PQ, same nprobe)",
-                        r["recall"], "recall", b.get("recall")))
-        rows.append(row(f"{n}: version on disk (embeddings + lists + stats + ids)", r["version_bytes"] / 2**20, "MiB", None))
+        rows.append(
+            row(
+                f"{n}: build seconds, streamed `index build --embeddings` (vs plain FAISS train+add in RAM)",
+                r["build_s"],
+                "s",
+                b.get("wall_s"),
+            )
+        )
+        rows.append(
+            row(
+                f"{n}: build peak RSS (vs plain FAISS in RAM)",
+                r["peak_rss_mib"],
+                "MiB",
+                b.get("peak_rss_mib"),
+            )
+        )
+        rows.append(
+            row(
+                f"{n}: served recall@10, nprobe={r['params']['nprobe']} rerank={r['params'].get('rerank')} "
+                f"nlist={r['params']['nlist']} m={r['params']['m']} (vs plain IVF-PQ, same nprobe)",
+                r["recall"],
+                "recall",
+                b.get("recall"),
+            )
+        )
+        rows.append(
+            row(
+                f"{n}: version on disk (embeddings + lists + stats + ids)",
+                r["version_bytes"] / 2**20,
+                "MiB",
+                None,
+            )
+        )
     small, big = min(results, key=int), max(results, key=int)
     if small != big:
-        rows.append(row(f"peak RSS at N={int(big):.0e} / at N={int(small):.0e} (acceptance: <= 1.5)",
-                        results[big]["peak_rss_mib"] / results[small]["peak_rss_mib"], "ratio", None))
+        rows.append(
+            row(
+                f"peak RSS at N={int(big):.0e} / at N={int(small):.0e} (acceptance: <= 1.5)",
+                results[big]["peak_rss_mib"] / results[small]["peak_rss_mib"],
+                "ratio",
+                None,
+            )
+        )
     return rows
 
 
@@ -199,8 +277,12 @@ def main(argv=None) -> int:
         results = {**(json.loads(state.read_text()) if state.exists() else {}), str(n): results[str(n)]}
         state.write_text(json.dumps(results, indent=2) + "\n")
         print(json.dumps(results[str(n)], indent=1, default=str)[:2000], flush=True)
-    write_results(args.name, table(results), command="nice -n 19 python bench/build_scale.py " + " ".join(argv),
-                  machine_note=f"load average {os.getloadavg()[0]:.1f} at the end (2 cores shared with other jobs)")
+    write_results(
+        args.name,
+        table(results),
+        command="nice -n 19 python bench/build_scale.py " + " ".join(argv),
+        machine_note=f"load average {os.getloadavg()[0]:.1f} at the end (2 cores shared with other jobs)",
+    )
     return 0
 
 

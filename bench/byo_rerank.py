@@ -13,6 +13,7 @@ was tuned), and the re-ranked search alone (no HTTP, no probabilities).
 
     .venv/bin/python bench/byo_rerank.py            # writes bench/results/byo_rerank.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-
 from _common import row, write_results
 from index_kinds import clustered
 
@@ -35,8 +35,8 @@ def per_query(fn, queries: np.ndarray) -> tuple[np.ndarray, float]:
     out = np.full((len(queries), 10), -1, np.int64)
     t0 = time.perf_counter()
     for i in range(len(queries)):
-        r = np.asarray(fn(queries[i:i + 1]))[:10]
-        out[i, :len(r)] = r
+        r = np.asarray(fn(queries[i : i + 1]))[:10]
+        out[i, : len(r)] = r
     return out, len(queries) / (time.perf_counter() - t0)
 
 
@@ -47,7 +47,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", default="20M")
     p.add_argument("--queries", type=int, default=500)
     p.add_argument("--threads", type=int, default=1, help="FAISS threads while querying (batch 1)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of the in-process timings (best kept)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="interleaved repeats of the in-process timings (best kept)"
+    )
     p.add_argument("--workdir", default=None, help="where the .npy and the store go (default: a temp dir)")
     p.add_argument("--name", default="byo_rerank")
     args = p.parse_args(argv)
@@ -60,13 +62,24 @@ def main(argv=None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="byo-rerank-"))
     work.mkdir(parents=True, exist_ok=True)
     budget = parse_bytes(args.budget)
-    data = clustered(args.n, args.dim, seed=0)                        # (N, D) float32 unit rows
-    queries = clustered(args.queries, args.dim, seed=1)               # held out: not stored
+    data = clustered(args.n, args.dim, seed=0)  # (N, D) float32 unit rows
+    queries = clustered(args.queries, args.dim, seed=1)  # held out: not stored
     np.save(work / "vectors.npy", data)
     root = work / "store"
     shutil.rmtree(root, ignore_errors=True)
-    command = ["index", "build", "--root", str(root), "--embeddings", str(work / "vectors.npy"), "--kind", "auto",
-               "--memory-budget", args.budget, "--no-progress"]
+    command = [
+        "index",
+        "build",
+        "--root",
+        str(root),
+        "--embeddings",
+        str(work / "vectors.npy"),
+        "--kind",
+        "auto",
+        "--memory-budget",
+        args.budget,
+        "--no-progress",
+    ]
     t0 = time.perf_counter()
     assert softsearch(command) == 0, "the build failed"
     build_s = time.perf_counter() - t0
@@ -75,11 +88,13 @@ def main(argv=None) -> int:
     m = version.manifest
     index_bytes = (version.path / INDEX_FILE).stat().st_size
     params = m.params
-    print(f"built {m.kind} {params} in {build_s:.1f} s; index.faiss {index_bytes / 2**20:.2f} MiB "
-          f"(budget {budget / 2**20:.1f} MiB); gate {json.dumps(m.quality_gate.recall.message)}")
+    print(
+        f"built {m.kind} {params} in {build_s:.1f} s; index.faiss {index_bytes / 2**20:.2f} MiB "
+        f"(budget {budget / 2**20:.1f} MiB); gate {json.dumps(m.quality_gate.recall.message)}"
+    )
 
     faiss.omp_set_num_threads(args.threads)
-    _, exact = faiss.knn(queries, data, 10, metric=faiss.METRIC_INNER_PRODUCT)   # brute force reference
+    _, exact = faiss.knn(queries, data, 10, metric=faiss.METRIC_INNER_PRODUCT)  # brute force reference
 
     # served: the app `softsearch serve` runs, queried through the Python client one vector at a time
     from fastapi.testclient import TestClient
@@ -92,9 +107,10 @@ def main(argv=None) -> int:
     for normaliser in ("auto", "bounded"):
         with TestClient(create_app(Settings(index_root=root, normaliser=normaliser))) as http:
             client = SoftsearchClient(http=http)
-            client.search_vector(queries[0].tolist(), k=10)           # warm-up (first request path)
-            rows, qps = per_query(lambda q: [h.row for h in client.search_vector(q[0].tolist(), k=10).results],
-                                  queries)
+            client.search_vector(queries[0].tolist(), k=10)  # warm-up (first request path)
+            rows, qps = per_query(
+                lambda q: [h.row for h in client.search_vector(q[0].tolist(), k=10).results], queries
+            )
         served[normaliser] = (fi.recall_at_k(rows, exact, 10), qps)
 
     # baselines on the same index.faiss
@@ -106,13 +122,22 @@ def main(argv=None) -> int:
     old_index = faiss.read_index(str(version.path / INDEX_FILE))
     sample = fi.tuning_rows(args.n)
     _, tune_exact = faiss.knn(data[sample], data, 11, metric=faiss.METRIC_INNER_PRODUCT)
-    old = fi.tune(old_index, data[sample], tune_exact, target_recall=m.recall.target, k=10, kind="ivf-pq",
-                  self_rows=sample)
-    methods = {"raw": lambda q: fi.search(raw, q, 10)[1][0],
-               "reranked": lambda q: fi.search_reranked(raw, version.embeddings, q, 10, params["rerank"])[1][0],
-               "old": lambda q: fi.search(old_index, q, 10)[1][0]}
+    old = fi.tune(
+        old_index,
+        data[sample],
+        tune_exact,
+        target_recall=m.recall.target,
+        k=10,
+        kind="ivf-pq",
+        self_rows=sample,
+    )
+    methods = {
+        "raw": lambda q: fi.search(raw, q, 10)[1][0],
+        "reranked": lambda q: fi.search_reranked(raw, version.embeddings, q, 10, params["rerank"])[1][0],
+        "old": lambda q: fi.search(old_index, q, 10)[1][0],
+    }
     best: dict = {}
-    for _ in range(args.repeats):   # interleaved, best of `repeats`: the machine is shared
+    for _ in range(args.repeats):  # interleaved, best of `repeats`: the machine is shared
         for name, fn in methods.items():
             rows, qps = per_query(fn, queries)
             best[name] = (rows, max(qps, best.get(name, (None, 0.0))[1]))
@@ -121,26 +146,49 @@ def main(argv=None) -> int:
 
     ctx = f"nprobe={params['nprobe']}, rerank={params['rerank']}, m={params['m']}, nlist={params['nlist']}"
     rows_out = [
-        row(f"served recall@10 (HTTP /v1/search/vector, {ctx}) vs raw IVF-PQ same nprobe", served["auto"][0],
-            "recall", raw_recall),
-        row(f"served recall@10 vs raw IVF-PQ at nprobe={old.value} tuned without re-ranking", served["auto"][0],
-            "recall", old_recall),
+        row(
+            f"served recall@10 (HTTP /v1/search/vector, {ctx}) vs raw IVF-PQ same nprobe",
+            served["auto"][0],
+            "recall",
+            raw_recall,
+        ),
+        row(
+            f"served recall@10 vs raw IVF-PQ at nprobe={old.value} tuned without re-ranking",
+            served["auto"][0],
+            "recall",
+            old_recall,
+        ),
         row("re-ranked search alone recall@10 (no HTTP)", rr_recall, "recall", raw_recall),
-        row("served batch-1 QPS, exact log Z (normaliser auto) vs raw IVF-PQ", served["auto"][1], "qps", raw_qps),
+        row(
+            "served batch-1 QPS, exact log Z (normaliser auto) vs raw IVF-PQ",
+            served["auto"][1],
+            "qps",
+            raw_qps,
+        ),
         row("served batch-1 QPS, bounded log Z vs raw IVF-PQ", served["bounded"][1], "qps", raw_qps),
         row("served recall@10, bounded log Z", served["bounded"][0], "recall", raw_recall),
         row("re-ranked search alone batch-1 QPS (no HTTP) vs raw IVF-PQ", rr_qps, "qps", raw_qps),
         row(f"raw IVF-PQ batch-1 QPS at nprobe={old.value}", old_qps, "qps", raw_qps),
         row("index.faiss bytes vs the memory budget", float(index_bytes), "bytes", float(budget)),
-        row("full vectors (embeddings.npy, memory-mapped) bytes vs the budget",
-            float((version.path / "embeddings.npy").stat().st_size), "bytes", float(budget)),
+        row(
+            "full vectors (embeddings.npy, memory-mapped) bytes vs the budget",
+            float((version.path / "embeddings.npy").stat().st_size),
+            "bytes",
+            float(budget),
+        ),
         row("build time (index build --embeddings, incl. tuning and gate)", build_s, "s", None),
     ]
-    note = (f"{args.n} x {args.dim} clustered, {args.queries} held-out queries, FAISS threads {args.threads} "
-            f"while querying; chosen {m.kind} {ctx}; tuned recall {m.recall.recall:.4f}, gate "
-            f"{m.quality_gate.recall.served:.4f} on held-out stored rows")
-    write_results(args.name, rows_out, command="python bench/byo_rerank.py " + " ".join(argv or sys.argv[1:]),
-                  machine_note=note)
+    note = (
+        f"{args.n} x {args.dim} clustered, {args.queries} held-out queries, FAISS threads {args.threads} "
+        f"while querying; chosen {m.kind} {ctx}; tuned recall {m.recall.recall:.4f}, gate "
+        f"{m.quality_gate.recall.served:.4f} on held-out stored rows"
+    )
+    write_results(
+        args.name,
+        rows_out,
+        command="python bench/byo_rerank.py " + " ".join(argv or sys.argv[1:]),
+        machine_note=note,
+    )
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

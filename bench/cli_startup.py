@@ -5,6 +5,7 @@ fresh interpreter importing torch and FAISS and the modules each command's code 
 paid before it parsed its arguments, before issue 44), timed the same way, so the ratio is what the parse-first
 order saves on this machine at its current load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import row, write_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = {   # argv -> the heavy module the command's code loads once it runs
-    "train --help": "training.trainer", "train --confg x": "training.trainer",
-    "dedup --help": "search.duplicates.job", "dedup --index x --bogus": "search.duplicates.job",
+CASES = {  # argv -> the heavy module the command's code loads once it runs
+    "train --help": "training.trainer",
+    "train --confg x": "training.trainer",
+    "dedup --help": "search.duplicates.job",
+    "dedup --index x --bogus": "search.duplicates.job",
     "eval --bogus": "search.evaluation.evaluate",
     "experiment anneal --help": "training.anneal_experiment",
-    "index build --help": "index.build", "index build --bogus": "index.build",
+    "index build --help": "index.build",
+    "index build --bogus": "index.build",
 }
 
 

@@ -11,6 +11,7 @@ estimated share of items with a duplicate against the true one; seconds.
 
     .venv/bin/python bench/dedup.py --folder DIR --name NAME [--planted 0.2] [--max-items 1000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,9 @@ from itertools import combinations
 from pathlib import Path
 
 import numpy as np
+from _common import row, write_results
 from PIL import Image
 
-from _common import row, write_results
 from search.duplicates.config import DedupConfig
 from search.duplicates.edits import edited_copy
 from search.duplicates.model import expected_calibration_error
@@ -31,7 +32,7 @@ from search.duplicates.scan import scan_collection
 from training.images import load_rgb
 
 SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
-USUAL = {"dHash": 8, "pHash": 8, "PDQ": 31}      # the cut-offs users are told to use (Hamming bits)
+USUAL = {"dHash": 8, "pHash": 8, "PDQ": 31}  # the cut-offs users are told to use (Hamming bits)
 
 
 def plant(files: list[Path], share: float, rng) -> tuple[list, dict, set]:
@@ -40,7 +41,7 @@ def plant(files: list[Path], share: float, rng) -> tuple[list, dict, set]:
     edits, pairs = {}, set()
     for i in rng.choice(len(files), size=max(1, int(round(share * len(files)))), replace=False):
         original = Image.fromarray(load_rgb(files[i]))
-        original.thumbnail((2048, 2048))    # a 2x resize of a 4K picture would pass the decoder's pixel limit
+        original.thumbnail((2048, 2048))  # a 2x resize of a 4K picture would pass the decoder's pixel limit
         for _ in range(int(rng.integers(1, 3))):
             data, names = edited_copy(original, rng)
             sources.append(data)
@@ -102,7 +103,7 @@ def hamming_pairs(bits: np.ndarray, max_d: int) -> dict[frozenset, int]:
     x = bits.astype(np.float32)
     out = {}
     for s in range(0, len(x), 512):
-        d = x[s:s + 512] @ (1 - x).T + (1 - x[s:s + 512]) @ x.T
+        d = x[s : s + 512] @ (1 - x).T + (1 - x[s : s + 512]) @ x.T
         for i, j in zip(*np.nonzero(d <= max_d)):
             if s + i < j:
                 out[frozenset((int(s + i), int(j)))] = int(d[i, j])
@@ -125,8 +126,12 @@ def main(argv=None) -> int:
     ap.add_argument("--planted", type=float, default=0.2)
     ap.add_argument("--max-items", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dump", default=None, help="also save the aligned pairs' design rows, the synthetic copies' "
-                    "and the truth labels (.npz) for fitting model variants offline")
+    ap.add_argument(
+        "--dump",
+        default=None,
+        help="also save the aligned pairs' design rows, the synthetic copies' "
+        "and the truth labels (.npz) for fitting model variants offline",
+    )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     files = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
@@ -140,7 +145,7 @@ def main(argv=None) -> int:
     if len(readable) > args.max_items:
         readable = [readable[i] for i in sorted(rng.choice(len(readable), args.max_items, replace=False))]
     sources, edits, planted = plant(readable, args.planted, rng)
-    keys, pil = [], []     # pixel digests (truth) and <= 512 px copies (the hashes resize smaller anyway)
+    keys, pil = [], []  # pixel digests (truth) and <= 512 px copies (the hashes resize smaller anyway)
     for s in sources:
         a = load_rgb(s)
         keys.append(hashlib.sha1(str(a.shape).encode() + a.tobytes()).hexdigest())
@@ -151,8 +156,7 @@ def main(argv=None) -> int:
     n = len(sources)
     neighbours = None
     t0 = time.perf_counter()
-    scan = scan_collection(lambda r: sources[r], n, DedupConfig(),
-                           neighbours=neighbours, progress=True)
+    scan = scan_collection(lambda r: sources[r], n, DedupConfig(), neighbours=neighbours, progress=True)
     seconds = time.perf_counter() - t0
     threshold = DedupConfig().threshold
     keep = scan.p >= threshold
@@ -174,27 +178,41 @@ def main(argv=None) -> int:
     has_dup = np.zeros(n, bool)
     for pair in truth:
         has_dup[list(pair)] = True
-    rows = [row("items (with planted copies)", float(n), "items", None),
-            row("true duplicate pairs", float(len(truth)), "pairs", None),
-            row("softsearch precision", prec, "ratio", None), row("softsearch recall", rec, "ratio", None),
-            row("softsearch F1", f1, "ratio", None),
-            row("softsearch precision, scored pairs only (no grouping)", dprec, "ratio", None),
-            row("softsearch recall, scored pairs only (no grouping)", drec, "ratio", None),
-            row("pairs joined as identical pictures (digest)", float(scan.identical.sum()), "pairs", None),
-            row("softsearch ECE (all aligned pairs)", ece_all, "ratio", None),
-            row("softsearch ECE (pairs at p >= 0.05)", ece_sure, "ratio", None),
-            row("share of items with a duplicate, estimated", scan.share_items, "ratio", float(has_dup.mean())),
-            row("softsearch seconds (end to end)", seconds, "s", None),
-            *[row(f"softsearch seconds: {k}", v, "s", None) for k, v in scan.seconds.items()],
-            row("candidate pair recall (aligned or identical)", float(label.sum() / max(len(truth), 1)), "ratio", None),
-            row("share of candidate pairs that are duplicates, estimated", scan.model.share, "ratio",
-                float(label[aligned].mean()) if aligned.any() else None)]
+    rows = [
+        row("items (with planted copies)", float(n), "items", None),
+        row("true duplicate pairs", float(len(truth)), "pairs", None),
+        row("softsearch precision", prec, "ratio", None),
+        row("softsearch recall", rec, "ratio", None),
+        row("softsearch F1", f1, "ratio", None),
+        row("softsearch precision, scored pairs only (no grouping)", dprec, "ratio", None),
+        row("softsearch recall, scored pairs only (no grouping)", drec, "ratio", None),
+        row("pairs joined as identical pictures (digest)", float(scan.identical.sum()), "pairs", None),
+        row("softsearch ECE (all aligned pairs)", ece_all, "ratio", None),
+        row("softsearch ECE (pairs at p >= 0.05)", ece_sure, "ratio", None),
+        row("share of items with a duplicate, estimated", scan.share_items, "ratio", float(has_dup.mean())),
+        row("softsearch seconds (end to end)", seconds, "s", None),
+        *[row(f"softsearch seconds: {k}", v, "s", None) for k, v in scan.seconds.items()],
+        row(
+            "candidate pair recall (aligned or identical)",
+            float(label.sum() / max(len(truth), 1)),
+            "ratio",
+            None,
+        ),
+        row(
+            "share of candidate pairs that are duplicates, estimated",
+            scan.model.share,
+            "ratio",
+            float(label[aligned].mean()) if aligned.any() else None,
+        ),
+    ]
     per_edit = defaultdict(list)
     for a, c in planted:
         for e in edits[c]:
             per_edit[e].append(frozenset((a, c)) in found)
-    rows += [row(f"softsearch recall, copies with {e}", float(np.mean(v)), "ratio", None)
-             for e, v in sorted(per_edit.items())]
+    rows += [
+        row(f"softsearch recall, copies with {e}", float(np.mean(v)), "ratio", None)
+        for e, v in sorted(per_edit.items())
+    ]
     for kind in ("dHash", "pHash", "PDQ"):
         t1 = time.perf_counter()
         bits = hash_bits(pil, kind)
@@ -203,13 +221,15 @@ def main(argv=None) -> int:
         took = time.perf_counter() - t1
         usual = scores({p for p, d in dist.items() if d <= USUAL[kind]}, truth)
         t, best = best_in_hindsight(dist, truth, max_d)
-        rows += [row(f"{kind} <= {USUAL[kind]} precision", usual[0], "ratio", None),
-                 row(f"{kind} <= {USUAL[kind]} recall", usual[1], "ratio", None),
-                 row(f"{kind} <= {USUAL[kind]} F1", usual[2], "ratio", f1),
-                 row(f"{kind} best in hindsight (<= {t}) F1", best[2], "ratio", f1),
-                 row(f"{kind} best in hindsight precision", best[0], "ratio", None),
-                 row(f"{kind} best in hindsight recall", best[1], "ratio", None),
-                 row(f"{kind} seconds (hashes and all pairs)", took, "s", None)]
+        rows += [
+            row(f"{kind} <= {USUAL[kind]} precision", usual[0], "ratio", None),
+            row(f"{kind} <= {USUAL[kind]} recall", usual[1], "ratio", None),
+            row(f"{kind} <= {USUAL[kind]} F1", usual[2], "ratio", f1),
+            row(f"{kind} best in hindsight (<= {t}) F1", best[2], "ratio", f1),
+            row(f"{kind} best in hindsight precision", best[0], "ratio", None),
+            row(f"{kind} best in hindsight recall", best[1], "ratio", None),
+            row(f"{kind} seconds (hashes and all pairs)", took, "s", None),
+        ]
     write_results(f"dedup_{args.name}", rows, machine_note=f"load {__import__('os').getloadavg()[0]:.1f}")
     return 0
 

@@ -8,6 +8,7 @@ Targets: 10^3 in <= 60 s and 10^4 in <= 300 s on the 2-core machine.
 
     .venv/bin/python bench/dedup_scale.py [--sizes 1000 10000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,8 @@ import sys
 import time
 
 import numpy as np
-from PIL import Image, ImageDraw
-
 from _common import row, write_results
+from PIL import Image, ImageDraw
 
 PLANTED = 0.01
 TARGET_S = {1000: 60.0, 10000: 300.0}
@@ -41,7 +41,9 @@ def generate(n: int, seed: int = 0) -> tuple[list[bytes], list[tuple[int, int]]]
         for _ in range(int(rng.integers(4, 9))):
             x0, y0 = int(rng.integers(0, 140)), int(rng.integers(0, 100))
             box = (x0, y0, x0 + int(rng.integers(10, 60)), y0 + int(rng.integers(10, 60)))
-            (d.ellipse if rng.random() < 0.5 else d.rectangle)(box, fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+            (d.ellipse if rng.random() < 0.5 else d.rectangle)(
+                box, fill=tuple(int(c) for c in rng.integers(0, 256, 3))
+            )
         buf = io.BytesIO()
         im.save(buf, format="PNG")
         out.append(buf.getvalue())
@@ -62,9 +64,15 @@ def child(n: int) -> dict:
     seconds = time.perf_counter() - t0
     found = {(int(a), int(b)) for a, b, p in zip(scan.a, scan.b, scan.p) if p >= 0.5}
     hits = sum((a, b) in found for a, b in pairs)
-    return {"n": n, "seconds": seconds, "stages": scan.seconds, "pairs_scored": int(scan.p.size),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "planted_found": hits / max(len(pairs), 1), "pairs_kept": len(found)}
+    return {
+        "n": n,
+        "seconds": seconds,
+        "stages": scan.seconds,
+        "pairs_scored": int(scan.p.size),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "planted_found": hits / max(len(pairs), 1),
+        "pairs_kept": len(found),
+    }
 
 
 def main(argv=None) -> int:
@@ -78,16 +86,23 @@ def main(argv=None) -> int:
         return 0
     rows = []
     for n in args.sizes:
-        out = subprocess.run([sys.executable, __file__, "--child", str(n)], capture_output=True, text=True,
-                             env=os.environ, check=True)
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", str(n)],
+            capture_output=True,
+            text=True,
+            env=os.environ,
+            check=True,
+        )
         sys.stderr.write(out.stderr[-2000:])
         res = json.loads(next(ln for ln in out.stdout.splitlines() if ln.startswith("RESULT "))[7:])
         rows.append(row(f"{n} images: seconds end to end", res["seconds"], "s", TARGET_S.get(n)))
         rows += [row(f"{n} images: {stage}", s, "s", None) for stage, s in res["stages"].items()]
-        rows += [row(f"{n} images: pairs aligned", float(res["pairs_scored"]), "pairs", None),
-                 row(f"{n} images: peak RSS", res["peak_rss_mib"], "MiB", None),
-                 row(f"{n} images: planted copies found", res["planted_found"], "ratio", None),
-                 row(f"{n} images: pairs kept", float(res["pairs_kept"]), "pairs", None)]
+        rows += [
+            row(f"{n} images: pairs aligned", float(res["pairs_scored"]), "pairs", None),
+            row(f"{n} images: peak RSS", res["peak_rss_mib"], "MiB", None),
+            row(f"{n} images: planted copies found", res["planted_found"], "ratio", None),
+            row(f"{n} images: pairs kept", float(res["pairs_kept"]), "pairs", None),
+        ]
     write_results(args.name, rows, machine_note=f"load {os.getloadavg()[0]:.1f}")
     return 0
 

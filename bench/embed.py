@@ -7,6 +7,7 @@ checks and shard writes).
 
     .venv/bin/python bench/embed.py [--size 2048] [--batch-size 256] [--workers 0 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,12 +15,10 @@ import sys
 import tempfile
 import time
 
-
 import numpy as np
 import torch
-
-
 from _common import row, write_results
+
 from index.embed import embed_dataset
 from training.datasets import create_dataset
 from training.encoder import EncoderConfig, create_encoder
@@ -49,20 +48,28 @@ def main(argv: list[str] | None = None) -> int:
     dataset = create_dataset("synthetic", split="train", size=args.size, seed=0)
     n = len(dataset)
 
-    plain_loop(encoder, dataset, args.batch_size)   # warm-up: lazy inits and allocator growth are not timed
+    plain_loop(encoder, dataset, args.batch_size)  # warm-up: lazy inits and allocator growth are not timed
     best_plain, cpu_plain, ref = float("inf"), float("inf"), None
     best = {w: float("inf") for w in args.workers}
     cpu0 = float("inf")
-    for _ in range(args.repeats):           # interleave so both see the same background load
+    for _ in range(args.repeats):  # interleave so both see the same background load
         t0, c0 = time.perf_counter(), time.process_time()
         ref = plain_loop(encoder, dataset, args.batch_size)
         best_plain = min(best_plain, time.perf_counter() - t0)
         cpu_plain = min(cpu_plain, time.process_time() - c0)
         for w in args.workers:
-            with tempfile.TemporaryDirectory() as tmp:   # fresh cache: no resumed shards
+            with tempfile.TemporaryDirectory() as tmp:  # fresh cache: no resumed shards
                 t0, c0 = time.perf_counter(), time.process_time()
-                res = embed_dataset(encoder, dataset, tmp, key="bench", shard_size=args.shard_size,
-                                    batch_size=args.batch_size, num_workers=w, progress=False)
+                res = embed_dataset(
+                    encoder,
+                    dataset,
+                    tmp,
+                    key="bench",
+                    shard_size=args.shard_size,
+                    batch_size=args.batch_size,
+                    num_workers=w,
+                    progress=False,
+                )
                 best[w] = min(best[w], time.perf_counter() - t0)
                 if w == 0:
                     cpu0 = min(cpu0, time.process_time() - c0)
@@ -70,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             assert np.allclose(res.embeddings, ref, atol=1e-5), "index.embed disagrees with the plain loop"
     rows = [row(f"plain loop b{args.batch_size} wall", n / best_plain, "img/s", None)]
     for w in args.workers:
-        rows.append(row(f"index.embed b{args.batch_size} workers={w} wall", n / best[w], "img/s", n / best_plain))
+        rows.append(
+            row(f"index.embed b{args.batch_size} workers={w} wall", n / best[w], "img/s", n / best_plain)
+        )
     if 0 in args.workers:
         # CPU seconds of this process: less sensitive to other users of the machine than wall time
-        rows.append(row(f"index.embed b{args.batch_size} workers=0 cpu", n / cpu0, "img/cpu-s", n / cpu_plain))
+        rows.append(
+            row(f"index.embed b{args.batch_size} workers=0 cpu", n / cpu0, "img/cpu-s", n / cpu_plain)
+        )
     write_results("embed", rows)
     return 0
 

@@ -16,6 +16,7 @@ these views.
 
     .venv/bin/python bench/energy_scale.py RUN_A RUN_B [RUN_C ...] [--batches 8] [--points 11]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,16 @@ from _common import row, write_results  # noqa: E402
 
 def fixed_batches(config, n_batches: int):
     """`n_batches` pairs of view tensors from the run's own data and generator, away from its training steps."""
-    from training.trainer import build_data, batch_indices, sample_views
+    from training.trainer import batch_indices, build_data, sample_views
 
     dataset, generator = build_data(config)
     out = []
     for b in range(n_batches):
         step = 10**6 + b
         idx = batch_indices(step, len(dataset), config.batch_size, seed=12345)
-        out.append(sample_views(generator, dataset, idx, seed=12345, step=step, offset=0, chunk=config.sample_chunk))
+        out.append(
+            sample_views(generator, dataset, idx, seed=12345, step=step, offset=0, chunk=config.sample_chunk)
+        )
     return out
 
 
@@ -55,21 +58,31 @@ def mean_loss(encoder, loss_fn, batches, temperature: float) -> float:
 
     encoder.train()
     info = DistInfo()
-    return float(np.mean([float(contrastive_step(encoder, loss_fn, a, b, temperature, info).loss) for a, b in batches]))
+    return float(
+        np.mean([float(contrastive_step(encoder, loss_fn, a, b, temperature, info).loss) for a, b in batches])
+    )
 
 
 def interpolate(state_a: dict, state_b: dict, alpha: float) -> dict:
     """(1 - alpha) theta_A + alpha theta_B for float tensors; integer buffers (BN counters) from A."""
-    return {k: ((1 - alpha) * v + alpha * state_b[k]) if v.is_floating_point() else v for k, v in state_a.items()}
+    return {
+        k: ((1 - alpha) * v + alpha * state_b[k]) if v.is_floating_point() else v for k, v in state_a.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (config.json + checkpoint.safetensors)")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="run directories (config.json + checkpoint.safetensors)"
+    )
     parser.add_argument("--batches", type=int, default=8)
     parser.add_argument("--points", type=int, default=11, help="points on each straight path, ends included")
-    parser.add_argument("--temperature", type=float, default=None,
-                        help="loss temperature (default: the first run's final training temperature)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="loss temperature (default: the first run's final training temperature)",
+    )
     parser.add_argument("--name", default="energy_scale")
     args = parser.parse_args(argv)
 
@@ -98,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
             path.append(mean_loss(probe, loss_fn, batches, tau))
         barrier = max(path) - max(path[0], path[-1])
         print(f"{na} -> {nb}: " + " ".join(f"{v:.3f}" for v in path))
-        rows += [row(f"|L_A - L_B| {na} vs {nb}", abs(path[0] - path[-1]), "nats", None),
-                 row(f"straight-path barrier {na} -> {nb}", barrier, "nats", None),
-                 row(f"path max {na} -> {nb} (alpha {alphas[int(np.argmax(path))]:.1f})", max(path), "nats", None)]
+        rows += [
+            row(f"|L_A - L_B| {na} vs {nb}", abs(path[0] - path[-1]), "nats", None),
+            row(f"straight-path barrier {na} -> {nb}", barrier, "nats", None),
+            row(f"path max {na} -> {nb} (alpha {alphas[int(np.argmax(path))]:.1f})", max(path), "nats", None),
+        ]
     write_results(args.name, rows)
     return 0
 

@@ -12,6 +12,7 @@ the embeddings would hold on top of the model.
 
     .venv/bin/python bench/eval_scale.py [--root /tmp/softsearch-million] [--max-queries 256]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,21 @@ MIB = 1 << 20
 
 def run_eval(root: Path, out: Path, max_queries: int, extra: list[str]) -> dict:
     """Run `softsearch eval --index root` in a fresh child: {seconds, peak_bytes, report}."""
-    cmd = [sys.executable, "-m", "api.cli", "eval", "--index", str(root), "--out", str(out),
-           "--max-queries", str(max_queries), "--device", "cpu", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "api.cli",
+        "eval",
+        "--index",
+        str(root),
+        "--out",
+        str(out),
+        "--max-queries",
+        str(max_queries),
+        "--device",
+        "cpu",
+        *extra,
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     t0 = time.perf_counter()
@@ -44,10 +58,13 @@ def run_eval(root: Path, out: Path, max_queries: int, extra: list[str]) -> dict:
     seconds = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"eval failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss   # max over waited children, KiB
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # max over waited children, KiB
     if peak_kib <= before:
-        logger.warning("child peak not above an earlier child's (%d <= %d KiB): order the runs small to large",
-                       peak_kib, before)
+        logger.warning(
+            "child peak not above an earlier child's (%d <= %d KiB): order the runs small to large",
+            peak_kib,
+            before,
+        )
     report = json.loads((out / "report.json").read_text())
     return {"seconds": seconds, "peak_bytes": peak_kib * 1024, "report": report}
 
@@ -66,21 +83,33 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--no-k-law"] if args.no_k_law else []
     emb_bytes = (big / "versions" / version / "embeddings.npy").stat().st_size
     with tempfile.TemporaryDirectory(prefix="eval_scale_") as tmp:
-        small = run_eval(tenth, Path(tmp) / "tenth", args.max_queries, extra)   # smaller first (see run_eval)
+        small = run_eval(tenth, Path(tmp) / "tenth", args.max_queries, extra)  # smaller first (see run_eval)
         large = run_eval(big, Path(tmp) / "million", args.max_queries, extra)
     n_small = small["report"]["database"]["count"]
     n_large = large["report"]["database"]["count"]
-    rows = [row(f"eval N={n_large:.0e} wall time", large["seconds"], "s", small["seconds"]),
-            row(f"eval N={n_large:.0e} peak RSS", large["peak_bytes"] / MIB, "MiB", small["peak_bytes"] / MIB),
-            row(f"eval N={n_large:.0e} peak RSS vs N=1e5 peak + a resident N x d float32 copy",
-                large["peak_bytes"] / MIB, "MiB", small["peak_bytes"] / MIB + emb_bytes / MIB),
-            row(f"eval N={n_small:.0e} wall time", small["seconds"], "s", None),
-            row(f"eval N={n_small:.0e} peak RSS", small["peak_bytes"] / MIB, "MiB", None),
-            row("embeddings.npy at N=1e6 (d=128)", emb_bytes / MIB, "MiB", None),
-            row(f"eval N={n_large:.0e} gap KL at the serving tau", large["report"]["gap"]["serving"]["kl"], "nats",
-                small["report"]["gap"]["serving"]["kl"])]
-    note = (f"1-min load average {os.getloadavg()[0]:.1f} at the end; {args.max_queries} queries; "
-            f"{'no ' if args.no_k_law else ''}k-law")
+    rows = [
+        row(f"eval N={n_large:.0e} wall time", large["seconds"], "s", small["seconds"]),
+        row(f"eval N={n_large:.0e} peak RSS", large["peak_bytes"] / MIB, "MiB", small["peak_bytes"] / MIB),
+        row(
+            f"eval N={n_large:.0e} peak RSS vs N=1e5 peak + a resident N x d float32 copy",
+            large["peak_bytes"] / MIB,
+            "MiB",
+            small["peak_bytes"] / MIB + emb_bytes / MIB,
+        ),
+        row(f"eval N={n_small:.0e} wall time", small["seconds"], "s", None),
+        row(f"eval N={n_small:.0e} peak RSS", small["peak_bytes"] / MIB, "MiB", None),
+        row("embeddings.npy at N=1e6 (d=128)", emb_bytes / MIB, "MiB", None),
+        row(
+            f"eval N={n_large:.0e} gap KL at the serving tau",
+            large["report"]["gap"]["serving"]["kl"],
+            "nats",
+            small["report"]["gap"]["serving"]["kl"],
+        ),
+    ]
+    note = (
+        f"1-min load average {os.getloadavg()[0]:.1f} at the end; {args.max_queries} queries; "
+        f"{'no ' if args.no_k_law else ''}k-law"
+    )
     write_results("eval_scale", rows, machine_note=note)
     return 0
 

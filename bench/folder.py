@@ -19,6 +19,7 @@ with configs/folder.toml (its image size, batch, tower and neighbour positives).
 
     .venv/bin/python bench/folder.py [--rounds 4] [--steps 8] [--fashion-size 8192]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from _common import row, write_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,11 +51,21 @@ GIB = 1 << 30
 
 
 def _config(dataset: str, root: str, out: Path, steps: int, fashion_size: int, cache_dir: Path, extra=()):
-    sets = [f'out_dir="{out}"', f"steps={steps}", "warmup_steps=1", "checkpoint_every=100000", "progress=false",
-            f'cache_dir="{cache_dir}"']
+    sets = [
+        f'out_dir="{out}"',
+        f"steps={steps}",
+        "warmup_steps=1",
+        "checkpoint_every=100000",
+        "progress=false",
+        f'cache_dir="{cache_dir}"',
+    ]
     if dataset == "fashion-mnist":
-        sets += ['dataset="fashion-mnist"', 'data_root="/usr/share/datasets/fashion-mnist"',
-                 f"dataset_size={fashion_size}", "dataset_options={}"]
+        sets += [
+            'dataset="fashion-mnist"',
+            'data_root="/usr/share/datasets/fashion-mnist"',
+            f"dataset_size={fashion_size}",
+            "dataset_options={}",
+        ]
     else:
         sets += [f'data_root="{root}"']
     return load_train_config(CONFIG, sets + list(extra))
@@ -91,8 +101,13 @@ def child_peak_rss(args) -> int:
 def _peak_rss(config, work: Path, tag: str) -> int:
     spec = work / f"{tag}.json"
     spec.write_text(json.dumps(config.to_dict()))
-    done = subprocess.run([sys.executable, __file__, "--child-train", str(spec)], capture_output=True, text=True,
-                          cwd=REPO, timeout=1800)
+    done = subprocess.run(
+        [sys.executable, __file__, "--child-train", str(spec)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=1800,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"child training failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["vmhwm"]
@@ -102,8 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4, help="alternating training rounds per dataset")
     p.add_argument("--steps", type=int, default=8, help="training steps per round (the first is warm-up)")
-    p.add_argument("--fashion-size", type=int, default=8192,
-                   help="Fashion-MNIST items (the step cost does not depend on it; the neighbour table does)")
+    p.add_argument(
+        "--fashion-size",
+        type=int,
+        default=8192,
+        help="Fashion-MNIST items (the step cost does not depend on it; the neighbour table does)",
+    )
     p.add_argument("--embed-repeats", type=int, default=3)
     p.add_argument("--rss-steps", type=int, default=20)
     p.add_argument("--keep", action="store_true", help="keep the work directory (runs, indexes, cache)")
@@ -119,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             print(f"kept {work}")
         else:
-            shutil.rmtree(work, ignore_errors=True)   # ~0.9 GB of runs, indexes and caches
+            shutil.rmtree(work, ignore_errors=True)  # ~0.9 GB of runs, indexes and caches
 
 
 def _bench(args, work: Path) -> int:
@@ -136,9 +155,11 @@ def _bench(args, work: Path) -> int:
     cache_dir = work / "cache"
     base = _config("folder", str(folder), work / "x", 1, args.fashion_size, cache_dir)
     size = base.encoder.image_size
-    print(f"folder {folder}: {sum(1 for _ in (folder / 'train').rglob('*.png'))} train, "
-          f"{sum(1 for _ in (folder / 'test').rglob('*.png'))} test images; config {CONFIG.name}, "
-          f"batch {base.batch_size}, {size} px; work dir {work}")
+    print(
+        f"folder {folder}: {sum(1 for _ in (folder / 'train').rglob('*.png'))} train, "
+        f"{sum(1 for _ in (folder / 'test').rglob('*.png'))} test images; config {CONFIG.name}, "
+        f"batch {base.batch_size}, {size} px; work dir {work}"
+    )
 
     # 1. decode once: the cache build (first use), then reads; baseline = on-demand decoding
     t0 = time.perf_counter()
@@ -154,13 +175,15 @@ def _bench(args, work: Path) -> int:
         train_ds.tensors(np.arange(start, min(start + 256, len(train_ds))))
     cache_read = len(train_ds) / (time.perf_counter() - t0)
     cache_bytes = train_ds.cache.nbytes + test_ds.cache.nbytes
-    print(f"cache: {n_files} files decoded in {decode_s:.1f} s ({train_ds.cache.info['workers']} workers; first use "
-          f"incl. hashing {first_use:.1f} s), {cache_bytes / 2**20:.1f} MiB; on demand {on_demand:.0f} img/s")
+    print(
+        f"cache: {n_files} files decoded in {decode_s:.1f} s ({train_ds.cache.info['workers']} workers; first use "
+        f"incl. hashing {first_use:.1f} s), {cache_bytes / 2**20:.1f} MiB; on demand {on_demand:.0f} img/s"
+    )
 
     # 2. training step, folder vs Fashion-MNIST, alternating rounds
     steps = {"folder": [], "fashion-mnist": []}
     for r in range(args.rounds):
-        for name in (("folder", "fashion-mnist") if r % 2 == 0 else ("fashion-mnist", "folder")):
+        for name in ("folder", "fashion-mnist") if r % 2 == 0 else ("fashion-mnist", "folder"):
             out = work / f"train-{name}-{r}"
             train(_config(name, str(folder), out, args.steps, args.fashion_size, cache_dir))
             steps[name].extend(_step_seconds(out))
@@ -177,35 +200,53 @@ def _bench(args, work: Path) -> int:
         version = build_index(ckpt, train_ds, root, BuildOptions(batch_size=256, progress=False))
         best_build = max(best_build, IndexStore(root).manifest(version).sources[0]["images_per_s"])
         t0 = time.perf_counter()
-        with torch.inference_mode():   # the plain loop a user would write without the cache
+        with torch.inference_mode():  # the plain loop a user would write without the cache
             for start in range(0, len(paths), 256):
-                encoder(torch.cat([preprocess(load_rgb(f)[None], size) for f in paths[start:start + 256]]))
+                encoder(torch.cat([preprocess(load_rgb(f)[None], size) for f in paths[start : start + 256]]))
         best_plain = max(best_plain, len(paths) / (time.perf_counter() - t0))
 
     # 4. peak memory of folder training (a child process, cache already built) vs the bound
-    rss_folder = _peak_rss(_config("folder", str(folder), work / "rss-folder", args.rss_steps, args.fashion_size,
-                                   cache_dir), work, "rss-folder")
-    rss_fashion = _peak_rss(_config("fashion-mnist", str(folder), work / "rss-fashion", args.rss_steps,
-                                    args.fashion_size, cache_dir), work, "rss-fashion")
+    rss_folder = _peak_rss(
+        _config("folder", str(folder), work / "rss-folder", args.rss_steps, args.fashion_size, cache_dir),
+        work,
+        "rss-folder",
+    )
+    rss_fashion = _peak_rss(
+        _config(
+            "fashion-mnist", str(folder), work / "rss-fashion", args.rss_steps, args.fashion_size, cache_dir
+        ),
+        work,
+        "rss-fashion",
+    )
     bound = cache_bytes + 3 * GIB
 
     rows = [
-        row(f"train step folder vs fashion-mnist (b{base.batch_size}, {size} px, s/step)", step_folder, "s/step",
-            step_fashion),
+        row(
+            f"train step folder vs fashion-mnist (b{base.batch_size}, {size} px, s/step)",
+            step_folder,
+            "s/step",
+            step_fashion,
+        ),
         row("cache build: decode once, workers (img/s)", n_files / decode_s, "img/s", on_demand),
         row("cache read: FolderDataset.tensors (img/s)", cache_read, "img/s", on_demand),
         row("index build embed from cache (img/s)", best_build, "img/s", best_plain),
         row("peak RSS folder training vs cache + 3 GiB (MiB)", rss_folder / 2**20, "MiB", bound / 2**20),
-        row("peak RSS folder vs fashion-mnist training (MiB)", rss_folder / 2**20, "MiB", rss_fashion / 2**20),
+        row(
+            "peak RSS folder vs fashion-mnist training (MiB)", rss_folder / 2**20, "MiB", rss_fashion / 2**20
+        ),
         row("cache size (MiB)", cache_bytes / 2**20, "MiB", None),
         row("files (decoded + skipped)", float(n_files), "files", None),
     ]
-    load = (f"shared with other jobs (a background training sweep and other engineers' tests): 1-min load "
-            f"average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end on {os.cpu_count()} cores; "
-            "the step ratio comes from interleaved rounds")
+    load = (
+        f"shared with other jobs (a background training sweep and other engineers' tests): 1-min load "
+        f"average {load_start:.1f} at start, {os.getloadavg()[0]:.1f} at end on {os.cpu_count()} cores; "
+        "the step ratio comes from interleaved rounds"
+    )
     write_results("folder", rows, machine_note=load)
-    print("machine shared with other jobs: the step ratio comes from interleaved rounds "
-          f"({args.rounds} x {args.steps} steps per dataset, median of steps after the first of each round)")
+    print(
+        "machine shared with other jobs: the step ratio comes from interleaved rounds "
+        f"({args.rounds} x {args.steps} steps per dataset, median of steps after the first of each round)"
+    )
     return 0
 
 

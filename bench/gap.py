@@ -14,6 +14,7 @@ is measured only while its estimated footprint (about 8 float64 Q x N matrices) 
     .venv/bin/python bench/gap.py            # GPU: Q=4096, N=1e5; CPU (2 shared cores): Q=1024, N=2e4
     .venv/bin/python bench/gap.py --full     # N = 1e6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,8 @@ import multiprocessing as mp
 import resource
 import time
 
-
 import numpy as np
 import torch
-
 from _common import row, write_results
 
 D, M, KAPPA, N_CLASSES = 128, 3, 4.0, 10
@@ -36,8 +35,14 @@ def make_data(q: int, n: int, seed: int = 0):
     zq /= np.linalg.norm(zq, axis=1, keepdims=True)
     zn = rng.standard_normal((n, D), dtype=np.float32)
     zn /= np.linalg.norm(zn, axis=1, keepdims=True)
-    return (zq, zn, rng.uniform(0, 2 * np.pi, (q, M)), rng.uniform(0, 2 * np.pi, (n, M)),
-            rng.integers(0, N_CLASSES, q), rng.integers(0, N_CLASSES, n))
+    return (
+        zq,
+        zn,
+        rng.uniform(0, 2 * np.pi, (q, M)),
+        rng.uniform(0, 2 * np.pi, (n, M)),
+        rng.integers(0, N_CLASSES, q),
+        rng.integers(0, N_CLASSES, n),
+    )
 
 
 def _sync(dev):
@@ -146,8 +151,12 @@ def main(argv=None) -> int:
         row(f"gap label {shape} (tiled matmul time / gap time)", t_mm_tiles / t_lab, "fraction", None),
     ]
     if not args.no_eager:  # the eager online-max walk (fused=False), for the record
-        t_lat_e = best_time(lambda: softmax_gap(zq, zn, lq, ln, latent, 0.1, device=dev, fused=False), dev, args.repeats)
-        t_lab_e = best_time(lambda: softmax_gap(zq, zn, cq, cn, label, 0.1, device=dev, fused=False), dev, args.repeats)
+        t_lat_e = best_time(
+            lambda: softmax_gap(zq, zn, lq, ln, latent, 0.1, device=dev, fused=False), dev, args.repeats
+        )
+        t_lab_e = best_time(
+            lambda: softmax_gap(zq, zn, cq, cn, label, 0.1, device=dev, fused=False), dev, args.repeats
+        )
         rows += [
             row(f"gap latent eager {shape} (matmul time / gap time)", t_mm / t_lat_e, "fraction", None),
             row(f"gap latent default vs eager {shape}", t_lat, "s", t_lat_e),
@@ -168,7 +177,12 @@ def main(argv=None) -> int:
         dense_peak, dense_case = dense_est, "dense reference peak (estimate 8 x Q x N float64)"
     rows += [
         row(f"{dense_case} {shape}", dense_peak / 2**20, "MiB", None),
-        row(f"streaming gap peak ({'GPU' if gpu else 'CPU'}) {shape}", stream_peak / 2**20, "MiB", dense_peak / 2**20),
+        row(
+            f"streaming gap peak ({'GPU' if gpu else 'CPU'}) {shape}",
+            stream_peak / 2**20,
+            "MiB",
+            dense_peak / 2**20,
+        ),
     ]
     write_results(args.name, rows)
     return 0

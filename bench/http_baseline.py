@@ -24,6 +24,7 @@ untrained unless `--synthetic-checkpoint` names one (speed does not depend on th
     .venv/bin/python bench/http_baseline.py                  # ~7 minutes on 2 shared cores
     .venv/bin/python bench/http_baseline.py --rounds 2 --duration 4 --cases folder
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,8 @@ from pathlib import Path
 
 import httpx
 import torch
-
 from _common import row, write_results
-from http_load import BOUNDARY, multipart, percentile, query_payloads, run_load
+from http_load import multipart, percentile, query_payloads, run_load
 
 from api.launch import free_port, http_ready, serve_argv, server_process
 
@@ -56,8 +56,13 @@ def _checkpoint(path: Path, encoder_config) -> Path:
     from training.encoder import create_encoder
 
     torch.manual_seed(0)
-    return save_checkpoint(path, create_encoder(encoder_config), step=0, train_config={"bench": "http_baseline"},
-                           lineage={"objective": "untrained", "temperature": 0.1})
+    return save_checkpoint(
+        path,
+        create_encoder(encoder_config),
+        step=0,
+        train_config={"bench": "http_baseline"},
+        lineage={"objective": "untrained", "temperature": 0.1},
+    )
 
 
 def train_folder(work: Path, steps: int) -> Path:
@@ -66,9 +71,19 @@ def train_folder(work: Path, steps: int) -> Path:
     from training.config import load_train_config
     from training.trainer import train
 
-    config = load_train_config(ROOT / "configs" / "folder.toml", [
-        f'out_dir="{work / "folder_train"}"', f"steps={steps}", "batch_size=32", "warmup_steps=8",
-        "checkpoint_every=100000", "num_workers=0", "progress=false", f'cache_dir="{work / "image_cache"}"'])
+    config = load_train_config(
+        ROOT / "configs" / "folder.toml",
+        [
+            f'out_dir="{work / "folder_train"}"',
+            f"steps={steps}",
+            "batch_size=32",
+            "warmup_steps=8",
+            "checkpoint_every=100000",
+            "num_workers=0",
+            "progress=false",
+            f'cache_dir="{work / "image_cache"}"',
+        ],
+    )
     return train(config)
 
 
@@ -83,8 +98,14 @@ def build_case(name: str, work: Path, checkpoint: Path | None, train_steps: int 
         from training.checkpoint import load_checkpoint
 
         size = load_checkpoint(checkpoint)[0].image_size
-        ds = create_dataset("folder", split="all", root=str(TUXPAINT), image_size=size,
-                            cache_dir=str(work / "image_cache"), progress=False)
+        ds = create_dataset(
+            "folder",
+            split="all",
+            root=str(TUXPAINT),
+            image_size=size,
+            cache_dir=str(work / "image_cache"),
+            progress=False,
+        )
         files = sorted(glob.glob(str(TUXPAINT / "**" / "*.png"), recursive=True))
         random.Random(0).shuffle(files)
         payloads = [Path(f).read_bytes() for f in files[:N_QUERIES]]
@@ -94,8 +115,14 @@ def build_case(name: str, work: Path, checkpoint: Path | None, train_steps: int 
         payloads = query_payloads(N_QUERIES)
     root = work / f"{name}_index"
     version = build_index(checkpoint, ds, root, BuildOptions(progress=False))
-    return {"root": root, "version_dir": root / "versions" / version, "checkpoint": checkpoint,
-            "square": name == "folder", "payloads": payloads, "items": len(ds)}
+    return {
+        "root": root,
+        "version_dir": root / "versions" / version,
+        "checkpoint": checkpoint,
+        "square": name == "folder",
+        "payloads": payloads,
+        "items": len(ds),
+    }
 
 
 class Proc:
@@ -107,8 +134,13 @@ class Proc:
         self.url = f"http://127.0.0.1:{port}"
 
     def __enter__(self) -> "Proc":
-        self._launch = server_process(self.cmd, self.port, ready=http_ready(self.ready_path, timeout_s=2),
-                                      timeout_s=180, env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        self._launch = server_process(
+            self.cmd,
+            self.port,
+            ready=http_ready(self.ready_path, timeout_s=2),
+            timeout_s=180,
+            env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")},
+        )
         self._launch.__enter__()
         return self
 
@@ -118,8 +150,12 @@ class Proc:
 
 def top(server: Proc, payload: bytes) -> list[tuple[str, float]]:
     """[(id, similarity)] of the top TOP answers."""
-    r = httpx.post(server.url + server.search_path, files={"file": ("q.png", payload, "image/png")},
-                   data={"k": str(TOP)}, timeout=60)
+    r = httpx.post(
+        server.url + server.search_path,
+        files={"file": ("q.png", payload, "image/png")},
+        data={"k": str(TOP)},
+        timeout=60,
+    )
     r.raise_for_status()
     body = r.json()
     if "results" in body:
@@ -162,18 +198,41 @@ def batch_stats(server: Proc) -> tuple[float, float]:
 def run_case(name: str, case: dict, args) -> list[dict]:
     threads = str(args.torch_threads)
     product_port, plain_port = free_port(), free_port()
-    product = Proc(serve_argv(case["root"], product_port, torch_threads=args.torch_threads),
-                   product_port, "/readyz", "/v1/search")
-    plain = Proc([sys.executable, str(ROOT / "bench" / "plain_server.py"), str(case["version_dir"]),
-                  str(case["checkpoint"]), str(plain_port), "1" if case["square"] else "0", threads],
-                 plain_port, "/openapi.json", "/search")
+    product = Proc(
+        serve_argv(case["root"], product_port, torch_threads=args.torch_threads),
+        product_port,
+        "/readyz",
+        "/v1/search",
+    )
+    plain = Proc(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "plain_server.py"),
+            str(case["version_dir"]),
+            str(case["checkpoint"]),
+            str(plain_port),
+            "1" if case["square"] else "0",
+            threads,
+        ],
+        plain_port,
+        "/openapi.json",
+        "/search",
+    )
     rows = []
     with product, plain:
         checks = [same_top(top(product, p), top(plain, p)) for p in case["payloads"]]
         n = len(checks)
-        rows += [row(f"{name}: queries with the same top-{TOP} ids (ties at the cut in either order)",
-                     sum(t for _, t in checks), "queries", n),
-                 row(f"{name}: queries with identical top-{TOP} id lists", sum(i for i, _ in checks), "queries", n)]
+        rows += [
+            row(
+                f"{name}: queries with the same top-{TOP} ids (ties at the cut in either order)",
+                sum(t for _, t in checks),
+                "queries",
+                n,
+            ),
+            row(
+                f"{name}: queries with identical top-{TOP} id lists", sum(i for i, _ in checks), "queries", n
+            ),
+        ]
         bodies = [multipart(p, TOP) for p in case["payloads"]]
         for server in (product, plain):
             run_load(server.url, 4, 1.0, bodies, server.search_path)  # warm-up
@@ -189,12 +248,16 @@ def run_case(name: str, case: dict, args) -> list[dict]:
                     order.reverse()
                 qps = {}
                 for label, server in order:
-                    if args.warmup > 0:  # discarded: the server that sat idle during the other's run warms up first
+                    if (
+                        args.warmup > 0
+                    ):  # discarded: the server that sat idle during the other's run warms up first
                         run_load(server.url, c, args.warmup, bodies, server.search_path)
                     before = batch_stats(server) if label == "product" else None
                     res = run_load(server.url, c, args.duration, bodies, server.search_path)
                     if res["errors"]:
-                        raise RuntimeError(f"{label} answered {res['errors']} requests with errors at {c} clients")
+                        raise RuntimeError(
+                            f"{label} answered {res['errors']} requests with errors at {c} clients"
+                        )
                     lat[label, c] += res["latencies"]
                     seconds[label, c] += res["elapsed"]
                     count[label, c] += res["n"]
@@ -204,17 +267,40 @@ def run_case(name: str, case: dict, args) -> list[dict]:
                         batches[c][0] += after[0] - before[0]
                         batches[c][1] += after[1] - before[1]
                 ratios[c].append(qps["product"] / qps["plain"])
-                logger.info("%s round %d, %d clients: product %.1f qps, plain %.1f qps", name, r, c,
-                            qps["product"], qps["plain"])
+                logger.info(
+                    "%s round %d, %d clients: product %.1f qps, plain %.1f qps",
+                    name,
+                    r,
+                    c,
+                    qps["product"],
+                    qps["plain"],
+                )
     for c in args.clients:
         q = {s: count[s, c] / seconds[s, c] for s in ("product", "plain")}
         p = {s: sorted(lat[s, c]) for s in ("product", "plain")}
-        rows += [row(f"{name}: c={c} qps", q["product"], "req/s", q["plain"]),
-                 row(f"{name}: c={c} p50", percentile(p["product"], 50) * 1e3, "ms", percentile(p["plain"], 50) * 1e3),
-                 row(f"{name}: c={c} p99", percentile(p["product"], 99) * 1e3, "ms", percentile(p["plain"], 99) * 1e3),
-                 row(f"{name}: c={c} qps ratio, median of rounds", statistics.median(ratios[c]), "ratio", None),
-                 row(f"{name}: c={c} qps ratio, worst round", min(ratios[c]), "ratio", None),
-                 row(f"{name}: c={c} product mean batch size", batches[c][0] / max(batches[c][1], 1), "queries", None)]
+        rows += [
+            row(f"{name}: c={c} qps", q["product"], "req/s", q["plain"]),
+            row(
+                f"{name}: c={c} p50",
+                percentile(p["product"], 50) * 1e3,
+                "ms",
+                percentile(p["plain"], 50) * 1e3,
+            ),
+            row(
+                f"{name}: c={c} p99",
+                percentile(p["product"], 99) * 1e3,
+                "ms",
+                percentile(p["plain"], 99) * 1e3,
+            ),
+            row(f"{name}: c={c} qps ratio, median of rounds", statistics.median(ratios[c]), "ratio", None),
+            row(f"{name}: c={c} qps ratio, worst round", min(ratios[c]), "ratio", None),
+            row(
+                f"{name}: c={c} product mean batch size",
+                batches[c][0] / max(batches[c][1], 1),
+                "queries",
+                None,
+            ),
+        ]
     return rows
 
 
@@ -223,10 +309,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", default=["folder", "synthetic"], choices=["folder", "synthetic"])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--duration", type=float, default=4.0, help="seconds per server per round and client count")
-    p.add_argument("--warmup", type=float, default=1.0,
-                   help="seconds of discarded load before each timed run (same clients), so neither server is "
-                        "timed straight out of idling through the other's run")
+    p.add_argument(
+        "--duration", type=float, default=4.0, help="seconds per server per round and client count"
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of discarded load before each timed run (same clients), so neither server is "
+        "timed straight out of idling through the other's run",
+    )
     p.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads of both servers")
     p.add_argument("--folder-checkpoint", type=Path)
     p.add_argument("--synthetic-checkpoint", type=Path)
@@ -243,10 +335,12 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("%s: %d items indexed", name, case["items"])
             rows += run_case(name, case, args)
     load_end = os.getloadavg()
-    note = (f"shared with other work: 1-min load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at "
-            f"the end (5-min {load_end[1]:.1f}); both servers torch threads {args.torch_threads}; "
-            f"{args.rounds} interleaved rounds x {args.duration:g} s per server and client count, each after "
-            f"{args.warmup:g} s of discarded warm-up load")
+    note = (
+        f"shared with other work: 1-min load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at "
+        f"the end (5-min {load_end[1]:.1f}); both servers torch threads {args.torch_threads}; "
+        f"{args.rounds} interleaved rounds x {args.duration:g} s per server and client count, each after "
+        f"{args.warmup:g} s of discarded warm-up load"
+    )
     write_results("http_baseline", rows, machine_note=note)
     return 0
 

@@ -12,18 +12,17 @@ raw-built index are the baselines of those rows (they match when the builds agre
     .venv/bin/python bench/index_kinds.py              # N = 1e5 (2 shared cores: a few minutes)
     .venv/bin/python bench/index_kinds.py --full       # adds N = 1e6
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 
-
 import faiss
 import numpy as np
-
-
 from _common import row, write_results
+
 from index import faiss_index as fi
 
 
@@ -39,7 +38,9 @@ def clustered(n: int, d: int, seed: int, clusters: int = 256, spread: float = 1.
     trained embeddings; centres are fixed (seed 123) so database and queries share them."""
     centres = unit(clusters, d, seed=123)
     rng = np.random.default_rng(seed)
-    x = centres[rng.integers(0, clusters, n)] + spread * rng.standard_normal((n, d), dtype=np.float32) / np.sqrt(d)
+    x = centres[rng.integers(0, clusters, n)] + spread * rng.standard_normal(
+        (n, d), dtype=np.float32
+    ) / np.sqrt(d)
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     return x
 
@@ -62,12 +63,21 @@ def raw_build(kind: str, params: dict, data: np.ndarray, seed: int = 0) -> faiss
     return index
 
 
-def bench_kind(kind: str, data: np.ndarray, queries: np.ndarray, exact: np.ndarray, tune_set: tuple,
-               repeats: int, n_single: int, data_name: str, build_repeats: int = 2) -> list[dict]:
+def bench_kind(
+    kind: str,
+    data: np.ndarray,
+    queries: np.ndarray,
+    exact: np.ndarray,
+    tune_set: tuple,
+    repeats: int,
+    n_single: int,
+    data_name: str,
+    build_repeats: int = 2,
+) -> list[dict]:
     """Rows for one kind; the knob is tuned on `tune_set` (held-out queries, exact rows)."""
     n = len(data)
     build_s = raw_build_s = float("inf")
-    for _ in range(build_repeats):      # alternate softsearch / raw builds, keep the best of each
+    for _ in range(build_repeats):  # alternate softsearch / raw builds, keep the best of each
         t0 = time.perf_counter()
         ours, params = fi.build(kind, data)
         build_s = min(build_s, time.perf_counter() - t0)
@@ -80,7 +90,7 @@ def bench_kind(kind: str, data: np.ndarray, queries: np.ndarray, exact: np.ndarr
     fi.set_search_params(raw, kind, params)
 
     single = queries[:n_single]
-    batches = [queries[i:i + 256] for i in range(0, len(queries) - 255, 256)]
+    batches = [queries[i : i + 256] for i in range(0, len(queries) - 255, 256)]
 
     def paired(items) -> tuple[float, float]:
         """Total time of softsearch's search and of raw index.search over `items`, alternating
@@ -90,13 +100,13 @@ def bench_kind(kind: str, data: np.ndarray, queries: np.ndarray, exact: np.ndarr
             t_ours = t_raw = 0.0
             for j, b in enumerate(items):
                 b = b if b.ndim == 2 else b[None, :]
-                for first_ours in ((True, False) if j % 2 == 0 else (False, True)):
+                for first_ours in (True, False) if j % 2 == 0 else (False, True):
                     t0 = time.perf_counter()
                     if first_ours:
                         fi.search(ours, b, 10)
                         t_ours += time.perf_counter() - t0
                     else:
-                        ours.search(b, 10)   # raw FAISS call on the same index: isolates the wrapper
+                        ours.search(b, 10)  # raw FAISS call on the same index: isolates the wrapper
                         t_raw += time.perf_counter() - t0
             best_ours, best_raw = min(best_ours, t_ours), min(best_raw, t_raw)
         return best_ours, best_raw
@@ -115,7 +125,7 @@ def bench_kind(kind: str, data: np.ndarray, queries: np.ndarray, exact: np.ndarr
     print(f"{tag}{knob}: build {build_s:.2f}s, recall {recall:.3f}", flush=True)
     return [
         row(f"{tag} build_s", build_s, "s", raw_build_s),
-        row(f"{tag} memory_MB", mem / 2 ** 20, "MiB", raw_mem / 2 ** 20),
+        row(f"{tag} memory_MB", mem / 2**20, "MiB", raw_mem / 2**20),
         row(f"{tag} qps_batch1{knob}", n_single / t_ours_b1, "q/s", n_single / t_raw_b1),
         row(f"{tag} qps_batch256{knob}", n_b256 / t_ours_b256, "q/s", n_b256 / t_raw_b256),
         row(f"{tag} recall@10{knob}", recall, "recall", raw_recall),
@@ -127,15 +137,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=[100_000], help="database sizes (default 1e5)")
     p.add_argument("--full", action="store_true", help="also run N = 1e6 (needs minutes and ~1 GiB)")
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--data", nargs="+", default=["uniform", "clustered"], choices=["uniform", "clustered"],
-                   help="uniform on the sphere (worst case) and/or clustered (embedding-like)")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        default=["uniform", "clustered"],
+        choices=["uniform", "clustered"],
+        help="uniform on the sphere (worst case) and/or clustered (embedding-like)",
+    )
     p.add_argument("--kinds", nargs="+", default=list(fi.KINDS), choices=fi.KINDS)
     p.add_argument("--queries", type=int, default=1024, help="queries for batch-256 QPS and recall")
     p.add_argument("--single", type=int, default=300, help="queries for batch-1 QPS")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--build-repeats", type=int, default=2, help="builds per kind and side (best is kept)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="FAISS OpenMP threads (default 1: on a shared 2-core box spinning threads distort timings)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="FAISS OpenMP threads (default 1: on a shared 2-core box spinning threads distort timings)",
+    )
     p.add_argument("--name", default="index_kinds", help="results file bench/results/NAME.json")
     args = p.parse_args(argv)
     faiss.omp_set_num_threads(args.threads)
@@ -150,8 +169,19 @@ def main(argv: list[str] | None = None) -> int:
             _, exact = faiss.knn(queries, data, 10, metric=faiss.METRIC_INNER_PRODUCT)
             tune_set = (tune_q, faiss.knn(tune_q, data, 10, metric=faiss.METRIC_INNER_PRODUCT)[1])
             for kind in args.kinds:
-                rows.extend(bench_kind(kind, data, queries, exact, tune_set, args.repeats, args.single, name,
-                                       args.build_repeats))
+                rows.extend(
+                    bench_kind(
+                        kind,
+                        data,
+                        queries,
+                        exact,
+                        tune_set,
+                        args.repeats,
+                        args.single,
+                        name,
+                        args.build_repeats,
+                    )
+                )
     write_results(args.name, rows)
     return 0
 

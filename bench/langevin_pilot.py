@@ -9,6 +9,7 @@ and late in the (shortened) cosine learning-rate schedule, and the loss curves o
 
     .venv/bin/python bench/langevin_pilot.py [--steps 150] [--threads 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,11 @@ class UpdateNorms:
             params = list(params)
             before = [p.detach().clone() for p in params]
             temp = apply(noise, params, lr, step)
-            self.noise.append(math.sqrt(sum(float(((p.detach() - q) ** 2).sum()) for p, q in zip(params, before))))
+            self.noise.append(
+                math.sqrt(sum(float(((p.detach() - q) ** 2).sum()) for p, q in zip(params, before)))
+            )
             return temp
+
         return wrapped
 
 
@@ -82,8 +86,16 @@ def pilot_run(with_noise: bool, steps: int, threads: int, out: Path) -> tuple[li
     from training.trainer import train
 
     norms = UpdateNorms()
-    overrides = [f"steps={steps}", f"batch_size={BATCH}", "seed=0", f"out_dir={out}", "progress=false",
-                 f"checkpoint_every={steps}", "warmup_steps=30", f"torch_threads={threads}"]
+    overrides = [
+        f"steps={steps}",
+        f"batch_size={BATCH}",
+        "seed=0",
+        f"out_dir={out}",
+        "progress=false",
+        f"checkpoint_every={steps}",
+        "warmup_steps=30",
+        f"torch_threads={threads}",
+    ]
     config = load_train_config(CONFIG, overrides)
     for key, value in OBJECTIVES["anneal-langevin"].items():
         setattr(config, key, value)
@@ -120,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics, norms = results["noise"]
     base_metrics, base_norms = results["no_noise"]
     out = []
-    windows = {"early": range(30, 50), "late": range(args.steps - 20, args.steps)}  # after the 30 warm-up steps
+    windows = {
+        "early": range(30, 50),
+        "late": range(args.steps - 20, args.steps),
+    }  # after the 30 warm-up steps
     for name, w in windows.items():
         adam = statistics.median(norms.adam[i] for i in w)
         noise = statistics.median(norms.noise[i] for i in w)
@@ -128,12 +143,23 @@ def main(argv: list[str] | None = None) -> int:
         temp = statistics.median(metrics[i]["noise_temperature"] for i in w)
         out.append(row(f"{name}/adam_update_norm", adam, f"L2 per step (lr {lr:.2e})", None))
         out.append(row(f"{name}/noise_norm", noise, f"L2 per step (T {temp:.2e})", adam))
-        out.append(row(f"{name}/adam_update_norm_without_noise", statistics.median(base_norms.adam[i] for i in w),
-                       "L2 per step", None))
-    for name, w in {"first10": range(0, 10), "mid10": range(args.steps // 2 - 5, args.steps // 2 + 5),
-                    "last10": range(args.steps - 10, args.steps)}.items():
+        out.append(
+            row(
+                f"{name}/adam_update_norm_without_noise",
+                statistics.median(base_norms.adam[i] for i in w),
+                "L2 per step",
+                None,
+            )
+        )
+    for name, w in {
+        "first10": range(0, 10),
+        "mid10": range(args.steps // 2 - 5, args.steps // 2 + 5),
+        "last10": range(args.steps - 10, args.steps),
+    }.items():
         base = statistics.mean(base_metrics[i]["loss"] for i in w)
-        out.append(row(f"loss/{name}/with_noise", statistics.mean(metrics[i]["loss"] for i in w), "loss", base))
+        out.append(
+            row(f"loss/{name}/with_noise", statistics.mean(metrics[i]["loss"] for i in w), "loss", base)
+        )
     out.append(row("noise/schedule", 0.0, json.dumps(LANGEVIN), None))
     write_results("langevin_pilot", out, "python bench/langevin_pilot.py " + " ".join(argv or sys.argv[1:]))
     return 0

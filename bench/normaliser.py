@@ -29,6 +29,7 @@ per-list statistics are built once. Queries are fresh draws from the same genera
     .venv/bin/python bench/normaliser.py                      # N = 1e6 and 1e7 (~30 min on 2 cores)
     .venv/bin/python bench/normaliser.py --sizes 1000000      # N = 1e6 only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,8 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import RESULTS_DIR, row, write_results  # noqa: E402
 from index_kinds import clustered  # noqa: E402
 
-from search.serving.normaliser import (ListStats, NormaliserConfig, advise_random,  # noqa: E402
-                               bounded_log_normaliser, log_normaliser)
+from search.serving.normaliser import (  # noqa: E402
+    ListStats,
+    NormaliserConfig,
+    advise_random,
+    bounded_log_normaliser,
+    log_normaliser,
+)
 
 D = 128
 CHUNK = 500_000
@@ -77,7 +83,7 @@ def make_data(path: Path, n: int, seed: int = 0) -> np.ndarray:
     out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, D))
     for i, start in enumerate(tqdm(range(0, n, CHUNK), desc=f"data N={_fmt(n)}", unit="chunk")):
         m = min(CHUNK, n - start)
-        out[start:start + m] = clustered(m, D, seed=seed * 100_003 + i)
+        out[start : start + m] = clustered(m, D, seed=seed * 100_003 + i)
     out.flush()
     del out
     return np.load(path, mmap_mode="r")
@@ -91,7 +97,7 @@ def make_index(emb: np.ndarray, nlist: int, m: int, nprobe: int) -> tuple[faiss.
     sample = np.sort(np.random.default_rng(1).choice(n, size=min(n, 64 * nlist), replace=False))
     index.train(np.ascontiguousarray(emb[sample]))
     for start in tqdm(range(0, n, CHUNK), desc="index add", unit="chunk"):
-        index.add(np.ascontiguousarray(emb[start:start + CHUNK]))
+        index.add(np.ascontiguousarray(emb[start : start + CHUNK]))
     faiss.extract_index_ivf(index).nprobe = nprobe
     return index, time.perf_counter() - t0
 
@@ -101,7 +107,7 @@ def exact_reference(q: np.ndarray, emb: np.ndarray, taus: list[float], block: in
     m = np.full((len(taus), len(q)), -np.inf)
     acc = np.zeros((len(taus), len(q)))
     for start in tqdm(range(0, emb.shape[0], block), desc="exact reference", unit="block"):
-        s = (q @ np.asarray(emb[start:start + block]).T).astype(np.float64)  # (Q, B)
+        s = (q @ np.asarray(emb[start : start + block]).T).astype(np.float64)  # (Q, B)
         for t, tau in enumerate(taus):
             logits = s / tau
             new = np.maximum(m[t], logits.max(1))
@@ -150,22 +156,46 @@ def child(args) -> int:
     read0, t0 = _read_bytes(), time.perf_counter()
     for i in range(len(q)):
         if args.child == "exact":
-            search(index, q[i:i + 1], 10)
-            log_normaliser(q[i:i + 1], emb, taus[i:i + 1], release=NormaliserConfig("exact").releases("exact"))
+            search(index, q[i : i + 1], 10)
+            log_normaliser(
+                q[i : i + 1], emb, taus[i : i + 1], release=NormaliserConfig("exact").releases("exact")
+            )
         else:
-            top = search(index, q[i:i + 1], cfg.top_rows)
-            bounded_log_normaliser(q[i:i + 1], emb, stats, taus[i:i + 1], cfg, top)
+            top = search(index, q[i : i + 1], cfg.top_rows)
+            bounded_log_normaliser(q[i : i + 1], emb, stats, taus[i : i + 1], cfg, top)
     seconds, read = time.perf_counter() - t0, _read_bytes() - read0
-    print(json.dumps({**_status(), "base_rss": base["VmRSS"], "base_file": base["RssFile"],
-                      "read_per_query": read / len(q), "seconds_per_query": seconds / len(q)}))
+    print(
+        json.dumps(
+            {
+                **_status(),
+                "base_rss": base["VmRSS"],
+                "base_file": base["RssFile"],
+                "read_per_query": read / len(q),
+                "seconds_per_query": seconds / len(q),
+            }
+        )
+    )
     return 0
 
 
 def child_rss(args, method: str, queries: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", method, "--workdir", args.workdir, "--nprobe", str(args.nprobe),
-           "--child-queries", str(queries), "--taus", str(args.taus[0])]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        "--workdir",
+        args.workdir,
+        "--nprobe",
+        str(args.nprobe),
+        "--child-queries",
+        str(queries),
+        "--taus",
+        str(args.taus[0]),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     if done.returncode != 0:
         raise RuntimeError(f"child {method} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -177,7 +207,7 @@ def run_size(n: int, args, rows: list[dict]) -> None:
     tag = f"N={_fmt(n)}"
     cfg = NormaliserConfig("bounded")
     emb = make_data(work / "emb.npy", n)
-    q_all = clustered(args.queries, D, seed=999_983)                                  # fresh queries
+    q_all = clustered(args.queries, D, seed=999_983)  # fresh queries
     np.save(work / "queries.npy", q_all)
     index, build_s = make_index(emb, args.nlist, args.pq_m, args.nprobe)
     faiss.write_index(index, str(work / "index.faiss"))
@@ -185,8 +215,9 @@ def run_size(n: int, args, rows: list[dict]) -> None:
     stats.save(work / "stats.npz")
     rows.append(row(f"{tag} IVF{args.nlist},PQ{args.pq_m} build (train + add)", build_s, "s", None))
     rows.append(row(f"{tag} normaliser statistics build (once per index version)", stats.seconds, "s", None))
-    rows.append(row(f"{tag} normaliser statistics size", stats.nbytes / 2**20, "MiB",
-                    emb.nbytes / 2**20))  # baseline: the float32 embeddings exact keeps resident
+    rows.append(
+        row(f"{tag} normaliser statistics size", stats.nbytes / 2**20, "MiB", emb.nbytes / 2**20)
+    )  # baseline: the float32 embeddings exact keeps resident
 
     # ---- accuracy
     ref = exact_reference(q_all, emb, args.taus)  # (T, Q)
@@ -202,83 +233,160 @@ def run_size(n: int, args, rows: list[dict]) -> None:
         # the product's hits: the index's top 10 rescored exactly, p = exp(s / tau - log Z)
         hits = top_all[:, :10]
         assert hits.min() >= 0, "the index returned fewer than 10 hits"
-        s = np.einsum("qkd,qd->qk", np.asarray(emb[np.sort(hits.ravel())])[np.argsort(np.argsort(hits.ravel()))]
-                      .reshape(hits.shape + (D,)), q_all).astype(np.float64)
+        s = np.einsum(
+            "qkd,qd->qk",
+            np.asarray(emb[np.sort(hits.ravel())])[np.argsort(np.argsort(hits.ravel()))].reshape(
+                hits.shape + (D,)
+            ),
+            q_all,
+        ).astype(np.float64)
         p_exact = np.exp(s / tau - ref[t][:, None])
         p_est = np.exp(s / tau - got.value[:, None])
-        p_in = (np.exp(s / tau - got.upper[:, None]) <= p_exact * (1 + 1e-12)) & \
-               (p_exact <= np.exp(s / tau - got.lower[:, None]) * (1 + 1e-12))
+        p_in = (np.exp(s / tau - got.upper[:, None]) <= p_exact * (1 + 1e-12)) & (
+            p_exact <= np.exp(s / tau - got.lower[:, None]) * (1 + 1e-12)
+        )
         rel = np.abs(p_est / p_exact - 1)
         case = f"{tag} tau={tau} bounded"
         rows += [
             row(f"{case} |dlogZ| median ({len(q_all)} queries)", float(np.median(np.abs(err))), "nats", None),
             row(f"{case} |dlogZ| max", float(np.abs(err).max()), "nats", None),
             row(f"{case} deterministic bound contains exact", float(inside.mean()), "fraction", 1.0),
-            row(f"{case} deterministic bound width median", float(np.median(got.upper - got.lower)), "nats", None),
-            row(f"{case} {cfg.level:.0%} interval coverage ({len(cov)} sampled; 99% binomial range "
-                f"{lo:.3f}-{hi:.3f})", float(cov.mean()) if len(cov) else float("nan"), "fraction", cfg.level),
-            row(f"{case} interval width median", float(np.nanmedian(got.interval_upper - got.interval_lower)),
-                "nats", None),
+            row(
+                f"{case} deterministic bound width median",
+                float(np.median(got.upper - got.lower)),
+                "nats",
+                None,
+            ),
+            row(
+                f"{case} {cfg.level:.0%} interval coverage ({len(cov)} sampled; 99% binomial range "
+                f"{lo:.3f}-{hi:.3f})",
+                float(cov.mean()) if len(cov) else float("nan"),
+                "fraction",
+                cfg.level,
+            ),
+            row(
+                f"{case} interval width median",
+                float(np.nanmedian(got.interval_upper - got.interval_lower)),
+                "nats",
+                None,
+            ),
             row(f"{case} exact fallback", float(got.exact_mask.mean()), "fraction", None),
             row(f"{case} top-10 probability relative error median", float(np.median(rel)), "fraction", None),
             row(f"{case} top-10 probability relative error max", float(rel.max()), "fraction", None),
-            row(f"{case} top-10 probability abs error max", float(np.abs(p_est - p_exact).max()), "prob", None),
+            row(
+                f"{case} top-10 probability abs error max", float(np.abs(p_est - p_exact).max()), "prob", None
+            ),
             row(f"{case} top-10 exact probability inside the bound", float(p_in.mean()), "fraction", 1.0),
             row(f"{case} rows read per query (mean)", float(got.rows.mean()), "rows", float(n)),
             # each row read at random is one 4 KiB page of the memory map (1e7 rows: 8 per page, so
             # distinct pages ~ rows); exact streams the whole file
-            row(f"{case} embedding pages read per query (<= rows x 4 KiB)", float(got.rows.mean()) * 4096 / 2**20,
-                "MiB", emb.nbytes / 2**20),
+            row(
+                f"{case} embedding pages read per query (<= rows x 4 KiB)",
+                float(got.rows.mean()) * 4096 / 2**20,
+                "MiB",
+                emb.nbytes / 2**20,
+            ),
         ]
-        print(f"{case}: median |d| {np.median(np.abs(err)):.4f}, max {np.abs(err).max():.4f}, contains "
-              f"{inside.mean():.3f}, coverage {cov.mean() if len(cov) else float('nan'):.3f}, "
-              f"fallback {got.exact_mask.mean():.3f}", flush=True)
+        print(
+            f"{case}: median |d| {np.median(np.abs(err)):.4f}, max {np.abs(err).max():.4f}, contains "
+            f"{inside.mean():.3f}, coverage {cov.mean() if len(cov) else float('nan'):.3f}, "
+            f"fallback {got.exact_mask.mean():.3f}",
+            flush=True,
+        )
 
     # ---- time per query, interleaved: exact (baseline) vs bounded, full Searcher path, each with the
     # memory map's pages released once read and kept mapped; rows for the three --mapped-pages settings
     # (auto, the serving default: exact releases, bounded keeps; release; keep)
     tq = q_all[: args.timing_queries]
-    settings = {"auto (serving default)": ("release", "keep"), "release": ("release", "release"),
-                "keep": ("keep", "keep")}
+    settings = {
+        "auto (serving default)": ("release", "keep"),
+        "release": ("release", "release"),
+        "keep": ("keep", "keep"),
+    }
     for tau, batch in ((tau, batch) for tau in args.taus for batch in args.batches):
         t = {(m, how): 0.0 for m in ("exact", "bounded") for how in ("release", "keep")}
         count = 0
         for start in tqdm(range(0, len(tq), batch), desc=f"timing batch {batch}", unit="call"):
-            x = np.ascontiguousarray(tq[start:start + batch])
+            x = np.ascontiguousarray(tq[start : start + batch])
             taus = np.full(len(x), tau)
-            for how in (("release", "keep") if (start // batch) % 2 == 0 else ("keep", "release")):
+            for how in ("release", "keep") if (start // batch) % 2 == 0 else ("keep", "release"):
                 rel = how == "release"
-                t["exact", how] += timed(lambda: (search(index, x, 10), log_normaliser(x, emb, taus, release=rel)))
-                t["bounded", how] += timed(lambda: bounded_log_normaliser(x, emb, stats, taus, cfg,
-                                                                          search(index, x, cfg.top_rows), release=rel))
+                t["exact", how] += timed(
+                    lambda: (search(index, x, 10), log_normaliser(x, emb, taus, release=rel))
+                )
+                t["bounded", how] += timed(
+                    lambda: bounded_log_normaliser(
+                        x, emb, stats, taus, cfg, search(index, x, cfg.top_rows), release=rel
+                    )
+                )
             count += len(x)
         ms = {key: 1e3 * v / count for key, v in t.items()}
         for setting, (exact_how, bounded_how) in settings.items():
-            rows.append(row(f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact, "
-                            f"--mapped-pages {setting}", ms["bounded", bounded_how], "ms", ms["exact", exact_how]))
-        print(f"{tag} tau={tau} batch {batch}: " + "; ".join(
-            f"{how}: bounded {ms['bounded', how]:.2f} ms, exact {ms['exact', how]:.2f} ms" for how in ("release", "keep"))
-            + f"; default {ms['exact', 'release'] / ms['bounded', 'keep']:.1f}x", flush=True)
+            rows.append(
+                row(
+                    f"{tag} tau={tau} time per query batch {batch} ({count} queries), bounded vs exact, "
+                    f"--mapped-pages {setting}",
+                    ms["bounded", bounded_how],
+                    "ms",
+                    ms["exact", exact_how],
+                )
+            )
+        print(
+            f"{tag} tau={tau} batch {batch}: "
+            + "; ".join(
+                f"{how}: bounded {ms['bounded', how]:.2f} ms, exact {ms['exact', how]:.2f} ms"
+                for how in ("release", "keep")
+            )
+            + f"; default {ms['exact', 'release'] / ms['bounded', 'keep']:.1f}x",
+            flush=True,
+        )
 
     # ---- resident memory, fresh processes
     del emb, index, stats
     rss_e = child_rss(args, "exact", 1)  # a second exact query would find the file cached again
     rss_b = child_rss(args, "bounded", args.rss_queries)
     rss_br = child_rss(args, "bounded-release", args.rss_queries)
-    rows.append(row(f"{tag} cold file: storage read per query, bounded ({args.rss_queries} q) vs exact (1 q)",
-                    rss_b["read_per_query"] / 2**20, "MiB", rss_e["read_per_query"] / 2**20))
-    rows.append(row(f"{tag} cold file: time per query, bounded vs exact", 1e3 * rss_b["seconds_per_query"], "ms",
-                    1e3 * rss_e["seconds_per_query"]))
+    rows.append(
+        row(
+            f"{tag} cold file: storage read per query, bounded ({args.rss_queries} q) vs exact (1 q)",
+            rss_b["read_per_query"] / 2**20,
+            "MiB",
+            rss_e["read_per_query"] / 2**20,
+        )
+    )
+    rows.append(
+        row(
+            f"{tag} cold file: time per query, bounded vs exact",
+            1e3 * rss_b["seconds_per_query"],
+            "ms",
+            1e3 * rss_e["seconds_per_query"],
+        )
+    )
     # RSS added by serving (index + memory map + statistics + work), over the process after its imports
-    for key, what in (("VmRSS", "serving RSS added after queries"), ("RssFile", "of which file-backed (memory map)"),
-                      ("VmHWM", "peak RSS added")):
+    for key, what in (
+        ("VmRSS", "serving RSS added after queries"),
+        ("RssFile", "of which file-backed (memory map)"),
+        ("VmHWM", "peak RSS added"),
+    ):
         base_e = rss_e["base_rss"] if key != "RssFile" else rss_e["base_file"]
         base_b = rss_b["base_rss"] if key != "RssFile" else rss_b["base_file"]
-        rows.append(row(f"{tag} {what}, bounded vs exact", (rss_b[key] - base_b) / 2**20, "MiB",
-                        (rss_e[key] - base_e) / 2**20))
+        rows.append(
+            row(
+                f"{tag} {what}, bounded vs exact",
+                (rss_b[key] - base_b) / 2**20,
+                "MiB",
+                (rss_e[key] - base_e) / 2**20,
+            )
+        )
         base_br = rss_br["base_rss"] if key != "RssFile" else rss_br["base_file"]
-        rows.append(row(f"{tag} {what}, bounded --mapped-pages release vs bounded (default, pages kept)",
-                        (rss_br[key] - base_br) / 2**20, "MiB", (rss_b[key] - base_b) / 2**20))
+        rows.append(
+            row(
+                f"{tag} {what}, bounded --mapped-pages release vs bounded (default, pages kept)",
+                (rss_br[key] - base_br) / 2**20,
+                "MiB",
+                (rss_b[key] - base_b) / 2**20,
+            )
+        )
     print(f"{tag} RSS: bounded {rss_b}, bounded release {rss_br}, exact {rss_e}", flush=True)
 
 
@@ -286,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     p.add_argument("--taus", type=float, nargs="+", default=[0.1, 0.05])
-    p.add_argument("--queries", type=int, default=1000, help="accuracy queries per size (exact reference for each)")
+    p.add_argument(
+        "--queries", type=int, default=1000, help="accuracy queries per size (exact reference for each)"
+    )
     p.add_argument("--timing-queries", type=int, default=48)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--rss-queries", type=int, default=20, help="queries each memory-measuring child answers")
@@ -314,8 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results(args.name, rows)
     data = json.loads(path.read_text())
     load1 = os.getloadavg()
-    data["machine"] += (f"; shared machine, load average {load0[0]:.1f} at start, {load1[0]:.1f} at end "
-                        f"(2 cores); faiss threads {faiss.omp_get_max_threads()}")
+    data["machine"] += (
+        f"; shared machine, load average {load0[0]:.1f} at start, {load1[0]:.1f} at end "
+        f"(2 cores); faiss threads {faiss.omp_get_max_threads()}"
+    )
     path.write_text(json.dumps(data, indent=2) + "\n")
     assert path.parent == RESULTS_DIR
     return 0

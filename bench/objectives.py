@@ -19,6 +19,7 @@ kNN (k=5 majority) on raw 784-d pixels, on the same subsets and on the full 60k/
 
 (--db-size 60000 --queries 10000 is the full train / test split.)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,18 @@ from pathlib import Path
 _HERE = Path(__file__).resolve().parent
 
 import numpy as np
-
 from _common import row, write_results
+
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.gap import softmax_gap
-from search.evaluation.metrics import bootstrap_ci, knn_accuracy, knn_search, precision_at_k, hit_rate_at_k, relevance
+from search.evaluation.metrics import (
+    bootstrap_ci,
+    hit_rate_at_k,
+    knn_accuracy,
+    knn_search,
+    precision_at_k,
+    relevance,
+)
 from training.checkpoint import load_checkpoint
 from training.config import load_train_config
 from training.datasets import create_dataset
@@ -85,7 +93,9 @@ def evaluate(encoder, db, queries, db_idx, q_idx, train_tau: float) -> dict:
     out: dict = {"embed_seconds": t_embed}
     out["knn200"] = bootstrap_ci(knn_accuracy(scores, rows, lab_d, lab_q, 200, weighted=True))
     out["knn20"] = bootstrap_ci(knn_accuracy(scores, rows, lab_d, lab_q, 20, weighted=True))
-    out["knn5"] = bootstrap_ci(knn_accuracy(scores, rows, lab_d, lab_q, 5, weighted=False))  # the pixel baseline's rule
+    out["knn5"] = bootstrap_ci(
+        knn_accuracy(scores, rows, lab_d, lab_q, 5, weighted=False)
+    )  # the pixel baseline's rule
     rel = relevance(rows, lab_q, lab_d)
     out["recall@10"] = bootstrap_ci(hit_rate_at_k(rel, 10))
     out["precision@10"] = bootstrap_ci(precision_at_k(rel, 10))
@@ -125,23 +135,39 @@ def main(argv: list[str] | None = None) -> int:
     db_idx = _subset(len(db), args.db_size, args.seed + 1)
     q_idx = _subset(len(queries), args.queries, args.seed + 2)
 
-    result: dict = {"steps": args.steps, "batch_size": args.batch_size, "db_size": len(db_idx),
-                    "queries": len(q_idx), "seed": args.seed, "objectives": {}}
+    result: dict = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "db_size": len(db_idx),
+        "queries": len(q_idx),
+        "seed": args.seed,
+        "objectives": {},
+    }
     t0 = time.perf_counter()
     result["pixel_knn5_subset"] = pixel_knn(db, queries, db_idx, q_idx)
     if not args.no_pixel_full:
         result["pixel_knn5_full"] = pixel_knn(db, queries, np.arange(len(db)), np.arange(len(queries)))
-    logger.info("pixel baselines: %s (%.0f s)", {k: v for k, v in result.items() if k.startswith("pixel")},
-                time.perf_counter() - t0)
+    logger.info(
+        "pixel baselines: %s (%.0f s)",
+        {k: v for k, v in result.items() if k.startswith("pixel")},
+        time.perf_counter() - t0,
+    )
 
     rows = [row("pixel_cosine_knn5/subset", result["pixel_knn5_subset"][0], "accuracy", None)]
     if "pixel_knn5_full" in result:
         rows.append(row("pixel_cosine_knn5/full_60k_10k", result["pixel_knn5_full"][0], "accuracy", None))
     base_knn = None
     for name in names:
-        overrides = [f"steps={args.steps}", f"batch_size={args.batch_size}", f"seed={args.seed}",
-                                        f"out_dir={Path(args.out_dir) / name}", f"device={args.device}",
-                                        "progress=false", "checkpoint_every=100000", "warmup_steps=30"]
+        overrides = [
+            f"steps={args.steps}",
+            f"batch_size={args.batch_size}",
+            f"seed={args.seed}",
+            f"out_dir={Path(args.out_dir) / name}",
+            f"device={args.device}",
+            "progress=false",
+            "checkpoint_every=100000",
+            "warmup_steps=30",
+        ]
         if args.data_root is not None:
             overrides.append(f"data_root={args.data_root}")
         config = load_train_config(args.config, overrides)
@@ -151,13 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = train(config)
         t_train = time.perf_counter() - t_train
         encoder, meta = load_checkpoint(ckpt)
-        last = (meta.get("metrics") or {})
+        last = meta.get("metrics") or {}
         train_tau = float(last.get("temperature", 0.2))
         ev = evaluate(encoder, db, queries, db_idx, q_idx, train_tau)
-        ev.update({"train_seconds": t_train, "final_train_loss": last.get("loss"), "train_tau_final": train_tau,
-                   "checkpoint": str(ckpt), "overrides": overrides,
-                   "objective": dict(zip(["loss", "loss_options", "schedule", "schedule_options"], OBJECTIVES[name])),
-                   "weince_lambda_mean": last.get("weince_lambda_mean")})
+        ev.update(
+            {
+                "train_seconds": t_train,
+                "final_train_loss": last.get("loss"),
+                "train_tau_final": train_tau,
+                "checkpoint": str(ckpt),
+                "overrides": overrides,
+                "objective": dict(
+                    zip(["loss", "loss_options", "schedule", "schedule_options"], OBJECTIVES[name])
+                ),
+                "weince_lambda_mean": last.get("weince_lambda_mean"),
+            }
+        )
         result["objectives"][name] = ev
         logger.info("%s: %s", name, json.dumps(ev, default=str))
         if base_knn is None:

@@ -7,6 +7,7 @@ training images), minus the pixel baseline's (cosine, k = 5 majority) on the sam
 
     .venv/bin/python bench/objectives_paired.py --run-dir runs/objectives_resnet2000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,9 +16,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from _common import row, write_results
 from objectives import unit_pixels
+
 from search.evaluation.metrics import knn_accuracy, knn_search
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
@@ -28,18 +29,27 @@ RULES = ((5, False), (20, True), (200, True))  # (k, weighted)
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", default="runs/objectives", help="out-dir of bench/objectives.py (one sub-folder per objective)")
+    p.add_argument(
+        "--run-dir",
+        default="runs/objectives",
+        help="out-dir of bench/objectives.py (one sub-folder per objective)",
+    )
     p.add_argument("--data-root", default=None)
     p.add_argument("--resamples", type=int, default=2000)
     p.add_argument("--name", default="objectives_paired")
     args = p.parse_args(argv)
     root = {} if args.data_root is None else {"root": args.data_root}
-    db, qs = create_dataset("fashion-mnist", split="train", **root), create_dataset("fashion-mnist", split="test", **root)
+    db, qs = (
+        create_dataset("fashion-mnist", split="train", **root),
+        create_dataset("fashion-mnist", split="test", **root),
+    )
     scores, rows_ = knn_search(unit_pixels(qs, np.arange(len(qs))), unit_pixels(db, np.arange(len(db))), 200)
     pixel = {k: knn_accuracy(scores, rows_, db.labels, qs.labels, k, weighted=w) for k, w in RULES}
     boot = np.random.default_rng(0).integers(0, len(qs), size=(args.resamples, len(qs)))
-    rows = [row(f"pixel k={k}{' weighted' if w else ' majority'}", float(pixel[k].mean()), "accuracy", None)
-            for k, w in RULES]
+    rows = [
+        row(f"pixel k={k}{' weighted' if w else ' majority'}", float(pixel[k].mean()), "accuracy", None)
+        for k, w in RULES
+    ]
     paired: dict = {}
     checkpoints = sorted(Path(args.run_dir).glob("*/checkpoint.safetensors"))
     if not checkpoints:
@@ -55,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
             diff = acc.astype(np.float64) - pixel[5].astype(np.float64)  # against pixels' best rule
             lo, hi = np.quantile(diff[boot].mean(axis=1), [0.025, 0.975])
             case = f"{name} k={k}{' weighted' if w else ' majority'} minus pixel k=5"
-            paired[case] = {"accuracy": float(acc.mean()), "difference": float(diff.mean()), "ci95": [float(lo), float(hi)]}
+            paired[case] = {
+                "accuracy": float(acc.mean()),
+                "difference": float(diff.mean()),
+                "ci95": [float(lo), float(hi)],
+            }
             rows.append(row(case, float(diff.mean()), f"accuracy difference [{lo:+.4f}, {hi:+.4f}]", None))
     (Path(args.run_dir) / "paired.json").write_text(json.dumps(paired, indent=2) + "\n")
     command = "python bench/objectives_paired.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -18,6 +18,7 @@ runs leave `bench/results/objectives_seeds/<objective>-seed<k>.json` (figures) a
 `bench/results/objectives_seeds.json` with per-seed rows, mean and std over seeds, and a paired
 per-query 95 % bootstrap interval for WEINCE - InfoNCE at the same tau and seed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,70 +48,170 @@ LANGEVIN = {"tau_0": None, "t_0": 10.0, "c": 2.3e-3, "tau_min": 1e-8}
 # c above the barrier depth (issue 31): the paper's log form with c = 1 nat > the 0.68-nat same-init barrier
 # (bench/results/energy_scale.json); its first and last noise temperatures c / log(t_0), c / log(t_0 + STEPS)
 LANGEVIN_ABOVE_BARRIER = {"tau_0": None, "t_0": 10.0, "c": 1.0, "tau_min": 0.0}
-LANGEVIN_T0, LANGEVIN_T_END = (LANGEVIN_ABOVE_BARRIER["c"] / np.log(LANGEVIN_ABOVE_BARRIER["t_0"] + t) for t in (0, STEPS))
+LANGEVIN_T0, LANGEVIN_T_END = (
+    LANGEVIN_ABOVE_BARRIER["c"] / np.log(LANGEVIN_ABOVE_BARRIER["t_0"] + t) for t in (0, STEPS)
+)
 
 # objective -> TrainConfig fields replacing the config file's (loss, options, schedules, noise)
 OBJECTIVES: dict[str, dict] = {
-    "infonce-t0.5": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.5}},
-    "weince-paper-t0.5": {"loss": "weince", "loss_options": {"variant": "paper"},
-                          "schedule": "fixed", "schedule_options": {"tau": 0.5}},
-    "infonce-t0.2": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.2}},
-    "weince-blend-t0.2": {"loss": "weince", "loss_options": {"variant": "blend"},
-                          "schedule": "fixed", "schedule_options": {"tau": 0.2}},
-    "anneal-langevin": {"loss": "infonce", "loss_options": {}, "schedule": "log",
-                        "schedule_options": {"tau_0": 0.5, "t_0": 10.0, "c": 1.0, "tau_min": 0.1},
-                        "noise_schedule": "log", "noise_options": LANGEVIN},
+    "infonce-t0.5": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.5},
+    },
+    "weince-paper-t0.5": {
+        "loss": "weince",
+        "loss_options": {"variant": "paper"},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.5},
+    },
+    "infonce-t0.2": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.2},
+    },
+    "weince-blend-t0.2": {
+        "loss": "weince",
+        "loss_options": {"variant": "blend"},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.2},
+    },
+    "anneal-langevin": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "log",
+        "schedule_options": {"tau_0": 0.5, "t_0": 10.0, "c": 1.0, "tau_min": 0.1},
+        "noise_schedule": "log",
+        "noise_options": LANGEVIN,
+    },
     # issue 31, the tau sweep: WEINCE (paper variant) and InfoNCE at tau 0.2 / 0.1 ...
-    "weince-paper-t0.2": {"loss": "weince", "loss_options": {"variant": "paper"},
-                          "schedule": "fixed", "schedule_options": {"tau": 0.2}},
-    "weince-paper-t0.1": {"loss": "weince", "loss_options": {"variant": "paper"},
-                          "schedule": "fixed", "schedule_options": {"tau": 0.1}},
-    "infonce-t0.1": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1}},
+    "weince-paper-t0.2": {
+        "loss": "weince",
+        "loss_options": {"variant": "paper"},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.2},
+    },
+    "weince-paper-t0.1": {
+        "loss": "weince",
+        "loss_options": {"variant": "paper"},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.1},
+    },
+    "infonce-t0.1": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.1},
+    },
     # ... and annealed InfoNCE (temperature only, no Langevin noise) ending at each tau: the log schedule
     # 1/tau_t = 1/tau_0 + log(1 + t/t_0)/c with c = log(1 + 2000/t_0) / (1/tau_end - 1/tau_0), floor off.
-    **{f"anneal-infonce-t{end}": {"loss": "infonce", "loss_options": {}, "schedule": "log",
-                                  "schedule_options": {"tau_0": start, "t_0": 10.0, "tau_min": 0.0,
-                                                       "c": float(np.log1p(STEPS / 10.0) / (1 / end - 1 / start))}}
-       for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))},
+    **{
+        f"anneal-infonce-t{end}": {
+            "loss": "infonce",
+            "loss_options": {},
+            "schedule": "log",
+            "schedule_options": {
+                "tau_0": start,
+                "t_0": 10.0,
+                "tau_min": 0.0,
+                "c": float(np.log1p(STEPS / 10.0) / (1 / end - 1 / start)),
+            },
+        }
+        for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))
+    },
     # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h),
     # alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation (E|h|^2 - log det ~ 370 there)
-    "infonce-t0.1-greg": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1},
-                          "gaussian_reg": 0.01},
+    "infonce-t0.1-greg": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.1},
+        "gaussian_reg": 0.01,
+    },
     # issue 31 item 5, the Fashion-MNIST recipe: the same run stretched to twice the budget (4 000 steps; the
     # learning-rate decay follows `steps`, the regulariser's decay scale is doubled with it)
-    "infonce-t0.1-greg-4k": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1},
-                             "gaussian_reg": 0.01, "gaussian_reg_decay": 1000.0, "steps": 4000},
+    "infonce-t0.1-greg-4k": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.1},
+        "gaussian_reg": 0.01,
+        "gaussian_reg_decay": 1000.0,
+        "steps": 4000,
+    },
     # issue 31 item 2: Langevin annealing with c above the measured energy scale (bench/energy_scale.py: the
     # straight-path barrier between two tau-0.1 minima from one initialisation is 0.68 nats), softmax temperature fixed at the best tau.
     # Every noise schedule starts at T_0 = c / log(t_0) = 0.434 (c = 1, t_0 = 10); log ends at c / log(2010) = 0.131,
     # exp is tuned to end there too, cosine decays to 0 over the run; "none" is infonce-t0.1 itself.
-    **{f"langevin-{name}-t0.1": {"loss": "infonce", "loss_options": {}, "schedule": "fixed",
-                                 "schedule_options": {"tau": 0.1}, "noise_schedule": name, "noise_options": noise}
-       for name, noise in (("log", LANGEVIN_ABOVE_BARRIER),
-                           ("exp", {"tau_0": LANGEVIN_T0, "tau_min": 0.0,
-                                    "gamma": float(np.exp(np.log(LANGEVIN_T_END / LANGEVIN_T0) / STEPS))}),
-                           ("cosine", {"tau_min": 0.0, "tau_max": LANGEVIN_T0, "period": 2.0 * STEPS}))},
+    **{
+        f"langevin-{name}-t0.1": {
+            "loss": "infonce",
+            "loss_options": {},
+            "schedule": "fixed",
+            "schedule_options": {"tau": 0.1},
+            "noise_schedule": name,
+            "noise_options": noise,
+        }
+        for name, noise in (
+            ("log", LANGEVIN_ABOVE_BARRIER),
+            (
+                "exp",
+                {
+                    "tau_0": LANGEVIN_T0,
+                    "tau_min": 0.0,
+                    "gamma": float(np.exp(np.log(LANGEVIN_T_END / LANGEVIN_T0) / STEPS)),
+                },
+            ),
+            ("cosine", {"tau_min": 0.0, "tau_max": LANGEVIN_T0, "period": 2.0 * STEPS}),
+        )
+    },
     # ... and the log form with c = 5 nats, above the largest estimate (straight paths between minima of different
     # seeds: 3.8-4.5 nats, an upper bound since the networks are not aligned for permutations)
-    "langevin-log-c5-t0.1": {"loss": "infonce", "loss_options": {}, "schedule": "fixed", "schedule_options": {"tau": 0.1},
-                             "noise_schedule": "log", "noise_options": {**LANGEVIN_ABOVE_BARRIER, "c": 5.0}},
+    "langevin-log-c5-t0.1": {
+        "loss": "infonce",
+        "loss_options": {},
+        "schedule": "fixed",
+        "schedule_options": {"tau": 0.1},
+        "noise_schedule": "log",
+        "noise_options": {**LANGEVIN_ABOVE_BARRIER, "c": 5.0},
+    },
 }
 # The sweep's order: the paper's own comparison (3 + 3 seeds at tau 0.5) first.
-DEFAULT_QUEUE = ([("infonce-t0.5", s) for s in range(3)] + [("weince-paper-t0.5", s) for s in range(3)]
-                 + [(o, s) for o in ("infonce-t0.2", "weince-blend-t0.2", "anneal-langevin") for s in range(2)])
+DEFAULT_QUEUE = (
+    [("infonce-t0.5", s) for s in range(3)]
+    + [("weince-paper-t0.5", s) for s in range(3)]
+    + [(o, s) for o in ("infonce-t0.2", "weince-blend-t0.2", "anneal-langevin") for s in range(2)]
+)
 # each variant vs the fixed-tau InfoNCE run at the same tau and seed (WEINCE, annealing, the regulariser)
-PAIRS = {"weince-paper-t0.5": "infonce-t0.5", "weince-blend-t0.2": "infonce-t0.2",
-         "weince-paper-t0.2": "infonce-t0.2", "weince-paper-t0.1": "infonce-t0.1",
-         "anneal-infonce-t0.5": "infonce-t0.5", "anneal-infonce-t0.2": "infonce-t0.2",
-         "anneal-infonce-t0.1": "infonce-t0.1", "infonce-t0.1-greg": "infonce-t0.1",
-         "infonce-t0.1-greg-4k": "infonce-t0.1",
-         **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine", "log-c5")}}
+PAIRS = {
+    "weince-paper-t0.5": "infonce-t0.5",
+    "weince-blend-t0.2": "infonce-t0.2",
+    "weince-paper-t0.2": "infonce-t0.2",
+    "weince-paper-t0.1": "infonce-t0.1",
+    "anneal-infonce-t0.5": "infonce-t0.5",
+    "anneal-infonce-t0.2": "infonce-t0.2",
+    "anneal-infonce-t0.1": "infonce-t0.1",
+    "infonce-t0.1-greg": "infonce-t0.1",
+    "infonce-t0.1-greg-4k": "infonce-t0.1",
+    **{f"langevin-{name}-t0.1": "infonce-t0.1" for name in ("log", "exp", "cosine", "log-c5")},
+}
 # further paired comparisons in the report: the paper's log noise schedule against the other two
-SCHEDULE_PAIRS = (("langevin-log-t0.1", "langevin-exp-t0.1"), ("langevin-log-t0.1", "langevin-cosine-t0.1"),
-                  ("infonce-t0.1-greg-4k", "infonce-t0.1-greg"))   # and twice the steps against 2 000
+SCHEDULE_PAIRS = (
+    ("langevin-log-t0.1", "langevin-exp-t0.1"),
+    ("langevin-log-t0.1", "langevin-cosine-t0.1"),
+    ("infonce-t0.1-greg-4k", "infonce-t0.1-greg"),
+)  # and twice the steps against 2 000
 # issue 31's tau sweep, most informative first (WEINCE at its own best tau is the open question)
-TAU_SWEEP = ("weince-paper-t0.2", "weince-paper-t0.1", "infonce-t0.1",
-             "anneal-infonce-t0.2", "anneal-infonce-t0.1", "anneal-infonce-t0.5")
+TAU_SWEEP = (
+    "weince-paper-t0.2",
+    "weince-paper-t0.1",
+    "infonce-t0.1",
+    "anneal-infonce-t0.2",
+    "anneal-infonce-t0.1",
+    "anneal-infonce-t0.5",
+)
 
 
 def run_name(objective: str, seed: int) -> str:
@@ -119,14 +220,21 @@ def run_name(objective: str, seed: int) -> str:
 
 def train_run(objective: str, seed: int, runs_dir: Path, steps: int, batch_size: int) -> Path:
     """Train (or resume) one run; returns its final checkpoint."""
+    from training.checkpoint import read_checkpoint_metadata
     from training.config import load_train_config
     from training.trainer import CHECKPOINT_NAME, STATE_NAME, train
-    from training.checkpoint import read_checkpoint_metadata
 
     steps = OBJECTIVES[objective].get("steps", steps)  # an objective may fix its own budget
     out = runs_dir / run_name(objective, seed)
-    overrides = [f"steps={steps}", f"batch_size={batch_size}", f"seed={seed}", f"out_dir={out}",
-                 "progress=false", "checkpoint_every=100", "warmup_steps=30"]
+    overrides = [
+        f"steps={steps}",
+        f"batch_size={batch_size}",
+        f"seed={seed}",
+        f"out_dir={out}",
+        "progress=false",
+        "checkpoint_every=100",
+        "warmup_steps=30",
+    ]
     config = load_train_config(CONFIG, overrides)
     for key, value in OBJECTIVES[objective].items():
         setattr(config, key, value)
@@ -149,7 +257,10 @@ def evaluate_run(ckpt: Path, objective: str, seed: int, data_root: str | None) -
     from training.generators import create_generator
 
     root = {} if data_root is None else {"root": data_root}
-    db, qs = create_dataset("fashion-mnist", split="train", **root), create_dataset("fashion-mnist", split="test", **root)
+    db, qs = (
+        create_dataset("fashion-mnist", split="train", **root),
+        create_dataset("fashion-mnist", split="test", **root),
+    )
     encoder, meta = load_checkpoint(ckpt)
     t0 = time.perf_counter()
     zd = embed(encoder, db.tensors(np.arange(len(db))), batch_size=512, progress=False)
@@ -157,22 +268,32 @@ def evaluate_run(ckpt: Path, objective: str, seed: int, data_root: str | None) -
     scores, rows = knn_search(zq, zd, 200)
     per_query: dict[str, np.ndarray] = {}
     for k in (200, 20):  # the 3c protocol's rule
-        per_query[f"knn{k}"] = knn_accuracy(scores, rows, db.labels, qs.labels, k, weighted=True, knn_temperature=0.07)
+        per_query[f"knn{k}"] = knn_accuracy(
+            scores, rows, db.labels, qs.labels, k, weighted=True, knn_temperature=0.07
+        )
     for k in KNN_PAPER_KS:  # the WEINCE paper's rule
-        per_query[f"knn{k}-t0.1"] = knn_accuracy(scores, rows, db.labels, qs.labels, k, weighted=True,
-                                                 knn_temperature=0.1)
+        per_query[f"knn{k}-t0.1"] = knn_accuracy(
+            scores, rows, db.labels, qs.labels, k, weighted=True, knn_temperature=0.1
+        )
     metrics = meta.get("metrics") or {}
     train_tau = float(metrics.get("temperature", OBJECTIVES[objective]["schedule_options"].get("tau", 0.5)))
-    cal = calibrate_temperature(zq, zd, qs.labels, db.labels, create_generator("label"),
-                                train_temperature=train_tau, n_curve=5)
-    figures = {"objective": objective, "seed": seed, "steps": meta["step"],
-               "objective_fields": OBJECTIVES[objective], "train_tau_final": train_tau,
-               "final_train_loss": metrics.get("loss"),
-               "calibrated_tau": cal.temperature, "label_gap_at_calibrated_tau": cal.gap_at_calibrated["kl"],
-               "label_gap_at_train_tau": (cal.gap_at_train or {}).get("kl"),
-               "mean_embedding_norm": float(np.linalg.norm(zd.mean(axis=0))),
-               "eval_seconds": time.perf_counter() - t0,
-               "train_stats": {k: v for k, v in metrics.items() if k.startswith(("weince", "noise"))}}
+    cal = calibrate_temperature(
+        zq, zd, qs.labels, db.labels, create_generator("label"), train_temperature=train_tau, n_curve=5
+    )
+    figures = {
+        "objective": objective,
+        "seed": seed,
+        "steps": meta["step"],
+        "objective_fields": OBJECTIVES[objective],
+        "train_tau_final": train_tau,
+        "final_train_loss": metrics.get("loss"),
+        "calibrated_tau": cal.temperature,
+        "label_gap_at_calibrated_tau": cal.gap_at_calibrated["kl"],
+        "label_gap_at_train_tau": (cal.gap_at_train or {}).get("kl"),
+        "mean_embedding_norm": float(np.linalg.norm(zd.mean(axis=0))),
+        "eval_seconds": time.perf_counter() - t0,
+        "train_stats": {k: v for k, v in metrics.items() if k.startswith(("weince", "noise"))},
+    }
     for name, v in per_query.items():
         figures[name] = bootstrap_ci(v)
     figures["gaussianity"] = query_gaussianity(encoder, qs)
@@ -188,8 +309,12 @@ def query_gaussianity(encoder, queries, n: int = 4000) -> dict:
 
     encoder.eval()
     with torch.no_grad():
-        h = torch.cat([encoder(queries.tensors(np.arange(i, min(i + 512, n))), return_features=True)[1]
-                       for i in range(0, n, 512)]).numpy()
+        h = torch.cat(
+            [
+                encoder(queries.tensors(np.arange(i, min(i + 512, n))), return_features=True)[1]
+                for i in range(0, n, 512)
+            ]
+        ).numpy()
     g = gaussianity(h, n_null=99)
     for part in ("coordinates", "projections"):
         g[part] = {k: v for k, v in g[part].items() if not k.endswith("_pvalues")}
@@ -213,8 +338,12 @@ def cmd_gaussianity(args) -> int:
             continue
         figures["gaussianity"] = query_gaussianity(load_checkpoint(ckpt)[0], qs)
         path.write_text(json.dumps(figures, indent=2, default=str) + "\n")
-        logger.info("%s: norm cv %.4f, Mardia rejected %s", path.stem, figures["gaussianity"]["norm_cv"],
-                    (figures["gaussianity"]["mardia"] or {}).get("rejected"))
+        logger.info(
+            "%s: norm cv %.4f, Mardia rejected %s",
+            path.stem,
+            figures["gaussianity"]["norm_cv"],
+            (figures["gaussianity"]["mardia"] or {}).get("rejected"),
+        )
     return 0
 
 
@@ -232,8 +361,13 @@ def cmd_run(args) -> int:
     stem = run_name(objective, seed)  # names hold dots ("t0.5"): no with_suffix
     np.savez_compressed(PER_RUN_DIR / f"{stem}.npz", **{k: v.astype(np.uint8) for k, v in per_query.items()})
     (PER_RUN_DIR / f"{stem}.json").write_text(json.dumps(figures, indent=2, default=str) + "\n")
-    logger.info("%s: knn200 %.4f knn20 %.4f gap %.3f", stem, figures["knn200"][0], figures["knn20"][0],
-                figures["label_gap_at_calibrated_tau"])
+    logger.info(
+        "%s: knn200 %.4f knn20 %.4f gap %.3f",
+        stem,
+        figures["knn200"][0],
+        figures["knn20"][0],
+        figures["label_gap_at_calibrated_tau"],
+    )
     return 0
 
 
@@ -251,8 +385,21 @@ def cmd_sweep(args) -> int:
             break
         logger.info("pass %d: %d runs to do: %s", attempt, len(todo), [run_name(o, s) for o, s in todo])
         for objective, seed in todo:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "run", "--objective", objective, "--seed", str(seed),
-                   "--runs-dir", args.runs_dir, "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "run",
+                "--objective",
+                objective,
+                "--seed",
+                str(seed),
+                "--runs-dir",
+                args.runs_dir,
+                "--steps",
+                str(args.steps),
+                "--batch-size",
+                str(args.batch_size),
+            ]
             if args.data_root:
                 cmd += ["--data-root", args.data_root]
             rc = subprocess.call(cmd)
@@ -273,7 +420,9 @@ def _load_runs() -> dict[tuple[str, int], tuple[dict, dict]]:
     return runs
 
 
-def paired_interval(a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def paired_interval(
+    a: np.ndarray, b: np.ndarray, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float, float]:
     """Mean of a - b over queries and its 95 % percentile-bootstrap interval (queries resampled)."""
     diff = a - b
     idx = np.random.default_rng(seed).integers(0, diff.size, size=(resamples, diff.size))
@@ -287,7 +436,9 @@ def cmd_report(args) -> int:
         logger.info("no finished runs under %s yet", PER_RUN_DIR)
         return 0
     rows = []
-    metrics = [("knn200", "accuracy"), ("knn20", "accuracy")] + [(f"knn{k}-t0.1", "accuracy") for k in KNN_PAPER_KS]
+    metrics = [("knn200", "accuracy"), ("knn20", "accuracy")] + [
+        (f"knn{k}-t0.1", "accuracy") for k in KNN_PAPER_KS
+    ]
     for (objective, seed), (fig, _) in sorted(runs.items()):
         base = PAIRS.get(objective)
         base_fig = runs.get((base, seed), (None,))[0] if base else None
@@ -302,9 +453,15 @@ def cmd_report(args) -> int:
         for m in ("knn200", "knn20", "knn20-t0.1", "gap"):
             vals = np.array([f["label_gap_at_calibrated_tau"] if m == "gap" else f[m][0] for f in figs])
             unit = "nats" if m == "gap" else "accuracy"
-            rows.append(row(f"{objective}/mean/{m}", float(vals.mean()), f"{unit} (n={len(vals)} seeds)", None))
+            rows.append(
+                row(f"{objective}/mean/{m}", float(vals.mean()), f"{unit} (n={len(vals)} seeds)", None)
+            )
             if len(vals) > 1:  # a spread needs two seeds; one seed has none to report
-                rows.append(row(f"{objective}/std/{m}", float(vals.std(ddof=1)), f"{unit} (n={len(vals)} seeds)", None))
+                rows.append(
+                    row(
+                        f"{objective}/std/{m}", float(vals.std(ddof=1)), f"{unit} (n={len(vals)} seeds)", None
+                    )
+                )
     for objective, base in [*PAIRS.items(), *SCHEDULE_PAIRS]:
         for (o, seed), (_, pq) in sorted(runs.items()):
             if o != objective or (base, seed) not in runs:
@@ -312,19 +469,37 @@ def cmd_report(args) -> int:
             base_pq = runs[(base, seed)][1]
             for m in ("knn200", "knn20", "knn20-t0.1"):
                 d, lo, hi = paired_interval(pq[m], base_pq[m])
-                rows.append(row(f"{objective}-minus-{base}/seed{seed}/{m}", d,
-                                f"accuracy difference, 95% CI [{lo:+.4f}, {hi:+.4f}]", None))
+                rows.append(
+                    row(
+                        f"{objective}-minus-{base}/seed{seed}/{m}",
+                        d,
+                        f"accuracy difference, 95% CI [{lo:+.4f}, {hi:+.4f}]",
+                        None,
+                    )
+                )
         # Across seeds: the paired difference per seed, its mean and sample std (seed-to-seed spread).
         seeds = sorted(s for (o, s) in runs if o == objective and (base, s) in runs)
         for m in ("knn200", "knn20", "knn20-t0.1", "gap"):
             key = "label_gap_at_calibrated_tau"
-            diffs = np.array([(runs[(objective, s)][0][key] - runs[(base, s)][0][key]) if m == "gap"
-                              else (runs[(objective, s)][0][m][0] - runs[(base, s)][0][m][0]) for s in seeds])
+            diffs = np.array(
+                [
+                    (runs[(objective, s)][0][key] - runs[(base, s)][0][key])
+                    if m == "gap"
+                    else (runs[(objective, s)][0][m][0] - runs[(base, s)][0][m][0])
+                    for s in seeds
+                ]
+            )
             if diffs.size:
                 spread = f", std {diffs.std(ddof=1):.4f}" if diffs.size > 1 else ""
                 unit = "nats" if m == "gap" else "accuracy"
-                rows.append(row(f"{objective}-minus-{base}/mean/{m}", float(diffs.mean()),
-                                f"{unit} difference over n={diffs.size} paired seeds{spread}", None))
+                rows.append(
+                    row(
+                        f"{objective}-minus-{base}/mean/{m}",
+                        float(diffs.mean()),
+                        f"{unit} difference over n={diffs.size} paired seeds{spread}",
+                        None,
+                    )
+                )
     write_results("objectives_seeds", rows, "python bench/objectives_seeds.py report")
     return 0
 
@@ -334,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("sweep", "run", "report", "gaussianity"):
         s = sub.add_parser(name)
-        s.add_argument("--runs-dir", default="runs/objectives_seeds", help="where run directories live (default %(default)s)")
+        s.add_argument(
+            "--runs-dir",
+            default="runs/objectives_seeds",
+            help="where run directories live (default %(default)s)",
+        )
         s.add_argument("--steps", type=int, default=STEPS)
         s.add_argument("--batch-size", type=int, default=BATCH)
         s.add_argument("--data-root", default=None)
@@ -344,10 +523,16 @@ def main(argv: list[str] | None = None) -> int:
         if name == "sweep":
             s.add_argument("--objectives", type=lambda v: v.split(","), default=list(OBJECTIVES))
             s.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")], default=[0, 1, 2])
-            s.add_argument("--passes", type=int, default=6, help="retry rounds for failed runs (default %(default)s)")
-            s.add_argument("--retry-wait", type=float, default=600.0, help="seconds between rounds (default %(default)s)")
+            s.add_argument(
+                "--passes", type=int, default=6, help="retry rounds for failed runs (default %(default)s)"
+            )
+            s.add_argument(
+                "--retry-wait", type=float, default=600.0, help="seconds between rounds (default %(default)s)"
+            )
     args = p.parse_args(argv)
-    return {"sweep": cmd_sweep, "run": cmd_run, "report": cmd_report, "gaussianity": cmd_gaussianity}[args.command](args)
+    return {"sweep": cmd_sweep, "run": cmd_run, "report": cmd_report, "gaussianity": cmd_gaussianity}[
+        args.command
+    ](args)
 
 
 if __name__ == "__main__":

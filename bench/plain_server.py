@@ -7,6 +7,7 @@ over a version's embeddings alone: no checkpoint, no probabilities.
     python bench/plain_server.py VERSION_DIR CHECKPOINT PORT SQUARE(0|1) TORCH_THREADS
     python bench/plain_server.py --vectors VERSION_DIR PORT
 """
+
 import json
 import sys
 
@@ -44,7 +45,13 @@ from training.checkpoint import load_checkpoint  # noqa: E402
 from training.images import cache_resolution, load_query, load_square  # noqa: E402
 from training.transforms import preprocess  # noqa: E402
 
-version, checkpoint, port, square, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+version, checkpoint, port, square, threads = (
+    sys.argv[1],
+    sys.argv[2],
+    int(sys.argv[3]),
+    sys.argv[4] == "1",
+    int(sys.argv[5]),
+)
 torch.set_num_threads(threads)
 encoder, _ = load_checkpoint(checkpoint)
 encoder.eval()

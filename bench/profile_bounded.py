@@ -11,6 +11,7 @@ HTTP server, the middleware, the route and the event loop.
     python bench/profile_bounded.py                    # after bench/vs_vectordb.py built the ANN store
     python bench/profile_bounded.py --n 20000 --repeats 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from search.serving.searcher import Searcher
 
     torch.set_num_threads(1)
-    root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, 64, kind=args.kind,
-                                     target_recall=args.target_recall)
+    root, base, queries = flat_store(
+        args.work, args.n, args.dim, args.clusters, 64, kind=args.kind, target_recall=args.target_recall
+    )
     snap = Searcher(root, normaliser=NormaliserConfig("bounded"), load=True).snapshot()
     norm, index, emb = snap.normaliser, snap.index, snap.index.embeddings
     q1, q16 = queries[:1], queries[:16]
@@ -55,50 +57,86 @@ def main(argv: list[str] | None = None) -> int:
     top1, top16 = index.search(q1, 100)[1], index.search(q16, 100)[1]
     steps = {
         "index search, top 100, one query": timed(lambda: index.search(q1, 100), args.repeats, "search1"),
-        "index search, top 100, batch of 16, per query": timed(lambda: index.search(q16, 100), args.repeats,
-                                                               "search16") / 16,
-        "bounded normaliser, one query": timed(lambda: norm(q1, emb, taus1, top_rows=top1), args.repeats, "norm1"),
-        "bounded normaliser, batch of 16, per query": timed(lambda: norm(q16, emb, taus16, top_rows=top16),
-                                                            args.repeats, "norm16") / 16,
-        "SearchSnapshot.search (search, normaliser, hits), one query": timed(lambda: snap.search(q1, 10),
-                                                                             args.repeats, "snap1"),
-        "SearchSnapshot.search, batch of 16, per query": timed(lambda: snap.search(q16, 10), args.repeats,
-                                                               "snap16") / 16,
+        "index search, top 100, batch of 16, per query": timed(
+            lambda: index.search(q16, 100), args.repeats, "search16"
+        )
+        / 16,
+        "bounded normaliser, one query": timed(
+            lambda: norm(q1, emb, taus1, top_rows=top1), args.repeats, "norm1"
+        ),
+        "bounded normaliser, batch of 16, per query": timed(
+            lambda: norm(q16, emb, taus16, top_rows=top16), args.repeats, "norm16"
+        )
+        / 16,
+        "SearchSnapshot.search (search, normaliser, hits), one query": timed(
+            lambda: snap.search(q1, 10), args.repeats, "snap1"
+        ),
+        "SearchSnapshot.search, batch of 16, per query": timed(
+            lambda: snap.search(q16, 10), args.repeats, "snap16"
+        )
+        / 16,
     }
-    for key, name in (("search16", "index search, top 100, batch of 16, per query"),
-                      ("norm16", "bounded normaliser, batch of 16, per query"),
-                      ("snap16", "SearchSnapshot.search, batch of 16, per query")):
+    for key, name in (
+        ("search16", "index search, top 100, batch of 16, per query"),
+        ("norm16", "bounded normaliser, batch of 16, per query"),
+        ("snap16", "SearchSnapshot.search, batch of 16, per query"),
+    ):
         WALL[name] = WALL.pop(key) / 16
-    for key, name in (("search1", "index search, top 100, one query"), ("norm1", "bounded normaliser, one query"),
-                      ("snap1", "SearchSnapshot.search (search, normaliser, hits), one query")):
+    for key, name in (
+        ("search1", "index search, top 100, one query"),
+        ("norm1", "bounded normaliser, one query"),
+        ("snap1", "SearchSnapshot.search (search, normaliser, hits), one query"),
+    ):
         WALL[name] = WALL.pop(key)
     rows_read = norm(q16, emb, taus16, top_rows=top16).rows
-    with serve_process(root, "--normaliser", "bounded", "--watch-interval-s", 0, torch_threads=1,
-                       timeout_s=300) as server:
+    with serve_process(
+        root, "--normaliser", "bounded", "--watch-interval-s", 0, torch_threads=1, timeout_s=300
+    ) as server:
         json_bodies = [json.dumps({"vector": x.tolist(), "k": 10}).encode() for x in queries]
         bin_bodies = [x.astype("<f4").tobytes() for x in queries]
         steps["HTTP request, JSON body, server CPU"] = http_median(
-            server.url, "/v1/search/vector", json_bodies, "application/json", args.repeats * 5, server.proc.pid,
-            "HTTP request, JSON body, server CPU")
+            server.url,
+            "/v1/search/vector",
+            json_bodies,
+            "application/json",
+            args.repeats * 5,
+            server.proc.pid,
+            "HTTP request, JSON body, server CPU",
+        )
         steps["HTTP request, binary body, server CPU"] = http_median(
-            server.url, "/v1/search/vector?k=10", bin_bodies, "application/octet-stream", args.repeats * 5,
-            server.proc.pid, "HTTP request, binary body, server CPU")
+            server.url,
+            "/v1/search/vector?k=10",
+            bin_bodies,
+            "application/octet-stream",
+            args.repeats * 5,
+            server.proc.pid,
+            "HTTP request, binary body, server CPU",
+        )
     alone = steps["SearchSnapshot.search (search, normaliser, hits), one query"]
-    steps["left for HTTP, middleware, route, event loop (JSON)"] = steps["HTTP request, JSON body, server CPU"] - alone
-    steps["left for HTTP, middleware, route, event loop (binary)"] = steps["HTTP request, binary body, server CPU"] - alone
-    print(f"\n{args.n} x {args.dim} {args.kind} ({index.manifest.params}), bounded "
-          f"normaliser, rows read per query {rows_read.mean():.0f}")
+    steps["left for HTTP, middleware, route, event loop (JSON)"] = (
+        steps["HTTP request, JSON body, server CPU"] - alone
+    )
+    steps["left for HTTP, middleware, route, event loop (binary)"] = (
+        steps["HTTP request, binary body, server CPU"] - alone
+    )
+    print(
+        f"\n{args.n} x {args.dim} {args.kind} ({index.manifest.params}), bounded "
+        f"normaliser, rows read per query {rows_read.mean():.0f}"
+    )
     print("| step | CPU ms | wall ms |\n|---|---|---|")
     for name, ms in steps.items():
         print(f"| {name} | {ms:.3f} | {WALL.get(name, float('nan')):.3f} |")
     import os
 
     load = os.getloadavg()
-    write_results(args.name, [row(name, ms, "ms CPU", WALL.get(name)) for name, ms in steps.items()]
-                  + [row("bounded rows read per query", float(rows_read.mean()), "rows", None)],
-                  machine_note=f"{args.n} x {args.dim} {args.kind}, bounded normaliser, 1 torch thread; baseline "
-                               f"column = wall median; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
-                               "(other processes share this machine)")
+    write_results(
+        args.name,
+        [row(name, ms, "ms CPU", WALL.get(name)) for name, ms in steps.items()]
+        + [row("bounded rows read per query", float(rows_read.mean()), "rows", None)],
+        machine_note=f"{args.n} x {args.dim} {args.kind}, bounded normaliser, 1 torch thread; baseline "
+        f"column = wall median; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+        "(other processes share this machine)",
+    )
     return 0
 
 

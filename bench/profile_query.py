@@ -18,6 +18,7 @@ clustered vectors (the vs_vectordb.py setting).
     python bench/profile_query.py                    # ~2 minutes on 2 shared cores
     python bench/profile_query.py --n 20000 --repeats 20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,9 @@ def timed(fn, repeats: int, name: str | None = None) -> float:
     return statistics.median(cpu)
 
 
-def http_median(url: str, path: str, bodies: list[bytes], content_type: str, repeats: int, pid: int,
-                name: str) -> float:
+def http_median(
+    url: str, path: str, bodies: list[bytes], content_type: str, repeats: int, pid: int, name: str
+) -> float:
     """The server's CPU time (its process tree) per request, in ms, over `repeats` sequential POSTs on one
     keep-alive connection; their median wall latency goes to WALL[name]."""
     import http.client
@@ -103,7 +105,10 @@ def image_server(version_dir: str, port: int) -> None:
     store = IndexStore(Path(version_dir))
     version = store.load()
     encoder = create_encoder(EncoderConfig(embed_dim=version.embeddings.shape[1])).eval()
-    app = create_app(Settings(port=port), Searcher.from_parts(encoder, version, normaliser=NormaliserConfig("exact", release_pages=False)))
+    app = create_app(
+        Settings(port=port),
+        Searcher.from_parts(encoder, version, normaliser=NormaliserConfig("exact", release_pages=False)),
+    )
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
@@ -120,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from api.deps import decode_image
+    from api.batching import QueryResult
     from api.config import Settings
+    from api.deps import decode_image
     from api.launch import free_port, serve_process, server_process
     from api.metrics import Metrics
-    from api.batching import QueryResult
     from api.routes.models import VectorQuery
     from api.routes.search import result_body
     from index.store import IndexStore
@@ -137,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, 100)
     version = IndexStore(root).load()
-    snap = Searcher.from_parts(create_encoder(EncoderConfig(embed_dim=args.dim)).eval(), version,
-                               normaliser=NormaliserConfig("exact", release_pages=False)).snapshot()
+    snap = Searcher.from_parts(
+        create_encoder(EncoderConfig(embed_dim=args.dim)).eval(),
+        version,
+        normaliser=NormaliserConfig("exact", release_pages=False),
+    ).snapshot()
     emb = snap.index.embeddings
     q = queries[:1]
     body = json.dumps({"vector": q[0].tolist(), "k": 10}).encode()
@@ -146,40 +154,73 @@ def main(argv: list[str] | None = None) -> int:
     r = {}
     r["parse: json.loads"] = timed(lambda: json.loads(body), args.repeats, "parse: json.loads")
     name = "validate: VectorQuery"
-    r[name] = timed(lambda: VectorQuery.model_validate(json.loads(body)), args.repeats, name) - r["parse: json.loads"]
+    r[name] = (
+        timed(lambda: VectorQuery.model_validate(json.loads(body)), args.repeats, name)
+        - r["parse: json.loads"]
+    )
     WALL[name] -= WALL["parse: json.loads"]
     r["unit vector"] = timed(lambda: unit_queries(q[0], args.dim), args.repeats, "unit vector")
-    r["normaliser pass (pages released)"] = timed(lambda: log_normaliser(q, emb, taus, release=True), args.repeats, "normaliser pass (pages released)")
-    r["normaliser pass (pages kept)"] = timed(lambda: log_normaliser(q, emb, taus, release=False), args.repeats, "normaliser pass (pages kept)")
-    r["FAISS flat search k=10"] = timed(lambda: snap.index.search(q, 10), args.repeats, "FAISS flat search k=10")
+    r["normaliser pass (pages released)"] = timed(
+        lambda: log_normaliser(q, emb, taus, release=True), args.repeats, "normaliser pass (pages released)"
+    )
+    r["normaliser pass (pages kept)"] = timed(
+        lambda: log_normaliser(q, emb, taus, release=False), args.repeats, "normaliser pass (pages kept)"
+    )
+    r["FAISS flat search k=10"] = timed(
+        lambda: snap.index.search(q, 10), args.repeats, "FAISS flat search k=10"
+    )
     from search.serving.exact_scan import ExactScanner
 
     for release in (False, True):
         scan = ExactScanner(emb, release=release)
-        r[f"exact scan, log Z + top-10 in one pass ({'pages released' if release else 'pages kept'})"] = timed(
-            lambda: scan(q, taus, 10), args.repeats, "scan1" if not release else "scan1r")
+        r[f"exact scan, log Z + top-10 in one pass ({'pages released' if release else 'pages kept'})"] = (
+            timed(lambda: scan(q, taus, 10), args.repeats, "scan1" if not release else "scan1r")
+        )
     q16, taus16 = queries[:16], np.full(16, snap.temperature)
     scan = ExactScanner(emb)
     name = "exact scan, batch of 16, per query (pages kept)"
     r[name] = timed(lambda: scan(q16, taus16, 10), args.repeats, name) / 16
     WALL[name] /= 16
     raw = q[0].astype("<f4").tobytes()
-    r["binary body: np.frombuffer"] = timed(lambda: np.frombuffer(raw, dtype="<f4"), args.repeats, "binary body: np.frombuffer")
+    r["binary body: np.frombuffer"] = timed(
+        lambda: np.frombuffer(raw, dtype="<f4"), args.repeats, "binary body: np.frombuffer"
+    )
     import orjson
 
-    r["orjson.loads + VectorQuery"] = timed(lambda: VectorQuery.model_validate(orjson.loads(body)), args.repeats, "orjson.loads + VectorQuery")
-    r["searcher.search (unit vector, scan, hits)"] = timed(lambda: snap.search(q, 10), args.repeats, "searcher.search (unit vector, scan, hits)")
+    r["orjson.loads + VectorQuery"] = timed(
+        lambda: VectorQuery.model_validate(orjson.loads(body)), args.repeats, "orjson.loads + VectorQuery"
+    )
+    r["searcher.search (unit vector, scan, hits)"] = timed(
+        lambda: snap.search(q, 10), args.repeats, "searcher.search (unit vector, scan, hits)"
+    )
     answer = snap.search(q, 10)
-    result = QueryResult(answer[0], answer.version, answer.temperatures[0], answer.log_normalisers[0], 1,
-                         snap.count, answer.normalisers[0])
-    r["response: model + JSON"] = timed(lambda: result_body(result, 10).model_dump_json(), args.repeats, "response: model + JSON")
-    r["response: model + orjson (served)"] = timed(lambda: orjson.dumps(result_body(result, 10).model_dump()), args.repeats, "response: model + orjson (served)")
+    result = QueryResult(
+        answer[0],
+        answer.version,
+        answer.temperatures[0],
+        answer.log_normalisers[0],
+        1,
+        snap.count,
+        answer.normalisers[0],
+    )
+    r["response: model + JSON"] = timed(
+        lambda: result_body(result, 10).model_dump_json(), args.repeats, "response: model + JSON"
+    )
+    r["response: model + orjson (served)"] = timed(
+        lambda: orjson.dumps(result_body(result, 10).model_dump()),
+        args.repeats,
+        "response: model + orjson (served)",
+    )
     metrics = Metrics()
     r["metrics: counter + histogram"] = timed(
-        lambda: (metrics.queries.labels(kind="vector").inc(),
-                 metrics.latency.labels(route="/v1/search/vector", method="POST").observe(0.01),
-                 metrics.requests.labels(route="/v1/search/vector", method="POST", status="200").inc()),
-        args.repeats, "metrics: counter + histogram")
+        lambda: (
+            metrics.queries.labels(kind="vector").inc(),
+            metrics.latency.labels(route="/v1/search/vector", method="POST").observe(0.01),
+            metrics.requests.labels(route="/v1/search/vector", method="POST", status="200").inc(),
+        ),
+        args.repeats,
+        "metrics: counter + histogram",
+    )
     # image steps: decode a PNG upload, one encoder forward
     from PIL import Image
 
@@ -190,41 +231,78 @@ def main(argv: list[str] | None = None) -> int:
     side = cache_resolution(snap.encoder.image_size)
     settings = Settings()
     pixels = decode_image(png, settings, side=side)
-    r["image: decode PNG"] = timed(lambda: decode_image(png, settings, side=side), args.repeats, "image: decode PNG")
-    r["image: encoder forward (1 image)"] = timed(lambda: snap.encode([pixels]), args.repeats, "image: encoder forward (1 image)")
+    r["image: decode PNG"] = timed(
+        lambda: decode_image(png, settings, side=side), args.repeats, "image: decode PNG"
+    )
+    r["image: encoder forward (1 image)"] = timed(
+        lambda: snap.encode([pixels]), args.repeats, "image: encoder forward (1 image)"
+    )
 
     # whole requests over HTTP, one client
     bodies = [json.dumps({"vector": v.tolist(), "k": 10}).encode() for v in queries[:32]]
     with serve_process(root, "--normaliser", "exact", "--mapped-pages", "keep") as server:
         name = "HTTP vector request, JSON (1 client)"
-        r[name] = http_median(server.url, "/v1/search/vector", bodies, "application/json", args.repeats,
-                              server.proc.pid, name)
+        r[name] = http_median(
+            server.url, "/v1/search/vector", bodies, "application/json", args.repeats, server.proc.pid, name
+        )
         name = "HTTP vector request, binary (1 client)"
-        r[name] = http_median(server.url, "/v1/search/vector?k=10", [v.astype("<f4").tobytes() for v in queries[:32]],
-                              "application/octet-stream", args.repeats, server.proc.pid, name)
+        r[name] = http_median(
+            server.url,
+            "/v1/search/vector?k=10",
+            [v.astype("<f4").tobytes() for v in queries[:32]],
+            "application/octet-stream",
+            args.repeats,
+            server.proc.pid,
+            name,
+        )
     from http_load import BOUNDARY, multipart
 
     port = free_port()
     argv = [sys.executable, __file__, "--image-server", str(root), str(port)]
     with server_process(argv, port, timeout_s=300) as server:
         name = "HTTP image request (1 client)"
-        r[name] = http_median(server.url, "/v1/search", [multipart(png)], f"multipart/form-data; boundary={BOUNDARY}",
-                              args.repeats, server.proc.pid, name)
-    steps_vec = (r["orjson.loads + VectorQuery"] + r["searcher.search (unit vector, scan, hits)"]
-                 + r["response: model + orjson (served)"] + r["metrics: counter + histogram"])
-    r["vector: HTTP, middleware, event loop (JSON request - steps)"] = r["HTTP vector request, JSON (1 client)"] - steps_vec
-    steps_img = (r["image: decode PNG"] + r["image: encoder forward (1 image)"]
-                 + r["searcher.search (unit vector, scan, hits)"] + r["response: model + orjson (served)"]
-                 + r["metrics: counter + histogram"])
-    r["image: HTTP, multipart, middleware, event loop (request - steps)"] = r["HTTP image request (1 client)"] - steps_img
+        r[name] = http_median(
+            server.url,
+            "/v1/search",
+            [multipart(png)],
+            f"multipart/form-data; boundary={BOUNDARY}",
+            args.repeats,
+            server.proc.pid,
+            name,
+        )
+    steps_vec = (
+        r["orjson.loads + VectorQuery"]
+        + r["searcher.search (unit vector, scan, hits)"]
+        + r["response: model + orjson (served)"]
+        + r["metrics: counter + histogram"]
+    )
+    r["vector: HTTP, middleware, event loop (JSON request - steps)"] = (
+        r["HTTP vector request, JSON (1 client)"] - steps_vec
+    )
+    steps_img = (
+        r["image: decode PNG"]
+        + r["image: encoder forward (1 image)"]
+        + r["searcher.search (unit vector, scan, hits)"]
+        + r["response: model + orjson (served)"]
+        + r["metrics: counter + histogram"]
+    )
+    r["image: HTTP, multipart, middleware, event loop (request - steps)"] = (
+        r["HTTP image request (1 client)"] - steps_img
+    )
     WALL["scan1"], WALL["scan1r"] = WALL.get("scan1"), WALL.get("scan1r")
-    walls = {"exact scan, log Z + top-10 in one pass (pages kept)": WALL["scan1"],
-             "exact scan, log Z + top-10 in one pass (pages released)": WALL["scan1r"]}
+    walls = {
+        "exact scan, log Z + top-10 in one pass (pages kept)": WALL["scan1"],
+        "exact scan, log Z + top-10 in one pass (pages released)": WALL["scan1r"],
+    }
     # value: CPU ms (this thread, or the server's process tree per request); baseline: the wall-clock median
     rows = [row(case, value, "ms CPU", walls.get(case, WALL.get(case))) for case, value in r.items()]
     load = os.getloadavg()
-    write_results(args.name, rows, machine_note=f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
-                                                f"{args.n} x {args.dim}, {args.repeats} repeats")
+    write_results(
+        args.name,
+        rows,
+        machine_note=f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end; "
+        f"{args.n} x {args.dim}, {args.repeats} repeats",
+    )
     return 0
 
 

@@ -25,6 +25,7 @@ and /proc/PID/smaps_rollup (Pss: shared pages split between the processes mappin
 
     .venv/bin/python bench/serve_memory.py [--root /tmp/softsearch-million] [--queries 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,6 @@ import time
 from pathlib import Path
 
 import httpx
-
 from _common import row, write_results
 from _scale import MILLION, encoder_checkpoint, synthetic_store
 from http_load import query_payloads
@@ -91,9 +91,19 @@ class Serve:
     def __enter__(self) -> "Serve":
         with contextlib.ExitStack() as stack:
             metrics = stack.enter_context(tempfile.TemporaryDirectory(prefix="serve_memory_metrics_"))
-            server = stack.enter_context(serve_process(
-                self.root, "--workers", self.workers, *self.extra, timeout_s=600, poll_s=0.5, stop_timeout_s=30,
-                env={"PROMETHEUS_MULTIPROC_DIR": metrics, "OMP_NUM_THREADS": "1"}, ready=self._ready))
+            server = stack.enter_context(
+                serve_process(
+                    self.root,
+                    "--workers",
+                    self.workers,
+                    *self.extra,
+                    timeout_s=600,
+                    poll_s=0.5,
+                    stop_timeout_s=30,
+                    env={"PROMETHEUS_MULTIPROC_DIR": metrics, "OMP_NUM_THREADS": "1"},
+                    ready=self._ready,
+                )
+            )
             self._stack = stack.pop_all()
         self.url, self.proc, self.ready_s = server.url, server.proc, server.ready_s
         return self
@@ -117,9 +127,14 @@ class Serve:
         return [self.proc.pid] if self.workers == 1 else workers_of(self.proc.pid)
 
     def query(self, data: list[bytes], n: int) -> None:
-        for i in range(n):   # a fresh connection each time, so every worker gets some
-            r = httpx.post(self.url + "/v1/search", files={"file": ("q.png", data[i % len(data)], "image/png")},
-                           data={"k": "10"}, headers={"Connection": "close"}, timeout=120)
+        for i in range(n):  # a fresh connection each time, so every worker gets some
+            r = httpx.post(
+                self.url + "/v1/search",
+                files={"file": ("q.png", data[i % len(data)], "image/png")},
+                data={"k": "10"},
+                headers={"Connection": "close"},
+                timeout=120,
+            )
             r.raise_for_status()
             self.last = r.json()
 
@@ -148,33 +163,48 @@ def release_cost(vdir: Path, rounds: int = 8, per_round: int = 8) -> dict[str, l
     q /= np.linalg.norm(q, axis=1, keepdims=True)
     tau = np.array([float(version.manifest.temperature or 0.1)])
     cfg = NormaliserConfig("bounded")
-    calls = {"exact": lambda x, release: log_normaliser(x, emb, tau, release=release),
-             "bounded": lambda x, release: bounded_log_normaliser(x, emb, stats, tau, cfg, release=release)}
+    calls = {
+        "exact": lambda x, release: log_normaliser(x, emb, tau, release=release),
+        "bounded": lambda x, release: bounded_log_normaliser(x, emb, stats, tau, cfg, release=release),
+    }
     out: dict[str, list[float]] = {}
     for r in range(rounds):
         for method, call in calls.items():
-            for release in ((True, False) if r % 2 == 0 else (False, True)):
+            for release in (True, False) if r % 2 == 0 else (False, True):
                 call(q[:1], release)
                 t0 = time.perf_counter()
                 for i in range(per_round):
-                    call(q[i:i + 1], release)
+                    call(q[i : i + 1], release)
                 out.setdefault(f"{method} {'release' if release else 'keep'}", []).append(
-                    (time.perf_counter() - t0) / per_round)
+                    (time.perf_counter() - t0) / per_round
+                )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "softsearch-million",
-                   help="directory for the at-scale stores (built once, reused)")
+    p.add_argument(
+        "--root",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "softsearch-million",
+        help="directory for the at-scale stores (built once, reused)",
+    )
     p.add_argument("--queries", type=int, default=64)
-    p.add_argument("--normalisers", nargs="+", default=["auto", "bounded", "bounded:release"],
-                   choices=["auto", "exact", "bounded", "auto:keep", "exact:keep", "bounded:release"],
-                   help="one 10^6 server per normaliser[:--mapped-pages setting] (auto is exact at this N * d; "
-                        "the default --mapped-pages auto releases the exact scan's pages and keeps bounded's); "
-                        "--workers 2 uses the first")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50")
+    p.add_argument(
+        "--normalisers",
+        nargs="+",
+        default=["auto", "bounded", "bounded:release"],
+        choices=["auto", "exact", "bounded", "auto:keep", "exact:keep", "bounded:release"],
+        help="one 10^6 server per normaliser[:--mapped-pages setting] (auto is exact at this N * d; "
+        "the default --mapped-pages auto releases the exact scan's pages and keeps bounded's); "
+        "--workers 2 uses the first",
+    )
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50",
+    )
     p.add_argument("--release-cost", type=Path, default=None, help=argparse.SUPPRESS)  # the timing subprocess
     args = p.parse_args(argv)
     if args.release_cost is not None:
@@ -200,11 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         s.query(data, args.queries)
         model = proc_memory(s.proc.pid)
     budget = index_bytes + model["VmRSS"] + BUDGET_MIB * MIB
-    rows = [row("index.faiss (N=1e6, IVF-PQ)", index_bytes / MIB, "MiB", None),
-            row("embeddings.npy (N=1e6, d=128, memory-mapped)", emb_bytes / MIB, "MiB", None),
-            row("ids.json (N=1e6)", ids_bytes / MIB, "MiB", None),
-            row("model: serve RSS on a 2000-item store", model["VmRSS"] / MIB, "MiB", None),
-            row("budget: index file + model + 300 MiB", budget / MIB, "MiB", None)]
+    rows = [
+        row("index.faiss (N=1e6, IVF-PQ)", index_bytes / MIB, "MiB", None),
+        row("embeddings.npy (N=1e6, d=128, memory-mapped)", emb_bytes / MIB, "MiB", None),
+        row("ids.json (N=1e6)", ids_bytes / MIB, "MiB", None),
+        row("model: serve RSS on a 2000-item store", model["VmRSS"] / MIB, "MiB", None),
+        row("budget: index file + model + 300 MiB", budget / MIB, "MiB", None),
+    ]
     extra = tuple(args.serve_arg)
     queried_default = None
     for variant in args.normalisers:
@@ -219,21 +251,47 @@ def main(argv: list[str] | None = None) -> int:
             queried = proc_memory(s.proc.pid)
             method = s.normaliser_method()
         queried_default = queried_default or queried
-        rows.append(row(f"{tag}: normaliser used at this N and d", {"exact": 0, "bounded": 1}[method], "0 exact / 1 bounded",
-                        None))
+        rows.append(
+            row(
+                f"{tag}: normaliser used at this N and d",
+                {"exact": 0, "bounded": 1}[method],
+                "0 exact / 1 bounded",
+                None,
+            )
+        )
         for label, m in (("after load", loaded), (f"after {args.queries} queries", queried)):
-            rows += [row(f"{tag}: RSS {label}", m["VmRSS"] / MIB, "MiB", budget / MIB),
-                     row(f"{tag}: RssAnon {label} (private)", m["RssAnon"] / MIB, "MiB", None),
-                     row(f"{tag}: RssFile {label} (mapped files: libraries, embeddings)", m["RssFile"] / MIB,
-                         "MiB", None),
-                     row(f"{tag}: RSS growth over the model {label}", (m["VmRSS"] - model["VmRSS"]) / MIB, "MiB",
-                         (index_bytes + BUDGET_MIB * MIB) / MIB),
-                     row(f"{tag}: RssAnon growth over the model {label}", (m["RssAnon"] - model["RssAnon"]) / MIB,
-                         "MiB", (index_bytes + BUDGET_MIB * MIB) / MIB)]
-        rows += [row(f"{tag}: seconds from start to ready (bounded: list statistics loaded from the version)",
-                     s.ready_s, "s", None),
-                 row(f"{tag}: peak RSS (VmHWM)", queried["VmHWM"] / MIB, "MiB", budget / MIB),
-                 row(f"{tag}: seconds per query (1 client, upload to answer)", per_query, "s", None)]
+            rows += [
+                row(f"{tag}: RSS {label}", m["VmRSS"] / MIB, "MiB", budget / MIB),
+                row(f"{tag}: RssAnon {label} (private)", m["RssAnon"] / MIB, "MiB", None),
+                row(
+                    f"{tag}: RssFile {label} (mapped files: libraries, embeddings)",
+                    m["RssFile"] / MIB,
+                    "MiB",
+                    None,
+                ),
+                row(
+                    f"{tag}: RSS growth over the model {label}",
+                    (m["VmRSS"] - model["VmRSS"]) / MIB,
+                    "MiB",
+                    (index_bytes + BUDGET_MIB * MIB) / MIB,
+                ),
+                row(
+                    f"{tag}: RssAnon growth over the model {label}",
+                    (m["RssAnon"] - model["RssAnon"]) / MIB,
+                    "MiB",
+                    (index_bytes + BUDGET_MIB * MIB) / MIB,
+                ),
+            ]
+        rows += [
+            row(
+                f"{tag}: seconds from start to ready (bounded: list statistics loaded from the version)",
+                s.ready_s,
+                "s",
+                None,
+            ),
+            row(f"{tag}: peak RSS (VmHWM)", queried["VmHWM"] / MIB, "MiB", budget / MIB),
+            row(f"{tag}: seconds per query (1 client, upload to answer)", per_query, "s", None),
+        ]
     queried = queried_default
 
     first, _, first_pages = args.normalisers[0].partition(":")
@@ -242,25 +300,49 @@ def main(argv: list[str] | None = None) -> int:
         s.query(data, args.queries)
         per_worker = [proc_memory(pid) for pid in s.pids()]
         supervisor = proc_memory(s.proc.pid)
-    rows.append(row("--workers 2: supervisor process RSS (holds no model or index)", supervisor["VmRSS"] / MIB, "MiB",
-                    None))
+    rows.append(
+        row(
+            "--workers 2: supervisor process RSS (holds no model or index)",
+            supervisor["VmRSS"] / MIB,
+            "MiB",
+            None,
+        )
+    )
     for i, m in enumerate(per_worker):
-        rows += [row(f"--workers 2: worker {i} RSS after queries", m["VmRSS"] / MIB, "MiB", budget / MIB),
-                 row(f"--workers 2: worker {i} Pss after queries", m["Pss"] / MIB, "MiB", None)]
-    rows.append(row(f"--workers 2 ({' '.join(first_flags)}): sum of Pss (machine cost) vs two single "
-                    "servers' RSS",
-                    sum(m["Pss"] for m in per_worker) / MIB, "MiB", 2 * queried["VmRSS"] / MIB))
+        rows += [
+            row(f"--workers 2: worker {i} RSS after queries", m["VmRSS"] / MIB, "MiB", budget / MIB),
+            row(f"--workers 2: worker {i} Pss after queries", m["Pss"] / MIB, "MiB", None),
+        ]
+    rows.append(
+        row(
+            f"--workers 2 ({' '.join(first_flags)}): sum of Pss (machine cost) vs two single servers' RSS",
+            sum(m["Pss"] for m in per_worker) / MIB,
+            "MiB",
+            2 * queried["VmRSS"] / MIB,
+        )
+    )
     import json
     import statistics
 
-    timing = subprocess.run([sys.executable, __file__, "--release-cost", str(vdir)], check=True, capture_output=True,
-                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    timing = subprocess.run(
+        [sys.executable, __file__, "--release-cost", str(vdir)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     cost = json.loads(timing.stdout.strip().splitlines()[-1])
     for method in ("exact", "bounded"):
         released, kept = (statistics.median(cost[f"{method} {k}"]) for k in ("release", "keep"))
-        rows.append(row(f"{method} log Z per query, N=1e6 memory map, in-process: pages released after reading "
-                        f"(baseline: kept mapped; median of {len(cost[f'{method} keep'])} interleaved rounds)",
-                        released, "s", kept))
+        rows.append(
+            row(
+                f"{method} log Z per query, N=1e6 memory map, in-process: pages released after reading "
+                f"(baseline: kept mapped; median of {len(cost[f'{method} keep'])} interleaved rounds)",
+                released,
+                "s",
+                kept,
+            )
+        )
     note = f"1-min load average {os.getloadavg()[0]:.1f} at the end; serve options: {' '.join(extra) or 'defaults'}"
     write_results("serve_memory", rows, machine_note=note)
     return 0

@@ -10,6 +10,7 @@ eager (< 1 = less CPU). Every copy is checked against eager first (max |dz|).
 
     .venv/bin/python bench/serving_encoder.py          # ~1 minute on 2 cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from _common import row, write_results
+
 from search.serving.inference import InferenceEncoder
 from training.config import load_train_config
 from training.encoder import create_encoder
@@ -41,7 +42,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--calls", type=int, default=200, help="calls per backend and round at batch 1 (fewer for larger)")
+    p.add_argument(
+        "--calls", type=int, default=200, help="calls per backend and round at batch 1 (fewer for larger)"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -56,8 +59,17 @@ def main() -> None:
                 copies[backend] = copy
                 rows.append(row(f"{tower}: {backend} build time", copy.build_s, "s", None))
         for batch in args.batch_sizes:
-            x = torch.rand(batch, 3, encoder.image_size, encoder.image_size,
-                           generator=torch.Generator().manual_seed(batch)) * 2 - 1
+            x = (
+                torch.rand(
+                    batch,
+                    3,
+                    encoder.image_size,
+                    encoder.image_size,
+                    generator=torch.Generator().manual_seed(batch),
+                )
+                * 2
+                - 1
+            )
             ref = copies["eager"](x)
             calls = max(5, args.calls // batch)
             times: dict[str, list[float]] = {name: [] for name in copies}
@@ -68,7 +80,7 @@ def main() -> None:
                     rows.append(row(f"{tower}: {name} b={batch} max |z - z_eager|", err, "abs", None))
             for r in range(args.rounds):
                 order = list(copies.items())
-                for name, copy in (order if r % 2 == 0 else order[::-1]):
+                for name, copy in order if r % 2 == 0 else order[::-1]:
                     times[name].append(forward_cpu_us(copy, x, calls))
             base = statistics.median(times["eager"])
             for name in copies:

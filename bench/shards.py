@@ -13,6 +13,7 @@ and probabilities (to 1e-6) before it times anything.
     .venv/bin/python bench/shards.py                      # 200k x 64 random unit vectors, 8 clients, 8 s each
     .venv/bin/python bench/shards.py --size 50000 --duration 4 --clients 4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-
 from _common import closed_loop, percentile, row, write_results
 
 from api.launch import serve_process
@@ -69,8 +69,16 @@ def load(url: str, bodies: list[dict], clients: int, duration: float) -> dict:
     """The shared closed loop (bench/_common.py): `clients` keep-alive connections posting pre-encoded bodies for
     `duration` s -> QPS, p50, p99 (ms), errors."""
     encoded = [json.dumps(b).encode() for b in bodies]
-    r = closed_loop(url, "/v1/search/vector", encoded, {"Content-Type": "application/json"}, clients, duration)
-    return {"qps": r["qps"], "p50_ms": 1e3 * r["p50"], "p99_ms": 1e3 * r["p99"], "errors": r["errors"], "n": r["n"]}
+    r = closed_loop(
+        url, "/v1/search/vector", encoded, {"Content-Type": "application/json"}, clients, duration
+    )
+    return {
+        "qps": r["qps"],
+        "p50_ms": 1e3 * r["p50"],
+        "p99_ms": 1e3 * r["p99"],
+        "errors": r["errors"],
+        "n": r["n"],
+    }
 
 
 def ray_build(tmp: Path, size: int, shards: int, batch: int) -> list[dict]:
@@ -100,10 +108,20 @@ def ray_build(tmp: Path, size: int, shards: int, batch: int) -> list[dict]:
     a, b = IndexStore(tmp / "build-plain").load(), IndexStore(tmp / "build-ray").load()
     assert a.ids == b.ids and np.abs(np.asarray(a.embeddings) - np.asarray(b.embeddings)).max() <= 1e-6
     t = b.manifest.timings
-    rows = [row(f"index build, {size} synthetic images, one process (embed + flat build + gate)", plain_s, "s", None),
-            row(f"index build --engine ray --shards {shards} (same items)", ray_s, "s", plain_s)]
-    rows += [row(f"  ray {k.replace('_s', '')}", v, "s", None) for k, v in t.items()
-             if k.startswith("shard-") or k in ("ray_s",)]
+    rows = [
+        row(
+            f"index build, {size} synthetic images, one process (embed + flat build + gate)",
+            plain_s,
+            "s",
+            None,
+        ),
+        row(f"index build --engine ray --shards {shards} (same items)", ray_s, "s", plain_s),
+    ]
+    rows += [
+        row(f"  ray {k.replace('_s', '')}", v, "s", None)
+        for k, v in t.items()
+        if k.startswith("shard-") or k in ("ray_s",)
+    ]
     return rows
 
 
@@ -138,13 +156,22 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=8.0, help="seconds of load per configuration")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--no-ray", action="store_true", help="skip the Ray Serve configurations")
-    p.add_argument("--overhead-size", type=int, default=2000, help="items of the overhead measurement's version")
+    p.add_argument(
+        "--overhead-size", type=int, default=2000, help="items of the overhead measurement's version"
+    )
     p.add_argument("--overhead-queries", type=int, default=300)
-    p.add_argument("--build-size", type=int, default=2048,
-                   help="synthetic images of the build comparison (plain vs --engine ray, 2 shards); 0: skip")
+    p.add_argument(
+        "--build-size",
+        type=int,
+        default=2048,
+        help="synthetic images of the build comparison (plain vs --engine ray, 2 shards); 0: skip",
+    )
     p.add_argument("--build-batch", type=int, default=256)
-    p.add_argument("--build-only", action="store_true",
-                   help="only the build comparison (on a local Ray), written to bench/results/shards_build.json")
+    p.add_argument(
+        "--build-only",
+        action="store_true",
+        help="only the build comparison (on a local Ray), written to bench/results/shards_build.json",
+    )
     args = p.parse_args()
     if args.build_only:
         import ray
@@ -171,10 +198,12 @@ def main() -> None:
         roots["ray-1"] = sharded_copy(whole, tmp / "r1", 1)
         small = make_store(tmp / "small", args.overhead_size, args.dim)
         small_1 = sharded_copy(small, tmp / "small-1", 1)
-        small_bodies = [{"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(args.overhead_queries, args.dim))]
+        small_bodies = [
+            {"vector": v.tolist(), "k": args.k} for v in rng.normal(size=(args.overhead_queries, args.dim))
+        ]
         with serve_process(small, "--normaliser", "exact") as server:
             small_ref = answers(server.url, small_bodies[:32])
-            answers(server.url, small_bodies[:32])   # warm-up
+            answers(server.url, small_bodies[:32])  # warm-up
             overhead = {"whole": sequential(server.url, small_bodies)}
         ref = None
         for name, root in [("whole", whole), ("local-2", roots["local-2"]), ("local-4", roots["local-4"])]:
@@ -182,7 +211,7 @@ def main() -> None:
                 got = answers(server.url, bodies)
                 ref = ref or got
                 check_equal(got, ref, name)
-                load(server.url, bodies, args.clients, 1.0)   # warm-up
+                load(server.url, bodies, args.clients, 1.0)  # warm-up
                 results[name] = load(server.url, bodies, args.clients, args.duration)
                 print(name, results[name], flush=True)
         if not args.no_ray:
@@ -195,18 +224,41 @@ def main() -> None:
             port = free_port()
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             url = f"http://127.0.0.1:{port}"
-            serve.run(build_app({"index_root": str(small_1), "watch_interval_s": 0, "torch_threads": 1,
-                                "normaliser": "exact"}, 1),
-                      name=APP_NAME, route_prefix="/")
+            serve.run(
+                build_app(
+                    {
+                        "index_root": str(small_1),
+                        "watch_interval_s": 0,
+                        "torch_threads": 1,
+                        "normaliser": "exact",
+                    },
+                    1,
+                ),
+                name=APP_NAME,
+                route_prefix="/",
+            )
             check_equal(answers(url, small_bodies[:32]), small_ref, "overhead ray-1")
             answers(url, small_bodies[:32])
             overhead["ray-1"] = sequential(url, small_bodies)
             serve.delete(APP_NAME)
-            for name, root, shards in [("ray-1", roots["ray-1"], 1), ("ray-2", roots["local-2"], 2),
-                                       ("ray-4", roots["local-4"], 4)]:
-                serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "torch_threads": 1,
-                                    "normaliser": "exact"}, shards),
-                          name=APP_NAME, route_prefix="/")
+            for name, root, shards in [
+                ("ray-1", roots["ray-1"], 1),
+                ("ray-2", roots["local-2"], 2),
+                ("ray-4", roots["local-4"], 4),
+            ]:
+                serve.run(
+                    build_app(
+                        {
+                            "index_root": str(root),
+                            "watch_interval_s": 0,
+                            "torch_threads": 1,
+                            "normaliser": "exact",
+                        },
+                        shards,
+                    ),
+                    name=APP_NAME,
+                    route_prefix="/",
+                )
                 check_equal(answers(url, bodies), ref, name)
                 load(url, bodies, args.clients, 1.0)
                 results[name] = load(url, bodies, args.clients, args.duration)
@@ -216,25 +268,45 @@ def main() -> None:
             build_rows = ray_build(tmp, args.build_size, 2, args.build_batch) if args.build_size else []
             ray.shutdown()
     base = results["whole"]
-    rows = [row("build whole version (flat, from vectors)", build_s, "s", None),
-            row("reshard into 2 shards", reshard_s, "s", build_s)]
+    rows = [
+        row("build whole version (flat, from vectors)", build_s, "s", None),
+        row("reshard into 2 shards", reshard_s, "s", build_s),
+    ]
     for name, r in results.items():
-        rows += [row(f"{name}: QPS", r["qps"], "queries/s", base["qps"]),
-                 row(f"{name}: p50", r["p50_ms"], "ms", base["p50_ms"]),
-                 row(f"{name}: p99", r["p99_ms"], "ms", base["p99_ms"]),
-                 row(f"{name}: failed requests", r["errors"], "requests", None)]
+        rows += [
+            row(f"{name}: QPS", r["qps"], "queries/s", base["qps"]),
+            row(f"{name}: p50", r["p50_ms"], "ms", base["p50_ms"]),
+            row(f"{name}: p99", r["p99_ms"], "ms", base["p99_ms"]),
+            row(f"{name}: failed requests", r["errors"], "requests", None),
+        ]
     for name, lat in overhead.items():
-        rows.append(row(f"{args.overhead_size}-item version, 1 client, {name}: p50", 1e3 * percentile(lat, 50), "ms",
-                        1e3 * percentile(overhead["whole"], 50)))
+        rows.append(
+            row(
+                f"{args.overhead_size}-item version, 1 client, {name}: p50",
+                1e3 * percentile(lat, 50),
+                "ms",
+                1e3 * percentile(overhead["whole"], 50),
+            )
+        )
     if "ray-1" in overhead:
-        rows.append(row("Ray ingress overhead per query (p50 ray-1 - p50 whole, 1 client)",
-                        1e3 * (percentile(overhead["ray-1"], 50) - percentile(overhead["whole"], 50)), "ms", None))
+        rows.append(
+            row(
+                "Ray ingress overhead per query (p50 ray-1 - p50 whole, 1 client)",
+                1e3 * (percentile(overhead["ray-1"], 50) - percentile(overhead["whole"], 50)),
+                "ms",
+                None,
+            )
+        )
     rows += build_rows
     load_avg = os.getloadavg()[0]
-    write_results("shards", rows, machine_note=f"load average {load_avg:.1f} at the end (other jobs share the cores); "
-                                               f"{args.size} x {args.dim} flat, exact normaliser, k={args.k}, "
-                                               f"{args.clients} client threads on this machine, {args.duration:g} s "
-                                               "per configuration")
+    write_results(
+        "shards",
+        rows,
+        machine_note=f"load average {load_avg:.1f} at the end (other jobs share the cores); "
+        f"{args.size} x {args.dim} flat, exact normaliser, k={args.k}, "
+        f"{args.clients} client threads on this machine, {args.duration:g} s "
+        "per configuration",
+    )
 
 
 if __name__ == "__main__":

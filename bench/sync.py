@@ -8,6 +8,7 @@ copied into a temporary folder; then 10 % of the files are added, 10 % removed a
 
     python bench/sync.py [--repeats 3] [--image-size 32] [--limit 800]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,10 @@ def _corpus(dest: Path, limit: int, rng) -> tuple[list[Path], list[Path]]:
     out = []
     for i, path in enumerate(paths):
         category = path.relative_to(STAMPS).parts[0]
-        target = (dest if i % 10 else held) / category / f"{i:04d}-{path.stem}.png"   # every 10th held back
+        target = (dest if i % 10 else held) / category / f"{i:04d}-{path.stem}.png"  # every 10th held back
         target.parent.mkdir(parents=True, exist_ok=True)
         with Image.open(path) as im:
-            im.convert("RGBA").convert("RGB").save(target)   # via RGBA: palette transparency
+            im.convert("RGBA").convert("RGB").save(target)  # via RGBA: palette transparency
         out.append(target)
     return [p for p in out if dest in p.parents], [p for p in out if held in p.parents]
 
@@ -52,7 +53,7 @@ def _change(folder: Path, held: list[Path], rng) -> dict:
     n10, n5 = len(files) // 10, len(files) // 20
     for i in order[:n10]:
         files[i].unlink()
-    for i in order[n10:n10 + n5]:
+    for i in order[n10 : n10 + n5]:
         with Image.open(files[i]) as im:
             ImageOps.invert(im.convert("RGB")).save(files[i])
     for path in held[:n10]:
@@ -71,8 +72,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     from index.build import BuildOptions, build_index
-    from index.store import IndexStore
     from index.options import CommitOptions, EmbedOptions
+    from index.store import IndexStore
     from index.sync import sync_index
     from index.transfer import export_version, import_version
     from training.checkpoint import save_checkpoint
@@ -85,8 +86,13 @@ def main(argv=None) -> int:
         folder = work / "photos"
         _, held = _corpus(folder, args.limit, rng)
         torch.manual_seed(0)
-        ck = save_checkpoint(work / "encoder.safetensors", create_encoder(EncoderConfig(image_size=args.image_size)),
-                             step=0, train_config={}, lineage={})
+        ck = save_checkpoint(
+            work / "encoder.safetensors",
+            create_encoder(EncoderConfig(image_size=args.image_size)),
+            step=0,
+            train_config={},
+            lineage={},
+        )
 
         def dataset():
             return create_dataset("folder", split="all", root=str(folder), image_size=args.image_size)
@@ -95,10 +101,11 @@ def main(argv=None) -> int:
         base = build_index(ck, dataset(), root, BuildOptions(progress=False))
         change = _change(folder, held, rng)
         sync_s, build_s, counts = [], [], {}
-        for r in range(args.repeats):            # interleaved: sync, then the from-scratch build
+        for r in range(args.repeats):  # interleaved: sync, then the from-scratch build
             t0 = time.perf_counter()
-            version, counts = sync_index(root, base=base, embed=EmbedOptions(progress=False),
-                                         commit=CommitOptions(activate=False))
+            version, counts = sync_index(
+                root, base=base, embed=EmbedOptions(progress=False), commit=CommitOptions(activate=False)
+            )
             sync_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             build_index(ck, dataset(), work / f"scratch{r}", BuildOptions(progress=False))
@@ -113,16 +120,27 @@ def main(argv=None) -> int:
         mb = archive.stat().st_size / 1e6
         sync_med, build_med = float(np.median(sync_s)), float(np.median(build_s))
         rows = [
-            row(f"sync {count} files (+{counts['added']} -{counts['removed']} ~{counts['modified']}, "
-                f"{counts['embedded']} embedded) vs full build", sync_med, "s", build_med),
-            row("sync: images embedded per changed file", counts["embedded"] / max(1, change["added"] + change["modified"]),
-                "ratio", None),
+            row(
+                f"sync {count} files (+{counts['added']} -{counts['removed']} ~{counts['modified']}, "
+                f"{counts['embedded']} embedded) vs full build",
+                sync_med,
+                "s",
+                build_med,
+            ),
+            row(
+                "sync: images embedded per changed file",
+                counts["embedded"] / max(1, change["added"] + change["modified"]),
+                "ratio",
+                None,
+            ),
             row(f"export version ({mb:.1f} MB tar)", export_s, "s", None),
             row("import version (checksums, gate-free)", import_s, "s", None),
         ]
         write_results("sync", rows)
-        print(f"sync runs {['%.2f' % s for s in sync_s]} s, full builds {['%.2f' % s for s in build_s]} s "
-              f"(median of {args.repeats}; machine shared with other jobs, interleaved)")
+        print(
+            f"sync runs {['%.2f' % s for s in sync_s]} s, full builds {['%.2f' % s for s in build_s]} s "
+            f"(median of {args.repeats}; machine shared with other jobs, interleaved)"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -27,6 +27,7 @@ The machine's load average (other processes share it) is recorded before and aft
     python bench/vs_vectordb.py                              # 10^5 x 512: ~10 minutes on 2 shared cores
     python bench/vs_vectordb.py --n 20000 --duration 3 --systems softsearch-binary chroma
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,18 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import closed_loop, percentile, row, write_results  # noqa: E402
+from _common import closed_loop, row, write_results  # noqa: E402
 from _vectordb_data import flat_store  # noqa: E402
 
 logger = logging.getLogger("bench.vs_vectordb")
-SYSTEMS = ("softsearch-json", "softsearch-binary", "softsearch-ann-json", "softsearch-ann-binary", "plain", "chroma")
+SYSTEMS = (
+    "softsearch-json",
+    "softsearch-binary",
+    "softsearch-ann-json",
+    "softsearch-ann-binary",
+    "plain",
+    "chroma",
+)
 CHROMA_QUERY = "/api/v2/tenants/default_tenant/databases/default_database/collections/{}/query"
 
 
@@ -79,7 +87,7 @@ def tree_cpu_s(pid: int) -> float:
         try:
             with open(f"/proc/{p}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15]) / tick   # utime stime cutime cstime
+            total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     todo += [int(c) for c in f.read().split()]
@@ -124,8 +132,12 @@ def exact_top(base: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
     from search.serving.exact_scan import ExactScanner
 
     scan = ExactScanner(base)
-    return np.concatenate([scan(queries[i:i + 64], np.ones(len(queries[i:i + 64])), k).rows
-                           for i in range(0, len(queries), 64)])
+    return np.concatenate(
+        [
+            scan(queries[i : i + 64], np.ones(len(queries[i : i + 64])), k).rows
+            for i in range(0, len(queries), 64)
+        ]
+    )
 
 
 def recall(found: list[list[str]], truth: np.ndarray) -> float:
@@ -137,8 +149,19 @@ def recall(found: list[list[str]], truth: np.ndarray) -> float:
 def softsearch_server(root: Path, mapped_pages: str, batch_workers: int = 2, normaliser: str = "exact"):
     from api.launch import serve_process
 
-    with serve_process(root, "--normaliser", normaliser, "--mapped-pages", mapped_pages, "--watch-interval-s", 0,
-                       "--batch-workers", batch_workers, torch_threads=1, timeout_s=300) as server:
+    with serve_process(
+        root,
+        "--normaliser",
+        normaliser,
+        "--mapped-pages",
+        mapped_pages,
+        "--watch-interval-s",
+        0,
+        "--batch-workers",
+        batch_workers,
+        torch_threads=1,
+        timeout_s=300,
+    ) as server:
         yield server
 
 
@@ -150,8 +173,13 @@ def plain_server(root: Path):
     store = IndexStore(root)
     version_dir = root / "versions" / store.current_version()
     port = free_port()
-    argv = [sys.executable, str(Path(__file__).resolve().parent / "plain_server.py"), "--vectors", str(version_dir),
-            str(port)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "plain_server.py"),
+        "--vectors",
+        str(version_dir),
+        str(port),
+    ]
     with server_process(argv, port, ready=_ready("/openapi.json"), timeout_s=300) as server:
         yield server
 
@@ -172,8 +200,16 @@ def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
 
     path = work / f"chroma_{base.shape[0]}x{base.shape[1]}"
     port = free_port()
-    argv = [shutil.which("chroma") or str(Path(sys.executable).parent / "chroma"), "run", "--path", str(path),
-            "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        shutil.which("chroma") or str(Path(sys.executable).parent / "chroma"),
+        "run",
+        "--path",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     with server_process(argv, port, ready=_ready("/api/v2/heartbeat"), timeout_s=300) as server:
         client = chromadb.HttpClient(host="127.0.0.1", port=port)
         col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
@@ -190,26 +226,43 @@ def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
         yield server, str(col.id), fill_s
 
 
-def measure(name: str, server, path: str, bodies: list[bytes], headers: dict, ids_of, truth: np.ndarray,
-            clients: list[int], duration: float) -> tuple[dict, list[dict]]:
+def measure(
+    name: str,
+    server,
+    path: str,
+    bodies: list[bytes],
+    headers: dict,
+    ids_of,
+    truth: np.ndarray,
+    clients: list[int],
+    duration: float,
+) -> tuple[dict, list[dict]]:
     load_before = os.getloadavg()[0]
     got = answers(server.url, path, bodies, headers)
     out = {"recall": recall([ids_of(a) for a in got], truth), "answers": got, "load_before": load_before}
-    load_ms(server.url, path, bodies, headers, 4, min(2.0, duration))   # warm-up
+    load_ms(server.url, path, bodies, headers, 4, min(2.0, duration))  # warm-up
     for c in clients:
         cpu0 = tree_cpu_s(server.proc.pid)
         res = load_ms(server.url, path, bodies, headers, c, duration)
         res["cpu_ms"] = (tree_cpu_s(server.proc.pid) - cpu0) * 1e3 / max(res["n"], 1)
         out[c] = res
-        logger.info("%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors", name, c, res["qps"], res["p50"],
-                    res["p99"], res["errors"])
+        logger.info(
+            "%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors",
+            name,
+            c,
+            res["qps"],
+            res["p50"],
+            res["p99"],
+            res["errors"],
+        )
     out["rss"] = tree_rss_mib(server.proc.pid)
     out["load_after"] = os.getloadavg()[0]
     return out, got
 
 
-def probability_error(got: list[dict], base: np.ndarray, queries: np.ndarray, tau: float,
-                      m: int = 200) -> tuple[float, float]:
+def probability_error(
+    got: list[dict], base: np.ndarray, queries: np.ndarray, tau: float, m: int = 200
+) -> tuple[float, float]:
     """(largest |p - p_exact| over the hits, largest |log Z - log Z_exact|) over the first `m` answers, the
     exact values by float64 brute force."""
     worst = worst_z = 0.0
@@ -217,7 +270,9 @@ def probability_error(got: list[dict], base: np.ndarray, queries: np.ndarray, ta
         stop = min(m, len(got), start + 50)
         x = queries[start:stop].astype(np.float64)
         x /= np.linalg.norm(x, axis=1, keepdims=True)
-        s = np.concatenate([x @ base[i:i + 65536].astype(np.float64).T for i in range(0, len(base), 65536)], axis=1)
+        s = np.concatenate(
+            [x @ base[i : i + 65536].astype(np.float64).T for i in range(0, len(base), 65536)], axis=1
+        )
         log_z = np.logaddexp.reduce(s / tau, axis=1)
         for a, row_s, lz in zip(got[start:stop], s, log_z):
             worst_z = max(worst_z, abs(a["log_normaliser"] - lz))
@@ -245,14 +300,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per load measurement")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--mapped-pages", default="auto", choices=("auto", "release", "keep"),
-                   help="softsearch's serve --mapped-pages")
-    p.add_argument("--batch-workers", type=int, default=2, help="softsearch's serve --batch-workers (default 2)")
-    p.add_argument("--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)")
-    p.add_argument("--ann-target-recall", type=float, default=0.999,
-                   help="recall@10 on stored rows the ANN knob is tuned to at build (held-out queries recall less)")
+    p.add_argument(
+        "--mapped-pages",
+        default="auto",
+        choices=("auto", "release", "keep"),
+        help="softsearch's serve --mapped-pages",
+    )
+    p.add_argument(
+        "--batch-workers", type=int, default=2, help="softsearch's serve --batch-workers (default 2)"
+    )
+    p.add_argument(
+        "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
+    )
+    p.add_argument(
+        "--ann-target-recall",
+        type=float,
+        default=0.999,
+        help="recall@10 on stored rows the ANN knob is tuned to at build (held-out queries recall less)",
+    )
     p.add_argument("--ann-normaliser", default="bounded", choices=("exact", "bounded", "auto"))
-    p.add_argument("--ann-params", type=json.loads, default=None, help='index params as JSON, e.g. \'{"nlist": 1024}\'')
+    p.add_argument(
+        "--ann-params", type=json.loads, default=None, help="index params as JSON, e.g. '{\"nlist\": 1024}'"
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
@@ -260,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     if "chroma" in args.systems:
         try:
             import chromadb  # noqa: F401
-        except ImportError:   # `make bench` without the bench extra: the rest still runs
+        except ImportError:  # `make bench` without the bench extra: the rest still runs
             logger.warning("chromadb is not installed (pip install -e '.[bench]'): Chroma is left out")
             args.systems = [s for s in args.systems if s != "chroma"]
     args.work.mkdir(parents=True, exist_ok=True)
@@ -268,9 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     # (one pass gives log Z and the exact top-k), and the plain server builds its own flat index
     ann_root = None
     if any(s.startswith("softsearch-ann") for s in args.systems):
-        ann_root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries,
-                                             kind=args.ann_kind, params=args.ann_params,
-                                             target_recall=args.ann_target_recall)
+        ann_root, base, queries = flat_store(
+            args.work,
+            args.n,
+            args.dim,
+            args.clusters,
+            args.queries,
+            kind=args.ann_kind,
+            params=args.ann_params,
+            target_recall=args.ann_target_recall,
+        )
         root = ann_root
     else:
         root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
@@ -286,59 +362,111 @@ def main(argv: list[str] | None = None) -> int:
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
             ann = system.startswith("softsearch-ann")
-            with softsearch_server(ann_root if ann else root, args.mapped_pages, args.batch_workers,
-                                   args.ann_normaliser if ann else "exact") as server:
+            with softsearch_server(
+                ann_root if ann else root,
+                args.mapped_pages,
+                args.batch_workers,
+                args.ann_normaliser if ann else "exact",
+            ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
                 bodies = [q.astype("<f4").tobytes() for q in queries] if binary else json_bodies
                 headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
-                out, got = measure(system, server, path, bodies, headers, lambda a: [h["id"] for h in a["results"]],
-                                   truth, args.clients, args.duration)
+                out, got = measure(
+                    system,
+                    server,
+                    path,
+                    bodies,
+                    headers,
+                    lambda a: [h["id"] for h in a["results"]],
+                    truth,
+                    args.clients,
+                    args.duration,
+                )
             out["prob_error"], out["log_z_error"] = probability_error(got, base, queries, tau)
             methods = {a["normaliser"]["method"] for a in got}
             manifest = described.get("manifest") or {}
-            notes[system] = (f"{manifest.get('kind')} {manifest.get('params')}, normaliser "
-                             f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
-                             f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}")
+            notes[system] = (
+                f"{manifest.get('kind')} {manifest.get('params')}, normaliser "
+                f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
+                f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}"
+            )
         elif system == "plain":
             with plain_server(root) as server:
-                out, _ = measure(system, server, "/search/vector", json_bodies, {"Content-Type": "application/json"},
-                                 lambda a: a["ids"], truth, args.clients, args.duration)
+                out, _ = measure(
+                    system,
+                    server,
+                    "/search/vector",
+                    json_bodies,
+                    {"Content-Type": "application/json"},
+                    lambda a: a["ids"],
+                    truth,
+                    args.clients,
+                    args.duration,
+                )
             notes[system] = "FastAPI + faiss.IndexFlatIP, no probabilities"
         else:
             with chroma_server(args.work, base) as (server, col_id, fill_s):
-                bodies = [json.dumps({"ids": None, "query_embeddings": [q.tolist()], "n_results": args.k,
-                                      "where": None, "where_document": None,
-                                      "include": ["metadatas", "documents", "distances"]}).encode() for q in queries]
-                out, _ = measure(system, server, CHROMA_QUERY.format(col_id), bodies,
-                                 {"Content-Type": "application/json"}, lambda a: a["ids"][0], truth, args.clients,
-                                 args.duration)
+                bodies = [
+                    json.dumps(
+                        {
+                            "ids": None,
+                            "query_embeddings": [q.tolist()],
+                            "n_results": args.k,
+                            "where": None,
+                            "where_document": None,
+                            "include": ["metadatas", "documents", "distances"],
+                        }
+                    ).encode()
+                    for q in queries
+                ]
+                out, _ = measure(
+                    system,
+                    server,
+                    CHROMA_QUERY.format(col_id),
+                    bodies,
+                    {"Content-Type": "application/json"},
+                    lambda a: a["ids"][0],
+                    truth,
+                    args.clients,
+                    args.duration,
+                )
             import chromadb
 
-            notes[system] = (f"Chroma {chromadb.__version__} server, HNSW cosine defaults, no probabilities"
-                             + (f"; filled in {fill_s:.0f} s" if fill_s else ""))
+            notes[system] = (
+                f"Chroma {chromadb.__version__} server, HNSW cosine defaults, no probabilities"
+                + (f"; filled in {fill_s:.0f} s" if fill_s else "")
+            )
         out.pop("answers", None)
         results[system] = out
 
     rows = []
     ref = results.get("chroma")
     for system, out in results.items():
-        rows.append(row(f"{system} recall@{args.k}", out["recall"], "fraction", ref["recall"] if ref else None))
+        rows.append(
+            row(f"{system} recall@{args.k}", out["recall"], "fraction", ref["recall"] if ref else None)
+        )
         for c in args.clients:
             r, b = out[c], (ref[c] if ref else None)
-            rows += [row(f"{system} c={c} qps", r["qps"], "req/s", b["qps"] if b else None),
-                     row(f"{system} c={c} p50", r["p50"], "ms", b["p50"] if b else None),
-                     row(f"{system} c={c} p99", r["p99"], "ms", b["p99"] if b else None),
-                     row(f"{system} c={c} server CPU per query", r["cpu_ms"], "ms", b["cpu_ms"] if b else None),
-                     row(f"{system} c={c} errors", r["errors"], "count", None)]
+            rows += [
+                row(f"{system} c={c} qps", r["qps"], "req/s", b["qps"] if b else None),
+                row(f"{system} c={c} p50", r["p50"], "ms", b["p50"] if b else None),
+                row(f"{system} c={c} p99", r["p99"], "ms", b["p99"] if b else None),
+                row(f"{system} c={c} server CPU per query", r["cpu_ms"], "ms", b["cpu_ms"] if b else None),
+                row(f"{system} c={c} errors", r["errors"], "count", None),
+            ]
         rows.append(row(f"{system} rss", out["rss"], "MiB", ref["rss"] if ref else None))
-        rows.append(row(f"{system} load average before / after", out["load_before"], "load", out["load_after"]))
+        rows.append(
+            row(f"{system} load average before / after", out["load_before"], "load", out["load_after"])
+        )
         if "prob_error" in out:
             rows.append(row(f"{system} max |p - p_exact|", out["prob_error"], "probability", None))
             rows.append(row(f"{system} max |log Z - exact|", out["log_z_error"], "nats", None))
     print()
-    header = ("| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | server CPU ms / query {cs} | RSS MiB "
-              "| load avg |").format(k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))
+    header = (
+        "| system | recall@{k} | QPS {cs} | p50 ms {cs} | p99 ms {cs} | server CPU ms / query {cs} | RSS MiB "
+        "| load avg |"
+    ).format(k=args.k, cs=" / ".join(f"c={c}" for c in args.clients))
     print(header)
     print("|" + "---|" * 8)
     for system, out in results.items():
@@ -347,16 +475,23 @@ def main(argv: list[str] | None = None) -> int:
         p50 = " / ".join(f"{out[c]['p50']:.1f}" for c in cs)
         p99 = " / ".join(f"{out[c]['p99']:.1f}" for c in cs)
         cpu = " / ".join(f"{out[c]['cpu_ms']:.1f}" for c in cs)
-        print(f"| {system} | {out['recall']:.3f} | {qps} | {p50} | {p99} | {cpu} | {out['rss']:.0f} | "
-              f"{out['load_before']:.1f} -> {out['load_after']:.1f} |")
+        print(
+            f"| {system} | {out['recall']:.3f} | {qps} | {p50} | {p99} | {cpu} | {out['rss']:.0f} | "
+            f"{out['load_before']:.1f} -> {out['load_after']:.1f} |"
+        )
     for system, note in notes.items():
         print(f"  {system}: {note}")
     load = os.getloadavg()
-    write_results(args.name, rows, machine_note=(
-        f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
-        f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --batch-workers "
-        f"{args.batch_workers}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-        f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())))
+    write_results(
+        args.name,
+        rows,
+        machine_note=(
+            f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
+            f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --batch-workers "
+            f"{args.batch_workers}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+            f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
+        ),
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ of the full-step ratio on a busy machine.
 
     .venv/bin/python bench/weince_step.py [--batch-sizes 256,1024] [--reps 5] [--device cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,9 @@ import statistics
 import sys
 import time
 
-
 import torch
-
 from _common import row, write_results
+
 from training.encoder import EncoderConfig, create_encoder
 from training.losses import create_loss
 
@@ -70,8 +70,11 @@ def bench(batch_sizes: list[int], reps: int, device: str, tau: float = 0.1) -> l
         opt = torch.optim.AdamW(encoder.parameters(), lr=1e-4)
         view_a = torch.randn(bsz, 3, 32, 32, device=dev)
         view_b = view_a + 0.1 * torch.randn_like(view_a)
-        losses = {"infonce": create_loss("infonce"), "weince": create_loss("weince"),
-                  "weince-blend": create_loss("weince", variant="blend")}
+        losses = {
+            "infonce": create_loss("infonce"),
+            "weince": create_loss("weince"),
+            "weince-blend": create_loss("weince", variant="blend"),
+        }
         full = {k: [] for k in losses}
         only = {k: [] for k in losses}
         with torch.no_grad():

@@ -20,6 +20,7 @@ Every path takes its inputs as arguments and its knobs as `EmbedOptions` / `Comm
 (index/options.py; `BuildOptions` is both plus what to build), stages with `write_version` and ends in
 the one `index.commit.commit` step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,20 +37,50 @@ import faiss
 import numpy as np
 
 from index import faiss_index, kinds
-from index.disk import BLOCK, DiskFull, on_disk, writing
-from index.embed import (EmbedResult, barrier, broadcast, cache_key, collect_shards, distributed, embed_shards,
-                         prepare_cache, shard_count)
-from index.items import dataset_records, read_records
-from index.metadata import Metadata, dataset_metadata, item_files, read_metadata, report_unknown_ids, user_fields
-from index.list_stats import ListStats
 from index.commit import Staged, discard_staging
 from index.commit import commit as commit_staged
+from index.disk import BLOCK, DiskFull, on_disk, writing
+from index.embed import (
+    EmbedResult,
+    barrier,
+    broadcast,
+    cache_key,
+    collect_shards,
+    distributed,
+    embed_shards,
+    prepare_cache,
+    shard_count,
+)
 from index.gate import QualityGateError  # noqa: F401  (re-exported: what a refused build raises)
-from index.manifest import DEFAULT_TEMPERATURE, Manifest, create_manifest, describe_files, fsync_dir, write_manifest
+from index.items import dataset_records, read_records
+from index.list_stats import ListStats
+from index.manifest import (
+    DEFAULT_TEMPERATURE,
+    Manifest,
+    create_manifest,
+    describe_files,
+    fsync_dir,
+    write_manifest,
+)
+from index.metadata import (
+    Metadata,
+    dataset_metadata,
+    item_files,
+    read_metadata,
+    report_unknown_ids,
+    user_fields,
+)
 from index.models import is_store_model, model_relpath
 from index.options import CommitOptions, EmbedOptions
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, VERSION_FILES, IndexStore,
-                         new_version_name)
+from index.store import (
+    EMBEDDINGS_FILE,
+    IDS_FILE,
+    INDEX_FILE,
+    LIST_STATS_FILE,
+    VERSION_FILES,
+    IndexStore,
+    new_version_name,
+)
 from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
@@ -97,16 +128,29 @@ def _as_list(datasets) -> list:
     return out
 
 
-def embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, embed: EmbedOptions, *,
-                  indices: list | None = None, device, rank: int = 0,
-                  world: int = 1) -> tuple[list[EmbedResult], list[Path]] | None:
+def embed_sources(
+    encoder,
+    ckpt_sha: str,
+    datasets: list,
+    store: IndexStore,
+    embed: EmbedOptions,
+    *,
+    indices: list | None = None,
+    device,
+    rank: int = 0,
+    world: int = 1,
+) -> tuple[list[EmbedResult], list[Path]] | None:
     """Embed every source into its own resumable cache (`device`: the resolved torch device); rank 0
     gets (results, caches), other ranks None. On a full disk the caches written so far are removed
     (DiskFull)."""
     shard_size = embed.shard_size
     results, caches = [], []
     for s, ds in enumerate(datasets):
-        idx = np.arange(len(ds), dtype=np.int64) if indices is None or indices[s] is None else np.asarray(indices[s], np.int64)
+        idx = (
+            np.arange(len(ds), dtype=np.int64)
+            if indices is None or indices[s] is None
+            else np.asarray(indices[s], np.int64)
+        )
         key = cache_key(ckpt_sha, ds.fingerprint(), idx, shard_size)
         cache = store.staging_dir / f"embed-{key}"
         resumed = 0
@@ -123,9 +167,19 @@ def embed_sources(encoder, ckpt_sha: str, datasets: list, store: IndexStore, emb
             barrier()
             t0 = time.perf_counter()
             if len(idx):
-                embed_shards(encoder, ds, cache, idx, shard_size=shard_size, batch_size=embed.batch_size,
-                             num_workers=embed.num_workers, device=device, rank=rank, world_size=world,
-                             progress=embed.progress)
+                embed_shards(
+                    encoder,
+                    ds,
+                    cache,
+                    idx,
+                    shard_size=shard_size,
+                    batch_size=embed.batch_size,
+                    num_workers=embed.num_workers,
+                    device=device,
+                    rank=rank,
+                    world_size=world,
+                    progress=embed.progress,
+                )
             barrier()
         if rank == 0:
             res = collect_shards(cache, idx, shard_size, encoder.embed_dim)
@@ -169,18 +223,47 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
     # dropped (it would be a free hit)
     exact = faiss_index.exact_neighbours(embeddings, queries, k + 1)
     # served recall: PQ candidates are re-ranked exactly from the stored rows, so tune (nprobe, k'/k) on that
-    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows,
-                              embeddings=embeddings)
-    return {"k": k, "recall": result.recall, "exact": False, "target": target_recall,
-            "param": result.param, "value": result.value, "reached": result.reached, "rerank": result.rerank,
-            "latency_ms": result.latency_ms, "sample": int(len(rows)),
-            "queries": "stored rows, own row excluded", "history": result.history}
+    result = faiss_index.tune(
+        index,
+        queries,
+        exact,
+        target_recall=target_recall,
+        k=k,
+        kind=kind,
+        self_rows=rows,
+        embeddings=embeddings,
+    )
+    return {
+        "k": k,
+        "recall": result.recall,
+        "exact": False,
+        "target": target_recall,
+        "param": result.param,
+        "value": result.value,
+        "reached": result.reached,
+        "rerank": result.rerank,
+        "latency_ms": result.latency_ms,
+        "sample": int(len(rows)),
+        "queries": "stored rows, own row excluded",
+        "history": result.history,
+    }
 
 
-def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str], *, kind: str = "flat",
-                  params: dict | None = None, index: faiss.Index | None = None, memory_budget: int | None = None,
-                  target_recall: float = 0.95, fields: dict | None = None, version: str | None = None,
-                  timings: dict | None = None, extra_files: dict[str, bytes] | None = None) -> tuple[str, Path]:
+def write_version(
+    store: IndexStore,
+    embeddings: np.ndarray,
+    ids: Sequence[str],
+    *,
+    kind: str = "flat",
+    params: dict | None = None,
+    index: faiss.Index | None = None,
+    memory_budget: int | None = None,
+    target_recall: float = 0.95,
+    fields: dict | None = None,
+    version: str | None = None,
+    timings: dict | None = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> tuple[str, Path]:
     """Build (or take) the FAISS index, tune it, and write a complete version into staging.
 
     `embeddings` must be unit rows; `kind="auto"` applies `choose_kind`. Pass a filled `index`
@@ -207,7 +290,7 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
         kind, auto_params = faiss_index.choose_kind(n, dim, memory_budget)
         params = {**auto_params, **params}
         logger.info("--kind auto chose %s %s for %d x %d", kind, params, n, dim)
-    kinds.get(kind)   # refuses an unknown kind
+    kinds.get(kind)  # refuses an unknown kind
     t0 = time.perf_counter()
     if index is None:
         index, params = faiss_index.build(kind, embeddings, **params)
@@ -230,9 +313,19 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
     staging = store.staging_path(version)
     # roughly what the version takes on disk: embeddings.npy, an index of at most as many bytes (flat; PQ
     # is smaller, HNSW links add ~10 %), the ids, extra files, statistics and the manifest (~ its fields)
-    needed = sum(map(on_disk, (embeddings.nbytes + 128, embeddings.nbytes + 1024, sum(len(i) + 4 for i in ids),
-                               *map(len, (extra_files or {}).values()), stats.nbytes + 1024 if stats else 0,
-                               len(json.dumps(fields or {}, default=str)) + 8192)))
+    needed = sum(
+        map(
+            on_disk,
+            (
+                embeddings.nbytes + 128,
+                embeddings.nbytes + 1024,
+                sum(len(i) + 4 for i in ids),
+                *map(len, (extra_files or {}).values()),
+                stats.nbytes + 1024 if stats else 0,
+                len(json.dumps(fields or {}, default=str)) + 8192,
+            ),
+        )
+    )
     try:
         with writing(staging / INDEX_FILE, needed):
             faiss.write_index(index, str(staging / INDEX_FILE))
@@ -242,8 +335,9 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
             (staging / IDS_FILE).write_text(json.dumps(ids) + "\n", encoding="utf-8")
         extra_files = dict(extra_files or {})
         for name, data in extra_files.items():
-            assert name not in (*VERSION_FILES, LIST_STATS_FILE) and "/" not in name, \
+            assert name not in (*VERSION_FILES, LIST_STATS_FILE) and "/" not in name, (
                 f"bad extra version file name {name!r}"
+            )
             with writing(staging / name, needed):
                 (staging / name).write_bytes(data)
         names = [*VERSION_FILES, *extra_files]
@@ -259,11 +353,23 @@ def write_version(store: IndexStore, embeddings: np.ndarray, ids: Sequence[str],
         extra = dict(fields or {})
         extra.setdefault("recall", recall)
         if stats is not None:
-            extra["normaliser_stats"] = {"file": LIST_STATS_FILE, "partition": stats.source, "lists": stats.lists,
-                                         "seconds": stats.seconds}
-        manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
-                                   faiss_version=faiss.__version__, files=describe_files(staging, names),
-                                   timings=timings, **extra)
+            extra["normaliser_stats"] = {
+                "file": LIST_STATS_FILE,
+                "partition": stats.source,
+                "lists": stats.lists,
+                "seconds": stats.seconds,
+            }
+        manifest = create_manifest(
+            version=version,
+            count=n,
+            dim=dim,
+            kind=kind,
+            params=params,
+            faiss_version=faiss.__version__,
+            files=describe_files(staging, names),
+            timings=timings,
+            **extra,
+        )
         with writing(staging, needed):
             write_manifest(staging, manifest)
         fsync_dir(staging)
@@ -281,9 +387,16 @@ def skipped_items(ds, res: EmbedResult, source: int) -> list[dict]:
 
 def embedded_source(ds, res: EmbedResult, source: int) -> dict:
     """The manifest's record of one embedded source (its spec, fingerprint, counts and speed)."""
-    return {"spec": ds.spec(), "fingerprint": ds.fingerprint(), "count": int(len(res.rows)),
-            "skipped": len(skipped_items(ds, res, source)), "source": source, "resumed_shards": res.resumed_shards,
-            "embed_s": res.seconds, "images_per_s": len(res.rows) / res.seconds if res.seconds > 0 else None}
+    return {
+        "spec": ds.spec(),
+        "fingerprint": ds.fingerprint(),
+        "count": int(len(res.rows)),
+        "skipped": len(skipped_items(ds, res, source)),
+        "source": source,
+        "resumed_shards": res.resumed_shards,
+        "embed_s": res.seconds,
+        "images_per_s": len(res.rows) / res.seconds if res.seconds > 0 else None,
+    }
 
 
 # ----------------------------------------------------------------------------- public API
@@ -297,10 +410,10 @@ class BuildOptions(CommitOptions, EmbedOptions):
     #: FAISS kind (index/kinds/) or "auto" (`choose_kind` under `memory_budget`); None: flat for a build,
     #: the current version's kind for a rebuild
     kind: str | None = None
-    params: dict | None = None                  # FAISS build parameters (nlist, m, M, ...)
-    memory_budget: int | None = None            # bytes, for kind "auto"
-    fields: dict | None = None                  # extra manifest fields (e.g. search_temperature)
-    metadata: Metadata | None = None            # user per-item fields, merged over the built-in ones
+    params: dict | None = None  # FAISS build parameters (nlist, m, M, ...)
+    memory_budget: int | None = None  # bytes, for kind "auto"
+    fields: dict | None = None  # extra manifest fields (e.g. search_temperature)
+    metadata: Metadata | None = None  # user per-item fields, merged over the built-in ones
 
     @classmethod
     def combine(cls, embed: EmbedOptions, commit: CommitOptions, **what) -> "BuildOptions":
@@ -316,7 +429,9 @@ class BuildOptions(CommitOptions, EmbedOptions):
             kinds.get(self.kind)
 
 
-def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, *, _parent: str | None = None) -> str:
+def build_index(
+    checkpoint, dataset, root, options: BuildOptions | None = None, *, _parent: str | None = None
+) -> str:
     """Embed `dataset` (one ImageDataset or a list) with `checkpoint` and write a new version.
 
     Returns the version name (activated unless `options.activate` is False; QualityGateError when
@@ -341,13 +456,15 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
         encoder, info = load_checkpoint(checkpoint, device=device)
         for ds in datasets:
             if getattr(ds, "image_size", encoder.image_size) != encoder.image_size:
-                raise ValueError(f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}")
+                raise ValueError(
+                    f"dataset image_size {ds.image_size} differs from the encoder's {encoder.image_size}"
+                )
         ckpt_sha = checkpoint_sha256(checkpoint)
         records: dict = {}
         item_metadata = Metadata.empty()
-        if rank == 0:   # the store keeps its own copy: the training directory may move after the build
+        if rank == 0:  # the store keeps its own copy: the training directory may move after the build
             store.models.add_file(checkpoint, ckpt_sha)
-            for ds in datasets:   # file states as read, taken before embedding (see index/items.py)
+            for ds in datasets:  # file states as read, taken before embedding (see index/items.py)
                 records.update(dataset_records(ds))
                 item_metadata = item_metadata.merge(dataset_metadata(ds))
             if o.metadata is not None:
@@ -359,10 +476,20 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
         outcome: tuple[str | None, BaseException | None] = (None, None)
         if rank == 0:
             try:
-                version = _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded,
-                                        dataclasses.replace(o, kind=kind, metadata=item_metadata),
-                                        embed_s=embed_s, t_start=t_start, world=world, parent=_parent,
-                                        records=records)
+                version = _finish_build(
+                    store,
+                    checkpoint,
+                    ckpt_sha,
+                    info,
+                    datasets,
+                    embedded,
+                    dataclasses.replace(o, kind=kind, metadata=item_metadata),
+                    embed_s=embed_s,
+                    t_start=t_start,
+                    world=world,
+                    parent=_parent,
+                    records=records,
+                )
                 outcome = (version, None)
             except BaseException as err:  # noqa: BLE001 - re-raised below after telling the other ranks
                 outcome = (None, err)
@@ -374,8 +501,21 @@ def build_index(checkpoint, dataset, root, options: BuildOptions | None = None, 
         return shared[0]
 
 
-def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: BuildOptions, *, embed_s, t_start,
-                  world, parent, records) -> str:
+def _finish_build(
+    store,
+    checkpoint,
+    ckpt_sha,
+    info,
+    datasets,
+    embedded,
+    o: BuildOptions,
+    *,
+    embed_s,
+    t_start,
+    world,
+    parent,
+    records,
+) -> str:
     """Rank 0's part of `build_index` once every shard is embedded (`o.metadata`: the merged item metadata)."""
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
@@ -405,13 +545,27 @@ def _finish_build(store, checkpoint, ckpt_sha, info, datasets, embedded, o: Buil
     manifest_fields.update(o.fields or {})
     timings = {"embed_s": embed_s}
     with released_on_disk_full(caches):
-        version, staging = write_version(store, emb, ids, kind=o.kind, params=o.params,
-                                         memory_budget=o.memory_budget, target_recall=o.target_recall,
-                                         fields=manifest_fields, timings=timings,
-                                         extra_files=item_files(records, o.metadata, ids))
-        version = commit_staged(store, Staged(version, staging), o, path="index rebuild" if parent else "index build",
-                                t_start=t_start, model=(ckpt_sha, checkpoint))
-    for cache in caches:   # the version now holds the embeddings; the shards are no longer needed
+        version, staging = write_version(
+            store,
+            emb,
+            ids,
+            kind=o.kind,
+            params=o.params,
+            memory_budget=o.memory_budget,
+            target_recall=o.target_recall,
+            fields=manifest_fields,
+            timings=timings,
+            extra_files=item_files(records, o.metadata, ids),
+        )
+        version = commit_staged(
+            store,
+            Staged(version, staging),
+            o,
+            path="index rebuild" if parent else "index build",
+            t_start=t_start,
+            model=(ckpt_sha, checkpoint),
+        )
+    for cache in caches:  # the version now holds the embeddings; the shards are no longer needed
         shutil.rmtree(cache, ignore_errors=True)
     return version
 
@@ -421,8 +575,12 @@ def checkpoint_field(store: IndexStore, checkpoint: Path, sha: str, info: dict) 
     only (None for a file inside the store, e.g. a pretrained model saved for this build)."""
     path = Path(checkpoint).resolve()
     inside = store.root.resolve() in path.parents or is_store_model(path)
-    return {"sha256": sha, "model": model_relpath(sha), "path": None if inside else str(path),
-            "step": info.get("step")}
+    return {
+        "sha256": sha,
+        "model": model_relpath(sha),
+        "path": None if inside else str(path),
+        "step": info.get("step"),
+    }
 
 
 def rebuild_index(root, checkpoint, options: BuildOptions | None = None) -> str:
@@ -440,18 +598,34 @@ def rebuild_index(root, checkpoint, options: BuildOptions | None = None) -> str:
     for src in manifest.sources or []:
         ds = create_dataset(**src["spec"])
         if ds.fingerprint() != src["fingerprint"]:
-            logger.warning("dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
-                           src["spec"], current)
+            logger.warning(
+                "dataset %s changed since %s was built (fingerprint differs); indexing it as it is now",
+                src["spec"],
+                current,
+            )
         datasets.append(ds)
     o = options or BuildOptions()
-    carried = user_fields(read_metadata(store.path(current)))   # the user's fields survive a rebuild
+    carried = user_fields(read_metadata(store.path(current)))  # the user's fields survive a rebuild
     metadata = carried.merge(o.metadata) if o.metadata is not None else carried
-    return build_index(checkpoint, datasets, root, dataclasses.replace(o, kind=o.kind or manifest.kind,
-                                                                       metadata=metadata), _parent=current)
+    return build_index(
+        checkpoint,
+        datasets,
+        root,
+        dataclasses.replace(o, kind=o.kind or manifest.kind, metadata=metadata),
+        _parent=current,
+    )
 
 
-def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metadata: Metadata | None = None,
-              embed: EmbedOptions | None = None, commit: CommitOptions | None = None) -> str:
+def add_items(
+    root,
+    dataset,
+    *,
+    checkpoint=None,
+    base: str | None = None,
+    metadata: Metadata | None = None,
+    embed: EmbedOptions | None = None,
+    commit: CommitOptions | None = None,
+) -> str:
     """New version = `base` (default current) + the items of `dataset`, without re-embedding old rows.
 
     Uses the base's checkpoint (its sha256 must still match; a different `checkpoint` would mix
@@ -473,10 +647,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metada
     if checkpoint is not None:
         sha = checkpoint_sha256(checkpoint)
         if recorded.sha256 and sha != recorded.sha256:
-            raise ValueError(f"checkpoint {checkpoint} (sha256 {sha[:12]}) is not the one {base_version.version} was "
-                             f"built with ({recorded.sha256[:12]}); use 'index rebuild' to change the encoder")
+            raise ValueError(
+                f"checkpoint {checkpoint} (sha256 {sha[:12]}) is not the one {base_version.version} was "
+                f"built with ({recorded.sha256[:12]}); use 'index rebuild' to change the encoder"
+            )
         store.models.add_file(checkpoint, sha)
-    ckpt = store.models.resolve(recorded, base_version.version)   # the store's own copy of the weights
+    ckpt = store.models.resolve(recorded, base_version.version)  # the store's own copy of the weights
     sha = recorded.sha256
     ds = _as_list(dataset)[0]
     known = set(base_version.ids)
@@ -505,8 +681,12 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metada
     base_train = base_version.manifest.trained_on or base_version.manifest.count
     index.add(res.embeddings)
     if kinds.get(kind).trained and index.ntotal > 2 * base_train:
-        logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
-                       kind, index.ntotal, base_train)
+        logger.warning(
+            "%s: %d rows now vs %d the quantizer was trained on; consider 'index rebuild'",
+            kind,
+            index.ntotal,
+            base_train,
+        )
     embeddings = np.concatenate([base_version.embeddings, res.embeddings], axis=0)
     ids = list(base_version.ids) + [new_ids[int(i)] for i in res.rows]
     m = base_version.manifest
@@ -514,18 +694,45 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metada
     source_index = len(sources)
     sources = sources + [embedded_source(ds, res, source_index)]
     skipped = list(m.skipped or []) + skipped_items(ds, res, source_index)
-    fields = m.carried("checkpoint", "encoder", "dataset", "lineage", "search_temperature",
-                       "search_temperature_source", "world_size", "text")   # text: the calibrated text temperature
-    fields.update(sources=sources, skipped=skipped, skipped_count=len(skipped), parent=base_version.version,
-                  trained_on=base_train, added={"count": int(len(res.rows)), "duplicates": duplicates,
-                                                "skipped": len(skipped_items(ds, res, source_index))})
+    fields = m.carried(
+        "checkpoint",
+        "encoder",
+        "dataset",
+        "lineage",
+        "search_temperature",
+        "search_temperature_source",
+        "world_size",
+        "text",
+    )  # text: the calibrated text temperature
+    fields.update(
+        sources=sources,
+        skipped=skipped,
+        skipped_count=len(skipped),
+        parent=base_version.version,
+        trained_on=base_train,
+        added={
+            "count": int(len(res.rows)),
+            "duplicates": duplicates,
+            "skipped": len(skipped_items(ds, res, source_index)),
+        },
+    )
     params = dict(m.params)
     with released_on_disk_full(caches):
-        version, staging = write_version(store, embeddings, ids, kind=kind, params=params, index=index,
-                                         target_recall=commit.target_recall, fields=fields,
-                                         timings={"embed_s": embed_s}, extra_files=item_files(records, item_metadata, ids))
-        version = commit_staged(store, Staged(version, staging), commit, path="index add", t_start=t_start,
-                                model=(sha, ckpt))
+        version, staging = write_version(
+            store,
+            embeddings,
+            ids,
+            kind=kind,
+            params=params,
+            index=index,
+            target_recall=commit.target_recall,
+            fields=fields,
+            timings={"embed_s": embed_s},
+            extra_files=item_files(records, item_metadata, ids),
+        )
+        version = commit_staged(
+            store, Staged(version, staging), commit, path="index add", t_start=t_start, model=(sha, ckpt)
+        )
     for cache in caches:
         shutil.rmtree(cache, ignore_errors=True)
     return version
@@ -534,13 +741,16 @@ def add_items(root, dataset, *, checkpoint=None, base: str | None = None, metada
 def require_encoder(manifest: Manifest, command: str) -> None:
     """A command that embeds images (add, rebuild, sync) refuses a version built from vectors, in one line."""
     if not manifest.has_encoder:
-        raise ValueError(f"index version {manifest.version} was built from vectors (--embeddings) and has no "
-                         f"encoder: '{command}' cannot embed images for it; build a new version with "
-                         "'index build --embeddings' over all the vectors")
+        raise ValueError(
+            f"index version {manifest.version} was built from vectors (--embeddings) and has no "
+            f"encoder: '{command}' cannot embed images for it; build a new version with "
+            "'index build --embeddings' over all the vectors"
+        )
 
 
-def build_from_vectors(embeddings, root, options: BuildOptions | None = None, *, ids=None,
-                       stream: bool | None = None) -> str:
+def build_from_vectors(
+    embeddings, root, options: BuildOptions | None = None, *, ids=None, stream: bool | None = None
+) -> str:
     """A new version from vectors computed elsewhere: `embeddings` is a `.npy` file or a directory of `.npy`
     shards (index/vectors.py), `ids` an ids file (one per line; default: the row number as a string).
 
@@ -569,47 +779,84 @@ def build_from_vectors(embeddings, root, options: BuildOptions | None = None, *,
     if streamed and not streamable:
         raise ValueError(f"a streamed build makes {' or '.join(streaming.stream_kinds())}, not {kind}")
     # row-number ids of a streamed build are never held as N strings (written to ids.json in blocks)
-    item_ids = (None if streamed else default_ids(source.count)) if ids is None else read_ids(ids, source.count)
+    item_ids = (
+        (None if streamed else default_ids(source.count)) if ids is None else read_ids(ids, source.count)
+    )
     item_metadata = Metadata.empty()
     if metadata is not None:
         item_metadata = metadata
-        item_ids = default_ids(source.count) if item_ids is None else item_ids   # metadata is per id anyway
+        item_ids = default_ids(source.count) if item_ids is None else item_ids  # metadata is per id anyway
         report_unknown_ids(metadata, item_ids, "--metadata")
     if streamed:
         record = source_record(source, ids)
         store = IndexStore(root)
         store.ensure()
         version, staging, candidate = streaming.write_streamed_version(
-            store, source, item_ids, kind=kind, params=params, target_recall=o.target_recall,
-            fields=_vector_fields(record, o.fields), timings={},
-            extra_files=item_files({}, item_metadata, item_ids) if metadata is not None else None, progress=progress)
-        return commit_staged(store, Staged(version, staging, candidate), o, path="index build --embeddings",
-                             t_start=t_start)
+            store,
+            source,
+            item_ids,
+            kind=kind,
+            params=params,
+            target_recall=o.target_recall,
+            fields=_vector_fields(record, o.fields),
+            timings={},
+            extra_files=item_files({}, item_metadata, item_ids) if metadata is not None else None,
+            progress=progress,
+        )
+        return commit_staged(
+            store, Staged(version, staging, candidate), o, path="index build --embeddings", t_start=t_start
+        )
     t0 = time.perf_counter()
     emb = unit_rows(source, progress=progress)
     record = source_record(source, ids)
     load_s = time.perf_counter() - t0
     store = IndexStore(root)
     store.ensure()
-    version, staging = write_version(store, emb, item_ids, kind=kind, params=params, memory_budget=o.memory_budget,
-                                     target_recall=o.target_recall, fields=_vector_fields(record, o.fields),
-                                     timings={"load_vectors_s": load_s},
-                                     extra_files=item_files({}, item_metadata, item_ids))
+    version, staging = write_version(
+        store,
+        emb,
+        item_ids,
+        kind=kind,
+        params=params,
+        memory_budget=o.memory_budget,
+        target_recall=o.target_recall,
+        fields=_vector_fields(record, o.fields),
+        timings={"load_vectors_s": load_s},
+        extra_files=item_files({}, item_metadata, item_ids),
+    )
     return commit_staged(store, Staged(version, staging), o, path="index build --embeddings", t_start=t_start)
 
 
 def _vector_fields(record: dict, fields: dict | None) -> dict:
     """The manifest fields of a version built from vectors: no encoder, the vectors' `record` as its source."""
-    out = {"checkpoint": None, "encoder": None, "dataset": None, "sources": [], "source": record,
-           "lineage": {}, "search_temperature": DEFAULT_TEMPERATURE,
-           "search_temperature_source": "default (vectors computed elsewhere record no temperature)",
-           "skipped": [], "skipped_count": 0, "world_size": 1, "parent": None}
+    out = {
+        "checkpoint": None,
+        "encoder": None,
+        "dataset": None,
+        "sources": [],
+        "source": record,
+        "lineage": {},
+        "search_temperature": DEFAULT_TEMPERATURE,
+        "search_temperature_source": "default (vectors computed elsewhere record no temperature)",
+        "skipped": [],
+        "skipped_count": 0,
+        "world_size": 1,
+        "parent": None,
+    }
     out.update(fields or {})
     return out
 
 
-def add_vectors(root, embeddings, *, ids=None, base: str | None = None, metadata: Metadata | None = None,
-                progress: bool = True, commit: CommitOptions | None = None) -> str:
+def add_vectors(
+    root,
+    embeddings,
+    *,
+    ids=None,
+    base: str | None = None,
+    metadata: Metadata | None = None,
+    progress: bool = True,
+    commit: CommitOptions | None = None,
+) -> str:
     """New version = `base` (default current, a version built from vectors) + the rows of `embeddings`
     (a .npy file or a directory of shards), added to a copy of its FAISS index without retraining.
 
@@ -624,22 +871,33 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, metadata
     base_version = store.load(base, verify=True, gpu=False)
     m = base_version.manifest
     if m.has_encoder:
-        raise ValueError(f"index version {base_version.version} has an encoder: add images to it ('index add "
-                         "--dataset ...'); vectors from elsewhere would mix embedding spaces")
+        raise ValueError(
+            f"index version {base_version.version} has an encoder: add images to it ('index add "
+            "--dataset ...'); vectors from elsewhere would mix embedding spaces"
+        )
     if not kinds.get(base_version.kind).addable:
-        raise ValueError(f"index kind {base_version.kind!r} does not support adding items; build a new version")
+        raise ValueError(
+            f"index kind {base_version.kind!r} does not support adding items; build a new version"
+        )
     source = open_vectors(embeddings)
     if source.dim != base_version.dim:
-        raise ValueError(f"--embeddings {embeddings} has dimension {source.dim}, index version "
-                         f"{base_version.version} has {base_version.dim}")
+        raise ValueError(
+            f"--embeddings {embeddings} has dimension {source.dim}, index version "
+            f"{base_version.version} has {base_version.dim}"
+        )
     n0 = len(base_version)
-    new_ids = ([str(n0 + i) for i in range(source.count)] if ids is None else read_ids(ids, source.count))
+    new_ids = [str(n0 + i) for i in range(source.count)] if ids is None else read_ids(ids, source.count)
     known = set(base_version.ids)
     clash = next((i for i in new_ids if i in known), None)
     if clash is not None:
-        raise ValueError(f"id {clash!r} is already in {base_version.version}"
-                         + ("" if ids is not None else " (the row-number ids of the new rows collide with its "
-                                                       "ids: give --ids)"))
+        raise ValueError(
+            f"id {clash!r} is already in {base_version.version}"
+            + (
+                ""
+                if ids is not None
+                else " (the row-number ids of the new rows collide with its ids: give --ids)"
+            )
+        )
     t0 = time.perf_counter()
     new = unit_rows(source, progress=progress)
     record = source_record(source, ids)
@@ -650,22 +908,50 @@ def add_vectors(root, embeddings, *, ids=None, base: str | None = None, metadata
     base_train = m.trained_on or m.count
     index.add(new)
     if kinds.get(base_version.kind).trained and index.ntotal > 2 * base_train:
-        logger.warning("%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
-                       base_version.kind, index.ntotal, base_train)
+        logger.warning(
+            "%s: %d rows now vs %d the quantizer was trained on; consider building a new version",
+            base_version.kind,
+            index.ntotal,
+            base_train,
+        )
     emb = np.concatenate([np.asarray(base_version.embeddings), new], axis=0)
     item_ids = list(base_version.ids) + new_ids
     item_metadata = read_metadata(base_version.path)
     if metadata is not None:
         item_metadata = item_metadata.merge(metadata)
         report_unknown_ids(metadata, item_ids, "--metadata")
-    fields = m.carried("checkpoint", "encoder", "dataset", "sources", "source", "lineage", "search_temperature",
-                       "search_temperature_source", "skipped", "skipped_count", "world_size")
-    fields.update(parent=base_version.version, trained_on=base_train,
-                  added={"count": int(source.count), "source": record},
-                  added_sources=[*(m.added_sources or []), record])
+    fields = m.carried(
+        "checkpoint",
+        "encoder",
+        "dataset",
+        "sources",
+        "source",
+        "lineage",
+        "search_temperature",
+        "search_temperature_source",
+        "skipped",
+        "skipped_count",
+        "world_size",
+    )
+    fields.update(
+        parent=base_version.version,
+        trained_on=base_train,
+        added={"count": int(source.count), "source": record},
+        added_sources=[*(m.added_sources or []), record],
+    )
     store.ensure()
-    version, staging = write_version(store, emb, item_ids, kind=base_version.kind, params=dict(m.params),
-                                     index=index, target_recall=commit.target_recall, fields=fields,
-                                     timings={"load_vectors_s": load_s},
-                                     extra_files=item_files({}, item_metadata, item_ids))
-    return commit_staged(store, Staged(version, staging), commit, path="index add --embeddings", t_start=t_start)
+    version, staging = write_version(
+        store,
+        emb,
+        item_ids,
+        kind=base_version.kind,
+        params=dict(m.params),
+        index=index,
+        target_recall=commit.target_recall,
+        fields=fields,
+        timings={"load_vectors_s": load_s},
+        extra_files=item_files({}, item_metadata, item_ids),
+    )
+    return commit_staged(
+        store, Staged(version, staging), commit, path="index add --embeddings", t_start=t_start
+    )

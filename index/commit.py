@@ -8,6 +8,7 @@ the total time, makes sure the encoder model is in the store, calibrates the sea
 renames it into versions/ and activates it through the store's one activation rule (refused:
 `ActivationRefused`), then prunes. Anything failing before the rename removes the staging directory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,15 @@ class Staged:
     candidate: IndexVersion | None = None
 
 
-def commit(store: IndexStore, staged: Staged, options: CommitOptions, *, path: str,
-           t_start: float | None = None, model: tuple = ()) -> str:
+def commit(
+    store: IndexStore,
+    staged: Staged,
+    options: CommitOptions,
+    *,
+    path: str,
+    t_start: float | None = None,
+    model: tuple = (),
+) -> str:
     """Gate, commit and activate `staged` (see the module docstring) -> its version name.
 
     `path` names the command in the activation history ("index build", ...); `t_start` (perf_counter)
@@ -53,29 +61,47 @@ def commit(store: IndexStore, staged: Staged, options: CommitOptions, *, path: s
         serving_name = store.current_version()
         if candidate is None:
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
-        serving = (store.load(serving_name, verify=False, gpu=False)
-                   if serving_name and options.evaluator else None)
-        if serving is not None and serving.index is None:   # a sharded version: scored as its rows, one flat index
+        serving = (
+            store.load(serving_name, verify=False, gpu=False) if serving_name and options.evaluator else None
+        )
+        if (
+            serving is not None and serving.index is None
+        ):  # a sharded version: scored as its rows, one flat index
             from index.shards import flat_view
 
             serving = flat_view(serving)
-        record = gate_record(candidate, serving, options.evaluator, margin=options.margin, force=options.force)
+        record = gate_record(
+            candidate, serving, options.evaluator, margin=options.margin, force=options.force
+        )
         # an import's version arrived whole: on a full disk here nothing of it is committed (a build's
         # staged files are removed as after any failed write: the default message)
-        outcome = None if path != "index import" else (
-            f"the import of {version} stopped before its commit: nothing of it is in versions/ and "
-            + (f"`current` still points at {serving_name}, which keeps serving" if serving_name
-               else "no version is current, as before") + "; free some space and rerun the import")
-        needed = updated_bytes(staging, quality_gate=record) + store.switch_bytes(version)   # then its activation
+        outcome = (
+            None
+            if path != "index import"
+            else (
+                f"the import of {version} stopped before its commit: nothing of it is in versions/ and "
+                + (
+                    f"`current` still points at {serving_name}, which keeps serving"
+                    if serving_name
+                    else "no version is current, as before"
+                )
+                + "; free some space and rerun the import"
+            )
+        )
+        needed = updated_bytes(staging, quality_gate=record) + store.switch_bytes(
+            version
+        )  # then its activation
         with writing(staging / MANIFEST_NAME, needed, outcome):
             update_manifest(staging, quality_gate=record)
         store.commit(staging, version)
     except BaseException:
-        candidate = None   # unmaps its files (else their blocks stay taken until the error is dropped)
+        candidate = None  # unmaps its files (else their blocks stay taken until the error is dropped)
         discard_staging(staging)
         raise
     if options.activate:
-        store.activate(version, force=options.force, path=path, verify=False)   # ActivationRefused when refused
+        store.activate(
+            version, force=options.force, path=path, verify=False
+        )  # ActivationRefused when refused
         if options.keep is not None:
             store.prune(options.keep)
     return version
@@ -96,11 +122,17 @@ def _calibrate(staging: Path, calibrator: Calibrator) -> None:
     result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
     if result is None:
         return
-    update_manifest(staging, calibration={**result, "seconds": time.perf_counter() - t0},
-                    search_temperature=float(result["temperature"]),
-                    search_temperature_source="calibrated: argmin of held-out H(q,p)")
-    logger.info("calibrated search temperature %.4g (training %.4g)", result["temperature"],
-                result.get("train_temperature", float("nan")))
+    update_manifest(
+        staging,
+        calibration={**result, "seconds": time.perf_counter() - t0},
+        search_temperature=float(result["temperature"]),
+        search_temperature_source="calibrated: argmin of held-out H(q,p)",
+    )
+    logger.info(
+        "calibrated search temperature %.4g (training %.4g)",
+        result["temperature"],
+        result.get("train_temperature", float("nan")),
+    )
 
 
 def _stamp_total(staging: Path, t_start: float) -> None:

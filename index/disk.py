@@ -7,6 +7,7 @@ EDQUOT, numpy's short write without an errno, FAISS's RuntimeError, safetensors'
 and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line, ending with what the failed operation left (its
 `outcome`: a build's staging removed, an activation not made, ...).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,10 +40,14 @@ def is_space_error(err: BaseException) -> bool:
     if isinstance(err, OSError):
         text = str(err)
         # numpy's ndarray.tofile reports a short write with no errno: "N requested and M written"
-        return err.errno in SPACE_ERRNOS or (err.errno is None and "requested and" in text and "written" in text)
+        return err.errno in SPACE_ERRNOS or (
+            err.errno is None and "requested and" in text and "written" in text
+        )
     # FAISS's file writer: RuntimeError "... write error in PATH: a != b (No space left on device)";
     # safetensors: SafetensorError "... IoError(Os { code: 28, kind: StorageFull, ... })"
-    return isinstance(err, Exception) and (any(t in str(err) for t in _SPACE_TEXTS) or "StorageFull" in str(err))
+    return isinstance(err, Exception) and (
+        any(t in str(err) for t in _SPACE_TEXTS) or "StorageFull" in str(err)
+    )
 
 
 @contextlib.contextmanager
@@ -104,11 +109,15 @@ def describe(err: OSError, root=None) -> str:
     path = err.filename or root
     if is_space_error(err):
         needed = getattr(err, "needed", None)
-        text = (f"no space left on device writing {path}: {format_bytes(free_bytes(path or '.'))} free on that "
-                "filesystem")
+        text = (
+            f"no space left on device writing {path}: {format_bytes(free_bytes(path or '.'))} free on that "
+            "filesystem"
+        )
         if needed:
             text += f", about {format_bytes(needed)} needed"
         return f"{text}; {getattr(err, 'outcome', None) or STAGED_OUTCOME}"
     code = errno.errorcode.get(err.errno, "") if err.errno is not None else ""
     reason = err.strerror or str(err)
-    return f"{reason}{f' [{code}]' if code else ''}: {path}" + (f" -> {err.filename2}" if err.filename2 else "")
+    return f"{reason}{f' [{code}]' if code else ''}: {path}" + (
+        f" -> {err.filename2}" if err.filename2 else ""
+    )

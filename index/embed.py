@@ -10,6 +10,7 @@ Distributed: under torchrun (RANK / WORLD_SIZE set) rank r embeds the shards s w
 s % WORLD_SIZE == r into the same cache directory (a shared filesystem); after a barrier rank
 0 reads every shard in order, so the result is identical to a single-process run.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,11 +40,12 @@ CONFIG_FILE = "config.json"
 @dataclass
 class EmbedResult:
     """Embeddings of the items that could be read, in dataset-index order."""
-    embeddings: np.ndarray                 # (M, D) float32 unit rows
-    rows: np.ndarray                       # (M,) int64 dataset indices of those rows
-    skipped: list[dict] = field(default_factory=list)   # {"index", "id", "error"}
+
+    embeddings: np.ndarray  # (M, D) float32 unit rows
+    rows: np.ndarray  # (M,) int64 dataset indices of those rows
+    skipped: list[dict] = field(default_factory=list)  # {"index", "id", "error"}
     seconds: float = 0.0
-    resumed_shards: int = 0                # shards found complete on disk and reused
+    resumed_shards: int = 0  # shards found complete on disk and reused
 
 
 def cache_key(checkpoint_sha256: str, fingerprint: str, indices: np.ndarray, shard_size: int) -> str:
@@ -79,8 +81,12 @@ def prepare_cache(cache_dir: str | os.PathLike, key: str, indices: np.ndarray, s
             if old is not None:
                 logger.warning("embedding cache %s belongs to another job; starting over", cache_dir)
             # remove only what this module writes: the directory may be a caller's
-            for path in [*cache_dir.glob("shard_*.npy"), *cache_dir.glob("shard_*.json"),
-                         cache_dir / "indices.npy", cfg_path]:
+            for path in [
+                *cache_dir.glob("shard_*.npy"),
+                *cache_dir.glob("shard_*.json"),
+                cache_dir / "indices.npy",
+                cfg_path,
+            ]:
                 path.unlink(missing_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
     if not cfg_path.exists():
@@ -131,7 +137,9 @@ class SafeItems(Dataset):
             if not isinstance(x, torch.Tensor):
                 x = torch.as_tensor(np.asarray(x))
             if tuple(x.shape) != (3, self.image_size, self.image_size):
-                raise ValueError(f"expected a (3, {self.image_size}, {self.image_size}) tensor, got {tuple(x.shape)}")
+                raise ValueError(
+                    f"expected a (3, {self.image_size}, {self.image_size}) tensor, got {tuple(x.shape)}"
+                )
             return i, x.to(torch.float32), ""
         except Exception as err:  # noqa: BLE001 - any decode failure means "skip this item"
             return i, None, f"{type(err).__name__}: {err}"
@@ -169,7 +177,9 @@ class CpuStreams:
         if self._pool is None or x.shape[0] <= self.chunk:
             return self._forward(x)
         out = torch.cat(list(self._pool.map(self._forward, x.split(self.chunk))))
-        torch.set_num_threads(self._threads_before)   # the process-wide default the streams' set_num_threads touched
+        torch.set_num_threads(
+            self._threads_before
+        )  # the process-wide default the streams' set_num_threads touched
         return out
 
     def close(self) -> None:
@@ -200,25 +210,54 @@ def _ranges(shards: list[int]) -> str:
     return ", ".join(map(str, shards))
 
 
-def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.ndarray, *, shard_size: int = 8192,
-                 batch_size: int = 256, num_workers: int = 0, device=None, rank: int = 0, world_size: int = 1,
-                 progress: bool = True) -> int:
+def embed_shards(
+    encoder,
+    dataset,
+    cache_dir: str | os.PathLike,
+    indices: np.ndarray,
+    *,
+    shard_size: int = 8192,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    device=None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = True,
+) -> int:
     """Embed this rank's unfinished shards into `cache_dir`; returns how many it wrote."""
     cache_dir = Path(cache_dir)
     indices = np.asarray(indices, dtype=np.int64)
     n_shards = shard_count(len(indices), shard_size)
     assigned = [s for s in range(n_shards) if s % world_size == rank]
     mine = [s for s in assigned if not _shard_done(cache_dir, s)]
-    logger.info("embedding %d items in %d shard(s) of %d over %d rank(s) (shard s on rank s %% %d): rank %d: "
-                "shards [%s] (%d to embed, %d already on disk)", len(indices), n_shards, shard_size, world_size,
-                world_size, rank, _ranges(assigned), len(mine), len(assigned) - len(mine))
+    logger.info(
+        "embedding %d items in %d shard(s) of %d over %d rank(s) (shard s on rank s %% %d): rank %d: "
+        "shards [%s] (%d to embed, %d already on disk)",
+        len(indices),
+        n_shards,
+        shard_size,
+        world_size,
+        world_size,
+        rank,
+        _ranges(assigned),
+        len(mine),
+        len(assigned) - len(mine),
+    )
     if not mine:
         return 0
     device = torch.device(device) if device is not None else next(encoder.parameters()).device
-    positions = np.concatenate([np.arange(s * shard_size, min((s + 1) * shard_size, len(indices))) for s in mine])
-    loader = DataLoader(SafeItems(dataset, indices[positions], encoder.image_size), batch_size=batch_size,
-                        shuffle=False, num_workers=num_workers, collate_fn=_collate,
-                        persistent_workers=False, pin_memory=device.type == "cuda")
+    positions = np.concatenate(
+        [np.arange(s * shard_size, min((s + 1) * shard_size, len(indices))) for s in mine]
+    )
+    loader = DataLoader(
+        SafeItems(dataset, indices[positions], encoder.image_size),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        persistent_workers=False,
+        pin_memory=device.type == "cuda",
+    )
     was_training = encoder.training
     encoder.eval()
     forward = CpuStreams(encoder, torch.get_num_threads()) if device.type == "cpu" else encoder
@@ -237,20 +276,26 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
         rows = np.concatenate(buf_rows).tolist() if buf_rows else []
         name = _shard_name(current)
         shard = np.ascontiguousarray(emb, dtype=np.float32)
-        atomic_write(cache_dir / f"{name}.npy", lambda fh: np.save(fh, shard, allow_pickle=False), binary=True)
+        atomic_write(
+            cache_dir / f"{name}.npy", lambda fh: np.save(fh, shard, allow_pickle=False), binary=True
+        )
         atomic_write_text(cache_dir / f"{name}.json", json.dumps({"rows": rows, "skipped": buf_skip}) + "\n")
         written += 1
 
     try:
-        with torch.inference_mode(), tqdm(total=len(positions), desc=f"embed[{rank}]", unit="img",
-                                          disable=not progress, leave=False) as bar:
+        with (
+            torch.inference_mode(),
+            tqdm(
+                total=len(positions), desc=f"embed[{rank}]", unit="img", disable=not progress, leave=False
+            ) as bar,
+        ):
             for idx, tensors, errors in loader:
                 idx = np.asarray(idx, dtype=np.int64)
-                ok = np.array([not e for e in errors], dtype=bool)                 # (B,)
-                z = np.zeros((len(idx), encoder.embed_dim), np.float32)            # (B, D); rows of bad items unused
+                ok = np.array([not e for e in errors], dtype=bool)  # (B,)
+                z = np.zeros((len(idx), encoder.embed_dim), np.float32)  # (B, D); rows of bad items unused
                 if tensors is not None:
                     zg = forward(tensors.to(device, non_blocking=True)).float().cpu().numpy()  # (B', D)
-                    zg /= np.linalg.norm(zg, axis=1, keepdims=True)                # exact unit rows in float32
+                    zg /= np.linalg.norm(zg, axis=1, keepdims=True)  # exact unit rows in float32
                     assert zg.shape[0] == int(ok.sum()), "embedding rows out of step with batch items"
                     z[ok] = zg
                     # NaN/inf pixels (or a diverged encoder) give a non-finite row: skip that item.
@@ -276,9 +321,11 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
                     if seen == expected:
                         done = set(np.concatenate(buf_rows).tolist()) if buf_rows else set()
                         shard_lo = current * shard_size
-                        shard_items = set(indices[shard_lo:shard_lo + expected].tolist())
+                        shard_items = set(indices[shard_lo : shard_lo + expected].tolist())
                         # skipped entries of a batch straddling shards belong to the shard holding them
-                        mine_skip = [e for e in buf_skip if e["index"] in shard_items and e["index"] not in done]
+                        mine_skip = [
+                            e for e in buf_skip if e["index"] in shard_items and e["index"] not in done
+                        ]
                         rest_skip = [e for e in buf_skip if e not in mine_skip]
                         buf_skip = mine_skip
                         flush()
@@ -295,7 +342,9 @@ def embed_shards(encoder, dataset, cache_dir: str | os.PathLike, indices: np.nda
     return written
 
 
-def collect_shards(cache_dir: str | os.PathLike, indices: np.ndarray, shard_size: int, dim: int) -> EmbedResult:
+def collect_shards(
+    cache_dir: str | os.PathLike, indices: np.ndarray, shard_size: int, dim: int
+) -> EmbedResult:
     """Read every complete shard in order into one EmbedResult (rank 0 after the barrier)."""
     cache_dir = Path(cache_dir)
     embs, rows, skipped = [], [], []
@@ -306,7 +355,9 @@ def collect_shards(cache_dir: str | os.PathLike, indices: np.ndarray, shard_size
         meta = json.loads((cache_dir / f"{name}.json").read_text())
         emb = np.load(cache_dir / f"{name}.npy", allow_pickle=False)
         if emb.shape != (len(meta["rows"]), dim):
-            raise RuntimeError(f"{cache_dir / name}.npy has shape {emb.shape}, expected ({len(meta['rows'])}, {dim})")
+            raise RuntimeError(
+                f"{cache_dir / name}.npy has shape {emb.shape}, expected ({len(meta['rows'])}, {dim})"
+            )
         embs.append(emb)
         rows.extend(meta["rows"])
         skipped.extend(meta["skipped"])
@@ -314,18 +365,39 @@ def collect_shards(cache_dir: str | os.PathLike, indices: np.ndarray, shard_size
     return EmbedResult(np.ascontiguousarray(embeddings, np.float32), np.asarray(rows, np.int64), skipped)
 
 
-def embed_dataset(encoder, dataset, cache_dir: str | os.PathLike, *, key: str = "", indices: np.ndarray | None = None,
-                  shard_size: int = 8192, batch_size: int = 256, num_workers: int = 0, device=None,
-                  progress: bool = True) -> EmbedResult:
+def embed_dataset(
+    encoder,
+    dataset,
+    cache_dir: str | os.PathLike,
+    *,
+    key: str = "",
+    indices: np.ndarray | None = None,
+    shard_size: int = 8192,
+    batch_size: int = 256,
+    num_workers: int = 0,
+    device=None,
+    progress: bool = True,
+) -> EmbedResult:
     """Single-process, resumable embedding of `dataset[indices]` (all items by default)."""
     if shard_size < 1 or batch_size < 1 or num_workers < 0:
-        raise ValueError(f"need shard_size >= 1, batch_size >= 1, num_workers >= 0; got "
-                         f"{shard_size}, {batch_size}, {num_workers}")
+        raise ValueError(
+            f"need shard_size >= 1, batch_size >= 1, num_workers >= 0; got "
+            f"{shard_size}, {batch_size}, {num_workers}"
+        )
     t0 = time.perf_counter()
     indices = np.arange(len(dataset), dtype=np.int64) if indices is None else np.asarray(indices, np.int64)
     resumed = prepare_cache(cache_dir, key, indices, shard_size)
-    embed_shards(encoder, dataset, cache_dir, indices, shard_size=shard_size, batch_size=batch_size,
-                 num_workers=num_workers, device=device, progress=progress)
+    embed_shards(
+        encoder,
+        dataset,
+        cache_dir,
+        indices,
+        shard_size=shard_size,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        device=device,
+        progress=progress,
+    )
     result = collect_shards(cache_dir, indices, shard_size, encoder.embed_dim)
     result.seconds = time.perf_counter() - t0
     result.resumed_shards = resumed

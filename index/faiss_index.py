@@ -10,6 +10,7 @@ GPU: one code path. When FAISS is a GPU build (``faiss-gpu``, the ``gpu`` extra)
 back with ``index_gpu_to_cpu`` so what is written to disk is always a CPU index. Kinds without a
 FAISS GPU version (``IndexKind.gpu`` false: HNSW) always stay on the CPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,7 @@ import numpy as np
 from index import kinds
 from index.defaults import KINDS  # noqa: F401  (re-exported: the built-in kind names)
 from index.kinds.base import RERANK_MAX, RERANK_PQ  # noqa: F401  (RERANK_PQ re-exported)
-from index.kinds.choose import (IVF_MIN_COUNT, SMALL_COUNT, choose_kind,  # noqa: F401  (re-exported)
-                                default_memory_budget, suggest_kind)
+from index.kinds.choose import IVF_MIN_COUNT, SMALL_COUNT, choose_kind, default_memory_budget, suggest_kind  # noqa: F401  (re-exported)
 from index.kinds.ivf import default_nlist  # noqa: F401  (re-exported)
 from index.kinds.ivf_pq import default_pq_m  # noqa: F401  (re-exported)
 
@@ -141,13 +141,21 @@ def allow_small_training(index: faiss.Index, kind: str, n_train: int) -> None:
     expected and the recall check after the build measures what the quantizer gives."""
     for what, cp, k in kinds.get(kind).training_parts(index):
         if n_train < k * cp.min_points_per_centroid:
-            logger.info("%s: %s trained on %d points for %d centroids (FAISS suggests %d); the recall check "
-                        "measures the result", kind, what, n_train, k, k * cp.min_points_per_centroid)
+            logger.info(
+                "%s: %s trained on %d points for %d centroids (FAISS suggests %d); the recall check "
+                "measures the result",
+                kind,
+                what,
+                n_train,
+                k,
+                k * cp.min_points_per_centroid,
+            )
             cp.min_points_per_centroid = 1
 
 
-def build(kind: str, vectors: np.ndarray, train_sample: int | None = None, seed: int = 0,
-          **params) -> tuple[faiss.Index, dict]:
+def build(
+    kind: str, vectors: np.ndarray, train_sample: int | None = None, seed: int = 0, **params
+) -> tuple[faiss.Index, dict]:
     """Create, train and fill an index of `kind` with unit `vectors`; returns a CPU index and params.
 
     Training uses at most `train_sample` rows (default: min(N, 256 * nlist)), drawn with `seed`.
@@ -237,13 +245,19 @@ def rerank_factor(kind: str, params: dict | None) -> int:
     return RERANK_PQ if spec is not None and spec.rerank else 1
 
 
-def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndarray, k: int,
-                    rerank: int = 1, release: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search_reranked(
+    index: faiss.Index,
+    embeddings: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    rerank: int = 1,
+    release: Callable[[], None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """What the server answers: the index's top k*rerank candidates re-scored exactly, s = z_q . z_y with
     z_y the stored row, and the best k of them -> (scores (Q, k'), rows (Q, k')), -1 / -inf = none.
     With rerank = 1 the candidates are only re-ordered by their exact scores. `release`: see `search_paged`."""
     x = _as_float32(queries, index.d, "queries")
-    _, cand = search_paged(index, x, int(k) * int(rerank), release)      # (Q, k*r) best first, -1 = none
+    _, cand = search_paged(index, x, int(k) * int(rerank), release)  # (Q, k*r) best first, -1 = none
     return rerank_candidates(embeddings, x, cand, k)
 
 
@@ -252,8 +266,9 @@ def search_reranked(index: faiss.Index, embeddings: np.ndarray, queries: np.ndar
 PAGED_LISTS = 64
 
 
-def search_paged(index: faiss.Index, queries: np.ndarray, k: int,
-                 release: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search_paged(
+    index: faiss.Index, queries: np.ndarray, k: int, release: Callable[[], None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """`search`, and with `release` (e.g. `paging.drop_index_pages` of an index with on-disk lists) in
     batches of PAGED_LISTS // nprobe queries calling release() after each, so the list pages a build's recall
     measurement reads do not pile up in its RSS. Same (scores, rows) as `search`."""
@@ -268,33 +283,34 @@ def search_paged(index: faiss.Index, queries: np.ndarray, k: int,
         return out
     parts = []
     for q0 in range(0, len(queries), batch):
-        parts.append(search(index, queries[q0:q0 + batch], k))
+        parts.append(search(index, queries[q0 : q0 + batch], k))
         release()
-    width = max(p[1].shape[1] for p in parts)   # `search` drops columns no query of its batch filled
+    width = max(p[1].shape[1] for p in parts)  # `search` drops columns no query of its batch filled
     scores = np.full((len(queries), width), -np.inf, np.float32)
     rows = np.full((len(queries), width), -1, np.int64)
     q0 = 0
     for s, r in parts:
-        scores[q0:q0 + len(r), :r.shape[1]] = s
-        rows[q0:q0 + len(r), :r.shape[1]] = r
+        scores[q0 : q0 + len(r), : r.shape[1]] = s
+        rows[q0 : q0 + len(r), : r.shape[1]] = r
         q0 += len(r)
     return scores, rows
 
 
-def rerank_candidates(embeddings: np.ndarray, queries: np.ndarray, cand: np.ndarray,
-                      k: int) -> tuple[np.ndarray, np.ndarray]:
+def rerank_candidates(
+    embeddings: np.ndarray, queries: np.ndarray, cand: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Re-score candidate rows `cand` (Q, C) exactly against `embeddings` and keep the best k of each query
     (see `search_reranked`); gathers at most ~2^22 floats at a time."""
     emb = embeddings.view(np.ndarray) if isinstance(embeddings, np.memmap) else embeddings
     x = np.ascontiguousarray(queries, dtype=np.float32)
-    exact = np.full(cand.shape, -np.inf, np.float32)                       # (Q, C)
+    exact = np.full(cand.shape, -np.inf, np.float32)  # (Q, C)
     step = max(1, (1 << 22) // max(1, cand.shape[1] * emb.shape[1]))
     for q0 in range(0, cand.shape[0], step):
-        c = cand[q0:q0 + step]
+        c = cand[q0 : q0 + step]
         safe = np.where(c >= 0, c, 0)
-        g = emb[safe.reshape(-1)].reshape(*c.shape, -1)                    # (q, C, D) gathered rows
-        s = np.matmul(g, x[q0:q0 + step, :, None])[..., 0]                  # (q, C) exact z_q . z_y
-        exact[q0:q0 + step] = np.where(c >= 0, s, -np.inf)
+        g = emb[safe.reshape(-1)].reshape(*c.shape, -1)  # (q, C, D) gathered rows
+        s = np.matmul(g, x[q0 : q0 + step, :, None])[..., 0]  # (q, C) exact z_q . z_y
+        exact[q0 : q0 + step] = np.where(c >= 0, s, -np.inf)
     kk = min(int(k), cand.shape[1])
     order = np.argsort(-exact, axis=1, kind="stable")[:, :kk]
     scores = np.take_along_axis(exact, order, axis=1)
@@ -307,7 +323,9 @@ def tuning_rows(count: int, size: int = TUNE_QUERIES, seed: int = 0) -> np.ndarr
     return np.sort(np.random.default_rng(seed).choice(count, size=min(size, count), replace=False))
 
 
-def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block_rows: int = 1 << 18) -> np.ndarray:
+def exact_neighbours(
+    database: np.ndarray, queries: np.ndarray, k: int, block_rows: int = 1 << 18
+) -> np.ndarray:
     """Exact top-k rows by inner product, best first: FAISS's own brute-force kNN (blocked BLAS), the
     reference every recall in index/ is measured against. A database larger than `block_rows` (or
     memory-mapped) is read in row blocks whose pages are dropped after use, the top-k merged in
@@ -326,7 +344,7 @@ def exact_neighbours(database: np.ndarray, queries: np.ndarray, k: int, block_ro
     k = min(int(k), database.shape[0])
     heap = faiss.ResultHeap(queries.shape[0], k, keep_max=True)
     for start, block in iter_row_blocks(database, block_rows):
-        _as_float32(block, None, "database")   # NaN / inf refused as in the one-call path
+        _as_float32(block, None, "database")  # NaN / inf refused as in the one-call path
         scores, rows = faiss.knn(queries, block, min(k, block.shape[0]), metric=faiss.METRIC_INNER_PRODUCT)
         heap.add_result(scores, rows + start)
     heap.finalize()
@@ -343,13 +361,14 @@ def recall_at_k(found: np.ndarray, exact: np.ndarray, k: int = 10) -> float:
 @dataclass
 class TuneResult:
     """Outcome of `tune`: the knob value chosen and what it measured."""
+
     param: str | None
     value: int | None
     recall: float
-    latency_ms: float           # mean per query at batch = len(sample)
+    latency_ms: float  # mean per query at batch = len(sample)
     reached: bool
     history: list[dict] = field(default_factory=list)
-    rerank: int | None = None   # k'/k for PQ kinds tuned with re-ranking (None: not tuned)
+    rerank: int | None = None  # k'/k for PQ kinds tuned with re-ranking (None: not tuned)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -360,14 +379,22 @@ def drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
     out = np.full((rows.shape[0], k), -1, np.int64)
     for q, (r, d) in enumerate(zip(rows, drop)):
         kept = r[r != d][:k]
-        out[q, :len(kept)] = kept
+        out[q, : len(kept)] = kept
     return out
 
 
-def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, target_recall: float = 0.95,
-         k: int = 10, kind: str | None = None, min_gain: float = 0.002,
-         self_rows: np.ndarray | None = None, embeddings: np.ndarray | None = None,
-         release: Callable[[], None] | None = None) -> TuneResult:
+def tune(
+    index: faiss.Index,
+    sample_queries: np.ndarray,
+    exact: np.ndarray,
+    target_recall: float = 0.95,
+    k: int = 10,
+    kind: str | None = None,
+    min_gain: float = 0.002,
+    self_rows: np.ndarray | None = None,
+    embeddings: np.ndarray | None = None,
+    release: Callable[[], None] | None = None,
+) -> TuneResult:
     """Raise nprobe / efSearch (doubling) until recall@k against `exact` reaches the target.
 
     With `embeddings` (the stored unit rows) an IVF-PQ index is tuned as it is served: its top k*r
@@ -394,7 +421,9 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
     if self_rows is not None:
         exact = drop_rows(np.asarray(exact), np.asarray(self_rows), k)
     if spec.rerank and embeddings is not None:
-        return _tune_reranked(index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release, kind)
+        return _tune_reranked(
+            index, queries, exact, target_recall, k, min_gain, self_rows, embeddings, release, kind
+        )
 
     def measure() -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -406,7 +435,9 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
 
     if param is None:
         recall, ms = measure()
-        return TuneResult(None, None, recall, ms, recall >= target_recall, [{"recall": recall, "latency_ms": ms}])
+        return TuneResult(
+            None, None, recall, ms, recall >= target_recall, [{"recall": recall, "latency_ms": ms}]
+        )
     value, limit = spec.tune_range(index, k)
     history = []
     while True:
@@ -424,13 +455,24 @@ def tune(index: faiss.Index, sample_queries: np.ndarray, exact: np.ndarray, targ
         value = min(value * 2, limit)
     reached = recall >= target_recall
     if not reached:
-        logger.warning("%s: recall@%d %.3f below target %.3f even at %s=%d", kind, k, recall, target_recall, param, value)
+        logger.warning(
+            "%s: recall@%d %.3f below target %.3f even at %s=%d", kind, k, recall, target_recall, param, value
+        )
     return TuneResult(param, value, recall, ms, reached, history)
 
 
-def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, target_recall: float, k: int,
-                   min_gain: float, self_rows: np.ndarray | None, embeddings: np.ndarray,
-                   release: Callable[[], None] | None = None, kind: str = "") -> TuneResult:
+def _tune_reranked(
+    index: faiss.Index,
+    queries: np.ndarray,
+    exact: np.ndarray,
+    target_recall: float,
+    k: int,
+    min_gain: float,
+    self_rows: np.ndarray | None,
+    embeddings: np.ndarray,
+    release: Callable[[], None] | None = None,
+    kind: str = "",
+) -> TuneResult:
     """(nprobe, r) of an IVF-PQ index re-ranked from `embeddings`: the pair reaching the target at the least
     measured time per query, t = t_faiss(nprobe) + t_rerank(r).
 
@@ -444,21 +486,24 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
     kq = k + extra
     # k*r <= N / RERANK_SHARE: re-scoring more candidates than that (scattered rows) costs about as much as
     # an exact scan of every stored row, which is then the better index
-    ladder = [r for r in (2 ** i for i in range(int(math.log2(RERANK_MAX)) + 1))
-              if r == 1 or kq * r <= index.ntotal // RERANK_SHARE]
+    ladder = [
+        r
+        for r in (2**i for i in range(int(math.log2(RERANK_MAX)) + 1))
+        if r == 1 or kq * r <= index.ntotal // RERANK_SHARE
+    ]
     history: list[dict] = []
-    best = None           # the cheapest entry reaching the target
-    top = None            # the highest-recall entry (used when none reaches it)
+    best = None  # the cheapest entry reaching the target
+    top = None  # the highest-recall entry (used when none reaches it)
     nprobe, previous = 1, None
     while True:
         ivf.nprobe = nprobe
         t0 = time.perf_counter()
-        _, cand = search_paged(index, queries, kq * RERANK_MAX, release)     # (Q, kq * RERANK_MAX)
+        _, cand = search_paged(index, queries, kq * RERANK_MAX, release)  # (Q, kq * RERANK_MAX)
         t_faiss = (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
         recall = 0.0
         for r in ladder:
             t0 = time.perf_counter()
-            _, rows = rerank_candidates(embeddings, queries, cand[:, :kq * r], kq)
+            _, rows = rerank_candidates(embeddings, queries, cand[:, : kq * r], kq)
             ms = t_faiss + (time.perf_counter() - t0) * 1000 / max(len(queries), 1)
             if self_rows is not None:
                 rows = drop_rows(rows, self_rows, k)
@@ -475,19 +520,33 @@ def _tune_reranked(index: faiss.Index, queries: np.ndarray, exact: np.ndarray, t
         if nprobe >= ivf.nlist or (best is not None and t_faiss >= best["latency_ms"]):
             break
         if best is None and previous is not None and recall - previous < min_gain:
-            break   # plateau: more probes do not help even with the most candidates
+            break  # plateau: more probes do not help even with the most candidates
         if best is not None and best["rerank"] == 1:
-            break   # the cheapest re-rank already reaches it; more probes only cost time
+            break  # the cheapest re-rank already reaches it; more probes only cost time
         previous = recall
         nprobe = min(nprobe * 2, ivf.nlist)
     chosen = best or top
     ivf.nprobe = chosen["nprobe"]
     reached = best is not None
     if not reached:
-        logger.warning("%s: recall@%d %.3f below target %.3f even at nprobe=%d with %dx re-ranking",
-                       kind, k, chosen["recall"], target_recall, chosen["nprobe"], chosen["rerank"])
-    return TuneResult("nprobe", chosen["nprobe"], chosen["recall"], chosen["latency_ms"], reached, history,
-                      rerank=chosen["rerank"])
+        logger.warning(
+            "%s: recall@%d %.3f below target %.3f even at nprobe=%d with %dx re-ranking",
+            kind,
+            k,
+            chosen["recall"],
+            target_recall,
+            chosen["nprobe"],
+            chosen["rerank"],
+        )
+    return TuneResult(
+        "nprobe",
+        chosen["nprobe"],
+        chosen["recall"],
+        chosen["latency_ms"],
+        reached,
+        history,
+        rerank=chosen["rerank"],
+    )
 
 
 #: The file of on-disk inverted lists a streamed build writes beside its index file (index/stream.py).
@@ -560,8 +619,9 @@ def subset_selector(mask: np.ndarray) -> tuple[faiss.IDSelector, np.ndarray]:
     return faiss.IDSelectorBitmap(int(np.asarray(mask).size), faiss.swig_ptr(bits)), bits
 
 
-def search_subset(index: faiss.Index, queries: np.ndarray, k: int, mask: np.ndarray,
-                  nprobe: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def search_subset(
+    index: faiss.Index, queries: np.ndarray, k: int, mask: np.ndarray, nprobe: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Top-k inner-product search restricted INSIDE FAISS to the rows where ``mask`` is true.
 
     The selector rides on the search parameters (SearchParametersIVF / SearchParametersHNSW /

@@ -12,12 +12,12 @@ and raise `ActivationRefused` (exit 1 on the CLI, 409 on the admin reload) unles
 `gate_for(store, evaluator)` is the gate every activation path (CLI, admin reload, follower, import)
 uses for a version that has none yet.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-
 from typing import TYPE_CHECKING, Callable, ClassVar, Union
 
 import numpy as np
@@ -28,13 +28,13 @@ from index.manifest import Manifest, RecallCheck
 from index.options import Calibrator, Evaluator  # noqa: F401  (re-exported: the gate's injected callables)
 from index.paging import PagedRows, drop_index_pages, read_rows
 
-if TYPE_CHECKING:   # the store imports this module; these are for annotations only
+if TYPE_CHECKING:  # the store imports this module; these are for annotations only
     from index.store import IndexStore, IndexVersion
 
 logger = logging.getLogger(__name__)
 
 #: How a refused activation is overridden, named in every refusal.
-FORCE_HINT = "override with --force (CLI) or {\"force\": true} (POST /v1/admin/reload)"
+FORCE_HINT = 'override with --force (CLI) or {"force": true} (POST /v1/admin/reload)'
 #: A gate for a version that has none: gate(version name) -> its quality_gate record (`gate_version`).
 Gate = Callable[[str], dict]
 
@@ -48,9 +48,9 @@ class ScoreCheck:
     """The quality-gate half of the rule (`score_check`): the recorded comparison with the serving version."""
 
     name: ClassVar[str] = "quality gate"
-    passed: bool | None                 # None: the version has no gate result
+    passed: bool | None  # None: the version has no gate result
     message: str
-    record: dict | None = None          # the gate record's JSON (None: none recorded)
+    record: dict | None = None  # the gate record's JSON (None: none recorded)
 
 
 #: One check of the activation rule: both have `name`, `passed` (True, False, None: not recorded), `message`
@@ -65,7 +65,7 @@ class Decision:
     version: str
     checks: tuple[Check, ...]
     failed: tuple[Check, ...]
-    forced: bool                        # some check failed and `force` overrode it
+    forced: bool  # some check failed and `force` overrode it
 
 
 class ActivationRefused(RuntimeError):
@@ -76,8 +76,11 @@ class ActivationRefused(RuntimeError):
         self.version, self.failed = version, tuple(failed)
         gate = next((c for c in self.failed if isinstance(c, ScoreCheck)), None)
         self.comparison = (gate.record if gate is not None else None) or {}
-        super().__init__(f"activation of index version {version} refused: " + "; ".join(c.message for c in self.failed)
-                         + f"; {hint}")
+        super().__init__(
+            f"activation of index version {version} refused: "
+            + "; ".join(c.message for c in self.failed)
+            + f"; {hint}"
+        )
 
 
 #: The name build/import callers catch: a refused activation (quality gate or recall below target).
@@ -111,15 +114,22 @@ def recall_check(manifest: Manifest, served: dict | None = None) -> RecallCheck:
     kind, params = manifest.kind, dict(manifest.params or {})
     out = {"kind": kind, "params": params, "target": target, "tuned": None if tuned is None else tuned.recall}
     if served is not None and served.get("recall") is not None:
-        out.update(served=float(served["recall"]),
-                   measured_on=served.get("measured_on") or f"{served.get('n_queries', '?')} held-out queries")
+        out.update(
+            served=float(served["recall"]),
+            measured_on=served.get("measured_on") or f"{served.get('n_queries', '?')} held-out queries",
+        )
     elif gate_recall.served is not None:
-        out.update(served=float(gate_recall.served), measured_on=(gate_recall.measured_on
-                                                                  if "measured_on" in gate_recall.key_order
-                                                                  else "held-out queries"))
+        out.update(
+            served=float(gate_recall.served),
+            measured_on=(
+                gate_recall.measured_on if "measured_on" in gate_recall.key_order else "held-out queries"
+            ),
+        )
     elif tuned is not None and tuned.recall is not None:
-        out.update(served=float(tuned.recall),
-                   measured_on=f"{tuned.sample if 'sample' in tuned.key_order else 'all'} stored rows (tuning)")
+        out.update(
+            served=float(tuned.recall),
+            measured_on=f"{tuned.sample if 'sample' in tuned.key_order else 'all'} stored rows (tuning)",
+        )
     else:
         out.update(served=None, measured_on=None)
     if out["served"] is None or target is None:
@@ -128,13 +138,16 @@ def recall_check(manifest: Manifest, served: dict | None = None) -> RecallCheck:
     out["passed"] = bool(out["served"] >= float(target) - 1e-9)
     described = f"{kind} ({', '.join(f'{k}={v}' for k, v in params.items()) or 'exact'})"
     if out["passed"]:
-        out["message"] = (f"recall check: {described} reaches recall@10 {out['served']:.3f} >= target "
-                          f"{float(target):.3f} on {out['measured_on']}")
+        out["message"] = (
+            f"recall check: {described} reaches recall@10 {out['served']:.3f} >= target "
+            f"{float(target):.3f} on {out['measured_on']}"
+        )
     else:
-        out["message"] = (f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
-                          f"{float(target):.3f} on {out['measured_on']}; "
-                          + faiss_index.suggest_kind(kind, params, int(manifest.count), int(manifest.dim),
-                                                     float(target)))
+        out["message"] = (
+            f"recall check failed: {described} reaches recall@10 {out['served']:.3f} < target "
+            f"{float(target):.3f} on {out['measured_on']}; "
+            + faiss_index.suggest_kind(kind, params, int(manifest.count), int(manifest.dim), float(target))
+        )
     return RecallCheck.from_json(out)
 
 
@@ -151,15 +164,22 @@ def score_check(manifest: Manifest) -> ScoreCheck:
     score = gate.score
     if score is None or score.candidate is None or score.serving is None:
         passed = score.passed if score is not None and score.key_order else True
-        message = "quality gate: nothing was serving to compare with" if passed is not False else "quality gate failed"
+        message = (
+            "quality gate: nothing was serving to compare with"
+            if passed is not False
+            else "quality gate failed"
+        )
         return ScoreCheck(passed, gate.note or message, record)
     margin = float(score.margin or 0.0)
     passed = score_passes(score.candidate, score.serving, margin)
     metric = score.metric if "metric" in score.key_order else "score"
-    return ScoreCheck(passed, f"quality gate {'passed' if passed else 'failed'} ({metric}): "
-                      f"candidate {_fmt(score.candidate)} {'>=' if passed else '<'} serving "
-                      f"{_fmt(score.serving)} - margin {_fmt(margin)} (serving version {score.serving_version})",
-                      record)
+    return ScoreCheck(
+        passed,
+        f"quality gate {'passed' if passed else 'failed'} ({metric}): "
+        f"candidate {_fmt(score.candidate)} {'>=' if passed else '<'} serving "
+        f"{_fmt(score.serving)} - margin {_fmt(margin)} (serving version {score.serving_version})",
+        record,
+    )
 
 
 def activation_checks(manifest: Manifest) -> list[Check]:
@@ -167,8 +187,14 @@ def activation_checks(manifest: Manifest) -> list[Check]:
     return [score_check(manifest), recall_check(manifest)]
 
 
-def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator: Evaluator | None, *,
-                margin: float = DEFAULT_MARGIN, force: bool = False) -> dict:
+def gate_record(
+    candidate: IndexVersion,
+    serving: IndexVersion | None,
+    evaluator: Evaluator | None,
+    *,
+    margin: float = DEFAULT_MARGIN,
+    force: bool = False,
+) -> dict:
     """The manifest's ``quality_gate`` for `candidate`: the evaluator's comparison with `serving` (when
     both exist) and the recall check of its own FAISS index (`recall_check`).
 
@@ -177,42 +203,71 @@ def gate_record(candidate: IndexVersion, serving: IndexVersion | None, evaluator
     record: dict = {}
     score = None
     t0 = time.perf_counter()
-    vectors_only = not candidate.manifest.has_encoder or (serving is not None and not serving.manifest.has_encoder)
+    vectors_only = not candidate.manifest.has_encoder or (
+        serving is not None and not serving.manifest.has_encoder
+    )
     if vectors_only:
         # no encoder on one side: no query images to score both with, so the gate is the recall check
         # of the candidate's served search on stored rows it was not tuned on
         held_out = held_out_recall(candidate)
-        record.update(index_recall={"candidate": held_out}, note=(
-            "quality gate: the recall check only (a version built from vectors has no encoder to embed "
-            "held-out images with)"), serving_version=None if serving is None else serving.version)
+        record.update(
+            index_recall={"candidate": held_out},
+            note=(
+                "quality gate: the recall check only (a version built from vectors has no encoder to embed "
+                "held-out images with)"
+            ),
+            serving_version=None if serving is None else serving.version,
+        )
     elif evaluator is not None and serving is not None:
         try:
             result = evaluator(candidate, serving)
         except GateUnavailable as err:
             recall = recall_check(candidate.manifest).to_json()
-            return {"passed": False, "forced": bool(force), "serving_version": serving.version,
-                    "error": f"the quality gate cannot score this version here: {err}",
-                    "checks": {"score": None, "recall": recall}}
+            return {
+                "passed": False,
+                "forced": bool(force),
+                "serving_version": serving.version,
+                "error": f"the quality gate cannot score this version here: {err}",
+                "checks": {"score": None, "recall": recall},
+            }
         if not isinstance(result, dict) or not {"candidate", "serving"} <= set(result):
-            raise ValueError(f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}")
+            raise ValueError(
+                f"evaluator must return a dict with 'candidate' and 'serving' scores, got {result!r}"
+            )
         record.update(result)
         cand, serv = float(result["candidate"]), float(result["serving"])
-        score = {"metric": result.get("metric", "score"), "candidate": cand, "serving": serv, "margin": float(margin),
-                 "serving_version": serving.version, "passed": score_passes(cand, serv, margin)}
+        score = {
+            "metric": result.get("metric", "score"),
+            "candidate": cand,
+            "serving": serv,
+            "margin": float(margin),
+            "serving_version": serving.version,
+            "passed": score_passes(cand, serv, margin),
+        }
         record.update(serving_version=serving.version, margin=float(margin), seconds=time.perf_counter() - t0)
     served = ((record.get("index_recall") or {}).get("candidate")) if record else None
     recall = recall_check(candidate.manifest, served)
     passed = (score is None or score["passed"]) and recall.passed is not False
-    record.update(passed=bool(passed), forced=bool(force and not passed),
-                  checks={"score": score, "recall": recall.to_json()})
+    record.update(
+        passed=bool(passed),
+        forced=bool(force and not passed),
+        checks={"score": score, "recall": recall.to_json()},
+    )
     if score is not None:
-        logger.info("quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
-                    "passed" if score["passed"] else "FAILED", score["candidate"], score["serving"], margin)
+        logger.info(
+            "quality gate %s: candidate %.4g vs serving %.4g (margin %.3g)",
+            "passed" if score["passed"] else "FAILED",
+            score["candidate"],
+            score["serving"],
+            margin,
+        )
     logger.info("%s", recall.message)
     return record
 
 
-def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int = 10, seed: int = GATE_SEED) -> dict:
+def held_out_recall(
+    version: IndexVersion, n_queries: int = GATE_QUERIES, k: int = 10, seed: int = GATE_SEED
+) -> dict:
     """recall@k of what `version` serves (its FAISS index at the tuned parameters, candidates re-ranked
     exactly by the manifest's `rerank`: `faiss_index.search_reranked`, the server's search) against exact
     search, on stored rows the build did not tune on (`faiss_index.tuning_rows`), each query's own row
@@ -230,14 +285,29 @@ def held_out_recall(version: IndexVersion, n_queries: int = GATE_QUERIES, k: int
     # query batches dropping the pages of on-disk lists: a version larger than RAM is checked in bounded RAM
     exact = faiss_index.exact_neighbours(emb, queries, k + 1)
     release = (lambda: drop_index_pages(version.index)) if faiss_index.on_disk_lists(version.index) else None
-    _, found = faiss_index.search_reranked(version.index, PagedRows(emb), queries, k + 1, rerank, release=release)
+    _, found = faiss_index.search_reranked(
+        version.index, PagedRows(emb), queries, k + 1, rerank, release=release
+    )
     found = faiss_index.drop_rows(found, rows, k)
     exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(found, exact, k)
-    logger.info("held-out recall@%d of %s: %.4f on %d %s (re-rank %d)", k, version.version, recall, len(rows), where,
-                rerank)
-    return {"recall": recall, "n_queries": int(len(rows)), "k": int(k), "rerank": int(rerank),
-            "measured_on": f"{len(rows)} {where}, own row excluded", "seconds": time.perf_counter() - t0}
+    logger.info(
+        "held-out recall@%d of %s: %.4f on %d %s (re-rank %d)",
+        k,
+        version.version,
+        recall,
+        len(rows),
+        where,
+        rerank,
+    )
+    return {
+        "recall": recall,
+        "n_queries": int(len(rows)),
+        "k": int(k),
+        "rerank": int(rerank),
+        "measured_on": f"{len(rows)} {where}, own row excluded",
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def held_out_rows(n: int, n_queries: int = GATE_QUERIES, seed: int = GATE_SEED) -> tuple[np.ndarray, str]:
@@ -253,8 +323,9 @@ def held_out_rows(n: int, n_queries: int = GATE_QUERIES, seed: int = GATE_SEED) 
     return np.sort(spare), "held-out stored rows"
 
 
-def gate_version(store: IndexStore, version: str, evaluator: Evaluator | None,
-                 margin: float = DEFAULT_MARGIN) -> dict:
+def gate_version(
+    store: IndexStore, version: str, evaluator: Evaluator | None, margin: float = DEFAULT_MARGIN
+) -> dict:
     """Gate a committed version against the store's current one (the `gate` of IndexStore.activate
     for versions that have no gate result yet)."""
     candidate = store.load(version, verify=False, gpu=False)

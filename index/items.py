@@ -7,6 +7,7 @@ content hash decides between "touched" (same bytes, reused) and "modified" (re-e
 The records are taken *before* embedding, so a file that changes mid-build is recorded with its
 older state and the next sync re-embeds it (never the reverse).
 """
+
 from __future__ import annotations
 
 import json
@@ -62,7 +63,11 @@ def read_records(version_path: str | os.PathLike) -> dict[str, list]:
     if not path.is_file():
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or data.get("format") != ITEM_FILES_FORMAT or not isinstance(data.get("items"), dict):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != ITEM_FILES_FORMAT
+        or not isinstance(data.get("items"), dict)
+    ):
         logger.warning("%s has an unknown layout; treating every file as changed", path)
         return {}
     return data["items"]

@@ -1,4 +1,5 @@
 """PEP 562 lazy package exports: `import pkg` loads nothing heavy until a public name is first used."""
+
 from __future__ import annotations
 
 import importlib

@@ -8,6 +8,7 @@ computed once when a version is written (`index.build.write_version`) and stored
 `normaliser_stats.npz`, checksummed by the manifest like every other file: a serving process loads
 them instead of one pass over all N rows (221 s at N = 10^7, and a transient float64 copy).
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,13 +27,13 @@ __all__ = ["ListStats"]
 class ListStats:
     """A partition of the rows into lists and each list's size, mean, radius and top eigenvalue."""
 
-    offsets: np.ndarray   # (L + 1,) int64; list l holds order[offsets[l]:offsets[l + 1]]
-    order: np.ndarray     # (N,) int32/int64 rows grouped by list
-    where: np.ndarray     # (N,) uint16/int32 list of each row
-    means: np.ndarray     # (L, D) float32 list means mu_l (the matmul operand)
-    radius: np.ndarray    # (L,) float64 max_j |y_j - mu_l|, rounded up
-    lam: np.ndarray       # (L,) float64 largest eigenvalue of the list covariance, rounded up
-    source: str           # where the partition came from, for logs and bench output
+    offsets: np.ndarray  # (L + 1,) int64; list l holds order[offsets[l]:offsets[l + 1]]
+    order: np.ndarray  # (N,) int32/int64 rows grouped by list
+    where: np.ndarray  # (N,) uint16/int32 list of each row
+    means: np.ndarray  # (L, D) float32 list means mu_l (the matmul operand)
+    radius: np.ndarray  # (L,) float64 max_j |y_j - mu_l|, rounded up
+    lam: np.ndarray  # (L,) float64 largest eigenvalue of the list covariance, rounded up
+    source: str  # where the partition came from, for logs and bench output
     seconds: float = 0.0  # time taken to compute
 
     @property
@@ -45,11 +46,20 @@ class ListStats:
 
     @property
     def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (self.offsets, self.order, self.where, self.means, self.radius, self.lam)))
+        return int(
+            sum(a.nbytes for a in (self.offsets, self.order, self.where, self.means, self.radius, self.lam))
+        )
 
     @classmethod
-    def build(cls, embeddings: np.ndarray, index=None, lists: int | None = None, seed: int = 1234,
-              chunk_rows: int = 1 << 18, progress: bool = False) -> "ListStats":
+    def build(
+        cls,
+        embeddings: np.ndarray,
+        index=None,
+        lists: int | None = None,
+        seed: int = 1234,
+        chunk_rows: int = 1 << 18,
+        progress: bool = False,
+    ) -> "ListStats":
         """Statistics of `embeddings` (N, D) over the inverted lists of `index` when it is a CPU IVF
         index holding rows 0..N-1, else over a k-means partition with `lists` (default ~sqrt N) cells."""
         t0 = time.perf_counter()
@@ -67,28 +77,57 @@ class ListStats:
             source = f"k-means over the embeddings ({k} lists)"
         means, radius, lam = _list_moments(view, order, offsets, chunk_rows, progress)
         del view
-        stats = cls(offsets, order, _row_lists(order, offsets), means, radius, lam, source, time.perf_counter() - t0)
-        logger.info("normaliser statistics: %s, %d rows, %.1f MB, %.1f s", source, n, stats.nbytes / 2**20,
-                    stats.seconds)
+        stats = cls(
+            offsets, order, _row_lists(order, offsets), means, radius, lam, source, time.perf_counter() - t0
+        )
+        logger.info(
+            "normaliser statistics: %s, %d rows, %.1f MB, %.1f s",
+            source,
+            n,
+            stats.nbytes / 2**20,
+            stats.seconds,
+        )
         return stats
 
     def save(self, path) -> None:
         """Write the statistics to an .npz file (load them back with `ListStats.load`)."""
-        np.savez(path, offsets=self.offsets, order=self.order, means=self.means, radius=self.radius, lam=self.lam,
-                 source=np.array(self.source), seconds=np.array(self.seconds))
+        np.savez(
+            path,
+            offsets=self.offsets,
+            order=self.order,
+            means=self.means,
+            radius=self.radius,
+            lam=self.lam,
+            source=np.array(self.source),
+            seconds=np.array(self.seconds),
+        )
 
     @classmethod
     def load(cls, path) -> "ListStats":
         """Statistics written by `save` (OSError / ValueError / KeyError when unreadable)."""
         with np.load(path, allow_pickle=False) as f:
             offsets, order = f["offsets"].astype(np.int64, copy=False), f["order"]
-            if offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0 or np.any(np.diff(offsets) < 0) \
-                    or offsets[-1] != len(order) or order.ndim != 1:
+            if (
+                offsets.ndim != 1
+                or len(offsets) < 2
+                or offsets[0] != 0
+                or np.any(np.diff(offsets) < 0)
+                or offsets[-1] != len(order)
+                or order.ndim != 1
+            ):
                 raise ValueError("offsets do not partition the rows")
             if len(order) and (order.min() < 0 or order.max() >= len(order)):
                 raise ValueError("row numbers out of range")
-            return cls(offsets, order, _row_lists(order, offsets), f["means"], f["radius"], f["lam"],
-                       str(f["source"]), float(f["seconds"]))
+            return cls(
+                offsets,
+                order,
+                _row_lists(order, offsets),
+                f["means"],
+                f["radius"],
+                f["lam"],
+                str(f["source"]),
+                float(f["seconds"]),
+            )
 
     def problems(self, count: int, dim: int, index=None) -> list[str]:
         """How these statistics disagree with a version of `count` rows of `dim` and its `index`
@@ -101,7 +140,9 @@ class ListStats:
         if self.means.ndim != 2 or self.means.shape != (lists, dim) or self.means.dtype != np.float32:
             out.append(f"means are {self.means.shape} {self.means.dtype}, expected ({lists}, {dim}) float32")
         if self.radius.shape != (lists,) or self.lam.shape != (lists,):
-            out.append(f"radius / eigenvalue arrays of {self.radius.shape} / {self.lam.shape}, expected ({lists},)")
+            out.append(
+                f"radius / eigenvalue arrays of {self.radius.shape} / {self.lam.shape}, expected ({lists},)"
+            )
         # (an index moved to a GPU has no readable inverted lists here; the checksum still holds)
         sizes = _ivf_sizes(index) if index is not None and self.source.startswith("IVF") else None
         if sizes is not None and (len(sizes) != lists or not np.array_equal(sizes, self.counts)):
@@ -146,7 +187,7 @@ def _ivf_lists(index, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     for l in np.flatnonzero(sizes):
         ids = faiss.rev_swig_ptr(invlists.get_ids(int(l)), int(sizes[l]))
-        order[offsets[l]:offsets[l + 1]] = ids
+        order[offsets[l] : offsets[l + 1]] = ids
     seen = np.zeros(n, dtype=bool)
     seen[order] = True  # every row exactly once (sizes sum to n, so "all seen" suffices)
     if order.min() < 0 or order.max() >= n or not seen.all():
@@ -179,15 +220,16 @@ def _kmeans_lists(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray
     km.train(np.ascontiguousarray(embeddings[sample], dtype=np.float32))
     assign = np.empty(n, dtype=np.int64)
     for start in range(0, n, 1 << 16):
-        block = np.ascontiguousarray(embeddings[start:start + (1 << 16)], dtype=np.float32)
-        assign[start:start + len(block)] = km.index.search(block, 1)[1][:, 0]
+        block = np.ascontiguousarray(embeddings[start : start + (1 << 16)], dtype=np.float32)
+        assign[start : start + len(block)] = km.index.search(block, 1)[1][:, 0]
     order = np.argsort(assign, kind="stable").astype(np.int32 if n < 2**31 else np.int64)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(assign, minlength=k))])
     return order, offsets
 
 
-def _list_moments(embeddings: np.ndarray, order: np.ndarray, offsets: np.ndarray, chunk_rows: int,
-                  progress: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _list_moments(
+    embeddings: np.ndarray, order: np.ndarray, offsets: np.ndarray, chunk_rows: int, progress: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per list (float64): mean, radius max |y - mu|, largest covariance eigenvalue; rows are read in
     chunks of whole lists (each chunk gathered in ascending row order, for the memory map)."""
     lists = len(offsets) - 1
@@ -204,13 +246,13 @@ def _list_moments(embeddings: np.ndarray, order: np.ndarray, offsets: np.ndarray
     while l0 < lists:
         l1 = int(np.searchsorted(offsets, offsets[l0] + chunk_rows, side="right")) - 1
         l1 = min(max(l1, l0 + 1), lists)
-        rows = order[offsets[l0]:offsets[l1]]
+        rows = order[offsets[l0] : offsets[l1]]
         perm = np.argsort(rows, kind="stable")
         block = np.empty((len(rows), d))
         block[perm] = embeddings[rows[perm]]  # (rows, D) float64, grouped by list
         base = offsets[l0]
         for l in range(l0, l1):
-            y = block[offsets[l] - base:offsets[l + 1] - base]  # (n_l, D)
+            y = block[offsets[l] - base : offsets[l + 1] - base]  # (n_l, D)
             if len(y) == 0:
                 continue
             mu = y.mean(axis=0)
@@ -235,29 +277,44 @@ def round_up(radius: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarra
     so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds."""
     radius = radius * (1 + 1e-9) + 1e-12
     lam = np.maximum(lam, 0.0) * (1 + 1e-9) + 1e-12
-    lam = np.minimum(lam, radius ** 2)  # variance along a unit direction <= max squared distance
+    lam = np.minimum(lam, radius**2)  # variance along a unit direction <= max squared distance
     return radius, lam
 
 
-def save_streamed(path, offsets: np.ndarray, order_blocks, count: int, means: np.ndarray, radius: np.ndarray,
-                  lam: np.ndarray, source: str, seconds: float) -> None:
+def save_streamed(
+    path,
+    offsets: np.ndarray,
+    order_blocks,
+    count: int,
+    means: np.ndarray,
+    radius: np.ndarray,
+    lam: np.ndarray,
+    source: str,
+    seconds: float,
+) -> None:
     """Write the same .npz as `ListStats.save` (read back by `ListStats.load`) with the (N,) row order given as
     an iterable of blocks, written as they come: a streamed build never holds the order in RAM."""
     import zipfile
 
     dtype = np.dtype(np.int32 if count < 2**31 else np.int64)
     with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, arr in (("offsets", offsets), ("means", means), ("radius", radius), ("lam", lam),
-                          ("source", np.array(source)), ("seconds", np.array(seconds))):
+        for name, arr in (
+            ("offsets", offsets),
+            ("means", means),
+            ("radius", radius),
+            ("lam", lam),
+            ("source", np.array(source)),
+            ("seconds", np.array(seconds)),
+        ):
             with zf.open(name + ".npy", "w", force_zip64=True) as fh:
                 np.lib.format.write_array(fh, np.asanyarray(arr), allow_pickle=False)
         with zf.open("order.npy", "w", force_zip64=True) as fh:
-            np.lib.format.write_array_header_1_0(fh, {"descr": dtype.str, "fortran_order": False, "shape": (count,)})
+            np.lib.format.write_array_header_1_0(
+                fh, {"descr": dtype.str, "fortran_order": False, "shape": (count,)}
+            )
             written = 0
             for block in order_blocks:
                 block = np.ascontiguousarray(block, dtype=dtype)
                 fh.write(memoryview(block).cast("B"))
                 written += len(block)
             assert written == count, f"wrote {written} row numbers for {count} rows"
-
-

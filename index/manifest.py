@@ -10,6 +10,7 @@ This module is the one reader of manifests: `read_manifest` returns a frozen, ty
 (`Manifest.from_json` migrates every older layout; `to_json` writes today's, byte for byte as read),
 and code elsewhere reads its attributes, never string keys.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,11 +36,30 @@ logger = logging.getLogger(__name__)
 MANIFEST_NAME = "manifest.json"
 FORMAT = "softsearch-index"
 FORMAT_VERSION = 1
-REQUIRED_FIELDS = ("format", "format_version", "version", "created", "count", "dim", "metric",
-                   "normalised", "kind", "params", "faiss_version", "files")
+REQUIRED_FIELDS = (
+    "format",
+    "format_version",
+    "version",
+    "created",
+    "count",
+    "dim",
+    "metric",
+    "normalised",
+    "kind",
+    "params",
+    "faiss_version",
+    "files",
+)
 # Fields that `update_manifest_fields` may never change: they describe the stored bytes.
-FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {"checkpoint", "dataset", "sources", "encoder", "normaliser_stats",
-                                              "shards", "shard"}
+FROZEN_FIELDS = frozenset(REQUIRED_FIELDS) | {
+    "checkpoint",
+    "dataset",
+    "sources",
+    "encoder",
+    "normaliser_stats",
+    "shards",
+    "shard",
+}
 
 
 class IndexCorruptError(ValueError):
@@ -74,13 +94,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False,
-                 needed: int | None = None) -> None:
+def atomic_write(
+    path: str | os.PathLike, write: Callable[[IO], None], binary: bool = False, needed: int | None = None
+) -> None:
     """Call `write(fh)` on a temp file beside `path`, fsync, os.replace, fsync the directory.
 
     Readers see either the old file or the complete new one, also after a crash mid-write."""
     path = Path(path)
-    with writing(path, needed):   # a full disk: DiskFull naming `path` (and `needed`, the temp file's bytes)
+    with writing(path, needed):  # a full disk: DiskFull naming `path` (and `needed`, the temp file's bytes)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as fh:
@@ -100,8 +121,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda fh: fh.write(text), needed=on_disk(len(text.encode("utf-8"))))
 
 
-def create_manifest(*, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str,
-                    files: dict, **fields) -> "Manifest":
+def create_manifest(
+    *, version: str, count: int, dim: int, kind: str, params: dict, faiss_version: str, files: dict, **fields
+) -> "Manifest":
     """A new Manifest: the required fields first, then any extra `fields` in the order given.
 
     Extra fields used by index.build: checkpoint {path, sha256}, encoder (config dict), dataset
@@ -198,11 +220,14 @@ def verify_files(directory: str | os.PathLike, manifest: "Manifest") -> None:
             raise IndexCorruptError(f"{path} is missing")
         size = path.stat().st_size
         if size != info["bytes"]:
-            raise IndexCorruptError(f"{path} has {size} bytes, the manifest says {info['bytes']} (truncated?)")
+            raise IndexCorruptError(
+                f"{path} has {size} bytes, the manifest says {info['bytes']} (truncated?)"
+            )
         digest = file_sha256(path)
         if digest != info["sha256"]:
-            raise IndexCorruptError(f"{path} sha256 {digest[:12]}... does not match the manifest {info['sha256'][:12]}...")
-
+            raise IndexCorruptError(
+                f"{path} sha256 {digest[:12]}... does not match the manifest {info['sha256'][:12]}..."
+            )
 
 
 # ----------------------------------------------------------------- the typed manifest
@@ -225,8 +250,11 @@ def _known(cls) -> tuple[str, ...]:
 def _from_layout(cls, data: dict):
     """An instance of the record dataclass `cls` from a dict already in today's layout."""
     names = set(_known(cls))
-    return cls(**{k: v for k, v in data.items() if k in names},
-               extra=MappingProxyType({k: v for k, v in data.items() if k not in names}), key_order=tuple(data))
+    return cls(
+        **{k: v for k, v in data.items() if k in names},
+        extra=MappingProxyType({k: v for k, v in data.items() if k not in names}),
+        key_order=tuple(data),
+    )
 
 
 def _to_layout(record) -> dict:
@@ -238,7 +266,7 @@ def _to_layout(record) -> dict:
             out[key] = getattr(record, key)
         elif key in record.extra:
             out[key] = record.extra[key]
-    for key in names:   # set through dataclasses.replace without being in the original order
+    for key in names:  # set through dataclasses.replace without being in the original order
         if key not in out and getattr(record, key) is not None:
             out[key] = getattr(record, key)
     for key, value in record.extra.items():
@@ -276,8 +304,6 @@ class _Record:
         return _to_layout(self)
 
 
-
-
 def _positive(value) -> float | None:
     """`value` as a temperature: a finite positive number, else None."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
@@ -308,7 +334,7 @@ class RecallRecord(_Record):
     recall: float | None = None
     exact: bool | None = None
     target: float | None = None
-    param: str | None = None            # the tuned search knob (nprobe, efSearch), its value below
+    param: str | None = None  # the tuned search knob (nprobe, efSearch), its value below
     value: Any = None
     reached: bool | None = None
     rerank: int | None = None
@@ -330,10 +356,10 @@ class RecallCheck(_Record):
     kind: str | None = None
     params: dict | None = None
     target: float | None = None
-    tuned: float | None = None          # the build's tuning measurement
-    served: float | None = None         # the figure judged (held-out when measured, else the tuning one)
+    tuned: float | None = None  # the build's tuning measurement
+    served: float | None = None  # the figure judged (held-out when measured, else the tuning one)
     measured_on: str | None = None
-    passed: bool | None = None          # None: nothing recorded
+    passed: bool | None = None  # None: nothing recorded
     message: str | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
@@ -369,7 +395,7 @@ class Compared(_Record):
 class GateChecks(_Record):
     """The gate record's ``checks``: what the activation rule reads."""
 
-    score: GateScore | None = None      # None: nothing was compared
+    score: GateScore | None = None  # None: nothing was compared
     recall: RecallCheck | None = None
     extra: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}), repr=False)
     key_order: tuple[str, ...] = dataclasses.field(default=(), repr=False, compare=False)
@@ -417,9 +443,14 @@ class GateRecord:
         data = _plain(dict(data))
         if not isinstance(data.get("checks"), dict):
             if data.get("candidate") is not None and data.get("serving") is not None:
-                score = {"metric": data.get("metric", "score"), "candidate": data["candidate"],
-                         "serving": data["serving"], "margin": data.get("margin"),
-                         "serving_version": data.get("serving_version"), "passed": data.get("passed")}
+                score = {
+                    "metric": data.get("metric", "score"),
+                    "candidate": data["candidate"],
+                    "serving": data["serving"],
+                    "margin": data.get("margin"),
+                    "serving_version": data.get("serving_version"),
+                    "passed": data.get("passed"),
+                }
             else:
                 score = {"passed": data.get("passed")}
             data["checks"] = {"score": score, "recall": None}
@@ -524,11 +555,17 @@ class Manifest:
         if data["format"] != FORMAT:
             raise IndexCorruptError(f"{source} has format {data['format']!r}, expected {FORMAT!r}")
         if data["format_version"] > FORMAT_VERSION:
-            raise IndexCorruptError(f"{source} has format_version {data['format_version']}, newer than {FORMAT_VERSION}")
+            raise IndexCorruptError(
+                f"{source} has format_version {data['format_version']}, newer than {FORMAT_VERSION}"
+            )
         if data["metric"] != "inner_product" or data["normalised"] is not True:
             raise IndexCorruptError(f"{source}: only normalised inner-product indexes are supported")
         data = _migrate(_plain(data))
-        for key, record in (("quality_gate", GateRecord), ("checkpoint", CheckpointRef), ("recall", RecallRecord)):
+        for key, record in (
+            ("quality_gate", GateRecord),
+            ("checkpoint", CheckpointRef),
+            ("recall", RecallRecord),
+        ):
             if key in data:
                 data[key] = _record(record, data[key])
         return _from_layout(cls, data)
@@ -586,8 +623,11 @@ def _migrate(data: dict) -> dict:
         data["dataset"] = one = {"spec": one}
     if "sources" in data or isinstance(one, dict):
         sources = data.get("sources") or ([one] if isinstance(one, dict) else [])
-        fixed = [src if isinstance(src.get("spec"), dict) else {"spec": src} for src in sources
-                 if isinstance(src, dict) and (isinstance(src.get("spec"), dict) or "name" in src)]
+        fixed = [
+            src if isinstance(src.get("spec"), dict) else {"spec": src}
+            for src in sources
+            if isinstance(src, dict) and (isinstance(src.get("spec"), dict) or "name" in src)
+        ]
         if "sources" not in data or fixed != data["sources"]:
             data["sources"] = fixed
     # the search temperature: a number today; a {"temperature"|"tau"} record or `calibrated_temperature` before

@@ -7,6 +7,7 @@ user fields from ``index build | add | sync --metadata FILE`` (JSON Lines or CSV
 Field types are ``str``, ``int``, ``float`` or ``bool``; a value may be missing for some items.
 Later versions (add, sync, delete) carry the fields of the items they keep.
 """
+
 from __future__ import annotations
 
 import csv
@@ -24,8 +25,15 @@ logger = logging.getLogger(__name__)
 ITEM_METADATA = "item_metadata.json"
 METADATA_FORMAT = 1
 FIELD_TYPES = ("str", "int", "float", "bool")
-FOLDER_FIELDS = {"path": "str", "class": "str", "size": "int", "mtime": "float", "width": "int", "height": "int",
-                 "format": "str"}
+FOLDER_FIELDS = {
+    "path": "str",
+    "class": "str",
+    "size": "int",
+    "mtime": "float",
+    "width": "int",
+    "height": "int",
+    "format": "str",
+}
 BUILTIN_FIELDS = frozenset(FOLDER_FIELDS)
 
 
@@ -83,8 +91,12 @@ def read_metadata(version_path: str | os.PathLike) -> Metadata:
     if not path.is_file():
         return Metadata.empty()
     data = json.loads(path.read_text(encoding="utf-8"))
-    if (not isinstance(data, dict) or data.get("format") != METADATA_FORMAT or not isinstance(data.get("fields"), dict)
-            or not isinstance(data.get("items"), dict)):
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != METADATA_FORMAT
+        or not isinstance(data.get("fields"), dict)
+        or not isinstance(data.get("items"), dict)
+    ):
         logger.warning("%s has an unknown layout; this version has no metadata", path)
         return Metadata.empty()
     return Metadata(dict(data["fields"]), data["items"])
@@ -102,8 +114,10 @@ def dataset_metadata(dataset, indices=None) -> Metadata:
     for i in indices:
         values: dict = {}
         if is_folder:
-            values.update(file_metadata(path_of(i), dataset.relative_path(i), getattr(dataset, "limits", None)))
-        if labels is not None:   # the class name, or the label number where the dataset has no names
+            values.update(
+                file_metadata(path_of(i), dataset.relative_path(i), getattr(dataset, "limits", None))
+            )
+        if labels is not None:  # the class name, or the label number where the dataset has no names
             label = int(labels[i])
             values["class"] = str(names[label]) if names and 0 <= label < len(names) else str(label)
         items[dataset.item_id(i)] = values
@@ -123,7 +137,7 @@ def file_metadata(path: str | os.PathLike, rel: str, limits=None) -> dict:
     try:
         st = path.stat()
         values.update(size=int(st.st_size), mtime=round(st.st_mtime_ns / 1e9, 6))
-        with open_checked(path, limits or DEFAULT_LIMITS) as image:   # header only: no pixels decoded
+        with open_checked(path, limits or DEFAULT_LIMITS) as image:  # header only: no pixels decoded
             values.update(width=int(image.size[0]), height=int(image.size[1]))
             if image.format:
                 values["format"] = str(image.format).lower()
@@ -158,7 +172,7 @@ def _jsonl_rows(path: Path, text: str) -> list[tuple[int, dict]]:
         except json.JSONDecodeError as err:
             raise MetadataError(f"{path}:{n}: not JSON ({err.msg})") from None
         if not isinstance(obj, dict):
-            raise MetadataError(f"{path}:{n}: expected a JSON object with an \"id\"")
+            raise MetadataError(f'{path}:{n}: expected a JSON object with an "id"')
         rows.append((n, obj))
     return rows
 
@@ -218,7 +232,7 @@ def _typed(path: Path, rows: list[tuple[int, dict]]) -> Metadata:
     for n, obj in rows:
         item = obj.get("id")
         if not isinstance(item, str) or not item:
-            raise MetadataError(f"{path}:{n}: every record needs a non-empty string \"id\"")
+            raise MetadataError(f'{path}:{n}: every record needs a non-empty string "id"')
         values = {}
         for name, value in obj.items():
             if name == "id" or value is None:
@@ -227,15 +241,17 @@ def _typed(path: Path, rows: list[tuple[int, dict]]) -> Metadata:
                 raise MetadataError(f"{path}:{n}: field {name!r} is built in (or empty); rename it")
             kind = _kind_of(value)
             if kind is None:
-                raise MetadataError(f"{path}:{n}: field {name!r} must be a string, number or boolean, "
-                                    f"got {json.dumps(value)[:40]}")
+                raise MetadataError(
+                    f"{path}:{n}: field {name!r} must be a string, number or boolean, "
+                    f"got {json.dumps(value)[:40]}"
+                )
             old = types.get(name)
             if _wider(old, kind) is None:
                 raise MetadataError(f"{path}:{n}: field {name!r} is {kind} here but {old} on an earlier line")
             types[name] = _wider(old, kind)
             values[name] = value
         items.setdefault(item, {}).update(values)
-    for values in items.values():   # an int field that saw a float stores floats
+    for values in items.values():  # an int field that saw a float stores floats
         for name, value in values.items():
             if types[name] == "float":
                 values[name] = float(value)
@@ -246,8 +262,13 @@ def report_unknown_ids(metadata: Metadata, ids, source: str) -> int:
     """Log how many metadata ids are not indexed (they are ignored); returns that count."""
     unknown = set(metadata.items) - set(ids)
     if unknown:
-        logger.warning("%s: %d of %d metadata ids are not in the index (ignored), e.g. %s", source, len(unknown),
-                       len(metadata.items), sorted(unknown)[0])
+        logger.warning(
+            "%s: %d of %d metadata ids are not in the index (ignored), e.g. %s",
+            source,
+            len(unknown),
+            len(metadata.items),
+            sorted(unknown)[0],
+        )
     return len(unknown)
 
 

@@ -11,6 +11,7 @@ Stores written before this layout name only ``checkpoint.path``: on first use th
 path is copied in when its sha256 still matches (migration); when it is gone the error says
 which file to copy where.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 MODELS_DIR = "models"
 MODEL_SUFFIX = ".safetensors"
-DEFAULT_GRACE_S = 3600.0   # prune keeps models this young: a build in progress may be about to use one
+DEFAULT_GRACE_S = 3600.0  # prune keeps models this young: a build in progress may be about to use one
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 # (path, inode, size, mtime_ns) -> sha256 of files this process already hashed
 _VERIFIED: dict[tuple, str] = {}
@@ -49,8 +50,11 @@ def model_relpath(sha: str) -> str:
 def is_store_model(path: str | os.PathLike) -> bool:
     """True for a file inside some store's models/ directory (its path says nothing about provenance)."""
     path = Path(path)
-    return path.parent.name == MODELS_DIR and path.name.endswith(MODEL_SUFFIX) and \
-        bool(_SHA_RE.match(path.name[:-len(MODEL_SUFFIX)]))
+    return (
+        path.parent.name == MODELS_DIR
+        and path.name.endswith(MODEL_SUFFIX)
+        and bool(_SHA_RE.match(path.name[: -len(MODEL_SUFFIX)]))
+    )
 
 
 #: an import stages the archive's own layout in ``root/staging/import-<id>/`` (index/transfer.py)
@@ -60,8 +64,11 @@ IMPORT_STAGING_PREFIX = "import-"
 def _staged_import(path: Path) -> bool:
     """Is `path` a version an import is staging (``root/staging/import-<id>/versions/<v>``)?"""
     work = path.parent.parent
-    return (path.parent.name == "versions" and work.name.startswith(IMPORT_STAGING_PREFIX)
-            and work.parent.name == "staging")
+    return (
+        path.parent.name == "versions"
+        and work.name.startswith(IMPORT_STAGING_PREFIX)
+        and work.parent.name == "staging"
+    )
 
 
 def store_root_of(version_path: str | os.PathLike) -> Path:
@@ -102,8 +109,11 @@ class ModelStore:
         """Every stored model's sha256, sorted."""
         if not self.dir.is_dir():
             return []
-        return sorted(p.name[:-len(MODEL_SUFFIX)] for p in self.dir.iterdir()
-                      if p.name.endswith(MODEL_SUFFIX) and _SHA_RE.match(p.name[:-len(MODEL_SUFFIX)]))
+        return sorted(
+            p.name[: -len(MODEL_SUFFIX)]
+            for p in self.dir.iterdir()
+            if p.name.endswith(MODEL_SUFFIX) and _SHA_RE.match(p.name[: -len(MODEL_SUFFIX)])
+        )
 
     # ------------------------------------------------------------------ writing
     def _install(self, tmp: Path, sha: str) -> Path:
@@ -111,7 +121,7 @@ class ModelStore:
         target = self.path(sha)
         if target.is_file() and _sha_of(target) == sha:
             tmp.unlink(missing_ok=True)
-            os.utime(target)   # fresh mtime: prune's grace period protects a model a build just asked for
+            os.utime(target)  # fresh mtime: prune's grace period protects a model a build just asked for
             return target
         os.replace(tmp, target)
         fsync_dir(self.dir)
@@ -145,8 +155,10 @@ class ModelStore:
                     os.fsync(fh.fileno())
             copied = file_sha256(tmp)
             if copied != sha:
-                raise ValueError(f"checkpoint {checkpoint} changed while it was copied into the store "
-                                 f"(sha256 {copied[:12]} != {sha[:12]})")
+                raise ValueError(
+                    f"checkpoint {checkpoint} changed while it was copied into the store "
+                    f"(sha256 {copied[:12]} != {sha[:12]})"
+                )
             self._install(tmp, sha)
         finally:
             tmp.unlink(missing_ok=True)
@@ -157,7 +169,9 @@ class ModelStore:
         path = Path(path)
         actual = file_sha256(path)
         if actual != check_sha(sha):
-            raise IndexCorruptError(f"{path} hashes to {actual[:12]}..., not the {sha[:12]}... it is named after")
+            raise IndexCorruptError(
+                f"{path} hashes to {actual[:12]}..., not the {sha[:12]}... it is named after"
+            )
         self.dir.mkdir(parents=True, exist_ok=True)
         return self._install(path, sha)
 
@@ -168,19 +182,34 @@ class ModelStore:
             os.utime(target)
             return target
         if source is None:
-            raise FileNotFoundError(f"encoder model {target} disappeared during the build (pruned?); rerun it")
+            raise FileNotFoundError(
+                f"encoder model {target} disappeared during the build (pruned?); rerun it"
+            )
         self.add_file(source, sha)
         return target
 
-    def add_encoder(self, encoder, *, step: int = 0, train_config: dict | None = None, lineage: dict | None = None,
-                    metrics: dict | None = None) -> str:
+    def add_encoder(
+        self,
+        encoder,
+        *,
+        step: int = 0,
+        train_config: dict | None = None,
+        lineage: dict | None = None,
+        metrics: dict | None = None,
+    ) -> str:
         """Save an in-memory encoder as a softsearch checkpoint straight into the store; returns its sha256."""
         from training.checkpoint import save_checkpoint
 
         tmp = self._tmp()
         try:
-            save_checkpoint(tmp, encoder, step=step, train_config=train_config or {}, lineage=lineage or {},
-                            metrics=metrics)
+            save_checkpoint(
+                tmp,
+                encoder,
+                step=step,
+                train_config=train_config or {},
+                lineage=lineage or {},
+                metrics=metrics,
+            )
             sha = file_sha256(tmp)
             self._install(tmp, sha)
         finally:
@@ -198,17 +227,23 @@ class ModelStore:
         """
         sha = record.sha256
         if not sha:
-            raise ValueError(f"index version {version} names no encoder sha256; rebuild it with 'index rebuild'")
+            raise ValueError(
+                f"index version {version} names no encoder sha256; rebuild it with 'index rebuild'"
+            )
         check_sha(sha)
         target = self.path(sha)
         if not migrate:
             if not target.is_file():
-                raise FileNotFoundError(f"index version {version} needs encoder model {sha[:12]}..., which is not in "
-                                        f"{self.dir}; import the archive again")
+                raise FileNotFoundError(
+                    f"index version {version} needs encoder model {sha[:12]}..., which is not in "
+                    f"{self.dir}; import the archive again"
+                )
             actual = _sha_of(target)
             if actual != sha:
-                raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); import the "
-                                        "archive again")
+                raise IndexCorruptError(
+                    f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); import the "
+                    "archive again"
+                )
             return target
         source = record.path
 
@@ -220,15 +255,22 @@ class ModelStore:
             if actual == sha:
                 return target
             if not source_ok():
-                raise IndexCorruptError(f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); restore it "
-                                        f"from the original checkpoint or re-import the version")
+                raise IndexCorruptError(
+                    f"{target} is damaged (sha256 {actual[:12]}... != {sha[:12]}...); restore it "
+                    f"from the original checkpoint or re-import the version"
+                )
             logger.warning("%s is damaged; restoring it from %s", target, source)
         elif not source_ok():
-            where = f"the checkpoint it was built with ({source}) is gone or changed" if source else "no source is recorded"
+            where = (
+                f"the checkpoint it was built with ({source}) is gone or changed"
+                if source
+                else "no source is recorded"
+            )
             raise FileNotFoundError(
                 f"index version {version} needs encoder model {sha[:12]}..., which is not in {self.dir} and {where}; "
                 f"copy that checkpoint file to {target} (any file with sha256 {sha}), or run "
-                f"'softsearch index rebuild --root {self.root} --checkpoint C'")
+                f"'softsearch index rebuild --root {self.root} --checkpoint C'"
+            )
         else:
             logger.info("migrating index store %s: copying encoder %s into %s", self.root, source, self.dir)
         self.add_file(source, sha)
@@ -254,10 +296,12 @@ class ModelStore:
             removed.append(sha)
         for tmp in self.dir.glob(".incoming-*") if self.dir.is_dir() else ():
             if now - tmp.stat().st_mtime > max(grace_s, 60.0):
-                tmp.unlink(missing_ok=True)   # left by a killed writer
+                tmp.unlink(missing_ok=True)  # left by a killed writer
         if removed:
             fsync_dir(self.dir)
-            logger.info("removed %d unused encoder model(s): %s", len(removed), ", ".join(s[:12] for s in removed))
+            logger.info(
+                "removed %d unused encoder model(s): %s", len(removed), ", ".join(s[:12] for s in removed)
+            )
         return removed
 
 
@@ -267,8 +311,12 @@ def load_version_encoder(version, device="cpu"):
     A version an import is staging reads the model the import moved into the store, by its sha256 only
     (never the training path its manifest records: that names a file on the exporting machine)."""
     store = ModelStore(store_root_of(version.path))
-    return store.load_encoder(version.manifest.checkpoint_record, device=device, version=version.version,
-                              migrate=not _staged_import(Path(version.path)))
+    return store.load_encoder(
+        version.manifest.checkpoint_record,
+        device=device,
+        version=version.version,
+        migrate=not _staged_import(Path(version.path)),
+    )
 
 
 ENCODER_SCHEMES = ("open_clip",)
@@ -282,8 +330,15 @@ def parse_encoder_spec(spec: str) -> str:
     return name
 
 
-def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pretrained: str | os.PathLike, *,
-                               image_size: int | None = None, image_mean=None, image_std=None) -> Path:
+def save_pretrained_checkpoint(
+    directory: str | os.PathLike,
+    model_name: str,
+    pretrained: str | os.PathLike,
+    *,
+    image_size: int | None = None,
+    image_mean=None,
+    image_std=None,
+) -> Path:
     """A named open_clip model with local weights, saved as a softsearch checkpoint in `directory`.
 
     Weights load through open_clip's own `pretrained=` path (never downloaded); image size, mean
@@ -295,13 +350,27 @@ def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pr
 
     pretrained = Path(pretrained)
     if not pretrained.is_file():
-        raise FileNotFoundError(f"--pretrained {pretrained} is not a local file (weights are never downloaded)")
-    encoder = create_encoder(EncoderConfig(model_name=model_name, pretrained=str(pretrained.resolve()),
-                                           image_size=image_size, image_mean=image_mean, image_std=image_std))
+        raise FileNotFoundError(
+            f"--pretrained {pretrained} is not a local file (weights are never downloaded)"
+        )
+    encoder = create_encoder(
+        EncoderConfig(
+            model_name=model_name,
+            pretrained=str(pretrained.resolve()),
+            image_size=image_size,
+            image_mean=image_mean,
+            image_std=image_std,
+        )
+    )
     text = _pretrained_text_tower(model_name, pretrained.resolve(), encoder.embed_dim)
-    lineage = {"objective": "none (pretrained open_clip weights, not trained here)",
-               "pretrained": {"model_name": model_name, "file": str(pretrained.resolve()),
-                              "sha256": file_sha256(pretrained)}}
+    lineage = {
+        "objective": "none (pretrained open_clip weights, not trained here)",
+        "pretrained": {
+            "model_name": model_name,
+            "file": str(pretrained.resolve()),
+            "sha256": file_sha256(pretrained),
+        },
+    }
     if encoder.clip_temperature:
         lineage["temperature"] = encoder.clip_temperature
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -309,8 +378,14 @@ def save_pretrained_checkpoint(directory: str | os.PathLike, model_name: str, pr
 
     path = Path(directory) / f"pretrained-{os.getpid()}-{time.time_ns()}{MODEL_SUFFIX}"
     with writing(path, needed=sum(t.numel() * t.element_size() for t in encoder.state_dict().values())):
-        save_checkpoint(path, encoder, step=0, train_config={"pretrained": lineage["pretrained"]}, lineage=lineage,
-                        text_encoder=text)
+        save_checkpoint(
+            path,
+            encoder,
+            step=0,
+            train_config={"pretrained": lineage["pretrained"]},
+            lineage=lineage,
+            text_encoder=text,
+        )
     return path
 
 
@@ -320,17 +395,21 @@ def _pretrained_text_tower(model_name: str, pretrained: Path, embed_dim: int):
 
     from training.text import TextConfig, TextEncoder
 
-    model = open_clip.create_model(model_name, pretrained=str(pretrained), pretrained_image=False,
-                                   pretrained_text=False)
+    model = open_clip.create_model(
+        model_name, pretrained=str(pretrained), pretrained_image=False, pretrained_text=False
+    )
     try:
         text = TextEncoder(TextConfig(model_name=model_name), embed_dim, clip_model=model)
-    except (AttributeError, TypeError) as err:   # e.g. a model without a text transformer
+    except (AttributeError, TypeError) as err:  # e.g. a model without a text transformer
         logger.warning("open_clip model %s: no text tower kept (%s)", model_name, err)
         return None
     probe = text.encode(["a photo"])
     if probe.shape[1] != embed_dim:
-        logger.warning("open_clip model %s: its text tower embeds to %d dims, the image tower to %d; not kept",
-                       model_name, probe.shape[1], embed_dim)
+        logger.warning(
+            "open_clip model %s: its text tower embeds to %d dims, the image tower to %d; not kept",
+            model_name,
+            probe.shape[1],
+            embed_dim,
+        )
         return None
     return text
-

@@ -5,6 +5,7 @@ arguments and how it is made as options: `EmbedOptions` where images are embedde
 (tuning target, quality gate, activation, pruning) everywhere. `index.build.BuildOptions` is both plus
 what to build (kind, parameters).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,11 @@ def _check_int(name: str, value, low: int) -> None:
 class EmbedOptions:
     """How images are embedded (build, rebuild, add, sync)."""
 
-    batch_size: int = 256                       # embedding batch
-    num_workers: int = 0                        # DataLoader workers
-    shard_size: int = 8192                      # items per resumable embedding shard
-    device: Any = None                          # torch device (None: default_device)
-    progress: bool = True                       # progress bars
+    batch_size: int = 256  # embedding batch
+    num_workers: int = 0  # DataLoader workers
+    shard_size: int = 8192  # items per resumable embedding shard
+    device: Any = None  # torch device (None: default_device)
+    progress: bool = True  # progress bars
 
     def check(self) -> None:
         """User-facing checks, each naming the bad value (ValueError)."""
@@ -46,13 +47,13 @@ class EmbedOptions:
 class CommitOptions:
     """How a staged version is tuned, gated, committed and activated (`index.commit.commit`)."""
 
-    target_recall: float = 0.95                 # recall@10 the FAISS parameters are tuned to reach
-    evaluator: Evaluator | None = None          # the quality gate's scorer (index/gate.py)
-    calibrator: Calibrator | None = None        # the search temperature's calibration (None: keep it)
-    margin: float = DEFAULT_MARGIN              # quality gate: candidate >= serving - margin
-    force: bool = False                         # activate even when the activation rule refuses
+    target_recall: float = 0.95  # recall@10 the FAISS parameters are tuned to reach
+    evaluator: Evaluator | None = None  # the quality gate's scorer (index/gate.py)
+    calibrator: Calibrator | None = None  # the search temperature's calibration (None: keep it)
+    margin: float = DEFAULT_MARGIN  # quality gate: candidate >= serving - margin
+    force: bool = False  # activate even when the activation rule refuses
     activate: bool = True
-    keep: int | None = None                     # prune to this many versions after activating
+    keep: int | None = None  # prune to this many versions after activating
 
     def check(self) -> None:
         """User-facing checks, each naming the bad value (ValueError)."""

@@ -9,6 +9,7 @@ kernel this process no longer needs those pages (madvise MADV_DONTNEED). For a f
 only unmaps the pages from the process: they stay in the page cache (dirty ones are still written
 back), and the next access re-reads them from there.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,17 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["drop_pages", "drop_index_pages", "PagedRows", "iter_row_blocks", "read_rows", "read_span", "advise_random", "releasable",
-           "release_pages"]
+__all__ = [
+    "drop_pages",
+    "drop_index_pages",
+    "PagedRows",
+    "iter_row_blocks",
+    "read_rows",
+    "read_span",
+    "advise_random",
+    "releasable",
+    "release_pages",
+]
 
 BLOCK_ROWS = 1 << 16
 
@@ -43,7 +53,7 @@ def drop_index_pages(index) -> None:
     od = faiss.downcast_InvertedLists(invlists)
     if not isinstance(od, faiss.OnDiskInvertedLists) or od.ptr is None or od.totsize == 0:
         return
-    view = faiss.rev_swig_ptr(od.ptr, int(od.totsize))   # (totsize,) uint8 over FAISS's mapping, no copy
+    view = faiss.rev_swig_ptr(od.ptr, int(od.totsize))  # (totsize,) uint8 over FAISS's mapping, no copy
     _madvise(view.__array_interface__["data"][0], int(od.totsize), getattr(mmap, "MADV_DONTNEED", 4))
 
 
@@ -75,16 +85,22 @@ def advise_random(embeddings: np.ndarray) -> bool:
     import mmap
 
     start = embeddings.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
-    return _madvise(start, embeddings.ctypes.data + embeddings.nbytes - start, getattr(mmap, "MADV_RANDOM", 1))
+    return _madvise(
+        start, embeddings.ctypes.data + embeddings.nbytes - start, getattr(mmap, "MADV_RANDOM", 1)
+    )
 
 
 def releasable(embeddings: np.ndarray) -> bool:
     """True for a read-only, file-backed, C-contiguous memory map (np.load(..., mmap_mode="r")):
     the only kind `release_pages` touches (an in-RAM array, or a writable or copy-on-write map, is
     left alone)."""
-    return (isinstance(embeddings, np.memmap) and getattr(embeddings, "mode", None) == "r"
-            and getattr(embeddings, "filename", None) is not None and embeddings.size > 0
-            and embeddings.flags.c_contiguous)
+    return (
+        isinstance(embeddings, np.memmap)
+        and getattr(embeddings, "mode", None) == "r"
+        and getattr(embeddings, "filename", None) is not None
+        and embeddings.size > 0
+        and embeddings.flags.c_contiguous
+    )
 
 
 def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = None) -> bool:
@@ -100,7 +116,6 @@ def release_pages(embeddings: np.ndarray, start: int = 0, stop: int | None = Non
     The range is rounded out to whole pages, all inside the mapping (it covers the file's last page)."""
     if not releasable(embeddings):
         return False
-    import mmap
 
     n = embeddings.shape[0]
     stop = n if stop is None else min(int(stop), n)
@@ -129,9 +144,9 @@ def _file_rows(array) -> tuple[str, int, int] | None:
     offset = getattr(array, "offset", None)
     if not isinstance(mm, mmap.mmap) or offset is None or mm.closed:
         return None
-    start = np.frombuffer(mm, np.uint8, count=1).ctypes.data   # the mapping's first byte
+    start = np.frombuffer(mm, np.uint8, count=1).ctypes.data  # the mapping's first byte
     if array.ctypes.data != start + offset % mmap.ALLOCATIONGRANULARITY:
-        return None   # a view into the map: its file position is not `offset`
+        return None  # a view into the map: its file position is not `offset`
     return str(array.filename), int(offset), int(array.strides[0])
 
 
@@ -158,7 +173,9 @@ def read_rows(array: np.ndarray, rows) -> np.ndarray:
     try:
         for s, e in zip(starts.tolist(), ends.tolist()):
             want = (e - s) * row_bytes
-            got = os.preadv(fd, [memoryview(flat[s * row_bytes:e * row_bytes])], offset + int(uniq[s]) * row_bytes)
+            got = os.preadv(
+                fd, [memoryview(flat[s * row_bytes : e * row_bytes])], offset + int(uniq[s]) * row_bytes
+            )
             if got != want:
                 raise OSError(f"{name}: short read ({got} of {want} bytes)")
     finally:

@@ -11,6 +11,7 @@ Rows are split contiguously: global row = shard offset + local row, so a sharded
 was resharded from number their items alike. Serving merges the shards exactly (search/serving/sharded.py):
 log Z = logsumexp of the shards' log Z_s, top-k = the merge of each shard's top-k.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,16 +24,36 @@ import faiss
 import numpy as np
 
 from index import faiss_index, kinds
-from index.manifest import MANIFEST_NAME, IndexCorruptError, Manifest, create_manifest, describe_files, fsync_dir, \
-    read_manifest, verify_files, write_manifest
+from index.manifest import (
+    MANIFEST_NAME,
+    IndexCorruptError,
+    Manifest,
+    create_manifest,
+    describe_files,
+    fsync_dir,
+    read_manifest,
+    verify_files,
+    write_manifest,
+)
 from index.metadata import item_files, read_metadata
 from index.options import CommitOptions
 
 logger = logging.getLogger(__name__)
 
 #: Fields a sharded version carries over from the version it was made from (the encoder, data and temperature).
-CARRIED = ("checkpoint", "encoder", "dataset", "sources", "source", "lineage", "search_temperature",
-           "search_temperature_source", "calibration", "skipped_count", "trained_on")
+CARRIED = (
+    "checkpoint",
+    "encoder",
+    "dataset",
+    "sources",
+    "source",
+    "lineage",
+    "search_temperature",
+    "search_temperature_source",
+    "calibration",
+    "skipped_count",
+    "trained_on",
+)
 
 
 def shard_name(i: int) -> str:
@@ -89,7 +110,7 @@ class ShardedRows:
         rows = rows % max(self.shape[0], 1)
         owner = np.searchsorted(self.offsets, rows, side="right") - 1
         out = np.empty((rows.size, self.shape[1]), dtype=np.float32)
-        for s in np.unique(owner).tolist():   # one gather per shard
+        for s in np.unique(owner).tolist():  # one gather per shard
             where = np.flatnonzero(owner == s)
             out[where] = np.take(self.parts[s], rows[where] - int(self.offsets[s]), axis=0)
         return out
@@ -125,7 +146,7 @@ class ShardedVersion:
         return int(self.manifest.dim)
 
     def list_stats(self):
-        return None   # each shard has its own (search/serving/sharded.py reads them per shard)
+        return None  # each shard has its own (search/serving/sharded.py reads them per shard)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """(scores (Q, k'), global rows (Q, k')) of every shard's FAISS index at its tuned parameters, merged by
@@ -137,7 +158,9 @@ class ShardedVersion:
             scores.append(np.where(r >= 0, s, -np.inf))
             rows.append(np.where(r >= 0, r + off, -1))
         scores, rows = np.concatenate(scores, axis=1), np.concatenate(rows, axis=1)
-        order = np.lexsort((np.where(rows >= 0, rows, np.iinfo(np.int64).max), -scores), axis=1)[:, :min(k, len(self))]
+        order = np.lexsort((np.where(rows >= 0, rows, np.iinfo(np.int64).max), -scores), axis=1)[
+            :, : min(k, len(self))
+        ]
         scores, rows = np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
         return np.where(rows >= 0, scores, -np.inf).astype(np.float32), rows
 
@@ -148,8 +171,13 @@ class ShardedVersion:
         return IndexVersion.item_ids(self, rows)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, manifest: Manifest | None = None, verify: bool = True,
-             gpu: bool | None = None) -> "ShardedVersion":
+    def load(
+        cls,
+        path: str | os.PathLike,
+        manifest: Manifest | None = None,
+        verify: bool = True,
+        gpu: bool | None = None,
+    ) -> "ShardedVersion":
         """Load every shard of the sharded version at `path`; `verify` checks every file listed in the
         top-level manifest (all shards' files) first. IndexCorruptError when a shard disagrees with it."""
         from index.store import IndexVersion
@@ -162,14 +190,20 @@ class ShardedVersion:
         for entry in manifest.shards:
             shard = IndexVersion.load(path / entry["name"], verify=False, gpu=gpu)
             if len(shard.ids) != entry["count"] or total != entry["offset"]:
-                raise IndexCorruptError(f"{path / entry['name']}: {len(shard.ids)} rows at offset {total}, the "
-                                        f"manifest says {entry['count']} at {entry['offset']}")
+                raise IndexCorruptError(
+                    f"{path / entry['name']}: {len(shard.ids)} rows at offset {total}, the "
+                    f"manifest says {entry['count']} at {entry['offset']}"
+                )
             if shard.manifest.dim != manifest.dim:
-                raise IndexCorruptError(f"{path / entry['name']} has dim {shard.manifest.dim}, expected {manifest.dim}")
+                raise IndexCorruptError(
+                    f"{path / entry['name']} has dim {shard.manifest.dim}, expected {manifest.dim}"
+                )
             total += len(shard.ids)
             shards.append(shard)
         if total != manifest.count:
-            raise IndexCorruptError(f"{path}: the shards hold {total} rows, the manifest says {manifest.count}")
+            raise IndexCorruptError(
+                f"{path}: the shards hold {total} rows, the manifest says {manifest.count}"
+            )
         return cls(path, manifest, shards)
 
 
@@ -220,17 +254,31 @@ def merged_recall(parent, shard_versions: list, offsets: list[int], target: floa
         sims.append(np.where(r >= 0, s, -np.inf))
         found.append(np.where(r >= 0, r + off, -1))
     sims, found = np.concatenate(sims, axis=1), np.concatenate(found, axis=1)
-    order = np.argsort(-sims, axis=1, kind="stable")[:, :k + 1]
+    order = np.argsort(-sims, axis=1, kind="stable")[:, : k + 1]
     merged = np.take_along_axis(found, order, axis=1)
     merged = faiss_index.drop_rows(merged, rows, k)
     exact = faiss_index.drop_rows(exact, rows, k)
     recall = faiss_index.recall_at_k(merged, exact, k)
-    return {"k": k, "recall": float(recall), "exact": False, "target": target, "sample": int(len(rows)),
-            "queries": "stored rows, own row excluded; the shards' top-k merged"}
+    return {
+        "k": k,
+        "recall": float(recall),
+        "exact": False,
+        "target": target,
+        "sample": int(len(rows)),
+        "queries": "stored rows, own row excluded; the shards' top-k merged",
+    }
 
 
-def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, version: str | None = None,
-                  kind: str | None = None, params: dict | None = None) -> tuple[str, Path]:
+def write_sharded(
+    store,
+    parent,
+    shards: int,
+    *,
+    target_recall: float = 0.95,
+    version: str | None = None,
+    kind: str | None = None,
+    params: dict | None = None,
+) -> tuple[str, Path]:
     """Split the loaded version `parent` (an IndexVersion) into `shards` contiguous shards and write one sharded
     version into staging: each shard built and tuned by `index.build.write_version` with the parent's kind (or
     `kind`), its metadata restricted to its items. Returns (version, staging dir); nothing is in versions/ yet."""
@@ -243,8 +291,11 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
     n, dim = int(pm.count), int(pm.dim)
     ranges = split_rows(n, shards)
     kind = kind or pm.kind
-    base = dict(params if params is not None else {k: v for k, v in pm.params.items()
-                                                  if k not in ("nprobe", "efSearch", "rerank")})
+    base = dict(
+        params
+        if params is not None
+        else {k: v for k, v in pm.params.items() if k not in ("nprobe", "efSearch", "rerank")}
+    )
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}:shards{shards}")
     staging = store.staging_path(version)
     metadata = version_metadata(parent.path)
@@ -256,41 +307,82 @@ def write_sharded(store, parent, shards: int, *, target_recall: float = 0.95, ve
             name = shard_name(s)
             ids = [str(parent.ids[i]) for i in range(a, b)]
             extra = item_files(records, metadata, ids)
-            fields = {**pm.carried(*CARRIED), "parent": pm.version, "shard": {"name": name, "of": version,
-                                                                               "offset": a, "shards": shards}}
+            fields = {
+                **pm.carried(*CARRIED),
+                "parent": pm.version,
+                "shard": {"name": name, "of": version, "offset": a, "shards": shards},
+            }
             t0 = time.perf_counter()
-            _, shard_staging = write_version(store, np.asarray(parent.embeddings[a:b], dtype=np.float32), ids,
-                                             kind=kind, params=dict(base), target_recall=target_recall,
-                                             fields=fields, version=f"{version}.{name}", extra_files=extra)
+            _, shard_staging = write_version(
+                store,
+                np.asarray(parent.embeddings[a:b], dtype=np.float32),
+                ids,
+                kind=kind,
+                params=dict(base),
+                target_recall=target_recall,
+                fields=fields,
+                version=f"{version}.{name}",
+                extra_files=extra,
+            )
             os.rename(shard_staging, staging / name)
             timings[f"{name}_s"] = time.perf_counter() - t0
             shard_manifest = read_manifest(staging / name)
             listed = {**shard_manifest.files, **describe_files(staging / name, [MANIFEST_NAME])}
             files.update({f"{name}/{fname}": info for fname, info in listed.items()})
-            entries.append({"name": name, "count": b - a, "offset": a, "kind": shard_manifest.kind,
-                            "params": shard_manifest.params, "recall": shard_manifest.recall.recall if shard_manifest.recall else None})
+            entries.append(
+                {
+                    "name": name,
+                    "count": b - a,
+                    "offset": a,
+                    "kind": shard_manifest.kind,
+                    "params": shard_manifest.params,
+                    "recall": shard_manifest.recall.recall if shard_manifest.recall else None,
+                }
+            )
         from index.store import IndexVersion
 
         shard_versions = [IndexVersion.load(staging / e["name"], verify=False, gpu=False) for e in entries]
         recall = merged_recall(parent, shard_versions, [e["offset"] for e in entries], target_recall)
         shard_versions = []
         timings["total_s"] = time.perf_counter() - t_start
-        manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=base,
-                                   faiss_version=faiss.__version__, files=files, timings=timings,
-                                   **pm.carried(*CARRIED), parent=pm.version, recall=recall, shards=entries)
+        manifest = create_manifest(
+            version=version,
+            count=n,
+            dim=dim,
+            kind=kind,
+            params=base,
+            faiss_version=faiss.__version__,
+            files=files,
+            timings=timings,
+            **pm.carried(*CARRIED),
+            parent=pm.version,
+            recall=recall,
+            shards=entries,
+        )
         write_manifest(staging, manifest)
         fsync_dir(staging)
     except BaseException:
         shard_versions = []
         discard_staging(staging)
         raise
-    logger.info("wrote sharded version %s: %d items in %d shards (%.1f s)", version, n, shards,
-                time.perf_counter() - t_start)
+    logger.info(
+        "wrote sharded version %s: %d items in %d shards (%.1f s)",
+        version,
+        n,
+        shards,
+        time.perf_counter() - t_start,
+    )
     return version, staging
 
 
-def reshard(root, shards: int, *, source: str | None = None, commit: CommitOptions | None = None,
-            path: str = "index reshard") -> str:
+def reshard(
+    root,
+    shards: int,
+    *,
+    source: str | None = None,
+    commit: CommitOptions | None = None,
+    path: str = "index reshard",
+) -> str:
     """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
     activated like any version. The quality gate scores the source's rows and temperature, which the sharded
     version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
@@ -341,8 +433,16 @@ def unshard(store, version: str, *, target_recall: float = 0.95) -> str:
     params = {k: v for k, v in (m.params or {}).items() if k not in ("nprobe", "efSearch", "rerank")}
     fields = {**m.carried(*CARRIED, "skipped", "world_size", "text"), "parent": m.version}
     extra = item_files(version_records(sharded.path), version_metadata(sharded.path), ids)
-    whole, staging = write_version(store, np.asarray(sharded.embeddings, dtype=np.float32), ids, kind=kind,
-                                   params=params, target_recall=target_recall, fields=fields, extra_files=extra)
+    whole, staging = write_version(
+        store,
+        np.asarray(sharded.embeddings, dtype=np.float32),
+        ids,
+        kind=kind,
+        params=params,
+        target_recall=target_recall,
+        fields=fields,
+        extra_files=extra,
+    )
     try:
         store.commit(staging, whole)
     except BaseException:
@@ -353,12 +453,13 @@ def unshard(store, version: str, *, target_recall: float = 0.95) -> str:
 
 def remove_unserved(store, version: str) -> None:
     """Delete a version that was never activated (the unsharded intermediate of `index build --shards`)."""
-    if version in (store.current_version(), *store.history().get("stack", [])) \
-            or not (store.versions_dir / version).is_dir():   # serving, or already pruned
+    if (
+        version in (store.current_version(), *store.history().get("stack", []))
+        or not (store.versions_dir / version).is_dir()
+    ):  # serving, or already pruned
         return
     with store.lock():
         trash = store.root / f".trash-{version}"
         os.rename(store.versions_dir / version, trash)
         shutil.rmtree(trash, ignore_errors=True)
         fsync_dir(store.versions_dir)
-

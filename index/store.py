@@ -23,6 +23,7 @@ Version names sort by creation time: `YYYYmmddTHHMMSSmmmZ-<8 hex>`. A version ap
 versions/ only by one `os.rename` of a fully written staging directory, so a build killed at
 any point leaves `current` and every listed version intact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,11 +43,21 @@ import faiss
 import numpy as np
 
 from index import faiss_index
+from index.disk import DiskFull, free_bytes, on_disk, writing
 from index.gate import ActivationRefused, Decision, Gate, activation_checks
 from index.list_stats import ListStats
-from index.manifest import (FROZEN_FIELDS, MANIFEST_NAME, IndexCorruptError, Manifest, atomic_write_text, fsync_dir,
-                            read_manifest, update_manifest, updated_bytes, verify_files)
-from index.disk import DiskFull, free_bytes, on_disk, writing
+from index.manifest import (
+    FROZEN_FIELDS,
+    MANIFEST_NAME,
+    IndexCorruptError,
+    Manifest,
+    atomic_write_text,
+    fsync_dir,
+    read_manifest,
+    update_manifest,
+    updated_bytes,
+    verify_files,
+)
 from index.models import DEFAULT_GRACE_S, MODELS_DIR, ModelStore
 
 logger = logging.getLogger(__name__)
@@ -61,6 +72,8 @@ LIST_STATS_FILE = "normaliser_stats.npz"
 #: index file names it, FAISS maps it read-only from beside the index (faiss_index.read_index).
 IVFDATA_FILE = faiss_index.LISTS_FILE
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
 class VersionExists(ValueError):
     """`IndexStore.commit` of a name that versions/ already holds (e.g. a concurrent import won)."""
 
@@ -86,14 +99,18 @@ class IndexVersion:
     `embeddings` is a read-only np.memmap of embeddings.npy: callers stream it in row blocks
     (or gather rows) and never need it resident."""
 
-    def __init__(self, path: Path, manifest: Manifest, index: faiss.Index, ids: list[str], embeddings: np.ndarray):
+    def __init__(
+        self, path: Path, manifest: Manifest, index: faiss.Index, ids: list[str], embeddings: np.ndarray
+    ):
         self.path = Path(path)
         self.manifest = manifest
         self.version: str = manifest.version
         self.kind: str = manifest.kind
         self.index = index
         self.ids = ids
-        self.embeddings = embeddings    # (N, D) float32 unit rows (read-only memmap); row i is ids[i] and FAISS row i
+        self.embeddings = (
+            embeddings  # (N, D) float32 unit rows (read-only memmap); row i is ids[i] and FAISS row i
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike, verify: bool = True, gpu: bool | None = None) -> "IndexVersion":
@@ -106,14 +123,14 @@ class IndexVersion:
         if not path.is_dir():
             raise FileNotFoundError(f"index version directory not found: {path}")
         manifest = read_manifest(path)
-        if manifest.shards:   # a sharded version: each shard a version directory of its own (index/shards.py)
+        if manifest.shards:  # a sharded version: each shard a version directory of its own (index/shards.py)
             from index.shards import ShardedVersion
 
             return ShardedVersion.load(path, manifest, verify=verify, gpu=gpu)
         if verify:
             verify_files(path, manifest)
         try:
-            index = faiss_index.read_index(path / INDEX_FILE)   # on-disk lists (IVFDATA_FILE) stay mapped
+            index = faiss_index.read_index(path / INDEX_FILE)  # on-disk lists (IVFDATA_FILE) stay mapped
             # memory-mapped, read-only: the serving process holds no second N x D copy; pages come
             # from the OS page cache (shared by every worker process on the machine) as they are read
             embeddings = np.load(path / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
@@ -125,9 +142,13 @@ class IndexVersion:
         if index.ntotal != n or index.d != d:
             problems.append(f"index has {index.ntotal} x {index.d}, manifest {n} x {d}")
         if embeddings.shape != (n, d) or embeddings.dtype != np.float32:
-            problems.append(f"embeddings are {embeddings.shape} {embeddings.dtype}, expected ({n}, {d}) float32")
+            problems.append(
+                f"embeddings are {embeddings.shape} {embeddings.dtype}, expected ({n}, {d}) float32"
+            )
         if not isinstance(ids, list) or len(ids) != n:
-            problems.append(f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, expected {n}")
+            problems.append(
+                f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, expected {n}"
+            )
         if faiss_index.kind_of(index) != manifest.kind:
             problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest.kind}")
         if problems:
@@ -139,7 +160,9 @@ class IndexVersion:
                 faiss_index.set_search_params(gpu_index, manifest.kind, manifest.params)
                 index = gpu_index
             except RuntimeError as err:  # unsupported on GPU: serve from the CPU copy
-                logger.warning("%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest.kind, err)
+                logger.warning(
+                    "%s: cannot move the %s index to GPU (%s); searching on CPU", path, manifest.kind, err
+                )
         return cls(path, manifest, index, ids, embeddings)
 
     def __len__(self) -> int:
@@ -188,14 +211,15 @@ class IndexVersion:
         return out
 
 
-
 def require_store(root) -> Path:
     """The root of an existing store, or FileNotFoundError with one line saying what is wrong (a typo or a
     file) and how to create one; commands that read a store never create a mistyped root."""
     root = Path(root)
     if not root.is_dir():
         what = "does not exist" if not root.exists() else "is not a directory"
-        raise FileNotFoundError(f"index root {root} {what}; create one with `softsearch index build --root {root} ...`")
+        raise FileNotFoundError(
+            f"index root {root} {what}; create one with `softsearch index build --root {root} ...`"
+        )
     return root
 
 
@@ -250,7 +274,9 @@ class IndexStore:
         """All committed versions, oldest first."""
         if not self.versions_dir.is_dir():
             return []
-        return sorted(p.name for p in self.versions_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(
+            p.name for p in self.versions_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
 
     def current_version(self) -> str | None:
         """The serving version's name, or None before the first activation."""
@@ -288,8 +314,16 @@ class IndexStore:
     def _write_current(self, version: str) -> None:
         atomic_write_text(self.current_file, version + "\n")
 
-    def _record(self, history: dict, action: str, version: str, *, path: str | None = None,
-                previous: str | None = None, decision: dict | None = None) -> dict:
+    def _record(
+        self,
+        history: dict,
+        action: str,
+        version: str,
+        *,
+        path: str | None = None,
+        previous: str | None = None,
+        decision: dict | None = None,
+    ) -> dict:
         """Append one entry to the action log (activations: the path that asked, whether forced and
         which checks the force overrode) and write history.json atomically."""
         entry = self._log_entry(history, action, version, path=path, previous=previous, decision=decision)
@@ -297,11 +331,21 @@ class IndexStore:
         return entry
 
     @staticmethod
-    def _log_entry(history: dict, action: str, version: str, *, path: str | None = None,
-                   previous: str | None = None, decision: Decision | None = None) -> dict:
+    def _log_entry(
+        history: dict,
+        action: str,
+        version: str,
+        *,
+        path: str | None = None,
+        previous: str | None = None,
+        decision: Decision | None = None,
+    ) -> dict:
         """Append one entry to `history`'s action log (in memory) -> the entry."""
-        entry = {"time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "action": action,
-                 "version": version}
+        entry = {
+            "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "action": action,
+            "version": version,
+        }
         if path is not None:
             entry.update(path=path, previous=previous, forced=bool(decision and decision.forced))
             if entry["forced"]:
@@ -319,22 +363,30 @@ class IndexStore:
         return on_disk(len(version) + 1) + on_disk(history + 1024)
 
     def _serving_as_before(self, current: str | None) -> str:
-        return (f"`current` still points at {current}, which keeps serving" if current
-                else "no version is current, as before")
+        return (
+            f"`current` still points at {current}, which keeps serving"
+            if current
+            else "no version is current, as before"
+        )
 
-    def _switch(self, action: str, version: str, current: str | None, history: dict, *, path: str,
-                decision: dict) -> dict:
+    def _switch(
+        self, action: str, version: str, current: str | None, history: dict, *, path: str, decision: dict
+    ) -> dict:
         """Point `current` at `version` and log it in history.json, both or neither (under the lock): the
         free space is checked for both first, and the pointer is put back when the history write fails."""
         entry = self._log_entry(history, action, version, path=path, previous=current, decision=decision)
         text = json.dumps(history, indent=2) + "\n"
         needed = on_disk(len(version) + 1) + on_disk(len(text.encode("utf-8")))
         if action == "rollback":
-            outcome = (f"the rollback to {version} was not made: {self._serving_as_before(current)}; free some "
-                       f"space and rerun 'softsearch index rollback --root {self.root}'")
+            outcome = (
+                f"the rollback to {version} was not made: {self._serving_as_before(current)}; free some "
+                f"space and rerun 'softsearch index rollback --root {self.root}'"
+            )
         else:
-            outcome = (f"index version {version} was not activated: {self._serving_as_before(current)}; free "
-                       f"some space and run 'softsearch index activate {version} --root {self.root}'")
+            outcome = (
+                f"index version {version} was not activated: {self._serving_as_before(current)}; free "
+                f"some space and run 'softsearch index activate {version} --root {self.root}'"
+            )
         with writing(self.current_file, needed, outcome):
             free = free_bytes(self.root)
             if free is not None and free < needed:
@@ -350,9 +402,11 @@ class IndexStore:
                         self.current_file.unlink(missing_ok=True)
                 except OSError:
                     if isinstance(err, DiskFull):
-                        err.outcome = (f"`current` now points at {version} but history.json does not record it "
-                                       f"(the disk filled between the two writes); free some space and run "
-                                       f"'softsearch index activate {version} --root {self.root}'")
+                        err.outcome = (
+                            f"`current` now points at {version} but history.json does not record it "
+                            f"(the disk filled between the two writes); free some space and run "
+                            f"'softsearch index activate {version} --root {self.root}'"
+                        )
                     raise err from None
                 raise
         return entry
@@ -404,8 +458,15 @@ class IndexStore:
                 return entry
         return None
 
-    def activate(self, version: str, *, force: bool = False, path: str = "library", gate: Gate | None = None,
-                 verify: bool = True) -> dict:
+    def activate(
+        self,
+        version: str,
+        *,
+        force: bool = False,
+        path: str = "library",
+        gate: Gate | None = None,
+        verify: bool = True,
+    ) -> dict:
         """Make `version` current through the activation rule -> the history entry written.
 
         A version without a gate result is first gated with `gate` (recorded in its manifest).
@@ -420,15 +481,16 @@ class IndexStore:
             current = self.current_version()
             stack = history["stack"]
             if current and (not stack or stack[-1] != current):
-                stack.append(current)   # pointer written by someone without a history entry
+                stack.append(current)  # pointer written by someone without a history entry
             if not stack or stack[-1] != version:
                 stack.append(version)
             entry = self._switch("activate", version, current, history, path=path, decision=decision)
         self._log_activation(entry)
         return entry
 
-    def rollback(self, *, force: bool = False, path: str = "library", gate: Gate | None = None,
-                 verify: bool = True) -> str:
+    def rollback(
+        self, *, force: bool = False, path: str = "library", gate: Gate | None = None, verify: bool = True
+    ) -> str:
         """Re-activate the version active before the current one, through the activation rule;
         returns its name. Versions deleted since (retention) are skipped; ValueError when none is left."""
         target = self._rollback_target(self.history())[1]
@@ -453,7 +515,7 @@ class IndexStore:
             stack.append(current)
         existing = set(self.versions())
         if stack:
-            stack.pop()   # the current version
+            stack.pop()  # the current version
         while stack and stack[-1] not in existing:
             logger.info("rollback: skipping deleted version %s", stack[-1])
             stack.pop()
@@ -469,29 +531,51 @@ class IndexStore:
             return
         record = gate(version)
         current = self.current_version()
-        needed = updated_bytes(path, quality_gate=record) + self.switch_bytes(version)   # then its activation
-        with self.lock(), writing(path / MANIFEST_NAME, needed,
-                                  f"the quality gate result of {version} was not recorded and it was not "
-                                  f"activated: {self._serving_as_before(current)}; free some space and rerun"):
+        needed = updated_bytes(path, quality_gate=record) + self.switch_bytes(version)  # then its activation
+        with (
+            self.lock(),
+            writing(
+                path / MANIFEST_NAME,
+                needed,
+                f"the quality gate result of {version} was not recorded and it was not "
+                f"activated: {self._serving_as_before(current)}; free some space and rerun",
+            ),
+        ):
             update_manifest(path, quality_gate=record)
-        logger.info("gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED")
+        logger.info(
+            "gated %s at its first activation: %s", version, "passed" if record.get("passed") else "FAILED"
+        )
 
     @staticmethod
     def _log_activation(entry: dict) -> None:
         if entry.get("forced"):
-            logger.warning("activated %s by force (%s): %s", entry["version"], entry["path"],
-                           "; ".join(entry.get("overridden") or []))
+            logger.warning(
+                "activated %s by force (%s): %s",
+                entry["version"],
+                entry["path"],
+                "; ".join(entry.get("overridden") or []),
+            )
         else:
-            logger.info("%s %s (was %s) via %s", "rolled back to" if entry["action"] == "rollback" else "activated",
-                        entry["version"], entry.get("previous"), entry["path"])
+            logger.info(
+                "%s %s (was %s) via %s",
+                "rolled back to" if entry["action"] == "rollback" else "activated",
+                entry["version"],
+                entry.get("previous"),
+                entry["path"],
+            )
 
     def used_models(self) -> set[str]:
         """sha256 of every encoder model a committed or staged version names."""
         used = set()
         dirs = [self.versions_dir / v for v in self.versions()]
-        if self.staging_dir.is_dir():   # builds in staging/<version>/, imports in staging/import-*/versions/<version>/
-            dirs += [p for p in [*self.staging_dir.iterdir(), *self.staging_dir.glob("import-*/versions/*")]
-                     if (p / "manifest.json").is_file()]
+        if (
+            self.staging_dir.is_dir()
+        ):  # builds in staging/<version>/, imports in staging/import-*/versions/<version>/
+            dirs += [
+                p
+                for p in [*self.staging_dir.iterdir(), *self.staging_dir.glob("import-*/versions/*")]
+                if (p / "manifest.json").is_file()
+            ]
         for d in dirs:
             try:
                 sha = read_manifest(d).checkpoint_record.sha256
@@ -520,7 +604,7 @@ class IndexStore:
                 trash = self.root / f".trash-{name}"
                 os.rename(self.versions_dir / name, trash)
                 shutil.rmtree(trash, ignore_errors=True)
-                for suffix in (".json", ".html"):   # its duplicate scan, if one was made
+                for suffix in (".json", ".html"):  # its duplicate scan, if one was made
                     self.duplicates_path(name, suffix).unlink(missing_ok=True)
                 removed.append(name)
             if removed:
@@ -562,7 +646,7 @@ class IndexStore:
                 if p.is_file() and now - p.stat().st_mtime > max_age_s:
                     p.unlink()
                     removed.append(f"{MODELS_DIR}/{p.name}")
-            except FileNotFoundError:   # its writer finished (renamed it) meanwhile
+            except FileNotFoundError:  # its writer finished (renamed it) meanwhile
                 continue
         if not self.staging_dir.is_dir():
             return removed
@@ -571,7 +655,7 @@ class IndexStore:
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p.name)
             elif p.is_file() and p.name.startswith("pretrained-") and now - p.stat().st_mtime > max_age_s:
-                p.unlink(missing_ok=True)   # a pretrained encoder saved by a killed `index build --encoder`
+                p.unlink(missing_ok=True)  # a pretrained encoder saved by a killed `index build --encoder`
                 removed.append(p.name)
         if removed:
             logger.info("removed %d stale staging directories: %s", len(removed), ", ".join(removed))

@@ -26,6 +26,7 @@ after each block (index/paging.py). Peak RAM: the training sample and k-means, o
 float64 scratch), per-list tables (nlist x D) and one scatter group; ids given in a file (--ids) are held
 as a list (~60 B an id), the row-number default never is.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,16 @@ from index.disk import on_disk, writing
 from index.list_stats import round_up, save_streamed
 from index.manifest import create_manifest, describe_files, fsync_dir, write_manifest
 from index.paging import PagedRows, drop_index_pages, iter_row_blocks, read_rows
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, IVFDATA_FILE, LIST_STATS_FILE, IndexStore,
-                         IndexVersion, new_version_name)
+from index.store import (
+    EMBEDDINGS_FILE,
+    IDS_FILE,
+    INDEX_FILE,
+    IVFDATA_FILE,
+    LIST_STATS_FILE,
+    IndexStore,
+    IndexVersion,
+    new_version_name,
+)
 from index.vectors import VectorSource, sample_unit_rows, unit_blocks
 
 logger = logging.getLogger(__name__)
@@ -55,8 +64,8 @@ TRAIN_BYTES = 32 << 20
 CHUNK_ROWS = 1 << 16
 #: Bytes of D x D float64 scatter matrices accumulated per pass of the list statistics.
 SCATTER_BYTES = 64 << 20
-ASSIGN_FILE = "lists.tmp"     # scratch: each row's list number (int32), removed before the commit
-ID_BYTES = 8                  # FAISS idx_t
+ASSIGN_FILE = "lists.tmp"  # scratch: each row's list number (int32), removed before the commit
+ID_BYTES = 8  # FAISS idx_t
 
 
 def streamed_params(kind: str, count: int, dim: int, params: dict | None = None) -> tuple[dict, int]:
@@ -69,7 +78,7 @@ def streamed_params(kind: str, count: int, dim: int, params: dict | None = None)
     else:
         params["nlist"] = max(1, min(faiss_index.default_nlist(count), train // 39))
     params = faiss_index.default_params(kind, dim, count, **params)
-    train = min(count, max(train, kinds.get(kind).codebook_rows(params)))   # PQ codebooks need their own rows
+    train = min(count, max(train, kinds.get(kind).codebook_rows(params)))  # PQ codebooks need their own rows
     return params, train
 
 
@@ -81,7 +90,8 @@ def stream_kinds() -> tuple[str, ...]:
 @dataclass
 class Streamed:
     """What `build_streamed` wrote into a staging directory."""
-    index: faiss.Index       # the index read back from its file (lists mapped read-only)
+
+    index: faiss.Index  # the index read back from its file (lists mapped read-only)
     params: dict
     lists: int
     train_rows: int
@@ -89,8 +99,16 @@ class Streamed:
     timings: dict
 
 
-def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict | None = None, *, seed: int = 0,
-                   chunk_rows: int = CHUNK_ROWS, progress: bool = False) -> Streamed:
+def build_streamed(
+    source: VectorSource,
+    staging: Path,
+    kind: str,
+    params: dict | None = None,
+    *,
+    seed: int = 0,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: bool = False,
+) -> Streamed:
     """Write embeddings.npy, index.faiss + index.ivfdata and normaliser_stats.npz of `source` into `staging`
     (steps 1-5 of the module docstring); returns the index read back from disk."""
     if not kinds.get(kind).streamable:
@@ -100,8 +118,11 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     timings: dict = {}
     t0 = time.perf_counter()
     index, _ = faiss_index.create_index(kind, d, n, **params)
-    rows = np.sort(np.random.default_rng(seed).choice(n, size=train_rows, replace=False)) if train_rows < n \
+    rows = (
+        np.sort(np.random.default_rng(seed).choice(n, size=train_rows, replace=False))
+        if train_rows < n
         else np.arange(n)
+    )
     sample = sample_unit_rows(source, rows)
     faiss_index.allow_small_training(index, kind, len(sample))
     index.train(sample)
@@ -115,11 +136,12 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     counts = np.zeros(nlist, np.int64)
     sums = np.zeros((nlist, d))
     with open(staging / EMBEDDINGS_FILE, "wb") as emb_fh, open(staging / ASSIGN_FILE, "wb") as assign_fh:
-        np.lib.format.write_array_header_1_0(emb_fh, {"descr": np.dtype(np.float32).str, "fortran_order": False,
-                                                      "shape": (n, d)})
+        np.lib.format.write_array_header_1_0(
+            emb_fh, {"descr": np.dtype(np.float32).str, "fortran_order": False, "shape": (n, d)}
+        )
         for start, z in unit_blocks(source, chunk_rows, progress=progress, desc="streamed build: assign"):
             emb_fh.write(memoryview(z).cast("B"))
-            _, a = ivf.quantizer.search(z, 1)                                 # (B, 1) nearest centroid
+            _, a = ivf.quantizer.search(z, 1)  # (B, 1) nearest centroid
             a = a[:, 0]
             assign_fh.write(memoryview(a.astype(np.int32)).cast("B"))
             order, lists, starts = _segments(a)
@@ -132,8 +154,8 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     # pass 2: codes and ids into FAISS's on-disk layout
     t0 = time.perf_counter()
     region = counts * (cs + ID_BYTES)
-    offset = np.r_[0, np.cumsum(region)[:-1]]                                  # list l starts here
-    id_offset = offset + counts * cs                                           # its ids follow its codes
+    offset = np.r_[0, np.cumsum(region)[:-1]]  # list l starts here
+    id_offset = offset + counts * cs  # its ids follow its codes
     total = int(region.sum())
     embeddings = np.load(staging / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
     with open(staging / IVFDATA_FILE, "wb") as fh:
@@ -175,16 +197,24 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     del embeddings
     (staging / ASSIGN_FILE).unlink()
     with open(staging / IVFDATA_FILE, "rb") as fh:
-        save_streamed(staging / LIST_STATS_FILE, np.r_[0, np.cumsum(counts)], _order_blocks(fh, counts, id_offset),
-                      n, means.astype(np.float32), radius, lam, f"IVF lists of the index ({nlist})",
-                      time.perf_counter() - t0)
+        save_streamed(
+            staging / LIST_STATS_FILE,
+            np.r_[0, np.cumsum(counts)],
+            _order_blocks(fh, counts, id_offset),
+            n,
+            means.astype(np.float32),
+            radius,
+            lam,
+            f"IVF lists of the index ({nlist})",
+            time.perf_counter() - t0,
+        )
     stats_s = time.perf_counter() - t0
     timings["list_stats_s"] = stats_s
 
     # the index file: trained quantizer + the lists' table, naming index.ivfdata (resolved beside it on read)
     invlists = faiss.OnDiskInvertedLists(nlist, cs, IVFDATA_FILE)
     invlists.totsize = total
-    sizes = counts.astype(np.uint64)   # named: swig_ptr does not keep its array alive
+    sizes = counts.astype(np.uint64)  # named: swig_ptr does not keep its array alive
     invlists.set_all_lists_sizes(faiss.swig_ptr(sizes))
     ivf.replace_invlists(invlists, True)
     invlists.this.disown()
@@ -193,8 +223,15 @@ def build_streamed(source: VectorSource, staging: Path, kind: str, params: dict 
     del index
     index = faiss_index.read_index(staging / INDEX_FILE)
     faiss_index.set_search_params(index, kind, params)
-    logger.info("streamed %s build of %d x %d: %d lists, trained on %d rows, %s", kind, n, d, nlist, train_rows,
-                ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()))
+    logger.info(
+        "streamed %s build of %d x %d: %d lists, trained on %d rows, %s",
+        kind,
+        n,
+        d,
+        nlist,
+        train_rows,
+        ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()),
+    )
     return Streamed(index, params, nlist, train_rows, stats_s, timings)
 
 
@@ -206,8 +243,9 @@ def _segments(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return order, sorted_a[starts], starts
 
 
-def _moments(embeddings: np.ndarray, assign_path: Path, means: np.ndarray, counts: np.ndarray,
-             chunk_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def _moments(
+    embeddings: np.ndarray, assign_path: Path, means: np.ndarray, counts: np.ndarray, chunk_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Per list: max_j |y_j - mu_l|^2 and the largest eigenvalue of (1/n_l) sum_j (y_j - mu_l)(y_j - mu_l)^T,
     from scatter matrices accumulated over row chunks, one pass per group of lists fitting SCATTER_BYTES."""
     nlist, d = means.shape
@@ -225,7 +263,7 @@ def _moments(embeddings: np.ndarray, assign_path: Path, means: np.ndarray, count
                     continue
                 order, lists, starts = _segments(a[inside])
                 rows = inside[order]
-                c = z[rows].astype(np.float64) - means[a[rows]]                 # (b, D) y - mu_l
+                c = z[rows].astype(np.float64) - means[a[rows]]  # (b, D) y - mu_l
                 r2 = np.einsum("ij,ij->i", c, c)
                 np.maximum.at(radius2, lists, np.maximum.reduceat(r2, starts))
                 ends = np.r_[starts[1:], len(rows)]
@@ -285,8 +323,9 @@ def _write_ids(path: Path, ids, count: int) -> None:
         fh.write("]\n")
 
 
-def tune_streamed(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: float, k: int,
-                  seed: int = 0) -> dict:
+def tune_streamed(
+    index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: float, k: int, seed: int = 0
+) -> dict:
     """The build's tuning (index.build._tune) with every read bounded: exact neighbours over row blocks, the
     search in query batches dropping list pages, re-ranking gathers dropping row pages."""
     n = embeddings.shape[0]
@@ -297,18 +336,48 @@ def tune_streamed(index: faiss.Index, kind: str, embeddings: np.ndarray, target_
     queries = read_rows(embeddings, rows).astype(np.float32)
     exact = faiss_index.exact_neighbours(embeddings, queries, k + 1)
     release = lambda: drop_index_pages(index)  # noqa: E731
-    result = faiss_index.tune(index, queries, exact, target_recall=target_recall, k=k, kind=kind, self_rows=rows,
-                              embeddings=PagedRows(embeddings), release=release)
-    return {"k": k, "recall": result.recall, "exact": False, "target": target_recall,
-            "param": result.param, "value": result.value, "reached": result.reached, "rerank": result.rerank,
-            "latency_ms": result.latency_ms, "sample": int(len(rows)),
-            "queries": "stored rows, own row excluded", "history": result.history}
+    result = faiss_index.tune(
+        index,
+        queries,
+        exact,
+        target_recall=target_recall,
+        k=k,
+        kind=kind,
+        self_rows=rows,
+        embeddings=PagedRows(embeddings),
+        release=release,
+    )
+    return {
+        "k": k,
+        "recall": result.recall,
+        "exact": False,
+        "target": target_recall,
+        "param": result.param,
+        "value": result.value,
+        "reached": result.reached,
+        "rerank": result.rerank,
+        "latency_ms": result.latency_ms,
+        "sample": int(len(rows)),
+        "queries": "stored rows, own row excluded",
+        "history": result.history,
+    }
 
 
-def write_streamed_version(store: IndexStore, source: VectorSource, ids: list[str] | None, *, kind: str,
-                           params: dict | None, target_recall: float, fields: dict, timings: dict,
-                           extra_files: dict[str, bytes] | None = None, tune_k: int = 10,
-                           progress: bool = False, version: str | None = None) -> tuple[str, Path, IndexVersion]:
+def write_streamed_version(
+    store: IndexStore,
+    source: VectorSource,
+    ids: list[str] | None,
+    *,
+    kind: str,
+    params: dict | None,
+    target_recall: float,
+    fields: dict,
+    timings: dict,
+    extra_files: dict[str, bytes] | None = None,
+    tune_k: int = 10,
+    progress: bool = False,
+    version: str | None = None,
+) -> tuple[str, Path, IndexVersion]:
     """A complete version of `source` in staging, built by `build_streamed` and tuned -> (version, staging dir,
     the staged version loaded with its lists mapped and row-number ids unmaterialised, for the gate).
     `ids` None: row numbers; `version` None: a new name. Nothing is visible in versions/ until `IndexStore.commit`."""
@@ -317,8 +386,20 @@ def write_streamed_version(store: IndexStore, source: VectorSource, ids: list[st
     staging = store.staging_path(version)
     # embeddings.npy, index.ivfdata (codes + 8 B ids; at most the rows again for ivf-flat), stats (~4 B a row
     # + lists), ids (~ digits + 4 B a row), extra files and the manifest
-    needed = sum(map(on_disk, (n * dim * 4 + 128, n * (dim * 4 + ID_BYTES), n * 5 + (1 << 20), n * 12,
-                               n * 4, *map(len, (extra_files or {}).values()), 1 << 16)))
+    needed = sum(
+        map(
+            on_disk,
+            (
+                n * dim * 4 + 128,
+                n * (dim * 4 + ID_BYTES),
+                n * 5 + (1 << 20),
+                n * 12,
+                n * 4,
+                *map(len, (extra_files or {}).values()),
+                1 << 16,
+            ),
+        )
+    )
     timings = dict(timings)
     try:
         with writing(staging, needed):
@@ -349,13 +430,29 @@ def write_streamed_version(store: IndexStore, source: VectorSource, ids: list[st
             timings["write_s"] = time.perf_counter() - t0
             extra = dict(fields)
             extra.setdefault("recall", recall)
-            extra["normaliser_stats"] = {"file": LIST_STATS_FILE, "partition": f"IVF lists of the index ({built.lists})",
-                                         "lists": built.lists, "seconds": built.stats_seconds}
-            extra["build"] = {"streamed": True, "lists_file": IVFDATA_FILE, "train_rows": built.train_rows,
-                              "chunk_rows": CHUNK_ROWS}
-            manifest = create_manifest(version=version, count=n, dim=dim, kind=kind, params=params,
-                                       faiss_version=faiss.__version__, files=describe_files(staging, names),
-                                       timings=timings, **extra)
+            extra["normaliser_stats"] = {
+                "file": LIST_STATS_FILE,
+                "partition": f"IVF lists of the index ({built.lists})",
+                "lists": built.lists,
+                "seconds": built.stats_seconds,
+            }
+            extra["build"] = {
+                "streamed": True,
+                "lists_file": IVFDATA_FILE,
+                "train_rows": built.train_rows,
+                "chunk_rows": CHUNK_ROWS,
+            }
+            manifest = create_manifest(
+                version=version,
+                count=n,
+                dim=dim,
+                kind=kind,
+                params=params,
+                faiss_version=faiss.__version__,
+                files=describe_files(staging, names),
+                timings=timings,
+                **extra,
+            )
             write_manifest(staging, manifest)
             fsync_dir(staging)
     except BaseException:
@@ -363,5 +460,7 @@ def write_streamed_version(store: IndexStore, source: VectorSource, ids: list[st
 
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    candidate = IndexVersion(staging, manifest, built.index, RowIds(n) if ids is None else list(ids), embeddings)
+    candidate = IndexVersion(
+        staging, manifest, built.index, RowIds(n) if ids is None else list(ids), embeddings
+    )
     return version, staging, candidate

@@ -20,6 +20,7 @@ size) and its sha256 computed, with the free space checked before each member. T
 then checked against its own manifest and the model against its name, and becomes current only
 through the quality gate (or `force`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,8 @@ from pathlib import Path, PurePosixPath
 
 from index.commit import Staged
 from index.commit import commit as commit_staged
-from index.gate import ActivationRefused, GateUnavailable, gate_for
 from index.disk import DiskFull, format_bytes, free_bytes, on_disk, writing
+from index.gate import ActivationRefused, GateUnavailable, gate_for
 from index.manifest import MANIFEST_NAME, IndexCorruptError, fsync_dir, read_manifest, utc_now, verify_files
 from index.models import IMPORT_STAGING_PREFIX, check_sha, model_relpath
 from index.options import CommitOptions
@@ -78,22 +79,32 @@ def export_version(root, out, version: str | None = None) -> Path:
     loaded = store.load(version, verify=True, gpu=False)
     record = loaded.manifest.checkpoint_record
     if not record.sha256:
-        raise ValueError(f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
-                         "export does not support it; copy the store root or build it again from the vectors")
+        raise ValueError(
+            f"index version {version} was built from vectors (--embeddings) and has no encoder model: "
+            "export does not support it; copy the store root or build it again from the vectors"
+        )
     model = store.models.resolve(record, version)
     members: dict[str, Path] = {f"versions/{version}/{MANIFEST_NAME}": loaded.path / MANIFEST_NAME}
     for name in loaded.manifest.files:
         members[f"versions/{version}/{name}"] = loaded.path / name
     members[model_relpath(record.sha256)] = model
-    index = {"format": EXPORT_FORMAT, "format_version": EXPORT_FORMAT_VERSION, "version": version,
-             "model": record.sha256, "created": utc_now(), "count": loaded.manifest.count,
-             "files": {name: _describe(path) for name, path in members.items()}}
+    index = {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "version": version,
+        "model": record.sha256,
+        "created": utc_now(),
+        "count": loaded.manifest.count,
+        "files": {name: _describe(path) for name, path in members.items()},
+    }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with writing(out, needed=sum(f["bytes"] for f in index["files"].values())), \
-                tarfile.open(tmp, f"w:{_compression(out)}", format=tarfile.PAX_FORMAT) as tar:
+        with (
+            writing(out, needed=sum(f["bytes"] for f in index["files"].values())),
+            tarfile.open(tmp, f"w:{_compression(out)}", format=tarfile.PAX_FORMAT) as tar,
+        ):
             data = (json.dumps(index, indent=2) + "\n").encode()
             info = _tar_info(EXPORT_INDEX, len(data))
             tar.addfile(info, io.BytesIO(data))
@@ -135,7 +146,7 @@ def _allowed(name: str, version: str, model: str) -> bool:
     if name == EXPORT_INDEX or name == model_relpath(model):
         return True
     parts = PurePosixPath(name).parts
-    if len(parts) == 4 and _SHARD_RE.match(parts[2]):   # a sharded version's shard directory (index/shards.py)
+    if len(parts) == 4 and _SHARD_RE.match(parts[2]):  # a sharded version's shard directory (index/shards.py)
         parts = (*parts[:2], parts[3])
     return len(parts) == 3 and parts[:2] == ("versions", version) and bool(_FILE_NAME_RE.match(parts[2]))
 
@@ -166,34 +177,48 @@ def _read_index(tar: tarfile.TarFile, info: tarfile.TarInfo | None) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{EXPORT_INDEX} is not valid JSON ({err})") from err
     if not isinstance(index, dict) or index.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"not a softsearch index export ({EXPORT_INDEX} has format "
-                         f"{index.get('format') if isinstance(index, dict) else None!r})")
+        raise ValueError(
+            f"not a softsearch index export ({EXPORT_INDEX} has format "
+            f"{index.get('format') if isinstance(index, dict) else None!r})"
+        )
     if not isinstance(index.get("format_version"), int) or index["format_version"] > EXPORT_FORMAT_VERSION:
-        raise ValueError(f"export format_version {index.get('format_version')!r} is newer than {EXPORT_FORMAT_VERSION}")
+        raise ValueError(
+            f"export format_version {index.get('format_version')!r} is newer than {EXPORT_FORMAT_VERSION}"
+        )
     check_version_name(index.get("version"))
     check_sha(index.get("model"))
     files = index.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= set(v)
-                                              and type(v["bytes"]) is int and v["bytes"] >= 0
-                                              for v in files.values()):
+    if not isinstance(files, dict) or not all(
+        isinstance(v, dict) and {"sha256", "bytes"} <= set(v) and type(v["bytes"]) is int and v["bytes"] >= 0
+        for v in files.values()
+    ):
         raise ValueError(f"{EXPORT_INDEX} lists no valid files (each needs a sha256 and a byte count >= 0)")
     return index
 
 
-def _check_space(index: dict, work: Path, max_bytes: int | None, archive_bytes: int | None = None,
-                 max_ratio: float | None = None) -> int:
+def _check_space(
+    index: dict,
+    work: Path,
+    max_bytes: int | None,
+    archive_bytes: int | None = None,
+    max_ratio: float | None = None,
+) -> int:
     """The bytes the import will write (on disk, whole blocks), refused before any is written when over
     `max_bytes` or over `max_ratio` times the archive's `archive_bytes` (ValueError), or over the free
     space on the store's filesystem (DiskFull)."""
     stated = sum(f["bytes"] for f in index["files"].values())
     if max_bytes is not None and stated > max_bytes:
-        raise ValueError(f"the archive states {stated} bytes ({format_bytes(stated)}), over the import limit of "
-                         f"{max_bytes} ({format_bytes(max_bytes)}); raise it with --max-bytes if it is expected")
+        raise ValueError(
+            f"the archive states {stated} bytes ({format_bytes(stated)}), over the import limit of "
+            f"{max_bytes} ({format_bytes(max_bytes)}); raise it with --max-bytes if it is expected"
+        )
     if max_ratio and archive_bytes is not None and stated > max_ratio * max(archive_bytes, 1):
-        raise ValueError(f"the archive states {stated} bytes ({format_bytes(stated)}) from {archive_bytes} "
-                         f"({format_bytes(archive_bytes)}) on disk, a compression ratio of "
-                         f"{stated / max(archive_bytes, 1):.0f}:1, over the import limit of {max_ratio:g}:1; "
-                         "raise it with --max-ratio if it is expected")
+        raise ValueError(
+            f"the archive states {stated} bytes ({format_bytes(stated)}) from {archive_bytes} "
+            f"({format_bytes(archive_bytes)}) on disk, a compression ratio of "
+            f"{stated / max(archive_bytes, 1):.0f}:1, over the import limit of {max_ratio:g}:1; "
+            "raise it with --max-ratio if it is expected"
+        )
     needed = sum(on_disk(f["bytes"]) for f in index["files"].values())
     free = free_bytes(work)
     if free is not None and free < needed:
@@ -219,13 +244,16 @@ def _read_headers(tar: tarfile.TarFile, index: dict) -> dict[str, tarfile.TarInf
         if name not in files:
             raise ValueError(f"archive does not match its export index (unlisted {name!r})")
         if member.size != files[name]["bytes"]:
-            raise ValueError(f"archive member {name} has {member.size} bytes, the export index says "
-                             f"{files[name]['bytes']}; refused before writing it")
+            raise ValueError(
+                f"archive member {name} has {member.size} bytes, the export index says "
+                f"{files[name]['bytes']}; refused before writing it"
+            )
         members[name] = member
 
 
-def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path,
-                   needed: int | None = None) -> None:
+def extract_member(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict, target: Path, needed: int | None = None
+) -> None:
     """Stream one member to `target`, counting and hashing as it goes; ValueError at the first byte past
     its stated size or on a checksum mismatch, DiskFull (naming `needed`, the import's bytes) when the disk
     fills."""
@@ -239,8 +267,10 @@ def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict
             for chunk in iter(lambda: source.read(min(1 << 20, limit - written + 1)), b""):
                 written += len(chunk)
                 if written > limit:
-                    raise ValueError(f"archive member {member.name} is larger than the {limit} bytes its export "
-                                     "index states; refused")
+                    raise ValueError(
+                        f"archive member {member.name} is larger than the {limit} bytes its export "
+                        "index states; refused"
+                    )
                 digest.update(chunk)
                 out.write(chunk)
             out.flush()
@@ -248,25 +278,35 @@ def extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, expected: dict
     if written != limit:
         raise ValueError(f"archive member {member.name} has {written} bytes, the export index says {limit}")
     if digest.hexdigest() != expected["sha256"]:
-        raise ValueError(f"archive member {member.name} fails its checksum (sha256 {digest.hexdigest()[:12]}... != "
-                         f"{expected['sha256'][:12]}...); the archive is damaged")
+        raise ValueError(
+            f"archive member {member.name} fails its checksum (sha256 {digest.hexdigest()[:12]}... != "
+            f"{expected['sha256'][:12]}...); the archive is damaged"
+        )
 
 
 def _check_manifest_files(path: Path, version: str, files: dict) -> None:
     """The staged version manifest must list exactly the version's files the export index states."""
-    listed = read_manifest(path.parent).files   # IndexCorruptError when it is not a valid manifest
+    listed = read_manifest(path.parent).files  # IndexCorruptError when it is not a valid manifest
     prefix = f"versions/{version}/"
-    stated = {n[len(prefix):]: files[n] for n in files if n.startswith(prefix) and n != prefix + MANIFEST_NAME}
-    if not isinstance(listed, dict) or {n: (v.get("bytes"), v.get("sha256")) for n, v in listed.items()
-                                        if isinstance(v, dict)} != {n: (v["bytes"], v["sha256"])
-                                                                    for n, v in stated.items()}:
-        raise ValueError(f"the version manifest in the archive lists other files or sizes than its export index; "
-                         "refused")
+    stated = {
+        n[len(prefix) :]: files[n] for n in files if n.startswith(prefix) and n != prefix + MANIFEST_NAME
+    }
+    if not isinstance(listed, dict) or {
+        n: (v.get("bytes"), v.get("sha256")) for n, v in listed.items() if isinstance(v, dict)
+    } != {n: (v["bytes"], v["sha256"]) for n, v in stated.items()}:
+        raise ValueError(
+            "the version manifest in the archive lists other files or sizes than its export index; refused"
+        )
 
 
-def import_version(root, archive, *, commit: CommitOptions | None = None,
-                   max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES,
-                   max_ratio: float | None = DEFAULT_MAX_RATIO) -> tuple[str, bool]:
+def import_version(
+    root,
+    archive,
+    *,
+    commit: CommitOptions | None = None,
+    max_bytes: int | None = DEFAULT_MAX_IMPORT_BYTES,
+    max_ratio: float | None = DEFAULT_MAX_RATIO,
+) -> tuple[str, bool]:
     """Import an exported version into the store at `root` -> (version, whether it was already there).
 
     At most `max_bytes` are written, and at most `max_ratio` bytes per byte of the archive file (None or
@@ -315,11 +355,13 @@ def import_version(root, archive, *, commit: CommitOptions | None = None,
             if model_relpath(model) not in listed_files or manifest_name not in listed_files:
                 raise ValueError("archive lacks the version manifest or the encoder model")
             if members[manifest_name].size > MAX_INDEX_BYTES:
-                raise ValueError(f"{manifest_name} is {members[manifest_name].size} bytes; refusing more than "
-                                 f"{MAX_INDEX_BYTES}")
+                raise ValueError(
+                    f"{manifest_name} is {members[manifest_name].size} bytes; refusing more than "
+                    f"{MAX_INDEX_BYTES}"
+                )
             # the manifest first: the files it lists must be the ones the export index states, byte for byte
             order = [manifest_name] + [n for n in members if n != manifest_name]
-            remaining = needed   # bytes still to write; the disk may have filled since _check_space
+            remaining = needed  # bytes still to write; the disk may have filled since _check_space
             for name in order:
                 free = free_bytes(work)
                 if free is not None and free < remaining:
@@ -336,8 +378,10 @@ def import_version(root, archive, *, commit: CommitOptions | None = None,
         verify_files(staged, manifest)
         named = manifest.checkpoint_record.sha256
         if manifest.version != version or named != model:
-            raise IndexCorruptError(f"{archive}: the manifest names version {manifest.version} / model "
-                                    f"{named}, the export index {version} / {model}")
+            raise IndexCorruptError(
+                f"{archive}: the manifest names version {manifest.version} / model "
+                f"{named}, the export index {version} / {model}"
+            )
         store.models.adopt(work / model_relpath(model), model)
         if version not in store.versions():
             # gated and committed from this import's own staging directory: the commit's rename, under the
@@ -373,9 +417,12 @@ def _activate_imported(store: IndexStore, version: str, staging: Path | None, op
 
     try:
         if staging is not None:
-            commit_staged(store, Staged(version, staging),
-                          dataclasses.replace(options, evaluator=None if evaluator is None else guarded),
-                          path="index import")
+            commit_staged(
+                store,
+                Staged(version, staging),
+                dataclasses.replace(options, evaluator=None if evaluator is None else guarded),
+                path="index import",
+            )
         else:
             gate = gate_for(store, None if evaluator is None else guarded, options.margin)
             store.activate(version, force=options.force, path="index import", gate=gate)
@@ -386,5 +433,9 @@ def _activate_imported(store: IndexStore, version: str, staging: Path | None, op
         error = gate.error if gate is not None else None
         if not error:
             raise
-        raise ActivationRefused(version, err.failed, hint=f"imported {version} but did not activate it; activate it "
-                                f"with 'softsearch index activate {version} --force --root {store.root}'") from None
+        raise ActivationRefused(
+            version,
+            err.failed,
+            hint=f"imported {version} but did not activate it; activate it "
+            f"with 'softsearch index activate {version} --force --root {store.root}'",
+        ) from None

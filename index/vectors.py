@@ -7,6 +7,7 @@ zero or non-finite row has no direction and is refused, naming its row (and the 
 Ids default to the row number as a string; an ids file holds one id per line, as many as rows,
 all distinct. The version records the source (`source_record`): paths, shapes, dtype and sha256.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -22,7 +23,7 @@ from index.manifest import file_sha256
 logger = logging.getLogger(__name__)
 
 DTYPES = (np.float16, np.float32, np.float64)
-BLOCK_ROWS = 65536   # rows normalised at a time (x D x 8 bytes of float64 scratch)
+BLOCK_ROWS = 65536  # rows normalised at a time (x D x 8 bytes of float64 scratch)
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,20 @@ def unit_rows(source: VectorSource, progress: bool = False) -> np.ndarray:
     Raises ValueError naming the first zero or non-finite row."""
     out = np.empty((source.count, source.dim), dtype=np.float32)
     for start, z in unit_blocks(source, progress=progress):
-        out[start:start + z.shape[0]] = z
+        out[start : start + z.shape[0]] = z
     return out
 
 
-def unit_blocks(source: VectorSource, block_rows: int = BLOCK_ROWS, progress: bool = False, desc: str = "normalise vectors"):
+def unit_blocks(
+    source: VectorSource,
+    block_rows: int = BLOCK_ROWS,
+    progress: bool = False,
+    desc: str = "normalise vectors",
+):
     """Yield (first row, (B, D) float32 unit rows) over the source in blocks (a block never spans two shards),
     dropping the pages of each block from the shard's memory map once read (index/paging.py): one pass
     over a file larger than RAM keeps one block resident."""
-    from index.paging import read_rows, read_span
+    from index.paging import read_span
 
     blocks = []
     start = 0
@@ -108,7 +114,7 @@ def unit_blocks(source: VectorSource, block_rows: int = BLOCK_ROWS, progress: bo
 
         blocks = tqdm(blocks, desc=desc, unit="block")
     for shard, first, b in blocks:
-        v = read_span(shard, b, b + block_rows).astype(np.float64)          # (B, D), a RAM copy (pread)
+        v = read_span(shard, b, b + block_rows).astype(np.float64)  # (B, D), a RAM copy (pread)
         yield first + b, unit_block(v, lambda i, r0=first + b: source.where(r0 + i))
 
 
@@ -118,11 +124,13 @@ def unit_block(v: np.ndarray, where) -> np.ndarray:
     bad = ~np.isfinite(v).all(axis=1)
     if bad.any():
         raise ValueError(f"embeddings {where(int(np.argmax(bad)))} contains NaN or inf")
-    norms = np.sqrt(np.einsum("ij,ij->i", v, v))                          # ||v|| per row
+    norms = np.sqrt(np.einsum("ij,ij->i", v, v))  # ||v|| per row
     zero = norms == 0
     if zero.any():
-        raise ValueError(f"embeddings {where(int(np.argmax(zero)))} is a zero vector (no direction to search by)")
-    if not np.isfinite(norms).all():   # finite values whose squares overflow float64: scale first
+        raise ValueError(
+            f"embeddings {where(int(np.argmax(zero)))} is a zero vector (no direction to search by)"
+        )
+    if not np.isfinite(norms).all():  # finite values whose squares overflow float64: scale first
         v = v / np.abs(v).max(axis=1, keepdims=True)
         norms = np.sqrt(np.einsum("ij,ij->i", v, v))
     return (v / norms[:, None]).astype(np.float32)
@@ -131,7 +139,7 @@ def unit_block(v: np.ndarray, where) -> np.ndarray:
 def sample_unit_rows(source: VectorSource, rows: np.ndarray) -> np.ndarray:
     """float32 unit rows of the sorted global `rows` (a training sample), gathered shard by shard with the
     pages dropped after each shard."""
-    from index.paging import read_rows, read_span
+    from index.paging import read_rows
 
     out = np.empty((len(rows), source.dim), dtype=np.float32)
     i = start = 0
@@ -169,8 +177,10 @@ def default_ids(count: int) -> list[str]:
 def source_record(source: VectorSource, ids_path: str | Path | None = None) -> dict:
     """The manifest's `source`: where the vectors came from, their shape and dtype, and sha256 of the bytes
     (one file: its sha256; a directory: sha256 over each shard's name and sha256, in order)."""
-    shards = [{"file": f.name, "rows": int(s.shape[0]), "dtype": str(s.dtype), "sha256": file_sha256(f)}
-              for f, s in zip(source.files, source.shards)]
+    shards = [
+        {"file": f.name, "rows": int(s.shape[0]), "dtype": str(s.dtype), "sha256": file_sha256(f)}
+        for f, s in zip(source.files, source.shards)
+    ]
     if len(shards) == 1 and not source.path.is_dir():
         digest = shards[0]["sha256"]
     else:
@@ -178,9 +188,15 @@ def source_record(source: VectorSource, ids_path: str | Path | None = None) -> d
         for s in shards:
             h.update(f"{s['file']}\0{s['sha256']}\n".encode())
         digest = h.hexdigest()
-    record = {"embeddings": str(source.path.resolve()), "sha256": digest, "count": source.count, "dim": source.dim,
-              "dtype": sorted({s["dtype"] for s in shards}), "shards": shards if source.path.is_dir() else None,
-              "normalised_by": "index build (z = v / ||v||)",
-              "ids": None if ids_path is None else str(Path(ids_path).resolve()),
-              "ids_sha256": None if ids_path is None else file_sha256(ids_path)}
+    record = {
+        "embeddings": str(source.path.resolve()),
+        "sha256": digest,
+        "count": source.count,
+        "dim": source.dim,
+        "dtype": sorted({s["dtype"] for s in shards}),
+        "shards": shards if source.path.is_dir() else None,
+        "normalised_by": "index build (z = v / ||v||)",
+        "ids": None if ids_path is None else str(Path(ids_path).resolve()),
+        "ids_sha256": None if ids_path is None else file_sha256(ids_path),
+    }
     return record

@@ -7,6 +7,7 @@
 
 Names below resolve lazily (PEP 562), so ``import search`` loads neither half until a name is used.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -14,12 +15,16 @@ import importlib
 from index.lazy import lazy_exports
 
 _SERVING_HOMES = {
-    "Hit": "search.serving.searcher", "Searcher": "search.serving.searcher",
-    "ListStats": "search.serving.normaliser", "LogZ": "search.serving.normaliser",
-    "Normaliser": "search.serving.normaliser", "NormaliserConfig": "search.serving.normaliser",
-    "bounded_log_normaliser": "search.serving.normaliser", "log_normaliser": "search.serving.normaliser",
+    "Hit": "search.serving.searcher",
+    "Searcher": "search.serving.searcher",
+    "ListStats": "search.serving.normaliser",
+    "LogZ": "search.serving.normaliser",
+    "Normaliser": "search.serving.normaliser",
+    "NormaliserConfig": "search.serving.normaliser",
+    "bounded_log_normaliser": "search.serving.normaliser",
+    "log_normaliser": "search.serving.normaliser",
 }
-__all__ = sorted(_SERVING_HOMES)   # the evaluation names are search.evaluation's __all__
+__all__ = sorted(_SERVING_HOMES)  # the evaluation names are search.evaluation's __all__
 _serving = lazy_exports(__name__, _SERVING_HOMES)
 
 

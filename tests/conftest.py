@@ -13,7 +13,7 @@ import pytest
 
 _HERE = str(Path(__file__).resolve().parent)
 if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)   # tests/image_files.py: generated awkward image files
+    sys.path.insert(0, _HERE)  # tests/image_files.py: generated awkward image files
 
 from training.datasets import create_dataset
 
@@ -71,9 +71,15 @@ def open_clip_weights(tmp_path_factory):
     }
     save_file(state, str(files["safetensors"]))
     torch.save(state, files["bin"])
-    torch.save({"epoch": 2, "name": "run", "state_dict": {f"module.{k}": v for k, v in state.items()},
-                "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": list(range(len(state)))}]}},
-               files["train_checkpoint"])
+    torch.save(
+        {
+            "epoch": 2,
+            "name": "run",
+            "state_dict": {f"module.{k}": v for k, v in state.items()},
+            "optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": list(range(len(state)))}]},
+        },
+        files["train_checkpoint"],
+    )
     torch.save({k: v.half() if v.is_floating_point() else v for k, v in state.items()}, files["fp16"])
     return {"name": OPEN_CLIP_MODEL, "temperature": OPEN_CLIP_TEMPERATURE, "model": model, "files": files}
 

@@ -1,14 +1,27 @@
 """Every `softsearch` command parses its arguments before loading anything heavy: `--help` and a mistyped
 flag are answered without torch, FAISS, open_clip (or numpy, PIL, scipy, FastAPI), and a mistyped flag is one
 `error:` line with exit 2. The test checks what the parser imports (sys.modules), not a clock."""
+
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 
-HEAVY = ("torch", "faiss", "open_clip", "torchvision", "scipy", "onnxruntime", "numpy", "PIL", "matplotlib",
-         "fastapi", "uvicorn", "training.trainer")
+HEAVY = (
+    "torch",
+    "faiss",
+    "open_clip",
+    "torchvision",
+    "scipy",
+    "onnxruntime",
+    "numpy",
+    "PIL",
+    "matplotlib",
+    "fastapi",
+    "uvicorn",
+    "training.trainer",
+)
 
 # One child process runs every case in turn and reports, per case, its exit code, its stderr and the heavy
 # modules present after it: a case that loads one is named (the later ones then show it too).
@@ -43,8 +56,9 @@ print(json.dumps(rows))
 
 
 def _run_every_command() -> list[dict]:
-    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(HEAVY)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(HEAVY)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -53,9 +67,20 @@ def test_every_command_parses_before_loading_torch_or_faiss() -> None:
     rows = _run_every_command()
     argvs = [" ".join(r["argv"]) for r in rows]
     # every command and index sub-command is covered (the list is read from the parsers, so a new one joins)
-    for needed in ("train --help", "eval --help", "dedup --help", "serve --help", "experiment anneal --help",
-                   "index build --help", "index import --help", "index gc --help", "train --no-such-flag",
-                   "index build --no-such-flag", "eval --no-such-flag", "dedup --no-such-flag"):
+    for needed in (
+        "train --help",
+        "eval --help",
+        "dedup --help",
+        "serve --help",
+        "experiment anneal --help",
+        "index build --help",
+        "index import --help",
+        "index gc --help",
+        "train --no-such-flag",
+        "index build --no-such-flag",
+        "eval --no-such-flag",
+        "dedup --no-such-flag",
+    ):
         assert needed in argvs, needed
     first_heavy = next((r for r in rows if r["loaded"]), None)
     assert first_heavy is None, f"`softsearch {' '.join(first_heavy['argv'])}` loaded {first_heavy['loaded']}"
@@ -72,9 +97,10 @@ def test_every_command_parses_before_loading_torch_or_faiss() -> None:
 
 
 def test_a_mistyped_flag_names_the_flag_and_where_help_is() -> None:
-    from api.cli import main
     import contextlib
     import io
+
+    from api.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -83,8 +109,10 @@ def test_a_mistyped_flag_names_the_flag_and_where_help_is() -> None:
         except SystemExit as exc:
             rc = exc.code
     assert rc == 2
-    assert err.getvalue() == ("error: softsearch train: unrecognized arguments: --confg configs/synthetic.toml "
-                              "(`softsearch train --help` lists the options)\n")
+    assert err.getvalue() == (
+        "error: softsearch train: unrecognized arguments: --confg configs/synthetic.toml "
+        "(`softsearch train --help` lists the options)\n"
+    )
 
 
 def test_train_help_lists_the_registered_schedules_with_their_defaults() -> None:
@@ -105,6 +133,10 @@ def test_training_names_still_resolve_lazily() -> None:
     assert training.train is train and training.WEINCELoss is WEINCELoss
     for name in training.__all__:
         assert getattr(training, name) is not None, name
-    proc = subprocess.run([sys.executable, "-c", "import sys, training; print('torch' in sys.modules)"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, training; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stdout.strip() == "False", proc.stderr

@@ -1,5 +1,6 @@
 """The project's files reference only what a clone has: no path into the workspace outside the repository
 (the notes the project was built from are not shipped), and every `docs/theory.md §N` names a real section."""
+
 from __future__ import annotations
 
 import re
@@ -24,15 +25,19 @@ def tracked_text_files() -> list[Path]:
         try:
             out.append((p, p.read_text(encoding="utf-8")))
         except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
-            continue   # binary files, and files deleted but not yet staged
+            continue  # binary files, and files deleted but not yet staged
     return out
 
 
 def test_no_file_points_outside_the_clone() -> None:
     files = tracked_text_files()
     assert any(p.name == "README.md" for p, _ in files)
-    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p, text in files
-            for n, line in enumerate(text.splitlines(), 1) if any(s in line for s in OUTSIDE)]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p, text in files
+        for n, line in enumerate(text.splitlines(), 1)
+        if any(s in line for s in OUTSIDE)
+    ]
     assert not hits, "references to files a clone does not have:\n" + "\n".join(hits)
 
 

@@ -1,4 +1,5 @@
 """The import direction training <- index <- search <- api is enforced by walking every module's AST."""
+
 from __future__ import annotations
 
 import ast
@@ -48,23 +49,39 @@ def test_checker_catches_a_violation(tmp_path: Path) -> None:
 SERVER_PACKAGES = ("api", "search.serving", "search.duplicates")
 #: The training modules a server may load: the model and its input (image encoder, its checkpoint, the
 #: preprocessing and image decoding, the text tower) and the argparse helper every CLI shares.
-SERVER_TRAINING = {"training", "training.encoder", "training.checkpoint", "training.transforms", "training.images",
-                   "training.text", "training.cli_parser"}
+SERVER_TRAINING = {
+    "training",
+    "training.encoder",
+    "training.checkpoint",
+    "training.transforms",
+    "training.images",
+    "training.text",
+    "training.cli_parser",
+}
 
 
 def test_search_serving_and_evaluation_never_import_each_other() -> None:
     """search.serving and search.duplicates are what a server loads and search.evaluation is offline
     measurement: evaluation imports neither, and neither imports it (plots: the neutral search.figures)."""
     bad = []
-    for half, other in (("serving", "evaluation"), ("duplicates", "evaluation"), ("evaluation", "serving"),
-                        ("evaluation", "duplicates")):
+    for half, other in (
+        ("serving", "evaluation"),
+        ("duplicates", "evaluation"),
+        ("evaluation", "serving"),
+        ("evaluation", "duplicates"),
+    ):
         files = sorted((ROOT / "search" / half).rglob("*.py"))
         assert files, half
         for path in files:
             for node in ast.walk(ast.parse(path.read_text())):
-                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-                bad += [f"{path.relative_to(ROOT)} imports {m}" for m in mods if m.startswith(f"search.{other}")]
+                mods = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                )
+                bad += [
+                    f"{path.relative_to(ROOT)} imports {m}" for m in mods if m.startswith(f"search.{other}")
+                ]
     assert not bad, "\n".join(bad)
 
 
@@ -73,8 +90,10 @@ def test_a_serving_process_loads_no_evaluation_module() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, api.app, api.cli, api.swap, api.batching; "
-            "print(sorted(m for m in sys.modules if m.startswith('search.evaluation')))")
+    code = (
+        "import sys, api.app, api.cli, api.swap, api.batching; "
+        "print(sorted(m for m in sys.modules if m.startswith('search.evaluation')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -86,21 +105,27 @@ def test_a_serving_process_loads_only_the_model_from_training() -> None:
     import subprocess
     import sys
 
-    code = ("import importlib, json, pkgutil, sys\n"
-            f"for name in {list(SERVER_PACKAGES)!r}:\n"
-            "    pkg = importlib.import_module(name)\n"
-            "    for m in pkgutil.walk_packages(pkg.__path__, name + '.'):\n"
-            "        try:\n"
-            "            importlib.import_module(m.name)\n"
-            "        except ModuleNotFoundError as err:\n"
-            "            if err.name.split('.')[0] in ('training', 'index', 'search', 'api'):\n"
-            "                raise\n"   # an optional third-party package (e.g. ray) may be absent
-            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('training', 'search'))))\n")
+    code = (
+        "import importlib, json, pkgutil, sys\n"
+        f"for name in {list(SERVER_PACKAGES)!r}:\n"
+        "    pkg = importlib.import_module(name)\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, name + '.'):\n"
+        "        try:\n"
+        "            importlib.import_module(m.name)\n"
+        "        except ModuleNotFoundError as err:\n"
+        "            if err.name.split('.')[0] in ('training', 'index', 'search', 'api'):\n"
+        "                raise\n"  # an optional third-party package (e.g. ray) may be absent
+        "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('training', 'search'))))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     loaded = set(__import__("json").loads(out.stdout))
-    assert "search.duplicates.page" in loaded and "search.serving.searcher" in loaded, sorted(loaded)   # it ran
+    assert "search.duplicates.page" in loaded and "search.serving.searcher" in loaded, sorted(
+        loaded
+    )  # it ran
     assert not {m for m in loaded if m.startswith("search.evaluation")}, sorted(loaded)
     search = {".".join(m.split(".")[:2]) for m in loaded if m.startswith("search.")}
     assert search <= {*SERVER_PACKAGES, "search.figures"}, f"add to SERVER_PACKAGES: {sorted(search)}"
     training = {m for m in loaded if m.split(".")[0] == "training"}
-    assert training <= SERVER_TRAINING, f"a server loads training modules beyond the model: {sorted(training - SERVER_TRAINING)}"
+    assert training <= SERVER_TRAINING, (
+        f"a server loads training modules beyond the model: {sorted(training - SERVER_TRAINING)}"
+    )

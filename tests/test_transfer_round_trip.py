@@ -2,6 +2,7 @@
 run deleted after the export, the target store already serving a version of another model. The import
 goes through the real quality gate (the `softsearch` command's evaluator), activates, serves searches
 that match exact search with the exporter's encoder, and verifies."""
+
 from __future__ import annotations
 
 import shutil
@@ -28,9 +29,14 @@ def _checkpoint(run_dir, seed: int):
     torch.manual_seed(seed)
     run_dir.mkdir(parents=True)
     path = run_dir / "checkpoint.safetensors"
-    save_checkpoint(path, create_encoder(EncoderConfig(**TINY)), step=3,
-                    train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.25}},
-                    lineage={"objective": "infonce"}, metrics={})
+    save_checkpoint(
+        path,
+        create_encoder(EncoderConfig(**TINY)),
+        step=3,
+        train_config={"schedule": "fixed", "schedule_options": {"temperature": 0.25}},
+        lineage={"objective": "infonce"},
+        metrics={},
+    )
     return path
 
 
@@ -44,12 +50,13 @@ def test_export_import_between_machines_without_the_training_run(tmp_path, capsy
     version = build_index(ckpt_a, items, root_a, BuildOptions(progress=False))
     archive = export_version(root_a, tmp_path / "shipped" / "v.tar.gz")
     sha_a = IndexStore(root_a).manifest(version).checkpoint.sha256
-    assert IndexStore(root_a).manifest(version).checkpoint.path == str(ckpt_a)   # recorded, about to vanish
+    assert IndexStore(root_a).manifest(version).checkpoint.path == str(ckpt_a)  # recorded, about to vanish
     shutil.rmtree(run_a)
     # machine B: another model (seed 0) already serving, at another path
     root_b = tmp_path / "machine-b" / "srv" / "index"
-    serving = build_index(_checkpoint(tmp_path / "machine-b" / "run", seed=0), items, root_b,
-                          BuildOptions(progress=False))
+    serving = build_index(
+        _checkpoint(tmp_path / "machine-b" / "run", seed=0), items, root_b, BuildOptions(progress=False)
+    )
     store_b = IndexStore(root_b)
     assert store_b.current_version() == serving and not store_b.models.has(sha_a)
 
@@ -58,7 +65,7 @@ def test_export_import_between_machines_without_the_training_run(tmp_path, capsy
     assert capsys.readouterr().out.strip() == f"imported {version} into {root_b}, activated"
     assert store_b.current_version() == version and store_b.versions() == sorted([serving, version])
     gate = store_b.manifest(version).quality_gate
-    assert gate.passed and gate.error is None and gate.score.serving_version == serving   # really scored
+    assert gate.passed and gate.error is None and gate.score.serving_version == serving  # really scored
     assert store_b.models.has(sha_a) and (root_b / model_relpath(sha_a)).is_file()
     assert not any((root_b / "staging").iterdir())
 
@@ -81,5 +88,9 @@ def test_export_import_between_machines_without_the_training_run(tmp_path, capsy
     capsys.readouterr()
     assert main(["index", "verify", "--all", "--root", str(root_b)]) == 0
     out = capsys.readouterr().out
-    assert f"ok {version}: 40 items" in out and f"encoder model {sha_a[:12]} match" in out and "CORRUPT" not in out
-    assert not run_a.exists()   # nothing brought the training run back
+    assert (
+        f"ok {version}: 40 items" in out
+        and f"encoder model {sha_a[:12]} match" in out
+        and "CORRUPT" not in out
+    )
+    assert not run_a.exists()  # nothing brought the training run back

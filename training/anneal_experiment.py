@@ -22,6 +22,7 @@ x <- normalize(x - eta grad_R E + P_x(sqrt(2 eta T_t) xi)) (training/langevin.py
 number of steps with the same noise draws (common random numbers); a particle's basin is the
 minimum it reaches by a final zero-temperature gradient quench.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,14 +44,13 @@ from training.schedules import TemperatureSchedule, create_schedule
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class Landscape:
     """Prototypes of the planted energy; ``energy`` is per particle, rows on S^2."""
 
     tau: float = 0.25
-    trap_gap: float = 40.0      # degrees between the trap positive and its flanking negatives
-    cluster: float = 30.0       # degrees between the global cluster's positives
+    trap_gap: float = 40.0  # degrees between the trap positive and its flanking negatives
+    cluster: float = 30.0  # degrees between the global cluster's positives
 
     def prototypes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(positives (4, 3), negatives (4, 3)) float64 unit vectors."""
@@ -83,8 +83,10 @@ class Landscape:
         """
         pos, neg = self.prototypes()
         pos, allp = pos.to(x), torch.cat([pos, neg]).to(x)
-        g = (torch.softmax(x @ allp.T / self.tau, dim=-1) @ allp
-             - torch.softmax(x @ pos.T / self.tau, dim=-1) @ pos) / self.tau  # (..., 3)
+        g = (
+            torch.softmax(x @ allp.T / self.tau, dim=-1) @ allp
+            - torch.softmax(x @ pos.T / self.tau, dim=-1) @ pos
+        ) / self.tau  # (..., 3)
         return tangent_project(x, g)
 
 
@@ -162,13 +164,19 @@ def _landscape_facts(land: Landscape) -> dict:
     starts = quench(land, _fibonacci_sphere(2000))
     multi_min = float(land.energy(starts).min())
     assert ring_min >= e_star - 1e-9 and multi_min >= e_star - 1e-6, (
-        f"planted optimum is not global: E(e1)={e_star}, ring {ring_min}, multistart {multi_min}")
+        f"planted optimum is not global: E(e1)={e_star}, ring {ring_min}, multistart {multi_min}"
+    )
     grad_trap = float(land.riemannian_grad(trap).norm())
     assert grad_trap < 1e-9, f"trap is not a critical point (|grad|={grad_trap})"
     basin_glob = float((starts @ e1[0] > 0.99).double().mean())
     saddle = saddle_height(land)
-    return {"optimum_energy": e_star, "trap_energy": e_trap, "saddle_energy": saddle,
-            "barrier_depth": saddle - e_trap, "global_basin_volume_fraction": basin_glob}
+    return {
+        "optimum_energy": e_star,
+        "trap_energy": e_trap,
+        "saddle_energy": saddle,
+        "barrier_depth": saddle - e_trap,
+        "global_basin_volume_fraction": basin_glob,
+    }
 
 
 def make_noise_schedule(name: str, steps: int, c: float, t0: float, lr: float) -> TemperatureSchedule | None:
@@ -212,7 +220,9 @@ def run_schedule(land: Landscape, name: str, cfg: AnnealConfig, c: float, e_star
     per_seed = in_glob.mean(dim=1).tolist()
     final_e = (land.energy(x).mean(dim=1) - e_star).tolist()
     quench_e = (land.energy(xq).mean(dim=1) - e_star).tolist()
-    temps = [0.0 if sched is None else float(sched.temperature(t)) for t in range(0, cfg.steps, cfg.record_every)]
+    temps = [
+        0.0 if sched is None else float(sched.temperature(t)) for t in range(0, cfg.steps, cfg.record_every)
+    ]
     fr = np.array(per_seed)
     return {
         "schedule": name,
@@ -255,7 +265,9 @@ def _run_experiment(cfg: AnnealConfig) -> dict:
         if name not in SCHEDULE_NAMES:
             raise ValueError(f"unknown noise schedule {name!r}; choose from {SCHEDULE_NAMES}")
     if cfg.steps < 10 or cfg.seeds < 1 or cfg.particles < 1:
-        raise ValueError(f"need steps >= 10, seeds >= 1, particles >= 1; got {cfg.steps}, {cfg.seeds}, {cfg.particles}")
+        raise ValueError(
+            f"need steps >= 10, seeds >= 1, particles >= 1; got {cfg.steps}, {cfg.seeds}, {cfg.particles}"
+        )
     if not cfg.lr > 0 or not cfg.tau > 0:
         raise ValueError(f"lr and tau must be positive, got lr={cfg.lr}, tau={cfg.tau}")
     if not 10.0 <= cfg.trap_gap <= 80.0:
@@ -274,8 +286,11 @@ def _run_experiment(cfg: AnnealConfig) -> dict:
         start = time.perf_counter()
         rows.append(run_schedule(land, name, cfg, c, facts["optimum_energy"]))
         rows[-1]["seconds"] = time.perf_counter() - start
-    return {"config": {**asdict(cfg), "schedules": list(cfg.schedules), "c_used": c, "t_hot": t_hot},
-            "landscape": facts, "results": rows}
+    return {
+        "config": {**asdict(cfg), "schedules": list(cfg.schedules), "c_used": c, "t_hot": t_hot},
+        "landscape": facts,
+        "results": rows,
+    }
 
 
 def plot_results(result: dict, path: Path) -> Path:
@@ -290,9 +305,14 @@ def plot_results(result: dict, path: Path) -> Path:
     for row in result["results"]:
         t_temp = np.arange(len(row["temperature"])) * cfg["record_every"]
         ax1.plot(t_temp, row["temperature"], label=row["schedule"])
-        t_traj = np.minimum(np.arange(len(row["trajectory_global_half"])) * cfg["record_every"], cfg["steps"] - 1)
-        ax2.plot(t_traj, row["trajectory_global_half"],
-                 label=f"{row['schedule']} (basin {row['global_basin_fraction']:.2f})")
+        t_traj = np.minimum(
+            np.arange(len(row["trajectory_global_half"])) * cfg["record_every"], cfg["steps"] - 1
+        )
+        ax2.plot(
+            t_traj,
+            row["trajectory_global_half"],
+            label=f"{row['schedule']} (basin {row['global_basin_fraction']:.2f})",
+        )
     ax1.set_xlabel("step")
     ax1.set_ylabel("noise temperature T_t (energy units)")
     ax1.set_yscale("symlog", linthresh=1e-3)
@@ -302,8 +322,10 @@ def plot_results(result: dict, path: Path) -> Path:
     ax2.set_ylim(-0.02, 1.02)
     ax2.legend()
     land = result["landscape"]
-    fig.suptitle(f"Riemannian Langevin on a planted InfoNCE landscape: barrier {land['barrier_depth']:.2f}, "
-                 f"c = {cfg['c_used']:.2f}, {cfg['seeds']} seeds x {cfg['particles']} particles, {cfg['steps']} steps")
+    fig.suptitle(
+        f"Riemannian Langevin on a planted InfoNCE landscape: barrier {land['barrier_depth']:.2f}, "
+        f"c = {cfg['c_used']:.2f}, {cfg['seeds']} seeds x {cfg['particles']} particles, {cfg['steps']} steps"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -313,28 +335,43 @@ def plot_results(result: dict, path: Path) -> Path:
 
 def format_table(result: dict) -> str:
     # every particle is an independent run; +- is the std over the seed batches
-    lines = [f"{'schedule':<8} {'runs in global basin':>21} {'E - E* (final)':>15} "
-             f"{'E - E* (quenched)':>18} {'T_end':>8}"]
+    lines = [
+        f"{'schedule':<8} {'runs in global basin':>21} {'E - E* (final)':>15} "
+        f"{'E - E* (quenched)':>18} {'T_end':>8}"
+    ]
     for r in result["results"]:
-        lines.append(f"{r['schedule']:<8} {r['global_basin_fraction']:>14.3f} +-{r['global_basin_fraction_std']:.2f} "
-                     f"{r['final_energy_gap']:>15.4f} {r['quenched_energy_gap']:>18.4f} {r['final_temperature']:>8.4f}")
+        lines.append(
+            f"{r['schedule']:<8} {r['global_basin_fraction']:>14.3f} +-{r['global_basin_fraction_std']:.2f} "
+            f"{r['final_energy_gap']:>15.4f} {r['quenched_energy_gap']:>18.4f} {r['final_temperature']:>8.4f}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`softsearch experiment anneal [--steps N --seeds S --particles P --out DIR ...]`."""
     args = build_parser().parse_args(argv)
-    cfg = AnnealConfig(steps=args.steps, seeds=args.seeds, particles=args.particles, lr=args.lr, tau=args.tau,
-                       trap_gap=args.trap_gap, c=args.c, t0=args.t0, seed=args.seed,
-                       schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()))
+    cfg = AnnealConfig(
+        steps=args.steps,
+        seeds=args.seeds,
+        particles=args.particles,
+        lr=args.lr,
+        tau=args.tau,
+        trap_gap=args.trap_gap,
+        c=args.c,
+        t0=args.t0,
+        seed=args.seed,
+        schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
+    )
     result = run_experiment(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "anneal.json").write_text(json.dumps(result, indent=2) + "\n")
     land = result["landscape"]
-    print(f"optimum E* = {land['optimum_energy']:.4f}, trap E = {land['trap_energy']:.4f}, "
-          f"barrier depth = {land['barrier_depth']:.4f}, c = {result['config']['c_used']:.3f}, "
-          f"T_0 = {result['config']['t_hot']:.3f}")
+    print(
+        f"optimum E* = {land['optimum_energy']:.4f}, trap E = {land['trap_energy']:.4f}, "
+        f"barrier depth = {land['barrier_depth']:.4f}, c = {result['config']['c_used']:.3f}, "
+        f"T_0 = {result['config']['t_hot']:.3f}"
+    )
     print(format_table(result))
     print(f"wrote {out / 'anneal.json'}")
     if not args.no_plot:

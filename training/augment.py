@@ -26,16 +26,17 @@ __all__ = ["AugmentConfig", "sample_params", "apply_params", "random_augment"]
 @dataclass(frozen=True)
 class AugmentConfig:
     """Ranges of the random augmentation (SimCLR-style, mild enough for 28-32 px images)."""
-    crop_scale: tuple[float, float] = (0.5, 1.0)       # crop area as a fraction of the image
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)   # crop aspect ratio w/h (log-uniform)
-    flip_p: float = 0.5                                 # probability of a horizontal flip
-    translate: float = 0.1                              # extra shift, fraction of the side
-    brightness: float = 0.2                             # multiply [0,1] pixels by U(1-b, 1+b)
-    contrast: float = 0.2                               # scale about the image mean by U(1-c, 1+c)
-    saturation: float = 0.0                             # scale colour about each pixel's grey by U(1-s, 1+s)
-    grey_p: float = 0.0                                 # probability of turning the view grey
-    blur_p: float = 0.0                                 # probability of a 3x3 binomial blur
-    rotate: float = 0.0                                 # rotation, uniform in +-degrees
+
+    crop_scale: tuple[float, float] = (0.5, 1.0)  # crop area as a fraction of the image
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio w/h (log-uniform)
+    flip_p: float = 0.5  # probability of a horizontal flip
+    translate: float = 0.1  # extra shift, fraction of the side
+    brightness: float = 0.2  # multiply [0,1] pixels by U(1-b, 1+b)
+    contrast: float = 0.2  # scale about the image mean by U(1-c, 1+c)
+    saturation: float = 0.0  # scale colour about each pixel's grey by U(1-s, 1+s)
+    grey_p: float = 0.0  # probability of turning the view grey
+    blur_p: float = 0.0  # probability of a 3x3 binomial blur
+    rotate: float = 0.0  # rotation, uniform in +-degrees
 
     def __post_init__(self) -> None:
         lo, hi = self.crop_scale
@@ -58,7 +59,9 @@ class AugmentConfig:
             raise ValueError(f"rotate must be in [0, 180] degrees, got {self.rotate}")
 
 
-def sample_params(n: int, rng: np.random.Generator, config: AugmentConfig = AugmentConfig()) -> dict[str, np.ndarray]:
+def sample_params(
+    n: int, rng: np.random.Generator, config: AugmentConfig = AugmentConfig()
+) -> dict[str, np.ndarray]:
     """Draw per-sample augmentation parameters (all float64 arrays of shape (n,))."""
     area = rng.uniform(config.crop_scale[0], config.crop_scale[1], size=n)
     log_ratio = rng.uniform(math.log(config.crop_ratio[0]), math.log(config.crop_ratio[1]), size=n)
@@ -72,8 +75,15 @@ def sample_params(n: int, rng: np.random.Generator, config: AugmentConfig = Augm
     flip = rng.random(n) < config.flip_p
     bright = rng.uniform(1 - config.brightness, 1 + config.brightness, size=n)
     contrast = rng.uniform(1 - config.contrast, 1 + config.contrast, size=n)
-    out = {"w": w, "h": h, "cx": cx, "cy": cy, "flip": flip.astype(np.float64),
-           "brightness": bright, "contrast": contrast}
+    out = {
+        "w": w,
+        "h": h,
+        "cx": cx,
+        "cy": cy,
+        "flip": flip.astype(np.float64),
+        "brightness": bright,
+        "contrast": contrast,
+    }
     # the later options draw only when on, so views of configs without them stay as they were
     if config.saturation > 0:
         out["saturation"] = rng.uniform(1 - config.saturation, 1 + config.saturation, size=n)
@@ -115,10 +125,10 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
         theta[:, 1, 1] = p["h"]
     theta[:, 0, 2] = p["cx"]
     theta[:, 1, 2] = p["cy"]
-    grid = F.affine_grid(theta, list(x.shape), align_corners=False)                # (B, R, R, 2)
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)  # (B, R, R, 2)
     y = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     if out_size is not None and int(out_size) != y.shape[-1]:
-        y = resize_center_crop(y, int(out_size))   # 2x: 2x2 block means, as the plain views get
+        y = resize_center_crop(y, int(out_size))  # 2x: 2x2 block means, as the plain views get
     # photometric jitter on [0, 1] pixels: q = mean + c (b p - mean), then back to normalised
     pix = y * STD + MEAN
     pix = pix * p["brightness"].view(b, 1, 1, 1)
@@ -128,7 +138,7 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
         grey = pix.mean(dim=1, keepdim=True)
         s = p["saturation"] if "saturation" in p else torch.ones_like(p["grey"])
         if "grey" in p:
-            s = s * (1.0 - p["grey"])            # a grey view: saturation 0
+            s = s * (1.0 - p["grey"])  # a grey view: saturation 0
         pix = grey + s.view(b, 1, 1, 1) * (pix - grey)
     if "blur" in p:
         k1 = torch.tensor([0.25, 0.5, 0.25], dtype=dt, device=dev)
@@ -139,7 +149,11 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
     return ((pix.clamp(0.0, 1.0) - MEAN) / STD).contiguous()
 
 
-def random_augment(x: torch.Tensor, rng: np.random.Generator, config: AugmentConfig = AugmentConfig(),
-                   out_size: int | None = None) -> torch.Tensor:
+def random_augment(
+    x: torch.Tensor,
+    rng: np.random.Generator,
+    config: AugmentConfig = AugmentConfig(),
+    out_size: int | None = None,
+) -> torch.Tensor:
     """One random augmentation per sample of a preprocessed batch (B, 3, R, R) -> (B, 3, S, S)."""
     return apply_params(x, sample_params(x.shape[0], rng, config), out_size)

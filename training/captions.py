@@ -37,19 +37,30 @@ from training.synthetic import M, wrap_angles
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CaptionScheme", "CaptionIdeal", "DIRECTIONS", "HUES", "POSITIONS", "TEMPLATES",
-    "oracle_text_embedding", "oracle_image_embedding", "read_captions", "CAPTIONS_FILE",
+    "CaptionScheme",
+    "CaptionIdeal",
+    "DIRECTIONS",
+    "HUES",
+    "POSITIONS",
+    "TEMPLATES",
+    "oracle_text_embedding",
+    "oracle_image_embedding",
+    "read_captions",
+    "CAPTIONS_FILE",
 ]
 
 #: compass words, counter-clockwise from east (angle 0, the x axis), y up the image
-DIRECTIONS = {4: ("east", "north", "west", "south"),
-              8: ("east", "north-east", "north", "north-west", "west", "south-west", "south", "south-east")}
+DIRECTIONS = {
+    4: ("east", "north", "west", "south"),
+    8: ("east", "north-east", "north", "north-west", "west", "south-west", "south", "south-east"),
+}
 #: hue words on the synthetic hue wheel: angle 0 is red (the red channel peaks), 2 pi / 3 green, 4 pi / 3 blue
-HUES = {3: ("red", "green", "blue"),
-        6: ("red", "yellow", "green", "teal", "blue", "magenta")}
+HUES = {3: ("red", "green", "blue"), 6: ("red", "yellow", "green", "teal", "blue", "magenta")}
 #: disc positions on its orbit, counter-clockwise from the right
-POSITIONS = {4: ("right", "top", "left", "bottom"),
-             8: ("right", "upper right", "top", "upper left", "left", "lower left", "bottom", "lower right")}
+POSITIONS = {
+    4: ("right", "top", "left", "bottom"),
+    8: ("right", "upper right", "top", "upper left", "left", "lower left", "bottom", "lower right"),
+}
 #: sentences naming one cell; template t of a caption is drawn independently of the image
 TEMPLATES = (
     "a {hue} disc at the {position}, light from the {direction}",
@@ -100,14 +111,17 @@ class CaptionScheme:
 
     def bins_of_cell(self, cells: np.ndarray) -> np.ndarray:
         c = np.asarray(cells, dtype=np.int64).reshape(-1)
-        return np.stack([c // (self.bins[1] * self.bins[2]), (c // self.bins[2]) % self.bins[1],
-                         c % self.bins[2]], axis=1)
+        return np.stack(
+            [c // (self.bins[1] * self.bins[2]), (c // self.bins[2]) % self.bins[1], c % self.bins[2]], axis=1
+        )
 
     def caption(self, cell: int, template: int = 0) -> str:
         """The sentence of `template` naming `cell`."""
         d, h, p = (int(v) for v in self.bins_of_cell(np.array([cell]))[0])
         dirs, hues, positions = self.words
-        return TEMPLATES[template % len(TEMPLATES)].format(direction=dirs[d], hue=hues[h], position=positions[p])
+        return TEMPLATES[template % len(TEMPLATES)].format(
+            direction=dirs[d], hue=hues[h], position=positions[p]
+        )
 
     def captions(self, latents: np.ndarray, templates: np.ndarray | None = None) -> list[str]:
         """One caption per row of latents; `templates` (N,) ints pick the sentence (default: the first)."""
@@ -139,8 +153,10 @@ class CaptionIdeal:
 
     def __init__(self, scheme: CaptionScheme | None = None):
         self.scheme = scheme or CaptionScheme()
-        self.description = (f"caption: latent angles binned {list(self.scheme.bins)} and written as words; exact "
-                            f"log r = log {self.scheme.n_cells} in the caption's cell, -inf elsewhere")
+        self.description = (
+            f"caption: latent angles binned {list(self.scheme.bins)} and written as words; exact "
+            f"log r = log {self.scheme.n_cells} in the caption's cell, -inf elsewhere"
+        )
 
     def options(self) -> dict:
         return {"bins": list(self.scheme.bins)}
@@ -198,7 +214,7 @@ def read_captions(root: str | Path, relative_paths: list[str]) -> list[str | Non
                 rec = json.loads(line)
                 file, text = rec["file"], rec["text"]
             except (json.JSONDecodeError, KeyError, TypeError) as err:
-                raise ValueError(f"{jsonl} line {n}: expected {{\"file\": ..., \"text\": ...}} ({err})") from err
+                raise ValueError(f'{jsonl} line {n}: expected {{"file": ..., "text": ...}} ({err})') from err
             if not isinstance(file, str) or not isinstance(text, str):
                 raise ValueError(f"{jsonl} line {n}: file and text must be strings")
             table[Path(file).as_posix()] = text.strip()

@@ -106,7 +106,9 @@ def _read_metadata(path: Path, expected_format: str) -> dict:
     if meta.get("format") != expected_format:
         raise ValueError(f"{path} is a {meta.get('format')!r} file, expected {expected_format!r}")
     if meta.get("version", 0) > FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {meta.get('version')}, newer than supported {FORMAT_VERSION}")
+        raise ValueError(
+            f"{path} has format version {meta.get('version')}, newer than supported {FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -189,7 +191,7 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     # Weights come from the checkpoint, so the original pretrained file is not needed.
     encoder = create_encoder(replace(config, pretrained=None))
     state = _load_tensors(path)
-    if meta.get("text"):   # the text tower's tensors (training/text.py load_text_encoder reads them)
+    if meta.get("text"):  # the text tower's tensors (training/text.py load_text_encoder reads them)
         state = {k: v for k, v in state.items() if not k.startswith("text.")}
     missing, unexpected = set(encoder.state_dict()) - set(state), set(state) - set(encoder.state_dict())
     if missing or unexpected:
@@ -245,7 +247,7 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], info: dict) -> dict:
     for name, value in tensors.items():
         if not name.startswith("optim.state."):
             continue
-        idx, key = name[len("optim.state."):].split(".", 1)
+        idx, key = name[len("optim.state.") :].split(".", 1)
         state.setdefault(int(idx), {})[key] = value
     for idx, extra in info.get("scalars", {}).items():
         state.setdefault(int(idx), {}).update(extra)
@@ -307,8 +309,8 @@ def load_train_state(path: str | os.PathLike) -> TrainState:
     return TrainState(
         step=int(meta["step"]),
         optimizer=_unflatten_optimizer(tensors, meta["optimizer"]),
-        schedule={k[len("schedule."):]: v for k, v in tensors.items() if k.startswith("schedule.")},
-        loss={k[len("loss."):]: v for k, v in tensors.items() if k.startswith("loss.")},
-        rng={k[len("rng."):]: v for k, v in tensors.items() if k.startswith("rng.")},
+        schedule={k[len("schedule.") :]: v for k, v in tensors.items() if k.startswith("schedule.")},
+        loss={k[len("loss.") :]: v for k, v in tensors.items() if k.startswith("loss.")},
+        rng={k[len("rng.") :]: v for k, v in tensors.items() if k.startswith("rng.")},
         extra=meta.get("extra", {}),
     )

@@ -3,6 +3,7 @@
 Lives in training (the lowest layer) and imports only the standard library, so each command can build
 and check its arguments before it loads torch, FAISS or open_clip.
 """
+
 from __future__ import annotations
 
 import argparse

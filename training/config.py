@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
-import tomllib
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from training.encoder import EncoderConfig
 
@@ -26,8 +27,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["TrainConfig", "load_train_config", "apply_overrides", "config_from_dict", "RUNTIME_FIELDS"]
 
 # Fields that do not change the trained weights; excluded from the lineage hash.
-RUNTIME_FIELDS = ("out_dir", "log_every", "checkpoint_every", "device", "num_workers", "torch_threads", "progress",
-                  "stop_after", "cache_dir", "cache_workers")
+RUNTIME_FIELDS = (
+    "out_dir",
+    "log_every",
+    "checkpoint_every",
+    "device",
+    "num_workers",
+    "torch_threads",
+    "progress",
+    "stop_after",
+    "cache_dir",
+    "cache_workers",
+)
 
 
 @dataclass
@@ -76,7 +87,9 @@ class TrainConfig:
     num_workers: int = 0  # background threads preparing upcoming batches
     torch_threads: int | None = None
     progress: bool = True
-    stop_after: int | None = None  # save and stop once this step is reached (time-sliced jobs); --resume continues
+    stop_after: int | None = (
+        None  # save and stop once this step is reached (time-sliced jobs); --resume continues
+    )
     # file-backed datasets (folder): where the decoded-image cache lives (None -> $SOFTSEARCH_CACHE_DIR,
     # else ~/.cache/softsearch) and how many processes decode it the first time (None -> CPU count)
     cache_dir: str | None = None
@@ -88,7 +101,14 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        for name in ("steps", "batch_size", "log_every", "checkpoint_every", "sample_chunk", "gaussian_reg_decay"):
+        for name in (
+            "steps",
+            "batch_size",
+            "log_every",
+            "checkpoint_every",
+            "sample_chunk",
+            "gaussian_reg_decay",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg"):
@@ -117,8 +137,9 @@ class TrainConfig:
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
         # an empty [text] table is left out, so image-only runs hash as they did before it existed
-        return {k: v for k, v in self.to_dict().items()
-                if k not in RUNTIME_FIELDS and not (k == "text" and not v)}
+        return {
+            k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS and not (k == "text" and not v)
+        }
 
 
 def _jsonable(obj: Any) -> Any:
@@ -143,8 +164,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return None
             raise ValueError(f"{key} cannot be None")
         # try the more specific types first: tuple before int (so [1,1,1,1] is a tuple), int before float
-        order = sorted((o for o in options if o is not type(None)),
-                       key=lambda o: {tuple: 0, bool: 1, int: 2, float: 3, str: 9}.get(typing.get_origin(o) or o, 5))
+        order = sorted(
+            (o for o in options if o is not type(None)),
+            key=lambda o: {tuple: 0, bool: 1, int: 2, float: 3, str: 9}.get(typing.get_origin(o) or o, 5),
+        )
         for option in order:
             try:
                 return _coerce(value, option, key)
@@ -202,7 +225,9 @@ def _dataclass_from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         where = f" in [{prefix}]" if prefix else ""
-        raise ValueError(f"unknown config keys{where}: {', '.join((prefix + '.' if prefix else '') + k for k in unknown)}")
+        raise ValueError(
+            f"unknown config keys{where}: {', '.join((prefix + '.' if prefix else '') + k for k in unknown)}"
+        )
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -29,9 +29,18 @@ from training.transforms import preprocess
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ImageDataset", "ArrayImageDataset", "SyntheticDataset", "FashionMNISTDataset", "FolderDataset",
-    "DATASETS", "register_dataset", "create_dataset", "FASHION_MNIST_ROOT", "FASHION_MNIST_CLASSES",
-    "IMAGE_EXTENSIONS", "dataset_is_file_backed",
+    "ImageDataset",
+    "ArrayImageDataset",
+    "SyntheticDataset",
+    "FashionMNISTDataset",
+    "FolderDataset",
+    "DATASETS",
+    "register_dataset",
+    "create_dataset",
+    "FASHION_MNIST_ROOT",
+    "FASHION_MNIST_CLASSES",
+    "IMAGE_EXTENSIONS",
+    "dataset_is_file_backed",
 ]
 
 DATASETS: dict[str, type["ImageDataset"]] = {}
@@ -42,13 +51,27 @@ DEFAULT_IMAGE_SIZE = 32
 register_dataset = make_register(DATASETS, "dataset")
 
 
-def create_dataset(name: str, split: str = "train", root: str | None = None,
-                   size: int | None = None, seed: int = 0, **options: Any) -> "ImageDataset":
+def create_dataset(
+    name: str,
+    split: str = "train",
+    root: str | None = None,
+    size: int | None = None,
+    seed: int = 0,
+    **options: Any,
+) -> "ImageDataset":
     """Build a registered dataset; ``create_dataset(**ds.spec())`` rebuilds ``ds``."""
     if size is not None and (isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1):
         raise ValueError(f"size must be a positive integer or None, got {size!r}")
-    return create_registered(DATASETS, "dataset", name, split=split, root=root,
-                             size=None if size is None else int(size), seed=int(seed), **options)
+    return create_registered(
+        DATASETS,
+        "dataset",
+        name,
+        split=split,
+        root=root,
+        size=None if size is None else int(size),
+        seed=int(seed),
+        **options,
+    )
 
 
 def dataset_is_file_backed(spec: dict | None) -> bool:
@@ -67,7 +90,7 @@ class ImageDataset(torch.utils.data.Dataset):
     """Base class: map-style dataset of RGB images; ``ds[i]`` is the (3, S, S) encoder input."""
 
     name: str = "base"
-    file_backed: bool = False             # images come from files (decoded once into the image cache)
+    file_backed: bool = False  # images come from files (decoded once into the image cache)
     split: str
     image_size: int
     labels: np.ndarray | None = None
@@ -191,14 +214,26 @@ class SyntheticDataset(ArrayImageDataset):
     index, whose embeddings are stored) never hold them (N = 10^6 at 32 px: 3 GB). The fingerprint
     hashes the same bytes either way, rendering block by block when the images are not held."""
 
-    def __init__(self, split: str = "train", root: str | None = None, size: int | None = None, seed: int = 0,
-                 kappa: float = 8.0, image_size: int = DEFAULT_IMAGE_SIZE, resolution: int = synthetic.RESOLUTION,
-                 render_version: int = synthetic.RENDER_VERSION):
+    def __init__(
+        self,
+        split: str = "train",
+        root: str | None = None,
+        size: int | None = None,
+        seed: int = 0,
+        kappa: float = 8.0,
+        image_size: int = DEFAULT_IMAGE_SIZE,
+        resolution: int = synthetic.RESOLUTION,
+        render_version: int = synthetic.RENDER_VERSION,
+    ):
         if render_version != synthetic.RENDER_VERSION:
-            raise ValueError(f"synthetic render_version {render_version!r} does not match this renderer "
-                             f"(version {synthetic.RENDER_VERSION}); the images would differ")
+            raise ValueError(
+                f"synthetic render_version {render_version!r} does not match this renderer "
+                f"(version {synthetic.RENDER_VERSION}); the images would differ"
+            )
         if split not in synthetic.DEFAULT_SIZES:
-            raise ValueError(f"unknown synthetic split {split!r}; expected one of {sorted(synthetic.DEFAULT_SIZES)}")
+            raise ValueError(
+                f"unknown synthetic split {split!r}; expected one of {sorted(synthetic.DEFAULT_SIZES)}"
+            )
         self.split = split
         self.seed = int(seed)
         self.kappa = float(kappa)
@@ -206,7 +241,7 @@ class SyntheticDataset(ArrayImageDataset):
         self.image_size = _check_image_size(image_size)
         self.resolution = int(resolution)
         n = synthetic.DEFAULT_SIZES[split] if size is None else int(size)
-        self.latents = synthetic.sample_latents(n, self.seed, split)          # (N, 3) float64
+        self.latents = synthetic.sample_latents(n, self.seed, split)  # (N, 3) float64
         self.latents.flags.writeable = False
         self._rendered: np.ndarray | None = None
 
@@ -233,7 +268,7 @@ class SyntheticDataset(ArrayImageDataset):
         h.update(str((n, r, r, 3)).encode() + np.dtype(np.uint8).str.encode())
         step = 16 * 2048
         for start in range(0, n, step):
-            h.update(np.ascontiguousarray(synthetic.render(self.latents[start:start + step], r)).data)
+            h.update(np.ascontiguousarray(synthetic.render(self.latents[start : start + step], r)).data)
         h.update(str(self.latents.shape).encode() + self.latents.dtype.str.encode())
         h.update(np.ascontiguousarray(self.latents).data)
 
@@ -242,19 +277,39 @@ class SyntheticDataset(ArrayImageDataset):
         return preprocess(synthetic.render(latents, self.resolution), self.image_size)
 
     def spec(self) -> dict[str, Any]:
-        return {"name": self.name, "split": self.split, "root": None, "size": len(self), "seed": self.seed,
-                "kappa": self.kappa, "image_size": self.image_size, "resolution": self.resolution,
-                "render_version": synthetic.RENDER_VERSION}
+        return {
+            "name": self.name,
+            "split": self.split,
+            "root": None,
+            "size": len(self),
+            "seed": self.seed,
+            "kappa": self.kappa,
+            "image_size": self.image_size,
+            "resolution": self.resolution,
+            "render_version": synthetic.RENDER_VERSION,
+        }
 
     def default_generator(self) -> PositiveGenerator:
         return create_generator("latent", kappa=self.kappa)
 
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-_FASHION_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-                  "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+FASHION_MNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+_FASHION_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 
 
 @functools.lru_cache(maxsize=4)
@@ -279,15 +334,22 @@ class FashionMNISTDataset(ArrayImageDataset):
     ``size`` keeps the first ``size`` items of the split (deterministic, no shuffling).
     """
 
-    def __init__(self, split: str = "train", root: str | None = None, size: int | None = None, seed: int = 0,
-                 image_size: int = DEFAULT_IMAGE_SIZE):
+    def __init__(
+        self,
+        split: str = "train",
+        root: str | None = None,
+        size: int | None = None,
+        seed: int = 0,
+        image_size: int = DEFAULT_IMAGE_SIZE,
+    ):
         if split not in _FASHION_FILES:
             raise ValueError(f"unknown fashion-mnist split {split!r}; expected 'train' or 'test'")
         root_path = Path(root or FASHION_MNIST_ROOT).expanduser().resolve()
         if not root_path.is_dir():
             raise FileNotFoundError(
                 f"Fashion-MNIST directory {root_path} not found; install it with "
-                f"`apt-get update && apt-get install -y dataset-fashion-mnist` or pass --data-root")
+                f"`apt-get update && apt-get install -y dataset-fashion-mnist` or pass --data-root"
+            )
         self.split = split
         self.root = str(root_path)
         self.seed = int(seed)
@@ -296,7 +358,9 @@ class FashionMNISTDataset(ArrayImageDataset):
         images = self._load(img_path)
         labels = self._load(lab_path)
         if images.ndim != 3 or images.dtype != np.uint8:
-            raise ValueError(f"{img_path}: expected (N, H, W) uint8 images, got {images.shape} {images.dtype}")
+            raise ValueError(
+                f"{img_path}: expected (N, H, W) uint8 images, got {images.shape} {images.dtype}"
+            )
         if labels.ndim != 1 or labels.shape[0] != images.shape[0]:
             raise ValueError(f"{lab_path}: expected {images.shape[0]} labels, got shape {labels.shape}")
         if size is not None:
@@ -305,7 +369,7 @@ class FashionMNISTDataset(ArrayImageDataset):
             images, labels = images[:size], labels[:size]
         if labels.size and (labels.min() < 0 or labels.max() >= len(FASHION_MNIST_CLASSES)):
             raise ValueError(f"{lab_path}: labels outside 0..9")
-        self._images = images                                # (N, 28, 28) uint8, read-only view
+        self._images = images  # (N, 28, 28) uint8, read-only view
         self.labels = labels.astype(np.int64)
         self.labels.flags.writeable = False
         self.class_names = list(FASHION_MNIST_CLASSES)
@@ -317,15 +381,22 @@ class FashionMNISTDataset(ArrayImageDataset):
         return _read_idx_cached(str(path), st.st_mtime_ns, st.st_size)
 
     def spec(self) -> dict[str, Any]:
-        return {"name": self.name, "split": self.split, "root": self.root, "size": self._size,
-                "seed": self.seed, "image_size": self.image_size}
+        return {
+            "name": self.name,
+            "split": self.split,
+            "root": self.root,
+            "size": self._size,
+            "seed": self.seed,
+            "image_size": self.image_size,
+        }
 
     def default_generator(self) -> PositiveGenerator:
         return create_generator("label")
 
 
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff",
-                              ".ppm", ".pgm", ".pbm"})
+IMAGE_EXTENSIONS = frozenset(
+    {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
+)
 
 
 @register_dataset("folder")
@@ -350,10 +421,20 @@ class FolderDataset(ImageDataset):
 
     file_backed = True
 
-    def __init__(self, split: str = "all", root: str | None = None, size: int | None = None, seed: int = 0,
-                 image_size: int = DEFAULT_IMAGE_SIZE, labels: bool | None = None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, max_bytes: int = DEFAULT_MAX_BYTES,
-                 cache_dir: str | None = None, cache_workers: int | None = None, progress: bool = True):
+    def __init__(
+        self,
+        split: str = "all",
+        root: str | None = None,
+        size: int | None = None,
+        seed: int = 0,
+        image_size: int = DEFAULT_IMAGE_SIZE,
+        labels: bool | None = None,
+        max_pixels: int = DEFAULT_MAX_PIXELS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        cache_dir: str | None = None,
+        cache_workers: int | None = None,
+        progress: bool = True,
+    ):
         if root is None:
             raise ValueError("the folder dataset needs a root directory (--data-root)")
         root_path = Path(root).expanduser().resolve()
@@ -375,8 +456,11 @@ class FolderDataset(ImageDataset):
         self.seed = int(seed)
         self.image_size = _check_image_size(image_size)
         self.limits = ImageLimits(max_pixels=max_pixels, max_bytes=max_bytes)
-        files = sorted(p.relative_to(base).as_posix() for p in base.rglob("*")
-                       if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+        files = sorted(
+            p.relative_to(base).as_posix()
+            for p in base.rglob("*")
+            if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()
+        )
         if size is not None:
             files = files[:size]
         if not files:
@@ -385,21 +469,39 @@ class FolderDataset(ImageDataset):
         self._prefix = base.relative_to(root_path).as_posix()  # "." or "train"/"test"
         self._size = size
         self._labels_option = labels
-        self._files = files                                     # every candidate file, cached or skipped
+        self._files = files  # every candidate file, cached or skipped
         cache_root = None if cache_dir is None else Path(cache_dir).expanduser()
         self._digests = file_digests(base, files, cache_root, progress=progress)
-        self.cache = open_or_build([base / f for f in files], [self._id_of(f) for f in files], self._digests,
-                                   cache_resolution(self.image_size), self.limits, cache_root=cache_root,
-                                   workers=cache_workers, progress=progress, label=f"folder/{split} images")
-        self._rows = np.flatnonzero(self.cache.ok)              # cache row of each item
+        self.cache = open_or_build(
+            [base / f for f in files],
+            [self._id_of(f) for f in files],
+            self._digests,
+            cache_resolution(self.image_size),
+            self.limits,
+            cache_root=cache_root,
+            workers=cache_workers,
+            progress=progress,
+            label=f"folder/{split} images",
+        )
+        self._rows = np.flatnonzero(self.cache.ok)  # cache row of each item
         self._rel = [files[int(r)] for r in self._rows]
-        self.skipped = [{"id": s["file"], "reason": s["reason"], "error": s["error"]} for s in self.cache.skipped]
-        if self.skipped:   # info: each command that uses the dataset reports the skipped files its own way
-            logger.info("folder/%s: %d of %d files skipped (%s); listed in %s", split, len(self.skipped), len(files),
-                        summarise_skipped(self.skipped), self.cache.path / "index.json")
+        self.skipped = [
+            {"id": s["file"], "reason": s["reason"], "error": s["error"]} for s in self.cache.skipped
+        ]
+        if self.skipped:  # info: each command that uses the dataset reports the skipped files its own way
+            logger.info(
+                "folder/%s: %d of %d files skipped (%s); listed in %s",
+                split,
+                len(self.skipped),
+                len(files),
+                summarise_skipped(self.skipped),
+                self.cache.path / "index.json",
+            )
         if not self._rel:
-            raise ValueError(f"none of the {len(files)} image files under {base} could be read "
-                             f"({summarise_skipped(self.skipped)}), e.g. {self.skipped[0]['error']}")
+            raise ValueError(
+                f"none of the {len(files)} image files under {base} could be read "
+                f"({summarise_skipped(self.skipped)}), e.g. {self.skipped[0]['error']}"
+            )
         tops = [f.split("/")[0] if "/" in f else None for f in files]
         nested = all(t is not None for t in tops)
         classes = sorted(set(tops)) if nested else []
@@ -408,7 +510,7 @@ class FolderDataset(ImageDataset):
             if not nested:
                 raise ValueError(f"labels=True but some images under {base} are not in class subfolders")
             index = {c: k for k, c in enumerate(classes)}
-            self.class_names = classes                          # from every file: ids do not depend on decodes
+            self.class_names = classes  # from every file: ids do not depend on decodes
             self.labels = np.array([index[tops[int(r)]] for r in self._rows], dtype=np.int64)
             self.labels.flags.writeable = False
 
@@ -452,9 +554,17 @@ class FolderDataset(ImageDataset):
         return preprocess(self.images_batch(indices), self.cache.resolution)
 
     def spec(self) -> dict[str, Any]:
-        return {"name": self.name, "split": self.split, "root": self.root, "size": self._size,
-                "seed": self.seed, "image_size": self.image_size, "labels": self._labels_option,
-                "max_pixels": self.limits.max_pixels, "max_bytes": self.limits.max_bytes}
+        return {
+            "name": self.name,
+            "split": self.split,
+            "root": self.root,
+            "size": self._size,
+            "seed": self.seed,
+            "image_size": self.image_size,
+            "labels": self._labels_option,
+            "max_pixels": self.limits.max_pixels,
+            "max_bytes": self.limits.max_bytes,
+        }
 
     def _content_digest(self, h: "hashlib._Hash") -> None:
         # name and sha256 of every candidate file (skipped ones too: fixing a file changes the data)

@@ -83,7 +83,7 @@ def default_device(device=None) -> torch.device:
 
 
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """"auto" -> cuda:LOCAL_RANK if available, else cpu; "cuda" -> cuda:LOCAL_RANK."""
+    """ "auto" -> cuda:LOCAL_RANK if available, else cpu; "cuda" -> cuda:LOCAL_RANK."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -125,13 +125,21 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     owns = False
     if not dist.is_initialized():
         dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size,
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
             **({"device_id": dev} if dev.type == "cuda" else {}),
         )
         owns = True
-    info = DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank,
-                    device=dev, backend=dist.get_backend(), owns_group=owns)
+    info = DistInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=dev,
+        backend=dist.get_backend(),
+        owns_group=owns,
+    )
     logger.info("distributed: rank %d/%d on %s (%s)", info.rank, info.world_size, dev, info.backend)
     return info
 
@@ -224,4 +232,3 @@ def average_gradients(params, info: DistInfo) -> None:
         if p.grad is not None:
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
             p.grad /= info.world_size
-

@@ -36,7 +36,14 @@ from training.transforms import MEAN, STD
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EncoderConfig", "Encoder", "create_encoder", "embed", "encoder_config_from_dict", "model_image_size"]
+__all__ = [
+    "EncoderConfig",
+    "Encoder",
+    "create_encoder",
+    "embed",
+    "encoder_config_from_dict",
+    "model_image_size",
+]
 
 DEFAULT_IMAGE_SIZE = 32
 
@@ -83,7 +90,9 @@ class EncoderConfig:
         for name in ("image_mean", "image_std"):
             value = getattr(self, name)
             if value is not None and (len(value) != 3 or (name == "image_std" and min(value) <= 0)):
-                raise ValueError(f"encoder.{name} must be 3 numbers{' > 0' if name == 'image_std' else ''}, got {value}")
+                raise ValueError(
+                    f"encoder.{name} must be 3 numbers{' > 0' if name == 'image_std' else ''}, got {value}"
+                )
         if self.model_name is not None:
             if self.pretrained is not None and not os.path.isfile(self.pretrained):
                 raise FileNotFoundError(
@@ -100,9 +109,7 @@ class EncoderConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"encoder.{name} must be positive, got {getattr(self, name)}")
         if self.width % self.heads != 0:
-            raise ValueError(
-                f"encoder.width={self.width} must be divisible by encoder.heads={self.heads}"
-            )
+            raise ValueError(f"encoder.width={self.width} must be divisible by encoder.heads={self.heads}")
         if isinstance(self.layers, tuple):
             if len(self.layers) != 4 or any(v <= 0 for v in self.layers):
                 raise ValueError(
@@ -130,12 +137,16 @@ def check_model_name(name: str) -> None:
     import open_clip
 
     if name not in open_clip.list_models():
-        raise ValueError(f"unknown open_clip model_name {name!r}; `python -c 'import open_clip; "
-                         f"print(open_clip.list_models())'` lists them")
+        raise ValueError(
+            f"unknown open_clip model_name {name!r}; `python -c 'import open_clip; "
+            f"print(open_clip.list_models())'` lists them"
+        )
     text = (open_clip.get_model_config(name) or {}).get("text_cfg", {})
     if text.get("hf_model_name"):
-        raise ValueError(f"open_clip model {name!r} builds its text tower from Hugging Face "
-                         f"({text['hf_model_name']}), which would download its configuration; pick another model")
+        raise ValueError(
+            f"open_clip model {name!r} builds its text tower from Hugging Face "
+            f"({text['hf_model_name']}), which would download its configuration; pick another model"
+        )
 
 
 def model_image_size(name: str) -> int | None:
@@ -168,7 +179,7 @@ class _Tower:
     dim: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    temperature: float | None = None   # the CLIP model's 1 / exp(logit_scale), named models only
+    temperature: float | None = None  # the CLIP model's 1 / exp(logit_scale), named models only
 
 
 def _build_tower(config: EncoderConfig) -> _Tower:
@@ -185,12 +196,22 @@ def _build_tower(config: EncoderConfig) -> _Tower:
                 pretrained_text=False,
                 pretrained_image=False,
             )
-        except (RuntimeError, ValueError, KeyError, OSError, EOFError, AssertionError, pickle.UnpicklingError) as err:
+        except (
+            RuntimeError,
+            ValueError,
+            KeyError,
+            OSError,
+            EOFError,
+            AssertionError,
+            pickle.UnpicklingError,
+        ) as err:
             if config.pretrained is None:
                 raise
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"cannot load encoder.pretrained={config.pretrained} into open_clip model "
-                             f"{config.model_name!r}: {first}") from err
+            raise ValueError(
+                f"cannot load encoder.pretrained={config.pretrained} into open_clip model "
+                f"{config.model_name!r}: {first}"
+            ) from err
         visual = model.visual
         dim = getattr(visual, "output_dim", None)
         if dim is None:  # e.g. timm towers: measure it
@@ -199,8 +220,13 @@ def _build_tower(config: EncoderConfig) -> _Tower:
         own = open_clip.get_model_preprocess_cfg(model)
         scale = getattr(model, "logit_scale", None)
         temperature = float(torch.exp(-scale.detach().float()).reshape(-1)[0]) if scale is not None else None
-        return _Tower(visual, int(dim), tuple(float(v) for v in own["mean"]), tuple(float(v) for v in own["std"]),
-                      temperature)
+        return _Tower(
+            visual,
+            int(dim),
+            tuple(float(v) for v in own["mean"]),
+            tuple(float(v) for v in own["std"]),
+            temperature,
+        )
 
     head_width = config.width // config.heads
     cfg = CLIPVisionCfg(
@@ -227,17 +253,24 @@ class Encoder(nn.Module):
         tower = _build_tower(config)
         if tower.dim != config.embed_dim and config.model_name is not None:
             if config.embed_dim != EncoderConfig.embed_dim:
-                logger.warning("open_clip model %s has embed_dim %d; overriding config embed_dim %d",
-                               config.model_name, tower.dim, config.embed_dim)
+                logger.warning(
+                    "open_clip model %s has embed_dim %d; overriding config embed_dim %d",
+                    config.model_name,
+                    tower.dim,
+                    config.embed_dim,
+                )
             config = replace(config, embed_dim=tower.dim)
         # the resolved normalisation is part of the config, so a checkpoint names it explicitly
-        config = replace(config, image_mean=config.image_mean or tower.mean, image_std=config.image_std or tower.std)
+        config = replace(
+            config, image_mean=config.image_mean or tower.mean, image_std=config.image_std or tower.std
+        )
         self.config = config
         self.image_size = config.image_size
         self.embed_dim = tower.dim
         self.tower = tower.module
         self.clip_temperature = tower.temperature
         from open_clip.modified_resnet import ModifiedResNet
+
         # convolutional towers run faster on CPU from channels-last input (oneDNN's NHWC kernels; same
         # outputs; docs/results.md §23); a ViT's patch embedding is slower that way
         self.prefers_channels_last = isinstance(self.tower, ModifiedResNet)
@@ -304,7 +337,11 @@ def _iter_batches(images: Any, batch_size: int) -> tuple[Iterable[torch.Tensor],
         n = len(images)  # type: ignore[arg-type]
     else:
         loader = images
-        n = len(images.dataset) if isinstance(images, DataLoader) and hasattr(images.dataset, "__len__") else None
+        n = (
+            len(images.dataset)
+            if isinstance(images, DataLoader) and hasattr(images.dataset, "__len__")
+            else None
+        )
 
     def gen() -> Iterable[torch.Tensor]:
         for batch in loader:
@@ -346,7 +383,10 @@ def embed(
     batches, n = _iter_batches(images, batch_size)
     out: list[np.ndarray] = []
     try:
-        with torch.inference_mode(), tqdm(total=n, desc="embed", unit="img", disable=not progress, leave=False) as bar:
+        with (
+            torch.inference_mode(),
+            tqdm(total=n, desc="embed", unit="img", disable=not progress, leave=False) as bar,
+        ):
             for batch in batches:
                 z = encoder(batch.to(device=device, dtype=torch.float32))  # (B, D)
                 out.append(z.float().cpu().numpy())

@@ -30,8 +30,15 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "PositiveGenerator", "LatentGenerator", "LabelGenerator", "InstanceGenerator", "NeighbourGenerator",
-    "GENERATORS", "register_generator", "create_generator", "log_i0",
+    "PositiveGenerator",
+    "LatentGenerator",
+    "LabelGenerator",
+    "InstanceGenerator",
+    "NeighbourGenerator",
+    "GENERATORS",
+    "register_generator",
+    "create_generator",
+    "log_i0",
 ]
 
 GENERATORS: dict[str, type["PositiveGenerator"]] = {}
@@ -51,8 +58,9 @@ def log_i0(kappa: float) -> float:
     return float(np.log(i0e(kappa)) + kappa)
 
 
-def augmented_views(dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator,
-                    config: AugmentConfig) -> torch.Tensor:
+def augmented_views(
+    dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator, config: AugmentConfig
+) -> torch.Tensor:
     """Random augmentations of items, cropped from the dataset's augmentation source (its cache
     squares for file-backed datasets) and resized to the dataset's image_size: (B, 3, S, S)."""
     source = getattr(dataset, "augment_source", dataset.tensors)
@@ -77,8 +85,9 @@ class PositiveGenerator:
         """Dense (Q, N) float64 block of log r(x_q, y_n); -inf where r = 0."""
         raise NotImplementedError
 
-    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_pairs(
+        self, dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(anchor views, positive views), each (B, 3, S, S) preprocessed."""
         raise NotImplementedError
 
@@ -102,8 +111,10 @@ class LatentGenerator(PositiveGenerator):
         if not np.isfinite(kappa) or kappa <= 0:
             raise ValueError(f"kappa must be a positive finite number, got {kappa}")
         self.kappa = kappa
-        self.description = (f"latent: every angle perturbed by von Mises(0, kappa={kappa:g}); "
-                            "exact log r = sum_i kappa cos(dtheta_i) - m log I0(kappa)")
+        self.description = (
+            f"latent: every angle perturbed by von Mises(0, kappa={kappa:g}); "
+            "exact log r = sum_i kappa cos(dtheta_i) - m log I0(kappa)"
+        )
 
     def options(self) -> dict[str, Any]:
         return {"kappa": self.kappa}
@@ -115,7 +126,7 @@ class LatentGenerator(PositiveGenerator):
             raise ValueError(f"latent metadata must be (Q, m) and (N, m) angles, got {q.shape} and {d.shape}")
         m = q.shape[1]
         # sum_i cos(a_i - b_i) = sum_i (cos a_i cos b_i + sin a_i sin b_i): one matmul
-        cos_sum = np.cos(q) @ np.cos(d).T + np.sin(q) @ np.sin(d).T          # (Q, N)
+        cos_sum = np.cos(q) @ np.cos(d).T + np.sin(q) @ np.sin(d).T  # (Q, N)
         return self.kappa * cos_sum - m * log_i0(self.kappa)
 
     def perturb(self, latents: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -123,10 +134,13 @@ class LatentGenerator(PositiveGenerator):
         lat = np.asarray(latents, dtype=np.float64)
         return np.mod(lat + rng.vonmises(0.0, self.kappa, size=lat.shape), 2 * np.pi)
 
-    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_pairs(
+        self, dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if dataset.latents is None or not hasattr(dataset, "render_latents"):
-            raise ValueError(f"the latent generator needs a dataset with latents (synthetic), got {dataset.name!r}")
+            raise ValueError(
+                f"the latent generator needs a dataset with latents (synthetic), got {dataset.name!r}"
+            )
         idx = _indices(indices, len(dataset))
         anchors = dataset.tensors(idx)
         positives = dataset.render_latents(self.perturb(dataset.latents[idx], rng))
@@ -145,20 +159,40 @@ class LabelGenerator(PositiveGenerator):
 
     exact = True
 
-    def __init__(self, augment: bool = True, crop_scale: tuple[float, float] = (0.7, 1.0),
-                 flip_p: float = 0.5, brightness: float = 0.1, contrast: float = 0.1, translate: float = 0.05):
+    def __init__(
+        self,
+        augment: bool = True,
+        crop_scale: tuple[float, float] = (0.7, 1.0),
+        flip_p: float = 0.5,
+        brightness: float = 0.1,
+        contrast: float = 0.1,
+        translate: float = 0.05,
+    ):
         self.augment = bool(augment)
-        self.aug = AugmentConfig(crop_scale=tuple(crop_scale), flip_p=flip_p, brightness=brightness,
-                                 contrast=contrast, translate=translate)
-        self.description = ("label: positive = random other item of the same class"
-                            + (" (augmented)" if self.augment else "")
-                            + "; exact log r = log(1[c=c'] / pi_c), pi_c from database labels")
+        self.aug = AugmentConfig(
+            crop_scale=tuple(crop_scale),
+            flip_p=flip_p,
+            brightness=brightness,
+            contrast=contrast,
+            translate=translate,
+        )
+        self.description = (
+            "label: positive = random other item of the same class"
+            + (" (augmented)" if self.augment else "")
+            + "; exact log r = log(1[c=c'] / pi_c), pi_c from database labels"
+        )
         self._cache: tuple[Any, ...] | None = None
 
     def options(self) -> dict[str, Any]:
         a = self.aug
-        return {"augment": self.augment, "crop_scale": list(a.crop_scale), "flip_p": a.flip_p,
-                "brightness": a.brightness, "contrast": a.contrast, "translate": a.translate}
+        return {
+            "augment": self.augment,
+            "crop_scale": list(a.crop_scale),
+            "flip_p": a.flip_p,
+            "brightness": a.brightness,
+            "contrast": a.contrast,
+            "translate": a.translate,
+        }
 
     def log_ratio(self, query_meta: np.ndarray, db_meta: np.ndarray) -> np.ndarray:
         q = np.asarray(query_meta).reshape(-1).astype(np.int64)
@@ -170,7 +204,7 @@ class LabelGenerator(PositiveGenerator):
         pos = np.searchsorted(classes, q).clip(0, classes.size - 1)
         present = classes[pos] == q
         neg_log_pi = np.where(present, np.log(d.size) - np.log(counts[pos].astype(np.float64)), -np.inf)
-        same = q[:, None] == d[None, :]                                                  # (Q, N)
+        same = q[:, None] == d[None, :]  # (Q, N)
         return np.where(same, neg_log_pi[:, None], -np.inf)
 
     def _class_index(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -187,17 +221,22 @@ class LabelGenerator(PositiveGenerator):
         self._cache = (labels, *out)
         return out
 
-    def positive_indices(self, labels: np.ndarray, indices: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def positive_indices(
+        self, labels: np.ndarray, indices: np.ndarray, rng: np.random.Generator
+    ) -> np.ndarray:
         """For each anchor, a uniformly random *other* item of its class (itself if it is alone)."""
         order, start, count, rank = self._class_index(labels)
         idx = _indices(indices, labels.size)
         n_c = count[idx]
-        k = np.floor(rng.random(idx.size) * np.maximum(n_c - 1, 1)).astype(np.int64)   # uniform in [0, n_c - 2]
-        k = np.where(n_c > 1, k + (k >= rank[idx]), rank[idx])                           # skip the anchor itself
+        k = np.floor(rng.random(idx.size) * np.maximum(n_c - 1, 1)).astype(
+            np.int64
+        )  # uniform in [0, n_c - 2]
+        k = np.where(n_c > 1, k + (k >= rank[idx]), rank[idx])  # skip the anchor itself
         return order[start[idx] + k]
 
-    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_pairs(
+        self, dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if dataset.labels is None:
             raise ValueError(f"the label generator needs a labelled dataset, {dataset.name!r} has no labels")
         idx = _indices(indices, len(dataset))
@@ -212,33 +251,66 @@ class InstanceGenerator(PositiveGenerator):
     """Augmentation positives: two random augmentations of the same image (approximate log r)."""
 
     exact = False
-    description = ("instance: two random augmentations of the same image; APPROXIMATE: point-mass "
-                   "approximation of q (log r = 0 on the source item, -inf elsewhere)")
+    description = (
+        "instance: two random augmentations of the same image; APPROXIMATE: point-mass "
+        "approximation of q (log r = 0 on the source item, -inf elsewhere)"
+    )
 
-    def __init__(self, crop_scale: tuple[float, float] = (0.5, 1.0), crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 flip_p: float = 0.5, translate: float = 0.1, brightness: float = 0.2, contrast: float = 0.2,
-                 saturation: float = 0.0, grey_p: float = 0.0, blur_p: float = 0.0, rotate: float = 0.0):
-        self.aug = AugmentConfig(crop_scale=tuple(crop_scale), crop_ratio=tuple(crop_ratio), flip_p=flip_p,
-                                 translate=translate, brightness=brightness, contrast=contrast,
-                                 saturation=saturation, grey_p=grey_p, blur_p=blur_p, rotate=rotate)
+    def __init__(
+        self,
+        crop_scale: tuple[float, float] = (0.5, 1.0),
+        crop_ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip_p: float = 0.5,
+        translate: float = 0.1,
+        brightness: float = 0.2,
+        contrast: float = 0.2,
+        saturation: float = 0.0,
+        grey_p: float = 0.0,
+        blur_p: float = 0.0,
+        rotate: float = 0.0,
+    ):
+        self.aug = AugmentConfig(
+            crop_scale=tuple(crop_scale),
+            crop_ratio=tuple(crop_ratio),
+            flip_p=flip_p,
+            translate=translate,
+            brightness=brightness,
+            contrast=contrast,
+            saturation=saturation,
+            grey_p=grey_p,
+            blur_p=blur_p,
+            rotate=rotate,
+        )
 
     def options(self) -> dict[str, Any]:
         a = self.aug
-        return {"crop_scale": list(a.crop_scale), "crop_ratio": list(a.crop_ratio), "flip_p": a.flip_p,
-                "translate": a.translate, "brightness": a.brightness, "contrast": a.contrast,
-                "saturation": a.saturation, "grey_p": a.grey_p, "blur_p": a.blur_p, "rotate": a.rotate}
+        return {
+            "crop_scale": list(a.crop_scale),
+            "crop_ratio": list(a.crop_ratio),
+            "flip_p": a.flip_p,
+            "translate": a.translate,
+            "brightness": a.brightness,
+            "contrast": a.contrast,
+            "saturation": a.saturation,
+            "grey_p": a.grey_p,
+            "blur_p": a.blur_p,
+            "rotate": a.rotate,
+        }
 
     def log_ratio(self, query_meta: np.ndarray, db_meta: np.ndarray) -> np.ndarray:
         q = np.asarray(query_meta).reshape(-1)
         d = np.asarray(db_meta).reshape(-1)
         return np.where(q[:, None] == d[None, :], 0.0, -np.inf)
 
-    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_pairs(
+        self, dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         idx = _indices(indices, len(dataset))
         source = getattr(dataset, "augment_source", dataset.tensors)(idx)
-        return (random_augment(source, rng, self.aug, out_size=dataset.image_size),
-                random_augment(source, rng, self.aug, out_size=dataset.image_size))
+        return (
+            random_augment(source, rng, self.aug, out_size=dataset.image_size),
+            random_augment(source, rng, self.aug, out_size=dataset.image_size),
+        )
 
 
 @register_generator("neighbour")
@@ -266,18 +338,28 @@ class NeighbourGenerator(InstanceGenerator):
             raise ValueError(f"k must be a positive integer, got {k!r}")
         if space not in self.SPACES:
             raise ValueError(f"space must be one of {', '.join(self.SPACES)}, got {space!r}")
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, (int, np.integer)) or refresh_every < 0:
+        if (
+            isinstance(refresh_every, bool)
+            or not isinstance(refresh_every, (int, np.integer))
+            or refresh_every < 0
+        ):
             raise ValueError(f"refresh_every must be a non-negative integer, got {refresh_every!r}")
         self.k, self.space, self.refresh_every = int(k), space, int(refresh_every)
-        where = ("grey-pixel" if space == "pixels" else {"encoder": "encoder", "both": "pixel+encoder"}[space]
-                 + (f", refreshed every {self.refresh_every} steps" if self.refresh_every else ", at step 0"))
-        self.description = (f"neighbour: anchor and one of its {self.k} nearest {where} neighbours, both "
-                            "augmented; APPROXIMATE: point-mass approximation of q")
+        where = (
+            "grey-pixel"
+            if space == "pixels"
+            else {"encoder": "encoder", "both": "pixel+encoder"}[space]
+            + (f", refreshed every {self.refresh_every} steps" if self.refresh_every else ", at step 0")
+        )
+        self.description = (
+            f"neighbour: anchor and one of its {self.k} nearest {where} neighbours, both "
+            "augmented; APPROXIMATE: point-mass approximation of q"
+        )
         self._table: tuple[Any, np.ndarray] | None = None  # (weakref to the dataset, (N, k) rows)
 
     def options(self) -> dict[str, Any]:
         out: dict[str, Any] = {"k": self.k}
-        if self.space != "pixels":   # the pixel default's options read as before
+        if self.space != "pixels":  # the pixel default's options read as before
             out.update(space=self.space, refresh_every=self.refresh_every)
         return {**out, **super().options()}
 
@@ -286,7 +368,9 @@ class NeighbourGenerator(InstanceGenerator):
         if self._table is not None and self._table[0]() is dataset:
             return self._table[1]
         if self.space != "pixels":
-            raise RuntimeError(f"{self.space}-space neighbours need refresh(encoder, dataset, step) before sampling")
+            raise RuntimeError(
+                f"{self.space}-space neighbours need refresh(encoder, dataset, step) before sampling"
+            )
         from training.neighbours import pixel_neighbours
 
         table = pixel_neighbours(dataset, self.k)
@@ -303,12 +387,15 @@ class NeighbourGenerator(InstanceGenerator):
             return False
         from training.neighbours import encoder_neighbours
 
-        self._table = (weakref.ref(dataset), encoder_neighbours(encoder, dataset, self.k,
-                                                                with_pixels=self.space == "both"))
+        self._table = (
+            weakref.ref(dataset),
+            encoder_neighbours(encoder, dataset, self.k, with_pixels=self.space == "both"),
+        )
         return True
 
-    def sample_pairs(self, dataset: "ImageDataset", indices: np.ndarray,
-                     rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample_pairs(
+        self, dataset: "ImageDataset", indices: np.ndarray, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         idx = _indices(indices, len(dataset))
         table = self.neighbour_table(dataset)
         pos = table[idx, rng.integers(0, self.k, size=idx.size)]

@@ -65,8 +65,10 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     dtype = IDX_DTYPES[code]
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if len(data) - header != expected:
-        raise ValueError(f"{path}: IDX body has {len(data) - header} bytes, header {shape} "
-                         f"of {dtype.name} needs {expected}")
+        raise ValueError(
+            f"{path}: IDX body has {len(data) - header} bytes, header {shape} "
+            f"of {dtype.name} needs {expected}"
+        )
     arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(shape)
     return arr.astype(dtype.newbyteorder("="), copy=True)
 
@@ -76,14 +78,19 @@ def write_idx(path: str | os.PathLike, array: np.ndarray, gzip: bool = False) ->
     arr = np.asarray(array)
     key = arr.dtype.str[1:]  # drop the byte-order character: "<f4" -> "f4"
     if key not in _CODES:
-        raise ValueError(f"IDX cannot store dtype {arr.dtype}; use one of uint8, int8, int16, int32, float32, float64")
+        raise ValueError(
+            f"IDX cannot store dtype {arr.dtype}; use one of uint8, int8, int16, int32, float32, float64"
+        )
     if not 1 <= arr.ndim <= 255:
         raise ValueError(f"IDX needs 1..255 dimensions, got {arr.ndim}")
     if any(s >= 2**32 for s in arr.shape):
         raise ValueError(f"IDX dimension sizes must fit in uint32, got {arr.shape}")
     code = _CODES[key]
-    payload = (struct.pack(">HBB", 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
-               + np.ascontiguousarray(arr, dtype=IDX_DTYPES[code]).tobytes())
+    payload = (
+        struct.pack(">HBB", 0, code, arr.ndim)
+        + struct.pack(f">{arr.ndim}I", *arr.shape)
+        + np.ascontiguousarray(arr, dtype=IDX_DTYPES[code]).tobytes()
+    )
     path = Path(path)
     if gzip:
         payload = _gzip.compress(payload, mtime=0)

@@ -45,14 +45,21 @@ from training.images import DECODE_VERSION, ImageError, ImageLimits, load_square
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CACHE_ENV", "ImageCache", "default_cache_root", "file_digests", "content_key", "open_or_build",
-           "summarise_skipped"]
+__all__ = [
+    "CACHE_ENV",
+    "ImageCache",
+    "default_cache_root",
+    "file_digests",
+    "content_key",
+    "open_or_build",
+    "summarise_skipped",
+]
 
 CACHE_ENV = "SOFTSEARCH_CACHE_DIR"
 IMAGES_FILE = "images.npy"
 INDEX_FILE = "index.json"
-_CHUNK = 32          # files per worker task
-_INLINE_BELOW = 64   # smaller lists are decoded in the calling process (no pool start-up)
+_CHUNK = 32  # files per worker task
+_INLINE_BELOW = 64  # smaller lists are decoded in the calling process (no pool start-up)
 
 
 def default_cache_root() -> Path:
@@ -80,7 +87,9 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def file_digests(base: Path, rel: list[str], cache_root: Path | None = None, progress: bool = True) -> list[str]:
+def file_digests(
+    base: Path, rel: list[str], cache_root: Path | None = None, progress: bool = True
+) -> list[str]:
     """sha256 hex of each file ``base/rel[i]`` ("unreadable" when it cannot be read).
 
     Memoised per directory on (size, mtime_ns, inode), so fingerprinting a folder again costs
@@ -108,8 +117,9 @@ def file_digests(base: Path, rel: list[str], cache_root: Path | None = None, pro
         else:
             out.append("")
             todo.append((len(out) - 1, r, stamp))
-    for pos, r, stamp in tqdm(todo, desc="hashing files", unit="file", leave=False,
-                              disable=not progress or len(todo) < 1000):
+    for pos, r, stamp in tqdm(
+        todo, desc="hashing files", unit="file", leave=False, disable=not progress or len(todo) < 1000
+    ):
         try:
             digest = _sha256_file(base / r)
         except OSError:
@@ -122,7 +132,7 @@ def file_digests(base: Path, rel: list[str], cache_root: Path | None = None, pro
         try:
             memo_path.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write_text(memo_path, json.dumps(memo, separators=(",", ":")))
-        except OSError as err:   # a read-only cache only costs hashing again next time
+        except OSError as err:  # a read-only cache only costs hashing again next time
             logger.info("cannot write the file digest memo %s: %s", memo_path, err)
     return out
 
@@ -140,11 +150,11 @@ class ImageCache:
     """An opened cache: ``images[row]`` is file `row` decoded to (R, R, 3) uint8 (memory-mapped)."""
 
     path: Path
-    images: np.ndarray                 # (N, R, R, 3) uint8, read-only memmap
-    ok: np.ndarray                     # (N,) bool: the file decoded
-    skipped: list[dict] = field(default_factory=list)   # {"row", "file", "reason", "error"}
+    images: np.ndarray  # (N, R, R, 3) uint8, read-only memmap
+    ok: np.ndarray  # (N,) bool: the file decoded
+    skipped: list[dict] = field(default_factory=list)  # {"row", "file", "reason", "error"}
     info: dict = field(default_factory=dict)
-    built: bool = False                # this call decoded the files (False: an existing cache was opened)
+    built: bool = False  # this call decoded the files (False: an existing cache was opened)
 
     @property
     def resolution(self) -> int:
@@ -174,15 +184,19 @@ def _decode_chunk(npy_path: str, jobs: list[tuple[int, str]], side: int, limits:
 def _pool_context():
     """fork while this process runs no other thread (tqdm's idle monitor aside): instant, and no
     lock can be held by a thread the child lacks; spawn otherwise (workers re-import the package)."""
-    others = [t for t in threading.enumerate()
-              if t is not threading.main_thread() and type(t).__name__ != "TMonitor"]
+    others = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and type(t).__name__ != "TMonitor"
+    ]
     return multiprocessing.get_context("spawn" if others or os.name != "posix" else "fork")
 
 
-def _decode_all(npy_path: Path, paths: list[Path], side: int, limits: ImageLimits, workers: int,
-                desc: str, progress: bool) -> list[tuple]:
+def _decode_all(
+    npy_path: Path, paths: list[Path], side: int, limits: ImageLimits, workers: int, desc: str, progress: bool
+) -> list[tuple]:
     jobs = [(i, str(p)) for i, p in enumerate(paths)]
-    chunks = [jobs[i:i + _CHUNK] for i in range(0, len(jobs), _CHUNK)]
+    chunks = [jobs[i : i + _CHUNK] for i in range(0, len(jobs), _CHUNK)]
     failures: list[tuple] = []
     with tqdm(total=len(jobs), desc=desc, unit="img", disable=not progress, leave=False) as bar:
         if workers <= 1 or len(jobs) < _INLINE_BELOW:
@@ -191,8 +205,10 @@ def _decode_all(npy_path: Path, paths: list[Path], side: int, limits: ImageLimit
                 bar.update(len(chunk))
         else:
             with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
-                futures = {pool.submit(_decode_chunk, str(npy_path), chunk, side, limits): len(chunk)
-                           for chunk in chunks}
+                futures = {
+                    pool.submit(_decode_chunk, str(npy_path), chunk, side, limits): len(chunk)
+                    for chunk in chunks
+                }
                 for fut in as_completed(futures):
                     failures.extend(fut.result())
                     bar.update(futures[fut])
@@ -227,7 +243,7 @@ def _locked(lock_path: Path):
     with open(lock_path, "a+") as fh:
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        except OSError as err:   # e.g. a filesystem without locks: the rename below still keeps readers safe
+        except OSError as err:  # e.g. a filesystem without locks: the rename below still keeps readers safe
             logger.info("no lock on %s (%s); building without it", lock_path, err)
         try:
             yield
@@ -236,9 +252,18 @@ def _locked(lock_path: Path):
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
-def open_or_build(paths: list[Path], names: list[str], digests: list[str], side: int,
-                  limits: ImageLimits, *, cache_root: Path | None = None, workers: int | None = None,
-                  progress: bool = True, label: str = "images") -> ImageCache:
+def open_or_build(
+    paths: list[Path],
+    names: list[str],
+    digests: list[str],
+    side: int,
+    limits: ImageLimits,
+    *,
+    cache_root: Path | None = None,
+    workers: int | None = None,
+    progress: bool = True,
+    label: str = "images",
+) -> ImageCache:
     """The cache of `paths` (display names `names`, content `digests`) at resolution `side`.
 
     Opens it when it exists; otherwise decodes every file once (``workers`` processes, default
@@ -246,18 +271,24 @@ def open_or_build(paths: list[Path], names: list[str], digests: list[str], side:
     """
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     n = len(paths)
-    spec = {"decode_version": DECODE_VERSION, "resolution": int(side), "max_pixels": int(limits.max_pixels),
-            "max_bytes": int(limits.max_bytes), "content": content_key(names, digests), "count": n}
+    spec = {
+        "decode_version": DECODE_VERSION,
+        "resolution": int(side),
+        "max_pixels": int(limits.max_pixels),
+        "max_bytes": int(limits.max_bytes),
+        "content": content_key(names, digests),
+        "count": n,
+    }
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32] + f"-r{side}"
     final = root / "images" / key
     cache = _open(final, n, side)
     if cache is not None:
         return cache
     with _locked(root / "images" / f"{key}.lock"):
-        cache = _open(final, n, side)   # another process may have finished it while we waited
+        cache = _open(final, n, side)  # another process may have finished it while we waited
         if cache is not None:
             return cache
-        for stale in final.parent.glob(f"{key}.tmp-*"):   # left by a builder that died (we hold the lock)
+        for stale in final.parent.glob(f"{key}.tmp-*"):  # left by a builder that died (we hold the lock)
             shutil.rmtree(stale, ignore_errors=True)
         if final.exists():
             shutil.rmtree(final, ignore_errors=True)
@@ -267,20 +298,28 @@ def open_or_build(paths: list[Path], names: list[str], digests: list[str], side:
             t0 = time.perf_counter()
             npy = tmp / IMAGES_FILE
             blank = np.lib.format.open_memmap(npy, mode="w+", dtype=np.uint8, shape=(n, side, side, 3))
-            del blank                          # a sparse file; workers fill the rows
+            del blank  # a sparse file; workers fill the rows
             cpus = os.cpu_count() or 1
             nworkers = max(1, min(int(workers) if workers else cpus, -(-n // _CHUNK)))
             failures = _decode_all(npy, paths, side, limits, nworkers, f"decoding {label}", progress)
-            if failures:                      # rows of skipped files are white, not zeros
+            if failures:  # rows of skipped files are white, not zeros
                 arr = np.lib.format.open_memmap(npy, mode="r+")
                 arr[[row for row, _, _ in failures]] = 255
                 arr.flush()
                 del arr
             seconds = time.perf_counter() - t0
-            skipped = [{"row": row, "file": names[row], "reason": code, "error": msg} for row, code, msg in failures]
-            info = {**spec, "skipped": skipped, "seconds": seconds, "workers": nworkers,
-                    "images_per_s": n / seconds if seconds > 0 else None, "label": label,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            skipped = [
+                {"row": row, "file": names[row], "reason": code, "error": msg} for row, code, msg in failures
+            ]
+            info = {
+                **spec,
+                "skipped": skipped,
+                "seconds": seconds,
+                "workers": nworkers,
+                "images_per_s": n / seconds if seconds > 0 else None,
+                "label": label,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
             with open(npy, "rb+") as fh:
                 os.fsync(fh.fileno())
             _atomic_write_text(tmp / INDEX_FILE, json.dumps(info, indent=1) + "\n")
@@ -289,10 +328,19 @@ def open_or_build(paths: list[Path], names: list[str], digests: list[str], side:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     cache = _open(final, n, side)
-    if cache is None:   # pragma: no cover - we just wrote it
+    if cache is None:  # pragma: no cover - we just wrote it
         raise RuntimeError(f"image cache {final} could not be read back")
     cache.built = True
     rate = f"{n / seconds:.0f} images/s" if seconds > 0 else "instant"
-    logger.info("cached %d %s at %dx%d in %.1f s (%s, %d worker(s)) -> %s", n, label, side, side, seconds, rate,
-                nworkers, final)
+    logger.info(
+        "cached %d %s at %dx%d in %.1f s (%s, %d worker(s)) -> %s",
+        n,
+        label,
+        side,
+        side,
+        seconds,
+        rate,
+        nworkers,
+        final,
+    )
     return cache

@@ -40,14 +40,25 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_BYTES", "DECODE_VERSION", "ImageLimits", "DEFAULT_LIMITS", "ImageError",
-    "ImageSource", "open_checked", "to_rgb_array", "load_rgb", "fit_square", "load_square", "load_query",
+    "DEFAULT_MAX_PIXELS",
+    "DEFAULT_MAX_BYTES",
+    "DECODE_VERSION",
+    "ImageLimits",
+    "DEFAULT_LIMITS",
+    "ImageError",
+    "ImageSource",
+    "open_checked",
+    "to_rgb_array",
+    "load_rgb",
+    "fit_square",
+    "load_square",
+    "load_query",
     "cache_resolution",
 ]
 
-DEFAULT_MAX_PIXELS = 20_000_000       # width * height; the API's max_image_pixels default
-DEFAULT_MAX_BYTES = 64 << 20          # 64 MiB per file: a 20 MP RGBA PNG compresses to well under this
-DECODE_VERSION = 1                    # bump when the pixels this module produces change (cache keys use it)
+DEFAULT_MAX_PIXELS = 20_000_000  # width * height; the API's max_image_pixels default
+DEFAULT_MAX_BYTES = 64 << 20  # 64 MiB per file: a 20 MP RGBA PNG compresses to well under this
+DECODE_VERSION = 1  # bump when the pixels this module produces change (cache keys use it)
 
 # Refused from the header by the pixel limit; PIL's warning would only repeat that, once per file.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
@@ -56,8 +67,17 @@ ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview]
 
 _WHITE = (255, 255, 255, 255)
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
-_PIL_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError,
-                      struct.error, zlib.error)
+_PIL_DECODE_ERRORS = (
+    OSError,
+    SyntaxError,
+    ValueError,
+    EOFError,
+    IndexError,
+    TypeError,
+    KeyError,
+    struct.error,
+    zlib.error,
+)
 
 
 @dataclass(frozen=True)
@@ -119,11 +139,12 @@ def open_checked(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> I
     fp = io.BytesIO(bytes(source)) if isinstance(source, (bytes, bytearray, memoryview)) else source
     try:
         image = Image.open(fp)
-    except Image.DecompressionBombError as err:   # over PIL's hard limit (2 x 89 MP) already at open
+    except Image.DecompressionBombError as err:  # over PIL's hard limit (2 x 89 MP) already at open
         found = re.search(r"\((\d+) pixels\)", str(err))
         pixels = f"{found.group(1)} pixels" if found else "too many pixels"
-        raise ImageError("image_too_large", f"{name}: {pixels}, limit is {limits.max_pixels} "
-                                            "(decompression-bomb guard)") from err
+        raise ImageError(
+            "image_too_large", f"{name}: {pixels}, limit is {limits.max_pixels} (decompression-bomb guard)"
+        ) from err
     except UnidentifiedImageError as err:
         raise ImageError("not_an_image", f"{name}: not a readable image file") from err
     except OSError as err:
@@ -131,15 +152,20 @@ def open_checked(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS) -> I
             raise ImageError("unreadable", f"{name}: cannot read file ({err})") from err
         raise ImageError("corrupt_image", f"{name}: broken image header ({err})") from err
     except _PIL_DECODE_ERRORS as err:
-        raise ImageError("corrupt_image", f"{name}: broken image header ({type(err).__name__}: {err})") from err
+        raise ImageError(
+            "corrupt_image", f"{name}: broken image header ({type(err).__name__}: {err})"
+        ) from err
     width, height = image.size
     if width < 1 or height < 1:
         image.close()
         raise ImageError("corrupt_image", f"{name}: image has no pixels ({width}x{height})")
     if width * height > limits.max_pixels:
         image.close()
-        raise ImageError("image_too_large", f"{name}: {width}x{height} = {width * height} pixels, "
-                                            f"limit is {limits.max_pixels} (decompression-bomb guard)")
+        raise ImageError(
+            "image_too_large",
+            f"{name}: {width}x{height} = {width * height} pixels, "
+            f"limit is {limits.max_pixels} (decompression-bomb guard)",
+        )
     return image
 
 
@@ -176,7 +202,9 @@ def to_rgb_array(image: Image.Image) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
-def load_rgb(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *, min_side: int | None = None) -> np.ndarray:
+def load_rgb(
+    source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *, min_side: int | None = None
+) -> np.ndarray:
     """Read and decode one image -> (H, W, 3) uint8 RGB, EXIF-oriented, transparency on white.
 
     With ``min_side``, a JPEG is decoded at the coarsest DCT scale (1/2, 1/4, 1/8) that keeps
@@ -187,7 +215,7 @@ def load_rgb(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *, min_s
         try:
             if min_side is not None and image.format == "JPEG":
                 image.draft(None, (int(min_side), int(min_side)))
-            image.load()   # the first frame of an animated file
+            image.load()  # the first frame of an animated file
             ImageOps.exif_transpose(image, in_place=True)
             return to_rgb_array(image)
         except Image.DecompressionBombError as err:
@@ -195,8 +223,9 @@ def load_rgb(source: ImageSource, limits: ImageLimits = DEFAULT_LIMITS, *, min_s
         except MemoryError as err:
             raise ImageError("image_too_large", f"{name}: out of memory while decoding") from err
         except _PIL_DECODE_ERRORS as err:
-            raise ImageError("corrupt_image", f"{name}: image data is truncated or corrupt "
-                                              f"({type(err).__name__}: {err})") from err
+            raise ImageError(
+                "corrupt_image", f"{name}: image data is truncated or corrupt ({type(err).__name__}: {err})"
+            ) from err
 
 
 def fit_square(rgb: np.ndarray | Image.Image, side: int) -> np.ndarray:
@@ -208,7 +237,9 @@ def fit_square(rgb: np.ndarray | Image.Image, side: int) -> np.ndarray:
     """
     if isinstance(side, bool) or not isinstance(side, (int, np.integer)) or side < 1:
         raise ValueError(f"side must be a positive integer, got {side!r}")
-    image = rgb if isinstance(rgb, Image.Image) else Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8))
+    image = (
+        rgb if isinstance(rgb, Image.Image) else Image.fromarray(np.ascontiguousarray(rgb, dtype=np.uint8))
+    )
     if image.mode != "RGB":
         image = Image.fromarray(to_rgb_array(image))
     w, h = image.size

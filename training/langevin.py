@@ -14,6 +14,7 @@ point is retracted to the sphere,
 With an adaptive optimizer (Adam) the result is a preconditioned-free noise on top of an adaptive
 drift, which is a heuristic rather than exact SGLD; with plain SGD it is exact SGLD.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,15 +48,19 @@ class LangevinNoise:
     ``generator``: optional ``torch.Generator`` for reproducible noise (CPU tensors).
     """
 
-    def __init__(self, noise_schedule: TemperatureSchedule | float | None,
-                 riemannian_params: Iterable[torch.Tensor] = (),
-                 generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        noise_schedule: TemperatureSchedule | float | None,
+        riemannian_params: Iterable[torch.Tensor] = (),
+        generator: torch.Generator | None = None,
+    ) -> None:
         if noise_schedule is not None and not isinstance(noise_schedule, TemperatureSchedule):
             try:
                 value = float(noise_schedule)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"noise_schedule must be a TemperatureSchedule, a number or None, "
-                                 f"got {noise_schedule!r}") from exc
+                raise ValueError(
+                    f"noise_schedule must be a TemperatureSchedule, a number or None, got {noise_schedule!r}"
+                ) from exc
             if math.isnan(value) or value < 0:
                 raise ValueError(f"constant noise temperature must be >= 0, got {value!r}")
             noise_schedule = value

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from training._registry import create_registered, make_register
 
 logger = logging.getLogger(__name__)
@@ -106,10 +107,14 @@ def contrastive_similarities(
     column of each anchor's positive and of the anchor itself.
     """
     if z_local.ndim != 2 or z_all.ndim != 2 or z_local.shape[1] != z_all.shape[1]:
-        raise ValueError(f"need (2n, D) and (2N, D) embeddings, got {tuple(z_local.shape)} and {tuple(z_all.shape)}")
+        raise ValueError(
+            f"need (2n, D) and (2N, D) embeddings, got {tuple(z_local.shape)} and {tuple(z_all.shape)}"
+        )
     two_n, two_big_n = z_local.shape[0], z_all.shape[0]
     if two_n % 2 or two_big_n % 2 or two_n == 0:
-        raise ValueError(f"embedding counts must be even and positive (two views), got {two_n} and {two_big_n}")
+        raise ValueError(
+            f"embedding counts must be even and positive (two views), got {two_n} and {two_big_n}"
+        )
     n, big_n = two_n // 2, two_big_n // 2
     if not 0 <= local_offset <= big_n - n:
         raise ValueError(f"local_offset={local_offset} out of range for {n} local of {big_n} global pairs")
@@ -179,7 +184,9 @@ class InfoNCELoss(ContrastiveLoss):
     averaged over anchors.
     """
 
-    def loss_from_similarities(self, sim, pos_index, self_index, temperature, gather: Gather = identity_gather):
+    def loss_from_similarities(
+        self, sim, pos_index, self_index, temperature, gather: Gather = identity_gather
+    ):
         logits = _masked_logits(sim, self_index, sim / temperature)  # (2n, 2N)
         loss = F.cross_entropy(logits, pos_index)  # mean over the 2n local anchors
         with torch.no_grad():

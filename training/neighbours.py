@@ -37,8 +37,9 @@ def grey_pixels(dataset: "ImageDataset", batch_size: int = 4096) -> torch.Tensor
     return torch.cat(rows) if rows else torch.zeros((0, 0))
 
 
-def top_k_cosine(x: torch.Tensor, k: int, block: int = 2048, progress: bool = False,
-                 desc: str = "neighbours") -> np.ndarray:
+def top_k_cosine(
+    x: torch.Tensor, k: int, block: int = 2048, progress: bool = False, desc: str = "neighbours"
+) -> np.ndarray:
     """(N, k) int64: row i lists the k rows of unit-norm `x` (N, D) with the largest inner product
     with row i, best first, never i itself. Exact (blocked matmul + top-k), O(block N) memory."""
     n = x.shape[0]
@@ -66,8 +67,13 @@ def pixel_neighbours(dataset: "ImageDataset", k: int, block: int = 2048, progres
     return out
 
 
-def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int, batch_size: int = 512,
-                       with_pixels: bool = False) -> np.ndarray:
+def encoder_neighbours(
+    encoder: torch.nn.Module,
+    dataset: "ImageDataset",
+    k: int,
+    batch_size: int = 512,
+    with_pixels: bool = False,
+) -> np.ndarray:
     """(N, k) int64: each item's k nearest items by cosine of the encoder's embeddings (eval mode, as
     an index embeds them), best first, never itself; the encoder's train/eval mode is restored.
     ``with_pixels``: ranked by the mean of that cosine and the grey-pixel one instead."""
@@ -80,12 +86,16 @@ def encoder_neighbours(encoder: torch.nn.Module, dataset: "ImageDataset", k: int
     encoder.eval()
     try:
         with torch.no_grad():
-            z = torch.cat([encoder(dataset.tensors(np.arange(s, min(s + batch_size, n))).to(device)).float().cpu()
-                           for s in range(0, n, batch_size)])
+            z = torch.cat(
+                [
+                    encoder(dataset.tensors(np.arange(s, min(s + batch_size, n))).to(device)).float().cpu()
+                    for s in range(0, n, batch_size)
+                ]
+            )
     finally:
         encoder.train(was_training)
     x = F.normalize(z, dim=1)
-    if with_pixels:   # [a, b] / sqrt(2) of unit rows: inner products are the mean of the two cosines
+    if with_pixels:  # [a, b] / sqrt(2) of unit rows: inner products are the mean of the two cosines
         x = torch.cat([x, grey_pixels(dataset)], dim=1) / np.sqrt(2.0)
     out = top_k_cosine(x, k)
     logger.info("encoder neighbours: %d items, k=%d in %.1f s", n, k, time.perf_counter() - t0)

@@ -9,6 +9,7 @@ The paper shows that with alpha_t -> 0 InfoNCE training keeps its limit and the 
 tends to a Gaussian under milder assumptions. The weight schedule is the project's own choice:
 alpha_t = alpha_0 / (1 + t / decay_steps).
 """
+
 from __future__ import annotations
 
 import torch

@@ -13,6 +13,7 @@ Schedules are ``nn.Module`` s so a learnable temperature lives in ``state_dict``
 ``options`` for checkpoint lineage). ``temperature(step)`` returns a Python float, except for
 ``learnable`` which returns a 0-dim tensor carrying gradient.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,6 +22,7 @@ import warnings
 
 import torch
 from torch import nn
+
 from training._registry import create_registered, make_register
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,11 @@ def schedule_options(name: str) -> dict:
     import inspect
 
     sig = inspect.signature(SCHEDULES[name].__init__)
-    return {p.name: p.default for p in list(sig.parameters.values())[1:] if p.default is not inspect.Parameter.empty}
+    return {
+        p.name: p.default
+        for p in list(sig.parameters.values())[1:]
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def _toml(value) -> str:
@@ -65,12 +71,17 @@ def create_schedule(name: str, **options) -> "TemperatureSchedule":
         if not isinstance(exc.__cause__, TypeError):
             raise
         takes = schedule_options(name)
-        inline = ", ".join(f"{k} = {_toml(v)}" for k, v in takes.items() if k != "steps_per_epoch" and v is not None
-                           and not (isinstance(v, float) and math.isinf(v)))
-        raise ValueError(f"{exc}. {name!r} takes "
-                         f"{', '.join(takes)}; an options table inherited from a config file must be replaced "
-                         f"whole, e.g. --set 'schedule_options={{{inline}}}' (noise_options for a noise "
-                         f"schedule)") from exc
+        inline = ", ".join(
+            f"{k} = {_toml(v)}"
+            for k, v in takes.items()
+            if k != "steps_per_epoch" and v is not None and not (isinstance(v, float) and math.isinf(v))
+        )
+        raise ValueError(
+            f"{exc}. {name!r} takes "
+            f"{', '.join(takes)}; an options table inherited from a config file must be replaced "
+            f"whole, e.g. --set 'schedule_options={{{inline}}}' (noise_options for a noise "
+            f"schedule)"
+        ) from exc
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> float:
@@ -96,9 +107,13 @@ def _clip(schedule: "TemperatureSchedule", tau: float, step) -> float:
     """tau clipped to [tau_min, tau_max]; warns once when the floor ends an annealing schedule."""
     if tau < schedule.tau_min and not getattr(schedule, "_floor_warned", False):
         schedule._floor_warned = True
-        warnings.warn(f"{schedule.name} schedule: the floor tau_min={schedule.tau_min} takes over at step {step}; "
-                      f"from here the temperature is constant and the schedule no longer anneals "
-                      f"(set tau_min = 0 to keep annealing)", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"{schedule.name} schedule: the floor tau_min={schedule.tau_min} takes over at step {step}; "
+            f"from here the temperature is constant and the schedule no longer anneals "
+            f"(set tau_min = 0 to keep annealing)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return min(max(tau, schedule.tau_min), schedule.tau_max)
 
 
@@ -165,8 +180,9 @@ class LearnableSchedule(TemperatureSchedule):
     The clamp passes zero gradient outside the range, like CLIP's post-step clamp.
     """
 
-    def __init__(self, tau: float = 0.07, tau_min: float = 0.01, tau_max: float = 1.0,
-                 steps_per_epoch: int = 1) -> None:
+    def __init__(
+        self, tau: float = 0.07, tau_min: float = 0.01, tau_max: float = 1.0, steps_per_epoch: int = 1
+    ) -> None:
         tau = _positive("tau", tau)
         tau_min, tau_max = _clip_range(tau_min, tau_max)
         if tau_min == 0:
@@ -195,8 +211,15 @@ class LogSchedule(TemperatureSchedule):
     configured floor takes over a warning names the step.
     """
 
-    def __init__(self, tau_0: float | None = None, t_0: float = 2.0, c: float = 1.0,
-                 tau_min: float = 0.0, tau_max: float = float("inf"), steps_per_epoch: int = 1) -> None:
+    def __init__(
+        self,
+        tau_0: float | None = None,
+        t_0: float = 2.0,
+        c: float = 1.0,
+        tau_min: float = 0.0,
+        tau_max: float = float("inf"),
+        steps_per_epoch: int = 1,
+    ) -> None:
         t_0 = _positive("t_0", t_0)
         c = _positive("c", c)
         if tau_0 is None:
@@ -218,8 +241,14 @@ class LogSchedule(TemperatureSchedule):
 class ExpSchedule(TemperatureSchedule):
     """Exponential decay tau_t = tau_0 * gamma^t clipped to [tau_min, tau_max] (a fast schedule)."""
 
-    def __init__(self, tau_0: float = 1.0, gamma: float = 0.999, tau_min: float = 0.01,
-                 tau_max: float = float("inf"), steps_per_epoch: int = 1) -> None:
+    def __init__(
+        self,
+        tau_0: float = 1.0,
+        gamma: float = 0.999,
+        tau_min: float = 0.01,
+        tau_max: float = float("inf"),
+        steps_per_epoch: int = 1,
+    ) -> None:
         tau_0 = _positive("tau_0", tau_0)
         gamma = _positive("gamma", gamma)
         if gamma > 1:
@@ -244,8 +273,9 @@ class CosineSchedule(TemperatureSchedule):
     tau_max = 1.0 as in the paper. It oscillates; it does not anneal.
     """
 
-    def __init__(self, tau_min: float = 0.1, tau_max: float = 1.0, period: float = 400.0,
-                 steps_per_epoch: int = 1) -> None:
+    def __init__(
+        self, tau_min: float = 0.1, tau_max: float = 1.0, period: float = 400.0, steps_per_epoch: int = 1
+    ) -> None:
         tau_min, tau_max = _clip_range(tau_min, tau_max)
         period = _positive("period", period)
         super().__init__(steps_per_epoch, tau_min=tau_min, tau_max=tau_max, period=period)
@@ -253,4 +283,7 @@ class CosineSchedule(TemperatureSchedule):
 
     def temperature(self, step: int | float) -> float:
         e = self._time(step)
-        return self.tau_min + (self.tau_max - self.tau_min) * (1.0 + math.cos(2.0 * math.pi * e / self.period)) / 2.0
+        return (
+            self.tau_min
+            + (self.tau_max - self.tau_min) * (1.0 + math.cos(2.0 * math.pi * e / self.period)) / 2.0
+        )

@@ -23,19 +23,25 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-M = 3                      # number of latent angles
-RESOLUTION = 32            # rendered side in pixels
-RENDER_VERSION = 1         # bump when the renderer's pixels change (enters dataset fingerprints)
-GRADIENT = 0.3             # background brightness slope
-DISC_ORBIT = 0.45          # radius of the circle the disc centre moves on
+M = 3  # number of latent angles
+RESOLUTION = 32  # rendered side in pixels
+RENDER_VERSION = 1  # bump when the renderer's pixels change (enters dataset fingerprints)
+GRADIENT = 0.3  # background brightness slope
+DISC_ORBIT = 0.45  # radius of the circle the disc centre moves on
 DISC_RADIUS = 0.3
-CHROMA = 0.4               # amplitude of the hue wheel
-EDGE = 0.5                 # logistic edge width, in pixels
+CHROMA = 0.4  # amplitude of the hue wheel
+EDGE = 0.5  # logistic edge width, in pixels
 DEFAULT_SIZES = {"train": 4096, "test": 512}
-SPLIT_STREAMS = {"train": 0, "test": 1}   # independent seed streams per split
+SPLIT_STREAMS = {"train": 0, "test": 1}  # independent seed streams per split
 
 __all__ = [
-    "M", "RESOLUTION", "DEFAULT_SIZES", "render", "oracle_embedding", "sample_latents", "wrap_angles",
+    "M",
+    "RESOLUTION",
+    "DEFAULT_SIZES",
+    "render",
+    "oracle_embedding",
+    "sample_latents",
+    "wrap_angles",
 ]
 
 
@@ -72,23 +78,23 @@ def render(latents: np.ndarray, resolution: int = RESOLUTION, block: int = 2048)
         raise ValueError(f"resolution must be >= 4, got {resolution}")
     # pixel centres in [-1, 1]; row 0 is the top of the image so y points up
     coords = (np.arange(resolution, dtype=np.float32) + 0.5) / resolution * 2.0 - 1.0
-    ux = coords[None, :]           # (1, R): x per column
-    uy = -coords[:, None]          # (R, 1): y per row
-    px = 2.0 / resolution          # pixel size in these units
+    ux = coords[None, :]  # (1, R): x per column
+    uy = -coords[:, None]  # (R, 1): y per row
+    px = 2.0 / resolution  # pixel size in these units
     out = np.empty((lat.shape[0], resolution, resolution, 3), dtype=np.uint8)
     phases = np.float32(2 * np.pi / 3) * np.arange(3, dtype=np.float32)
     for start in range(0, lat.shape[0], block):
-        t = lat[start:start + block].astype(np.float32)                                # (b, 3)
+        t = lat[start : start + block].astype(np.float32)  # (b, 3)
         c1, s1 = np.cos(t[:, 0])[:, None, None], np.sin(t[:, 0])[:, None, None]
-        bg = 0.5 + GRADIENT * (ux * c1 + uy * s1)                                       # (b, R, R)
-        colour = 0.5 + CHROMA * np.cos(t[:, 1:2] - phases[None, :])                     # (b, 3)
+        bg = 0.5 + GRADIENT * (ux * c1 + uy * s1)  # (b, R, R)
+        colour = 0.5 + CHROMA * np.cos(t[:, 1:2] - phases[None, :])  # (b, 3)
         cx = (DISC_ORBIT * np.cos(t[:, 2]))[:, None, None]
         cy = (DISC_ORBIT * np.sin(t[:, 2]))[:, None, None]
-        dist = np.sqrt((ux - cx) ** 2 + (uy - cy) ** 2)                                # (b, R, R)
+        dist = np.sqrt((ux - cx) ** 2 + (uy - cy) ** 2)  # (b, R, R)
         # soft coverage: alpha = sigmoid((r - d) / (EDGE * px))
         alpha = 0.5 * (1.0 + np.tanh((DISC_RADIUS - dist) / (2.0 * EDGE * px)))
         img = (1.0 - alpha)[..., None] * bg[..., None] + alpha[..., None] * colour[:, None, None, :]
-        out[start:start + block] = np.clip(np.rint(img * 255.0), 0, 255).astype(np.uint8)
+        out[start : start + block] = np.clip(np.rint(img * 255.0), 0, 255).astype(np.uint8)
     return out
 
 

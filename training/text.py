@@ -24,8 +24,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TextConfig", "TextEncoder", "text_config_from_dict", "load_text_encoder", "TEXT_PREFIX",
-           "MAX_TEXT_CHARS"]
+__all__ = [
+    "TextConfig",
+    "TextEncoder",
+    "text_config_from_dict",
+    "load_text_encoder",
+    "TEXT_PREFIX",
+    "MAX_TEXT_CHARS",
+]
 
 TEXT_PREFIX = "text."
 #: longest query text accepted (characters); the tokenizer truncates to the context length anyway
@@ -37,7 +43,7 @@ class TextConfig:
     """Architecture of the text tower; JSON-able via `dataclasses.asdict`."""
 
     context_length: int = 32
-    vocab_size: int = 49408    # open_clip's SimpleTokenizer vocabulary
+    vocab_size: int = 49408  # open_clip's SimpleTokenizer vocabulary
     width: int = 64
     heads: int = 4
     layers: int = 2
@@ -101,19 +107,31 @@ class TextEncoder(nn.Module):
         self.embed_dim = int(embed_dim)
         if clip_model is not None:
             self.tower = _text_tower_of(clip_model)
-            self.config = config = TextConfig(**{**asdict(config), "context_length": int(clip_model.context_length),
-                                                 "vocab_size": int(clip_model.vocab_size)})
+            self.config = config = TextConfig(
+                **{
+                    **asdict(config),
+                    "context_length": int(clip_model.context_length),
+                    "vocab_size": int(clip_model.vocab_size),
+                }
+            )
         elif config.model_name is not None:
             import open_clip
 
-            model = open_clip.create_model(config.model_name, pretrained=None, pretrained_image=False,
-                                           pretrained_text=False)
+            model = open_clip.create_model(
+                config.model_name, pretrained=None, pretrained_image=False, pretrained_text=False
+            )
             self.tower = _text_tower_of(model)
         else:
             from open_clip.model import CLIPTextCfg, _build_text_tower
 
-            cfg = CLIPTextCfg(context_length=config.context_length, vocab_size=config.vocab_size, width=config.width,
-                              heads=config.heads, layers=config.layers, mlp_ratio=config.mlp_ratio)
+            cfg = CLIPTextCfg(
+                context_length=config.context_length,
+                vocab_size=config.vocab_size,
+                width=config.width,
+                heads=config.heads,
+                layers=config.layers,
+                mlp_ratio=config.mlp_ratio,
+            )
             self.tower = _build_text_tower(self.embed_dim, cfg)
         self.tokenizer = SimpleTokenizer(context_length=config.context_length)
 
@@ -140,7 +158,9 @@ class TextEncoder(nn.Module):
         try:
             with torch.inference_mode():
                 for i in range(0, len(texts), batch_size):
-                    out.append(self(self.tokenize(texts[i:i + batch_size]).to(device)).float().cpu().numpy())
+                    out.append(
+                        self(self.tokenize(texts[i : i + batch_size]).to(device)).float().cpu().numpy()
+                    )
         finally:
             self.train(was)
         if not out:
@@ -169,11 +189,13 @@ def load_text_encoder(path: str | Path, device: str | torch.device = "cpu") -> T
         raise ValueError(f"{path} has an invalid text tower record ({err})") from err
     encoder = TextEncoder(config, embed_dim)
     with safe_open(str(path), framework="pt") as fh:
-        state = {k[len(TEXT_PREFIX):]: fh.get_tensor(k) for k in fh.keys() if k.startswith(TEXT_PREFIX)}
+        state = {k[len(TEXT_PREFIX) :]: fh.get_tensor(k) for k in fh.keys() if k.startswith(TEXT_PREFIX)}
     want = encoder.state_dict()
     if set(state) != set(want):
         missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-        raise ValueError(f"{path}: text tower weights do not match its config {json.dumps(asdict(config))}: "
-                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{path}: text tower weights do not match its config {json.dumps(asdict(config))}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     encoder.load_state_dict(state, strict=True)
     return encoder.to(device).eval()

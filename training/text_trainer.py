@@ -51,12 +51,18 @@ _TEXT_TAG = 0x7E47
 class CaptionData:
     """The captions of a dataset's items: `texts(indices, rng)` and `keys` (equal key = equal caption)."""
 
-    def __init__(self, items: np.ndarray, keys: np.ndarray, describe: dict, scheme: CaptionScheme | None = None,
-                 fixed: list[str] | None = None):
+    def __init__(
+        self,
+        items: np.ndarray,
+        keys: np.ndarray,
+        describe: dict,
+        scheme: CaptionScheme | None = None,
+        fixed: list[str] | None = None,
+    ):
         self.items, self.keys, self.describe, self.scheme, self.fixed = items, keys, describe, scheme, fixed
 
     def texts(self, dataset, indices: np.ndarray, rng: np.random.Generator) -> list[str]:
-        if self.scheme is not None:   # synthetic: the cell's words in a randomly drawn template
+        if self.scheme is not None:  # synthetic: the cell's words in a randomly drawn template
             templates = rng.integers(0, len(TEMPLATES), size=len(indices))
             return self.scheme.captions(dataset.latents[indices], templates)
         return [self.fixed[int(i)] for i in indices]
@@ -67,26 +73,41 @@ def caption_data(dataset, options: dict) -> CaptionData:
     if getattr(dataset, "latents", None) is not None and dataset.name == "synthetic":
         scheme = CaptionScheme(tuple(options.get("bins", CaptionScheme().bins)))
         cells = scheme.cells(dataset.latents)
-        return CaptionData(np.arange(len(dataset)), cells,
-                           {"captions": "synthetic", "bins": list(scheme.bins), "exact": True}, scheme=scheme)
+        return CaptionData(
+            np.arange(len(dataset)),
+            cells,
+            {"captions": "synthetic", "bins": list(scheme.bins), "exact": True},
+            scheme=scheme,
+        )
     if "bins" in options:
         raise ValueError("text.bins applies to the synthetic dataset only")
     root = getattr(dataset, "root", None)
     if not root:
-        raise ValueError(f"dataset {dataset.name!r} has no captions: use the synthetic dataset or a folder with "
-                         "captions.jsonl or sidecar .txt files")
+        raise ValueError(
+            f"dataset {dataset.name!r} has no captions: use the synthetic dataset or a folder with "
+            "captions.jsonl or sidecar .txt files"
+        )
     ids = dataset.item_ids()
     caps = read_captions(root, ids)
     items = np.flatnonzero([c is not None for c in caps])
     if items.size < 2:
-        raise ValueError(f"{root}: {items.size} captioned image(s); image-text training needs captions.jsonl "
-                         "({\"file\", \"text\"} per line) or sidecar NAME.txt files for at least 2 images")
-    _, keys = np.unique(np.array([caps[i] or "" for i in range(len(caps))], dtype=object).astype(str),
-                        return_inverse=True)
-    logger.info("%s: %d of %d images have captions (%d distinct)", root, items.size, len(ids),
-                np.unique(keys[items]).size)
-    return CaptionData(items, keys, {"captions": "files", "captioned": int(items.size), "exact": False},
-                       fixed=caps)
+        raise ValueError(
+            f"{root}: {items.size} captioned image(s); image-text training needs captions.jsonl "
+            '({"file", "text"} per line) or sidecar NAME.txt files for at least 2 images'
+        )
+    _, keys = np.unique(
+        np.array([caps[i] or "" for i in range(len(caps))], dtype=object).astype(str), return_inverse=True
+    )
+    logger.info(
+        "%s: %d of %d images have captions (%d distinct)",
+        root,
+        items.size,
+        len(ids),
+        np.unique(keys[items]).size,
+    )
+    return CaptionData(
+        items, keys, {"captions": "files", "captioned": int(items.size), "exact": False}, fixed=caps
+    )
 
 
 def unique_caption_batch(data: CaptionData, batch_size: int, rng: np.random.Generator) -> np.ndarray:
@@ -97,15 +118,22 @@ def unique_caption_batch(data: CaptionData, batch_size: int, rng: np.random.Gene
     return perm[np.sort(first)][:batch_size]
 
 
-def clip_step(encoder, text: TextEncoder, loss_fn, images: torch.Tensor | None, tokens: torch.Tensor,
-              temperature, image_embeddings: torch.Tensor | None = None) -> LossOutput:
+def clip_step(
+    encoder,
+    text: TextEncoder,
+    loss_fn,
+    images: torch.Tensor | None,
+    tokens: torch.Tensor,
+    temperature,
+    image_embeddings: torch.Tensor | None = None,
+) -> LossOutput:
     """Symmetric CLIP loss of N (image, caption) pairs: image->text and text->image rows together.
     `image_embeddings` (N, D) stand in for `encoder(images)` when the image tower is locked."""
-    zi = encoder(images) if image_embeddings is None else image_embeddings   # (N, D)
-    zt = text(tokens)                         # (N, D)
-    sim = zi @ zt.T                           # (N, N) s(image i, caption j)
+    zi = encoder(images) if image_embeddings is None else image_embeddings  # (N, D)
+    zt = text(tokens)  # (N, D)
+    sim = zi @ zt.T  # (N, N) s(image i, caption j)
     n = sim.shape[0]
-    rows = torch.cat([sim, sim.T])            # (2N, N): image anchors, then caption anchors
+    rows = torch.cat([sim, sim.T])  # (2N, N): image anchors, then caption anchors
     pos = torch.arange(n, device=sim.device).repeat(2)
     out = loss_fn.loss_from_similarities(rows, pos, None, temperature)
     return out
@@ -114,11 +142,22 @@ def clip_step(encoder, text: TextEncoder, loss_fn, images: torch.Tensor | None, 
 def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     """Train image and text towers per `config` (its `text` table set); returns the checkpoint path."""
     from training.schedules import create_schedule
-    from training.trainer import (CHECKPOINT_NAME, CONFIG_NAME, METRICS_NAME, STATE_NAME, build_data,
-                                  optimizer_groups, seed_everything, to_float, lr_at)
+    from training.trainer import (
+        CHECKPOINT_NAME,
+        CONFIG_NAME,
+        METRICS_NAME,
+        STATE_NAME,
+        build_data,
+        lr_at,
+        optimizer_groups,
+        seed_everything,
+        to_float,
+    )
 
     if resume:
-        raise ValueError("--resume is not supported for image-text training (a [text] table); start a fresh run")
+        raise ValueError(
+            "--resume is not supported for image-text training (a [text] table); start a fresh run"
+        )
     if info.enabled:
         raise ValueError("image-text training runs in one process; start it without torchrun")
     options = dict(config.text)
@@ -137,15 +176,19 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     if options.get("image_checkpoint"):
         encoder, meta = load_checkpoint(options["image_checkpoint"], device=device)
         if encoder.image_size != config.encoder.image_size:
-            raise ValueError(f"text.image_checkpoint {options['image_checkpoint']} takes {encoder.image_size}px images, "
-                             f"encoder.image_size is {config.encoder.image_size}")
+            raise ValueError(
+                f"text.image_checkpoint {options['image_checkpoint']} takes {encoder.image_size}px images, "
+                f"encoder.image_size is {config.encoder.image_size}"
+            )
         encoder.train()
     else:
         if options.get("lock_image"):
-            raise ValueError("text.lock_image needs text.image_checkpoint (a trained image tower to keep fixed)")
+            raise ValueError(
+                "text.lock_image needs text.image_checkpoint (a trained image tower to keep fixed)"
+            )
         encoder = create_encoder(config.encoder).to(device)
     locked = None
-    if options.get("lock_image"):   # LiT: the image tower stays as trained; its embeddings are computed once
+    if options.get("lock_image"):  # LiT: the image tower stays as trained; its embeddings are computed once
         from training.encoder import embed
 
         encoder.eval().requires_grad_(False)
@@ -165,11 +208,21 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
         "train_config_hash": config_hash(config.lineage_dict()),
         "dataset": dataset.spec(),
         "dataset_fingerprint": dataset.fingerprint(),
-        "generator": {"name": dataset.default_generator().name, "options": dataset.default_generator().options(),
-                      "exact": bool(dataset.default_generator().exact)},
-        "text": {**data.describe, "tower": asdict(text.config),
-                 **({"image_checkpoint": str(options["image_checkpoint"])} if options.get("image_checkpoint") else {}),
-                 "image_tower": "locked (LiT)" if locked is not None else "trained"},
+        "generator": {
+            "name": dataset.default_generator().name,
+            "options": dataset.default_generator().options(),
+            "exact": bool(dataset.default_generator().exact),
+        },
+        "text": {
+            **data.describe,
+            "tower": asdict(text.config),
+            **(
+                {"image_checkpoint": str(options["image_checkpoint"])}
+                if options.get("image_checkpoint")
+                else {}
+            ),
+            "image_tower": "locked (LiT)" if locked is not None else "trained",
+        },
         "world_size": 1,
     }
     stop = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
@@ -178,8 +231,13 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
     both.train()
     if locked is not None:
         encoder.eval()
-    bar = tqdm(range(stop), total=config.steps, desc="train image+text", disable=not config.progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        range(stop),
+        total=config.steps,
+        desc="train image+text",
+        disable=not config.progress,
+        dynamic_ncols=True,
+    )
     with (out / METRICS_NAME).open("a") as metrics_file:
         for step in bar:
             t0 = time.perf_counter()
@@ -188,8 +246,15 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
             images = dataset.tensors(idx).to(device) if locked is None else None
             tokens = text.tokenize(data.texts(dataset, idx, rng)).to(device)
             tau = schedule.temperature(step)
-            result = clip_step(encoder, text, loss_fn, images, tokens, tau,
-                               None if locked is None else locked[idx].to(device))
+            result = clip_step(
+                encoder,
+                text,
+                loss_fn,
+                images,
+                tokens,
+                tau,
+                None if locked is None else locked[idx].to(device),
+            )
             if not torch.isfinite(result.loss):
                 raise FloatingPointError(f"loss became {float(result.loss)} at step {step}")
             optimizer.zero_grad(set_to_none=True)
@@ -201,17 +266,42 @@ def train_text(config: TrainConfig, info, resume: bool = False) -> Path:
                 group["lr"] = lr
             optimizer.step()
             dt = time.perf_counter() - t0
-            last = {"step": step, "loss": float(result.loss.detach()), "temperature": to_float(tau), "lr": lr,
-                    "pairs": int(len(idx)), "pairs_per_s": len(idx) / dt, **result.stats}
+            last = {
+                "step": step,
+                "loss": float(result.loss.detach()),
+                "temperature": to_float(tau),
+                "lr": lr,
+                "pairs": int(len(idx)),
+                "pairs_per_s": len(idx) / dt,
+                **result.stats,
+            }
             metrics_file.write(json.dumps(last) + "\n")
             if step % config.log_every == 0:
                 metrics_file.flush()
                 bar.set_postfix(loss=f"{last['loss']:.4f}", tau=f"{last['temperature']:.3g}")
-            if (step + 1) % config.checkpoint_every == 0 and step + 1 < stop:   # weights so far (no resume state)
-                save_checkpoint(out / CHECKPOINT_NAME, encoder, step=step + 1, train_config=config.to_dict(),
-                                lineage=lineage, metrics=last, text_encoder=text)
+            if (
+                step + 1
+            ) % config.checkpoint_every == 0 and step + 1 < stop:  # weights so far (no resume state)
+                save_checkpoint(
+                    out / CHECKPOINT_NAME,
+                    encoder,
+                    step=step + 1,
+                    train_config=config.to_dict(),
+                    lineage=lineage,
+                    metrics=last,
+                    text_encoder=text,
+                )
     bar.close()
-    path = save_checkpoint(out / CHECKPOINT_NAME, encoder, step=stop, train_config=config.to_dict(),
-                           lineage=lineage, metrics=last, text_encoder=text)
-    logger.info("trained image and text towers to step %d; final loss %s; checkpoint %s", stop, last.get("loss"), path)
+    path = save_checkpoint(
+        out / CHECKPOINT_NAME,
+        encoder,
+        step=stop,
+        train_config=config.to_dict(),
+        lineage=lineage,
+        metrics=last,
+        text_encoder=text,
+    )
+    logger.info(
+        "trained image and text towers to step %d; final loss %s; checkpoint %s", stop, last.get("loss"), path
+    )
     return path

@@ -1,5 +1,6 @@
 """`softsearch train`'s command line, apart from the trainer so that `--help` and a mistyped flag load
 no torch (training/trainer.py runs the parsed command)."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,16 +21,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(
         prog="softsearch train",
         description="Train a contrastive image encoder from a TOML config. Runs unchanged under "
-                    "`torchrun --nproc-per-node N` (batch_size is the global batch).",
+        "`torchrun --nproc-per-node N` (batch_size is the global batch).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="temperature schedules (schedule = NAME, options in [schedule_options]; the same for\n"
-               "noise_schedule / [noise_options]), with their defaults:\n" + SCHEDULE_HELP +
-               "\n\nswitching schedule replaces the options table whole, e.g.\n"
-               "  --set schedule='\"cosine\"' --set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
+        "noise_schedule / [noise_options]), with their defaults:\n"
+        + SCHEDULE_HELP
+        + "\n\nswitching schedule replaces the options table whole, e.g.\n"
+        "  --set schedule='\"cosine\"' --set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
     )
-    parser.add_argument("--config", help="TOML config file (configs/synthetic.toml, ...); defaults if omitted")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, dotted for tables: --set encoder.width=32 (repeatable)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in out_dir from its train_state")
+    parser.add_argument(
+        "--config", help="TOML config file (configs/synthetic.toml, ...); defaults if omitted"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, dotted for tables: --set encoder.width=32 (repeatable)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run in out_dir from its train_state"
+    )
     parser.add_argument("--out", help="output directory (overrides out_dir)")
     return parser

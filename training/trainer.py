@@ -46,13 +46,13 @@ from training.checkpoint import (
 from training.config import TrainConfig, config_from_dict, load_train_config
 from training.distributed import (
     DistInfo,
-    torchrun_env,
     all_reduce_mean,
     average_gradients,
     barrier,
-    gather_detached,
     distributed_session,
+    gather_detached,
     gather_embeddings,
+    torchrun_env,
 )
 from training.encoder import Encoder, create_encoder
 from training.losses import ContrastiveLoss, LossOutput, contrastive_similarities, create_loss
@@ -122,8 +122,9 @@ def batch_indices(step: int, n_items: int, batch_size: int, seed: int) -> np.nda
     return _EpochSampler(n_items, batch_size, seed)(step)
 
 
-def sample_views(generator, dataset, indices: np.ndarray, *, seed: int, step: int, offset: int,
-                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_views(
+    generator, dataset, indices: np.ndarray, *, seed: int, step: int, offset: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Views (n, 3, S, S) x 2 for global batch positions [offset, offset + n).
 
     Pair chunk c (positions [c chunk, (c + 1) chunk)) draws its positives from an RNG seeded by
@@ -140,8 +141,15 @@ def sample_views(generator, dataset, indices: np.ndarray, *, seed: int, step: in
     return torch.cat(parts_a), torch.cat(parts_b)
 
 
-def contrastive_step(model: nn.Module, loss_fn: ContrastiveLoss, view_a: torch.Tensor, view_b: torch.Tensor,
-                     temperature: float | torch.Tensor, info: DistInfo, reg_weight: float = 0.0) -> LossOutput:
+def contrastive_step(
+    model: nn.Module,
+    loss_fn: ContrastiveLoss,
+    view_a: torch.Tensor,
+    view_b: torch.Tensor,
+    temperature: float | torch.Tensor,
+    info: DistInfo,
+    reg_weight: float = 0.0,
+) -> LossOutput:
     """Forward pass + loss for this rank's n pairs (the full batch when single-process).
 
     The loss averages over the 2n local anchors; with DDP's gradient averaging this gives the
@@ -157,12 +165,15 @@ def contrastive_step(model: nn.Module, loss_fn: ContrastiveLoss, view_a: torch.T
         z_local = model(images)  # (2n, D) = cat(view_a_local, view_b_local)
     z_all = gather_embeddings(z_local, info)  # (2N, D) = cat(view_a_global, view_b_global)
     sim, pos_index, self_index = contrastive_similarities(z_local, z_all, info.rank * n)  # (2n, 2N)
-    out = loss_fn.loss_from_similarities(sim, pos_index, self_index, temperature,
-                                         gather=partial(gather_detached, info=info))
+    out = loss_fn.loss_from_similarities(
+        sim, pos_index, self_index, temperature, gather=partial(gather_detached, info=info)
+    )
     if reg_weight > 0:
         reg = gaussian_regularizer(h_local)
-        out = LossOutput(out.loss + reg_weight * reg.to(out.loss.dtype),
-                         {**out.stats, "gaussian_reg": float(reg.detach()), "gaussian_reg_weight": reg_weight})
+        out = LossOutput(
+            out.loss + reg_weight * reg.to(out.loss.dtype),
+            {**out.stats, "gaussian_reg": float(reg.detach()), "gaussian_reg_weight": reg_weight},
+        )
     return out
 
 
@@ -199,12 +210,22 @@ def build_data(config: TrainConfig):
         options.setdefault("kappa", config.kappa)
     options.setdefault("image_size", config.encoder.image_size)
     if options["image_size"] != config.encoder.image_size:
-        raise ValueError(f"dataset_options.image_size={options['image_size']} differs from "
-                         f"encoder.image_size={config.encoder.image_size}")
-    if dataset_is_file_backed({"name": config.dataset}):   # runtime options, not part of the spec
-        options.update(cache_dir=config.cache_dir, cache_workers=config.cache_workers, progress=config.progress)
-    dataset = create_dataset(config.dataset, split=config.split, root=config.data_root,
-                             size=config.dataset_size, seed=config.dataset_seed, **options)
+        raise ValueError(
+            f"dataset_options.image_size={options['image_size']} differs from "
+            f"encoder.image_size={config.encoder.image_size}"
+        )
+    if dataset_is_file_backed({"name": config.dataset}):  # runtime options, not part of the spec
+        options.update(
+            cache_dir=config.cache_dir, cache_workers=config.cache_workers, progress=config.progress
+        )
+    dataset = create_dataset(
+        config.dataset,
+        split=config.split,
+        root=config.data_root,
+        size=config.dataset_size,
+        seed=config.dataset_seed,
+        **options,
+    )
     if config.generator is None and not config.generator_options:
         generator = dataset.default_generator()
     else:
@@ -214,7 +235,9 @@ def build_data(config: TrainConfig):
             # Class folders, when present, are the positives (the held-out test/ split keeps the evaluation
             # honest); otherwise an image and one of its nearest grey-pixel neighbours, with these options.
             name, gen_options = ("label", {}) if dataset.labels is not None else ("neighbour", gen_options)
-            logger.info("generator auto -> %s (%s)", name, "class folders found" if name == "label" else "no classes")
+            logger.info(
+                "generator auto -> %s (%s)", name, "class folders found" if name == "label" else "no classes"
+            )
         if name == "latent" and config.kappa is not None:
             gen_options.setdefault("kappa", config.kappa)
         generator = create_generator(name, **gen_options)
@@ -233,8 +256,15 @@ def _report_skipped(dataset, out: Path, info: DistInfo) -> None:
 
     if info.is_main:
         path.write_text(json.dumps(skipped, indent=1) + "\n")
-        logger.warning("training on %d images of %s/%s; %d file(s) skipped (%s), listed in %s", len(dataset),
-                       dataset.name, dataset.split, len(skipped), summarise_skipped(skipped), path)
+        logger.warning(
+            "training on %d images of %s/%s; %d file(s) skipped (%s), listed in %s",
+            len(dataset),
+            dataset.name,
+            dataset.split,
+            len(skipped),
+            summarise_skipped(skipped),
+            path,
+        )
 
 
 def optimizer_groups(encoder: Encoder, schedule: nn.Module, weight_decay: float) -> list[dict]:
@@ -261,11 +291,15 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
     dataset, generator = build_data(config)
     _report_skipped(dataset, out, info)
     if config.batch_size % info.world_size:
-        raise ValueError(f"batch_size={config.batch_size} must be divisible by the world size {info.world_size}")
+        raise ValueError(
+            f"batch_size={config.batch_size} must be divisible by the world size {info.world_size}"
+        )
     local = config.batch_size // info.world_size
     if info.enabled and local % config.sample_chunk:
-        raise ValueError(f"per-rank batch {local} must be a multiple of sample_chunk={config.sample_chunk} "
-                         "so every rank draws the same positives as a single process would")
+        raise ValueError(
+            f"per-rank batch {local} must be a multiple of sample_chunk={config.sample_chunk} "
+            "so every rank draws the same positives as a single process would"
+        )
     encoder = create_encoder(config.encoder).to(info.device)
     schedule = create_schedule(config.schedule, **config.schedule_options).to(info.device)
     loss_fn = create_loss(config.loss, **config.loss_options).to(info.device)
@@ -276,14 +310,18 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
         # Same noise seed on every rank: the parameters must stay identical across replicas.
         noise_gen = torch.Generator(device=info.device).manual_seed(config.seed + _NOISE_TAG)
         # A floor ends annealing, so decaying noise schedules (log, exp) default to none: T_t -> 0.
-        noise_options = ({"tau_min": 0.0} if config.noise_schedule in ("log", "exp") else {}) | config.noise_options
+        noise_options = (
+            {"tau_min": 0.0} if config.noise_schedule in ("log", "exp") else {}
+        ) | config.noise_options
         noise = LangevinNoise(create_schedule(config.noise_schedule, **noise_options), generator=noise_gen)
     optimizer = torch.optim.AdamW(optimizer_groups(encoder, schedule, config.weight_decay), lr=config.lr)
     model: nn.Module = encoder
     if info.enabled:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(encoder, device_ids=[info.device] if info.device.type == "cuda" else None)
+        model = DistributedDataParallel(
+            encoder, device_ids=[info.device] if info.device.type == "cuda" else None
+        )
     describe = getattr(schedule, "describe", None)
     lineage = {
         "objective": config.loss,
@@ -299,8 +337,22 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
         "world_size": info.world_size,
     }
     sampler = _EpochSampler(len(dataset), config.batch_size, config.seed)
-    return _Run(config, info, out, dataset, generator, encoder, model, loss_fn, schedule, noise, noise_gen,
-                optimizer, sampler, lineage)
+    return _Run(
+        config,
+        info,
+        out,
+        dataset,
+        generator,
+        encoder,
+        model,
+        loss_fn,
+        schedule,
+        noise,
+        noise_gen,
+        optimizer,
+        sampler,
+        lineage,
+    )
 
 
 def _rng_snapshot(run: _Run) -> tuple[dict[str, torch.Tensor], dict]:
@@ -332,19 +384,35 @@ def _rng_restore(run: _Run, rng: dict[str, torch.Tensor], extra: dict) -> None:
         random.setstate((version, tuple(internal), gauss))
 
 
-def _save(run: _Run, step: int, metrics: dict, path_name: str = CHECKPOINT_NAME, with_state: bool = True) -> Path:
+def _save(
+    run: _Run, step: int, metrics: dict, path_name: str = CHECKPOINT_NAME, with_state: bool = True
+) -> Path:
     """Rank 0 writes the checkpoint (+ resume state); every rank waits at the barrier."""
     path = run.out / path_name
     if run.info.is_main:
-        save_checkpoint(path, run.encoder, step=step, train_config=run.config.to_dict(),
-                        lineage=run.lineage, metrics=metrics)
+        save_checkpoint(
+            path,
+            run.encoder,
+            step=step,
+            train_config=run.config.to_dict(),
+            lineage=run.lineage,
+            metrics=metrics,
+        )
         if with_state:
             rng_tensors, rng_json = _rng_snapshot(run)
-            save_train_state(run.out / STATE_NAME, step=step, optimizer=run.optimizer,
-                             schedule_state=run.schedule.state_dict(), loss_state=run.loss_fn.state_dict(),
-                             rng_tensors=rng_tensors,
-                             extra_json={**rng_json, "train_config_hash": run.lineage["train_config_hash"],
-                                         "checkpoint": path_name})
+            save_train_state(
+                run.out / STATE_NAME,
+                step=step,
+                optimizer=run.optimizer,
+                schedule_state=run.schedule.state_dict(),
+                loss_state=run.loss_fn.state_dict(),
+                rng_tensors=rng_tensors,
+                extra_json={
+                    **rng_json,
+                    "train_config_hash": run.lineage["train_config_hash"],
+                    "checkpoint": path_name,
+                },
+            )
     barrier(run.info)
     return path
 
@@ -360,7 +428,9 @@ def _check_resume_config(config: TrainConfig, out: Path) -> None:
     if diff:
         raise ValueError(f"cannot resume {out}: config differs from the saved run in {diff}")
     if old.get("steps") != new.get("steps"):
-        logger.warning("resuming with steps=%s (was %s): the cosine lr schedule changes", new["steps"], old["steps"])
+        logger.warning(
+            "resuming with steps=%s (was %s): the cosine lr schedule changes", new["steps"], old["steps"]
+        )
 
 
 def _resume(run: _Run) -> int:
@@ -382,8 +452,11 @@ def _resume(run: _Run) -> int:
     # Drop metric lines from steps after the checkpoint (a crash can leave some behind).
     metrics_path = run.out / METRICS_NAME
     if run.info.is_main and metrics_path.is_file():
-        keep = [line for line in metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] < state["step"]]
+        keep = [
+            line
+            for line in metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] < state["step"]
+        ]
         metrics_path.write_text("".join(line + "\n" for line in keep))
     logger.info("resumed %s at step %d", run.out, state["step"])
     return int(state["step"])
@@ -419,7 +492,7 @@ def train(config: TrainConfig, resume: bool = False) -> Path:
     """Train per `config`; returns the final checkpoint path (out_dir/checkpoint.safetensors)."""
     config.validate()
     with distributed_session(config.device) as info:
-        if config.text:   # a [text] table: image and text towers, CLIP objective
+        if config.text:  # a [text] table: image and text towers, CLIP objective
             from training.text_trainer import train_text
 
             return train_text(config, info, resume)
@@ -452,14 +525,21 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
 
     def views(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = run.sampler(step)[offset : offset + n_local]  # this rank's pairs, (n,)
-        return sample_views(run.generator, run.dataset, idx, seed=config.seed, step=step,
-                            offset=offset, chunk=config.sample_chunk)
+        return sample_views(
+            run.generator,
+            run.dataset,
+            idx,
+            seed=config.seed,
+            step=step,
+            offset=offset,
+            chunk=config.sample_chunk,
+        )
 
     stop = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
     if start >= stop:
         logger.info("%s is already at step %d (>= %d); nothing to do", out, start, stop)
         return out / CHECKPOINT_NAME
-    refresh = getattr(run.generator, "refresh", None)   # encoder-space neighbours follow the encoder
+    refresh = getattr(run.generator, "refresh", None)  # encoder-space neighbours follow the encoder
     if refresh is not None:
         refresh(run.encoder, run.dataset, start)
     prefetch = _Prefetcher(views, config.num_workers, stop)
@@ -468,19 +548,28 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
     metrics_file = (out / METRICS_NAME).open("a") if info.is_main else None
     last: dict = {}
     run.model.train()
-    bar = tqdm(range(start, stop), initial=start, total=config.steps, desc="train",
-               disable=not (config.progress and info.is_main), dynamic_ncols=True)
+    bar = tqdm(
+        range(start, stop),
+        initial=start,
+        total=config.steps,
+        desc="train",
+        disable=not (config.progress and info.is_main),
+        dynamic_ncols=True,
+    )
     try:
         for step in bar:
             t0 = time.perf_counter()
             if refresh is not None and step > start:
-                refresh(run.encoder, run.dataset, step)   # views already prefetched keep the old table
+                refresh(run.encoder, run.dataset, step)  # views already prefetched keep the old table
             view_a, view_b = prefetch.get(step)
             view_a = view_a.to(info.device, non_blocking=True)
             view_b = view_b.to(info.device, non_blocking=True)
             tau = run.schedule.temperature(step)
-            reg_weight = (vanishing_weight(step, config.gaussian_reg, config.gaussian_reg_decay)
-                          if config.gaussian_reg > 0 else 0.0)
+            reg_weight = (
+                vanishing_weight(step, config.gaussian_reg, config.gaussian_reg_decay)
+                if config.gaussian_reg > 0
+                else 0.0
+            )
             out_loss = contrastive_step(run.model, run.loss_fn, view_a, view_b, tau, info, reg_weight)
             if not torch.isfinite(out_loss.loss):
                 raise FloatingPointError(f"loss became {float(out_loss.loss)} at step {step}")
@@ -499,8 +588,14 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
             if info.device.type == "cuda":
                 torch.cuda.synchronize(info.device)
             dt = time.perf_counter() - t0
-            last = {"step": step, "loss": loss_value, "temperature": to_float(tau), "lr": lr,
-                    "images_per_s": 2 * config.batch_size / dt, **out_loss.stats}
+            last = {
+                "step": step,
+                "loss": loss_value,
+                "temperature": to_float(tau),
+                "lr": lr,
+                "images_per_s": 2 * config.batch_size / dt,
+                **out_loss.stats,
+            }
             if noise_t is not None:
                 last["noise_temperature"] = noise_t
             if grad_norm is not None:
@@ -509,8 +604,12 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
                 metrics_file.write(json.dumps(last) + "\n")
                 metrics_file.flush()
                 if step % config.log_every == 0 or step == config.steps - 1:
-                    bar.set_postfix(loss=f"{loss_value:.4f}", tau=f"{last['temperature']:.3g}", lr=f"{lr:.2e}")
-                    logger.debug("step %d loss %.4f tau %.4g lr %.3g", step, loss_value, last["temperature"], lr)
+                    bar.set_postfix(
+                        loss=f"{loss_value:.4f}", tau=f"{last['temperature']:.3g}", lr=f"{lr:.2e}"
+                    )
+                    logger.debug(
+                        "step %d loss %.4f tau %.4g lr %.3g", step, loss_value, last["temperature"], lr
+                    )
             done = step + 1
             if done % config.checkpoint_every == 0 and done < stop:
                 _save(run, done, last)
@@ -521,8 +620,13 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
             metrics_file.close()
     final = _save(run, max(stop, start), last)
     if info.is_main:
-        logger.info("trained to step %d of %d; final loss %s; checkpoint %s", max(stop, start), config.steps,
-                    last.get("loss"), final)
+        logger.info(
+            "trained to step %d of %d; final loss %s; checkpoint %s",
+            max(stop, start),
+            config.steps,
+            last.get("loss"),
+            final,
+        )
     return final
 
 

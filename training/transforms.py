@@ -61,9 +61,11 @@ def resize_center_crop(x: torch.Tensor, size: int) -> torch.Tensor:
         scale = size / min(h, w)
         nh, nw = max(size, round(h * scale)), max(size, round(w * scale))
         # antialias only matters (and is only supported for bilinear) when shrinking
-        x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=(nh < h or nw < w))
+        x = F.interpolate(
+            x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=(nh < h or nw < w)
+        )
     top, left = (nh - size) // 2, (nw - size) // 2
-    return x[..., top:top + size, left:left + size]
+    return x[..., top : top + size, left : left + size]
 
 
 def _normalise_uint8(batch: np.ndarray, image_size: int) -> torch.Tensor:

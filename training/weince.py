@@ -38,6 +38,7 @@ Distributed training: the batch statistics (rho_0 quantile, EMAs, the beta_t tai
 identical on every rank, so they are computed on values passed through the ``gather`` hook of
 ``loss_from_similarities`` (training/losses.py contract); everything else is per anchor.
 """
+
 from __future__ import annotations
 
 import logging
@@ -61,15 +62,21 @@ SLOPE_PENALTY = 1e6
 class TailFit(NamedTuple):
     """Per-row least-squares tail fits (all shaped like the leading dims of the input)."""
 
-    beta: torch.Tensor          # slope of log F on log delta (Weibull / power-law exponent)
-    daic: torch.Tensor          # AIC_gumbel - AIC_weibull; > 0 favours the finite-endpoint Weibull tail
-    r2: torch.Tensor            # R^2 of the Weibull fit
-    gumbel_rate: torch.Tensor   # slope of the Gumbel proxy (log F on delta, or log(-log F) on log delta)
-    n: int                      # points used per row
+    beta: torch.Tensor  # slope of log F on log delta (Weibull / power-law exponent)
+    daic: torch.Tensor  # AIC_gumbel - AIC_weibull; > 0 favours the finite-endpoint Weibull tail
+    r2: torch.Tensor  # R^2 of the Weibull fit
+    gumbel_rate: torch.Tensor  # slope of the Gumbel proxy (log F on delta, or log(-log F) on log delta)
+    n: int  # points used per row
 
 
-def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6, presorted: bool = False,
-             gumbel: str = "exponential", slope_penalty: bool = False) -> TailFit:
+def tail_fit(
+    shortfalls: torch.Tensor,
+    burn: int = 0,
+    eps: float = 1e-6,
+    presorted: bool = False,
+    gumbel: str = "exponential",
+    slope_penalty: bool = False,
+) -> TailFit:
     """Fit Weibull and Gumbel tails to each row of ``shortfalls`` (..., m), vectorised.
 
     Rows are sorted ascending; the k-th smallest gets F = k / (m + 1) (the normalisation only
@@ -79,7 +86,9 @@ def tail_fit(shortfalls: torch.Tensor, burn: int = 0, eps: float = 1e-6, presort
     ``slope_penalty`` adds SLOPE_PENALTY to the SSE of a fit whose slope has the wrong sign.
     """
     if shortfalls.dim() < 1 or shortfalls.shape[-1] - burn < 3:
-        raise ValueError(f"need at least 3 shortfalls per row after burn={burn}, got shape {tuple(shortfalls.shape)}")
+        raise ValueError(
+            f"need at least 3 shortfalls per row after burn={burn}, got shape {tuple(shortfalls.shape)}"
+        )
     if gumbel not in GUMBEL_PROXIES:
         raise ValueError(f"gumbel must be one of {GUMBEL_PROXIES}, got {gumbel!r}")
     work = shortfalls.detach()
@@ -150,8 +159,9 @@ def power_law_slope(sorted_shortfalls: torch.Tensor, eps: float = 1e-6) -> tuple
     return max(float(slope), 0.0), float(r2)
 
 
-def weince_logits(sim: torch.Tensor, lam: torch.Tensor, beta: torch.Tensor, temperature,
-                  eps: float = 1e-6) -> torch.Tensor:
+def weince_logits(
+    sim: torch.Tensor, lam: torch.Tensor, beta: torch.Tensor, temperature, eps: float = 1e-6
+) -> torch.Tensor:
     """l_ij = (1 - lam_i) s_ij / tau + lam_i beta_i (-log(1 - min(s_ij, 1 - eps))); sim (A, C), lam/beta (A,)."""
     weibit = torch.log1p(-sim.clamp(max=1.0 - eps))  # (A, C) log delta (the Weibull coordinate, negated)
     # two fused passes over (A, C): sim * ((1 - lam)/tau) - (lam beta) * log delta
@@ -160,10 +170,22 @@ def weince_logits(sim: torch.Tensor, lam: torch.Tensor, beta: torch.Tensor, temp
 
 # Options whose default depends on ``variant``: the paper's as-run rules vs the project's blend.
 VARIANTS: dict[str, dict] = {
-    "paper": {"ema": 0.0, "gumbel_proxy": "loglog", "slope_penalty": True, "rho0_rule": "nearest",
-              "weib_lambda": 0.5, "pl_lambda": 0.5},
-    "blend": {"ema": 0.9, "gumbel_proxy": "exponential", "slope_penalty": False, "rho0_rule": "linear",
-              "weib_lambda": 0.0, "pl_lambda": 0.0},
+    "paper": {
+        "ema": 0.0,
+        "gumbel_proxy": "loglog",
+        "slope_penalty": True,
+        "rho0_rule": "nearest",
+        "weib_lambda": 0.5,
+        "pl_lambda": 0.5,
+    },
+    "blend": {
+        "ema": 0.9,
+        "gumbel_proxy": "exponential",
+        "slope_penalty": False,
+        "rho0_rule": "linear",
+        "weib_lambda": 0.0,
+        "pl_lambda": 0.0,
+    },
 }
 RHO0_RULES = ("linear", "nearest")
 
@@ -173,9 +195,28 @@ def _is_number(value) -> bool:
 
 
 _INT_OPTIONS = ("m", "weib_top_m", "pl_top_m", "weib_min_tail_points")
-_FLOAT_OPTIONS = ("margin", "kappa_rho", "kappa_aic", "quantile", "tail_frac", "burn_frac", "eps", "beta", "beta_min",
-                  "beta_max", "shrink_c", "ema", "fixed_lambda", "weib_lambda", "pl_lambda", "weib_beta",
-                  "weib_beta_init", "weib_beta_momentum", "weib_r2_min", "weib_tail_frac")
+_FLOAT_OPTIONS = (
+    "margin",
+    "kappa_rho",
+    "kappa_aic",
+    "quantile",
+    "tail_frac",
+    "burn_frac",
+    "eps",
+    "beta",
+    "beta_min",
+    "beta_max",
+    "shrink_c",
+    "ema",
+    "fixed_lambda",
+    "weib_lambda",
+    "pl_lambda",
+    "weib_beta",
+    "weib_beta_init",
+    "weib_beta_momentum",
+    "weib_r2_min",
+    "weib_tail_frac",
+)
 
 
 @dataclass(frozen=True)
@@ -232,21 +273,60 @@ class WEINCEConfig:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _validate(*, variant, margin, kappa_rho, kappa_aic, quantile, m, tail_frac, burn_frac, eps, beta, beta_min,
-              beta_max, shrink_c, ema, fixed_lambda, gumbel_proxy, slope_penalty, rho0_rule, weib_lambda, weib_top_m,
-              pl_lambda, pl_top_m, weib_beta, weib_beta_init, weib_beta_momentum, weib_r2_min, weib_tail_frac,
-              weib_min_tail_points) -> None:
+def _validate(
+    *,
+    variant,
+    margin,
+    kappa_rho,
+    kappa_aic,
+    quantile,
+    m,
+    tail_frac,
+    burn_frac,
+    eps,
+    beta,
+    beta_min,
+    beta_max,
+    shrink_c,
+    ema,
+    fixed_lambda,
+    gumbel_proxy,
+    slope_penalty,
+    rho0_rule,
+    weib_lambda,
+    weib_top_m,
+    pl_lambda,
+    pl_top_m,
+    weib_beta,
+    weib_beta_init,
+    weib_beta_momentum,
+    weib_r2_min,
+    weib_tail_frac,
+    weib_min_tail_points,
+) -> None:
     """ValueError naming the first option out of its range."""
-    for name, value in (("kappa_rho", kappa_rho), ("kappa_aic", kappa_aic), ("eps", eps),
-                        ("beta_min", beta_min), ("beta_max", beta_max), ("shrink_c", shrink_c),
-                        ("weib_beta_init", weib_beta_init), ("weib_tail_frac", weib_tail_frac)):
+    for name, value in (
+        ("kappa_rho", kappa_rho),
+        ("kappa_aic", kappa_aic),
+        ("eps", eps),
+        ("beta_min", beta_min),
+        ("beta_max", beta_max),
+        ("shrink_c", shrink_c),
+        ("weib_beta_init", weib_beta_init),
+        ("weib_tail_frac", weib_tail_frac),
+    ):
         if not _is_number(value) or not value > 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     if not _is_number(margin):
         raise ValueError(f"margin must be a number, got {margin!r}")
-    for name, value in (("quantile", quantile), ("tail_frac", tail_frac), ("ema", ema),
-                        ("weib_beta_momentum", weib_beta_momentum), ("weib_r2_min", weib_r2_min),
-                        ("weib_tail_frac", weib_tail_frac)):
+    for name, value in (
+        ("quantile", quantile),
+        ("tail_frac", tail_frac),
+        ("ema", ema),
+        ("weib_beta_momentum", weib_beta_momentum),
+        ("weib_r2_min", weib_r2_min),
+        ("weib_tail_frac", weib_tail_frac),
+    ):
         if not _is_number(value) or not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     for name, value in (("weib_lambda", weib_lambda), ("pl_lambda", pl_lambda)):
@@ -254,8 +334,12 @@ def _validate(*, variant, margin, kappa_rho, kappa_aic, quantile, m, tail_frac, 
             raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     if not _is_number(burn_frac) or not 0.0 <= burn_frac < 0.5:
         raise ValueError(f"burn_frac must be in [0, 0.5), got {burn_frac!r}")
-    for name, value, low in (("m", m, 4), ("weib_top_m", weib_top_m, 1), ("pl_top_m", pl_top_m, 1),
-                             ("weib_min_tail_points", weib_min_tail_points, 10)):
+    for name, value, low in (
+        ("m", m, 4),
+        ("weib_top_m", weib_top_m, 1),
+        ("pl_top_m", pl_top_m, 1),
+        ("weib_min_tail_points", weib_min_tail_points, 10),
+    ):
         if not _is_number(value) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if eps >= 0.5:
@@ -309,7 +393,7 @@ class WEINCELoss(ContrastiveLoss):
         if config is not None and options:
             raise ValueError("give a WEINCEConfig or keyword options, not both")
         self.config = config if config is not None else WEINCEConfig(**options)
-        for f in fields(self.config):   # plain attributes: the hot path reads them every step
+        for f in fields(self.config):  # plain attributes: the hot path reads them every step
             setattr(self, f.name, getattr(self.config, f.name))
         # Running batch statistics (NaN until the first training step); saved in state_dict.
         self.register_buffer("rho0_ema", torch.tensor(float("nan"), dtype=torch.float64))
@@ -350,7 +434,9 @@ class WEINCELoss(ContrastiveLoss):
         return torch.quantile(values, self.quantile)
 
     @staticmethod
-    def _negatives(sim: torch.Tensor, pos_index: torch.Tensor, self_index: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def _negatives(
+        sim: torch.Tensor, pos_index: torch.Tensor, self_index: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int]:
         """(detached sim with -inf at the positive and self columns, negatives per anchor)."""
         s = sim.detach()
         if s.dtype not in (torch.float32, torch.float64):
@@ -366,8 +452,13 @@ class WEINCELoss(ContrastiveLoss):
         return neg, negatives
 
     @torch.no_grad()
-    def gates(self, sim: torch.Tensor, pos_index: torch.Tensor, self_index: torch.Tensor | None,
-              gather: Gather = identity_gather) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def gates(
+        self,
+        sim: torch.Tensor,
+        pos_index: torch.Tensor,
+        self_index: torch.Tensor | None,
+        gather: Gather = identity_gather,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Per-anchor (lambda, beta) from the batch, no gradient; sim (A, C), indices (A,).
 
         Batch statistics use ``gather`` (cross-rank concatenation) so every rank agrees.
@@ -376,14 +467,21 @@ class WEINCELoss(ContrastiveLoss):
         m, _ = self.tail_size(negatives)
         return self._gates(neg.topk(m, dim=1).values, negatives, sim.dtype, gather)
 
-    def _gates(self, top: torch.Tensor, negatives: int, out_dtype: torch.dtype,
-               gather: Gather) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    def _gates(
+        self, top: torch.Tensor, negatives: int, out_dtype: torch.dtype, gather: Gather
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         # top: (A, >= m) hardest negatives' similarities, descending
         m, burn = self.tail_size(negatives)
         delta = 1.0 - top[:, :m]  # (A, m) ascending shortfalls
         rho = delta[:, 0].clamp_min(self.eps)  # (A,) cap proximity
-        fit = tail_fit(delta, burn=burn, eps=self.eps, presorted=True, gumbel=self.gumbel_proxy,
-                       slope_penalty=self.slope_penalty)
+        fit = tail_fit(
+            delta,
+            burn=burn,
+            eps=self.eps,
+            presorted=True,
+            gumbel=self.gumbel_proxy,
+            slope_penalty=self.slope_penalty,
+        )
         rho0 = self._update_ema(self.rho0_ema, self._quantile(gather(rho).double()))
         log_rho0 = torch.log(rho0.clamp_min(self.eps)).to(top.dtype)
         lam_rho = torch.sigmoid(self.kappa_rho * (log_rho0 - torch.log(rho)))  # (A,)
@@ -400,11 +498,24 @@ class WEINCELoss(ContrastiveLoss):
         else:
             beta = torch.full_like(lam, self.beta)
         # Per-anchor diagnostics, averaged over the global batch: (A, 7) gathered in one call.
-        diag = torch.stack([lam, (lam > 0.5).to(lam.dtype), lam_rho, lam_aic, beta, fit.beta, fit.daic], dim=1)
+        diag = torch.stack(
+            [lam, (lam > 0.5).to(lam.dtype), lam_rho, lam_aic, beta, fit.beta, fit.daic], dim=1
+        )
         means = gather(diag.to(top.dtype)).mean(dim=0).tolist()
-        stats = dict(zip(["weince_lambda_mean", "weince_lambda_frac_gt_half", "weince_lambda_rho_mean",
-                          "weince_lambda_aic_mean", "weince_beta_mean", "weince_beta_hat_mean",
-                          "weince_daic_mean"], means))
+        stats = dict(
+            zip(
+                [
+                    "weince_lambda_mean",
+                    "weince_lambda_frac_gt_half",
+                    "weince_lambda_rho_mean",
+                    "weince_lambda_aic_mean",
+                    "weince_beta_mean",
+                    "weince_beta_hat_mean",
+                    "weince_daic_mean",
+                ],
+                means,
+            )
+        )
         stats["weince_rho0"] = float(rho0)
         return lam.to(out_dtype), beta.to(out_dtype), stats
 
@@ -433,11 +544,16 @@ class WEINCELoss(ContrastiveLoss):
             clamped = min(self.beta_max, max(self.beta_min, slope))
             ema.copy_(self.weib_beta_momentum * ema + (1.0 - self.weib_beta_momentum) * clamped)
         beta_t = float(ema)
-        return beta_t, {"weince_beta_t": beta_t, "weince_beta_t_hat": slope, "weince_beta_t_r2": r2,
-                        "weince_beta_t_updated": float(updated)}
+        return beta_t, {
+            "weince_beta_t": beta_t,
+            "weince_beta_t_hat": slope,
+            "weince_beta_t_r2": r2,
+            "weince_beta_t_updated": float(updated),
+        }
 
-    def loss_from_similarities(self, sim, pos_index, self_index, temperature,
-                               gather: Gather = identity_gather) -> LossOutput:
+    def loss_from_similarities(
+        self, sim, pos_index, self_index, temperature, gather: Gather = identity_gather
+    ) -> LossOutput:
         """WEINCE cross-entropy (+ top-M terms) averaged over the local anchors; sim (A, C) cosine, pos/self (A,)."""
         neg, negatives = self._negatives(sim, pos_index, self_index)
         weib_m = min(self.weib_top_m, negatives) if self.weib_lambda > 0 else 0
@@ -454,21 +570,25 @@ class WEINCELoss(ContrastiveLoss):
         loss = terms["blend"].mean()  # mean over local anchors, as InfoNCELoss
         if weib_m or pl_m:
             # (A, 1 + M) with gradient: the positive in column 0 (the CE target), then the top-M
-            top_idx = hardest.indices[:, :max(weib_m, pl_m)]
+            top_idx = hardest.indices[:, : max(weib_m, pl_m)]
             cand = torch.cat([sim.gather(1, pos_index[:, None]), sim.gather(1, top_idx)], dim=1)
             target = torch.zeros_like(pos_index)
             if weib_m:
                 beta_t, beta_stats = self._beta_t(neg, negatives, gather)
                 stats.update(beta_stats)
-                weib_logits = -beta_t * torch.log1p(-cand[:, :1 + weib_m].clamp(max=1.0 - self.eps))
+                weib_logits = -beta_t * torch.log1p(-cand[:, : 1 + weib_m].clamp(max=1.0 - self.eps))
                 terms["weib_topm"] = F.cross_entropy(weib_logits, target, reduction="none")
                 loss = loss + self.weib_lambda * terms["weib_topm"].mean()
             if pl_m:
-                terms["pl_topm"] = F.cross_entropy(cand[:, :1 + pl_m] / temperature, target, reduction="none")
+                terms["pl_topm"] = F.cross_entropy(
+                    cand[:, : 1 + pl_m] / temperature, target, reduction="none"
+                )
                 loss = loss + self.pl_lambda * terms["pl_topm"].mean()
         with torch.no_grad():
             hit = (logits.argmax(dim=1) == pos_index).to(sim.dtype)  # (A,) positive ranked first
-            per_anchor = torch.stack([sim[rows, pos_index].detach(), hit, *(t.detach() for t in terms.values())], 1)
+            per_anchor = torch.stack(
+                [sim[rows, pos_index].detach(), hit, *(t.detach() for t in terms.values())], 1
+            )
             means = gather(per_anchor).mean(dim=0).tolist()
             stats["pos_sim_mean"], stats["top1_accuracy"] = means[0], means[1]
             for name, value in zip(terms, means[2:]):

@@ -1,4 +1,5 @@
 """Admin routes (bearer token; disabled when no token is configured)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,10 +15,18 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/admin", tags=["admin"], dependencies=[AdminDep])
 
 
-@router.post("/reload", response_model=ReloadOut, responses={
-    401: {"description": "no bearer token"}, 403: {"description": "wrong token"},
-    409: {"description": "refused by the activation rule or not loadable; the store's current keeps serving"},
-    **ERROR_RESPONSES})
+@router.post(
+    "/reload",
+    response_model=ReloadOut,
+    responses={
+        401: {"description": "no bearer token"},
+        403: {"description": "wrong token"},
+        409: {
+            "description": "refused by the activation rule or not loadable; the store's current keeps serving"
+        },
+        **ERROR_RESPONSES,
+    },
+)
 async def reload_index(request: Request, body: ReloadRequest | None = Body(None)) -> ReloadOut:
     """Serve the store's current index version, or `version` -- which then becomes the store's current
     too -- through the store's activation rule (quality gate, recall against target; `force`
@@ -32,16 +41,26 @@ async def reload_index(request: Request, body: ReloadRequest | None = Body(None)
         served = request.app.state.searcher.version if request.app.state.searcher else None
         current = _store_current(request)
         logger.warning("reload refused: %s", err)
-        raise ApiError(409, "reload_refused", f"reload refused: {err}; still serving version {served} "
-                                              f"(the store's current is {current})") from err
-    return ReloadOut(previous=result.previous, version=result.version, changed=result.changed,
-                     encoder_reloaded=result.encoder_reloaded, count=searcher.snapshot().count,
-                     store_current=_store_current(request))
+        raise ApiError(
+            409,
+            "reload_refused",
+            f"reload refused: {err}; still serving version {served} (the store's current is {current})",
+        ) from err
+    return ReloadOut(
+        previous=result.previous,
+        version=result.version,
+        changed=result.changed,
+        encoder_reloaded=result.encoder_reloaded,
+        count=searcher.snapshot().count,
+        store_current=_store_current(request),
+    )
 
 
 def _store_current(request: Request) -> str | None:
     searcher = request.app.state.searcher
     try:
-        return searcher.store.current_version() if searcher is not None and searcher.store is not None else None
+        return (
+            searcher.store.current_version() if searcher is not None and searcher.store is not None else None
+        )
     except OSError:
         return None

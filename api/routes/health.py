@@ -1,4 +1,5 @@
 """Liveness, readiness and Prometheus metrics."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
@@ -24,13 +25,18 @@ def readyz(request: Request):
     searcher = request.app.state.searcher
     if searcher is None or not searcher.ready:
         reason = getattr(request.app.state, "load_error", None)
-        return JSONResponse({"error": "not_ready", "detail": "no index loaded yet" + (f" ({reason})" if reason else "")},
-                            status_code=503)
+        return JSONResponse(
+            {"error": "not_ready", "detail": "no index loaded yet" + (f" ({reason})" if reason else "")},
+            status_code=503,
+        )
     return HealthOut(status="ready", version=searcher.version)
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format 0.0.4"}})
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format 0.0.4"}},
+)
 def metrics(metrics: MetricsDep) -> PlainTextResponse:
     """Request counts and latency histograms per route, batch sizes, index version and size (all workers)."""
     return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)

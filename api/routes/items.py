@@ -1,4 +1,5 @@
 """Indexed items: random sample (for the web page), metadata, and the stored image as PNG."""
+
 from __future__ import annotations
 
 import io
@@ -19,14 +20,25 @@ THUMBNAIL_MAX_SIDE = 256
 #: longest item id the item routes take (422 beyond): a path of up to 1,024 characters, so the request
 #: line stays within the HTTP server's 16 KiB head even when every character is percent-encoded
 MAX_ITEM_ID_LENGTH = 1024
-ItemId = Annotated[str, Path(min_length=1, max_length=MAX_ITEM_ID_LENGTH, examples=["class0/0001.png"],
-                             description="an indexed item's id ('/' may stay unescaped)")]
+ItemId = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=MAX_ITEM_ID_LENGTH,
+        examples=["class0/0001.png"],
+        description="an indexed item's id ('/' may stay unescaped)",
+    ),
+]
 
 
 # the item routes also answer 404 (no such id in the served version, or its image cannot be rebuilt)
-ITEM_RESPONSES = {**ERROR_RESPONSES,
-                  404: {"model": ErrorResponse, "description": "no such item in the served version, or its "
-                                                                "image cannot be recovered"}}
+ITEM_RESPONSES = {
+    **ERROR_RESPONSES,
+    404: {
+        "model": ErrorResponse,
+        "description": "no such item in the served version, or its image cannot be recovered",
+    },
+}
 
 
 def thumbnail_url(item_id: str) -> str:
@@ -42,15 +54,20 @@ def sample_items(
     """A random sample of indexed items (ids + thumbnail URLs)."""
     rows = random.Random(seed).sample(range(snapshot.count), min(n, snapshot.count))
     ids = snapshot.index.ids
-    return ItemSample(version=snapshot.version, count=snapshot.count,
-                      items=[ItemSummary(id=ids[r], row=r, thumbnail_url=thumbnail_url(ids[r])) for r in rows])
+    return ItemSample(
+        version=snapshot.version,
+        count=snapshot.count,
+        items=[ItemSummary(id=ids[r], row=r, thumbnail_url=thumbnail_url(ids[r])) for r in rows],
+    )
 
 
 def _png(snapshot, item_id: str) -> bytes:
     try:
         image = snapshot.item_image(item_id)
     except KeyError as err:
-        raise ApiError(404, "item_not_found", f"no item {item_id!r} in index version {snapshot.version}") from err
+        raise ApiError(
+            404, "item_not_found", f"no item {item_id!r} in index version {snapshot.version}"
+        ) from err
     except (FileNotFoundError, ValueError) as err:
         raise ApiError(404, "image_unavailable", f"image of {item_id!r} cannot be recovered: {err}") from err
     image = image.copy()
@@ -60,13 +77,22 @@ def _png(snapshot, item_id: str) -> bytes:
     return buf.getvalue()
 
 
-@router.get("/{item_id:path}/thumbnail", response_class=Response, responses={
-    200: {"content": {"image/png": {}}, "description": "the stored image as PNG"}, **ITEM_RESPONSES})
+@router.get(
+    "/{item_id:path}/thumbnail",
+    response_class=Response,
+    responses={
+        200: {"content": {"image/png": {}}, "description": "the stored image as PNG"},
+        **ITEM_RESPONSES,
+    },
+)
 async def item_thumbnail(item_id: ItemId, snapshot: SnapshotDep) -> Response:
     """The item's stored image (PNG, longest side <= 256), rebuilt from the manifest's dataset spec."""
     png = await run_in_threadpool(_png, snapshot, item_id)
-    return Response(png, media_type="image/png", headers={"Cache-Control": "max-age=3600",
-                                                           "X-Index-Version": snapshot.version})
+    return Response(
+        png,
+        media_type="image/png",
+        headers={"Cache-Control": "max-age=3600", "X-Index-Version": snapshot.version},
+    )
 
 
 @router.get("/{item_id:path}", response_model=ItemOut, responses=ITEM_RESPONSES)
@@ -75,6 +101,16 @@ def item_metadata(item_id: ItemId, snapshot: SnapshotDep) -> ItemOut:
     try:
         info = snapshot.item(item_id)
     except KeyError as err:
-        raise ApiError(404, "item_not_found", f"no item {item_id!r} in index version {snapshot.version}") from err
-    return ItemOut(id=info.id, row=info.row, version=info.version, label=info.label, class_name=info.class_name,
-                   dataset=info.dataset, thumbnail_url=thumbnail_url(info.id), fields=snapshot.item_fields(info.row))
+        raise ApiError(
+            404, "item_not_found", f"no item {item_id!r} in index version {snapshot.version}"
+        ) from err
+    return ItemOut(
+        id=info.id,
+        row=info.row,
+        version=info.version,
+        label=info.label,
+        class_name=info.class_name,
+        dataset=info.dataset,
+        thumbnail_url=thumbnail_url(info.id),
+        fields=snapshot.item_fields(info.row),
+    )

@@ -1,5 +1,6 @@
 """POST /v1/search (image upload), /v1/search/vector (JSON embedding), /v1/search/item (stored item) and
 /v1/search/batch (several images or vectors); each takes a metadata `filter` and probability cut-offs."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,10 +18,26 @@ from starlette.datastructures import UploadFile as StarletteUpload
 from api import vector_body
 from api.batching import QueryResult
 from api.deps import ApiError, SearchContext, check_k, decode_image, search_context
+from api.routes.models import (
+    ERROR_RESPONSES,
+    FILTER_DOC,
+    MASS_DOC,
+    MAX_BATCH_QUERIES,
+    MAX_TEMPERATURE,
+    MIN_PROBABILITY_DOC,
+    MIN_TEMPERATURE,
+    OFFSET_DOC,
+    BatchImageForm,
+    BatchResponse,
+    BatchVectorQuery,
+    ErrorResponse,
+    HitOut,
+    ItemQuery,
+    NormaliserOut,
+    PeakednessOut,
+    SearchResponse,
+)
 from api.vector_body import vector_openapi
-from api.routes.models import ERROR_RESPONSES, FILTER_DOC, MASS_DOC, MAX_BATCH_QUERIES, MAX_TEMPERATURE, \
-    MIN_PROBABILITY_DOC, MIN_TEMPERATURE, OFFSET_DOC, BatchImageForm, BatchResponse, BatchVectorQuery, ErrorResponse, \
-    HitOut, ItemQuery, NormaliserOut, PeakednessOut, SearchResponse, VectorQuery
 from search.serving.cutoffs import cut_and_page
 from search.serving.filters import Filter, FilterError, parse_filter
 from search.serving.peakedness import peakedness
@@ -33,8 +50,13 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["search"])
 
 #: image routes also answer 409 on a version built from vectors (no encoder)
-IMAGE_RESPONSES = {**ERROR_RESPONSES, 409: {"model": ErrorResponse, "description": "the served index version has "
-                                                                                  "no encoder (built from vectors)"}}
+IMAGE_RESPONSES = {
+    **ERROR_RESPONSES,
+    409: {
+        "model": ErrorResponse,
+        "description": "the served index version has no encoder (built from vectors)",
+    },
+}
 
 
 def fetch_count(k: int, offset: int, settings) -> int:
@@ -42,26 +64,32 @@ def fetch_count(k: int, offset: int, settings) -> int:
     OpenAPI schema can state, api/openapi.py), so a page fetches at most 2 max_k hits."""
     check_k(k, settings)
     if offset > settings.max_k:
-        raise ApiError(422, "offset_out_of_range", f"offset must be at most {settings.max_k} (max_k), got {offset}")
+        raise ApiError(
+            422, "offset_out_of_range", f"offset must be at most {settings.max_k} (max_k), got {offset}"
+        )
     return k + offset
 
 
 def query_filter(spec, snapshot) -> Filter | None:
     """The request's filter parsed against the served version's metadata fields (422 naming the field,
     400 nested too deep)."""
-    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "null")):   # JSON null: no filter
+    if spec is None or (isinstance(spec, str) and spec.strip() in ("", "null")):  # JSON null: no filter
         return None
     try:
         return parse_filter(spec, snapshot.metadata_fields)
-    except FilterError as err:   # 422 bad_filter; 400 filter_too_deep, as for a JSON body nested too deep
+    except FilterError as err:  # 422 bad_filter; 400 filter_too_deep, as for a JSON body nested too deep
         raise ApiError(err.status, err.code, str(err)) from err
 
 
 def _require_encoder(snapshot) -> None:
     """409 for an image query on a version built from vectors (it has no encoder to embed the image)."""
     if snapshot.encoder is None:
-        raise ApiError(409, "no_encoder", f"{NO_ENCODER} (POST /v1/search/vector, /v1/search/item or a JSON "
-                                          f"/v1/search/batch); index version {snapshot.version} was built from vectors")
+        raise ApiError(
+            409,
+            "no_encoder",
+            f"{NO_ENCODER} (POST /v1/search/vector, /v1/search/item or a JSON "
+            f"/v1/search/batch); index version {snapshot.version} was built from vectors",
+        )
 
 
 def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.ndarray:
@@ -72,33 +100,64 @@ def _unit_vector(values: list[float], snapshot, where: str = "vector") -> np.nda
         raise ApiError(422, "bad_vector", str(err)) from err
 
 
-def result_response(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
-                    min_probability: float | None = None, mass: float | None = None) -> Response:
+def result_response(
+    result: QueryResult,
+    k: int,
+    self_rank: int | None = None,
+    offset: int = 0,
+    min_probability: float | None = None,
+    mass: float | None = None,
+) -> Response:
     """The SearchResponse as JSON, validated once and serialised by pydantic (returned as a model,
     FastAPI would validate it a second time and encode it again in Python: ~3x the time)."""
     body = result_body(result, k, self_rank, offset, min_probability, mass)
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def result_body(result: QueryResult, k: int, self_rank: int | None = None, offset: int = 0,
-                min_probability: float | None = None, mass: float | None = None) -> SearchResponse:
+def result_body(
+    result: QueryResult,
+    k: int,
+    self_rank: int | None = None,
+    offset: int = 0,
+    min_probability: float | None = None,
+    mass: float | None = None,
+) -> SearchResponse:
     """One query's SearchResponse. `result.hits` are the ranked hits fetched; the cut-offs and the page
     are applied here, and the peakedness is measured on the ranked hits before paging."""
     ranked = result.hits
-    population = result.count if result.matched is None else result.matched   # what the softmax runs over
-    page = cut_and_page([h.probability for h in ranked], k, offset, min_probability, mass,
-                        fetched_all=len(ranked) >= population)
+    population = result.count if result.matched is None else result.matched  # what the softmax runs over
+    page = cut_and_page(
+        [h.probability for h in ranked],
+        k,
+        offset,
+        min_probability,
+        mass,
+        fetched_all=len(ranked) >= population,
+    )
     body = SearchResponse(
-        version=result.version, k=k, count=result.count, temperature=result.temperature,
-        log_normaliser=(log_z := result.log_normaliser if population > 0 else None), log_normalizer=log_z,
+        version=result.version,
+        k=k,
+        count=result.count,
+        temperature=result.temperature,
+        log_normaliser=(log_z := result.log_normaliser if population > 0 else None),
+        log_normalizer=log_z,
         batch_size=result.batch_size,
-        normaliser=None if (n := result.normaliser) is None or population == 0 else NormaliserOut(
-            method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows),
-        results=[HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
-                 for h in ranked[page.start : page.stop]],
+        normaliser=None
+        if (n := result.normaliser) is None or population == 0
+        else NormaliserOut(
+            method=n.method, lower=n.lower, upper=n.upper, interval=n.interval, level=n.level, rows=n.rows
+        ),
+        results=[
+            HitOut(id=h.id, row=h.row, similarity=h.similarity, probability=h.probability)
+            for h in ranked[page.start : page.stop]
+        ],
         peakedness=PeakednessOut(**vars(peakedness([h.probability for h in ranked], population)))
-        if population > 0 else None,
-        self_rank=self_rank, offset=offset, n_passed=page.n_passed, more_may_pass=page.more_may_pass,
+        if population > 0
+        else None,
+        self_rank=self_rank,
+        offset=offset,
+        n_passed=page.n_passed,
+        more_may_pass=page.more_may_pass,
         matched=result.matched,
     )
     return body
@@ -108,12 +167,22 @@ def result_body(result: QueryResult, k: int, self_rank: int | None = None, offse
 async def search_image(
     ctx: Annotated[SearchContext, Depends(search_context("multipart/form-data"))],
     file: Annotated[UploadFile, File(description="query image (PNG, JPEG, ...)")],
-    k: Annotated[int, Form(ge=1, description="results to return, 1..max_k (server setting, default 100)")] = 10,
-    temperature: Annotated[float | None, Form(ge=MIN_TEMPERATURE, le=MAX_TEMPERATURE, allow_inf_nan=False,
-                                              description="softmax temperature; default: the index's")] = None,
+    k: Annotated[
+        int, Form(ge=1, description="results to return, 1..max_k (server setting, default 100)")
+    ] = 10,
+    temperature: Annotated[
+        float | None,
+        Form(
+            ge=MIN_TEMPERATURE,
+            le=MAX_TEMPERATURE,
+            allow_inf_nan=False,
+            description="softmax temperature; default: the index's",
+        ),
+    ] = None,
     offset: Annotated[int, Form(ge=0, description=OFFSET_DOC)] = 0,
-    min_probability: Annotated[float | None, Form(ge=0.0, le=1.0, allow_inf_nan=False,
-                                                  description=MIN_PROBABILITY_DOC)] = None,
+    min_probability: Annotated[
+        float | None, Form(ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC)
+    ] = None,
     mass: Annotated[float | None, Form(gt=0.0, le=1.0, allow_inf_nan=False, description=MASS_DOC)] = None,
     filter: Annotated[str | None, Form(description=FILTER_DOC + " (as JSON text)")] = None,
 ) -> Response:
@@ -124,11 +193,16 @@ async def search_image(
     flt = query_filter(filter, snapshot)
     data = await file.read(settings.max_upload_bytes + 1)
     # decoded as an indexed file was (training/images.py), where the query runs (batch thread or, alone, the loop)
-    decode = partial(decode_image, data, settings, side=cache_resolution(snapshot.encoder.image_size),
-                     square=snapshot.file_backed)
+    decode = partial(
+        decode_image,
+        data,
+        settings,
+        side=cache_resolution(snapshot.encoder.image_size),
+        square=snapshot.file_backed,
+    )
     try:
         result = await ctx.batcher.search_image(decode, fetch, temperature, flt)
-    except NoEncoderError as err:   # a version built from vectors was swapped in meanwhile
+    except NoEncoderError as err:  # a version built from vectors was swapped in meanwhile
         raise ApiError(409, "no_encoder", str(err)) from err
     except ValueError as err:
         raise ApiError(422, "bad_query", str(err)) from err
@@ -136,10 +210,12 @@ async def search_image(
     return result_response(result, k, offset=offset, min_probability=min_probability, mass=mass)
 
 
-@router.post("/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES,
-             openapi_extra=vector_openapi())
+@router.post(
+    "/search/vector", response_model=SearchResponse, responses=ERROR_RESPONSES, openapi_extra=vector_openapi()
+)
 async def search_vector(
-    request: Request, ctx: Annotated[SearchContext, Depends(search_context(vector_body.JSON, vector_body.OCTET))],
+    request: Request,
+    ctx: Annotated[SearchContext, Depends(search_context(vector_body.JSON, vector_body.OCTET))],
 ) -> Response:
     """Top-k for a query embedding (cosine similarity; the vector is normalised to unit length).
 
@@ -157,14 +233,24 @@ async def search_vector(
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
     ctx.metrics.queries.labels(kind="vector").inc()
-    return vector_body.json_response(result_body(result, query.k, offset=query.offset, min_probability=query.min_probability,
-                                           mass=query.mass))
+    return vector_body.json_response(
+        result_body(
+            result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass
+        )
+    )
 
 
-@router.post("/search/item", response_model=SearchResponse, responses={
-    **ERROR_RESPONSES, 404: {"model": ErrorResponse, "description": "no item with this id in the served version"}})
+@router.post(
+    "/search/item",
+    response_model=SearchResponse,
+    responses={
+        **ERROR_RESPONSES,
+        404: {"model": ErrorResponse, "description": "no item with this id in the served version"},
+    },
+)
 async def search_item(
-    query: ItemQuery, ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
+    query: ItemQuery,
+    ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
 ) -> Response:
     """Top-k similar to an indexed item, searched with its stored embedding (no decode, no re-encode).
 
@@ -176,8 +262,10 @@ async def search_item(
     try:
         row = snapshot.row_of(query.id)
     except KeyError as err:
-        raise ApiError(404, "item_not_found", f"no item {query.id!r} in index version {snapshot.version}") from err
-    vector = unit_queries(snapshot.index.embeddings[row], snapshot.dim)[0]   # the stored row (already unit)
+        raise ApiError(
+            404, "item_not_found", f"no item {query.id!r} in index version {snapshot.version}"
+        ) from err
+    vector = unit_queries(snapshot.index.embeddings[row], snapshot.dim)[0]  # the stored row (already unit)
     wanted = fetch if query.include_self else min(fetch + 1, snapshot.count)
     try:
         result = await ctx.batcher.search_vector(vector, wanted, query.temperature, flt)
@@ -185,27 +273,48 @@ async def search_item(
         raise ApiError(422, "bad_query", str(err)) from err
     ranks = [i for i, h in enumerate(result.hits) if h.id == query.id]
     self_rank = ranks[0] + 1 if ranks else None
-    if not query.include_self:   # the item leaves the ranking; the others keep their probabilities
+    if not query.include_self:  # the item leaves the ranking; the others keep their probabilities
         result = dataclasses.replace(result, hits=[h for h in result.hits if h.id != query.id][:fetch])
     ctx.metrics.queries.labels(kind="item").inc()
-    return result_response(result, query.k, self_rank, offset=query.offset, min_probability=query.min_probability,
-                     mass=query.mass)
+    return result_response(
+        result,
+        query.k,
+        self_rank,
+        offset=query.offset,
+        min_probability=query.min_probability,
+        mass=query.mass,
+    )
 
 
 def _batch_openapi() -> dict:
     """The two request bodies /v1/search/batch accepts (FastAPI cannot declare both from parameters)."""
     form = BatchImageForm.model_json_schema()
-    form["properties"] = {"files": {"type": "array", "items": {"type": "string", "format": "binary"},
-                                    "minItems": 1, "maxItems": MAX_BATCH_QUERIES, "description": "query images"},
-                          **{k: v for k, v in form["properties"].items() if k != "filter"},
-                          "filter": {"type": "string", "description": FILTER_DOC + " (as JSON text)"}}
+    form["properties"] = {
+        "files": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "minItems": 1,
+            "maxItems": MAX_BATCH_QUERIES,
+            "description": "query images",
+        },
+        **{k: v for k, v in form["properties"].items() if k != "filter"},
+        "filter": {"type": "string", "description": FILTER_DOC + " (as JSON text)"},
+    }
     form["required"] = ["files"]
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": BatchVectorQuery.model_json_schema()},
-        "multipart/form-data": {"schema": form}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": BatchVectorQuery.model_json_schema()},
+                "multipart/form-data": {"schema": form},
+            },
+        }
+    }
 
 
-@router.post("/search/batch", response_model=BatchResponse, responses=IMAGE_RESPONSES, openapi_extra=_batch_openapi())
+@router.post(
+    "/search/batch", response_model=BatchResponse, responses=IMAGE_RESPONSES, openapi_extra=_batch_openapi()
+)
 async def search_batch(
     request: Request,
     ctx: Annotated[SearchContext, Depends(search_context("application/json", "multipart/form-data"))],
@@ -232,14 +341,22 @@ async def search_batch(
         if isinstance(r, NoEncoderError):
             raise ApiError(409, "no_encoder", str(r))
         if isinstance(r, ApiError):
-            raise ApiError(r.status_code, r.code, f"{'files' if kind == 'image' else 'vectors'}[{i}]: {r.detail}")
+            raise ApiError(
+                r.status_code, r.code, f"{'files' if kind == 'image' else 'vectors'}[{i}]: {r.detail}"
+            )
         if isinstance(r, ValueError):
             raise ApiError(422, "bad_query", f"query {i}: {r}")
         if isinstance(r, BaseException):
             raise r
     ctx.metrics.queries.labels(kind=f"batch_{kind}").inc(len(results))
-    body = BatchResponse(responses=[result_body(r, query.k, offset=query.offset, min_probability=query.min_probability,
-                                          mass=query.mass) for r in results])
+    body = BatchResponse(
+        responses=[
+            result_body(
+                r, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass
+            )
+            for r in results
+        ]
+    )
     return Response(body.model_dump_json(), media_type="application/json")
 
 

@@ -1,4 +1,5 @@
 """The web page and the evaluation report link."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -2,12 +2,23 @@
 (index/kinds/base.py) registered by name. Everything that depends on the kind asks it here, so adding a kind is
 one module plus one `register` call (a line in BUILTIN, or at run time). No FAISS import: the command-line
 parser lists the names."""
+
 from __future__ import annotations
 
 from index.kinds.base import ID_BYTES, RERANK_PQ, IndexKind
 
-__all__ = ["IndexKind", "ID_BYTES", "RERANK_PQ", "DEFAULT", "register", "unregister", "get", "find", "names",
-           "of_index"]
+__all__ = [
+    "IndexKind",
+    "ID_BYTES",
+    "RERANK_PQ",
+    "DEFAULT",
+    "register",
+    "unregister",
+    "get",
+    "find",
+    "names",
+    "of_index",
+]
 
 _REGISTRY: dict[str, IndexKind] = {}
 #: the kind of a build that names none
@@ -17,7 +28,9 @@ DEFAULT = "flat"
 def register(kind: IndexKind) -> IndexKind:
     """Add `kind` under `kind.name` (a name already registered is refused); returns it."""
     if not isinstance(kind, IndexKind) or not kind.name or kind.name == "auto":
-        raise ValueError(f"an index kind is an IndexKind instance with a name other than 'auto', got {kind!r}")
+        raise ValueError(
+            f"an index kind is an IndexKind instance with a name other than 'auto', got {kind!r}"
+        )
     if kind.name in _REGISTRY:
         raise ValueError(f"index kind {kind.name!r} is already registered")
     _REGISTRY[kind.name] = kind
@@ -49,7 +62,7 @@ def names() -> tuple[str, ...]:
 
 def of_index(index) -> IndexKind:
     """The kind of a (downcast) CPU index object; ValueError when no registered kind matches."""
-    for kind in reversed(list(_REGISTRY.values())):   # a later, more specific kind wins
+    for kind in reversed(list(_REGISTRY.values())):  # a later, more specific kind wins
         if kind.matches(index):
             return kind
     raise ValueError(f"unsupported index type {type(index).__name__}")

@@ -1,6 +1,7 @@
 """The contract an index kind fulfils: what index/faiss_index.py, build.py, stream.py, store.py and the gate ask
 of a kind, so that none of them compares kind names. FAISS is imported inside methods, never at import time,
 so the command-line parser can list the kinds without loading it."""
+
 from __future__ import annotations
 
 #: Bytes of the int64 id an inverted list stores next to every code (FAISS idx_t).

@@ -1,4 +1,5 @@
 """`--kind auto`: which kind (and parameters) a collection of N rows of D dims gets under a memory budget."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from index.kinds.ivf import default_nlist
 from index.kinds.ivf_pq import default_pq_m
 
 SMALL_COUNT = 100_000
-IVF_MIN_COUNT = 1_000   # below this an IVF partition is pointless
+IVF_MIN_COUNT = 1_000  # below this an IVF partition is pointless
 
 
 def default_memory_budget() -> int:
@@ -53,10 +54,12 @@ def choose_kind(count: int, dim: int, memory_budget_bytes: int | None = None) ->
     if ivf_bytes <= budget:
         return "ivf-flat", ivf
     nlist = default_nlist(count)
-    fixed = nlist * dim * 4 + 256 * dim * 4            # coarse centroids + PQ codebooks (8 bits)
+    fixed = nlist * dim * 4 + 256 * dim * 4  # coarse centroids + PQ codebooks (8 bits)
     per_vector = (budget - fixed) // count - ID_BYTES
     if per_vector < 1:
-        raise ValueError(f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes")
+        raise ValueError(
+            f"memory budget {budget} bytes is too small for {count} vectors even with 1-byte PQ codes"
+        )
     m = default_pq_m(dim, min(per_vector, dim))
     return "ivf-pq", _sized("ivf-pq", dim, count, nlist=nlist, m=m, rerank=RERANK_PQ)[0]
 

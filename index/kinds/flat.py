@@ -1,4 +1,5 @@
 """``flat``: IndexFlatIP, exact brute force over the stored rows."""
+
 from __future__ import annotations
 
 from index.kinds.base import IndexKind

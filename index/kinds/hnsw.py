@@ -1,4 +1,5 @@
 """``hnsw``: IndexHNSWFlat with inner product; search knob ``efSearch``. FAISS has no GPU HNSW."""
+
 from __future__ import annotations
 
 from index.kinds.base import IndexKind
@@ -10,8 +11,11 @@ class HNSW(IndexKind):
     gpu = False
 
     def params(self, dim: int, count: int, given: dict) -> dict:
-        out = {"M": int(given.get("M", 32)), "efConstruction": int(given.get("efConstruction", 80)),
-               "efSearch": int(given.get("efSearch", 64))}
+        out = {
+            "M": int(given.get("M", 32)),
+            "efConstruction": int(given.get("efConstruction", 80)),
+            "efSearch": int(given.get("efSearch", 64)),
+        }
         if out["M"] < 2 or out["efConstruction"] < 1 or out["efSearch"] < 1:
             raise ValueError(f"hnsw parameters must be positive (M >= 2): {out}")
         return out

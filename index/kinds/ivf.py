@@ -1,5 +1,6 @@
 """``ivf-flat``: inverted lists over a flat-IP coarse quantizer with the full vectors in the lists; search knob
 ``nprobe``. `IVFKind` holds what every IVF kind shares (nlist, nprobe, training, streaming)."""
+
 from __future__ import annotations
 
 import math
@@ -15,6 +16,7 @@ def default_nlist(count: int) -> int:
 
 class IVFKind(IndexKind):
     """Inverted lists: nlist k-means cells, nprobe of them searched per query."""
+
     search_param = "nprobe"
     trained = True
     streamable = True
@@ -54,7 +56,9 @@ class IVFKind(IndexKind):
         return [("coarse quantizer", ivf.cp, ivf.nlist)]
 
     def suggest(self, params: dict, count: int, dim: int, auto: str) -> str:
-        return "rebuild with --kind flat (exact) or fewer lists (--param nlist=...); --kind auto chooses " + auto
+        return (
+            "rebuild with --kind flat (exact) or fewer lists (--param nlist=...); --kind auto chooses " + auto
+        )
 
 
 class IVFFlat(IVFKind):

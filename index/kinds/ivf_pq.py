@@ -1,6 +1,7 @@
 """``ivf-pq``: inverted lists of product-quantised codes (``m`` bytes per vector at 8 bits); search knob
 ``nprobe``. Compact but lossy (recall can plateau), so it is served re-ranked: k * r candidates re-scored
 exactly from the stored rows."""
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,7 @@ class IVFPQ(IVFKind):
             raise ValueError(f"ivf-pq m={out['m']} must divide the dimension {dim}")
         if not 1 <= out["nbits"] <= 16:
             raise ValueError(f"ivf-pq nbits={out['nbits']} must be in 1..16")
-        if "rerank" in given:   # k'/k re-scored exactly by the server (the build tunes it)
+        if "rerank" in given:  # k'/k re-scored exactly by the server (the build tunes it)
             out["rerank"] = int(given["rerank"])
             if out["rerank"] < 1:
                 raise ValueError(f"ivf-pq rerank={out['rerank']} must be >= 1")
@@ -63,10 +64,14 @@ class IVFPQ(IVFKind):
 
     def suggest(self, params: dict, count: int, dim: int, auto: str) -> str:
         if auto != self.name:
-            return (f"--kind auto chooses {auto} for {count} x {dim} (full vectors, which reach the target); "
-                    f"or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})")
-        return (f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget "
-                f"(re-ranking up to {RERANK_MAX}x k candidates from the stored vectors did not reach it)")
+            return (
+                f"--kind auto chooses {auto} for {count} x {dim} (full vectors, which reach the target); "
+                f"or keep ivf-pq with more bytes per vector (--param m= a larger divisor of {dim})"
+            )
+        return (
+            f"use more bytes per vector (--param m= a larger divisor of {dim}) or a larger --memory-budget "
+            f"(re-ranking up to {RERANK_MAX}x k candidates from the stored vectors did not reach it)"
+        )
 
 
 KIND = IVFPQ()

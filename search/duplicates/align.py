@@ -12,6 +12,7 @@ Features per pair (the better of both directions, and of the mirror with flips):
            same map) that the other's, at its best gain, does not explain: a saturation change keeps it
            near 0, a recoloured look-alike (the same icon in red and in blue) does not
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
-CHROMA_FLOOR = 8.0     # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
+CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
 # rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
@@ -39,7 +40,7 @@ def _blur(x: torch.Tensor) -> torch.Tensor:
 def _grid(side: int, device=None) -> torch.Tensor:
     c = (torch.arange(side, dtype=torch.float32, device=device) + 0.5) / side * 2 - 1
     y, x = torch.meshgrid(c, c, indexing="ij")
-    return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)      # (P, 2): x, y
+    return torch.stack([x.reshape(-1), y.reshape(-1)], dim=1)  # (P, 2): x, y
 
 
 def _warp(img: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -77,10 +78,10 @@ def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> t
     gx[..., 0], gx[..., -1] = 0, 0
     gy[..., 0, :], gy[..., -1, :] = 0, 0
     gx, gy = gx.flatten(1), gy.flatten(1)
-    jac = torch.stack([gx * x, gx * y, gx, gy * x, gy * y, gy], dim=2)           # (B, P, 6)
+    jac = torch.stack([gx * x, gx * y, gx, gy * x, gy * y, gy], dim=2)  # (B, P, 6)
     h = torch.einsum("bpi,bpj->bij", jac, jac)
     h = h + (1e-3 * h.diagonal(dim1=1, dim2=2).mean(1) + 1e-6)[:, None, None] * torch.eye(6)
-    k = torch.linalg.solve(h, jac.transpose(1, 2))                              # (B, 6, P)
+    k = torch.linalg.solve(h, jac.transpose(1, 2))  # (B, 6, P)
     tv = _norm_rows(t.flatten(1))
     full = torch.zeros(b, 3, 3)
     full[:, 2, 2] = 1.0
@@ -146,16 +147,26 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.
 
 def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted."""
-    w = torch.cat([_warp(cb[:, c:c + 1], theta) for c in range(cb.shape[1])], dim=1)
+    w = torch.cat([_warp(cb[:, c : c + 1], theta) for c in range(cb.shape[1])], dim=1)
     a = ca.flatten(1)
     g = ((a * w).sum(1) / ((w * w).sum(1) + 1e-6)).clamp(0.5, 2.0)
     res = ((a - g[:, None] * w) ** 2).sum(1)
-    return res / ((a * a).sum(1) + CHROMA_FLOOR ** 2 * a.shape[1])
+    return res / ((a * a).sum(1) + CHROMA_FLOOR**2 * a.shape[1])
 
 
-def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: np.ndarray, iters=(16, 8),
-                  flips: bool = False, other: np.ndarray | None = None, other_colours: np.ndarray | None = None,
-                  batch: int = 2048, progress=None) -> np.ndarray:
+def pair_features(
+    thumbs: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    colours: np.ndarray,
+    iters=(16, 8),
+    flips: bool = False,
+    other: np.ndarray | None = None,
+    other_colours: np.ndarray | None = None,
+    batch: int = 2048,
+    progress=None,
+) -> np.ndarray:
     """(len(a), len(FEATURES)) float32 features of pairs (thumbs[a], other[b]) (other: thumbs by default;
     colours: the (n, s, s, 2) chroma thumbnails beside them): each direction aligned, the direction (and,
     with flips, the mirror) with the higher robust ncc kept, its colour compared through the same map."""
@@ -164,10 +175,10 @@ def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: 
     out = np.zeros((len(a), len(FEATURES)), np.float32)
     with torch.no_grad():
         for s in range(0, len(a), batch):
-            ta = torch.from_numpy(np.asarray(thumbs[a[s:s + batch]], np.float32))[:, None]
-            tb = torch.from_numpy(np.asarray(other[b[s:s + batch]], np.float32))[:, None]
-            ca = torch.from_numpy(np.asarray(colours[a[s:s + batch]], np.float32)).permute(0, 3, 1, 2)
-            cb = torch.from_numpy(np.asarray(other_colours[b[s:s + batch]], np.float32)).permute(0, 3, 1, 2)
+            ta = torch.from_numpy(np.asarray(thumbs[a[s : s + batch]], np.float32))[:, None]
+            tb = torch.from_numpy(np.asarray(other[b[s : s + batch]], np.float32))[:, None]
+            ca = torch.from_numpy(np.asarray(colours[a[s : s + batch]], np.float32)).permute(0, 3, 1, 2)
+            cb = torch.from_numpy(np.asarray(other_colours[b[s : s + batch]], np.float32)).permute(0, 3, 1, 2)
             tries = [(ta, tb, ca, cb), (tb, ta, cb, ca)]
             if flips:
                 fb, fcb = torch.flip(tb, dims=[3]), torch.flip(cb, dims=[3])
@@ -176,9 +187,9 @@ def pair_features(thumbs: np.ndarray, a: np.ndarray, b: np.ndarray, *, colours: 
             for t, i, ct, ci in tries:
                 f, theta = _one_way(t, i, iters)
                 scored.append(torch.cat([f, _chroma_residual(ct, ci, theta)[:, None]], dim=1))
-            stack = torch.stack(scored)                                   # (T, B, F)
+            stack = torch.stack(scored)  # (T, B, F)
             best = stack[:, :, 1].argmax(dim=0)
-            out[s:s + len(ta)] = stack[best, torch.arange(len(ta))].numpy()
+            out[s : s + len(ta)] = stack[best, torch.arange(len(ta))].numpy()
             if progress is not None:
                 progress.update(len(ta))
     return out

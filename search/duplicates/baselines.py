@@ -2,13 +2,14 @@
 show what each would have kept: dHash and pHash (imagehash's definitions, at Hamming distance <= 8), PDQ (when
 the pdqhash package is installed, <= 31 of 256 bits) and cosine >= 0.99 on the index's embeddings (immich's
 rule). No labels: the page lists how many pairs each keeps and how many of them the scan's groups hold too."""
+
 from __future__ import annotations
 
 import numpy as np
 from PIL import Image
 from scipy.fft import dct
 
-HASH_CUTOFF = {"dHash": 8, "pHash": 8, "PDQ": 31}      # the cut-offs these hashes are usually used at (bits)
+HASH_CUTOFF = {"dHash": 8, "pHash": 8, "PDQ": 31}  # the cut-offs these hashes are usually used at (bits)
 COSINE = 0.99
 BLOCK = 4096
 
@@ -38,8 +39,10 @@ def pdq_bits(grey: np.ndarray) -> np.ndarray | None:
 def hash_table(thumbs: np.ndarray, ok: np.ndarray) -> dict[str, np.ndarray]:
     """{name: (n, bytes) uint8 packed bits} of every hash available, from the scan's greyscale thumbnails
     (unreadable rows hashed as their zero thumbnail; `pairs` leaves them out)."""
-    out = {"dHash": np.packbits(np.stack([dhash_bits(t) for t in thumbs]), axis=1),
-           "pHash": np.packbits(np.stack([phash_bits(t) for t in thumbs]), axis=1)}
+    out = {
+        "dHash": np.packbits(np.stack([dhash_bits(t) for t in thumbs]), axis=1),
+        "pHash": np.packbits(np.stack([phash_bits(t) for t in thumbs]), axis=1),
+    }
     if len(thumbs) and pdq_bits(thumbs[0]) is not None:
         out["PDQ"] = np.packbits(np.stack([pdq_bits(t) for t in thumbs]), axis=1)
     return out
@@ -56,7 +59,7 @@ def hamming_pairs(packed: np.ndarray, ok: np.ndarray, cutoff: int) -> np.ndarray
     index.add(np.ascontiguousarray(packed[good]))
     found = []
     for s in range(0, good.size, BLOCK):
-        lims, _, idx = index.range_search(np.ascontiguousarray(packed[good[s:s + BLOCK]]), cutoff + 1)
+        lims, _, idx = index.range_search(np.ascontiguousarray(packed[good[s : s + BLOCK]]), cutoff + 1)
         rows = np.repeat(np.arange(s, min(s + BLOCK, good.size)), np.diff(lims).astype(np.int64))
         found.append(np.column_stack([good[rows], good[idx.astype(np.int64)]]))
     pr = np.concatenate(found)
@@ -76,7 +79,7 @@ def cosine_pairs(embeddings, threshold: float = COSINE) -> np.ndarray:
     index.add(np.ascontiguousarray(x))
     found = []
     for s in range(0, n, BLOCK):
-        lims, _, idx = index.range_search(np.ascontiguousarray(x[s:s + BLOCK]), float(threshold))
+        lims, _, idx = index.range_search(np.ascontiguousarray(x[s : s + BLOCK]), float(threshold))
         rows = np.repeat(np.arange(s, min(s + BLOCK, n)), np.diff(lims).astype(np.int64))
         found.append(np.column_stack([rows, idx]))
     pr = np.concatenate(found).astype(np.int64)
@@ -88,11 +91,26 @@ def table(hashes: dict, ok: np.ndarray, groups: list[dict], kept: set, embedding
     group_of = np.full(len(ok), -1, np.int64)
     for g, grp in enumerate(groups):
         group_of[grp["rows"]] = g
-    rows = [summary(name, f"Hamming distance <= {HASH_CUTOFF[name]} of {bits.shape[1] * 8} bits",
-                    hamming_pairs(bits, ok, HASH_CUTOFF[name]), group_of, kept) for name, bits in hashes.items()]
+    rows = [
+        summary(
+            name,
+            f"Hamming distance <= {HASH_CUTOFF[name]} of {bits.shape[1] * 8} bits",
+            hamming_pairs(bits, ok, HASH_CUTOFF[name]),
+            group_of,
+            kept,
+        )
+        for name, bits in hashes.items()
+    ]
     if embeddings is not None:
-        rows.append(summary("cosine", f"cosine >= {COSINE:g} of the index's embeddings",
-                            cosine_pairs(embeddings), group_of, kept))
+        rows.append(
+            summary(
+                "cosine",
+                f"cosine >= {COSINE:g} of the index's embeddings",
+                cosine_pairs(embeddings),
+                group_of,
+                kept,
+            )
+        )
     return rows
 
 
@@ -103,6 +121,12 @@ def summary(name: str, rule: str, pairs: np.ndarray, group_of: np.ndarray, kept:
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     ga, gb = group_of[pairs[:, 0]], group_of[pairs[:, 1]]
     mine = {frozenset((int(a), int(b))) for a, b in pairs}
-    return {"name": name, "rule": rule, "pairs": int(len(pairs)), "items": int(np.unique(pairs).size),
-            "pairs_in_scan_groups": int(((ga == gb) & (ga >= 0)).sum()),
-            "scan_pairs_kept_too": int(len(mine & kept)), "scan_pairs": int(len(kept))}
+    return {
+        "name": name,
+        "rule": rule,
+        "pairs": int(len(pairs)),
+        "items": int(np.unique(pairs).size),
+        "pairs_in_scan_groups": int(((ga == gb) & (ga >= 0)).sum()),
+        "scan_pairs_kept_too": int(len(mine & kept)),
+        "scan_pairs": int(len(kept)),
+    }

@@ -1,9 +1,10 @@
 """Every constant of `softsearch dedup` in one validated place (DedupConfig): the method itself has none."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-FORMAT = "softsearch-duplicates-3"   # the JSON a scan writes (older scans are not read)
+FORMAT = "softsearch-duplicates-3"  # the JSON a scan writes (older scans are not read)
 
 
 @dataclass(frozen=True)
@@ -56,13 +57,12 @@ class DedupConfig:
             raise ValueError("l2 must be >= 0, quantile in (0, 1) and segments >= 1")
 
     def to_json(self) -> dict:
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+        return {
+            f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "DedupConfig":
         known = {f.name for f in fields(cls)}
         kw = {k: (tuple(v) if k == "iterations" else v) for k, v in data.items() if k in known}
         return cls(**kw)
-
-
-

@@ -1,6 +1,7 @@
 """Per-image descriptors: a small greyscale thumbnail (aligned and correlated pair by pair, align.py) and
 its low-frequency DCT block without the DC term, unit-normalised (the k-NN search key: brightness and
 contrast changes leave it unchanged, JPEG and resizing barely move it)."""
+
 from __future__ import annotations
 
 import hashlib

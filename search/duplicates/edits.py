@@ -6,6 +6,7 @@ area, any offset), rotation (up to 5 degrees, cropped to the picture inside), br
 (0.8-1.2 each), a text or logo overlay -- then saved as JPEG or PNG (a format change). A horizontal flip is
 added only when asked (a mirror is a duplicate only if the user says so).
 """
+
 from __future__ import annotations
 
 import io
@@ -15,7 +16,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageEnhance
 
 EDITS = ("jpeg", "resize", "crop", "rotate", "colour", "overlay")
-MAX_CROP = 0.2      # share of the area a crop may remove
+MAX_CROP = 0.2  # share of the area a crop may remove
 MAX_DEGREES = 5.0
 
 
@@ -49,17 +50,21 @@ def _overlay(im: Image.Image, rng: np.random.Generator) -> Image.Image:
     d = ImageDraw.Draw(im)
     w, h = im.size
     colour = tuple(int(c) for c in rng.integers(0, 256, 3))
-    if rng.random() < 0.5:     # a text caption along the bottom or top
+    if rng.random() < 0.5:  # a text caption along the bottom or top
         bw, bh = int(w * rng.uniform(0.3, 0.7)), max(3, int(h * rng.uniform(0.06, 0.12)))
         x0 = int(rng.integers(0, w - bw + 1))
-        y0 = int(h - bh - rng.integers(0, max(1, h // 20))) if rng.random() < 0.7 else int(rng.integers(0, max(1, h // 20)))
+        y0 = (
+            int(h - bh - rng.integers(0, max(1, h // 20)))
+            if rng.random() < 0.7
+            else int(rng.integers(0, max(1, h // 20)))
+        )
         d.rectangle((x0, y0, x0 + bw, y0 + bh), fill=tuple(255 - c for c in colour))
         step = max(1, bh // 2)
         for x in range(x0 + 2, x0 + bw - step, step + 1):
             if rng.random() < 0.8:
                 d.rectangle((x, y0 + bh // 4, x + step // 2 + 1, y0 + 3 * bh // 4), fill=colour)
         d.text((x0 + 2, y0), "copy", fill=colour)
-    else:                     # a round badge in a corner
+    else:  # a round badge in a corner
         r = max(2, int(min(w, h) * rng.uniform(0.08, 0.15)))
         cx = r + 2 if rng.random() < 0.5 else w - r - 2
         cy = r + 2 if rng.random() < 0.5 else h - r - 2
@@ -68,13 +73,17 @@ def _overlay(im: Image.Image, rng: np.random.Generator) -> Image.Image:
     return im
 
 
-def edited_copy(image: Image.Image, rng: np.random.Generator, *, flip: bool = False,
-                edits: tuple[str, ...] | None = None) -> tuple[bytes, list[str]]:
+def edited_copy(
+    image: Image.Image, rng: np.random.Generator, *, flip: bool = False, edits: tuple[str, ...] | None = None
+) -> tuple[bytes, list[str]]:
     """(encoded bytes, names of the edits applied) of one random edited copy of `image`; `edits` fixes
     which edits are applied (default: one to three at random), `flip` adds a horizontal mirror."""
     im = image.convert("RGB")
-    names = list(edits) if edits is not None else [str(n) for n in rng.choice(EDITS, size=int(rng.integers(1, 4)),
-                                                                               replace=False)]
+    names = (
+        list(edits)
+        if edits is not None
+        else [str(n) for n in rng.choice(EDITS, size=int(rng.integers(1, 4)), replace=False)]
+    )
     unknown = set(names) - set(EDITS)
     if unknown:
         raise ValueError(f"unknown edits {sorted(unknown)}; known: {EDITS}")

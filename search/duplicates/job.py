@@ -7,6 +7,7 @@ embeddings, alignment, a classifier fitted on edited copies of the collection's 
 writes R/duplicates/<version>.json (what GET /v1/duplicates serves) and R/duplicates/<version>.html (the page
 at /duplicates), and a copy to --out.
 """
+
 from __future__ import annotations
 
 import io
@@ -24,14 +25,18 @@ from search.duplicates.config import FORMAT, DedupConfig
 from search.duplicates.dedup_args import build_parser
 from search.duplicates.model import DuplicateModel
 from search.duplicates.page import render_page
-from search.duplicates.scan import (choose_threshold, groups_of, notes, read_thumbnails, scan_collection,
-                                    score_pairs)
+from search.duplicates.scan import (
+    choose_threshold,
+    groups_of,
+    notes,
+    read_thumbnails,
+    scan_collection,
+    score_pairs,
+)
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 4096
-
-
 
 
 def source_bytes(snapshot, item_id: str) -> bytes:
@@ -58,32 +63,47 @@ def has_images(snapshot) -> bool:
 
 def embedding_neighbours(version, rows=None, block: int = BLOCK):
     """k -> (len(rows), k) nearest other rows by the version's ANN index (-1: none)."""
+
     def find(k: int) -> np.ndarray:
         emb = version.embeddings
         sel = np.arange(emb.shape[0]) if rows is None else np.asarray(rows)
         out = np.full((sel.size, k), -1, np.int64)
         for s in range(0, sel.size, block):
-            mine = sel[s:s + block]
+            mine = sel[s : s + block]
             _, found = version.search(np.ascontiguousarray(np.asarray(emb[mine]), dtype=np.float32), k + 1)
             for i, r in enumerate(mine):
                 others = found[i][(found[i] >= 0) & (found[i] != r)][:k]
-                out[s + i, :others.size] = others
+                out[s + i, : others.size] = others
         return out
+
     return find
 
 
 def scan_snapshot(snapshot, config: DedupConfig, progress: bool = True):
     """scan.Scan of every item of a snapshot (its images, its embeddings' neighbours)."""
     if not has_images(snapshot):
-        raise ValueError(f"index version {snapshot.version} has no readable images (built from vectors, or its "
-                         "files are gone): dedup compares the indexed images")
+        raise ValueError(
+            f"index version {snapshot.version} has no readable images (built from vectors, or its "
+            "files are gone): dedup compares the indexed images"
+        )
     ids = snapshot.index.ids
-    return scan_collection(lambda r: source_bytes(snapshot, ids[r]), snapshot.count, config,
-                           neighbours=embedding_neighbours(snapshot.index), progress=progress)
+    return scan_collection(
+        lambda r: source_bytes(snapshot, ids[r]),
+        snapshot.count,
+        config,
+        neighbours=embedding_neighbours(snapshot.index),
+        progress=progress,
+    )
 
 
-def result_of(scan, ids: list[str], config: DedupConfig, threshold: float | None = None,
-              precision: float | None = None, embeddings=None) -> dict:
+def result_of(
+    scan,
+    ids: list[str],
+    config: DedupConfig,
+    threshold: float | None = None,
+    precision: float | None = None,
+    embeddings=None,
+) -> dict:
     """The JSON record of a scan: threshold, groups, the model, the notes, skipped files, figures, and what
     the usual hash rules (and cosine >= 0.99 on `embeddings`) would keep on the same items."""
     t, how = choose_threshold(scan.p, config, threshold, precision)
@@ -92,19 +112,28 @@ def result_of(scan, ids: list[str], config: DedupConfig, threshold: float | None
     ok = scan.ok if scan.ok is not None else np.ones(len(ids), bool)
     compared = baseline_table(scan.hashes, ok, groups, kept, embeddings) if scan.hashes else []
     top = int(np.argmax(scan.p)) if scan.p.size else None
-    return {"threshold": t, "threshold_rule": how, "groups": groups, "notes": notes(scan, t, how),
-            "max_probability": float(scan.p[top]) if top is not None else 0.0,
-            "max_pair": [ids[int(scan.a[top])], ids[int(scan.b[top])]] if top is not None else None,
-            "pairs_scored": int(scan.p.size), "pairs_kept": int((scan.p >= t).sum()),
-            "identical_pairs": int(scan.identical.sum()) if scan.identical is not None else 0,
-            "baselines": compared,
-            "collection_share": scan.share_items, "pair_share": scan.model.share,
-            "model": scan.model.to_json(), "config": config.to_json(),
-            "skipped": [{"id": ids[r], "error": e} for r, e in sorted(scan.skipped.items())],
-            "seconds": scan.seconds,
-            "histogram": np.histogram(scan.p, bins=20, range=(0, 1))[0].tolist(),
-            "copy_probabilities": scan.model.probability(scan.positives_x).tolist()
-            if scan.positives_x is not None and len(scan.positives_x) else []}
+    return {
+        "threshold": t,
+        "threshold_rule": how,
+        "groups": groups,
+        "notes": notes(scan, t, how),
+        "max_probability": float(scan.p[top]) if top is not None else 0.0,
+        "max_pair": [ids[int(scan.a[top])], ids[int(scan.b[top])]] if top is not None else None,
+        "pairs_scored": int(scan.p.size),
+        "pairs_kept": int((scan.p >= t).sum()),
+        "identical_pairs": int(scan.identical.sum()) if scan.identical is not None else 0,
+        "baselines": compared,
+        "collection_share": scan.share_items,
+        "pair_share": scan.model.share,
+        "model": scan.model.to_json(),
+        "config": config.to_json(),
+        "skipped": [{"id": ids[r], "error": e} for r, e in sorted(scan.skipped.items())],
+        "seconds": scan.seconds,
+        "histogram": np.histogram(scan.p, bins=20, range=(0, 1))[0].tolist(),
+        "copy_probabilities": scan.model.probability(scan.positives_x).tolist()
+        if scan.positives_x is not None and len(scan.positives_x)
+        else [],
+    }
 
 
 def latest_scan(store: IndexStore):
@@ -117,8 +146,12 @@ def latest_scan(store: IndexStore):
             data = json.loads(path.read_text(encoding="utf-8"))
             if data.get("format") != FORMAT:
                 continue
-            return version, DuplicateModel.from_json(data["model"]), DedupConfig.from_json(data["config"]), \
-                float(data["threshold"])
+            return (
+                version,
+                DuplicateModel.from_json(data["model"]),
+                DedupConfig.from_json(data["config"]),
+                float(data["threshold"]),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return None
@@ -153,17 +186,26 @@ def report_new_duplicates(root, base: str | None, version: str, progress: bool =
     a, b = a[keep], b[keep]
     pr = np.unique(np.sort(np.column_stack([a, b]), axis=1), axis=0)
     rows = np.unique(pr.reshape(-1))
-    thumbs, colours, skipped, _ = read_thumbnails(lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress)
+    thumbs, colours, skipped, _ = read_thumbnails(
+        lambda r: source_bytes(snap, ids[r]), rows, config.thumb, progress
+    )
     local = {int(r): i for i, r in enumerate(rows)}
     good = np.array([int(x) not in skipped and int(y) not in skipped for x, y in pr], bool)
     pr = pr[good]
     from search.duplicates.descriptors import dct_descriptor
+
     la, lb = np.array([local[int(x)] for x in pr[:, 0]]), np.array([local[int(y)] for y in pr[:, 1]])
-    p = score_pairs(thumbs, colours, dct_descriptor(thumbs, config.dct), la, lb, model, config) if len(pr) else np.zeros(0)
+    p = (
+        score_pairs(thumbs, colours, dct_descriptor(thumbs, config.dct), la, lb, model, config)
+        if len(pr)
+        else np.zeros(0)
+    )
     kept = [(ids[int(x)], ids[int(y)], float(q)) for (x, y), q in zip(pr, p) if q >= threshold]
     for x, y, q in kept:
         print(f"duplicate: {x} ~ {y} (p {q:.3f})")
-    print(f"{len(kept)} duplicate pairs among {new_rows.size} new items (p >= {threshold:.3g}, model of {scanned})")
+    print(
+        f"{len(kept)} duplicate pairs among {new_rows.size} new items (p >= {threshold:.3g}, model of {scanned})"
+    )
     return {"pairs": kept, "threshold": threshold}
 
 
@@ -177,19 +219,34 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--precision must be in (0, 1), got {args.precision}")
     if args.threshold is not None and args.precision is not None:
         raise ValueError("give --threshold or --precision, not both")
-    config = replace(DedupConfig(), flips=args.flips, calibration_items=args.calibration_items, seed=args.seed)
+    config = replace(
+        DedupConfig(), flips=args.flips, calibration_items=args.calibration_items, seed=args.seed
+    )
     root = require_store(args.index)
     store = IndexStore(root)
     version = args.version or store.current_version()
     if version is None:
-        raise FileNotFoundError(f"no current index version under {root}; build one first (softsearch index build)")
+        raise FileNotFoundError(
+            f"no current index version under {root}; build one first (softsearch index build)"
+        )
     searcher = Searcher(root)
     searcher.load(version)
     snapshot = searcher.snapshot()
     scan = scan_snapshot(snapshot, config, progress=not args.no_progress)
-    result = {"format": FORMAT, "version": version, "created": utc_now(), "count": snapshot.count,
-              **result_of(scan, snapshot.index.ids, config, args.threshold, args.precision,
-                          embeddings=snapshot.index.embeddings)}
+    result = {
+        "format": FORMAT,
+        "version": version,
+        "created": utc_now(),
+        "count": snapshot.count,
+        **result_of(
+            scan,
+            snapshot.index.ids,
+            config,
+            args.threshold,
+            args.precision,
+            embeddings=snapshot.index.embeddings,
+        ),
+    }
     path = store.duplicates_path(version)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=1)
@@ -200,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in result["notes"]:
         print(f"note: {note}")
     grouped = sum(len(g["ids"]) for g in result["groups"])
-    print(f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
-          f"({result['threshold_rule']}); highest p {result['max_probability']:.3g}; items with a duplicate: about "
-          f"{result['collection_share']:.1%} (estimated, no labels); {len(result['skipped'])} skipped; {path}")
+    print(
+        f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
+        f"({result['threshold_rule']}); highest p {result['max_probability']:.3g}; items with a duplicate: about "
+        f"{result['collection_share']:.1%} (estimated, no labels); {len(result['skipped'])} skipped; {path}"
+    )
     return 0

@@ -14,6 +14,7 @@ correlation, coverage and cosine; less stretch and unexplained colour), so a pai
 every feature is never less likely a copy, and a pair more alike than any synthetic copy (a mirrored copy with
 --flips) keeps the highest odds instead of falling outside what the fit saw.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
     """(n, len(NAMES)) model inputs: correlations as Fisher z (a copy's 0.995 and 0.9995 differ as much
     as 0.9 and 0.99 do), the chroma residual as a log, coverage and stretch as they are."""
     f = np.asarray(features, dtype=np.float64)
-    z = lambda v: np.arctanh(np.clip(v, -0.999, 0.99999))   # noqa: E731
-    return np.column_stack([z(f[:, 0]), z(f[:, 1]), f[:, 2], f[:, 3], np.log(f[:, 4] + 1e-3),
-                            z(np.asarray(cosine, np.float64))])
+    z = lambda v: np.arctanh(np.clip(v, -0.999, 0.99999))  # noqa: E731
+    return np.column_stack(
+        [z(f[:, 0]), z(f[:, 1]), f[:, 2], f[:, 3], np.log(f[:, 4] + 1e-3), z(np.asarray(cosine, np.float64))]
+    )
 
 
 def knots_of(x: np.ndarray, segments: int) -> list[np.ndarray]:
@@ -58,7 +60,9 @@ def basis(x: np.ndarray, knots: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(cols, axis=1) if cols else np.zeros((len(sx), 0))
 
 
-def fit_monotone(x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None, steps: int = 50) -> np.ndarray:
+def fit_monotone(
+    x: np.ndarray, y: np.ndarray, w: np.ndarray, l2: float, start=None, steps: int = 50
+) -> np.ndarray:
     """Weighted ridge logistic regression on basis columns with non-negative slopes -> coefficients (intercept
     last, free and not penalised): projected Newton (the slopes at zero whose gradient pushes them below it
     held there, a Newton step on the rest, halved until the loss falls)."""
@@ -110,7 +114,7 @@ class DuplicateModel:
     bound: str = ""
     positives: int = 0
     candidates: int = 0
-    copy_recall: float = float("nan")        # held-out synthetic copies at p >= the default threshold
+    copy_recall: float = float("nan")  # held-out synthetic copies at p >= the default threshold
     history: list = field(default_factory=list)
 
     def log_ratio(self, x: np.ndarray) -> np.ndarray:
@@ -121,30 +125,56 @@ class DuplicateModel:
         return np.exp(np.minimum(self.log_ratio(x) + np.log(max(s, MIN_SHARE)), 0.0))
 
     def to_json(self) -> dict:
-        return {"features": list(NAMES), "sign": SIGN.tolist(), "knots": [k.tolist() for k in self.knots],
-                "coef": self.coef.tolist(), "share": self.share, "steps": self.steps, "bound": self.bound,
-                "positives": self.positives, "candidates": self.candidates, "copy_recall": self.copy_recall}
+        return {
+            "features": list(NAMES),
+            "sign": SIGN.tolist(),
+            "knots": [k.tolist() for k in self.knots],
+            "coef": self.coef.tolist(),
+            "share": self.share,
+            "steps": self.steps,
+            "bound": self.bound,
+            "positives": self.positives,
+            "candidates": self.candidates,
+            "copy_recall": self.copy_recall,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "DuplicateModel":
-        return cls([np.asarray(k, np.float64) for k in d["knots"]], np.asarray(d["coef"]), float(d["share"]),
-                   int(d["steps"]), d.get("bound", ""), int(d.get("positives", 0)), int(d.get("candidates", 0)),
-                   float(d.get("copy_recall", float("nan"))))
+        return cls(
+            [np.asarray(k, np.float64) for k in d["knots"]],
+            np.asarray(d["coef"]),
+            float(d["share"]),
+            int(d["steps"]),
+            d.get("bound", ""),
+            int(d.get("positives", 0)),
+            int(d.get("candidates", 0)),
+            float(d.get("copy_recall", float("nan"))),
+        )
 
 
 def _fit_balanced(bp, bu, wu, l2, start=None):
     x = np.vstack([bp, bu])
     y = np.r_[np.ones(len(bp)), np.zeros(len(bu))]
-    w = np.r_[np.full(len(bp), max(wu.sum(), 1e-9) / len(bp)), wu]   # equal total weight: logit = log LR
+    w = np.r_[np.full(len(bp), max(wu.sum(), 1e-9) / len(bp)), wu]  # equal total weight: logit = log LR
     return fit_monotone(x, y, w / w.mean(), l2, start)
 
 
-def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_share: float, quantile: float,
-              threshold: float = 0.5, segments: int = DedupConfig.segments) -> DuplicateModel:
+def fit_model(
+    positives: np.ndarray,
+    unlabelled: np.ndarray,
+    *,
+    l2: float,
+    max_share: float,
+    quantile: float,
+    threshold: float = 0.5,
+    segments: int = DedupConfig.segments,
+) -> DuplicateModel:
     """The positive-unlabelled fit of the module docstring; positives and unlabelled are `design` rows."""
     if len(positives) < 4 or len(unlabelled) < 4:
-        raise ValueError(f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
-                         f"{len(unlabelled)}")
+        raise ValueError(
+            f"duplicate fit needs at least 4 copies and 4 candidate pairs, got {len(positives)} and "
+            f"{len(unlabelled)}"
+        )
     knots = knots_of(np.vstack([positives, unlabelled]), segments)
     xp, xu = basis(positives, knots), basis(unlabelled, knots)
     ones = np.ones(len(xu))
@@ -153,9 +183,11 @@ def fit_model(positives: np.ndarray, unlabelled: np.ndarray, *, l2: float, max_s
     share = float(np.exp(-top)) if top > -np.log(max_share) else max_share
     bound = ""
     if share >= max_share:
-        bound = (f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
-                 "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
-                 "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies")
+        bound = (
+            f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
+            "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
+            "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies"
+        )
     share = max(share, MIN_SHARE)
     model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])
     # held-out copy recall: each half of the positives scored by a fit on the other half, at this share

@@ -1,5 +1,6 @@
 """The duplicates page: what the scan fitted (the probabilities of candidate pairs and of held-in synthetic
 copies), its notes, and the groups with thumbnails, one self-contained HTML file (images inlined)."""
+
 from __future__ import annotations
 
 import base64
@@ -34,12 +35,26 @@ def probability_figure(result: dict) -> bytes:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3))
     edges = np.linspace(0, 1, len(result["histogram"]) + 1)
-    ax.bar(edges[:-1], result["histogram"], width=np.diff(edges), align="edge", alpha=0.7, color="#36c",
-           label="candidate pairs of this collection")
+    ax.bar(
+        edges[:-1],
+        result["histogram"],
+        width=np.diff(edges),
+        align="edge",
+        alpha=0.7,
+        color="#36c",
+        label="candidate pairs of this collection",
+    )
     if result.get("copy_probabilities"):
         counts, _ = np.histogram(result["copy_probabilities"], bins=edges)
-        ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge", alpha=0.6, color="#4a8",
-               label="synthetic edited copies (fit)")
+        ax.bar(
+            edges[:-1],
+            counts,
+            width=np.diff(edges),
+            align="edge",
+            alpha=0.6,
+            color="#4a8",
+            label="synthetic edited copies (fit)",
+        )
     ax.axvline(result["threshold"], color="#b00", lw=1, label=f"threshold {result['threshold']:.3g}")
     ax.set_yscale("log")
     ax.set_xlabel("probability that the pair is one picture edited")
@@ -70,28 +85,42 @@ def render_page(result: dict, snapshot) -> str:
         f"{model['copy_recall']:.0%}.</p>",
     ]
     if result.get("identical_pairs"):
-        parts.append(f"<p>{result['identical_pairs']} items are pictures identical to another item (same decoded "
-                     "pixels or same thumbnails), joined to it at p 1 before any comparison.</p>")
+        parts.append(
+            f"<p>{result['identical_pairs']} items are pictures identical to another item (same decoded "
+            "pixels or same thumbnails), joined to it at p 1 before any comparison.</p>"
+        )
     parts += [f"<p class='note'><b>Note:</b> {esc(n)}</p>" for n in result.get("notes", [])]
     if result.get("baselines"):
-        rows = "".join(f"<tr><td>{esc(b['name'])}</td><td>{esc(b['rule'])}</td><td>{b['pairs']}</td>"
-                       f"<td>{b['items']}</td><td>{b['pairs_in_scan_groups']}</td>"
-                       f"<td>{b['scan_pairs_kept_too']} of {b['scan_pairs']}</td></tr>" for b in result["baselines"])
-        parts.append("<h2>The usual rules on the same items</h2><p>What each common rule would call a duplicate "
-                     "here (no labels, so no one is scored; bench/dedup.py measures them against planted copies): "
-                     "the pairs it keeps, the items they touch, how many of its pairs lie inside one of the groups "
-                     "below, and how many of the pairs this scan kept it keeps too.</p><table border='1' "
-                     "cellpadding='3' style='border-collapse:collapse'><tr><th>rule</th><th>cut-off</th><th>pairs"
-                     "</th><th>items</th><th>pairs inside a group here</th><th>this scan's pairs it keeps</th></tr>"
-                     + rows + "</table>")
+        rows = "".join(
+            f"<tr><td>{esc(b['name'])}</td><td>{esc(b['rule'])}</td><td>{b['pairs']}</td>"
+            f"<td>{b['items']}</td><td>{b['pairs_in_scan_groups']}</td>"
+            f"<td>{b['scan_pairs_kept_too']} of {b['scan_pairs']}</td></tr>"
+            for b in result["baselines"]
+        )
+        parts.append(
+            "<h2>The usual rules on the same items</h2><p>What each common rule would call a duplicate "
+            "here (no labels, so no one is scored; bench/dedup.py measures them against planted copies): "
+            "the pairs it keeps, the items they touch, how many of its pairs lie inside one of the groups "
+            "below, and how many of the pairs this scan kept it keeps too.</p><table border='1' "
+            "cellpadding='3' style='border-collapse:collapse'><tr><th>rule</th><th>cut-off</th><th>pairs"
+            "</th><th>items</th><th>pairs inside a group here</th><th>this scan's pairs it keeps</th></tr>"
+            + rows
+            + "</table>"
+        )
     parts.append(f"<img alt='probabilities' src='{_png_data(probability_figure(result))}'>")
     if result.get("skipped"):
-        parts.append("<p>Skipped (unreadable): " + ", ".join(esc(s["id"]) for s in result["skipped"][:50]) + "</p>")
+        parts.append(
+            "<p>Skipped (unreadable): " + ", ".join(esc(s["id"]) for s in result["skipped"][:50]) + "</p>"
+        )
     for g in result["groups"][:MAX_GROUPS_SHOWN]:
-        items = "".join(f"<div class='item'><img alt='{esc(i)}' src='{_thumb(snapshot, i)}'>{esc(i)}</div>"
-                        for i in g["ids"])
-        parts.append(f"<div class='group'><div class='meta'>confidence {g['confidence']:.4f} "
-                     f"({len(g['pairs'])} pairs)</div>{items}</div>")
+        items = "".join(
+            f"<div class='item'><img alt='{esc(i)}' src='{_thumb(snapshot, i)}'>{esc(i)}</div>"
+            for i in g["ids"]
+        )
+        parts.append(
+            f"<div class='group'><div class='meta'>confidence {g['confidence']:.4f} "
+            f"({len(g['pairs'])} pairs)</div>{items}</div>"
+        )
     if len(result["groups"]) > MAX_GROUPS_SHOWN:
         parts.append(f"<p>{len(result['groups']) - MAX_GROUPS_SHOWN} more groups in the JSON file.</p>")
     parts.append("</body></html>")

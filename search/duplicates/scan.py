@@ -10,6 +10,7 @@ and scored by how well it then correlates; a logistic regression fitted on this 
 of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled learning) -- turns those scores
 into the probability that the pair is one picture edited, at this collection's own share of duplicates.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,15 +25,26 @@ from tqdm.auto import tqdm
 from search.duplicates.align import pair_features
 from search.duplicates.baselines import hash_table
 from search.duplicates.config import DedupConfig
-from search.duplicates.descriptors import (chroma, dct_descriptor, identical_groups, thumbnail,
-                                           thumbnail_and_digest)
+from search.duplicates.descriptors import (
+    chroma,
+    dct_descriptor,
+    identical_groups,
+    thumbnail,
+    thumbnail_and_digest,
+)
 from search.duplicates.edits import edited_copy
-from search.duplicates.model import (NAMES, DuplicateModel, design, fit_model, items_share,
-                                     threshold_for_precision)
+from search.duplicates.model import (
+    NAMES,
+    DuplicateModel,
+    design,
+    fit_model,
+    items_share,
+    threshold_for_precision,
+)
 from training.images import load_rgb
 
 logger = logging.getLogger(__name__)
-EDIT_SIDE = 320        # synthetic copies are made from the picture shrunk to this longest side (speed)
+EDIT_SIDE = 320  # synthetic copies are made from the picture shrunk to this longest side (speed)
 
 
 @dataclass
@@ -50,7 +62,7 @@ class Scan:
     seconds: dict = field(default_factory=dict)
     positives_x: np.ndarray | None = None
     identical: np.ndarray | None = None
-    hashes: dict = field(default_factory=dict)     # baselines.hash_table of the items (the page's comparison)
+    hashes: dict = field(default_factory=dict)  # baselines.hash_table of the items (the page's comparison)
     ok: np.ndarray | None = None
 
 
@@ -66,13 +78,19 @@ def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bo
             g, c, digest = thumbnail_and_digest(read(int(r)), side)
             thumbs[k], colours[k] = g, chroma(c)
             keys[k] = (b"p" + digest, b"t" + g.tobytes() + c.tobytes())
-        except (OSError, ValueError, KeyError) as err:      # ImageError is a ValueError
+        except (OSError, ValueError, KeyError) as err:  # ImageError is a ValueError
             skipped[int(r)] = f"{type(err).__name__}: {err}"
     return thumbs, colours, skipped, keys
 
 
-def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray | None = None,
-                    flipped: np.ndarray | None = None, rep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def candidate_pairs(
+    desc: np.ndarray,
+    ok: np.ndarray,
+    k: int,
+    extra: np.ndarray | None = None,
+    flipped: np.ndarray | None = None,
+    rep: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Unique pairs (a < b) of `ok` rows: each row's k nearest by descriptor cosine (exact FAISS inner
     product; with `flipped`, also the nearest of its mirror), plus `extra` (n, k') neighbour rows (-1: none),
     those read through `rep` (each row's representative: a group's members lend it their neighbours)."""
@@ -106,10 +124,12 @@ def candidate_pairs(desc: np.ndarray, ok: np.ndarray, k: int, extra: np.ndarray 
     return pr[:, 0], pr[:, 1]
 
 
-def synthetic_positives(read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool) -> np.ndarray:
+def synthetic_positives(
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool
+) -> np.ndarray:
     """Design rows of edited copies of the given rows against their originals (a quarter mirrored with flips)."""
     copies, copy_colours, used = [], [], []
-    decoded: dict[int, Image.Image] = {}     # a small collection gives each item several copies: decode once
+    decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
         try:
             if int(r) not in decoded:
@@ -128,8 +148,16 @@ def synthetic_positives(read, rows, thumbs, colours, desc, config: DedupConfig, 
         return np.zeros((0, len(NAMES)))
     c = np.stack(copies)
     used = np.asarray(used)
-    f = pair_features(thumbs, used, np.arange(len(used)), colours=colours, other=c,
-                      other_colours=np.stack(copy_colours), iters=config.iterations, flips=config.flips)
+    f = pair_features(
+        thumbs,
+        used,
+        np.arange(len(used)),
+        colours=colours,
+        other=c,
+        other_colours=np.stack(copy_colours),
+        iters=config.iterations,
+        flips=config.flips,
+    )
     cd = dct_descriptor(c, config.dct)
     cos = np.einsum("ij,ij->i", desc[used], cd)
     if config.flips:
@@ -138,17 +166,26 @@ def synthetic_positives(read, rows, thumbs, colours, desc, config: DedupConfig, 
 
 
 def pair_design(thumbs, colours, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:
-    with tqdm(total=len(a), desc="aligning candidate pairs", unit="pair", disable=not progress,
-              mininterval=1.0) as bar:
-        f = pair_features(thumbs, a, b, colours=colours, iters=config.iterations, flips=config.flips, progress=bar)
+    with tqdm(
+        total=len(a), desc="aligning candidate pairs", unit="pair", disable=not progress, mininterval=1.0
+    ) as bar:
+        f = pair_features(
+            thumbs, a, b, colours=colours, iters=config.iterations, flips=config.flips, progress=bar
+        )
     cos = np.einsum("ij,ij->i", desc[a], desc[b])
     if flipped is not None:
         cos = np.maximum(cos, np.einsum("ij,ij->i", desc[a], flipped[b]))
     return design(f, cos)
 
 
-def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig = DedupConfig(), *,
-                    neighbours: Callable[[int], np.ndarray] | None = None, progress: bool = True) -> Scan:
+def scan_collection(
+    read: Callable[[int], object],
+    n: int,
+    config: DedupConfig = DedupConfig(),
+    *,
+    neighbours: Callable[[int], np.ndarray] | None = None,
+    progress: bool = True,
+) -> Scan:
     """Scan n items (`read(row)` -> a path or bytes; `neighbours(k)` -> (n, k) nearest rows by the index's
     embeddings, -1 where none) and fit the model on them."""
     t = {}
@@ -178,13 +215,19 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     good = np.flatnonzero(lead)
     # each readable item once in random order, again until there are calibration_items copies (small collections)
     reps = -(-config.calibration_items // good.size)
-    sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[:config.calibration_items]
+    sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[: config.calibration_items]
     xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
     t["copies"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    model = fit_model(xp, x, l2=config.l2, max_share=config.max_share, quantile=config.quantile,
-                      segments=config.segments,
-                      threshold=config.threshold)
+    model = fit_model(
+        xp,
+        x,
+        l2=config.l2,
+        max_share=config.max_share,
+        quantile=config.quantile,
+        segments=config.segments,
+        threshold=config.threshold,
+    )
     p = model.probability(x)
     t["fit"] = time.perf_counter() - t0
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
@@ -195,7 +238,9 @@ def scan_collection(read: Callable[[int], object], n: int, config: DedupConfig =
     return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok)
 
 
-def score_pairs(thumbs, colours, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False):
+def score_pairs(
+    thumbs, colours, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False
+):
     """Probabilities of given pairs under an already fitted model (new items after `index add`)."""
     flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
     return model.probability(pair_design(thumbs, colours, desc, a, b, config, progress, flipped))
@@ -238,10 +283,24 @@ def groups_of(a, b, p, threshold: float, ids: list[str]) -> list[dict]:
     out = []
     for r, rows in members.items():
         rows = sorted(rows)
-        pairs = [{"a": ids[int(a[k])], "b": ids[int(b[k])], "p_ab": float(p[k]), "p_ba": float(p[k]),
-                  "similarity": float(p[k])} for k in edges[r]]
-        out.append({"ids": [ids[x] for x in rows], "rows": rows,
-                    "confidence": float(min(p[k] for k in edges[r])), "pairs": pairs})
+        pairs = [
+            {
+                "a": ids[int(a[k])],
+                "b": ids[int(b[k])],
+                "p_ab": float(p[k]),
+                "p_ba": float(p[k]),
+                "similarity": float(p[k]),
+            }
+            for k in edges[r]
+        ]
+        out.append(
+            {
+                "ids": [ids[x] for x in rows],
+                "rows": rows,
+                "confidence": float(min(p[k] for k in edges[r])),
+                "pairs": pairs,
+            }
+        )
     return sorted(out, key=lambda g: (-len(g["rows"]), -g["confidence"], g["rows"]))
 
 
@@ -252,11 +311,15 @@ def notes(scan: Scan, threshold: float, how: str) -> list[str]:
         out.append(scan.model.bound)
     top = float(scan.p.max()) if scan.p.size else 0.0
     if top < threshold:
-        out.append(f"no pair reaches p >= {threshold:.3g}; the highest p found is {top:.3g}"
-                   + (f" (--threshold {top:.3g} would keep that pair)" if top > 0 else ""))
+        out.append(
+            f"no pair reaches p >= {threshold:.3g}; the highest p found is {top:.3g}"
+            + (f" (--threshold {top:.3g} would keep that pair)" if top > 0 else "")
+        )
     if np.isfinite(scan.model.copy_recall) and scan.model.copy_recall < 0.8:
-        out.append(f"only {scan.model.copy_recall:.0%} of held-out synthetic copies reach p >= "
-                   f"{threshold:.3g}: edited copies here are hard to tell from look-alikes; expect low recall")
+        out.append(
+            f"only {scan.model.copy_recall:.0%} of held-out synthetic copies reach p >= "
+            f"{threshold:.3g}: edited copies here are hard to tell from look-alikes; expect low recall"
+        )
     if scan.skipped:
         out.append(f"{len(scan.skipped)} unreadable images skipped (listed under 'skipped')")
     if how.startswith("no pairs"):

@@ -6,6 +6,7 @@ bought nothing, and the report's first line says so, with a paired bootstrap int
 the per-query difference d_q = prec@k(trained, q) - prec@k(baseline, q) is resampled, so the interval
 reflects the query-to-query variation both searches share.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,7 @@ def raw_pixel_features(images: torch.Tensor, side: int = RAW_PIXEL_SIDE) -> np.n
 
     Grey is the channel mean; the resize is area averaging (box filter), as a thumbnail would be."""
     x = images.detach().float()
-    grey = x.mean(dim=1, keepdim=True)                                   # (B, 1, S, S)
+    grey = x.mean(dim=1, keepdim=True)  # (B, 1, S, S)
     if grey.shape[-1] != side or grey.shape[-2] != side:
         grey = F.interpolate(grey, size=(side, side), mode="area")
     return grey.flatten(1).cpu().numpy().astype(np.float32)
@@ -40,8 +41,15 @@ def centred_unit(db: np.ndarray, queries: np.ndarray) -> tuple[np.ndarray, np.nd
     return unit(db), unit(queries)
 
 
-def per_query_precision(zq: np.ndarray, zdb: np.ndarray, query_labels, db_labels, k: int,
-                        exclude: np.ndarray | None = None, device=None) -> np.ndarray:
+def per_query_precision(
+    zq: np.ndarray,
+    zdb: np.ndarray,
+    query_labels,
+    db_labels,
+    k: int,
+    exclude: np.ndarray | None = None,
+    device=None,
+) -> np.ndarray:
     """Per-query label precision@k of an exact inner-product search: (Q,) float64."""
     n_avail = zdb.shape[0] - (1 if exclude is not None else 0)
     kk = min(k, n_avail)
@@ -51,7 +59,9 @@ def per_query_precision(zq: np.ndarray, zdb: np.ndarray, query_labels, db_labels
 
 def paired_difference(this: np.ndarray, other: np.ndarray, n_boot: int = 1000, seed: int = 0) -> dict:
     """Mean of this - other over queries with its paired percentile-bootstrap 95 % interval."""
-    mean, low, high = bootstrap_ci(np.asarray(this, np.float64) - np.asarray(other, np.float64), n_boot, 0.05, seed)
+    mean, low, high = bootstrap_ci(
+        np.asarray(this, np.float64) - np.asarray(other, np.float64), n_boot, 0.05, seed
+    )
     return {"mean": mean, "low": low, "high": high}
 
 
@@ -82,9 +92,12 @@ def recipe_description(info: dict) -> str | None:
         where = opts.get("space", "pixels")
         every = opts.get("refresh_every", 0)
         space = {"pixels": "grey-pixel", "encoder": "encoder", "both": "pixel+encoder"}.get(where, where)
-        what = (f"{space} neighbours as positives (neighbour, k {opts.get('k')}"
-                + (f", refreshed every {every} steps" if where != "pixels" and every else "")
-                + (", step-0 tower" if where != "pixels" and not every else "") + ")")
+        what = (
+            f"{space} neighbours as positives (neighbour, k {opts.get('k')}"
+            + (f", refreshed every {every} steps" if where != "pixels" and every else "")
+            + (", step-0 tower" if where != "pixels" and not every else "")
+            + ")"
+        )
     elif name == "instance":
         what = "two augmentations of one image as positives (instance)"
     else:
@@ -95,15 +108,26 @@ def recipe_description(info: dict) -> str | None:
     return ", ".join([what] + [e for e in extra if e])
 
 
-def baseline_comparison(rows: dict[str, tuple[np.ndarray, np.ndarray]], trained: tuple[np.ndarray, np.ndarray],
-                        ks=(10, 1), n_boot: int = 1000, seed: int = 0, recipe: str | None = None) -> dict:
+def baseline_comparison(
+    rows: dict[str, tuple[np.ndarray, np.ndarray]],
+    trained: tuple[np.ndarray, np.ndarray],
+    ks=(10, 1),
+    n_boot: int = 1000,
+    seed: int = 0,
+    recipe: str | None = None,
+) -> dict:
     """Report part: each baseline's precision@k and the trained encoder's paired difference to it.
 
     ``rows`` maps a baseline name to its (per-query prec@ks[0], per-query prec@ks[1]) arrays; ``trained``
     holds the trained encoder's arrays on the same queries. The verdict compares with raw pixels and
     names the training `recipe` when given."""
-    out: dict = {"ks": list(ks), "n_queries": int(trained[0].size), "n_boot": n_boot,
-                 "trained": {f"precision@{k}": float(np.mean(v)) for k, v in zip(ks, trained)}, "rows": []}
+    out: dict = {
+        "ks": list(ks),
+        "n_queries": int(trained[0].size),
+        "n_boot": n_boot,
+        "trained": {f"precision@{k}": float(np.mean(v)) for k, v in zip(ks, trained)},
+        "rows": [],
+    }
     for name, per_q in rows.items():
         row = {"name": name}
         for k, base, mine in zip(ks, per_q, trained):

@@ -7,6 +7,7 @@ here). Queries: a held-out split (`--queries-dataset`, default the database's da
 views of database items (q is a point mass on the source: an approximation, said in the report).
 Writes OUT/report.json and one self-contained OUT/report.html, prints a short table.
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,10 +23,16 @@ from index.build import training_temperature
 from index.manifest import CheckpointRef, Manifest, file_sha256
 from index.models import load_version_encoder
 from index.store import IndexStore, require_store
-from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
-                                         raw_pixel_features, recipe_description)
-from search.evaluation.eval_args import build_parser
+from search.evaluation.baselines import (
+    RAW_PIXELS,
+    baseline_comparison,
+    centred_unit,
+    per_query_precision,
+    raw_pixel_features,
+    recipe_description,
+)
 from search.evaluation.calibration import calibrate_temperature
+from search.evaluation.eval_args import build_parser
 from search.evaluation.gap import ideal_and_learned, softmax_gap
 from search.evaluation.k_law import DEFAULT_KS, PoolSampler, k_law, plot_k_law
 from search.evaluation.metrics import bootstrap_ci, ideal_topk, knn_search, retrieval_metrics
@@ -34,9 +41,9 @@ from search.evaluation.report import plot_gap_vs_tau, plot_samples, summary_tabl
 from search.evaluation.tail import plot_daic, plot_tail, plot_threshold_stability, tail_diagnostics
 from training.checkpoint import load_checkpoint
 from training.datasets import create_dataset
+from training.distributed import default_device
 from training.generators import create_generator
 from training.image_cache import summarise_skipped
-from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +89,11 @@ class EvalConfig:
 class EvalData:
     """Database and query side, shared by the main encoder and a --compare encoder."""
 
-    datasets: list                  # database source datasets
-    rows: np.ndarray                # (N, 2) int64: db row -> (source, item index)
+    datasets: list  # database source datasets
+    rows: np.ndarray  # (N, 2) int64: db row -> (source, item index)
     db_meta: np.ndarray
     db_labels: np.ndarray | None
-    query_images: torch.Tensor      # (Q, 3, S, S) preprocessed
+    query_images: torch.Tensor  # (Q, 3, S, S) preprocessed
     query_meta: np.ndarray
     query_labels: np.ndarray | None
     query_exclude: np.ndarray | None  # db row of each query when the queries are database items
@@ -95,7 +102,7 @@ class EvalData:
     queries_description: str
     queries_same_as_db: bool
     notes: list[str] = field(default_factory=list)
-    query_skipped: list[dict] = field(default_factory=list)   # held-out files that could not be decoded
+    query_skipped: list[dict] = field(default_factory=list)  # held-out files that could not be decoded
 
 
 def _tensors(ds, idx: np.ndarray) -> torch.Tensor:
@@ -110,7 +117,9 @@ def encode(encoder, images: torch.Tensor, batch_size: int, device) -> tuple[np.n
     encoder.eval()
     with torch.inference_mode():
         for b0 in range(0, images.shape[0], batch_size):
-            h = encoder.features(images[b0 : b0 + batch_size].to(device=device, dtype=torch.float32))  # (B, D)
+            h = encoder.features(
+                images[b0 : b0 + batch_size].to(device=device, dtype=torch.float32)
+            )  # (B, D)
             hs.append(h.float().cpu())
             zs.append(F.normalize(h, dim=-1).float().cpu())
     d = encoder.embed_dim
@@ -154,14 +163,16 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> Ev
     ds0 = db_datasets[0]
     gen = _make_generator(cfg, ds0)
     gname = gen.name
-    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)   # (N, 2) (source, item); a list of pairs works too
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)  # (N, 2) (source, item); a list of pairs works too
     src, item = rows[:, 0], rows[:, 1]
     n = len(rows)
     parts_meta, parts_lab = [], []
     for s, ds in enumerate(db_datasets):
         sel = src == s
         parts_meta.append((np.flatnonzero(sel), _meta(ds, item[sel], gname, np.flatnonzero(sel))))
-        parts_lab.append((np.flatnonzero(sel), None if ds.labels is None else np.asarray(ds.labels)[item[sel]]))
+        parts_lab.append(
+            (np.flatnonzero(sel), None if ds.labels is None else np.asarray(ds.labels)[item[sel]])
+        )
     first = parts_meta[0][1]
     db_meta = np.empty((n,) + first.shape[1:], dtype=first.dtype)
     for where, m in parts_meta:
@@ -184,11 +195,25 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> Ev
                 images.append((sel, gen.sample_pairs(ds, item[sel], rng)[1]))
         order = np.concatenate([sel for sel, _ in images])
         imgs = torch.cat([im for _, im in images])[np.argsort(order)]
-        notes.append("instance generator: queries are augmented views of database items; q is a point mass on "
-                     "the source item (approximation)")
-        return EvalData(db_datasets, rows, db_meta, db_labels, imgs, q_rows,
-                        None if db_labels is None else db_labels[q_rows], None, gen, db_desc,
-                        f"augmented views of {q_rows.size} database items", False, notes)
+        notes.append(
+            "instance generator: queries are augmented views of database items; q is a point mass on "
+            "the source item (approximation)"
+        )
+        return EvalData(
+            db_datasets,
+            rows,
+            db_meta,
+            db_labels,
+            imgs,
+            q_rows,
+            None if db_labels is None else db_labels[q_rows],
+            None,
+            gen,
+            db_desc,
+            f"augmented views of {q_rows.size} database items",
+            False,
+            notes,
+        )
 
     if queries is not None:
         qds = queries
@@ -198,8 +223,13 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> Ev
         if cfg.queries_root is not None:
             spec["root"] = cfg.queries_root
     else:
-        spec = {"name": cfg.queries_dataset, "split": cfg.queries_split, "root": cfg.queries_root,
-                "size": cfg.queries_size, "seed": getattr(ds0, "seed", 0)}
+        spec = {
+            "name": cfg.queries_dataset,
+            "split": cfg.queries_split,
+            "root": cfg.queries_root,
+            "size": cfg.queries_size,
+            "seed": getattr(ds0, "seed", 0),
+        }
     if queries is None:
         try:
             qds = create_dataset(**spec)
@@ -207,8 +237,12 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> Ev
             if cfg.queries_dataset is not None:
                 raise
             # e.g. a folder dataset has only the split "all": query with the database items themselves
-            logger.warning("no held-out %r split for %s (%s): using the database items as queries",
-                           cfg.queries_split, ds0.name, err)
+            logger.warning(
+                "no held-out %r split for %s (%s): using the database items as queries",
+                cfg.queries_split,
+                ds0.name,
+                err,
+            )
             notes.append(f"no held-out split {cfg.queries_split!r}: the queries are database items")
             qds = ds0
     same = [s for s, ds in enumerate(db_datasets) if ds.fingerprint() == qds.fingerprint()]
@@ -216,21 +250,38 @@ def load_eval_data(cfg: EvalConfig, db_datasets: list, rows, queries=None) -> Ev
     exclude = None
     if same:
         # the queries are database items: leave each query's own row out of its neighbour list
-        row_of = np.full(len(db_datasets[same[0]]), -1, dtype=np.int64)   # item of that source -> db row
+        row_of = np.full(len(db_datasets[same[0]]), -1, dtype=np.int64)  # item of that source -> db row
         where = np.flatnonzero(src == same[0])
         row_of[item[where]] = where
         exclude = row_of[q_idx]
-        notes.append("queries are items of the database: their own rows are excluded from the neighbour lists "
-                     "(the gap keeps them)")
+        notes.append(
+            "queries are items of the database: their own rows are excluded from the neighbour lists "
+            "(the gap keeps them)"
+        )
     q_meta = _meta(qds, q_idx, gname, exclude)
     q_labels = None if qds.labels is None else np.asarray(qds.labels)[q_idx]
     q_skipped = [] if same else list(getattr(qds, "skipped", None) or [])
     if q_skipped:
-        notes.append(f"{len(q_skipped)} held-out file(s) skipped ({summarise_skipped(q_skipped)}); "
-                     "listed under queries.skipped_files")
-    return EvalData(db_datasets, rows, db_meta, db_labels, _tensors(qds, q_idx), q_meta, q_labels, exclude, gen,
-                    db_desc, f"{qds.name}/{qds.split} ({q_idx.size} of {len(qds)})", bool(same), notes,
-                    q_skipped)
+        notes.append(
+            f"{len(q_skipped)} held-out file(s) skipped ({summarise_skipped(q_skipped)}); "
+            "listed under queries.skipped_files"
+        )
+    return EvalData(
+        db_datasets,
+        rows,
+        db_meta,
+        db_labels,
+        _tensors(qds, q_idx),
+        q_meta,
+        q_labels,
+        exclude,
+        gen,
+        db_desc,
+        f"{qds.name}/{qds.split} ({q_idx.size} of {len(qds)})",
+        bool(same),
+        notes,
+        q_skipped,
+    )
 
 
 def _ideal_recall(zq, zdb, data: EvalData, ks=(1, 5, 10), n_boot=1000, seed=0, device=None) -> dict:
@@ -247,8 +298,16 @@ def _ideal_recall(zq, zdb, data: EvalData, ks=(1, 5, 10), n_boot=1000, seed=0, d
     return out
 
 
-def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np.ndarray, hq: np.ndarray | None,
-                        train_tau: float, serving_tau: float, full: bool = True) -> tuple[dict, dict]:
+def evaluate_embeddings(
+    cfg: EvalConfig,
+    data: EvalData,
+    zdb: np.ndarray,
+    zq: np.ndarray,
+    hq: np.ndarray | None,
+    train_tau: float,
+    serving_tau: float,
+    full: bool = True,
+) -> tuple[dict, dict]:
     """All numbers for one encoder's embeddings -> (report part, figures)."""
     dev = default_device(cfg.device)
     rep: dict = {}
@@ -256,15 +315,31 @@ def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np
     gen = data.generator
     t0 = time.perf_counter()
     if data.query_labels is not None and data.db_labels is not None:
-        rep["metrics"] = retrieval_metrics(zq, zdb, data.query_labels, data.db_labels, exclude=data.query_exclude,
-                                           n_boot=cfg.n_boot, seed=cfg.seed, device=dev)
+        rep["metrics"] = retrieval_metrics(
+            zq,
+            zdb,
+            data.query_labels,
+            data.db_labels,
+            exclude=data.query_exclude,
+            n_boot=cfg.n_boot,
+            seed=cfg.seed,
+            device=dev,
+        )
         rep["metrics_note"] = "relevance = same class label"
     else:
         rep["metrics"] = _ideal_recall(zq, zdb, data, n_boot=cfg.n_boot, seed=cfg.seed, device=dev)
-        rep["metrics_note"] = "no labels: ideal_recall@k = fraction of the ideal top-k (by log r) in the learned top-k"
+        rep["metrics_note"] = (
+            "no labels: ideal_recall@k = fraction of the ideal top-k (by log r) in the learned top-k"
+        )
     gap_serving = softmax_gap(zq, zdb, data.query_meta, data.db_meta, gen, serving_tau, device=dev)
-    cal = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, gen, train_temperature=train_tau, device=dev)
-    rep["gap"] = {"serving": gap_serving.summary(), "training": cal.gap_at_train, "calibrated": cal.gap_at_calibrated}
+    cal = calibrate_temperature(
+        zq, zdb, data.query_meta, data.db_meta, gen, train_temperature=train_tau, device=dev
+    )
+    rep["gap"] = {
+        "serving": gap_serving.summary(),
+        "training": cal.gap_at_train,
+        "calibrated": cal.gap_at_calibrated,
+    }
     rep["calibration"] = cal.to_dict()
     rep["temperatures"] = {"serving": serving_tau, "train": train_tau, "calibrated": cal.temperature}
     logger.info("metrics + gap + calibration in %.1f s", time.perf_counter() - t0)
@@ -281,25 +356,45 @@ def evaluate_embeddings(cfg: EvalConfig, data: EvalData, zdb: np.ndarray, zq: np
     if not cfg.k_law:
         rep["k_law"], rep["k_law_note"] = None, "disabled (--no-k-law)"
     elif gen.name == "instance":
-        rep["k_law"], rep["k_law_note"] = None, ("not applicable to the instance generator: its point-mass r is "
-                                                 "zero on almost every random database")
+        rep["k_law"], rep["k_law_note"] = (
+            None,
+            (
+                "not applicable to the instance generator: its point-mass r is "
+                "zero on almost every random database"
+            ),
+        )
     else:
         sampler = PoolSampler(zq[kq], data.query_meta[kq], zdb[kd], data.db_meta[kd], gen, serving_tau)
         kl = k_law(sampler, ks=cfg.k_law_ks, n_queries=cfg.k_law_samples, seed=cfg.seed)
         rep["k_law"] = kl.to_dict()
-        rep["k_law_note"] = (f"pool resampling: {kq.size} held-out queries x {kd.size} database items, "
-                             f"{cfg.k_law_samples} draws per k, tau={serving_tau:.4g}")
+        rep["k_law_note"] = (
+            f"pool resampling: {kq.size} held-out queries x {kd.size} database items, "
+            f"{cfg.k_law_samples} draws per k, tau={serving_tau:.4g}"
+        )
         figs["k_law"] = plot_k_law(kl)
 
     if hq is not None and hq.shape[0] >= 8:
-        rep["gaussianity"] = gaussianity(hq, n_projections=cfg.n_projections, n_null=cfg.mardia_null, seed=cfg.seed)
+        rep["gaussianity"] = gaussianity(
+            hq, n_projections=cfg.n_projections, n_null=cfg.mardia_null, seed=cfg.seed
+        )
         proj = hq @ rng.normal(size=hq.shape[1])
-        figs["qq"] = plot_qq({"coordinate 0": hq[:, 0], "coordinate 1": hq[:, 1 % hq.shape[1]],
-                              "random projection": proj, "norm |h|": np.linalg.norm(hq, axis=1)})
+        figs["qq"] = plot_qq(
+            {
+                "coordinate 0": hq[:, 0],
+                "coordinate 1": hq[:, 1 % hq.shape[1]],
+                "random projection": proj,
+                "norm |h|": np.linalg.norm(hq, axis=1),
+            }
+        )
     tq = kq[: min(kq.size, cfg.tail_queries)]
     try:
-        neg, rule = negative_pairs(gen, data.query_meta[tq], data.db_meta[kd],
-                                   None if data.query_exclude is None else data.query_exclude[tq], kd)
+        neg, rule = negative_pairs(
+            gen,
+            data.query_meta[tq],
+            data.db_meta[kd],
+            None if data.query_exclude is None else data.query_exclude[tq],
+            kd,
+        )
         tail = tail_diagnostics(zq[tq], zdb[kd], neg, n_boot=min(200, cfg.n_boot), seed=cfg.seed)
         figs["threshold_stability"] = plot_threshold_stability(tail["gpd"])
         figs["tail"] = plot_tail(tail)
@@ -340,7 +435,9 @@ def version_database(version) -> tuple[list, np.ndarray]:
     for s in sources:
         ds = create_dataset(**s["spec"])
         if s.get("fingerprint") and ds.fingerprint() != s["fingerprint"]:
-            raise ValueError(f"dataset {s['spec']} no longer matches the index's fingerprint {s['fingerprint'][:12]}")
+            raise ValueError(
+                f"dataset {s['spec']} no longer matches the index's fingerprint {s['fingerprint'][:12]}"
+            )
         datasets.append(ds)
     if len(datasets) == 1 and len(datasets[0]) == len(version.ids) and datasets[0].item_ids() == version.ids:
         rows = np.zeros((len(version.ids), 2), dtype=np.int64)
@@ -360,21 +457,31 @@ def _load_database(cfg: EvalConfig, device):
     """-> (encoder, info, checkpoint path, db embeddings or None, datasets, rows, index dict or None, manifest)."""
     if cfg.index is not None:
         if cfg.checkpoint is not None or cfg.dataset is not None:
-            raise ValueError("--index takes its checkpoint and dataset from the manifest; drop --checkpoint/--dataset")
+            raise ValueError(
+                "--index takes its checkpoint and dataset from the manifest; drop --checkpoint/--dataset"
+            )
         store = IndexStore(require_store(cfg.index))
         version = store.load(cfg.version, verify=True, gpu=False)
         manifest = version.manifest
         datasets, rows = version_database(version)
-        encoder, info, _ = load_version_encoder(version, device=device)   # the store's own copy of the weights
+        encoder, info, _ = load_version_encoder(version, device=device)  # the store's own copy of the weights
         ckpt = store.models.path(manifest.checkpoint_record.sha256)
-        return (encoder, info, ckpt, version.embeddings, datasets, rows,
-                {"root": display_path(cfg.index), "version": version.version}, manifest)
+        return (
+            encoder,
+            info,
+            ckpt,
+            version.embeddings,
+            datasets,
+            rows,
+            {"root": display_path(cfg.index), "version": version.version},
+            manifest,
+        )
     if cfg.checkpoint is None or cfg.dataset is None:
         raise ValueError("give --index ROOT, or --checkpoint C with --dataset NAME")
     ckpt = Path(cfg.checkpoint)
     encoder, info = load_checkpoint(ckpt, device=device)
     ds = create_dataset(cfg.dataset, cfg.split, root=cfg.data_root, size=cfg.size, seed=cfg.dataset_seed)
-    rows = np.stack([np.zeros(len(ds), np.int64), np.arange(len(ds), dtype=np.int64)], axis=1)   # (N, 2)
+    rows = np.stack([np.zeros(len(ds), np.int64), np.arange(len(ds), dtype=np.int64)], axis=1)  # (N, 2)
     return encoder, info, ckpt, None, [ds], rows, None, None
 
 
@@ -414,17 +521,34 @@ def run_evaluation(cfg: EvalConfig) -> tuple[dict, dict]:
     report = {
         "checkpoint": checkpoint_description(ckpt, info, manifest),
         "index": index_info,
-        "settings": {"embed_dim": int(zdb.shape[1]), "n_boot": cfg.n_boot, "seed": cfg.seed,
-                     "n_projections": cfg.n_projections, "mardia_null": cfg.mardia_null,
-                     "k_law_samples": cfg.k_law_samples, "tail_queries": cfg.tail_queries},
-        "database": {"description": data.database_description, "count": int(zdb.shape[0]),
-                     "datasets": [ds.spec() for ds in datasets],
-                     "skipped": sum(len(getattr(ds, "skipped", None) or []) for ds in datasets)},
-        "queries": {"description": data.queries_description, "count": int(zq.shape[0]),
-                    "same_as_database": data.queries_same_as_db, "skipped": len(data.query_skipped),
-                    "skipped_files": data.query_skipped},
-        "generator": {"name": gen.name, "exact": bool(gen.exact), "description": gen.description,
-                      "options": gen.options() if hasattr(gen, "options") else {}},
+        "settings": {
+            "embed_dim": int(zdb.shape[1]),
+            "n_boot": cfg.n_boot,
+            "seed": cfg.seed,
+            "n_projections": cfg.n_projections,
+            "mardia_null": cfg.mardia_null,
+            "k_law_samples": cfg.k_law_samples,
+            "tail_queries": cfg.tail_queries,
+        },
+        "database": {
+            "description": data.database_description,
+            "count": int(zdb.shape[0]),
+            "datasets": [ds.spec() for ds in datasets],
+            "skipped": sum(len(getattr(ds, "skipped", None) or []) for ds in datasets),
+        },
+        "queries": {
+            "description": data.queries_description,
+            "count": int(zq.shape[0]),
+            "same_as_database": data.queries_same_as_db,
+            "skipped": len(data.query_skipped),
+            "skipped_files": data.query_skipped,
+        },
+        "generator": {
+            "name": gen.name,
+            "exact": bool(gen.exact),
+            "description": gen.description,
+            "options": gen.options() if hasattr(gen, "options") else {},
+        },
         "temperature_sources": {"serving": serving_src, "train": train_src},
         "notes": data.notes,
         **part,
@@ -459,14 +583,18 @@ def _baselines(cfg: EvalConfig, data: EvalData, zdb, zq, compared, device, recip
     ks = (10, 1)
 
     def precisions(q, db):
-        return tuple(per_query_precision(q, db, data.query_labels, data.db_labels, k, data.query_exclude, device)
-                     for k in ks)
+        return tuple(
+            per_query_precision(q, db, data.query_labels, data.db_labels, k, data.query_exclude, device)
+            for k in ks
+        )
 
     pix_db, pix_q = centred_unit(_raw_pixel_db(data), raw_pixel_features(data.query_images))
     rows = {RAW_PIXELS: precisions(pix_q, pix_db)}
     if compared is not None:
         rows["compared checkpoint (--compare)"] = precisions(compared[1], compared[0])
-    return baseline_comparison(rows, precisions(zq, zdb), ks=ks, n_boot=cfg.n_boot, seed=cfg.seed, recipe=recipe)
+    return baseline_comparison(
+        rows, precisions(zq, zdb), ks=ks, n_boot=cfg.n_boot, seed=cfg.seed, recipe=recipe
+    )
 
 
 def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
@@ -483,12 +611,21 @@ def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
             rows[name] = {"this": v["mean"], "other": other["metrics"][name]["mean"]}
     for label in ("serving", "training", "calibrated"):
         rows[f"KL @ {label} tau"] = {"this": this["gap"][label]["kl"], "other": other["gap"][label]["kl"]}
-        rows[f"H(q,p) @ {label} tau"] = {"this": this["gap"][label]["cross_entropy"],
-                                        "other": other["gap"][label]["cross_entropy"]}
-    rows["calibrated tau"] = {"this": this["temperatures"]["calibrated"], "other": other["temperatures"]["calibrated"]}
+        rows[f"H(q,p) @ {label} tau"] = {
+            "this": this["gap"][label]["cross_entropy"],
+            "other": other["gap"][label]["cross_entropy"],
+        }
+    rows["calibrated tau"] = {
+        "this": this["temperatures"]["calibrated"],
+        "other": other["temperatures"]["calibrated"],
+    }
     rows["training tau"] = {"this": this["temperatures"]["train"], "other": other["temperatures"]["train"]}
-    return {"checkpoint": checkpoint_description(cfg.compare, info2), "rows": rows, "other": other,
-            "embeddings": (zdb2, zq2)}
+    return {
+        "checkpoint": checkpoint_description(cfg.compare, info2),
+        "rows": rows,
+        "other": other,
+        "embeddings": (zdb2, zq2),
+    }
 
 
 def display_path(path) -> str:
@@ -511,8 +648,19 @@ def checkpoint_description(path, info: dict, manifest: Manifest | None = None) -
         "file": Path(record.path or path).name,
         "sha256": record.sha256 or file_sha256(path),
         "step": info.get("step", record.step),
-        "training": {k: tc.get(k) for k in ("loss", "schedule", "schedule_options", "steps", "batch_size",
-                                            "gaussian_reg", "gaussian_reg_decay") if k in tc},
+        "training": {
+            k: tc.get(k)
+            for k in (
+                "loss",
+                "schedule",
+                "schedule_options",
+                "steps",
+                "batch_size",
+                "gaussian_reg",
+                "gaussian_reg_decay",
+            )
+            if k in tc
+        },
     }
 
 

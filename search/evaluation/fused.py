@@ -18,6 +18,7 @@ Only full tiles go through the compiled kernel (one shape, one compilation); rag
 the identical eager formula. Compilation needs a C++ compiler (CPU) or Triton (GPU); if it is
 missing or fails, everything falls back to the eager formula with a warning.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,8 +36,15 @@ __all__ = ["UNDERFLOW_PER_ITEM", "TileSums", "fused_supported"]
 UNDERFLOW_PER_ITEM = torch.finfo(torch.float32).tiny / 1e-7
 
 
-def latent_sums(lp: torch.Tensor, uq: torch.Tensor, un: torch.Tensor, shift_p: torch.Tensor,
-                shift_q: torch.Tensor, *, broadcast: bool) -> tuple[torch.Tensor, ...]:
+def latent_sums(
+    lp: torch.Tensor,
+    uq: torch.Tensor,
+    un: torch.Tensor,
+    shift_p: torch.Tensor,
+    shift_q: torch.Tensor,
+    *,
+    broadcast: bool,
+) -> tuple[torch.Tensor, ...]:
     """Row sums over a tile, with lr = uq . un (log r up to a constant) and w = exp(lr - shift_q):
     (sum exp(lp - shift_p), sum w, sum w * lp, sum w * lr), each (bq,) float32."""
     if broadcast:  # compiled: the 2m-term dot product is fused into the tile loop
@@ -94,7 +102,8 @@ class TileSums:
     def _kernels(cls):
         if cls._compiled_latent is None:
             cls._compiled_latent, cls._compiled_partition = (
-                torch.compile(fused, dynamic=False) for fused, _ in _FORMULAS)
+                torch.compile(fused, dynamic=False) for fused, _ in _FORMULAS
+            )
         return cls._compiled_latent, cls._compiled_partition
 
     def _run(self, which: int, args: tuple, full: bool):
@@ -102,8 +111,11 @@ class TileSums:
             try:
                 return self._kernels()[which](*args)
             except Exception as err:  # missing compiler, unsupported backend: stay correct, go eager
-                logger.warning("torch.compile of the gap tile kernel failed (%s: %s); using the eager path",
-                               type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+                logger.warning(
+                    "torch.compile of the gap tile kernel failed (%s: %s); using the eager path",
+                    type(err).__name__,
+                    str(err).splitlines()[0] if str(err) else "",
+                )
                 self.compiled = False
                 TileSums._failed = True
         return _FORMULAS[which][1](*args)

@@ -13,6 +13,7 @@ the running sums in float64. For the label and latent generators on large proble
 instead go through one compiled pass with fixed shifts (search/evaluation/fused.py, `fused=`).
 `softmax_gap_dense` is the obviously-correct reference.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,7 +47,11 @@ class GapResult:
     def summary(self) -> dict:
         """Means and standard errors (std / sqrt(Q)) of the three per-query quantities."""
         out: dict = {"n_queries": len(self), "temperature": self.temperature, "generator": self.generator}
-        for name, v in (("cross_entropy", self.cross_entropy), ("ideal_entropy", self.ideal_entropy), ("kl", self.kl)):
+        for name, v in (
+            ("cross_entropy", self.cross_entropy),
+            ("ideal_entropy", self.ideal_entropy),
+            ("kl", self.kl),
+        ):
             n = v.shape[0]
             out[name] = float(v.mean()) if n else float("nan")
             out[f"{name}_se"] = float(v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
@@ -132,8 +137,9 @@ def _rows_without_support(log_z_q: np.ndarray, offset: int) -> None:
         )
 
 
-def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
-               tile_sums: TileSums | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _label_gap(
+    zq, zn, qlab, nlab, temperature, block_q, block_n, dev, tile_sums: TileSums | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Label fast path in O(QN) without an ideal matrix: q is uniform over the n_c same-class
     items, so E_q[s] = z_q . mean_{c(q)} z and H(q) = log n_c."""
     qlab = np.asarray(qlab).astype(np.int64).ravel()
@@ -143,8 +149,11 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
     # class means of the database embeddings, accumulated in float64: (C, D)
     sums = torch.zeros((classes.size, zn.shape[1]), dtype=torch.float64)
     for n0 in range(0, zn.shape[0], block_n):  # blocked so a huge database is never copied whole in float64
-        sums.index_add_(0, torch.as_tensor(inv[n0 : n0 + block_n]),
-                        torch.as_tensor(np.asarray(zn[n0 : n0 + block_n], dtype=np.float64)))
+        sums.index_add_(
+            0,
+            torch.as_tensor(inv[n0 : n0 + block_n]),
+            torch.as_tensor(np.asarray(zn[n0 : n0 + block_n], dtype=np.float64)),
+        )
     means = sums.numpy() / counts[:, None]
     pos = np.searchsorted(classes, qlab)
     pos_c = np.clip(pos, 0, classes.size - 1)
@@ -162,7 +171,9 @@ def _label_gap(zq, zn, qlab, nlab, temperature, block_q, block_n, dev,
     return ce, h
 
 
-def _log_partition(zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSums | None = None) -> np.ndarray:
+def _log_partition(
+    zq, zn, temperature, block_q, block_n, dev, tile_sums: TileSums | None = None
+) -> np.ndarray:
     """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles.
 
     With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/evaluation/fused.py);
@@ -223,8 +234,18 @@ def _use_fused(fused: bool | None, dev: torch.device, n_pairs: int) -> bool:
     return bool(fused) and fused_supported(dev)
 
 
-def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: float,
-                block_q: int = 512, block_n: int = 8192, device=None, fused: bool | None = None) -> GapResult:
+def softmax_gap(
+    query_emb,
+    db_emb,
+    query_meta,
+    db_meta,
+    generator,
+    temperature: float,
+    block_q: int = 512,
+    block_n: int = 8192,
+    device=None,
+    fused: bool | None = None,
+) -> GapResult:
     """Exact per-query H(q,p), H(q) and KL for unit embeddings, streamed in tiles.
 
     `query_meta`/`db_meta` are what `generator.log_ratio` takes (latents, labels, indices).
@@ -257,11 +278,23 @@ def softmax_gap(query_emb, db_emb, query_meta, db_meta, generator, temperature: 
     if tile_sums is not None:
         ce, h, redo = _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev, tile_sums)
         if redo.any():
-            ce[redo], h[redo] = _online_gap(zq[redo], zn, None, db_meta, generator, uq_all[redo], un_all,
-                                            temperature, block_q, block_n, dev)
+            ce[redo], h[redo] = _online_gap(
+                zq[redo],
+                zn,
+                None,
+                db_meta,
+                generator,
+                uq_all[redo],
+                un_all,
+                temperature,
+                block_q,
+                block_n,
+                dev,
+            )
     else:
-        ce, h = _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperature,
-                            block_q, block_n, dev)
+        ce, h = _online_gap(
+            zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperature, block_q, block_n, dev
+        )
     return GapResult(ce, h, ce - h, temperature, gname)
 
 
@@ -276,7 +309,7 @@ def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev
     max_n, max_un = _max_norm(rn, nn, block_n), _max_norm(run, nn, block_n)
     for q0 in range(0, nq, block_q):
         xq = rq[q0 : q0 + block_q] * (1.0 / temperature)  # (bq, D) z/tau
-        uq = ruq[q0 : q0 + block_q]                        # (bq, 2m) scaled oracle
+        uq = ruq[q0 : q0 + block_q]  # (bq, 2m) scaled oracle
         shift_p = torch.linalg.vector_norm(xq, dim=1) * max_n
         shift_q = torch.linalg.vector_norm(uq, dim=1) * max_un
         totals = [torch.zeros(xq.shape[0], dtype=torch.float64, device=dev) for _ in range(4)]
@@ -289,7 +322,7 @@ def _latent_gap_fixed(zq, zn, uq_all, un_all, temperature, block_q, block_n, dev
         sp, sq, a, b = totals  # sum e^{s/tau - shift_p}, S = sum w, A = sum w s/tau, B = sum w log r
         q1 = q0 + xq.shape[0]
         ce[q0:q1] = (shift_p.double() + torch.log(sp) - a / sq).cpu().numpy()  # log Z_p - E_q[s/tau]
-        h[q0:q1] = (shift_q.double() + torch.log(sq) - b / sq).cpu().numpy()   # log Z_q - E_q[log r]
+        h[q0:q1] = (shift_q.double() + torch.log(sq) - b / sq).cpu().numpy()  # log Z_q - E_q[log r]
         redo[q0:q1] = ((sp < nn * UNDERFLOW_PER_ITEM) | (sq < nn * UNDERFLOW_PER_ITEM)).cpu().numpy()
     return ce, h, redo
 
@@ -311,11 +344,11 @@ def _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperat
         xq = rq[q0:q1] * inv_tau  # (bq, D) z/tau
         f64 = dict(dtype=torch.float64, device=dev)
         mp = torch.full((bq,), -math.inf, **f64)  # running max of s/tau
-        sp = torch.zeros(bq, **f64)               # sum exp(s/tau - mp)
+        sp = torch.zeros(bq, **f64)  # sum exp(s/tau - mp)
         mq = torch.full((bq,), -math.inf, **f64)  # running max of log r
-        sq = torch.zeros(bq, **f64)               # S = sum exp(log r - mq)
-        a = torch.zeros(bq, **f64)                # A = sum exp(log r - mq) * s/tau
-        b = torch.zeros(bq, **f64)                # B = sum exp(log r - mq) * log r
+        sq = torch.zeros(bq, **f64)  # S = sum exp(log r - mq)
+        a = torch.zeros(bq, **f64)  # A = sum exp(log r - mq) * s/tau
+        b = torch.zeros(bq, **f64)  # B = sum exp(log r - mq) * log r
         if oracle:
             uq = ruq[q0:q1]
         for n0 in range(0, zn.shape[0], block_n):
@@ -333,7 +366,9 @@ def _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperat
                 has_zero_r = False
             else:
                 lr_np = np.asarray(generator.log_ratio(query_meta[q0:q1], db_meta[n0:n1]), dtype=np.float64)
-                assert lr_np.shape == (bq, n1 - n0), f"log_ratio returned {lr_np.shape}, expected {(bq, n1 - n0)}"
+                assert lr_np.shape == (bq, n1 - n0), (
+                    f"log_ratio returned {lr_np.shape}, expected {(bq, n1 - n0)}"
+                )
                 has_zero_r = bool(np.isneginf(lr_np).any())
                 lr = torch.as_tensor(lr_np, dtype=torch.float32, device=dev)
             new = torch.maximum(mq, lr.amax(dim=1).double())
@@ -350,7 +385,7 @@ def _online_gap(zq, zn, query_meta, db_meta, generator, uq_all, un_all, temperat
         log_zq = mq + torch.log(sq)
         _rows_without_support(log_zq.cpu().numpy(), q0)
         ce[q0:q1] = (log_zp - a / sq).cpu().numpy()  # H(q,p) = log Z_p - E_q[s/tau]
-        h[q0:q1] = (log_zq - b / sq).cpu().numpy()   # H(q)   = log Z_q - E_q[log r]
+        h[q0:q1] = (log_zq - b / sq).cpu().numpy()  # H(q)   = log Z_q - E_q[log r]
     return ce, h
 
 
@@ -373,13 +408,15 @@ def softmax_gap_dense(query_emb, db_emb, query_meta, db_meta, generator, tempera
 DENSE_BLOCK = 65536  # database rows converted to float64 at a time by ideal_and_learned
 
 
-def ideal_and_learned(query_emb, db_emb, query_meta, db_meta, generator, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+def ideal_and_learned(
+    query_emb, db_emb, query_meta, db_meta, generator, temperature: float
+) -> tuple[np.ndarray, np.ndarray]:
     """(q, p) as dense (Q, N) rows, for plotting a few sample queries in reports."""
     zq, zn = _check_inputs(query_emb, db_emb, query_meta, db_meta, temperature)
     q64 = zq.astype(np.float64)
     s = np.empty((zq.shape[0], zn.shape[0]))  # (Q, N) float64; the database is converted block by block,
     for n0 in range(0, zn.shape[0], DENSE_BLOCK):  # never as a whole N x D float64 copy (1 GB at 10^6 x 128)
-        s[:, n0:n0 + DENSE_BLOCK] = q64 @ zn[n0:n0 + DENSE_BLOCK].astype(np.float64).T
+        s[:, n0 : n0 + DENSE_BLOCK] = q64 @ zn[n0 : n0 + DENSE_BLOCK].astype(np.float64).T
     s /= float(temperature)
     p = np.exp(s - _lse(s)[:, None])
     lr = np.asarray(generator.log_ratio(query_meta, db_meta), dtype=np.float64)

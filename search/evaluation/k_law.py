@@ -29,6 +29,7 @@ marginal, any embedding of the latents, e.g. the oracle), `PoolSampler` resample
 pool of embeddings with the pool-normalised ratio r~(x, y_j) = r(x, y_j) / mean_l r(x, y_l)
 (positives drawn from q_pool(j|x), negatives uniform over the pool).
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,10 +54,10 @@ class Draw:
     """One batch of n queries with k+1 candidates. Column 0 of the *_pos arrays is the positive,
     column 0 of the *_marg arrays a marginal draw; columns 1..k (negatives) are shared."""
 
-    logits_pos: np.ndarray   # (n, k+1) s / tau
+    logits_pos: np.ndarray  # (n, k+1) s / tau
     logits_marg: np.ndarray  # (n, k+1)
-    log_r_pos: np.ndarray    # (n, k+1) log r, -inf where r = 0
-    log_r_marg: np.ndarray   # (n, k+1)
+    log_r_pos: np.ndarray  # (n, k+1) log r, -inf where r = 0
+    log_r_marg: np.ndarray  # (n, k+1)
 
 
 def _oracle(latents: np.ndarray) -> np.ndarray:
@@ -69,9 +70,17 @@ class LatentSampler:
     """Synthetic torus: x, y uniform on [0, 2pi)^m, positives theta + von Mises(0, kappa) per angle,
     log r = sum_i kappa cos(dtheta_i) - m log I0(kappa); `embed(latents (..., m)) -> (..., D)` unit rows."""
 
-    def __init__(self, m: int, kappa: float, temperature: float, embed: Callable[[np.ndarray], np.ndarray] | None = None):
+    def __init__(
+        self,
+        m: int,
+        kappa: float,
+        temperature: float,
+        embed: Callable[[np.ndarray], np.ndarray] | None = None,
+    ):
         if m < 1 or not kappa > 0 or not temperature > 0:
-            raise ValueError(f"need m >= 1, kappa > 0, temperature > 0; got m={m}, kappa={kappa}, temperature={temperature}")
+            raise ValueError(
+                f"need m >= 1, kappa > 0, temperature > 0; got m={m}, kappa={kappa}, temperature={temperature}"
+            )
         self.m, self.kappa, self.temperature = int(m), float(kappa), float(temperature)
         self.embed = embed or _oracle
         self._log_i0 = float(np.log(i0e(self.kappa)) + self.kappa)
@@ -80,13 +89,13 @@ class LatentSampler:
         return self.kappa * np.cos(y - x[:, None, :]).sum(-1) - self.m * self._log_i0
 
     def draw(self, n: int, k: int, rng: np.random.Generator) -> Draw:
-        x = rng.uniform(0, 2 * np.pi, (n, self.m))                                   # (n, m)
-        pos = np.mod(x + rng.vonmises(0.0, self.kappa, (n, self.m)), 2 * np.pi)      # (n, m)
+        x = rng.uniform(0, 2 * np.pi, (n, self.m))  # (n, m)
+        pos = np.mod(x + rng.vonmises(0.0, self.kappa, (n, self.m)), 2 * np.pi)  # (n, m)
         marg0 = rng.uniform(0, 2 * np.pi, (n, self.m))
-        neg = rng.uniform(0, 2 * np.pi, (n, k, self.m))                              # (n, k, m)
-        y_pos = np.concatenate([pos[:, None], neg], axis=1)                          # (n, k+1, m)
+        neg = rng.uniform(0, 2 * np.pi, (n, k, self.m))  # (n, k, m)
+        y_pos = np.concatenate([pos[:, None], neg], axis=1)  # (n, k+1, m)
         y_marg = np.concatenate([marg0[:, None], neg], axis=1)
-        zx = self.embed(x)                                                           # (n, D)
+        zx = self.embed(x)  # (n, D)
         zy_pos = self.embed(y_pos.reshape(-1, self.m)).reshape(n, k + 1, -1)
         zy_marg0 = self.embed(marg0)
         l_pos = np.einsum("nd,nkd->nk", zx, zy_pos) / self.temperature
@@ -106,12 +115,12 @@ class PoolSampler:
         if not temperature > 0:
             raise ValueError(f"temperature must be positive, got {temperature!r}")
         self.temperature = float(temperature)
-        self.logits = zq @ zd.T / self.temperature                                    # (Q, N)
+        self.logits = zq @ zd.T / self.temperature  # (Q, N)
         lr = np.asarray(generator.log_ratio(np.asarray(query_meta), np.asarray(db_meta)), np.float64)
-        lme = logsumexp(lr, axis=1) - math.log(lr.shape[1])                           # log mean_pool r
+        lme = logsumexp(lr, axis=1) - math.log(lr.shape[1])  # log mean_pool r
         if not np.all(np.isfinite(lme)):
             raise ValueError("some queries have r = 0 on the whole pool: the k-law needs r > 0 somewhere")
-        self.log_r = lr - lme[:, None]                                                # log r~
+        self.log_r = lr - lme[:, None]  # log r~
         q = np.exp(self.log_r - logsumexp(self.log_r, axis=1, keepdims=True))
         self.cdf = np.cumsum(q, axis=1)
         self.cdf[:, -1] = 1.0
@@ -127,8 +136,12 @@ class PoolSampler:
         idx_pos = np.concatenate([pos[:, None], neg], axis=1)
         idx_marg = np.concatenate([marg0[:, None], neg], axis=1)
         rows = qi[:, None]
-        return Draw(self.logits[rows, idx_pos], self.logits[rows, idx_marg],
-                    self.log_r[rows, idx_pos], self.log_r[rows, idx_marg])
+        return Draw(
+            self.logits[rows, idx_pos],
+            self.logits[rows, idx_marg],
+            self.log_r[rows, idx_pos],
+            self.log_r[rows, idx_marg],
+        )
 
 
 @dataclass
@@ -165,10 +178,28 @@ class KLawResult:
         return self.ks * self.diff_se
 
     def to_dict(self) -> dict:
-        out = {name: getattr(self, name).tolist() for name in (
-            "ks", "risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal", "ce_marginal_se",
-            "ce_with_positive", "ce_with_positive_se", "diff", "diff_se", "risk_est", "risk_est_se",
-            "diff_weight", "diff_plain_se", "diff_cv_se", "undefined_fraction")}
+        out = {
+            name: getattr(self, name).tolist()
+            for name in (
+                "ks",
+                "risk",
+                "risk_se",
+                "risk_symmetric",
+                "risk_symmetric_se",
+                "ce_marginal",
+                "ce_marginal_se",
+                "ce_with_positive",
+                "ce_with_positive_se",
+                "diff",
+                "diff_se",
+                "risk_est",
+                "risk_est_se",
+                "diff_weight",
+                "diff_plain_se",
+                "diff_cv_se",
+                "undefined_fraction",
+            )
+        }
         out["k_times_diff"] = self.k_times_diff.tolist()
         out["k_times_diff_se"] = self.k_times_diff_se.tolist()
         out["n_queries"] = self.n_queries
@@ -177,9 +208,11 @@ class KLawResult:
         return out
 
 
-ESTIMATOR = ("per draw, e = w (NLL - H) + (1 - w)(R - 1)(H - mean H) with the variance-minimising w "
-             "(plain difference and control variate combined); gap = mean e, risk = E H(q,p) + gap; "
-             "intervals 1.96 se")
+ESTIMATOR = (
+    "per draw, e = w (NLL - H) + (1 - w)(R - 1)(H - mean H) with the variance-minimising w "
+    "(plain difference and control variate combined); gap = mean e, risk = E H(q,p) + gap; "
+    "intervals 1.96 se"
+)
 
 
 def k_law_summary(result: KLawResult, p_flat: float = 0.01) -> dict:
@@ -197,21 +230,34 @@ def k_law_summary(result: KLawResult, p_flat: float = 0.01) -> dict:
     k0 = int(ks[upper][0])
     lo, hi = float(kd.min()), float(kd.max())
     if dof > 0 and p > p_flat:
-        text = (f"k × gap is flat at {mean:.3g} ± {1.96 / math.sqrt(np.sum(w)):.2g} for k ≥ {k0} "
-                f"(chi2 p = {p:.2g}): the gap shrinks as 1/k there")
+        text = (
+            f"k × gap is flat at {mean:.3g} ± {1.96 / math.sqrt(np.sum(w)):.2g} for k ≥ {k0} "
+            f"(chi2 p = {p:.2g}): the gap shrinks as 1/k there"
+        )
     else:
-        text = (f"k × gap is not flat for k ≥ {k0} (chi2 p = {p:.2g}; it spans {lo:.3g} to {hi:.3g} over "
-                f"k = {int(ks[0])}..{int(ks[-1])}): no 1/k regime is reached on this range")
-    return {"flat": bool(dof > 0 and p > p_flat), "from_k": k0, "weighted_mean": mean, "chi2": chi2, "dof": dof,
-            "p_value": p, "min": lo, "max": hi, "text": text}
+        text = (
+            f"k × gap is not flat for k ≥ {k0} (chi2 p = {p:.2g}; it spans {lo:.3g} to {hi:.3g} over "
+            f"k = {int(ks[0])}..{int(ks[-1])}): no 1/k regime is reached on this range"
+        )
+    return {
+        "flat": bool(dof > 0 and p > p_flat),
+        "from_k": k0,
+        "weighted_mean": mean,
+        "chi2": chi2,
+        "dof": dof,
+        "p_value": p,
+        "min": lo,
+        "max": hi,
+        "text": text,
+    }
 
 
 def _cross_entropy(logits: np.ndarray, log_r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(H(q, p) per row (nan where r = 0 on the whole row), R = sum_j r_j / (k+1))."""
     log_p = logits - logsumexp(logits, axis=1, keepdims=True)
-    lz = logsumexp(log_r, axis=1)                                   # log sum_j r_j
+    lz = logsumexp(log_r, axis=1)  # log sum_j r_j
     with np.errstate(invalid="ignore"):
-        q = np.exp(log_r - lz[:, None])                             # nan rows where lz = -inf
+        q = np.exp(log_r - lz[:, None])  # nan rows where lz = -inf
         h = -np.sum(np.where(q > 0, q * log_p, 0.0), axis=1)
     h[~np.isfinite(lz)] = np.nan
     return h, np.exp(lz) / logits.shape[1]
@@ -229,9 +275,24 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
     if n_queries < 2:
         raise ValueError(f"n_queries must be >= 2, got {n_queries}")
     rng = np.random.default_rng(seed)
-    cols = {name: [] for name in ("risk", "risk_se", "risk_symmetric", "risk_symmetric_se", "ce_marginal",
-                                  "ce_marginal_se", "ce_with_positive", "ce_with_positive_se", "diff", "diff_se",
-                                  "risk_est", "risk_est_se", "undefined_fraction")}
+    cols = {
+        name: []
+        for name in (
+            "risk",
+            "risk_se",
+            "risk_symmetric",
+            "risk_symmetric_se",
+            "ce_marginal",
+            "ce_marginal_se",
+            "ce_with_positive",
+            "ce_with_positive_se",
+            "diff",
+            "diff_se",
+            "risk_est",
+            "risk_est_se",
+            "undefined_fraction",
+        )
+    }
     weights, plain_se, cv_se = [], [], []
     for k in tqdm(ks, desc="k-law", disable=not logger.isEnabledFor(logging.INFO)):
         nll, h_m, r_m, h_p = [], [], [], []
@@ -239,7 +300,7 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
         step = max(8, min(batch, (batch * 1025) // (int(k) + 1)))
         for n0 in range(0, n_queries, step):
             d = sampler.draw(min(step, n_queries - n0), int(k), rng)
-            nll.append(logsumexp(d.logits_pos, axis=1) - d.logits_pos[:, 0])       # -log p(0|x)
+            nll.append(logsumexp(d.logits_pos, axis=1) - d.logits_pos[:, 0])  # -log p(0|x)
             h, r = _cross_entropy(d.logits_marg, d.log_r_marg)
             h_m.append(h)
             r_m.append(r)
@@ -247,26 +308,44 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
         nll, h_m, r_m, h_p = (np.concatenate(a) for a in (nll, h_m, r_m, h_p))
         undefined = ~np.isfinite(h_m)
         c = float(np.mean(h_m[~undefined])) if (~undefined).any() else 0.0
-        h_filled = np.where(undefined, c, h_m)         # databases with r = 0 everywhere: impute the mean
+        h_filled = np.where(undefined, c, h_m)  # databases with r = 0 everywhere: impute the mean
         sym = np.where(undefined, 0.0, r_m * h_filled)  # R H, with R = 0 where undefined
-        plain = nll - h_filled                         # E = risk - ce (same negatives in both databases)
-        cv = (r_m - 1.0) * (h_filled - c)              # E[(R - 1)(H - c)] = risk - ce
-        cov = np.cov(plain, cv)                        # (2, 2)
+        plain = nll - h_filled  # E = risk - ce (same negatives in both databases)
+        cv = (r_m - 1.0) * (h_filled - c)  # E[(R - 1)(H - c)] = risk - ce
+        cov = np.cov(plain, cv)  # (2, 2)
         den = cov[0, 0] + cov[1, 1] - 2 * cov[0, 1]
         w = float(np.clip((cov[1, 1] - cov[0, 1]) / den, 0.0, 1.0)) if den > 0 else 0.0
         dvals = w * plain + (1.0 - w) * cv
         weights.append(w)
         plain_se.append(_mean_se(plain)[1])
         cv_se.append(_mean_se(cv)[1])
-        for name, v in (("risk", nll), ("risk_symmetric", sym), ("ce_marginal", h_filled), ("diff", dvals),
-                        ("ce_with_positive", h_p[np.isfinite(h_p)]), ("risk_est", h_filled + dvals)):
+        for name, v in (
+            ("risk", nll),
+            ("risk_symmetric", sym),
+            ("ce_marginal", h_filled),
+            ("diff", dvals),
+            ("ce_with_positive", h_p[np.isfinite(h_p)]),
+            ("risk_est", h_filled + dvals),
+        ):
             mean, se = _mean_se(v)
             cols[name].append(mean)
             cols[f"{name}_se"].append(se)
         cols["undefined_fraction"].append(float(undefined.mean()))
-        logger.info("k=%d risk %.4f ce %.4f k*diff %.4f", k, cols["risk"][-1], cols["ce_marginal"][-1], k * cols["diff"][-1])
-    return KLawResult(ks=ks, n_queries=n_queries, diff_weight=np.asarray(weights), diff_plain_se=np.asarray(plain_se),
-                      diff_cv_se=np.asarray(cv_se), **{k_: np.asarray(v) for k_, v in cols.items()})
+        logger.info(
+            "k=%d risk %.4f ce %.4f k*diff %.4f",
+            k,
+            cols["risk"][-1],
+            cols["ce_marginal"][-1],
+            k * cols["diff"][-1],
+        )
+    return KLawResult(
+        ks=ks,
+        n_queries=n_queries,
+        diff_weight=np.asarray(weights),
+        diff_plain_se=np.asarray(plain_se),
+        diff_cv_se=np.asarray(cv_se),
+        **{k_: np.asarray(v) for k_, v in cols.items()},
+    )
 
 
 def plot_k_law(result: KLawResult) -> bytes:
@@ -278,9 +357,24 @@ def plot_k_law(result: KLawResult) -> bytes:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4.0))
     ks = result.ks
     z = 1.96
-    a1.errorbar(ks, result.risk_est, z * result.risk_est_se, fmt="o-", ms=3, capsize=2, label="InfoNCE risk (k negatives)")
-    a1.errorbar(ks, result.ce_marginal, z * result.ce_marginal_se, fmt="s--", ms=3, capsize=2,
-                label="E H(q,p) over k+1 random items")
+    a1.errorbar(
+        ks,
+        result.risk_est,
+        z * result.risk_est_se,
+        fmt="o-",
+        ms=3,
+        capsize=2,
+        label="InfoNCE risk (k negatives)",
+    )
+    a1.errorbar(
+        ks,
+        result.ce_marginal,
+        z * result.ce_marginal_se,
+        fmt="s--",
+        ms=3,
+        capsize=2,
+        label="E H(q,p) over k+1 random items",
+    )
     a1.plot(ks, result.risk, "x", ms=5, color="k", alpha=0.6, label="risk, plain Monte Carlo alone (check)")
     from matplotlib.ticker import NullLocator
 

@@ -9,6 +9,7 @@ Definitions (per query, then averaged; `rel_i` = 1 when the i-th neighbour is re
                  plain majority vote (k=5); ties go to the smallest class id.
 Relevance is label equality by default, or any `predicate(query_meta, db_meta) -> (q, n) bool`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,15 @@ logger = logging.getLogger(__name__)
 Predicate = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-def knn_search(query_emb, db_emb, k: int, block_q: int = 1024, block_n: int = 65536,
-               exclude: np.ndarray | None = None, device=None) -> tuple[np.ndarray, np.ndarray]:
+def knn_search(
+    query_emb,
+    db_emb,
+    k: int,
+    block_q: int = 1024,
+    block_n: int = 65536,
+    exclude: np.ndarray | None = None,
+    device=None,
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k by inner product, in (block_q, block_n) tiles: (scores (Q,k) float32, rows (Q,k) int64).
 
     `exclude[q]` is a database row to leave out for query q (its own row when the queries are
@@ -86,8 +94,13 @@ def relevance(rows: np.ndarray, query_meta, db_meta, predicate: Predicate | None
     return out
 
 
-def n_relevant(query_meta, db_meta, predicate: Predicate | None = None, block: int = 4096,
-               exclude: np.ndarray | None = None) -> np.ndarray:
+def n_relevant(
+    query_meta,
+    db_meta,
+    predicate: Predicate | None = None,
+    block: int = 4096,
+    exclude: np.ndarray | None = None,
+) -> np.ndarray:
     """(Q,) number of relevant database items per query (minus the excluded own row if relevant)."""
     query_meta, db_meta = np.asarray(query_meta), np.asarray(db_meta)
     if predicate is None:
@@ -138,8 +151,15 @@ def map_at_k(rel: np.ndarray, k: int, n_rel: np.ndarray) -> float:
     return float(average_precision_at_k(rel, k, n_rel).mean())
 
 
-def knn_predict(scores: np.ndarray, rows: np.ndarray, db_labels, k: int, n_classes: int | None = None,
-                weighted: bool = True, knn_temperature: float = 0.07) -> np.ndarray:
+def knn_predict(
+    scores: np.ndarray,
+    rows: np.ndarray,
+    db_labels,
+    k: int,
+    n_classes: int | None = None,
+    weighted: bool = True,
+    knn_temperature: float = 0.07,
+) -> np.ndarray:
     """(Q,) predicted labels by (weighted) vote of the first k neighbours.
 
     weighted: class score = sum over neighbours of that class of exp(s / 0.07) (InstDisc);
@@ -156,12 +176,15 @@ def knn_predict(scores: np.ndarray, rows: np.ndarray, db_labels, k: int, n_class
         w = np.ones(lab.shape)
     # votes[q, c] = sum of the weights of q's neighbours in class c (bincount over flat (q, c) ids)
     flat = (np.arange(lab.shape[0])[:, None] * n_classes + lab).ravel()
-    votes = np.bincount(flat, weights=w.ravel(), minlength=lab.shape[0] * n_classes).reshape(lab.shape[0], n_classes)
+    votes = np.bincount(flat, weights=w.ravel(), minlength=lab.shape[0] * n_classes).reshape(
+        lab.shape[0], n_classes
+    )
     return votes.argmax(axis=1)
 
 
-def knn_accuracy(scores, rows, db_labels, query_labels, k: int, weighted: bool = True,
-                 knn_temperature: float = 0.07) -> np.ndarray:
+def knn_accuracy(
+    scores, rows, db_labels, query_labels, k: int, weighted: bool = True, knn_temperature: float = 0.07
+) -> np.ndarray:
     """(Q,) 1.0 where the kNN vote equals the query label."""
     query_labels = np.asarray(query_labels, dtype=np.int64)
     n_classes = int(max(np.max(db_labels), np.max(query_labels)) + 1)
@@ -169,7 +192,9 @@ def knn_accuracy(scores, rows, db_labels, query_labels, k: int, weighted: bool =
     return (pred == query_labels).astype(np.float64)
 
 
-def bootstrap_ci(per_query_values, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    per_query_values, n_boot: int = 1000, alpha: float = 0.05, seed: int = 0
+) -> tuple[float, float, float]:
     """(mean, low, high): percentile bootstrap CI of the mean over queries at level 1 - alpha."""
     v = np.asarray(per_query_values, dtype=np.float64).ravel()
     if v.size == 0:
@@ -188,10 +213,21 @@ def bootstrap_ci(per_query_values, n_boot: int = 1000, alpha: float = 0.05, seed
     return float(v.mean()), float(lo), float(hi)
 
 
-def retrieval_metrics(query_emb, db_emb, query_labels, db_labels, ks=(1, 5, 10), map_k: int = 100,
-                      exclude: np.ndarray | None = None, predicate: Predicate | None = None,
-                      n_boot: int = 1000, alpha: float = 0.05, seed: int = 0, device=None,
-                      knn: bool = True) -> dict:
+def retrieval_metrics(
+    query_emb,
+    db_emb,
+    query_labels,
+    db_labels,
+    ks=(1, 5, 10),
+    map_k: int = 100,
+    exclude: np.ndarray | None = None,
+    predicate: Predicate | None = None,
+    n_boot: int = 1000,
+    alpha: float = 0.05,
+    seed: int = 0,
+    device=None,
+    knn: bool = True,
+) -> dict:
     """All metrics with bootstrap CIs: {"recall@k": {"mean", "low", "high"}, ..., "n_queries"}.
 
     kNN accuracy (k=200 weighted, k=5 majority) needs integer labels and no custom predicate."""
@@ -207,7 +243,9 @@ def retrieval_metrics(query_emb, db_emb, query_labels, db_labels, ks=(1, 5, 10),
         per_query[f"precision@{k}"] = precision_at_k(rel, kk)
     per_query[f"mAP@{map_k}"] = average_precision_at_k(rel, min(map_k, kmax), nrel)
     if knn and predicate is None:
-        per_query["knn200_weighted"] = knn_accuracy(scores, rows, db_labels, query_labels, min(200, kmax), True)
+        per_query["knn200_weighted"] = knn_accuracy(
+            scores, rows, db_labels, query_labels, min(200, kmax), True
+        )
         per_query["knn5_majority"] = knn_accuracy(scores, rows, db_labels, query_labels, min(5, kmax), False)
     out: dict = {"n_queries": int(rel.shape[0]), "alpha": alpha, "n_boot": n_boot}
     for name, v in per_query.items():
@@ -218,11 +256,14 @@ def retrieval_metrics(query_emb, db_emb, query_labels, db_labels, ks=(1, 5, 10),
 
 def _check_k(rel: np.ndarray, k: int) -> None:
     if not 1 <= k <= rel.shape[1]:
-        raise ValueError(f"k={k} must be in [1, {rel.shape[1]}] (neighbour lists have {rel.shape[1]} entries)")
+        raise ValueError(
+            f"k={k} must be in [1, {rel.shape[1]}] (neighbour lists have {rel.shape[1]} entries)"
+        )
 
 
-def ideal_topk(query_meta, db_meta, generator, k: int, exclude: np.ndarray | None = None,
-               max_elements: int = 1 << 24) -> np.ndarray:
+def ideal_topk(
+    query_meta, db_meta, generator, k: int, exclude: np.ndarray | None = None, max_elements: int = 1 << 24
+) -> np.ndarray:
     """(Q, k) database rows of the ideal search's top k (largest log r; ties by row order).
 
     Blocks over queries only, so every `log_ratio` call sees the whole database (generators such

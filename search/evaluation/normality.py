@@ -11,6 +11,7 @@
   (n, r) only: the p-values come from a simulated Gaussian null of the same (n, r) (a Monte-Carlo test,
   exact level when alpha (B + 1) is an integer); the closed forms are reported beside them.
 """
+
 from __future__ import annotations
 
 import functools
@@ -57,7 +58,9 @@ def univariate_normality(columns: np.ndarray, alpha: float = 0.05) -> dict:
     k2_p = np.array([stats.normaltest(columns[:, j]).pvalue for j in range(columns.shape[1])])
     ad_p = np.array([anderson_pvalue(columns[:, j]) for j in range(columns.shape[1])])
     return {
-        "n": int(columns.shape[0]), "n_tests": int(columns.shape[1]), "alpha": alpha,
+        "n": int(columns.shape[0]),
+        "n_tests": int(columns.shape[1]),
+        "alpha": alpha,
         "expected_fraction_not_rejected": 1.0 - alpha,
         "k2_fraction_not_rejected": float(np.mean(k2_p > alpha)),
         "ad_fraction_not_rejected": float(np.mean(ad_p > alpha)),
@@ -96,12 +99,12 @@ def mardia_null(n: int, r: int, n_sim: int, seed: int = 0) -> tuple[np.ndarray, 
     """(b1, b2) of `n_sim` standard Gaussian samples of shape (n, r), whitened with their MLE covariance."""
     gen = torch.Generator().manual_seed(seed)
     b1s, b2s = [], []
-    chunk = max(1, min(n_sim, 2 ** 23 // (n * max(n, r))))  # keep each (chunk, n, n) Gram block near 64 MB
+    chunk = max(1, min(n_sim, 2**23 // (n * max(n, r))))  # keep each (chunk, n, n) Gram block near 64 MB
     for s0 in range(0, n_sim, chunk):
         x = torch.randn((min(chunk, n_sim - s0), n, r), generator=gen, dtype=torch.float64)
         xc = x - x.mean(1, keepdim=True)
-        chol = torch.linalg.cholesky(xc.transpose(1, 2) @ xc / n)                                   # (B, r, r)
-        y = torch.linalg.solve_triangular(chol, xc.transpose(1, 2), upper=False).transpose(1, 2)   # (B, n, r)
+        chol = torch.linalg.cholesky(xc.transpose(1, 2) @ xc / n)  # (B, r, r)
+        y = torch.linalg.solve_triangular(chol, xc.transpose(1, 2), upper=False).transpose(1, 2)  # (B, n, r)
         b1, b2 = _b1_b2(y)
         b1s.append(b1.numpy())
         b2s.append(b2.numpy())
@@ -140,11 +143,19 @@ def mardia(x, alpha: float = 0.05, n_null: int = 99, seed: int = 0) -> dict:
     kurt_var = 8 * r * (r + 2) * (n - 3) * (n - r - 1) * (n - r + 1) / ((n + 1) ** 2 * (n + 3) * (n + 5))
     kurt_z = (b2 - kurt_mean) / math.sqrt(kurt_var)
     out = {
-        "n": n, "rank": r, "d": int(x.shape[1]), "alpha": alpha,
-        "skewness": b1, "skewness_stat": skew_stat, "skewness_dof": dof,
+        "n": n,
+        "rank": r,
+        "d": int(x.shape[1]),
+        "alpha": alpha,
+        "skewness": b1,
+        "skewness_stat": skew_stat,
+        "skewness_dof": dof,
         "skewness_z": (skew_stat - dof) / math.sqrt(2 * dof),
         "skewness_pvalue_chi2": float(stats.chi2.sf(skew_stat, dof)),
-        "kurtosis": b2, "kurtosis_expected": kurt_mean, "kurtosis_sd": math.sqrt(kurt_var), "kurtosis_z": kurt_z,
+        "kurtosis": b2,
+        "kurtosis_expected": kurt_mean,
+        "kurtosis_sd": math.sqrt(kurt_var),
+        "kurtosis_z": kurt_z,
         "kurtosis_pvalue_normal": float(2 * stats.norm.sf(abs(kurt_z))),
         "n_null": int(n_null),
     }
@@ -163,8 +174,16 @@ def mardia(x, alpha: float = 0.05, n_null: int = 99, seed: int = 0) -> dict:
     return out
 
 
-def gaussianity(features, alpha: float = 0.05, n_projections: int = 64, max_dims: int = 128,
-                max_points: int = 4000, mardia_points: int = 1024, n_null: int = 99, seed: int = 0) -> dict:
+def gaussianity(
+    features,
+    alpha: float = 0.05,
+    n_projections: int = 64,
+    max_dims: int = 128,
+    max_points: int = 4000,
+    mardia_points: int = 1024,
+    n_null: int = 99,
+    seed: int = 0,
+) -> dict:
     """All section-4 checks on pre-normalisation features (n, d): at most `max_points` rows for the
     univariate tests and `mardia_points` for Mardia's (its null is simulated at that size)."""
     h = _as_2d(features, "features")

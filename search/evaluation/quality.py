@@ -15,6 +15,7 @@ Both are always reported, with the exact-kNN figure beside the served one (`exac
 FAISS index against exact kNN on the same held-out queries: the activation rule compares the
 candidate's with the version's --target-recall (index.gate.recall_check).
 """
+
 from __future__ import annotations
 
 import logging
@@ -22,14 +23,14 @@ import time
 
 import numpy as np
 
+from index import faiss_index
+from index.manifest import DEFAULT_TEMPERATURE
+from index.models import load_version_encoder
 from search.evaluation.calibration import calibrate_temperature
 from search.evaluation.evaluate import EvalConfig, encode, load_eval_data, version_database
-from training.distributed import default_device
 from search.evaluation.gap import softmax_gap
-from search.evaluation.metrics import ideal_topk, knn_search, hit_rate_at_k, relevance
-from index.manifest import DEFAULT_TEMPERATURE
-from index import faiss_index
-from index.models import load_version_encoder
+from search.evaluation.metrics import hit_rate_at_k, ideal_topk, knn_search, relevance
+from training.distributed import default_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +49,17 @@ def _served_rows(version, zq: np.ndarray, k: int, exclude: np.ndarray | None) ->
     exactly from the stored rows by the manifest's `rerank`, as the server does), -1 = none; a query's own
     row (`exclude[q]`, queries drawn from the database) is dropped as exact kNN drops it."""
     rerank = faiss_index.rerank_factor(version.kind, version.manifest.params)
-    _, rows = faiss_index.search_reranked(version.index, version.embeddings, np.ascontiguousarray(zq, dtype=np.float32),
-                                          k + (exclude is not None), rerank)
+    _, rows = faiss_index.search_reranked(
+        version.index,
+        version.embeddings,
+        np.ascontiguousarray(zq, dtype=np.float32),
+        k + (exclude is not None),
+        rerank,
+    )
     out = np.full((rows.shape[0], k), -1, np.int64)
     for q, r in enumerate(rows):
         kept = r[(r >= 0) & (r != (exclude[q] if exclude is not None else -2))][:k]
-        out[q, :len(kept)] = kept
+        out[q, : len(kept)] = kept
     return out
 
 
@@ -67,28 +73,52 @@ def _score_version(version, cfg: EvalConfig, queries, device) -> dict:
     _, exact = knn_search(zq, zdb, k, exclude=data.query_exclude, device=device)
     served = _served_rows(version, zq, k, exclude)
     if data.query_labels is not None and data.db_labels is not None:
+
         def recall_of(rows):
             rel = relevance(np.where(rows >= 0, rows, 0), data.query_labels, data.db_labels) & (rows >= 0)
             return float(hit_rate_at_k(rel, k).mean())
+
         recall_kind = "label recall@10"
     else:
         ideal = ideal_topk(data.query_meta, data.db_meta, data.generator, k, exclude=data.query_exclude)
 
         def recall_of(rows):
             return faiss_index.recall_at_k(rows, ideal, k)
+
         recall_kind = "ideal-neighbour recall@10"
     gap = softmax_gap(zq, zdb, data.query_meta, data.db_meta, data.generator, tau, device=device).summary()
-    return {"version": version.version, "recall_at_10": recall_of(served), "exact_recall_at_10": recall_of(exact),
-            "recall_kind": recall_kind, "index_recall_at_10": faiss_index.recall_at_k(served, exact, k), "kind": version.kind,
-            "params": dict(version.manifest.params or {}), "gap": gap["kl"],
-            "gap_se": gap["kl_se"], "cross_entropy": gap["cross_entropy"], "temperature": tau,
-            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
-            "skipped_queries": len(data.query_skipped)}
+    return {
+        "version": version.version,
+        "recall_at_10": recall_of(served),
+        "exact_recall_at_10": recall_of(exact),
+        "recall_kind": recall_kind,
+        "index_recall_at_10": faiss_index.recall_at_k(served, exact, k),
+        "kind": version.kind,
+        "params": dict(version.manifest.params or {}),
+        "gap": gap["kl"],
+        "gap_se": gap["kl_se"],
+        "cross_entropy": gap["cross_entropy"],
+        "temperature": tau,
+        "generator": data.generator.name,
+        "exact": bool(data.generator.exact),
+        "n_queries": int(zq.shape[0]),
+        "skipped_queries": len(data.query_skipped),
+    }
 
 
-def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "auto", max_queries: int = 500,
-                     generator: str | None = None, temperature: float | None = None, seed: int = 0,
-                     batch_size: int = 256, device=None) -> dict:
+def evaluate_version(
+    candidate,
+    serving=None,
+    queries=None,
+    *,
+    metric: str = "auto",
+    max_queries: int = 500,
+    generator: str | None = None,
+    temperature: float | None = None,
+    seed: int = 0,
+    batch_size: int = 256,
+    device=None,
+) -> dict:
     """Quality-gate comparison of two IndexVersions -> {"metric", "candidate", "serving", "ok", ...}.
 
     `queries`: held-out ImageDataset (default: the candidate's first dataset, split "test", or its
@@ -99,8 +129,14 @@ def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "au
         raise ValueError(f"metric must be 'auto', 'neg_gap' or 'recall_at_10', got {metric!r}")
     t0 = time.perf_counter()
     dev = default_device(device)
-    cfg = EvalConfig(max_queries=max_queries, generator=generator, temperature=temperature, seed=seed,
-                     batch_size=batch_size, device=None if device is None else str(device))
+    cfg = EvalConfig(
+        max_queries=max_queries,
+        generator=generator,
+        temperature=temperature,
+        seed=seed,
+        batch_size=batch_size,
+        device=None if device is None else str(device),
+    )
     if queries is None:
         queries = _default_queries(candidate, cfg)
     cand = _score_version(candidate, cfg, queries, dev)
@@ -115,24 +151,49 @@ def evaluate_version(candidate, serving=None, queries=None, *, metric: str = "au
         "metric": metric,
         "candidate": score(cand),
         "serving": score(serv),
-        "recall_at_10": {"candidate": cand["recall_at_10"], "serving": None if serv is None else serv["recall_at_10"]},
-        "exact_recall_at_10": {"candidate": cand["exact_recall_at_10"],
-                               "serving": None if serv is None else serv["exact_recall_at_10"]},
-        "index_recall": {role: None if r is None else {"recall": r["index_recall_at_10"], "n_queries": r["n_queries"],
-                                                       "kind": r["kind"], "params": r["params"]}
-                         for role, r in (("candidate", cand), ("serving", serv))},
+        "recall_at_10": {
+            "candidate": cand["recall_at_10"],
+            "serving": None if serv is None else serv["recall_at_10"],
+        },
+        "exact_recall_at_10": {
+            "candidate": cand["exact_recall_at_10"],
+            "serving": None if serv is None else serv["exact_recall_at_10"],
+        },
+        "index_recall": {
+            role: None
+            if r is None
+            else {
+                "recall": r["index_recall_at_10"],
+                "n_queries": r["n_queries"],
+                "kind": r["kind"],
+                "params": r["params"],
+            }
+            for role, r in (("candidate", cand), ("serving", serv))
+        },
         "gap": {"candidate": cand["gap"], "serving": None if serv is None else serv["gap"]},
         "details": {"candidate": cand, "serving": serv},
         "seconds": time.perf_counter() - t0,
     }
     out["ok"] = bool(serv is None or out["candidate"] >= out["serving"])
-    logger.info("quality gate (%s): candidate %.4g vs serving %s", metric, out["candidate"],
-                "-" if serv is None else f"{out['serving']:.4g}")
+    logger.info(
+        "quality gate (%s): candidate %.4g vs serving %s",
+        metric,
+        out["candidate"],
+        "-" if serv is None else f"{out['serving']:.4g}",
+    )
     return out
 
 
-def calibrate_version(candidate, queries=None, *, max_queries: int = 500, generator: str | None = None,
-                      seed: int = 0, batch_size: int = 256, device=None) -> dict | None:
+def calibrate_version(
+    candidate,
+    queries=None,
+    *,
+    max_queries: int = 500,
+    generator: str | None = None,
+    seed: int = 0,
+    batch_size: int = 256,
+    device=None,
+) -> dict | None:
     """Search temperature for a new index version: argmin over tau of held-out H(q, p).
 
     `index.build` calls this (injected by `api/cli.py`) before the quality gate and stores
@@ -140,20 +201,32 @@ def calibrate_version(candidate, queries=None, *, max_queries: int = 500, genera
     Returns None when the generator gives no finite gap (nothing to calibrate against).
     """
     dev = default_device(device)
-    cfg = EvalConfig(max_queries=max_queries, generator=generator, seed=seed, batch_size=batch_size,
-                     device=None if device is None else str(device))
+    cfg = EvalConfig(
+        max_queries=max_queries,
+        generator=generator,
+        seed=seed,
+        batch_size=batch_size,
+        device=None if device is None else str(device),
+    )
     if queries is None:
         queries = _default_queries(candidate, cfg)
     data, zq, zdb = _embedded_queries(candidate, cfg, queries, dev)
     train_tau = float(candidate.manifest.temperature or DEFAULT_TEMPERATURE)
-    result = calibrate_temperature(zq, zdb, data.query_meta, data.db_meta, data.generator,
-                                   train_temperature=train_tau, device=dev)
+    result = calibrate_temperature(
+        zq, zdb, data.query_meta, data.db_meta, data.generator, train_temperature=train_tau, device=dev
+    )
     if not np.isfinite(result.gap_at_calibrated["kl"]):
         return None
-    return {"temperature": result.temperature, "train_temperature": train_tau,
-            "gap_at_train": result.gap_at_train["kl"], "gap_at_calibrated": result.gap_at_calibrated["kl"],
-            "generator": data.generator.name, "exact": bool(data.generator.exact), "n_queries": int(zq.shape[0]),
-            "skipped_queries": len(data.query_skipped)}
+    return {
+        "temperature": result.temperature,
+        "train_temperature": train_tau,
+        "gap_at_train": result.gap_at_train["kl"],
+        "gap_at_calibrated": result.gap_at_calibrated["kl"],
+        "generator": data.generator.name,
+        "exact": bool(data.generator.exact),
+        "n_queries": int(zq.shape[0]),
+        "skipped_queries": len(data.query_skipped),
+    }
 
 
 def _default_queries(version, cfg: EvalConfig):
@@ -168,5 +241,7 @@ def _default_queries(version, cfg: EvalConfig):
     try:
         return create_dataset(**spec)
     except (ValueError, FileNotFoundError) as err:
-        logger.warning("no held-out split for %s (%s): using the database items as queries", spec.get("name"), err)
+        logger.warning(
+            "no held-out split for %s (%s): using the database items as queries", spec.get("name"), err
+        )
         return datasets[0]

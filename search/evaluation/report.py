@@ -4,6 +4,7 @@ The HTML embeds every plot as a base64 PNG so the file can be mailed or archived
 Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
 Every plot has a caption underneath (<figcaption>); the settings table states n, d and every test's setup.
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,19 @@ from search.figures import png_bytes, pyplot
 
 logger = logging.getLogger(__name__)
 
-SECTIONS = ("baselines", "settings", "generator", "metrics", "gap", "calibration", "samples", "k-law", "gaussianity", "tail", "compare")
+SECTIONS = (
+    "baselines",
+    "settings",
+    "generator",
+    "metrics",
+    "gap",
+    "calibration",
+    "samples",
+    "k-law",
+    "gaussianity",
+    "tail",
+    "compare",
+)
 
 
 def plot_samples(q: np.ndarray, p: np.ndarray, titles: list[str], top: int = 40) -> bytes:
@@ -46,7 +59,7 @@ def log_axis(ax, axis: str = "x") -> None:
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     a = ax.xaxis if axis == "x" else ax.yaxis
-    lo, hi = (ax.get_xlim() if axis == "x" else ax.get_ylim())
+    lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
     decades = math.log10(max(hi, 1e-300) / max(lo, 1e-300))
     a.set_major_locator(LogLocator(base=10, subs=(1.0,) if decades >= 2 else (1.0, 2.0, 5.0)))
     a.set_minor_locator(LogLocator(base=10, subs=tuple(range(2, 10))))
@@ -54,7 +67,9 @@ def log_axis(ax, axis: str = "x") -> None:
     a.set_minor_formatter(NullFormatter())
 
 
-def plot_gap_vs_tau(curve_tau, curve_kl, tau_star: float, train_tau: float | None, serving_tau: float | None = None) -> bytes:
+def plot_gap_vs_tau(
+    curve_tau, curve_kl, tau_star: float, train_tau: float | None, serving_tau: float | None = None
+) -> bytes:
     """Mean KL(q||p) against tau (log x) with tau* (and the training / serving tau) marked."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.4, 3.5))
@@ -95,15 +110,26 @@ def metric_rows(metrics: dict | None) -> list[list]:
     """[[name, mean, low, high], ...] from retrieval_metrics' output."""
     if not metrics:
         return []
-    return [[k, v["mean"], v["low"], v["high"]] for k, v in metrics.items() if isinstance(v, dict) and "mean" in v]
+    return [
+        [k, v["mean"], v["low"], v["high"]] for k, v in metrics.items() if isinstance(v, dict) and "mean" in v
+    ]
 
 
 def gap_rows(gaps: dict) -> list[list]:
     rows = []
     for label, s in gaps.items():
         if s:
-            rows.append([label, s["temperature"], s["cross_entropy"], s["cross_entropy_se"], s["ideal_entropy"],
-                         s["kl"], s["kl_se"]])
+            rows.append(
+                [
+                    label,
+                    s["temperature"],
+                    s["cross_entropy"],
+                    s["cross_entropy_se"],
+                    s["ideal_entropy"],
+                    s["kl"],
+                    s["kl_se"],
+                ]
+            )
     return rows
 
 
@@ -111,8 +137,10 @@ def _figure(png: bytes | None, alt: str, caption: str) -> str:
     """An embedded plot with its caption underneath (or a note when the plot is missing)."""
     if not png:
         return f"<p class='note'>{html.escape(alt)}: not available</p>"
-    return (f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
-            f"<figcaption>{caption}</figcaption></figure>")
+    return (
+        f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
+        f"<figcaption>{caption}</figcaption></figure>"
+    )
 
 
 def _pct(v) -> str:
@@ -137,8 +165,10 @@ def _training_text(ck) -> str:
     if t.get("steps"):
         parts.append(f"{_fmt(t['steps'])} steps of batch {_fmt(t.get('batch_size'))}")
     if "gaussian_reg" in t:
-        parts.append(f"Gaussianity regulariser weight alpha_0 = {_fmt(t['gaussian_reg'])} "
-                     f"(decay {_fmt(t.get('gaussian_reg_decay'))} steps)")
+        parts.append(
+            f"Gaussianity regulariser weight alpha_0 = {_fmt(t['gaussian_reg'])} "
+            f"(decay {_fmt(t.get('gaussian_reg_decay'))} steps)"
+        )
     else:
         parts.append("Gaussianity regulariser weight: not recorded in the checkpoint")
     return "; ".join(parts)
@@ -162,18 +192,35 @@ def _settings(report: dict) -> str:
     if idx:
         rows.append(["index", f"{_fmt(idx.get('root'))}, version {_fmt(idx.get('version'))}"])
     rows += [
-        ["search temperature", f"serving τ = {_fmt(temps.get('serving'))} ({_fmt(src.get('serving'))}); training "
-                               f"τ = {_fmt(temps.get('train'))}"],
-        ["normality tests", f"n = {_fmt(ga.get('n'))} query features, d = {_fmt(ga.get('d'))}, level "
-                            f"{_pct(ga.get('alpha'))}; {_fmt(st.get('n_projections'))} random projections; Mardia "
-                            f"null from {_fmt(st.get('mardia_null'))} Gaussian samples" if ga else "not computed"],
+        [
+            "search temperature",
+            f"serving τ = {_fmt(temps.get('serving'))} ({_fmt(src.get('serving'))}); training "
+            f"τ = {_fmt(temps.get('train'))}",
+        ],
+        [
+            "normality tests",
+            f"n = {_fmt(ga.get('n'))} query features, d = {_fmt(ga.get('d'))}, level "
+            f"{_pct(ga.get('alpha'))}; {_fmt(st.get('n_projections'))} random projections; Mardia "
+            f"null from {_fmt(st.get('mardia_null'))} Gaussian samples"
+            if ga
+            else "not computed",
+        ],
         ["1/k law", _fmt(kl_note)],
-        ["tail", (f"{_fmt((tail.get('gpd') or {}).get('n_queries'))} queries × "
-                  f"{_fmt((tail.get('gpd') or {}).get('n_items'))} items; negatives: {_fmt(tail.get('negatives_rule'))}")
-         if tail else "not computed"],
-        ["bootstrap", f"{_fmt(st.get('n_boot'))} resamples of the queries (metrics), "
-                      f"{_fmt(((tail.get('gpd') or {}).get('fits') or [{}])[0].get('n_boot'))} (tail); seed "
-                      f"{_fmt(st.get('seed'))}"],
+        [
+            "tail",
+            (
+                f"{_fmt((tail.get('gpd') or {}).get('n_queries'))} queries × "
+                f"{_fmt((tail.get('gpd') or {}).get('n_items'))} items; negatives: {_fmt(tail.get('negatives_rule'))}"
+            )
+            if tail
+            else "not computed",
+        ],
+        [
+            "bootstrap",
+            f"{_fmt(st.get('n_boot'))} resamples of the queries (metrics), "
+            f"{_fmt(((tail.get('gpd') or {}).get('fits') or [{}])[0].get('n_boot'))} (tail); seed "
+            f"{_fmt(st.get('seed'))}",
+        ],
     ]
     body = "".join(f"<tr><th>{html.escape(k)}</th><td class='l'>{v}</td></tr>" for k, v in rows)
     return f"<section id='settings'><h2>Data and settings</h2><table>{body}</table></section>"
@@ -187,21 +234,56 @@ def _k_law_section(report: dict, figures: dict) -> list[str]:
         return out
     summary = (kl.get("summary") or {}).get("text", "")
     out.append(f"<p><b>{html.escape(summary)}</b></p>")
-    out.append(f"<p class='note'>Estimator (table and plot): {_fmt(kl.get('estimator'))}. "
-               f"{_fmt(report.get('k_law_note'))}.</p>")
+    out.append(
+        f"<p class='note'>Estimator (table and plot): {_fmt(kl.get('estimator'))}. "
+        f"{_fmt(report.get('k_law_note'))}.</p>"
+    )
     z = 1.96
     rows = []
     for i, k in enumerate(kl["ks"]):
-        rows.append([k, kl["ce_marginal"][i], z * kl["ce_marginal_se"][i], kl["risk_est"][i], z * kl["risk_est_se"][i],
-                     kl["diff"][i], z * kl["diff_se"][i], kl["k_times_diff"][i], z * kl["k_times_diff_se"][i],
-                     kl["risk"][i], z * kl["risk_se"][i]])
-    out.append(_table(["k", "E H(q,p)", "±", "risk", "±", "gap = risk − E H", "±", "k × gap", "±",
-                       "risk, plain MC (check)", "±"], rows))
-    out.append(_figure(figures.get("k_law"), "k law",
-                       "Left: InfoNCE risk with k negatives and the expected search cross-entropy E H(q,p) over "
-                       "random databases of k + 1 items, both from the table's estimator, with 95 % intervals; "
-                       "crosses: the plain Monte-Carlo risk with sampled positives alone (a check). Right: k × gap, "
-                       "the table's column with its 95 % intervals; the title states what the curve shows."))
+        rows.append(
+            [
+                k,
+                kl["ce_marginal"][i],
+                z * kl["ce_marginal_se"][i],
+                kl["risk_est"][i],
+                z * kl["risk_est_se"][i],
+                kl["diff"][i],
+                z * kl["diff_se"][i],
+                kl["k_times_diff"][i],
+                z * kl["k_times_diff_se"][i],
+                kl["risk"][i],
+                z * kl["risk_se"][i],
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "k",
+                "E H(q,p)",
+                "±",
+                "risk",
+                "±",
+                "gap = risk − E H",
+                "±",
+                "k × gap",
+                "±",
+                "risk, plain MC (check)",
+                "±",
+            ],
+            rows,
+        )
+    )
+    out.append(
+        _figure(
+            figures.get("k_law"),
+            "k law",
+            "Left: InfoNCE risk with k negatives and the expected search cross-entropy E H(q,p) over "
+            "random databases of k + 1 items, both from the table's estimator, with 95 % intervals; "
+            "crosses: the plain Monte-Carlo risk with sampled positives alone (a check). Right: k × gap, "
+            "the table's column with its 95 % intervals; the title states what the curve shows.",
+        )
+    )
     out.append("</section>")
     return out
 
@@ -210,44 +292,109 @@ def _gaussianity_section(report: dict, figures: dict) -> list[str]:
     ga = report.get("gaussianity")
     out = ["<section id='gaussianity'><h2>Gaussianity of the representation</h2>"]
     if not ga:
-        out.append("<p class='note'>not computed (needs pre-normalisation features of at least 8 queries)</p>")
+        out.append(
+            "<p class='note'>not computed (needs pre-normalisation features of at least 8 queries)</p>"
+        )
     else:
         n, d = ga["n"], ga["d"]
         c, p = ga["coordinates"], ga["projections"]
-        out.append(f"<p>Pre-normalisation features h of n = {n} held-out queries, d = {d}; every test at level "
-                   f"{_pct(ga.get('alpha', 0.05))}. Norm concentration: coefficient of variation of |h| = "
-                   f"{_fmt(ga['norm_cv'])}.</p>")
-        rows = [["D'Agostino K², per coordinate", f"{n} × {c['n_tests']} coordinates", _pct(c["alpha"]),
-                 _pct(c["k2_fraction_not_rejected"]), _pct(c["expected_fraction_not_rejected"])],
-                ["Anderson-Darling, per coordinate", f"{n} × {c['n_tests']} coordinates", _pct(c["alpha"]),
-                 _pct(c["ad_fraction_not_rejected"]), _pct(c["expected_fraction_not_rejected"])],
-                ["D'Agostino K², random projections", f"{n} × {p['n_tests']} projections", _pct(p["alpha"]),
-                 _pct(p["k2_fraction_not_rejected"]), _pct(p["expected_fraction_not_rejected"])],
-                ["Anderson-Darling, random projections", f"{n} × {p['n_tests']} projections", _pct(p["alpha"]),
-                 _pct(p["ad_fraction_not_rejected"]), _pct(p["expected_fraction_not_rejected"])]]
-        out.append(_table(["test", "data (n × columns)", "level", "columns not rejected", "expected if Gaussian"],
-                          rows))
+        out.append(
+            f"<p>Pre-normalisation features h of n = {n} held-out queries, d = {d}; every test at level "
+            f"{_pct(ga.get('alpha', 0.05))}. Norm concentration: coefficient of variation of |h| = "
+            f"{_fmt(ga['norm_cv'])}.</p>"
+        )
+        rows = [
+            [
+                "D'Agostino K², per coordinate",
+                f"{n} × {c['n_tests']} coordinates",
+                _pct(c["alpha"]),
+                _pct(c["k2_fraction_not_rejected"]),
+                _pct(c["expected_fraction_not_rejected"]),
+            ],
+            [
+                "Anderson-Darling, per coordinate",
+                f"{n} × {c['n_tests']} coordinates",
+                _pct(c["alpha"]),
+                _pct(c["ad_fraction_not_rejected"]),
+                _pct(c["expected_fraction_not_rejected"]),
+            ],
+            [
+                "D'Agostino K², random projections",
+                f"{n} × {p['n_tests']} projections",
+                _pct(p["alpha"]),
+                _pct(p["k2_fraction_not_rejected"]),
+                _pct(p["expected_fraction_not_rejected"]),
+            ],
+            [
+                "Anderson-Darling, random projections",
+                f"{n} × {p['n_tests']} projections",
+                _pct(p["alpha"]),
+                _pct(p["ad_fraction_not_rejected"]),
+                _pct(p["expected_fraction_not_rejected"]),
+            ],
+        ]
+        out.append(
+            _table(
+                ["test", "data (n × columns)", "level", "columns not rejected", "expected if Gaussian"], rows
+            )
+        )
         m = ga.get("mardia")
         if m:
-            rows = [["skewness b1", f"{m['n']} × rank {m['rank']} (of d = {m['d']})", _pct(m["alpha"]), m["skewness"],
-                     m["skewness_z"], m["skewness_pvalue_chi2"], m["skewness_pvalue"]],
-                    ["kurtosis b2", f"{m['n']} × rank {m['rank']} (of d = {m['d']})", _pct(m["alpha"]), m["kurtosis"],
-                     m["kurtosis_z"], m["kurtosis_pvalue_normal"], m["kurtosis_pvalue"]]]
+            rows = [
+                [
+                    "skewness b1",
+                    f"{m['n']} × rank {m['rank']} (of d = {m['d']})",
+                    _pct(m["alpha"]),
+                    m["skewness"],
+                    m["skewness_z"],
+                    m["skewness_pvalue_chi2"],
+                    m["skewness_pvalue"],
+                ],
+                [
+                    "kurtosis b2",
+                    f"{m['n']} × rank {m['rank']} (of d = {m['d']})",
+                    _pct(m["alpha"]),
+                    m["kurtosis"],
+                    m["kurtosis_z"],
+                    m["kurtosis_pvalue_normal"],
+                    m["kurtosis_pvalue"],
+                ],
+            ]
             out.append("<h3>Mardia's multivariate tests</h3>")
-            out.append(_table(["statistic", "data (n × rank)", "level", "value", "z (finite-sample moments)",
-                               "p (closed form)", "p (simulated null)"], rows))
+            out.append(
+                _table(
+                    [
+                        "statistic",
+                        "data (n × rank)",
+                        "level",
+                        "value",
+                        "z (finite-sample moments)",
+                        "p (closed form)",
+                        "p (simulated null)",
+                    ],
+                    rows,
+                )
+            )
             floor = 1 / (m["n_null"] + 1) if m.get("n_null") else None
-            out.append(f"<p class='note'>p-values from {html.escape(m['calibration'])}"
-                       + (f" (smallest attainable p: {floor:.3g}; kurtosis two-sided)" if floor else "")
-                       + f". Kurtosis z uses the exact null mean {_fmt(m['kurtosis_expected'])} and sd "
-                         f"{_fmt(m['kurtosis_sd'])}; the skewness closed form is the small-sample corrected χ² "
-                         f"with {int(m['skewness_dof'])} degrees of freedom, whose variance is too small at this "
-                         f"(n, rank), hence the simulated null. Verdict at {_pct(m['alpha'])}: "
-                       + ("<b>rejected</b>" if m["rejected"] else "not rejected") + ".</p>")
-    out.append(_figure(figures.get("qq"), "QQ plots",
-                       f"Normal QQ plots of the standardised pre-normalisation features of the "
-                       f"{_fmt((ga or {}).get('n'))} held-out queries: two coordinates, one random projection and "
-                       f"the norm |h|. Points on the diagonal are Gaussian."))
+            out.append(
+                f"<p class='note'>p-values from {html.escape(m['calibration'])}"
+                + (f" (smallest attainable p: {floor:.3g}; kurtosis two-sided)" if floor else "")
+                + f". Kurtosis z uses the exact null mean {_fmt(m['kurtosis_expected'])} and sd "
+                f"{_fmt(m['kurtosis_sd'])}; the skewness closed form is the small-sample corrected χ² "
+                f"with {int(m['skewness_dof'])} degrees of freedom, whose variance is too small at this "
+                f"(n, rank), hence the simulated null. Verdict at {_pct(m['alpha'])}: "
+                + ("<b>rejected</b>" if m["rejected"] else "not rejected")
+                + ".</p>"
+            )
+    out.append(
+        _figure(
+            figures.get("qq"),
+            "QQ plots",
+            f"Normal QQ plots of the standardised pre-normalisation features of the "
+            f"{_fmt((ga or {}).get('n'))} held-out queries: two coordinates, one random projection and "
+            f"the norm |h|. Points on the diagonal are Gaussian.",
+        )
+    )
     out.append("</section>")
     return out
 
@@ -262,53 +409,108 @@ def _tail_section(report: dict, figures: dict) -> list[str]:
     fits, k = gp["fits"], gp["chosen"]
     ch = fits[k]
     nb = ch["n_boot"]
-    out.append(_figure(figures.get("threshold_stability"), "threshold stability",
-                       f"Threshold stability. Left: GPD shape ξ fitted by maximum likelihood to the negative "
-                       f"similarities above each threshold u (top axis: u as a quantile of all "
-                       f"{_fmt(gp['n_pairs'])} negative pairs), with 95 % intervals from {nb} bootstrap resamples of "
-                       f"the {_fmt(gp['n_queries'])} queries; circled: the chosen threshold. Right: the fitted "
-                       f"endpoint u + σ/(−ξ) (none when ξ ≥ 0) and the fit constrained to an endpoint within the "
-                       f"cosine bound s ≤ 1."))
+    out.append(
+        _figure(
+            figures.get("threshold_stability"),
+            "threshold stability",
+            f"Threshold stability. Left: GPD shape ξ fitted by maximum likelihood to the negative "
+            f"similarities above each threshold u (top axis: u as a quantile of all "
+            f"{_fmt(gp['n_pairs'])} negative pairs), with 95 % intervals from {nb} bootstrap resamples of "
+            f"the {_fmt(gp['n_queries'])} queries; circled: the chosen threshold. Right: the fitted "
+            f"endpoint u + σ/(−ξ) (none when ξ ≥ 0) and the fit constrained to an endpoint within the "
+            f"cosine bound s ≤ 1.",
+        )
+    )
     within = "within" if ch["endpoint_within_bound"] else "<b>outside</b>"
-    out.append(f"<p>Chosen threshold u = {_fmt(ch['threshold'])} (quantile {_fmt(ch['quantile'])}, "
-               f"{ch['n_exceedances']} excesses from {ch['n_queries']} queries): {html.escape(gp['chosen_reason'])}. "
-               f"There ξ = {_fmt(ch['xi'])} [{_fmt(ch['xi_low'])}, {_fmt(ch['xi_high'])}]; the fitted endpoint "
-               f"{_fmt(ch['endpoint'])} is {within} the bound 1"
-               + ("" if ch["endpoint_within_bound"] else
-                  f"; constrained to it, ξ = {_fmt(ch['xi_constrained'])} (likelihood-ratio statistic "
-                  f"{_fmt(ch['lr_bound'])})") + ".</p>")
+    out.append(
+        f"<p>Chosen threshold u = {_fmt(ch['threshold'])} (quantile {_fmt(ch['quantile'])}, "
+        f"{ch['n_exceedances']} excesses from {ch['n_queries']} queries): {html.escape(gp['chosen_reason'])}. "
+        f"There ξ = {_fmt(ch['xi'])} [{_fmt(ch['xi_low'])}, {_fmt(ch['xi_high'])}]; the fitted endpoint "
+        f"{_fmt(ch['endpoint'])} is {within} the bound 1"
+        + (
+            ""
+            if ch["endpoint_within_bound"]
+            else f"; constrained to it, ξ = {_fmt(ch['xi_constrained'])} (likelihood-ratio statistic "
+            f"{_fmt(ch['lr_bound'])})"
+        )
+        + ".</p>"
+    )
     rows = []
     for i, f in enumerate(fits):
-        rows.append([("▶ " if i == k else "") + f"{f['quantile']:.3g}", f["threshold"], f["n_exceedances"], f["xi"],
-                     f["xi_low"], f["xi_high"], f["endpoint"], "yes" if f["endpoint_within_bound"] else "no",
-                     _pct(f["endpoint_boot_fraction_within_bound"]), f["xi_constrained"], f["lr_bound"]])
-    out.append(_table(["quantile", "threshold u", "excesses", "ξ", "95 % low", "95 % high", "endpoint",
-                       "endpoint ≤ 1", "bootstrap endpoints ≤ 1", "ξ (endpoint ≤ 1)", "LR"], rows))
-    out.append(f"<p class='note'>Negatives: {_fmt(tail.get('negatives_rule'))}; "
-               f"{_fmt(tail.get('negatives_per_query'))} per query on average. LR: twice the log-likelihood "
-               f"drop when the endpoint is held within the bound.</p>")
-    out.append(_figure(figures.get("tail"), "tail fit",
-                       f"Survival of the negative similarities above the chosen threshold u = {_fmt(ch['threshold'])} "
-                       f"({ch['n_exceedances']} excesses, log scale) and the fitted generalised Pareto law."))
+        rows.append(
+            [
+                ("▶ " if i == k else "") + f"{f['quantile']:.3g}",
+                f["threshold"],
+                f["n_exceedances"],
+                f["xi"],
+                f["xi_low"],
+                f["xi_high"],
+                f["endpoint"],
+                "yes" if f["endpoint_within_bound"] else "no",
+                _pct(f["endpoint_boot_fraction_within_bound"]),
+                f["xi_constrained"],
+                f["lr_bound"],
+            ]
+        )
+    out.append(
+        _table(
+            [
+                "quantile",
+                "threshold u",
+                "excesses",
+                "ξ",
+                "95 % low",
+                "95 % high",
+                "endpoint",
+                "endpoint ≤ 1",
+                "bootstrap endpoints ≤ 1",
+                "ξ (endpoint ≤ 1)",
+                "LR",
+            ],
+            rows,
+        )
+    )
+    out.append(
+        f"<p class='note'>Negatives: {_fmt(tail.get('negatives_rule'))}; "
+        f"{_fmt(tail.get('negatives_per_query'))} per query on average. LR: twice the log-likelihood "
+        f"drop when the endpoint is held within the bound.</p>"
+    )
+    out.append(
+        _figure(
+            figures.get("tail"),
+            "tail fit",
+            f"Survival of the negative similarities above the chosen threshold u = {_fmt(ch['threshold'])} "
+            f"({ch['n_exceedances']} excesses, log scale) and the fitted generalised Pareto law.",
+        )
+    )
     wg = tail.get("weibull_gumbel")
     if wg:
         out.append("<h3>Weibull vs Gumbel domain, per query</h3>")
-        rows = [["ΔAIC = AIC(Gumbel) − AIC(Weibull), median", wg["daic_median"]],
-                ["ΔAIC mean (se)", f"{_fmt(wg['daic_mean'])} ({_fmt(wg['daic_se'])})"],
-                ["queries favouring Weibull (ΔAIC > 0)", _pct(wg["fraction_weibull"])],
-                ["clearly Weibull (ΔAIC > 2)", _pct(wg["fraction_weibull_decisive"])],
-                ["clearly Gumbel (ΔAIC < −2)", _pct(wg["fraction_gumbel_decisive"])],
-                ["power-law exponent β, median", wg["beta_median"]],
-                ["WEINCE's least-squares proxy (not an AIC): median", wg["proxy_daic_median"]],
-                ["WEINCE's proxy: fraction > 0", _pct(wg["proxy_fraction_weibull"])]]
+        rows = [
+            ["ΔAIC = AIC(Gumbel) − AIC(Weibull), median", wg["daic_median"]],
+            ["ΔAIC mean (se)", f"{_fmt(wg['daic_mean'])} ({_fmt(wg['daic_se'])})"],
+            ["queries favouring Weibull (ΔAIC > 0)", _pct(wg["fraction_weibull"])],
+            ["clearly Weibull (ΔAIC > 2)", _pct(wg["fraction_weibull_decisive"])],
+            ["clearly Gumbel (ΔAIC < −2)", _pct(wg["fraction_gumbel_decisive"])],
+            ["power-law exponent β, median", wg["beta_median"]],
+            ["WEINCE's least-squares proxy (not an AIC): median", wg["proxy_daic_median"]],
+            ["WEINCE's proxy: fraction > 0", _pct(wg["proxy_fraction_weibull"])],
+        ]
         out.append(_table(["statistic", "value"], rows))
-        out.append(f"<p class='note'>{wg['n_queries']} queries, top m = {wg['m']} negatives each, "
-                   f"{html.escape(wg['method'])}: Gumbel = exponential excesses over the (m+1)-th similarity, "
-                   f"Weibull = a power law F(δ) ∝ δ^β in the shortfall δ = 1 − s (endpoint at the bound); one "
-                   f"parameter each, so ΔAIC = 2 (log L_Weibull − log L_Gumbel).</p>")
-        out.append(_figure(figures.get("daic"), "dAIC histogram",
-                           f"Per-query ΔAIC of the top {wg['m']} negatives; right of 0 favours the Weibull (bounded) "
-                           f"tail, |ΔAIC| > 2 is the usual threshold for a clear preference."))
+        out.append(
+            f"<p class='note'>{wg['n_queries']} queries, top m = {wg['m']} negatives each, "
+            f"{html.escape(wg['method'])}: Gumbel = exponential excesses over the (m+1)-th similarity, "
+            f"Weibull = a power law F(δ) ∝ δ^β in the shortfall δ = 1 − s (endpoint at the bound); one "
+            f"parameter each, so ΔAIC = 2 (log L_Weibull − log L_Gumbel).</p>"
+        )
+        out.append(
+            _figure(
+                figures.get("daic"),
+                "dAIC histogram",
+                f"Per-query ΔAIC of the top {wg['m']} negatives; right of 0 favours the Weibull (bounded) "
+                f"tail, |ΔAIC| > 2 is the usual threshold for a clear preference.",
+            )
+        )
     out.append("</section>")
     return out
 
@@ -318,8 +520,16 @@ def baseline_rows(baselines: dict | None) -> list[list]:
     if not baselines:
         return []
     k0, k1 = baselines["ks"]
-    out = [["trained encoder (this checkpoint)", baselines["trained"][f"precision@{k0}"],
-            baselines["trained"][f"precision@{k1}"], None, None, None]]
+    out = [
+        [
+            "trained encoder (this checkpoint)",
+            baselines["trained"][f"precision@{k0}"],
+            baselines["trained"][f"precision@{k1}"],
+            None,
+            None,
+            None,
+        ]
+    ]
     for r in baselines["rows"]:
         d = r[f"difference@{k0}"]
         out.append([r["name"], r[f"precision@{k0}"], r[f"precision@{k1}"], d["mean"], d["low"], d["high"]])
@@ -330,15 +540,21 @@ def _baselines_section(report: dict) -> list[str]:
     """The verdict first, then the plain searches a user could run instead (paired over queries)."""
     b = report.get("baselines")
     if not b:
-        return ["<section id='baselines'><p class='note'>no label baselines: the database or the queries have "
-                "no class labels</p></section>"]
+        return [
+            "<section id='baselines'><p class='note'>no label baselines: the database or the queries have "
+            "no class labels</p></section>"
+        ]
     k0, k1 = b["ks"]
-    return ["<section id='baselines'>",
-            f"<p class='verdict'><b>{html.escape(b.get('verdict', ''))}</b> (label precision@{k0} on "
-            f"{b['n_queries']} held-out queries; paired 95 % bootstrap interval over queries)</p>",
-            _table(["search", f"precision@{k0}", f"precision@{k1}", f"trained - it @{k0}", "CI low", "CI high"],
-                   baseline_rows(b)),
-            "</section>"]
+    return [
+        "<section id='baselines'>",
+        f"<p class='verdict'><b>{html.escape(b.get('verdict', ''))}</b> (label precision@{k0} on "
+        f"{b['n_queries']} held-out queries; paired 95 % bootstrap interval over queries)</p>",
+        _table(
+            ["search", f"precision@{k0}", f"precision@{k1}", f"trained - it @{k0}", "CI low", "CI high"],
+            baseline_rows(b),
+        ),
+        "</section>",
+    ]
 
 
 def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
@@ -358,8 +574,12 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
         "<section id='generator'><h2>Positive generator</h2>",
         f"<p><b>{_fmt(g.get('name'))}</b>: {_fmt(g.get('description'))}</p>",
         f"<p>log r is <b>{'exact' if g.get('exact') else 'an approximation'}</b>"
-        + ("" if g.get("exact") else " (point-mass q on the source item): the ideal search and the gap below are "
-           "approximations") + ".</p></section>",
+        + (
+            ""
+            if g.get("exact")
+            else " (point-mass q on the source item): the ideal search and the gap below are approximations"
+        )
+        + ".</p></section>",
         "<section id='metrics'><h2>Retrieval metrics</h2>",
         f"<p class='note'>{_fmt(report.get('metrics_note'))}; mean and "
         f"{100 * (1 - report.get('metrics', {}).get('alpha', 0.05)):.0f} % bootstrap CI over {_fmt(nq)} queries.</p>",
@@ -371,15 +591,21 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
         "<section id='calibration'><h2>Temperature calibration</h2>",
         f"<p>calibrated tau* = {_fmt(report.get('calibration', {}).get('temperature'))} (training tau "
         f"{_fmt(report.get('calibration', {}).get('train_temperature'))})</p>",
-        _figure(figures.get("gap_vs_tau"), "gap vs tau",
-                f"Mean KL(q‖p) over the {_fmt(nq)} held-out queries against the search temperature τ (log axis); "
-                "dashed: the calibrated τ* that minimises the held-out cross-entropy; dotted: the training τ; "
-                "dash-dotted: the serving τ when it differs."),
+        _figure(
+            figures.get("gap_vs_tau"),
+            "gap vs tau",
+            f"Mean KL(q‖p) over the {_fmt(nq)} held-out queries against the search temperature τ (log axis); "
+            "dashed: the calibrated τ* that minimises the held-out cross-entropy; dotted: the training τ; "
+            "dash-dotted: the serving τ when it differs.",
+        ),
         "</section>",
         "<section id='samples'><h2>Ideal vs learned search for sample queries</h2>",
-        _figure(figures.get("samples"), "sample queries",
-                "Ideal q(j|x) (bars) and learned p(j|x) at the serving τ (red) over the database items with the "
-                "largest q, for the first held-out queries; the title gives each query's KL(q‖p)."),
+        _figure(
+            figures.get("samples"),
+            "sample queries",
+            "Ideal q(j|x) (bars) and learned p(j|x) at the serving τ (red) over the database items with the "
+            "largest q, for the first held-out queries; the title gives each query's KL(q‖p).",
+        ),
         "</section>",
     ]
     parts += _k_law_section(report, figures)
@@ -389,8 +615,12 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
     cmp_ = report.get("compare")
     if cmp_:
         names = [k for k in cmp_["rows"]]
-        parts.append(_table(["quantity", "this checkpoint", "compared checkpoint"],
-                            [[n, cmp_["rows"][n]["this"], cmp_["rows"][n]["other"]] for n in names]))
+        parts.append(
+            _table(
+                ["quantity", "this checkpoint", "compared checkpoint"],
+                [[n, cmp_["rows"][n]["this"], cmp_["rows"][n]["other"]] for n in names],
+            )
+        )
         parts.append(f"<p class='note'>compared checkpoint: {_checkpoint_text(cmp_.get('checkpoint'))}</p>")
     else:
         parts.append("<p class='note'>no --compare checkpoint given</p>")
@@ -433,38 +663,54 @@ def summary_table(report: dict) -> str:
     if (report.get("baselines") or {}).get("verdict"):
         lines.append(report["baselines"]["verdict"])
         for name, p10, p1, d, lo, hi in baseline_rows(report["baselines"])[1:]:
-            lines.append(f"  {name:<42} precision@10 {p10:.4f}  precision@1 {p1:.4f}  trained - it {d:+.4f} "
-                         f"[{lo:+.4f}, {hi:+.4f}]")
-    lines.append(f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})")
+            lines.append(
+                f"  {name:<42} precision@10 {p10:.4f}  precision@1 {p1:.4f}  trained - it {d:+.4f} "
+                f"[{lo:+.4f}, {hi:+.4f}]"
+            )
+    lines.append(
+        f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})"
+    )
     queries, database = report.get("queries") or {}, report.get("database") or {}
     if queries.get("skipped") or database.get("skipped"):
-        lines.append(f"skipped files (unreadable or over a limit): {queries.get('skipped', 0)} held-out, "
-                     f"{database.get('skipped', 0)} database; each listed with its reason in report.json")
+        lines.append(
+            f"skipped files (unreadable or over a limit): {queries.get('skipped', 0)} held-out, "
+            f"{database.get('skipped', 0)} database; each listed with its reason in report.json"
+        )
     for name, m, lo, hi in metric_rows(report.get("metrics")):
         lines.append(f"  {name:<18} {m:8.4f}  [{lo:.4f}, {hi:.4f}]")
     for label, tau, ce, ce_se, h, kl, kl_se in gap_rows(report.get("gap", {})):
-        lines.append(f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}")
+        lines.append(
+            f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}"
+        )
     cal = (report.get("calibration") or {}).get("temperature")
     serving = (report.get("gap", {}).get("serving") or {}).get("temperature")
     if cal is not None and serving is not None and abs(serving - cal) > 0.01 * cal:
         # index build stores a calibrated tau; this shows when the serving one came from elsewhere
-        lines.append(f"  calibrated tau* = {cal:.4g} differs from the serving tau {serving:.4g}; "
-                     f"to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}")
+        lines.append(
+            f"  calibrated tau* = {cal:.4g} differs from the serving tau {serving:.4g}; "
+            f"to serve at it: softsearch index rebuild ... --search-temperature {cal:.4g}"
+        )
     ga = (report.get("gaussianity") or {}).get("mardia")
     if ga:
-        lines.append(f"  Mardia (n={ga['n']}, rank {ga['rank']}, {ga['calibration']}): skewness z={ga['skewness_z']:.3g} "
-                     f"p={ga['skewness_pvalue']:.3g}, kurtosis z={ga['kurtosis_z']:.3g} p={ga['kurtosis_pvalue']:.3g}")
+        lines.append(
+            f"  Mardia (n={ga['n']}, rank {ga['rank']}, {ga['calibration']}): skewness z={ga['skewness_z']:.3g} "
+            f"p={ga['skewness_pvalue']:.3g}, kurtosis z={ga['kurtosis_z']:.3g} p={ga['kurtosis_pvalue']:.3g}"
+        )
     tail = report.get("tail")
     if tail:
         gp = tail["gpd"]
         ch = gp["fits"][gp["chosen"]]
-        lines.append(f"  tail: GPD xi={ch['xi']:.3f} [{ch['xi_low']:.3f}, {ch['xi_high']:.3f}] at u={ch['threshold']:.4g} "
-                     f"(quantile {ch['quantile']:.3g}); xi over thresholds {min(f['xi'] for f in gp['fits']):.3f}.."
-                     f"{max(f['xi'] for f in gp['fits']):.3f}; endpoint {ch['endpoint']:.4g}")
+        lines.append(
+            f"  tail: GPD xi={ch['xi']:.3f} [{ch['xi_low']:.3f}, {ch['xi_high']:.3f}] at u={ch['threshold']:.4g} "
+            f"(quantile {ch['quantile']:.3g}); xi over thresholds {min(f['xi'] for f in gp['fits']):.3f}.."
+            f"{max(f['xi'] for f in gp['fits']):.3f}; endpoint {ch['endpoint']:.4g}"
+        )
         wg = tail.get("weibull_gumbel")
         if wg:
-            lines.append(f"  Weibull vs Gumbel (MLE, m={wg['m']}): median dAIC {wg['daic_median']:.3g}, "
-                         f"{100 * wg['fraction_weibull']:.0f} % of queries favour Weibull")
+            lines.append(
+                f"  Weibull vs Gumbel (MLE, m={wg['m']}): median dAIC {wg['daic_median']:.3g}, "
+                f"{100 * wg['fraction_weibull']:.0f} % of queries favour Weibull"
+            )
     kl = report.get("k_law")
     if kl and kl.get("summary"):
         lines.append(f"  1/k law: {kl['summary']['text']}")

@@ -22,6 +22,7 @@ Both have one parameter, so dAIC = AIC_gumbel - AIC_weibull = 2 (l_weibull - l_g
 Weibull. (`training.weince.tail_fit`'s least-squares log-CDF regression, which WEINCE gates on, is
 reported beside it as the loss's proxy; it is not an AIC.)
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,14 +44,18 @@ def _group_sums(y: np.ndarray, starts: np.ndarray, theta: np.ndarray) -> np.ndar
     """(n_groups, G): per-group sums of log(1 + theta_g y_i); `y` sorted by group, `starts` each group's first row."""
     out = np.empty((starts.size, theta.size))
     for c0 in range(0, theta.size, 32):  # column blocks keep the (n, 32) temporary small
-        out[:, c0 : c0 + 32] = np.add.reduceat(np.log1p(y[:, None] * theta[None, c0 : c0 + 32]), starts, axis=0)
+        out[:, c0 : c0 + 32] = np.add.reduceat(
+            np.log1p(y[:, None] * theta[None, c0 : c0 + 32]), starts, axis=0
+        )
     return out
 
 
-def _profile_max(sums: np.ndarray, counts: np.ndarray, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _profile_max(
+    sums: np.ndarray, counts: np.ndarray, theta: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Per weight row: the maximum over the theta grid of l*(theta) -> (theta_hat, xi_hat, loglik, grid index);
     sums (W, G) = sum_i w_i log(1 + theta_g y_i), counts (W,) = sum_i w_i. NaN rows where nothing is feasible."""
-    xi = sums / counts[:, None]                                               # (W, G): xi(theta)
+    xi = sums / counts[:, None]  # (W, G): xi(theta)
     with np.errstate(divide="ignore", invalid="ignore"):
         ll = -counts[:, None] * (np.log(xi / theta[None, :]) + 1.0 + xi)
     ll = np.where(np.isfinite(ll) & (xi >= -1.0), ll, -np.inf)
@@ -63,7 +68,7 @@ def _profile_max(sums: np.ndarray, counts: np.ndarray, theta: np.ndarray) -> tup
     with np.errstate(invalid="ignore"):
         den = l0 - 2 * l1 + l2
         ok = (j > 0) & (j < theta.size - 1) & np.isfinite(den) & (den < 0)
-        h = np.where(ok, 0.5 * (l0 - l2) / np.where(ok, den, -1.0), 0.0)        # |h| <= 1/2
+        h = np.where(ok, 0.5 * (l0 - l2) / np.where(ok, den, -1.0), 0.0)  # |h| <= 1/2
     nb = np.where(h >= 0, jp, jm)
     frac = np.abs(h)
     with np.errstate(invalid="ignore"):  # rows without a finite neighbour keep their grid value
@@ -77,7 +82,10 @@ def _profile_max(sums: np.ndarray, counts: np.ndarray, theta: np.ndarray) -> tup
 
 def _theta_grid(y_max: float, y_mean: float) -> np.ndarray:
     """Coarse theta grid: dense near the support bound -1/y_max (xi < 0) and log-spaced for xi > 0."""
-    neg = np.concatenate([-(1.0 - np.logspace(-5, 0, 80, endpoint=False)), -np.linspace(1.0, 0.0, 41)[1:-1]]) / y_max
+    neg = (
+        np.concatenate([-(1.0 - np.logspace(-5, 0, 80, endpoint=False)), -np.linspace(1.0, 0.0, 41)[1:-1]])
+        / y_max
+    )
     pos = np.logspace(-4, 3, 60) / y_mean
     return np.unique(np.concatenate([neg, pos]))
 
@@ -95,7 +103,7 @@ def gpd_fit(excesses, groups=None, weights=None, upper: float | None = None) -> 
     labels, starts = np.unique(g, return_index=True)
     n_groups = int(g.max()) + 1
     w_full = np.ones((1, n_groups)) if weights is None else np.atleast_2d(np.asarray(weights, np.float64))
-    w = w_full[:, labels]                                   # groups with no excess add nothing
+    w = w_full[:, labels]  # groups with no excess add nothing
     counts = w @ np.diff(np.append(starts, y.size)).astype(np.float64)
     y_sums = w @ np.add.reduceat(y, starts)
     y_max = float(y.max())
@@ -114,12 +122,21 @@ def gpd_fit(excesses, groups=None, weights=None, upper: float | None = None) -> 
         fine = np.unique(np.append(fine[fine < cap], cap))
     th, xi, ll, _ = _profile_max(w @ _group_sums(y, starts, fine), counts, fine)
     small = ~(np.abs(th) > 1e-12)
-    sigma = np.where(small, y_sums / counts, xi / np.where(small, 1.0, th))   # theta -> 0: exponential, sigma = mean y
+    sigma = np.where(
+        small, y_sums / counts, xi / np.where(small, 1.0, th)
+    )  # theta -> 0: exponential, sigma = mean y
     return {"xi": xi, "sigma": sigma, "loglik": ll, "theta": th}
 
 
-def gpd_threshold_fit(values, groups, threshold: float, bound: float = 1.0, n_boot: int = 200, alpha: float = 0.05,
-                      seed: int = 0) -> dict:
+def gpd_threshold_fit(
+    values,
+    groups,
+    threshold: float,
+    bound: float = 1.0,
+    n_boot: int = 200,
+    alpha: float = 0.05,
+    seed: int = 0,
+) -> dict:
     """GPD above `threshold` with a query bootstrap: `values` (n,) similarities, `groups` (n,) query ids."""
     v = np.asarray(values, np.float64).ravel()
     gq = np.asarray(groups, np.int64).ravel()
@@ -131,32 +148,53 @@ def gpd_threshold_fit(values, groups, threshold: float, bound: float = 1.0, n_bo
     rng = np.random.default_rng(seed)
     q_all = int(np.unique(gq).size)
     # bootstrap over all queries (also those without exceedances at this threshold): multinomial counts
-    counts = rng.multinomial(q_all, np.full(q_all, 1.0 / q_all), size=n_boot) if n_boot > 1 else np.zeros((0, q_all))
+    counts = (
+        rng.multinomial(q_all, np.full(q_all, 1.0 / q_all), size=n_boot)
+        if n_boot > 1
+        else np.zeros((0, q_all))
+    )
     q_index = np.searchsorted(np.unique(gq), uq)
     w = np.vstack([np.ones(uq.size), counts[:, q_index]])
     w = w[w.sum(1) > 0]
     fit = gpd_fit(y, g, w)
     xi, sigma, ll = fit["xi"][0], fit["sigma"][0], fit["loglik"][0]
     boot = fit["xi"][1:]
-    lo, hi = (np.quantile(boot, [alpha / 2, 1 - alpha / 2]) if boot.size > 1 else (math.nan, math.nan))
+    lo, hi = np.quantile(boot, [alpha / 2, 1 - alpha / 2]) if boot.size > 1 else (math.nan, math.nan)
     endpoint = threshold + sigma / -xi if xi < 0 else math.inf
     out = {
-        "threshold": float(threshold), "n_exceedances": int(y.size), "n_queries": int(uq.size),
-        "xi": float(xi), "scale": float(sigma), "xi_low": float(lo), "xi_high": float(hi), "alpha": alpha,
-        "n_boot": int(boot.size), "endpoint": float(endpoint), "bound": bound,
+        "threshold": float(threshold),
+        "n_exceedances": int(y.size),
+        "n_queries": int(uq.size),
+        "xi": float(xi),
+        "scale": float(sigma),
+        "xi_low": float(lo),
+        "xi_high": float(hi),
+        "alpha": alpha,
+        "n_boot": int(boot.size),
+        "endpoint": float(endpoint),
+        "bound": bound,
         "endpoint_within_bound": bool(endpoint <= bound),
         # share of bootstrap fits whose endpoint respects the bound (xi >= 0: no endpoint)
-        "endpoint_boot_fraction_within_bound": float(np.mean((boot < 0) & (fit["sigma"][1:] <= (bound - threshold) * -boot)))
-        if boot.size else math.nan,
+        "endpoint_boot_fraction_within_bound": float(
+            np.mean((boot < 0) & (fit["sigma"][1:] <= (bound - threshold) * -boot))
+        )
+        if boot.size
+        else math.nan,
     }
     if out["endpoint_within_bound"]:
         out.update(xi_constrained=out["xi"], scale_constrained=out["scale"], lr_bound=0.0)
     else:
         c = gpd_fit(y, g, None, upper=bound - threshold)
-        out.update(xi_constrained=float(c["xi"][0]), scale_constrained=float(c["sigma"][0]),
-                   lr_bound=float(max(0.0, 2 * (ll - c["loglik"][0]))))
-    out["endpoint_constrained"] = (threshold + out["scale_constrained"] / -out["xi_constrained"]
-                                   if out["xi_constrained"] < 0 else math.inf)
+        out.update(
+            xi_constrained=float(c["xi"][0]),
+            scale_constrained=float(c["sigma"][0]),
+            lr_bound=float(max(0.0, 2 * (ll - c["loglik"][0]))),
+        )
+    out["endpoint_constrained"] = (
+        threshold + out["scale_constrained"] / -out["xi_constrained"]
+        if out["xi_constrained"] < 0
+        else math.inf
+    )
     return out
 
 
@@ -165,16 +203,28 @@ def choose_threshold(fits: list[dict]) -> tuple[int, str]:
     for k, f in enumerate(fits):
         if all(h["xi_low"] <= f["xi"] <= h["xi_high"] for h in fits[k + 1 :]):
             if k == len(fits) - 1:
-                return k, ("no stable range: xi drifts with the threshold (each estimate lies outside the interval "
-                           "of some higher threshold), so the highest threshold, the least biased, is used; read "
-                           "xi with the threshold-stability plot")
-            return k, (f"lowest threshold whose xi lies inside the {100 * (1 - f['alpha']):.0f} % interval of every "
-                       f"higher threshold ({len(fits) - 1 - k} higher thresholds)")
+                return k, (
+                    "no stable range: xi drifts with the threshold (each estimate lies outside the interval "
+                    "of some higher threshold), so the highest threshold, the least biased, is used; read "
+                    "xi with the threshold-stability plot"
+                )
+            return k, (
+                f"lowest threshold whose xi lies inside the {100 * (1 - f['alpha']):.0f} % interval of every "
+                f"higher threshold ({len(fits) - 1 - k} higher thresholds)"
+            )
     raise AssertionError("unreachable: the last threshold always qualifies")
 
 
-def gpd_threshold_stability(s, negatives=None, quantiles=THRESHOLD_QUANTILES, bound: float = 1.0, n_boot: int = 200,
-                            alpha: float = 0.05, min_exceedances: int = 100, seed: int = 0) -> dict:
+def gpd_threshold_stability(
+    s,
+    negatives=None,
+    quantiles=THRESHOLD_QUANTILES,
+    bound: float = 1.0,
+    n_boot: int = 200,
+    alpha: float = 0.05,
+    min_exceedances: int = 100,
+    seed: int = 0,
+) -> dict:
     """GPD fits over a grid of threshold quantiles of the negative similarities in `s` (Q, N)."""
     s = np.asarray(s, np.float64)
     neg = np.ones(s.shape, bool) if negatives is None else np.asarray(negatives, bool)
@@ -191,11 +241,31 @@ def gpd_threshold_stability(s, negatives=None, quantiles=THRESHOLD_QUANTILES, bo
         f["quantile"] = float(q)
         fits.append(f)
     if not fits:
-        raise ValueError(f"fewer than {min_exceedances} exceedances at every threshold quantile {list(quantiles)}")
+        raise ValueError(
+            f"fewer than {min_exceedances} exceedances at every threshold quantile {list(quantiles)}"
+        )
     k, why = choose_threshold(fits)
-    return {"fits": fits, "chosen": k, "chosen_reason": why, **{f"chosen_{key}": fits[k][key] for key in (
-        "quantile", "threshold", "xi", "xi_low", "xi_high", "endpoint", "endpoint_within_bound")},
-        "n_pairs": int(vals.size), "n_queries": int(s.shape[0]), "n_items": int(s.shape[1]), "bound": bound}
+    return {
+        "fits": fits,
+        "chosen": k,
+        "chosen_reason": why,
+        **{
+            f"chosen_{key}": fits[k][key]
+            for key in (
+                "quantile",
+                "threshold",
+                "xi",
+                "xi_low",
+                "xi_high",
+                "endpoint",
+                "endpoint_within_bound",
+            )
+        },
+        "n_pairs": int(vals.size),
+        "n_queries": int(s.shape[0]),
+        "n_items": int(s.shape[1]),
+        "bound": bound,
+    }
 
 
 def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) -> dict:
@@ -210,11 +280,11 @@ def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) 
         raise ValueError(f"similarities above the bound {bound}")
     m = s.shape[1] - 1
     top, ref = s[:, :m], s[:, m]
-    y = top - ref[:, None]                                   # (Q, m) excesses >= 0
-    at_bound = ~(bound - ref > eps)                          # (Q,) nothing left between the reference and the bound
-    t = np.where(at_bound, 1.0, bound - ref)                 # (Q,) shortfall of the reference (1: placeholder)
-    delta = np.clip(bound - top, eps, None)                  # (Q, m) shortfalls
-    logu = np.log(np.minimum(delta / t[:, None], 1.0))       # log(delta / t) <= 0
+    y = top - ref[:, None]  # (Q, m) excesses >= 0
+    at_bound = ~(bound - ref > eps)  # (Q,) nothing left between the reference and the bound
+    t = np.where(at_bound, 1.0, bound - ref)  # (Q,) shortfall of the reference (1: placeholder)
+    delta = np.clip(bound - top, eps, None)  # (Q, m) shortfalls
+    logu = np.log(np.minimum(delta / t[:, None], 1.0))  # log(delta / t) <= 0
     beta = m / np.maximum(-logu.sum(1), 1e-300)
     # l_W = sum log(beta / t (delta/t)^(beta-1)),  l_G = sum log(lambda e^{-lambda y}) = m log lambda - m
     ll_w = m * np.log(beta / t) + (beta - 1) * logu.sum(1)
@@ -223,8 +293,15 @@ def weibull_gumbel_mle(top_similarities, bound: float = 1.0, eps: float = 1e-6) 
     daic = 2 * (ll_w - ll_g)
     for a in (daic, beta, lam, ll_w, ll_g):
         a[at_bound] = np.nan
-    return {"daic": daic, "beta": beta, "rate": lam, "loglik_weibull": ll_w, "loglik_gumbel": ll_g, "m": m,
-            "at_bound": at_bound}
+    return {
+        "daic": daic,
+        "beta": beta,
+        "rate": lam,
+        "loglik_weibull": ll_w,
+        "loglik_gumbel": ll_g,
+        "m": m,
+        "at_bound": at_bound,
+    }
 
 
 def weibull_gumbel(top_similarities, bound: float = 1.0) -> dict | None:
@@ -234,38 +311,59 @@ def weibull_gumbel(top_similarities, bound: float = 1.0) -> dict | None:
     r = weibull_gumbel_mle(top_similarities, bound)
     ok = ~r["at_bound"]
     if not ok.all():
-        logger.info("tail: %d of %d queries have their %d nearest negatives at similarity %g (duplicate images); "
-                    "left out of the Weibull-vs-Gumbel fit", int((~ok).sum()), ok.size, r["m"] + 1, bound)
+        logger.info(
+            "tail: %d of %d queries have their %d nearest negatives at similarity %g (duplicate images); "
+            "left out of the Weibull-vs-Gumbel fit",
+            int((~ok).sum()),
+            ok.size,
+            r["m"] + 1,
+            bound,
+        )
     if not ok.any():
         return None
     daic = r["daic"][ok]
     top = np.asarray(top_similarities, np.float64)[ok]
-    proxy = tail_fit(torch.as_tensor(np.clip(bound - top[:, :r["m"]], 1e-6, None)), burn=1)
+    proxy = tail_fit(torch.as_tensor(np.clip(bound - top[:, : r["m"]], 1e-6, None)), burn=1)
     pd = proxy.daic.numpy()
     return {
-        "daic_mean": float(daic.mean()), "daic_median": float(np.median(daic)),
+        "daic_mean": float(daic.mean()),
+        "daic_median": float(np.median(daic)),
         "daic_se": float(daic.std(ddof=1) / math.sqrt(daic.size)) if daic.size > 1 else math.nan,
         "fraction_weibull": float(np.mean(daic > 0)),
         # |dAIC| > 2: the usual rule of thumb for one model being clearly better
-        "fraction_weibull_decisive": float(np.mean(daic > 2)), "fraction_gumbel_decisive": float(np.mean(daic < -2)),
-        "beta_median": float(np.median(r["beta"][ok])), "n_at_bound": int((~ok).sum()),
-        "m": int(r["m"]), "n_queries": int(daic.size), "method": "maximum likelihood (conditional on the (m+1)-th)",
-        "proxy_daic_median": float(np.median(pd)), "proxy_fraction_weibull": float(np.mean(pd > 0)),
+        "fraction_weibull_decisive": float(np.mean(daic > 2)),
+        "fraction_gumbel_decisive": float(np.mean(daic < -2)),
+        "beta_median": float(np.median(r["beta"][ok])),
+        "n_at_bound": int((~ok).sum()),
+        "m": int(r["m"]),
+        "n_queries": int(daic.size),
+        "method": "maximum likelihood (conditional on the (m+1)-th)",
+        "proxy_daic_median": float(np.median(pd)),
+        "proxy_fraction_weibull": float(np.mean(pd > 0)),
         "proxy_source": "training.weince.tail_fit (least squares on the log empirical CDF; not an AIC)",
         "daic_values": daic.tolist(),
     }
 
 
-def tail_diagnostics(query_emb, db_emb, negatives=None, top_m: int = 32, n_boot: int = 200,
-                     quantiles=THRESHOLD_QUANTILES, seed: int = 0) -> dict:
+def tail_diagnostics(
+    query_emb,
+    db_emb,
+    negatives=None,
+    top_m: int = 32,
+    n_boot: int = 200,
+    quantiles=THRESHOLD_QUANTILES,
+    seed: int = 0,
+) -> dict:
     """Threshold-stability GPD fits on the negative similarities of `query_emb` (Q, D) x `db_emb` (N, D)
     (`negatives` (Q, N) bool, default every pair) and the per-query Weibull-vs-Gumbel MLE on the top
     `top_m` + 1 negatives of each query."""
     zq, zd = np.asarray(query_emb, np.float64), np.asarray(db_emb, np.float64)
     s = np.clip(zq @ zd.T, -1.0, 1.0)  # (Q, N); rounding can put a unit-vector product a hair above 1
     neg = np.ones(s.shape, bool) if negatives is None else np.asarray(negatives, bool)
-    out = {"gpd": gpd_threshold_stability(s, neg, quantiles, n_boot=n_boot, seed=seed),
-           "negatives_per_query": float(neg.sum(1).mean())}
+    out = {
+        "gpd": gpd_threshold_stability(s, neg, quantiles, n_boot=n_boot, seed=seed),
+        "negatives_per_query": float(neg.sum(1).mean()),
+    }
     m = min(top_m, int(neg.sum(1).min()) - 1)
     masked = np.where(neg, s, -np.inf)
     top = -np.sort(-masked, axis=1)[:, : m + 1]
@@ -292,8 +390,9 @@ def plot_threshold_stability(gpd: dict) -> bytes:
     a1.set_ylabel("GPD shape ξ")
     a1.legend(fontsize=7)
     top = a1.secondary_xaxis("top")
-    top.set_xticks(u[:: max(1, len(u) // 5)], [f"{f['quantile']:.3g}" for f in fits[:: max(1, len(u) // 5)]],
-                   fontsize=7)
+    top.set_xticks(
+        u[:: max(1, len(u) // 5)], [f"{f['quantile']:.3g}" for f in fits[:: max(1, len(u) // 5)]], fontsize=7
+    )
     top.set_xlabel("quantile of the negative similarities", fontsize=8)
     ep = np.array([f["endpoint"] for f in fits])
     epc = np.array([f["endpoint_constrained"] for f in fits])
@@ -316,8 +415,12 @@ def plot_tail(tail: dict) -> bytes:
     surv = 1.0 - (np.arange(1, exc.size + 1) - 0.5) / exc.size
     ax.semilogy(exc + g["threshold"], surv, ".", ms=2, label=f"empirical ({exc.size} excesses)")
     grid = np.linspace(0, exc.max() if exc.size else 1, 200)
-    ax.semilogy(grid + g["threshold"], stats.genpareto.sf(grid, g["xi"], 0, g["scale"]), "r-",
-                label=f"GPD ξ = {g['xi']:.3f} [{g['xi_low']:.3f}, {g['xi_high']:.3f}]")
+    ax.semilogy(
+        grid + g["threshold"],
+        stats.genpareto.sf(grid, g["xi"], 0, g["scale"]),
+        "r-",
+        label=f"GPD ξ = {g['xi']:.3f} [{g['xi_low']:.3f}, {g['xi_high']:.3f}]",
+    )
     ax.set_xlabel("negative similarity s")
     ax.set_ylabel("P(S > s | S > u)")
     ax.legend(fontsize=7)

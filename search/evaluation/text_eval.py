@@ -12,6 +12,7 @@ an image-text checkpoint, calibrates the text temperature (argmin of H(q, p) on 
 captions) and reports gap and recall on the other half. `calibrate_text_version` does the same
 for an index version being built, so its manifest carries the text temperature the API uses.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,38 +31,70 @@ from training.captions import TEMPLATES, CaptionIdeal, CaptionScheme
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["text_gap", "text_recall", "caption_queries", "evaluate_text", "calibrate_text_version", "main",
-           "DEFAULT_SCHEME", "store_text_calibration"]
+__all__ = [
+    "text_gap",
+    "text_recall",
+    "caption_queries",
+    "evaluate_text",
+    "calibrate_text_version",
+    "main",
+    "DEFAULT_SCHEME",
+    "store_text_calibration",
+]
 
 DEFAULT_SCHEME = CaptionScheme()
-_QUERY_TAG = 0x7E47   # separates the caption-template stream from other uses of the seed
+_QUERY_TAG = 0x7E47  # separates the caption-template stream from other uses of the seed
 
 
-def caption_queries(scheme: CaptionScheme, latents: np.ndarray, seed: int = 0) -> tuple[list[str], np.ndarray]:
+def caption_queries(
+    scheme: CaptionScheme, latents: np.ndarray, seed: int = 0
+) -> tuple[list[str], np.ndarray]:
     """(captions, cells) of images with these latents, each caption's template drawn at random."""
     rng = np.random.default_rng([int(seed), _QUERY_TAG])
     templates = rng.integers(0, len(TEMPLATES), size=len(latents))
     return scheme.captions(latents, templates), scheme.cells(latents)
 
 
-def text_gap(text_emb: np.ndarray, image_emb: np.ndarray, query_cells: np.ndarray, db_cells: np.ndarray,
-             temperature: float, scheme: CaptionScheme = DEFAULT_SCHEME, device=None) -> tuple[GapResult, np.ndarray]:
+def text_gap(
+    text_emb: np.ndarray,
+    image_emb: np.ndarray,
+    query_cells: np.ndarray,
+    db_cells: np.ndarray,
+    temperature: float,
+    scheme: CaptionScheme = DEFAULT_SCHEME,
+    device=None,
+) -> tuple[GapResult, np.ndarray]:
     """(gap of the captions whose cell has an image in the database, (Q,) bool of those kept).
 
     A caption whose cell is empty in the database has no ideal search (q undefined): it is left out
     and counted by the caller."""
     qc = np.asarray(query_cells, dtype=np.int64).reshape(-1)
     present = np.isin(qc, np.asarray(db_cells, dtype=np.int64))
-    result = softmax_gap(np.asarray(text_emb)[present], image_emb, qc[present], db_cells, CaptionIdeal(scheme),
-                         float(temperature), device=device)
+    result = softmax_gap(
+        np.asarray(text_emb)[present],
+        image_emb,
+        qc[present],
+        db_cells,
+        CaptionIdeal(scheme),
+        float(temperature),
+        device=device,
+    )
     return result, present
 
 
-def text_recall(text_emb: np.ndarray, image_emb: np.ndarray, own_rows: np.ndarray, query_cells: np.ndarray,
-                db_cells: np.ndarray, ks=(1, 5, 10)) -> dict:
+def text_recall(
+    text_emb: np.ndarray,
+    image_emb: np.ndarray,
+    own_rows: np.ndarray,
+    query_cells: np.ndarray,
+    db_cells: np.ndarray,
+    ks=(1, 5, 10),
+) -> dict:
     """recall@k (own image in the top k) and hit@k (an image of the caption's cell in the top k)."""
     k_max = min(max(ks), image_emb.shape[0])
-    _, rows = knn_search(np.asarray(text_emb, dtype=np.float32), np.asarray(image_emb, dtype=np.float32), k_max)
+    _, rows = knn_search(
+        np.asarray(text_emb, dtype=np.float32), np.asarray(image_emb, dtype=np.float32), k_max
+    )
     own = rows == np.asarray(own_rows).reshape(-1, 1)
     same = np.asarray(db_cells)[rows] == np.asarray(query_cells).reshape(-1, 1)
     out = {}
@@ -77,8 +110,14 @@ def _synthetic_split(size: int | None, seed: int, image_size: int):
     return create_dataset("synthetic", split="test", size=size, seed=seed, image_size=image_size)
 
 
-def evaluate_text(checkpoint: str | Path, size: int | None = None, seed: int = 0, temperature: float | None = None,
-                  scheme: CaptionScheme = DEFAULT_SCHEME, device: str = "cpu") -> dict:
+def evaluate_text(
+    checkpoint: str | Path,
+    size: int | None = None,
+    seed: int = 0,
+    temperature: float | None = None,
+    scheme: CaptionScheme = DEFAULT_SCHEME,
+    device: str = "cpu",
+) -> dict:
     """Gap and recall of held-out synthetic captions against the held-out images, for a checkpoint with a
     text tower. Half the captions calibrate tau (unless `temperature` is given), the other half are scored."""
     from training.checkpoint import load_checkpoint
@@ -100,18 +139,29 @@ def evaluate_text(checkpoint: str | Path, size: int | None = None, seed: int = 0
     train_tau = _train_temperature(meta)
     calibration = None
     if temperature is None:
-        cal = calibrate_temperature(zt[half], zdb, cells[half], db_cells, CaptionIdeal(scheme),
-                                    train_temperature=train_tau)
+        cal = calibrate_temperature(
+            zt[half], zdb, cells[half], db_cells, CaptionIdeal(scheme), train_temperature=train_tau
+        )
         temperature = cal.temperature
-        calibration = {"temperature": cal.temperature, "train_temperature": train_tau,
-                       "gap_at_train": cal.gap_at_train["kl"] if cal.gap_at_train else None,
-                       "n_queries": int(half.sum())}
+        calibration = {
+            "temperature": cal.temperature,
+            "train_temperature": train_tau,
+            "gap_at_train": cal.gap_at_train["kl"] if cal.gap_at_train else None,
+            "n_queries": int(half.sum()),
+        }
     test = ~half
     gap, _ = text_gap(zt[test], zdb, cells[test], db_cells, temperature, scheme)
-    return {"checkpoint": str(checkpoint), "database": ds.spec(), "n_images": len(ds), "n_queries": int(test.sum()),
-            "temperature": float(temperature), "calibration": calibration, "gap": gap.summary(),
-            "retrieval": text_recall(zt[test], zdb, own[test], cells[test], db_cells),
-            "generator": CaptionIdeal(scheme).description}
+    return {
+        "checkpoint": str(checkpoint),
+        "database": ds.spec(),
+        "n_images": len(ds),
+        "n_queries": int(test.sum()),
+        "temperature": float(temperature),
+        "calibration": calibration,
+        "gap": gap.summary(),
+        "retrieval": text_recall(zt[test], zdb, own[test], cells[test], db_cells),
+        "generator": CaptionIdeal(scheme).description,
+    }
 
 
 def _train_temperature(meta: dict) -> float | None:
@@ -122,8 +172,9 @@ def _train_temperature(meta: dict) -> float | None:
     return None
 
 
-def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
-                           scheme: CaptionScheme = DEFAULT_SCHEME) -> dict | None:
+def calibrate_text_version(
+    candidate, *, max_queries: int = 500, seed: int = 0, scheme: CaptionScheme = DEFAULT_SCHEME
+) -> dict | None:
     """The manifest `text` record of an index version whose checkpoint has a text tower, else None.
 
     Synthetic database: captions of fresh latents (the held-out stream), exact ideal (uniform over the
@@ -136,8 +187,9 @@ def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
 
     if not candidate.manifest.has_encoder:
         return None
-    path = ModelStore(store_root_of(candidate.path)).resolve(candidate.manifest.checkpoint_record,
-                                                            candidate.version)
+    path = ModelStore(store_root_of(candidate.path)).resolve(
+        candidate.manifest.checkpoint_record, candidate.version
+    )
     text = load_text_encoder(path)
     if text is None:
         return None
@@ -148,7 +200,7 @@ def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
     record = {"tower": text.metadata()["config"], "model_sha256": candidate.manifest.checkpoint_record.sha256}
     if len(datasets) == 1 and datasets[0].name == "synthetic":
         ds = datasets[0]
-        db_cells = scheme.cells(ds.latents[np.asarray(rows)[:, 1]])   # db row -> (source 0, item)
+        db_cells = scheme.cells(ds.latents[np.asarray(rows)[:, 1]])  # db row -> (source 0, item)
         latents = sample_latents(max_queries, seed + 1, "test")
         captions, cells = caption_queries(scheme, latents, seed)
         zt = text.encode(captions)
@@ -173,9 +225,13 @@ def calibrate_text_version(candidate, *, max_queries: int = 500, seed: int = 0,
     cal = calibrate_temperature(zt, zdb, qmeta, dmeta, generator)
     if not math.isfinite(cal.gap_at_calibrated["kl"]):
         return {**record, "temperature": None, "source": "no finite gap"}
-    record.update(temperature=float(cal.temperature), source="calibrated: argmin of held-out caption H(q,p)",
-                  n_queries=int(zt.shape[0]), gap_at_calibrated=float(cal.gap_at_calibrated["kl"]),
-                  cross_entropy_at_calibrated=float(cal.gap_at_calibrated["cross_entropy"]))
+    record.update(
+        temperature=float(cal.temperature),
+        source="calibrated: argmin of held-out caption H(q,p)",
+        n_queries=int(zt.shape[0]),
+        gap_at_calibrated=float(cal.gap_at_calibrated["kl"]),
+        cross_entropy_at_calibrated=float(cal.gap_at_calibrated["cross_entropy"]),
+    )
     return record
 
 
@@ -193,8 +249,11 @@ def store_text_calibration(candidate) -> dict | None:
     record["seconds"] = time.perf_counter() - t0
     update_manifest(candidate.path, text=record)
     if record.get("temperature"):
-        logger.info("calibrated text temperature %.4g on %d held-out captions", record["temperature"],
-                    record.get("n_queries", 0))
+        logger.info(
+            "calibrated text temperature %.4g on %d held-out captions",
+            record["temperature"],
+            record.get("n_queries", 0),
+        )
     else:
         logger.warning("no text temperature calibrated (%s)", record.get("source"))
     return record
@@ -213,7 +272,6 @@ def _version_captions(datasets: list, ids: list[str]) -> list[str | None]:
     return [by_id.get(i) for i in ids]
 
 
-
 def main(argv: list[str] | None = None) -> int:
     args = build_text_parser().parse_args(argv)
     if args.size is not None and args.size < 2:
@@ -225,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     g, r = result["gap"], result["retrieval"]
-    print(f"text queries {result['n_queries']} vs {result['n_images']} images, tau {result['temperature']:.4g}: "
-          f"gap {g['kl']:.4f} +- {g['kl_se']:.4f} nats, H(q,p) {g['cross_entropy']:.4f}, "
-          f"recall@1/5/10 {r['recall@1']:.3f}/{r['recall@5']:.3f}/{r['recall@10']:.3f}, hit@10 {r['hit@10']:.3f}")
+    print(
+        f"text queries {result['n_queries']} vs {result['n_images']} images, tau {result['temperature']:.4g}: "
+        f"gap {g['kl']:.4f} +- {g['kl_se']:.4f} nats, H(q,p) {g['cross_entropy']:.4f}, "
+        f"recall@1/5/10 {r['recall@1']:.3f}/{r['recall@5']:.3f}/{r['recall@10']:.3f}, hit@10 {r['hit@10']:.3f}"
+    )
     return 0
 
 

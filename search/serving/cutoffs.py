@@ -7,6 +7,7 @@ Hits arrive sorted by probability, highest first. Three rules, applied to ranks 
 ``n_passed`` counts the hits that passed among those fetched; ``more_may_pass`` says the fetch ended
 before the cut-off did (every fetched hit passed), so more items beyond it could pass too.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,14 +17,20 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Page:
-    start: int            # first returned position in the ranked hits
-    stop: int             # one past the last
-    n_passed: int         # ranked hits (among those fetched) that pass the cut-offs
-    more_may_pass: bool   # every fetched hit passed: the cut-off may extend past the fetch
+    start: int  # first returned position in the ranked hits
+    stop: int  # one past the last
+    n_passed: int  # ranked hits (among those fetched) that pass the cut-offs
+    more_may_pass: bool  # every fetched hit passed: the cut-off may extend past the fetch
 
 
-def cut_and_page(probabilities, k: int, offset: int = 0, min_probability: float | None = None,
-                 mass: float | None = None, fetched_all: bool = False) -> Page:
+def cut_and_page(
+    probabilities,
+    k: int,
+    offset: int = 0,
+    min_probability: float | None = None,
+    mass: float | None = None,
+    fetched_all: bool = False,
+) -> Page:
     """The page [start, stop) of ranked ``probabilities`` (descending) under the cut-offs.
 
     ``fetched_all``: the probabilities cover the whole index (then nothing more can pass)."""

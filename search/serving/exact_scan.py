@@ -7,6 +7,7 @@ terms exp((s - max) / tau) in float32, sums in float64) and a running top-k per 
 The product runs in torch on the caller's thread count (the server's `--torch-threads`, 1 by default:
 two batch threads use two cores without BLAS threads fighting for them).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from index.paging import release_pages, releasable
+from index.paging import releasable, release_pages
 
 __all__ = ["SCAN_BLOCK", "ScanResult", "ExactScanner"]
 
@@ -47,7 +48,7 @@ class ExactScanner:
         rows = embeddings.view(np.ndarray) if isinstance(embeddings, np.memmap) else np.asarray(embeddings)
         if rows.dtype != np.float32 or not rows.flags.c_contiguous:
             rows = np.ascontiguousarray(rows, dtype=np.float32)
-        with warnings.catch_warnings():   # a read-only memory map: torch never writes through this view
+        with warnings.catch_warnings():  # a read-only memory map: torch never writes through this view
             warnings.simplefilter("ignore", UserWarning)
             self._rows = torch.from_numpy(rows)
 
@@ -59,9 +60,9 @@ class ExactScanner:
         """Exact log sum_j exp(q . e_j / tau_q) and the k rows of largest q . e_j, for each query.
 
         queries (Q, D) float32 (unit rows), temperatures (Q,) -> ScanResult (k clipped to N)."""
-        queries = np.ascontiguousarray(queries, dtype=np.float32)                      # (Q, D)
+        queries = np.ascontiguousarray(queries, dtype=np.float32)  # (Q, D)
         n, n_q = self.count, queries.shape[0]
-        if 1 < n_q < MIN_PRODUCT_ROWS:   # torch's product for 2-3 query rows costs more than for 4
+        if 1 < n_q < MIN_PRODUCT_ROWS:  # torch's product for 2-3 query rows costs more than for 4
             pad = np.zeros((MIN_PRODUCT_ROWS, queries.shape[1]), dtype=np.float32)
             pad[:n_q] = queries
             taus = np.ones(MIN_PRODUCT_ROWS)
@@ -69,16 +70,16 @@ class ExactScanner:
             full = self(pad, taus, k)
             return ScanResult(full.log_z[:n_q], full.rows[:n_q])
         q = torch.from_numpy(queries)
-        inv_tau = (1.0 / np.asarray(temperatures, dtype=np.float64))[:, None]         # (Q, 1)
+        inv_tau = (1.0 / np.asarray(temperatures, dtype=np.float64))[:, None]  # (Q, 1)
         k = min(int(k), n)
         inv32 = inv_tau.astype(np.float32)
-        m = np.full(n_q, -np.inf, dtype=np.float32)   # running max of the similarities s
-        acc = np.zeros(n_q)                           # running sum of exp((s - m) / tau), float64
-        best_s = np.full((n_q, k), -np.inf, dtype=np.float32)   # running top-k, best first
+        m = np.full(n_q, -np.inf, dtype=np.float32)  # running max of the similarities s
+        acc = np.zeros(n_q)  # running sum of exp((s - m) / tau), float64
+        best_s = np.full((n_q, k), -np.inf, dtype=np.float32)  # running top-k, best first
         best_r = np.full((n_q, k), -1, dtype=np.int64)
         for start in range(0, n, self.block):
             stop = min(n, start + self.block)
-            s = (q @ self._rows[start:stop].T).numpy()          # (Q, B) float32: one product for the batch
+            s = (q @ self._rows[start:stop].T).numpy()  # (Q, B) float32: one product for the batch
             if self.release:
                 release_pages(self.embeddings, start, stop)
             block_max = s.max(axis=1)
@@ -89,13 +90,15 @@ class ExactScanner:
             d = s - new_m[:, None]
             d *= inv32
             np.exp(d, out=d)
-            acc = acc * np.exp((m.astype(np.float64) - new_m) * inv_tau[:, 0]) + d.sum(axis=1, dtype=np.float64)
+            acc = acc * np.exp((m.astype(np.float64) - new_m) * inv_tau[:, 0]) + d.sum(
+                axis=1, dtype=np.float64
+            )
             m = new_m
             # top-k: only the queries whose block holds a score above their current k-th best
             better = np.flatnonzero(block_max > best_s[:, -1])
             if len(better):
                 kb = min(k, stop - start)
-                top_s, top_i = torch.topk(torch.from_numpy(s[better]), kb, dim=1)   # (b, kb)
+                top_s, top_i = torch.topk(torch.from_numpy(s[better]), kb, dim=1)  # (b, kb)
                 cand_s = np.concatenate([best_s[better], top_s.numpy()], axis=1)
                 cand_r = np.concatenate([best_r[better], top_i.numpy() + start], axis=1)
                 order = _best_first(cand_s, cand_r, k)
@@ -106,5 +109,5 @@ class ExactScanner:
 
 def _best_first(scores: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
     """Indices (b, k) along axis 1 of the k best (score desc, row asc) of each row."""
-    order = np.lexsort((rows, -scores), axis=1)   # last key primary: score desc, then row asc
+    order = np.lexsort((rows, -scores), axis=1)  # last key primary: score desc, then row asc
     return order[:, :k]

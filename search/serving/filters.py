@@ -14,6 +14,7 @@ raises FilterError naming the field; `Filter.mask(columns)` evaluates it with nu
 compared as float64, so a number beyond +-MAX_NUMBER (a JSON integer of 400 digits) is refused;
 a filter nested more than MAX_DEPTH levels is refused before it is decoded.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ import numpy as np
 from index.metadata import MetadataColumns
 
 RANGE_OPS = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}
-MAX_NODES = 256          # conditions per filter: bounds the work one request can ask for
+MAX_NODES = 256  # conditions per filter: bounds the work one request can ask for
 MAX_IN_VALUES = 4096
 #: the largest magnitude a filter number may have: the metadata columns are float64
 MAX_NUMBER = sys.float_info.max
@@ -44,6 +45,7 @@ _NOT_BRACKETS = re.compile(r"[^\[\]{}]++")
 class FilterError(ValueError):
     """A filter that cannot run on this index version; `field` names the offending field (or None).
     `status` and `code` are what the API answers (422 bad_filter)."""
+
     status, code = 422, "bad_filter"
 
     def __init__(self, message: str, field: str | None = None):
@@ -53,6 +55,7 @@ class FilterError(ValueError):
 
 class FilterTooDeep(FilterError):
     """A filter nested deeper than MAX_DEPTH: refused as the JSON parser refuses a body nested too deep (400)."""
+
     status, code = 400, "filter_too_deep"
 
     def __init__(self):
@@ -82,10 +85,12 @@ def parse_filter(spec: Any, types: dict[str, str]) -> Filter:
             spec = json.loads(spec)
         except json.JSONDecodeError as err:
             raise FilterError(f"filter is not JSON ({err.msg})") from None
-        except RecursionError:   # not reached below MAX_DEPTH; kept so no parser limit ever becomes a 500
+        except RecursionError:  # not reached below MAX_DEPTH; kept so no parser limit ever becomes a 500
             raise FilterTooDeep() from None
-        except ValueError as err:   # e.g. an integer literal longer than Python converts (4300 digits)
-            raise FilterError(f"filter is not JSON this server reads ({str(err).split(':')[0][:80]})") from None
+        except ValueError as err:  # e.g. an integer literal longer than Python converts (4300 digits)
+            raise FilterError(
+                f"filter is not JSON this server reads ({str(err).split(':')[0][:80]})"
+            ) from None
     elif filter_depth(spec) > MAX_DEPTH:
         raise FilterTooDeep()
     counter = [0]
@@ -129,7 +134,7 @@ def _name(name: str) -> str:
 
 def _show(value: Any, limit: int = 40) -> str:
     """`value` as short JSON for a message (a huge integer by its size, a long text cut)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10 ** 30:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
         digits = int(value.bit_length() * math.log10(2)) + 1
         return f"{'a negative' if value < 0 else 'an'} integer of about {digits} digits"
     try:
@@ -171,6 +176,7 @@ def _fold(parts, combine):
         for part in parts[1:]:
             out = combine(out, part(cols))
         return out
+
     return evaluate
 
 
@@ -179,7 +185,7 @@ def _condition(field: str, value: Any, types: dict[str, str], where: str):
         known = ", ".join(sorted(types)) or "none: this index version stores no metadata"
         raise FilterError(f"unknown field {_name(field)} in {where} (fields: {known})", field)
     kind = types[field]
-    if not isinstance(value, dict):            # {"field": value} is equality
+    if not isinstance(value, dict):  # {"field": value} is equality
         value = {"eq": value}
     if not value:
         raise FilterError(f"{where}.{field}: empty condition", field)
@@ -195,38 +201,49 @@ def _condition(field: str, value: Any, types: dict[str, str], where: str):
             tests.append(lambda c, vs=values: _member(c, field, vs))
         elif op in RANGE_OPS:
             if kind not in ("int", "float"):
-                raise FilterError(f"{where}.{field}.{op}: ranges need a numeric field; {field!r} is {kind}", field)
+                raise FilterError(
+                    f"{where}.{field}.{op}: ranges need a numeric field; {field!r} is {kind}", field
+                )
             v = _scalar(field, kind, operand)
             tests.append(lambda c, v=v, f=RANGE_OPS[op]: c.present[field] & f(c.values[field], v))
         elif op == "prefix":
             if kind != "str" or not isinstance(operand, str):
-                raise FilterError(f"{where}.{field}.prefix needs a string field and a string; {field!r} is {kind}",
-                                  field)
+                raise FilterError(
+                    f"{where}.{field}.prefix needs a string field and a string; {field!r} is {kind}", field
+                )
             tests.append(lambda c, p=operand: c.present[field] & _startswith(c.values[field], p))
         else:
-            raise FilterError(f"{where}.{field}: unknown operator {_name(op)} (use in, gt, gte, lt, lte, prefix, "
-                              "or a value for equality)", field)
+            raise FilterError(
+                f"{where}.{field}: unknown operator {_name(op)} (use in, gt, gte, lt, lte, prefix, "
+                "or a value for equality)",
+                field,
+            )
     return _fold(tests, np.logical_and)
 
 
 def _scalar(field: str, kind: str, value: Any):
     """`value` checked against the field's type (int and float fields accept any finite number within
     +-MAX_NUMBER: the columns are float64, and float() of a larger integer overflows)."""
-    ok = {"str": isinstance(value, str),
-          "bool": isinstance(value, bool),
-          "int": isinstance(value, (int, float)) and not isinstance(value, bool),
-          "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
+    ok = {
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+    }[kind]
     if not ok or (isinstance(value, float) and not math.isfinite(value)):
         raise FilterError(f"field {field!r} is {kind}; got {_show(value)}", field)
-    if kind in ("int", "float") and abs(value) > MAX_NUMBER:   # exact for any int: no float() yet
-        raise FilterError(f"field {field!r}: {_show(value)} is out of range (a filter number is at most "
-                          f"{MAX_NUMBER:.6g} in magnitude)", field)
+    if kind in ("int", "float") and abs(value) > MAX_NUMBER:  # exact for any int: no float() yet
+        raise FilterError(
+            f"field {field!r}: {_show(value)} is out of range (a filter number is at most "
+            f"{MAX_NUMBER:.6g} in magnitude)",
+            field,
+        )
     return float(value) if kind in ("int", "float", "bool") else value
 
 
 def _equal(cols: MetadataColumns, field: str, value) -> np.ndarray:
-    if isinstance(value, str) and value.endswith("\0"):   # numpy would read the NUL as padding ("a\0" == "a")
-        return np.zeros(cols.count, dtype=bool)              # and a column holds no value ending in one
+    if isinstance(value, str) and value.endswith("\0"):  # numpy would read the NUL as padding ("a\0" == "a")
+        return np.zeros(cols.count, dtype=bool)  # and a column holds no value ending in one
     return cols.present[field] & (cols.values[field] == value)
 
 
@@ -240,9 +257,9 @@ def _startswith(column: np.ndarray, prefix: str) -> np.ndarray:
 
 def _member(cols: MetadataColumns, field: str, values: list) -> np.ndarray:
     column = cols.values[field]
-    if column.dtype.kind == "U":   # a value longer than every stored one matches none; an array of the
-        width = column.dtype.itemsize // 4   # long ones would take len(values) x the longest of them
-        values = [v for v in values if len(v) <= width and not v.endswith("\0")]   # as in _equal
+    if column.dtype.kind == "U":  # a value longer than every stored one matches none; an array of the
+        width = column.dtype.itemsize // 4  # long ones would take len(values) x the longest of them
+        values = [v for v in values if len(v) <= width and not v.endswith("\0")]  # as in _equal
         if not values:
             return np.zeros(column.shape, dtype=bool)
     return cols.present[field] & np.isin(column, np.asarray(values))
@@ -262,10 +279,19 @@ def filter_json_schema(types: dict[str, str], ref: str) -> dict:
             ops.update({op: value for op in RANGE_OPS})
         if kind == "str":
             ops["prefix"] = value
-        properties[field] = {"anyOf": [value, {"type": "object", "properties": ops, "additionalProperties": False,
-                                               "minProperties": 1}]}
+        properties[field] = {
+            "anyOf": [
+                value,
+                {"type": "object", "properties": ops, "additionalProperties": False, "minProperties": 1},
+            ]
+        }
     branch = {"type": "array", "items": {"$ref": ref}, "minItems": 1}
     properties.update({"and": branch, "or": branch, "not": {"$ref": ref}})
-    return {"type": "object", "properties": properties, "additionalProperties": False, "minProperties": 1,
-            "description": f"a filter over the served version's metadata fields (at most {MAX_NODES} conditions, "
-                           f"nested at most {MAX_DEPTH} levels)"}
+    return {
+        "type": "object",
+        "properties": properties,
+        "additionalProperties": False,
+        "minProperties": 1,
+        "description": f"a filter over the served version's metadata fields (at most {MAX_NODES} conditions, "
+        f"nested at most {MAX_DEPTH} levels)",
+    }

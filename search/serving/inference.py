@@ -12,6 +12,7 @@ accepted only if it matches the eager encoder on a probe batch (max |dz| <= PROB
 vectors, batch sizes 1 and 3, another size than the export's); otherwise, or if export fails or
 onnxruntime is not installed, the next one is tried, and serving keeps the eager encoder last.
 """
+
 from __future__ import annotations
 
 import io
@@ -45,12 +46,12 @@ class InferenceEncoder:
     """
 
     def __init__(self, encoder: Encoder, optimise: bool = True, backends: tuple[str, ...] | None = None):
-        self.encoder = encoder.eval()   # eval once here, not per call (no train/eval flips while serving)
+        self.encoder = encoder.eval()  # eval once here, not per call (no train/eval flips while serving)
         self.device = next(encoder.parameters()).device
         self.image_size = encoder.image_size
         self.embed_dim = encoder.embed_dim
-        self._module = None     # TorchScript copy
-        self._session = None    # ONNX Runtime session
+        self._module = None  # TorchScript copy
+        self._session = None  # ONNX Runtime session
         self.kind = "eager"
         self.build_s = 0.0
         if optimise:
@@ -73,11 +74,15 @@ class InferenceEncoder:
     def _agrees(self, name: str, forward, probe: torch.Tensor) -> bool:
         """Does `forward` (a batch -> unit embeddings as a tensor) match eager on batches of 1 and 3?"""
         with torch.inference_mode():
-            for batch in (probe[:1], probe):   # other batch sizes than the export's (2)
+            for batch in (probe[:1], probe):  # other batch sizes than the export's (2)
                 err = float((forward(batch) - self.encoder(batch)).abs().max())
                 if not err <= PROBE_TOL:
-                    logger.warning("%s copy of the encoder differs from eager by %.3g (> %g); not used",
-                                   name, err, PROBE_TOL)
+                    logger.warning(
+                        "%s copy of the encoder differs from eager by %.3g (> %g); not used",
+                        name,
+                        err,
+                        PROBE_TOL,
+                    )
                     return False
         return True
 
@@ -85,7 +90,9 @@ class InferenceEncoder:
         probe = self._probe()
         try:
             with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # TracerWarnings about the input-shape check (always true here)
+                warnings.simplefilter(
+                    "ignore"
+                )  # TracerWarnings about the input-shape check (always true here)
                 traced = torch.jit.trace(self.encoder, probe[:2], check_trace=False)
                 module = torch.jit.freeze(traced.eval())
             return module if self._agrees("TorchScript", module, probe) else None
@@ -107,9 +114,16 @@ class InferenceEncoder:
             # (aten::_native_multi_head_attention), which has no ONNX export; ONNX Runtime fuses it anyway
             with torch.enable_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # exporter deprecation and tracer warnings
-                torch.onnx.export(self.encoder, (probe[:2],), buffer, input_names=["pixels"],
-                                  output_names=["embedding"], opset_version=ONNX_OPSET, dynamo=False,
-                                  dynamic_axes={"pixels": {0: "batch"}, "embedding": {0: "batch"}})
+                torch.onnx.export(
+                    self.encoder,
+                    (probe[:2],),
+                    buffer,
+                    input_names=["pixels"],
+                    output_names=["embedding"],
+                    opset_version=ONNX_OPSET,
+                    dynamo=False,
+                    dynamic_axes={"pixels": {0: "batch"}, "embedding": {0: "batch"}},
+                )
             options = ort.SessionOptions()
             options.intra_op_num_threads = max(1, torch.get_num_threads())  # the same budget as torch's
             options.inter_op_num_threads = 1

@@ -49,6 +49,7 @@ the whole N x D float32 file resident while it runs. ``bounded`` reads only a fe
 The estimate is log(H + T^); probabilities are p_j = exp(s_j / tau - log Z^), and the bound on
 log Z gives p_j within [exp(s_j/tau - upper), exp(s_j/tau - lower)].
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,13 +62,24 @@ from typing import Callable, Literal
 import numpy as np
 
 from index.list_stats import ListStats
-from index.paging import release_bytes, advise_random, release_pages, releasable
+from index.paging import advise_random, releasable, release_bytes, release_pages
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "METHODS", "NormaliserConfig", "ListStats", "LogZ", "LogZEstimate", "Normaliser", "bennett_log_bound",
-    "log_normaliser", "bounded_log_normaliser", "choose_method", "probe_costs", "advise_random", "release_pages",
+    "METHODS",
+    "NormaliserConfig",
+    "ListStats",
+    "LogZ",
+    "LogZEstimate",
+    "Normaliser",
+    "bennett_log_bound",
+    "log_normaliser",
+    "bounded_log_normaliser",
+    "choose_method",
+    "probe_costs",
+    "advise_random",
+    "release_pages",
     "releasable",
 ]
 
@@ -82,11 +94,16 @@ AUTO_EXACT_MAX_MACS = 128 * 1_000_000
 AUTO_PROBE_FACTOR = 8
 #: Stored rows the probe searches with, as one batch.
 AUTO_PROBE_QUERIES = 8
-_U32 = 2.0 ** -24  # unit roundoff of float32
+_U32 = 2.0**-24  # unit roundoff of float32
 
 
-def log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
-                   block: int = DEFAULT_BLOCK, release: bool = True) -> np.ndarray:
+def log_normaliser(
+    queries: np.ndarray,
+    embeddings: np.ndarray,
+    temperatures: np.ndarray,
+    block: int = DEFAULT_BLOCK,
+    release: bool = True,
+) -> np.ndarray:
     """Exact log sum_l exp(q . e_l / tau_q) for each query, streamed over blocks of `embeddings`.
 
     queries (Q, D), embeddings (N, D), temperatures (Q,) -> (Q,) float64. Running max keeps
@@ -99,7 +116,9 @@ def log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np
     mapped = embeddings if release and releasable(embeddings) else None
     if isinstance(embeddings, np.memmap):  # the same mapped pages, without np.memmap's per-operation overhead
         embeddings = embeddings.view(np.ndarray)
-    if 0 < embeddings.shape[0] <= block:  # one block: log Z = m + log sum_l exp(logit_l - m), m = max_l logit_l
+    if (
+        0 < embeddings.shape[0] <= block
+    ):  # one block: log Z = m + log sum_l exp(logit_l - m), m = max_l logit_l
         logits = (q @ embeddings.T).astype(np.float64) * inv_tau[:, None]  # (Q, N)
         if mapped is not None:
             release_pages(mapped)
@@ -108,7 +127,7 @@ def log_normaliser(queries: np.ndarray, embeddings: np.ndarray, temperatures: np
     m = np.full(q.shape[0], -np.inf)  # running max of logits, (Q,)
     acc = np.zeros(q.shape[0])  # running sum of exp(logit - m), (Q,)
     for start in range(0, embeddings.shape[0], block):
-        logits = (q @ embeddings[start:start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
+        logits = (q @ embeddings[start : start + block].T).astype(np.float64) * inv_tau[:, None]  # (Q, B)
         if mapped is not None:
             release_pages(mapped, start, start + block)
         new_m = np.maximum(m, logits.max(axis=1))
@@ -168,11 +187,14 @@ class NormaliserConfig:
         if self.method not in METHODS:
             raise ValueError(f"normaliser must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.head_rows < 0 or self.samples < 2:
-            raise ValueError(f"normaliser head_rows must be >= 0 and samples >= 2, got {self.head_rows}, "
-                             f"{self.samples}")
+            raise ValueError(
+                f"normaliser head_rows must be >= 0 and samples >= 2, got {self.head_rows}, {self.samples}"
+            )
         if not self.max_se > 0 or self.top_rows < 0 or not self.target_se > 0:
-            raise ValueError(f"normaliser max_se and target_se must be > 0 and top_rows >= 0, got {self.max_se}, "
-                             f"{self.target_se}, {self.top_rows}")
+            raise ValueError(
+                f"normaliser max_se and target_se must be > 0 and top_rows >= 0, got {self.max_se}, "
+                f"{self.target_se}, {self.top_rows}"
+            )
         if not 0 < self.level < 1:
             raise ValueError(f"normaliser level must be in (0, 1), got {self.level}")
 
@@ -192,8 +214,13 @@ def choose_method(count: int, dim: int, config: NormaliserConfig) -> str:
     return "exact" if count * dim <= config.exact_max_macs else "bounded"
 
 
-def probe_costs(embeddings: np.ndarray, stats: ListStats, config: NormaliserConfig,
-                queries: int = AUTO_PROBE_QUERIES, index=None) -> dict:
+def probe_costs(
+    embeddings: np.ndarray,
+    stats: ListStats,
+    config: NormaliserConfig,
+    queries: int = AUTO_PROBE_QUERIES,
+    index=None,
+) -> dict:
     """`auto`'s measurement: per-query time of the exact one-pass scan (log Z and the exact top-10) and of
     the bounded path (the `index`'s search for the rows it sums exactly and the hits, when given, then the
     bounded estimate), each on one batch of `queries` stored rows (as the server batches concurrent
@@ -215,8 +242,9 @@ def probe_costs(embeddings: np.ndarray, stats: ListStats, config: NormaliserConf
 
     def bounded(x):
         top = index.search(x, wanted)[1] if index is not None else None
-        bounded_log_normaliser(x, embeddings, stats, np.full(len(x), 0.1), config, top,
-                               release=config.releases("bounded"))
+        bounded_log_normaliser(
+            x, embeddings, stats, np.full(len(x), 0.1), config, top, release=config.releases("bounded")
+        )
 
     def per_query(fn, x) -> float:
         t0 = time.perf_counter()
@@ -225,7 +253,7 @@ def probe_costs(embeddings: np.ndarray, stats: ListStats, config: NormaliserConf
 
     out = {"queries": queries}
     for name, fn in (("exact", exact), ("bounded", bounded)):
-        fn(q[:1])   # warm-up: first touches of the map, the index's first search
+        fn(q[:1])  # warm-up: first touches of the map, the index's first search
         out[f"{name}_ms"] = per_query(fn, q)
         out[f"{name}_ms_1"] = per_query(fn, q[:1])
     cheaper = out["bounded_ms"] + out["bounded_ms_1"] < out["exact_ms"] + out["exact_ms_1"]
@@ -269,9 +297,15 @@ class LogZEstimate:
     rows: int = 0
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "value": self.value, "lower": self.lower, "upper": self.upper,
-                "interval": list(self.interval) if self.interval is not None else None,
-                "level": self.level, "rows": self.rows}
+        return {
+            "method": self.method,
+            "value": self.value,
+            "lower": self.lower,
+            "upper": self.upper,
+            "interval": list(self.interval) if self.interval is not None else None,
+            "level": self.level,
+            "rows": self.rows,
+        }
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,8 +326,17 @@ class LogZ:
     def exact(cls, value: np.ndarray, count: int) -> "LogZ":
         value = np.asarray(value, dtype=np.float64)
         nan = np.full(value.shape, np.nan)
-        return cls(value, value, value, "exact", nan, nan, None, np.full(value.shape, count, dtype=np.int64),
-                   np.ones(value.shape, dtype=bool))
+        return cls(
+            value,
+            value,
+            value,
+            "exact",
+            nan,
+            nan,
+            None,
+            np.full(value.shape, count, dtype=np.int64),
+            np.ones(value.shape, dtype=bool),
+        )
 
     def __len__(self) -> int:
         return len(self.value)
@@ -302,13 +345,21 @@ class LogZ:
         lo, hi = self.interval_lower[i], self.interval_upper[i]
         interval = None if math.isnan(lo) else (float(lo), float(hi))
         method = "exact" if self.exact_mask[i] else self.method
-        return LogZEstimate(float(self.value[i]), float(self.lower[i]), float(self.upper[i]), method,
-                            interval, self.level if interval is not None else None, int(self.rows[i]))
+        return LogZEstimate(
+            float(self.value[i]),
+            float(self.lower[i]),
+            float(self.upper[i]),
+            method,
+            interval,
+            self.level if interval is not None else None,
+            int(self.rows[i]),
+        )
 
 
 def _query_seed(x: np.ndarray, tau: float) -> int:
-    digest = hashlib.blake2b(np.ascontiguousarray(x, dtype=np.float32).tobytes()
-                             + np.float64(tau).tobytes(), digest_size=8).digest()
+    digest = hashlib.blake2b(
+        np.ascontiguousarray(x, dtype=np.float32).tobytes() + np.float64(tau).tobytes(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -320,8 +371,9 @@ GATHER_SPAN_BYTES = 16 << 20
 _HUGE = 2 << 20
 
 
-def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
-            span_bytes: int | None = None) -> np.ndarray:
+def _gather(
+    embeddings: np.ndarray, rows: np.ndarray, release: bool = False, span_bytes: int | None = None
+) -> np.ndarray:
     """embeddings[rows] for ascending `rows` (a forward sweep over the memory map), (R, D) float32.
     With `release` (and a releasable map), rows are read one `span_bytes` stretch of addresses at a
     time and each stretch is released once read, so the process never maps more than ~one stretch."""
@@ -341,9 +393,15 @@ def _gather(embeddings: np.ndarray, rows: np.ndarray, release: bool = False,
     return out
 
 
-def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: ListStats,
-                           temperatures: np.ndarray, config: NormaliserConfig | None = None,
-                           top_rows: np.ndarray | None = None, release: bool | None = None) -> LogZ:
+def bounded_log_normaliser(
+    queries: np.ndarray,
+    embeddings: np.ndarray,
+    stats: ListStats,
+    temperatures: np.ndarray,
+    config: NormaliserConfig | None = None,
+    top_rows: np.ndarray | None = None,
+    release: bool | None = None,
+) -> LogZ:
     """log Z estimate, deterministic bound and sampled interval for each query (see module doc), for the
     whole batch at once: the per-list bounds are (Q, L) arrays, and every row the batch reads (head lists,
     index-ranked rows, draws) is one gather-and-dot over (query, row) pairs (`_pair_dots`).
@@ -360,23 +418,33 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     n_q, d = q.shape
     if n_q == 0:
         empty = np.zeros(0)
-        return LogZ(empty, empty, empty, "bounded", empty, empty, config.level, np.zeros(0, np.int64),
-                    np.zeros(0, bool))
+        return LogZ(
+            empty,
+            empty,
+            empty,
+            "bounded",
+            empty,
+            empty,
+            config.level,
+            np.zeros(0, np.int64),
+            np.zeros(0, bool),
+        )
     counts = stats.counts
     n_lists = len(counts)
     log_n = np.full(n_lists, -np.inf)
     np.log(counts, out=log_n, where=counts > 0)
     gamma = d * _U32 / (1 - d * _U32)
     z = NormalDist().inv_cdf((1 + config.level) / 2)
-    xn = np.linalg.norm(q.astype(np.float64), axis=1)                        # (Q,)
+    xn = np.linalg.norm(q.astype(np.float64), axis=1)  # (Q,)
     # |<x, mu_l> computed - exact| <= (gamma + u) |x| |mu_l|; the exact path's fl(s_j) and ours differ
     # from s_j by <= gamma |x| (|y_j| ~ 1): one slack in the exponent covers all of them.
-    slack = (3 * gamma + 2 * _U32) * xn * 1.0001 / taus                       # (Q,)
-    centre = (q @ stats.means.T).astype(np.float64)                          # (Q, L) <x, mu_l>
-    log_lo = log_n + centre / taus[:, None]                                  # (Q, L) log L_l
-    log_hi = log_lo + bennett_log_bound((xn / taus)[:, None] * stats.radius,
-                                        (xn * xn / taus ** 2)[:, None] * stats.lam)   # log U_l
-    in_head = _head_lists(log_hi, counts, config.head_rows)                  # (Q, L) bool
+    slack = (3 * gamma + 2 * _U32) * xn * 1.0001 / taus  # (Q,)
+    centre = (q @ stats.means.T).astype(np.float64)  # (Q, L) <x, mu_l>
+    log_lo = log_n + centre / taus[:, None]  # (Q, L) log L_l
+    log_hi = log_lo + bennett_log_bound(
+        (xn / taus)[:, None] * stats.radius, (xn * xn / taus**2)[:, None] * stats.lam
+    )  # log U_l
+    in_head = _head_lists(log_hi, counts, config.head_rows)  # (Q, L) bool
 
     # --- exactly summed rows: the head lists' rows and the index-ranked rows outside them
     hq, hl = np.nonzero(in_head)
@@ -385,7 +453,7 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     if top_rows is not None and np.size(top_rows):
         top = np.sort(np.asarray(top_rows, dtype=np.int64).reshape(n_q, -1), axis=1)
         keep = top >= 0
-        keep[:, 1:] &= top[:, 1:] != top[:, :-1]                             # each row once per query
+        keep[:, 1:] &= top[:, 1:] != top[:, :-1]  # each row once per query
         kq, kr = np.nonzero(keep)
         kr = top[kq, kr]
         outside = ~in_head[kq, stats.where[kr].astype(np.int64)]
@@ -394,7 +462,7 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     all_r = np.concatenate([pair_r, kr])
     known = np.concatenate([np.zeros(len(pair_q), bool), np.ones(len(kq), bool)])
     s_all = _pair_dots(embeddings, q, all_q, all_r, release).astype(np.float64)
-    log_h = _group_logsumexp(s_all / taus[all_q], all_q, n_q)                 # (Q,)
+    log_h = _group_logsumexp(s_all / taus[all_q], all_q, n_q)  # (Q,)
     rows_read = np.bincount(all_q, minlength=n_q).astype(np.int64)
 
     # --- bounds on the tail lists (the rest), adjusted for the known rows they hold
@@ -407,7 +475,7 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     tail_hi = _rows_logsumexp(hi_t)
     lower = np.logaddexp(log_h, tail_lo) - slack
     upper = np.logaddexp(log_h, tail_hi) + slack
-    value = np.logaddexp(log_h, tail_lo)                                     # exact where nothing is left
+    value = np.logaddexp(log_h, tail_lo)  # exact where nothing is left
     ilo = np.full(n_q, np.nan)
     ihi = np.full(n_q, np.nan)
     fallback = np.zeros(n_q, dtype=bool)
@@ -415,19 +483,37 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     if len(todo):
         seeds = np.array([_query_seed(q[i], float(taus[i])) for i in todo], dtype=np.uint64)
         known_keys = np.sort(kq * np.int64(embeddings.shape[0]) + kr)
-        sample = _SampleInputs(embeddings, stats, q, taus, centre, log_lo, tail, known_keys, release,
-                               1.0 if config.control_variate else 0.0)
+        sample = _SampleInputs(
+            embeddings,
+            stats,
+            q,
+            taus,
+            centre,
+            log_lo,
+            tail,
+            known_keys,
+            release,
+            1.0 if config.control_variate else 0.0,
+        )
         log_t, log_se, m = _sample_tail(sample, todo, seeds, np.full(len(todo), config.samples), 0)
         rows_read[todo] += m
         with np.errstate(over="ignore", invalid="ignore"):
             se_log = np.where(np.isfinite(log_t), np.exp(log_se - np.logaddexp(log_h[todo], log_t)), np.inf)
-        again = np.flatnonzero(se_log > config.target_se) if config.samples < config.max_samples else np.zeros(0, int)
+        again = (
+            np.flatnonzero(se_log > config.target_se)
+            if config.samples < config.max_samples
+            else np.zeros(0, int)
+        )
         if len(again):
             # two-stage: the first sample was a pilot that sizes a fresh one (se ~ 1/sqrt(M)); the estimate
             # and interval come from the fresh draws alone (another stream of the query's seed), so they stay valid
             with np.errstate(over="ignore", invalid="ignore"):
-                grow = np.where(np.isfinite(se_log[again]), (se_log[again] / config.target_se) ** 2 * 1.2, np.inf)
-            more = np.minimum(config.max_samples, np.ceil(config.samples * np.minimum(grow, 1e9))).astype(np.int64)
+                grow = np.where(
+                    np.isfinite(se_log[again]), (se_log[again] / config.target_se) ** 2 * 1.2, np.inf
+                )
+            more = np.minimum(config.max_samples, np.ceil(config.samples * np.minimum(grow, 1e9))).astype(
+                np.int64
+            )
             t2, se2, m2 = _sample_tail(sample, todo[again], seeds[again], more, 1)
             log_t[again], log_se[again] = t2, se2
             rows_read[todo[again]] += m2
@@ -452,7 +538,7 @@ def bounded_log_normaliser(queries: np.ndarray, embeddings: np.ndarray, stats: L
     if fallback.any():  # one streaming pass for every query whose sample was too noisy
         value_x = log_normaliser(q[fallback], embeddings, taus[fallback], release=release)
         value[fallback] = value_x
-        lower[fallback] = value_x - slack[fallback]   # float32 rounding of the exact pass
+        lower[fallback] = value_x - slack[fallback]  # float32 rounding of the exact pass
         upper[fallback] = value_x + slack[fallback]
         ilo[fallback] = ihi[fallback] = np.nan
         rows_read[fallback] += embeddings.shape[0]
@@ -471,12 +557,14 @@ def _head_lists(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> np.nd
     cand = min(n_lists, head_rows // max(1, int(nonempty.min(initial=1))) + 1)
     if cand < n_lists:
         part = np.argpartition(-ranked, cand - 1, axis=1)[:, :cand]
-        part = np.take_along_axis(part, np.argsort(-np.take_along_axis(ranked, part, 1), axis=1, kind="stable"), 1)
+        part = np.take_along_axis(
+            part, np.argsort(-np.take_along_axis(ranked, part, 1), axis=1, kind="stable"), 1
+        )
     else:
         part = np.argsort(-ranked, axis=1, kind="stable")
     size = counts[part]
-    start = np.cumsum(size, axis=1) - size                                  # rows before each list
-    take = (start < head_rows) & (size > 0)                                  # lists until >= head_rows rows
+    start = np.cumsum(size, axis=1) - size  # rows before each list
+    take = (start < head_rows) & (size > 0)  # lists until >= head_rows rows
     rows = np.broadcast_to(np.arange(n_q)[:, None], part.shape)
     head[rows[take], part[take]] = True
     return head
@@ -493,8 +581,9 @@ def _expand_lists(stats: ListStats, lq: np.ndarray, ll: np.ndarray) -> tuple[np.
     return np.repeat(lq.astype(np.int64), lens), stats.order[pos].astype(np.int64)
 
 
-def _pair_dots(embeddings: np.ndarray, q: np.ndarray, pq: np.ndarray, rows: np.ndarray,
-               release: bool = False) -> np.ndarray:
+def _pair_dots(
+    embeddings: np.ndarray, q: np.ndarray, pq: np.ndarray, rows: np.ndarray, release: bool = False
+) -> np.ndarray:
     """float32 <q[pq[i]], embeddings[rows[i]]> for every pair: one fused gather-and-dot over a (Q, R)
     table of rows per query (faiss `fvec_inner_products_by_idx`, each row read once from the map, no
     gathered copy). With `release` the rows are first gathered in file order through `_gather`, which
@@ -519,8 +608,15 @@ def _pair_dots(embeddings: np.ndarray, q: np.ndarray, pq: np.ndarray, rows: np.n
     table = np.full((n_q, width), -1, dtype=np.int64)
     table[pq, slot] = rows
     dots = np.empty((n_q, width), dtype=np.float32)
-    faiss.fvec_inner_products_by_idx(faiss.swig_ptr(dots), faiss.swig_ptr(np.ascontiguousarray(q)),
-                                     faiss.swig_ptr(base), faiss.swig_ptr(table), q.shape[1], n_q, width)
+    faiss.fvec_inner_products_by_idx(
+        faiss.swig_ptr(dots),
+        faiss.swig_ptr(np.ascontiguousarray(q)),
+        faiss.swig_ptr(base),
+        faiss.swig_ptr(table),
+        q.shape[1],
+        n_q,
+        width,
+    )
     out[:] = dots[pq, slot]
     return out
 
@@ -543,8 +639,17 @@ def _rows_logsumexp(a: np.ndarray) -> np.ndarray:
         return np.where(np.isfinite(m), safe + np.log(np.exp(a - safe[:, None]).sum(axis=1)), m)
 
 
-def _without_known(lo_t: np.ndarray, hi_t: np.ndarray, kq: np.ndarray, kr: np.ndarray, s_known: np.ndarray,
-                   stats: ListStats, centre: np.ndarray, taus: np.ndarray, slack: np.ndarray) -> None:
+def _without_known(
+    lo_t: np.ndarray,
+    hi_t: np.ndarray,
+    kq: np.ndarray,
+    kr: np.ndarray,
+    s_known: np.ndarray,
+    stats: ListStats,
+    centre: np.ndarray,
+    taus: np.ndarray,
+    slack: np.ndarray,
+) -> None:
     """In place: per-(query, tail list) log bounds on the rows NOT already summed, for lists holding known rows.
 
     With h known rows of list l (sum of their similarities sigma, their exp-sum H_l), the rest has
@@ -567,7 +672,7 @@ def _without_known(lo_t: np.ndarray, hi_t: np.ndarray, kq: np.ndarray, kr: np.nd
         mean_rest = (n * centre[uq, ul] - sigma) / rest
         extra = slack[uq] * ((n + h) / rest - 1)
         lo = np.where(rest > 0, np.log(rest) + mean_rest / tau - extra, -np.inf)
-        gap = hi_old + np.log1p(-np.exp(np.minimum(log_h_l - hi_old, 0.0)))   # log(U_l - H_l)
+        gap = hi_old + np.log1p(-np.exp(np.minimum(log_h_l - hi_old, 0.0)))  # log(U_l - H_l)
     lo_t[uq, ul] = lo
     hi_t[uq, ul] = np.where(rest > 0, np.maximum(np.nan_to_num(gap, nan=-np.inf), lo), -np.inf)
 
@@ -578,12 +683,12 @@ class _SampleInputs:
     stats: ListStats
     q: np.ndarray
     taus: np.ndarray
-    centre: np.ndarray      # (Q, L)
-    log_lo: np.ndarray      # (Q, L) log L_l
-    tail: np.ndarray        # (Q, L) bool
+    centre: np.ndarray  # (Q, L)
+    log_lo: np.ndarray  # (Q, L) log L_l
+    tail: np.ndarray  # (Q, L) bool
     known_keys: np.ndarray  # sorted query * N + row of the rows already summed exactly
     release: bool
-    control: float = 1.0    # 1: y = exp(t) - t (control variate), 0: y = exp(t)
+    control: float = 1.0  # 1: y = exp(t) - t (control variate), 0: y = exp(t)
 
 
 #: Fewest draws a list gets to be a stratum of its own (its variance estimate has MIN - 1 degrees of
@@ -603,8 +708,9 @@ def _uniforms(seeds: np.ndarray, counter: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
-def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, samples: np.ndarray,
-                 stream: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _sample_tail(
+    inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, samples: np.ndarray, stream: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stratified importance sample of log T over the tail lists of queries `which`, with a control variate.
 
     With pi_l = L_l / sum_tail L, a list expecting (M - 2) pi_l >= _MIN_STRATUM draws is its own stratum
@@ -619,14 +725,14 @@ def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, sampl
     stats = inp.stats
     n_w = len(which)
     n_lists = inp.log_lo.shape[1]
-    log_lo = np.where(inp.tail[which], inp.log_lo[which], -np.inf)                # (W, L)
-    shift = log_lo.max(axis=1)                                                     # finite: todo has a tail
-    weight = np.exp(log_lo - shift[:, None])                                       # L_l / max L
+    log_lo = np.where(inp.tail[which], inp.log_lo[which], -np.inf)  # (W, L)
+    shift = log_lo.max(axis=1)  # finite: todo has a tail
+    weight = np.exp(log_lo - shift[:, None])  # L_l / max L
     pi = weight / weight.sum(axis=1, keepdims=True)
     alloc = np.floor((samples[:, None] - 2) * pi).astype(np.int64)
     strat = alloc >= _MIN_STRATUM
     alloc = np.where(strat, alloc, 0)
-    rest = samples - alloc.sum(axis=1)                                             # >= 2
+    rest = samples - alloc.sum(axis=1)  # >= 2
     pooled = ~strat & (weight > 0)
     has_pool = pooled.any(axis=1)
     rest = np.where(has_pool, rest, 0)
@@ -645,7 +751,7 @@ def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, sampl
         p_pool = np.where(pooled, pi, 0.0)
         cdf = np.cumsum(p_pool, axis=1)
         with np.errstate(invalid="ignore", divide="ignore"):
-            cdf = np.where(has_pool[:, None], cdf / cdf[:, -1:], 1.0)   # rows without a pool draw nothing
+            cdf = np.where(has_pool[:, None], cdf / cdf[:, -1:], 1.0)  # rows without a pool draw nothing
         cdf[cdf >= 1.0] = 1.0
         cdf[:, -1] = 1.0
         flat = (cdf + np.arange(n_w)[:, None]).reshape(-1)
@@ -657,7 +763,7 @@ def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, sampl
     dw, dl, sid = np.concatenate(draw_w), np.concatenate(draw_l), np.concatenate(draw_sid)
     # a row uniformly within each drawn list
     per = np.bincount(dw, minlength=n_w)
-    by_query = np.argsort(dw, kind="stable")               # each query's draws in its own order (batch-free)
+    by_query = np.argsort(dw, kind="stable")  # each query's draws in its own order (batch-free)
     nth = np.empty(len(dw), dtype=np.int64)
     nth[by_query] = np.arange(len(dw)) - np.repeat(np.cumsum(per) - per, per)
     u = _uniforms(seeds[dw], nth * 2 + (4 * stream + 2) * np.uint64(1 << 40))
@@ -666,26 +772,31 @@ def _sample_tail(inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, sampl
     rows = stats.order[stats.offsets[dl] + within].astype(np.int64)
     qi = which[dw]
     s = _pair_dots(inp.embeddings, inp.q, qi, rows, inp.release).astype(np.float64)
-    t = (s - inp.centre[qi, dl]) / inp.taus[qi]                                     # mean 0 over each list
+    t = (s - inp.centre[qi, dl]) / inp.taus[qi]  # mean 0 over each list
     top = np.full(n_w, -np.inf)
     np.maximum.at(top, dw, t)
     top = np.where(np.isfinite(top), np.maximum(top, 0.0), 0.0)
     keys = qi * np.int64(inp.embeddings.shape[0]) + rows
     pos = np.searchsorted(inp.known_keys, keys)
-    is_known = (pos < len(inp.known_keys)) & (inp.known_keys[np.minimum(pos, len(inp.known_keys) - 1)] == keys) \
-        if len(inp.known_keys) else np.zeros(len(keys), bool)
+    is_known = (
+        (pos < len(inp.known_keys)) & (inp.known_keys[np.minimum(pos, len(inp.known_keys) - 1)] == keys)
+        if len(inp.known_keys)
+        else np.zeros(len(keys), bool)
+    )
     scale = np.exp(-top[dw])
-    y = np.where(is_known, 0.0, np.exp(t - top[dw])) - t * scale * inp.control                  # (exp(t) - t) / exp(top)
+    y = np.where(is_known, 0.0, np.exp(t - top[dw])) - t * scale * inp.control  # (exp(t) - t) / exp(top)
     width = n_w * (n_lists + 1)
     m = np.bincount(sid, minlength=width).astype(np.float64)
     mean = np.bincount(sid, weights=y, minlength=width) / np.maximum(m, 1)
     dev = y - mean[sid]
     var = np.bincount(sid, weights=dev * dev, minlength=width) / np.maximum(m - 1, 1)
-    sw_all = np.concatenate([weight, np.where(pooled, weight, 0.0).sum(axis=1, keepdims=True)], axis=1)  # (W, L+1)
+    sw_all = np.concatenate(
+        [weight, np.where(pooled, weight, 0.0).sum(axis=1, keepdims=True)], axis=1
+    )  # (W, L+1)
     sw_all = sw_all * (m.reshape(n_w, n_lists + 1) > 0)
     mean, var, m = (a.reshape(n_w, n_lists + 1) for a in (mean, var, m))
     est = (sw_all * mean).sum(axis=1)
-    se = np.sqrt((sw_all ** 2 * var / np.maximum(m, 1)).sum(axis=1))
+    se = np.sqrt((sw_all**2 * var / np.maximum(m, 1)).sum(axis=1))
     base = shift + top
     with np.errstate(divide="ignore"):
         log_t = np.where(est > 0, base + np.log(np.maximum(est, 1e-300)), -np.inf)
@@ -712,13 +823,19 @@ class Normaliser:
         assert method in ("exact", "bounded"), method
         assert method == "exact" or stats is not None, "bounded needs list statistics"
         self.config, self.method, self.stats = config, method, stats
-        self.probe: dict | None = None   # `auto`'s timing probe, when it decided (`probe_costs`)
-        self.index_recall: float | None = None   # the approximate index's build-time recall@10 (None: exact)
+        self.probe: dict | None = None  # `auto`'s timing probe, when it decided (`probe_costs`)
+        self.index_recall: float | None = None  # the approximate index's build-time recall@10 (None: exact)
 
     @classmethod
-    def for_version(cls, embeddings: np.ndarray, index=None, config: NormaliserConfig | str | None = None,
-                    progress: bool = False, stored: "Callable[[], ListStats | None] | None" = None,
-                    index_recall: float | None = None) -> "Normaliser":
+    def for_version(
+        cls,
+        embeddings: np.ndarray,
+        index=None,
+        config: NormaliserConfig | str | None = None,
+        progress: bool = False,
+        stored: "Callable[[], ListStats | None] | None" = None,
+        index_recall: float | None = None,
+    ) -> "Normaliser":
         """Resolve `auto` for these embeddings; when the result is bounded, take the list statistics
         from `stored()` (the version's own file, `IndexVersion.list_stats`) or, where that gives
         None (a version written before they were stored), build them here with one pass over the rows.
@@ -737,24 +854,40 @@ class Normaliser:
         reaches = index_recall is None or index_recall >= config.recall_target
         ann = index_recall is not None and reaches
         stats = probe = None
-        if config.method == "auto" and config.probe and n > config.head_rows + config.samples \
-                and n * d <= AUTO_PROBE_FACTOR * config.exact_max_macs and stored is not None \
-                and (n * d > config.exact_max_macs or ann) and reaches:
+        if (
+            config.method == "auto"
+            and config.probe
+            and n > config.head_rows + config.samples
+            and n * d <= AUTO_PROBE_FACTOR * config.exact_max_macs
+            and stored is not None
+            and (n * d > config.exact_max_macs or ann)
+            and reaches
+        ):
             # between "surely small" and "surely large": time both on this machine, when the version
             # stores its list statistics (bounded needs them; building them here would cost a pass or more)
             stats = stored()
             if stats is not None:
                 probe = probe_costs(embeddings, stats, config, index=index)
                 method = probe["chosen"]
-                logger.info("normaliser auto: exact %.2f / %.2f ms, bounded %.2f / %.2f ms per query (batch of %d "
-                            "/ alone) -> %s", probe["exact_ms"], probe["exact_ms_1"], probe["bounded_ms"],
-                            probe["bounded_ms_1"], probe["queries"], method)
+                logger.info(
+                    "normaliser auto: exact %.2f / %.2f ms, bounded %.2f / %.2f ms per query (batch of %d "
+                    "/ alone) -> %s",
+                    probe["exact_ms"],
+                    probe["exact_ms_1"],
+                    probe["bounded_ms"],
+                    probe["bounded_ms_1"],
+                    probe["queries"],
+                    method,
+                )
         if method == "bounded":
             stats = stats if stats is not None else (stored() if stored is not None else None)
             if stats is None:
                 if stored is not None:
-                    logger.info("this index version stores no normaliser statistics (written before they were); "
-                                "computing them from its %d rows", n)
+                    logger.info(
+                        "this index version stores no normaliser statistics (written before they were); "
+                        "computing them from its %d rows",
+                        n,
+                    )
                 stats = ListStats.build(embeddings, index, seed=config.kmeans_seed, progress=progress)
             advise_random(embeddings)
         out = cls(config, method, stats if method == "bounded" else None)
@@ -762,24 +895,49 @@ class Normaliser:
         out.index_recall = index_recall
         return out
 
-    def __call__(self, queries: np.ndarray, embeddings: np.ndarray, temperatures: np.ndarray,
-                 block: int = DEFAULT_BLOCK, top_rows: np.ndarray | None = None) -> LogZ:
+    def __call__(
+        self,
+        queries: np.ndarray,
+        embeddings: np.ndarray,
+        temperatures: np.ndarray,
+        block: int = DEFAULT_BLOCK,
+        top_rows: np.ndarray | None = None,
+    ) -> LogZ:
         """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them exactly)."""
         if self.method == "exact":
-            value = log_normaliser(queries, embeddings, temperatures, block, release=self.config.releases("exact"))
+            value = log_normaliser(
+                queries, embeddings, temperatures, block, release=self.config.releases("exact")
+            )
             return LogZ.exact(value, int(embeddings.shape[0]))
-        return bounded_log_normaliser(queries, embeddings, self.stats, temperatures, self.config, top_rows,
-                                      release=self.config.releases("bounded"))
+        return bounded_log_normaliser(
+            queries,
+            embeddings,
+            self.stats,
+            temperatures,
+            self.config,
+            top_rows,
+            release=self.config.releases("bounded"),
+        )
 
     def describe(self) -> dict:
-        out = {"method": self.method, "requested": self.config.method,
-               "release_pages": self.config.releases(self.method),
-               "top_k_from": "index" if self.method == "bounded" else "exact pass",
-               "index_recall": self.index_recall, "recall_target": self.config.recall_target}
+        out = {
+            "method": self.method,
+            "requested": self.config.method,
+            "release_pages": self.config.releases(self.method),
+            "top_k_from": "index" if self.method == "bounded" else "exact pass",
+            "index_recall": self.index_recall,
+            "recall_target": self.config.recall_target,
+        }
         if self.probe is not None:
             out["probe"] = dict(self.probe)
         if self.stats is not None:
-            out.update(partition=self.stats.source, head_rows=self.config.head_rows, samples=self.config.samples,
-                       level=self.config.level, target_se=self.config.target_se, max_se=self.config.max_se,
-                       stats_bytes=self.stats.nbytes)
+            out.update(
+                partition=self.stats.source,
+                head_rows=self.config.head_rows,
+                samples=self.config.samples,
+                level=self.config.level,
+                target_se=self.config.target_se,
+                max_se=self.config.max_se,
+                stats_bytes=self.stats.nbytes,
+            )
         return out

@@ -7,20 +7,21 @@ spreading the remaining mass r = 1 - sum_topk p evenly over the other N - k item
     H(p) <= -sum_topk p_i log p_i - r log(r / (N - k)),
 so exp(H) -- the effective number of candidates -- is at most that (exact when k = N).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-NEAR_UNIFORM_RATIO = 2.0   # top-1 below twice the uniform 1/N: the search barely prefers anything
+NEAR_UNIFORM_RATIO = 2.0  # top-1 below twice the uniform 1/N: the search barely prefers anything
 
 
 @dataclass(frozen=True)
 class Peakedness:
     top1_probability: float
-    uniform_probability: float          # 1 / N
-    top1_vs_uniform: float              # p_1 * N: 1 means no preference at all
-    topk_mass: float                    # sum of the returned probabilities
+    uniform_probability: float  # 1 / N
+    top1_vs_uniform: float  # p_1 * N: 1 means no preference at all
+    topk_mass: float  # sum of the returned probabilities
     effective_candidates_at_most: float  # exp(H) upper bound, out of N
     near_uniform: bool
     hint: str
@@ -40,8 +41,11 @@ def peakedness(top_probabilities, n_items: int) -> Peakedness:
     ratio = top1 * n_items
     near = ratio < NEAR_UNIFORM_RATIO
     eff = math.exp(entropy)
-    hint = (f"near-uniform: the top hit is only {ratio:.2g}x as probable as a random item; this search barely "
-            f"tells the {n_items} items apart (try a lower temperature or a better encoder)" if near else
-            f"the top hit is {ratio:.3g}x as probable as a random item; about {eff:.3g} of {n_items} items "
-            f"share the probability (at most)")
+    hint = (
+        f"near-uniform: the top hit is only {ratio:.2g}x as probable as a random item; this search barely "
+        f"tells the {n_items} items apart (try a lower temperature or a better encoder)"
+        if near
+        else f"the top hit is {ratio:.3g}x as probable as a random item; about {eff:.3g} of {n_items} items "
+        f"share the probability (at most)"
+    )
     return Peakedness(top1, 1.0 / n_items, ratio, mass, eff, near, hint)

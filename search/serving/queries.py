@@ -1,4 +1,5 @@
 """Query vectors checked and normalised in one place (the routes, the micro-batcher and the searcher)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,8 +16,11 @@ def unit_queries(vectors, dim: int, where: str = "vector") -> np.ndarray:
         x = x[None, :]
     if x.ndim != 2 or x.shape[1] != dim:
         got = x.shape[-1] if x.ndim >= 1 else 0
-        raise ValueError(f"{where} has {got} values; the index dimension is {dim}" if x.ndim == 2
-                         else f"{where} must have shape (Q, {dim}), got {tuple(np.shape(vectors))}")
+        raise ValueError(
+            f"{where} has {got} values; the index dimension is {dim}"
+            if x.ndim == 2
+            else f"{where} must have shape (Q, {dim}), got {tuple(np.shape(vectors))}"
+        )
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{where} contains NaN or inf")
     if x.size and np.abs(x).max() > _F32_MAX:
@@ -24,5 +28,5 @@ def unit_queries(vectors, dim: int, where: str = "vector") -> np.ndarray:
     scale = np.abs(x).max(axis=1) if x.size else np.zeros(len(x))
     if np.any(scale == 0):
         raise ValueError(f"{where} has zero norm")
-    x = x / scale[:, None]              # x / max|x| first: the squares of 1e-300s would underflow to a zero norm
+    x = x / scale[:, None]  # x / max|x| first: the squares of 1e-300s would underflow to a zero norm
     return np.ascontiguousarray(x / np.linalg.norm(x, axis=1)[:, None], dtype=np.float32)

@@ -23,6 +23,7 @@ from the store (its sha256 re-verified) and both are swapped in one step. A vers
 when its model is missing or damaged, or when the encoder's embedding dimension, the manifest
 `dim` and the stored embeddings disagree.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,15 +36,15 @@ from typing import Any, ClassVar
 import numpy as np
 from PIL import Image
 
+from index.faiss_index import rerank_factor
 from index.manifest import DEFAULT_TEMPERATURE, Manifest
 from index.metadata import MetadataColumns, read_metadata
-from index.faiss_index import RERANK_PQ, rerank_factor
 from index.models import load_version_encoder
 from index.store import IndexStore, IndexVersion
-from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.exact_scan import ExactScanner
 from search.serving.filters import Filter
 from search.serving.inference import InferenceEncoder
+from search.serving.normaliser import DEFAULT_BLOCK, LogZ, Normaliser, NormaliserConfig, log_normaliser
 from search.serving.queries import unit_queries
 from search.serving.subset import subset_search
 from training.encoder import Encoder
@@ -52,8 +53,16 @@ from training.transforms import preprocess
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "Hit", "SearchAnswer", "SearchSnapshot", "Searcher", "NotReadyError", "NoEncoderError", "ReloadResult",
-    "ItemInfo", "log_normaliser", "DEFAULT_TEMPERATURE",
+    "Hit",
+    "SearchAnswer",
+    "SearchSnapshot",
+    "Searcher",
+    "NotReadyError",
+    "NoEncoderError",
+    "ReloadResult",
+    "ItemInfo",
+    "log_normaliser",
+    "DEFAULT_TEMPERATURE",
 ]
 
 #: Filter masks a snapshot keeps (N bytes each).
@@ -88,13 +97,21 @@ class SearchAnswer(list):
     """list[list[Hit]] (one list per query) that also names the version and temperatures that answered,
     and each query's log Z (`normalisers[i]`: value, bound, sampled interval, method)."""
 
-    def __init__(self, hits: list[list[Hit]], version: str, temperatures: list[float], log_normalisers: list[float],
-                 normalisers: LogZ | None = None):
+    def __init__(
+        self,
+        hits: list[list[Hit]],
+        version: str,
+        temperatures: list[float],
+        log_normalisers: list[float],
+        normalisers: LogZ | None = None,
+    ):
         super().__init__(hits)
         self.version = version
         self.temperatures = temperatures
         self.log_normalisers = log_normalisers
-        self.normalisers = normalisers if normalisers is not None else LogZ.exact(np.asarray(log_normalisers), 0)
+        self.normalisers = (
+            normalisers if normalisers is not None else LogZ.exact(np.asarray(log_normalisers), 0)
+        )
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ class ReloadResult:
 
 def _index_recall(manifest) -> float | None:
     """The recall@10 an approximate index measured at build (None for an exact index or none recorded)."""
-    record = getattr(manifest, "recall", None)   # a RecallRecord (index.manifest) or None
+    record = getattr(manifest, "recall", None)  # a RecallRecord (index.manifest) or None
     if record is None or record.exact or record.recall is None:
         return None
     return float(record.recall)
@@ -129,8 +146,9 @@ def _manifest_temperature(manifest: Manifest) -> float:
     value = manifest.temperature
     if value is not None:
         return value
-    logger.warning("manifest of version %s has no search_temperature; using %g",
-                   manifest.version, DEFAULT_TEMPERATURE)
+    logger.warning(
+        "manifest of version %s has no search_temperature; using %g", manifest.version, DEFAULT_TEMPERATURE
+    )
     return DEFAULT_TEMPERATURE
 
 
@@ -138,18 +156,18 @@ def _manifest_temperature(manifest: Manifest) -> float:
 class SearchSnapshot:
     """An immutable (encoder, index version) pair; every query runs on exactly one snapshot."""
 
-    encoder: Encoder | None                                     # None: built from vectors, vector queries only
+    encoder: Encoder | None  # None: built from vectors, vector queries only
     checkpoint_sha256: str | None
     index: IndexVersion
     temperature: float
     block: int = DEFAULT_BLOCK
-    normaliser: Normaliser | None = None                       # None: exact
+    normaliser: Normaliser | None = None  # None: exact
     runner: InferenceEncoder | None = field(default=None, repr=False)  # the encoder's serving forward
-    read_item_metadata: ClassVar = staticmethod(read_metadata)   # version directory -> its Metadata
-    release_pages: bool = True                                  # exact scan: unmap the map's pages once read
-    normaliser_info: dict | None = None                         # how log Z is computed (`Normaliser.describe`)
-    _rows: dict = field(default_factory=dict, repr=False)       # id -> row, filled on first use
-    _cache: dict = field(default_factory=dict, repr=False)      # lazily built dataset
+    read_item_metadata: ClassVar = staticmethod(read_metadata)  # version directory -> its Metadata
+    release_pages: bool = True  # exact scan: unmap the map's pages once read
+    normaliser_info: dict | None = None  # how log Z is computed (`Normaliser.describe`)
+    _rows: dict = field(default_factory=dict, repr=False)  # id -> row, filled on first use
+    _cache: dict = field(default_factory=dict, repr=False)  # lazily built dataset
     _lock: Any = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -184,8 +202,10 @@ class SearchSnapshot:
         if all(isinstance(im, np.ndarray) for im in images) and len({im.shape for im in images}) == 1:
             x = preprocess(np.stack(images), self.encoder.image_size)  # one vectorised resize for the batch
         else:
-            x = preprocess([im if isinstance(im, Image.Image) else Image.fromarray(im) for im in images],
-                           self.encoder.image_size)  # (B, 3, S, S)
+            x = preprocess(
+                [im if isinstance(im, Image.Image) else Image.fromarray(im) for im in images],
+                self.encoder.image_size,
+            )  # (B, 3, S, S)
         runner = self.runner if self.runner is not None else InferenceEncoder(self.encoder, optimise=False)
         return runner(x)
 
@@ -204,9 +224,13 @@ class SearchSnapshot:
             raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         return out
 
-    def search(self, vectors: np.ndarray, k: int,
-               temperature: float | Sequence[float | None] | None = None, mask: np.ndarray | None = None
-               ) -> SearchAnswer:
+    def search(
+        self,
+        vectors: np.ndarray,
+        k: int,
+        temperature: float | Sequence[float | None] | None = None,
+        mask: np.ndarray | None = None,
+    ) -> SearchAnswer:
         """Top-k of each query vector (normalised to unit length) with softmax probabilities over the
         whole index (log Z from the snapshot's normaliser: exact, or bounded with its bound).
 
@@ -214,19 +238,20 @@ class SearchSnapshot:
         and p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau), log Z summed exactly over F."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        q = unit_queries(vectors, self.dim, "query vector")   # cosine similarity
+        q = unit_queries(vectors, self.dim, "query vector")  # cosine similarity
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)
         if q.shape[0] == 0 or k_eff == 0:
-            return SearchAnswer([[] for _ in range(q.shape[0])], self.version, taus.tolist(),
-                                [float("-inf")] * q.shape[0])
-        wanted = min(population, k_eff * self.rerank)   # candidates re-scored exactly below
-        if mask is not None:   # filtered: selector inside FAISS, exact normaliser over the subset
+            return SearchAnswer(
+                [[] for _ in range(q.shape[0])], self.version, taus.tolist(), [float("-inf")] * q.shape[0]
+            )
+        wanted = min(population, k_eff * self.rerank)  # candidates re-scored exactly below
+        if mask is not None:  # filtered: selector inside FAISS, exact normaliser over the subset
             rows, log_z_subset = subset_search(self.index.index, self.index.embeddings, q, wanted, mask, taus)
             norm = LogZ.exact(log_z_subset, population)
-        elif self.normaliser is None:   # exact: one pass over the rows gives log Z AND the exact top-k
-            scan = self.scanner()(q, taus, k_eff)   # (search/serving/exact_scan.py; no index search needed)
+        elif self.normaliser is None:  # exact: one pass over the rows gives log Z AND the exact top-k
+            scan = self.scanner()(q, taus, k_eff)  # (search/serving/exact_scan.py; no index search needed)
             rows = scan.rows
             norm = LogZ.exact(scan.log_z, self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
@@ -257,7 +282,9 @@ class SearchSnapshot:
             with self._lock:
                 scanner = self._cache.get("scanner")
                 if scanner is None:
-                    scanner = self._cache["scanner"] = ExactScanner(self.index.embeddings, release=self.release_pages)
+                    scanner = self._cache["scanner"] = ExactScanner(
+                        self.index.embeddings, release=self.release_pages
+                    )
         return scanner
 
     # ---------------------------------------------------------------- metadata and filters
@@ -266,8 +293,9 @@ class SearchSnapshot:
         """The version's per-item fields as row-aligned columns (read once, on first use)."""
         with self._lock:
             if "columns" not in self._cache:
-                self._cache["columns"] = MetadataColumns.build(self.read_item_metadata(self.index.path),
-                                                              self.index.ids)
+                self._cache["columns"] = MetadataColumns.build(
+                    self.read_item_metadata(self.index.path), self.index.ids
+                )
             return self._cache["columns"]
 
     @property
@@ -307,7 +335,7 @@ class SearchSnapshot:
         with self._lock:
             masks = self._cache.setdefault("masks", {})
             if flt.key in masks:
-                masks[flt.key] = masks.pop(flt.key)   # most recently used last
+                masks[flt.key] = masks.pop(flt.key)  # most recently used last
                 return masks[flt.key]
         mask = flt.mask(columns)
         mask.flags.writeable = False
@@ -330,7 +358,7 @@ class SearchSnapshot:
     def file_backed(self) -> bool:
         """The indexed items came from image files (decoded once into the image cache), so uploads
         should be decoded the same way (training.images.load_square) to meet their indexed twins."""
-        from training.datasets import dataset_is_file_backed   # the dataset registry: loaded on first use only
+        from training.datasets import dataset_is_file_backed  # the dataset registry: loaded on first use only
 
         return any(dataset_is_file_backed(spec) for spec in self.manifest.source_specs)
 
@@ -354,7 +382,7 @@ class SearchSnapshot:
                 for spec in specs:
                     ds = create_dataset(**spec)
                     for i, iid in enumerate(ds.item_ids()):
-                        index_of.setdefault(iid, (ds, i, spec))   # each item names its own source
+                        index_of.setdefault(iid, (ds, i, spec))  # each item names its own source
                 self._cache["index_of"] = index_of
             return self._cache["index_of"]
 
@@ -383,7 +411,7 @@ class SearchSnapshot:
         """The stored image of an indexed item, recovered from the manifest's dataset spec."""
         self.row_of(item_id)  # KeyError if not indexed
         ds, i, _ = self._sources()[item_id]  # KeyError if no source dataset holds it
-        show = getattr(ds, "display_image", None)   # folders: the file itself, not the cached square
+        show = getattr(ds, "display_image", None)  # folders: the file itself, not the cached square
         return show(i) if show is not None else ds.image(i)
 
 
@@ -394,26 +422,43 @@ class Searcher:
     the current version. Queries before that raise NotReadyError.
     """
 
-    def __init__(self, root: str | Path | None = None, *, device: str = "cpu", load: bool = False,
-                 block: int = DEFAULT_BLOCK, store: IndexStore | None = None,
-                 normaliser: NormaliserConfig | str | None = None, optimise_encoder: bool = True):
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        *,
+        device: str = "cpu",
+        load: bool = False,
+        block: int = DEFAULT_BLOCK,
+        store: IndexStore | None = None,
+        normaliser: NormaliserConfig | str | None = None,
+        optimise_encoder: bool = True,
+    ):
         if store is None and root is None:
             raise ValueError("Searcher needs an index root or an IndexStore")
         self.store = store if store is not None else IndexStore(root)
         self.device = device
         self.block = int(block)
         self.normaliser = NormaliserConfig.of(normaliser)  # exact | bounded | auto (default)
-        self.optimise_encoder = bool(optimise_encoder)  # serve a traced copy of the encoder (search/serving/inference.py)
+        self.optimise_encoder = bool(
+            optimise_encoder
+        )  # serve a traced copy of the encoder (search/serving/inference.py)
         self._state: SearchSnapshot | None = None
         self._swap_lock = threading.Lock()
         if load:
             self.load()
 
     @classmethod
-    def from_parts(cls, encoder: Encoder, version: IndexVersion, *, checkpoint_sha: str | None = None,
-                   store: IndexStore | None = None, block: int = DEFAULT_BLOCK,
-                   normaliser: NormaliserConfig | str | None = None,
-                   optimise_encoder: bool = True) -> "Searcher":
+    def from_parts(
+        cls,
+        encoder: Encoder,
+        version: IndexVersion,
+        *,
+        checkpoint_sha: str | None = None,
+        store: IndexStore | None = None,
+        block: int = DEFAULT_BLOCK,
+        normaliser: NormaliserConfig | str | None = None,
+        optimise_encoder: bool = True,
+    ) -> "Searcher":
         """A Searcher over an already-loaded encoder and index version (no disk reads)."""
         self = cls.__new__(cls)
         self.store, self.device, self.block = store, "cpu", int(block)
@@ -440,9 +485,14 @@ class Searcher:
             raise NotReadyError("no index loaded yet")
         return state
 
-    def _make_snapshot(self, encoder: Encoder | None, sha: str | None, version: IndexVersion,
-                       runner: InferenceEncoder | None = None) -> SearchSnapshot:
-        if version.manifest.shards:   # a sharded version: fanned out to its shards, merged exactly
+    def _make_snapshot(
+        self,
+        encoder: Encoder | None,
+        sha: str | None,
+        version: IndexVersion,
+        runner: InferenceEncoder | None = None,
+    ) -> SearchSnapshot:
+        if version.manifest.shards:  # a sharded version: fanned out to its shards, merged exactly
             return self._sharded_snapshot(encoder, sha, version, runner)
         dim = version.manifest.dim
         emb = version.embeddings
@@ -454,20 +504,34 @@ class Searcher:
                 f"the encoder produces {encoder.embed_dim}"
             )
         if len(version.ids) != emb.shape[0]:
-            raise ValueError(f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows")
+            raise ValueError(
+                f"index version {version.version}: {len(version.ids)} ids for {emb.shape[0]} rows"
+            )
         # built off to the side like the rest of the snapshot (bounded: the version's stored list
         # statistics; one pass over the rows for a version written before they were stored)
-        normaliser = Normaliser.for_version(emb, version.index, self.normaliser,
-                                            stored=getattr(version, "list_stats", None),
-                                            index_recall=_index_recall(version.manifest))
+        normaliser = Normaliser.for_version(
+            emb,
+            version.index,
+            self.normaliser,
+            stored=getattr(version, "list_stats", None),
+            index_recall=_index_recall(version.manifest),
+        )
         if encoder is None:
             runner = None
         elif runner is None or runner.encoder is not encoder:
             runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
             logger.info("serving encoder: %s (built in %.2f s)", runner.kind, runner.build_s)
-        return SearchSnapshot(encoder, sha, version, _manifest_temperature(version.manifest), self.block,
-                              normaliser if normaliser.method != "exact" else None, runner,
-                              release_pages=self.normaliser.releases("exact"), normaliser_info=normaliser.describe())
+        return SearchSnapshot(
+            encoder,
+            sha,
+            version,
+            _manifest_temperature(version.manifest),
+            self.block,
+            normaliser if normaliser.method != "exact" else None,
+            runner,
+            release_pages=self.normaliser.releases("exact"),
+            normaliser_info=normaliser.describe(),
+        )
 
     def shard_searchers(self, version) -> tuple[list, list[str]]:
         """(callables (q, k, taus, mask) -> ShardAnswer, names), one per shard of a sharded version: in this
@@ -476,29 +540,43 @@ class Searcher:
 
         return local_shards(version, lambda shard: self._make_snapshot(None, None, shard))
 
-    def _sharded_snapshot(self, encoder: Encoder | None, sha: str | None, version,
-                          runner: InferenceEncoder | None) -> SearchSnapshot:
+    def _sharded_snapshot(
+        self, encoder: Encoder | None, sha: str | None, version, runner: InferenceEncoder | None
+    ) -> SearchSnapshot:
         from search.serving.sharded import sharded_snapshot
 
         if encoder is not None and encoder.embed_dim != version.manifest.dim:
-            raise ValueError(f"index version {version.version} has dimension {version.manifest.dim}, "
-                             f"the encoder produces {encoder.embed_dim}")
+            raise ValueError(
+                f"index version {version.version} has dimension {version.manifest.dim}, "
+                f"the encoder produces {encoder.embed_dim}"
+            )
         if encoder is None:
             runner = None
         elif runner is None or runner.encoder is not encoder:
             runner = InferenceEncoder(encoder, optimise=self.optimise_encoder)
         shards, names = self.shard_searchers(version)
-        return sharded_snapshot(dict(encoder=encoder, checkpoint_sha256=sha,
-                                     temperature=_manifest_temperature(version.manifest), block=self.block,
-                                     runner=runner), version, shards, names)
+        return sharded_snapshot(
+            dict(
+                encoder=encoder,
+                checkpoint_sha256=sha,
+                temperature=_manifest_temperature(version.manifest),
+                block=self.block,
+                runner=runner,
+            ),
+            version,
+            shards,
+            names,
+        )
 
-    def _encoder_for(self, version: IndexVersion, old: SearchSnapshot | None) -> tuple[Encoder | None, str | None, bool]:
-        if not version.manifest.has_encoder:   # built from vectors: nothing to load
+    def _encoder_for(
+        self, version: IndexVersion, old: SearchSnapshot | None
+    ) -> tuple[Encoder | None, str | None, bool]:
+        if not version.manifest.has_encoder:  # built from vectors: nothing to load
             return None, None, old is not None and old.encoder is not None
         sha = version.manifest.checkpoint_record.sha256
         if sha and old is not None and old.checkpoint_sha256 == sha:
             return old.encoder, sha, False
-        encoder, _, sha = load_version_encoder(version, device=self.device)   # verified, from the store
+        encoder, _, sha = load_version_encoder(version, device=self.device)  # verified, from the store
         return encoder, sha, True
 
     def prepare(self, version: str | None = None) -> SearchSnapshot | None:
@@ -522,9 +600,15 @@ class Searcher:
             return ReloadResult(old.version, old.version, False, False)
         self._state = state  # the swap
         fresh = old is None or state.encoder is not old.encoder
-        logger.info("index version %s loaded (%d items, dim %d, tau %g, %s normaliser%s)", state.version,
-                    state.count, state.dim, state.temperature,
-                    "exact" if state.normaliser is None else state.normaliser.method, ", new encoder" if fresh else "")
+        logger.info(
+            "index version %s loaded (%d items, dim %d, tau %g, %s normaliser%s)",
+            state.version,
+            state.count,
+            state.dim,
+            state.temperature,
+            "exact" if state.normaliser is None else state.normaliser.method,
+            ", new encoder" if fresh else "",
+        )
         return ReloadResult(old.version if old else None, state.version, True, fresh)
 
     def load(self, version: str | None = None) -> ReloadResult:
@@ -538,15 +622,20 @@ class Searcher:
     reload = load
 
     # ---------------------------------------------------------------- queries
-    def search_images(self, images: Sequence[Image.Image], k: int,
-                      temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+    def search_images(
+        self, images: Sequence[Image.Image], k: int, temperature: float | Sequence[float | None] | None = None
+    ) -> SearchAnswer:
         """Encode PIL images and search; one snapshot for the whole call."""
         state = self.snapshot()
-        return state.search(state.encode(images), k, temperature) if len(images) else \
-            SearchAnswer([], state.version, [], [])
+        return (
+            state.search(state.encode(images), k, temperature)
+            if len(images)
+            else SearchAnswer([], state.version, [], [])
+        )
 
-    def search_vectors(self, vectors: np.ndarray, k: int,
-                       temperature: float | Sequence[float | None] | None = None) -> SearchAnswer:
+    def search_vectors(
+        self, vectors: np.ndarray, k: int, temperature: float | Sequence[float | None] | None = None
+    ) -> SearchAnswer:
         """Search with query embeddings (normalised to unit length here)."""
         return self.snapshot().search(vectors, k, temperature)
 
@@ -555,4 +644,3 @@ class Searcher:
 
     def item_image(self, item_id: str) -> Image.Image:
         return self.snapshot().item_image(item_id)
-

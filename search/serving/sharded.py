@@ -11,6 +11,7 @@ shard's passing rows). The fan-out is pluggable: in process (`LocalShard`, the s
 (api/ray_serve.py, one Ray Serve deployment per shard); a shard that cannot answer raises ShardUnavailable
 and the whole query fails (the API answers 503 naming it).
 """
+
 from __future__ import annotations
 
 import threading
@@ -25,14 +26,23 @@ from search.serving.normaliser import LogZ
 from search.serving.queries import unit_queries
 from search.serving.searcher import Hit, SearchAnswer, SearchSnapshot
 
-__all__ = ["ShardAnswer", "ShardUnavailable", "LocalShard", "ShardedSnapshot", "merge_answers", "shard_answer"]
+__all__ = [
+    "ShardAnswer",
+    "ShardUnavailable",
+    "LocalShard",
+    "ShardedSnapshot",
+    "merge_answers",
+    "shard_answer",
+]
 
 
 class ShardUnavailable(RuntimeError):
     """A shard did not answer: the query cannot be answered exactly, so it is not answered at all."""
 
     def __init__(self, shard: str, reason: str):
-        super().__init__(f"shard {shard} is unavailable ({reason}); the whole-index probabilities need every shard")
+        super().__init__(
+            f"shard {shard} is unavailable ({reason}); the whole-index probabilities need every shard"
+        )
         self.shard = shard
         self.reason = reason
 
@@ -44,32 +54,44 @@ class ShardAnswer:
     process boundaries (Ray) as it is."""
 
     version: str
-    rows: list                     # Q arrays of int64 local rows
-    sims: list                     # Q arrays of float32 similarities
-    log_z: np.ndarray              # (Q,) float64
+    rows: list  # Q arrays of int64 local rows
+    sims: list  # Q arrays of float32 similarities
+    log_z: np.ndarray  # (Q,) float64
     lower: np.ndarray
     upper: np.ndarray
     method: str
-    exact: np.ndarray              # (Q,) bool
-    rows_read: np.ndarray          # (Q,) int64
+    exact: np.ndarray  # (Q,) bool
+    rows_read: np.ndarray  # (Q,) int64
 
 
-def shard_answer(snapshot: SearchSnapshot, q: np.ndarray, k: int, taus: np.ndarray,
-                 mask: np.ndarray | None = None) -> ShardAnswer:
+def shard_answer(
+    snapshot: SearchSnapshot, q: np.ndarray, k: int, taus: np.ndarray, mask: np.ndarray | None = None
+) -> ShardAnswer:
     """Search one shard's snapshot (unit queries `q`, per-query `taus`, optional row mask) -> ShardAnswer."""
     answer = snapshot.search(q, k, taus.tolist(), mask=mask)
     norm = answer.normalisers
     n = q.shape[0]
-    return ShardAnswer(snapshot.version,
-                       [np.array([h.row for h in hits], dtype=np.int64) for hits in answer],
-                       [np.array([h.similarity for h in hits], dtype=np.float32) for hits in answer],
-                       np.asarray(norm.value, dtype=np.float64).reshape(n), np.asarray(norm.lower).reshape(n),
-                       np.asarray(norm.upper).reshape(n), norm.method, np.asarray(norm.exact_mask).reshape(n),
-                       np.asarray(norm.rows).reshape(n))
+    return ShardAnswer(
+        snapshot.version,
+        [np.array([h.row for h in hits], dtype=np.int64) for hits in answer],
+        [np.array([h.similarity for h in hits], dtype=np.float32) for hits in answer],
+        np.asarray(norm.value, dtype=np.float64).reshape(n),
+        np.asarray(norm.lower).reshape(n),
+        np.asarray(norm.upper).reshape(n),
+        norm.method,
+        np.asarray(norm.exact_mask).reshape(n),
+        np.asarray(norm.rows).reshape(n),
+    )
 
 
-def merge_answers(parts: Sequence[ShardAnswer], offsets: Sequence[int], ids: Sequence[str], k: int,
-                  taus: np.ndarray, version: str) -> SearchAnswer:
+def merge_answers(
+    parts: Sequence[ShardAnswer],
+    offsets: Sequence[int],
+    ids: Sequence[str],
+    k: int,
+    taus: np.ndarray,
+    version: str,
+) -> SearchAnswer:
     """The whole version's answer from its shards' answers: log Z = logsumexp of the shards' log Z_s (bounds
     likewise), the top-k the most similar of the shards' top-k (ties: lower global row first), p = exp(s / tau -
     log Z)."""
@@ -81,8 +103,17 @@ def merge_answers(parts: Sequence[ShardAnswer], offsets: Sequence[int], ids: Seq
     rows_read = np.sum(np.stack([p.rows_read for p in parts]), axis=0)
     methods = {p.method for p in parts} - {"exact"}
     nan = np.full(n, np.nan)
-    norm = LogZ(value, lower, upper, methods.pop() if len(methods) == 1 else ("exact" if not methods else "mixed"),
-                nan, nan, None, rows_read.astype(np.int64), exact)
+    norm = LogZ(
+        value,
+        lower,
+        upper,
+        methods.pop() if len(methods) == 1 else ("exact" if not methods else "mixed"),
+        nan,
+        nan,
+        None,
+        rows_read.astype(np.int64),
+        exact,
+    )
     hits: list[list[Hit]] = []
     for i in range(n):
         rows = np.concatenate([p.rows[i] + off for p, off in zip(parts, offsets)]).astype(np.int64)
@@ -126,7 +157,7 @@ class ShardedSnapshot(SearchSnapshot):
 
     shards: tuple = ()
     names: tuple = ()
-    read_item_metadata: ClassVar = staticmethod(version_metadata)   # every shard's, merged in row order
+    read_item_metadata: ClassVar = staticmethod(version_metadata)  # every shard's, merged in row order
 
     @property
     def dim(self) -> int:
@@ -140,8 +171,13 @@ class ShardedSnapshot(SearchSnapshot):
     def offsets(self) -> list[int]:
         return [int(e["offset"]) for e in self.index.manifest.shards]
 
-    def search(self, vectors: np.ndarray, k: int, temperature: float | Sequence[float | None] | None = None,
-               mask: np.ndarray | None = None) -> SearchAnswer:
+    def search(
+        self,
+        vectors: np.ndarray,
+        k: int,
+        temperature: float | Sequence[float | None] | None = None,
+        mask: np.ndarray | None = None,
+    ) -> SearchAnswer:
         """Top-k over every shard with probabilities over the whole version (or the rows `mask` passes)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
@@ -150,8 +186,9 @@ class ShardedSnapshot(SearchSnapshot):
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)
         if q.shape[0] == 0 or k_eff == 0:
-            return SearchAnswer([[] for _ in range(q.shape[0])], self.version, taus.tolist(),
-                                [float("-inf")] * q.shape[0])
+            return SearchAnswer(
+                [[] for _ in range(q.shape[0])], self.version, taus.tolist(), [float("-inf")] * q.shape[0]
+            )
         bounds = [*self.offsets, self.count]
         masks = [None if mask is None else np.asarray(mask[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         futures = [_fanout_pool().submit(shard, q, k_eff, taus, m) for shard, m in zip(self.shards, masks)]
@@ -163,9 +200,13 @@ class ShardedSnapshot(SearchSnapshot):
                 raise
             except (ValueError, KeyError):
                 raise
-            except Exception as err:   # a shard that failed is down for this query: never renormalise without it
+            except (
+                Exception
+            ) as err:  # a shard that failed is down for this query: never renormalise without it
                 raise ShardUnavailable(name, f"{type(err).__name__}: {err}") from err
-            if part.version != f"{self.version}.{name}":   # each shard's manifest names the version it belongs to
+            if (
+                part.version != f"{self.version}.{name}"
+            ):  # each shard's manifest names the version it belongs to
                 raise ShardUnavailable(name, f"it answered for version {part.version}, not {self.version}")
             parts.append(part)
         return merge_answers(parts, self.offsets, self.index.ids, k_eff, taus, self.version)
@@ -178,8 +219,8 @@ def local_shards(version: ShardedVersion, make_snapshot: Callable) -> tuple[list
     return shards, list(version.names)
 
 
-def sharded_snapshot(base: dict, version: ShardedVersion, shards: Sequence[Callable], names: Sequence[str]
-                     ) -> ShardedSnapshot:
+def sharded_snapshot(
+    base: dict, version: ShardedVersion, shards: Sequence[Callable], names: Sequence[str]
+) -> ShardedSnapshot:
     """A ShardedSnapshot from the SearchSnapshot fields `base` (encoder, checkpoint_sha256, temperature, ...)."""
     return ShardedSnapshot(index=version, shards=tuple(shards), names=tuple(names), **base)
-

@@ -7,6 +7,7 @@ towers, training/text.py). Probabilities are the same exact softmax over the who
 A version without a text tower (an image-only checkpoint, or one built from vectors) raises
 `NoTextTowerError`, which the API answers with 409.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,19 +16,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from index.models import ModelStore, store_root_of
 from index.manifest import DEFAULT_TEMPERATURE
+from index.models import ModelStore, store_root_of
 from search.serving.text_args import build_parser
 from training.text import MAX_TEXT_CHARS, TextEncoder, load_text_encoder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NoTextTowerError", "NO_TEXT_TOWER", "text_tower", "text_temperature", "encode_texts", "search_text",
-           "check_texts"]
+__all__ = [
+    "NoTextTowerError",
+    "NO_TEXT_TOWER",
+    "text_tower",
+    "text_temperature",
+    "encode_texts",
+    "search_text",
+    "check_texts",
+]
 
-NO_TEXT_TOWER = "this index version has no text tower: build it from an image-text checkpoint to search by text"
+NO_TEXT_TOWER = (
+    "this index version has no text tower: build it from an image-text checkpoint to search by text"
+)
 
-_TOWERS: dict[str, TextEncoder | None] = {}   # model sha256 -> its text tower (None: the model has none)
+_TOWERS: dict[str, TextEncoder | None] = {}  # model sha256 -> its text tower (None: the model has none)
 _LOCK = threading.Lock()
 
 
@@ -54,8 +64,10 @@ def text_tower(snapshot) -> TextEncoder:
     if tower is None:
         raise NoTextTowerError(snapshot.version)
     if tower.embed_dim != snapshot.dim:
-        raise ValueError(f"the text tower embeds to {tower.embed_dim} dims, index version {snapshot.version} "
-                         f"has {snapshot.dim}")
+        raise ValueError(
+            f"the text tower embeds to {tower.embed_dim} dims, index version {snapshot.version} "
+            f"has {snapshot.dim}"
+        )
     return tower
 
 
@@ -65,7 +77,9 @@ def text_temperature(snapshot) -> float:
     value = record.get("temperature") if isinstance(record, dict) else None
     if isinstance(value, (int, float)) and value > 0:
         return float(value)
-    logger.warning("index version %s records no text temperature; using the search temperature", snapshot.version)
+    logger.warning(
+        "index version %s records no text temperature; using the search temperature", snapshot.version
+    )
     return float(snapshot.temperature or DEFAULT_TEMPERATURE)
 
 
@@ -86,13 +100,13 @@ def encode_texts(snapshot, texts: Sequence[str]) -> np.ndarray:
     return text_tower(snapshot).encode(check_texts(list(texts)))
 
 
-def search_text(snapshot, texts: Sequence[str], k: int, temperature: float | None = None,
-                mask: np.ndarray | None = None):
+def search_text(
+    snapshot, texts: Sequence[str], k: int, temperature: float | None = None, mask: np.ndarray | None = None
+):
     """Top-k images for each text with exact probabilities (a SearchAnswer, search/serving/searcher.py)."""
     vectors = encode_texts(snapshot, texts)
     tau = text_temperature(snapshot) if temperature is None else float(temperature)
     return snapshot.search(vectors, k, tau, mask)
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,9 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for text, hits, tau in zip(args.text, answer, answer.temperatures):
         kept = [h for h in hits if args.min_probability is None or h.probability >= args.min_probability]
-        out.append({"text": text, "version": answer.version, "temperature": tau,
-                    "results": [{"id": h.id, "row": h.row, "similarity": h.similarity, "probability": h.probability}
-                                for h in kept]})
+        out.append(
+            {
+                "text": text,
+                "version": answer.version,
+                "temperature": tau,
+                "results": [
+                    {"id": h.id, "row": h.row, "similarity": h.similarity, "probability": h.probability}
+                    for h in kept
+                ],
+            }
+        )
     if args.json:
         print(json.dumps(out if len(out) > 1 else out[0], indent=2))
         return 0

@@ -1,4 +1,5 @@
 """Helpers shared by the API tests (imported by name; conftest puts this folder on sys.path)."""
+
 from __future__ import annotations
 
 import io
@@ -22,8 +23,13 @@ def make_checkpoint(path: Path, seed: int, embed_dim: int = 16, temperature: flo
     """A tiny randomly initialised (seeded) encoder saved as a real checkpoint."""
     torch.manual_seed(seed)
     enc = create_encoder(EncoderConfig(embed_dim=embed_dim, **TINY))
-    return save_checkpoint(path, enc, step=0, train_config={"seed": seed},
-                           lineage={"objective": "infonce", "temperature": temperature})
+    return save_checkpoint(
+        path,
+        enc,
+        step=0,
+        train_config={"seed": seed},
+        lineage={"objective": "infonce", "temperature": temperature},
+    )
 
 
 def png_bytes(image) -> bytes:
@@ -37,9 +43,18 @@ class ServerThread:
 
     def __init__(self, app, port: int | None = None):
         self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    access_log=False, lifespan="on", limit_concurrency=1000,
-                                                    proxy_headers=False))   # as `softsearch serve`
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                access_log=False,
+                lifespan="on",
+                limit_concurrency=1000,
+                proxy_headers=False,
+            )
+        )  # as `softsearch serve`
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
@@ -131,8 +146,11 @@ class SearchClients:
             while not self._stop.is_set():
                 q = int(rng.integers(len(self.payloads)))
                 try:
-                    r = http.post("/v1/search", files={"file": ("q.png", self.payloads[q], "image/png")},
-                                  data={"k": str(self.k)})
+                    r = http.post(
+                        "/v1/search",
+                        files={"file": ("q.png", self.payloads[q], "image/png")},
+                        data={"k": str(self.k)},
+                    )
                     item = (q, r.status_code, r.json() if r.status_code == 200 else r.text)
                 except httpx.HTTPError as err:
                     item = (q, -1, repr(err))

@@ -1,5 +1,6 @@
 """API test fixtures: a REAL small index (synthetic data, tiny untrained encoder checkpoint)
 and TestClients over it. Shared helpers live in api_helpers.py."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """HTTP API round trip against a real small index, every bad input -> its 4xx, admin auth,
 rate limiting, readiness, metrics format and micro-batching."""
+
 from __future__ import annotations
 
 import io
@@ -30,8 +31,11 @@ def _reference(api_index, images, tau=None):
     s = z @ version.embeddings.astype(np.float64).T  # (Q, N)
     tau = tau or version.manifest.search_temperature
     logits = s / tau
-    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True))
         - logits.max(1, keepdims=True)
+    )
     return version, s, np.exp(logp), z
 
 
@@ -56,8 +60,9 @@ def test_image_round_trip_matches_brute_force(client, api_index, api_dataset):
     np.testing.assert_allclose([h["probability"] for h in body["results"]], p[0, top], rtol=1e-4)
     # response is self-consistent: p = exp(s / tau - log Z)
     for h in body["results"]:
-        assert h["probability"] == pytest.approx(math.exp(h["similarity"] / body["temperature"]
-                                                          - body["log_normaliser"]), rel=1e-6)
+        assert h["probability"] == pytest.approx(
+            math.exp(h["similarity"] / body["temperature"] - body["log_normaliser"]), rel=1e-6
+        )
 
 
 def test_vector_round_trip_and_temperature(client, api_index, api_dataset):
@@ -108,19 +113,22 @@ def _bomb_png() -> bytes:
     return png_bytes(Image.new("1", (6000, 6000)))  # 36 Mpx, a few KB compressed
 
 
-@pytest.mark.parametrize("case, status, code", [
-    ("not_an_image", 400, "not_an_image"),
-    ("empty", 400, "empty_file"),
-    ("truncated", 400, "corrupt_image"),
-    ("bomb", 413, "image_too_large"),
-    ("k_zero", 422, "validation_error"),
-    ("k_too_big", 422, "k_out_of_range"),
-    ("k_text", 422, "validation_error"),
-    ("temperature_negative", 422, "validation_error"),
-    ("temperature_nan", 422, "validation_error"),
-    ("no_file", 422, "validation_error"),
-    ("json_to_upload", 415, "unsupported_media_type"),
-])
+@pytest.mark.parametrize(
+    "case, status, code",
+    [
+        ("not_an_image", 400, "not_an_image"),
+        ("empty", 400, "empty_file"),
+        ("truncated", 400, "corrupt_image"),
+        ("bomb", 413, "image_too_large"),
+        ("k_zero", 422, "validation_error"),
+        ("k_too_big", 422, "k_out_of_range"),
+        ("k_text", 422, "validation_error"),
+        ("temperature_negative", 422, "validation_error"),
+        ("temperature_nan", 422, "validation_error"),
+        ("no_file", 422, "validation_error"),
+        ("json_to_upload", 415, "unsupported_media_type"),
+    ],
+)
 def test_bad_image_requests(client, api_dataset, case, status, code):
     good = png_bytes(api_dataset.image(0))
     if case == "not_an_image":
@@ -160,8 +168,10 @@ def test_upload_size_limits(make_client, api_dataset):
     assert r.status_code == 413 and "limit" in r.json()["detail"]
     # chunked body (no Content-Length) over the limit: refused while streaming
     boundary = "xyz"
-    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.png\"\r\n"
-            "Content-Type: image/png\r\n\r\n").encode()
+    head = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
 
     def chunks():
         yield head
@@ -169,33 +179,41 @@ def test_upload_size_limits(make_client, api_dataset):
             yield b"\0" * 4096
         yield f"\r\n--{boundary}--\r\n".encode()
 
-    r = client.post("/v1/search", content=chunks(), headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+    r = client.post(
+        "/v1/search", content=chunks(), headers={"content-type": f"multipart/form-data; boundary={boundary}"}
+    )
     assert r.status_code == 413 and r.json()["error"] == "upload_too_large"
 
 
-@pytest.mark.parametrize("payload, status, needle", [
-    ({"vector": [0.1] * 5, "k": 3}, 422, "dimension is 16"),
-    ({"vector": [0.0] * 16, "k": 3}, 422, "zero norm"),
-    ({"vector": [0.1] * 16, "k": 0}, 422, "k"),
-    ({"vector": [0.1] * 16, "k": 1000}, 422, "max_k"),
-    ({"vector": [], "k": 3}, 422, "vector"),
-    ({"vector": "abc", "k": 3}, 422, "vector"),
-    ({"k": 3}, 422, "vector"),
-    ({"vector": [1e300] * 16, "k": 3}, 422, "overflow"),
-])
+@pytest.mark.parametrize(
+    "payload, status, needle",
+    [
+        ({"vector": [0.1] * 5, "k": 3}, 422, "dimension is 16"),
+        ({"vector": [0.0] * 16, "k": 3}, 422, "zero norm"),
+        ({"vector": [0.1] * 16, "k": 0}, 422, "k"),
+        ({"vector": [0.1] * 16, "k": 1000}, 422, "max_k"),
+        ({"vector": [], "k": 3}, 422, "vector"),
+        ({"vector": "abc", "k": 3}, 422, "vector"),
+        ({"k": 3}, 422, "vector"),
+        ({"vector": [1e300] * 16, "k": 3}, 422, "overflow"),
+    ],
+)
 def test_bad_vector_requests(client, payload, status, needle):
     r = client.post("/v1/search/vector", json=payload)
     assert r.status_code == status, r.text
     assert needle in r.json()["detail"]
 
 
-@pytest.mark.parametrize("raw, status, code", [
-    ('{"vector": [NaN' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
-    ('{"vector": [Infinity' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
-    ('{"vector": [1e999' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
-    ('{"vector": [0.1, 0.2', 400, "malformed_json"),
-    ("", 422, "validation_error"),  # no body at all: "body: Field required"
-])
+@pytest.mark.parametrize(
+    "raw, status, code",
+    [
+        ('{"vector": [NaN' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
+        ('{"vector": [Infinity' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
+        ('{"vector": [1e999' + ", 0.1" * 15 + '], "k": 3}', 422, "bad_vector"),
+        ('{"vector": [0.1, 0.2', 400, "malformed_json"),
+        ("", 422, "validation_error"),  # no body at all: "body: Field required"
+    ],
+)
 def test_non_finite_and_malformed_json(client, raw, status, code):
     r = client.post("/v1/search/vector", content=raw, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
@@ -234,10 +252,19 @@ def test_admin_auth(make_client, api_index):
     assert r.status_code == 401
     r = client.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     assert r.status_code == 200, r.text
-    assert r.json() == {"previous": api_index["version"], "version": api_index["version"], "changed": False,
-                        "encoder_reloaded": False, "count": INDEX_SIZE, "store_current": api_index["version"]}
-    r = client.post("/v1/admin/reload", json={"version": "20990101T000000000Z-00000000"},
-                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert r.json() == {
+        "previous": api_index["version"],
+        "version": api_index["version"],
+        "changed": False,
+        "encoder_reloaded": False,
+        "count": INDEX_SIZE,
+        "store_current": api_index["version"],
+    }
+    r = client.post(
+        "/v1/admin/reload",
+        json={"version": "20990101T000000000Z-00000000"},
+        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+    )
     assert r.status_code == 409 and api_index["version"] in r.json()["detail"]
     assert client.get("/readyz").json()["version"] == api_index["version"]
 
@@ -250,7 +277,7 @@ def test_rate_limit_429_with_retry_after(make_client):
     assert r.status_code == 429 and r.json()["error"] == "rate_limited"
     assert 15 <= int(r.headers["retry-after"]) <= 20  # one token at 0.05/s
     assert client.get("/healthz").status_code == 200  # health and metrics are never limited
-    assert 'softsearch_rate_limited_total 2' in client.get("/metrics").text
+    assert "softsearch_rate_limited_total 2" in client.get("/metrics").text
 
 
 def test_token_bucket_arithmetic():
@@ -284,7 +311,7 @@ def test_readiness_before_and_after_first_index(tmp_path, api_index, api_dataset
         assert client.get("/healthz").json()["version"] == version
 
 
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$")
 
 
 def _parse_metrics(text: str) -> dict:
@@ -314,14 +341,26 @@ def test_metrics_prometheus_format(client, api_dataset, api_index):
         assert _post_image(client, png_bytes(api_dataset.image(1))).status_code == 200
     client.post("/v1/search", json={})  # 415
     m = _parse_metrics(client.get("/metrics").text)
-    key = ("softsearch_http_requests_total", frozenset({("route", "/v1/search"), ("method", "POST"), ("status", "200")}))
+    key = (
+        "softsearch_http_requests_total",
+        frozenset({("route", "/v1/search"), ("method", "POST"), ("status", "200")}),
+    )
     assert m[key] == 3
-    assert m[("softsearch_http_requests_total",
-              frozenset({("route", "/v1/search"), ("method", "POST"), ("status", "415")}))] == 1
+    assert (
+        m[
+            (
+                "softsearch_http_requests_total",
+                frozenset({("route", "/v1/search"), ("method", "POST"), ("status", "415")}),
+            )
+        ]
+        == 1
+    )
     lab = {("route", "/v1/search"), ("method", "POST")}
-    buckets = sorted(((float("inf") if dict(k[1])["le"] == "+Inf" else float(dict(k[1])["le"])), v)
-                     for k, v in m.items() if k[0] == "softsearch_http_request_duration_seconds_bucket"
-                     and lab <= set(k[1]))
+    buckets = sorted(
+        ((float("inf") if dict(k[1])["le"] == "+Inf" else float(dict(k[1])["le"])), v)
+        for k, v in m.items()
+        if k[0] == "softsearch_http_request_duration_seconds_bucket" and lab <= set(k[1])
+    )
     counts = [v for _, v in buckets]
     assert counts == sorted(counts) and counts[-1] == 4  # cumulative, +Inf = all requests
     assert m[("softsearch_http_request_duration_seconds_count", frozenset(lab))] == 4
@@ -341,7 +380,10 @@ def test_concurrent_requests_are_batched_and_equal_unbatched(make_client, api_da
     sizes = [r.json()["batch_size"] for r in responses]
     assert max(sizes) > 1
     m = _parse_metrics(client.get("/metrics").text)
-    count, total = m[("softsearch_batch_size_count", frozenset())], m[("softsearch_batch_size_sum", frozenset())]
+    count, total = (
+        m[("softsearch_batch_size_count", frozenset())],
+        m[("softsearch_batch_size_sum", frozenset())],
+    )
     assert total == 12 and count < 12  # fewer encoder calls than queries
     # a bad upload in a batch fails alone
     mixed = datas[:5] + [b"not an image at all"] + datas[5:10]
@@ -355,8 +397,9 @@ def test_concurrent_requests_are_batched_and_equal_unbatched(make_client, api_da
         assert ref["batch_size"] == 1
         got = r.json()
         assert [h["id"] for h in got["results"]] == [h["id"] for h in ref["results"]]
-        np.testing.assert_allclose([h["probability"] for h in got["results"]],
-                                   [h["probability"] for h in ref["results"]], rtol=1e-5)
+        np.testing.assert_allclose(
+            [h["probability"] for h in got["results"]], [h["probability"] for h in ref["results"]], rtol=1e-5
+        )
 
 
 def test_settings_validation(tmp_path):
@@ -372,8 +415,10 @@ def test_settings_validation(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         load_settings({"index_root": str(f)}, environ={})
-    s = load_settings({"port": 9000}, environ={"SOFTSEARCH_PORT": "8001", "SOFTSEARCH_MAX_K": "50",
-                                               "SOFTSEARCH_ADMIN_TOKEN": ""})
+    s = load_settings(
+        {"port": 9000},
+        environ={"SOFTSEARCH_PORT": "8001", "SOFTSEARCH_MAX_K": "50", "SOFTSEARCH_ADMIN_TOKEN": ""},
+    )
     assert (s.port, s.max_k, s.admin_token, s.host) == (9000, 50, None, "127.0.0.1")  # CLI beats env
 
 
@@ -381,7 +426,7 @@ def test_serve_main_rejects_bad_settings(capsys):
     from api.server import main
 
     assert main(["--port", "70000"]) == 2
-    assert "(--port=70000)" in capsys.readouterr().err           # names the flag actually used
+    assert "(--port=70000)" in capsys.readouterr().err  # names the flag actually used
     assert main(["--admin-token", "short"]) == 2
     err = capsys.readouterr().err
     assert "(--admin-token=<hidden>): " in err and "at least 8 characters" in err and "SOFTSEARCH_" not in err
@@ -405,21 +450,31 @@ def test_search_by_stored_item_equals_searching_its_stored_vector(client, api_in
     for row in (0, 7):
         item_id = version.ids[row]
         vec = np.asarray(version.embeddings[row], dtype=np.float64)
-        ref = client.post("/v1/search/vector", json={"vector": vec.tolist(), "k": 6, "temperature": 0.3}).json()
+        ref = client.post(
+            "/v1/search/vector", json={"vector": vec.tolist(), "k": 6, "temperature": 0.3}
+        ).json()
         got = client.post("/v1/search/item", json={"id": item_id, "k": 5, "temperature": 0.3})
         assert got.status_code == 200, got.text
         body = got.json()
         expected = [h for h in ref["results"] if h["id"] != item_id][:5]
         assert [h["id"] for h in body["results"]] == [h["id"] for h in expected]
-        np.testing.assert_allclose([h["probability"] for h in body["results"]],
-                                   [h["probability"] for h in expected], rtol=1e-6, atol=1e-12)
+        np.testing.assert_allclose(
+            [h["probability"] for h in body["results"]],
+            [h["probability"] for h in expected],
+            rtol=1e-6,
+            atol=1e-12,
+        )
         assert body["self_rank"] == 1 + [h["id"] for h in ref["results"]].index(item_id)
-        both = client.post("/v1/search/item", json={"id": item_id, "k": 6, "temperature": 0.3,
-                                                     "include_self": True}).json()
+        both = client.post(
+            "/v1/search/item", json={"id": item_id, "k": 6, "temperature": 0.3, "include_self": True}
+        ).json()
         assert [h["id"] for h in both["results"]] == [h["id"] for h in ref["results"]]
     r = client.post("/v1/search/item", json={"id": "no/such/item", "k": 3})
     assert r.status_code == 404 and r.json()["error"] == "item_not_found"
-    assert client.post("/v1/search/item", json={"id": version.ids[0], "k": 3, "include_self": 0}).status_code == 422
+    assert (
+        client.post("/v1/search/item", json={"id": version.ids[0], "k": 3, "include_self": 0}).status_code
+        == 422
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -431,23 +486,30 @@ def test_cut_offs_and_pages_match_a_dense_reference(client, api_index, api_datas
     ranked = p[0, order]
     k, offset = int(rng.integers(1, 8)), int(rng.integers(0, 8))
     j = int(rng.integers(0, 12))
-    min_p = float(np.sqrt(ranked[j] * ranked[j + 1]))   # between two ranks: float32 vs float64 cannot flip it
+    min_p = float(np.sqrt(ranked[j] * ranked[j + 1]))  # between two ranks: float32 vs float64 cannot flip it
     mass = float(rng.uniform(0.1, 0.9))
-    for extra, passes in (({"min_probability": min_p}, ranked >= min_p),
-                          ({"mass": mass}, np.r_[0.0, np.cumsum(ranked)[:-1]] < mass),
-                          ({}, np.ones(ranked.size, bool))):
-        body = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": k, "offset": offset,
-                                                      "temperature": 0.1, **extra}).json()
-        n_pass = int(np.argmin(passes)) if not passes.all() else ranked.size   # passing hits form a prefix
+    for extra, passes in (
+        ({"min_probability": min_p}, ranked >= min_p),
+        ({"mass": mass}, np.r_[0.0, np.cumsum(ranked)[:-1]] < mass),
+        ({}, np.ones(ranked.size, bool)),
+    ):
+        body = client.post(
+            "/v1/search/vector",
+            json={"vector": z[0].tolist(), "k": k, "offset": offset, "temperature": 0.1, **extra},
+        ).json()
+        n_pass = int(np.argmin(passes)) if not passes.all() else ranked.size  # passing hits form a prefix
         fetched = min(k + offset, ranked.size)
         want = order[: min(n_pass, fetched)][offset : offset + k]
         assert [h["row"] for h in body["results"]] == want.tolist(), extra
         assert body["n_passed"] == min(n_pass, fetched) and body["offset"] == offset
         np.testing.assert_allclose([h["probability"] for h in body["results"]], p[0, want], rtol=1e-4)
     # pages are stable: two pages of k equal one page of 2k
-    first = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "temperature": 0.1}).json()
-    second = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "offset": 3,
-                                                    "temperature": 0.1}).json()
+    first = client.post(
+        "/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "temperature": 0.1}
+    ).json()
+    second = client.post(
+        "/v1/search/vector", json={"vector": z[0].tolist(), "k": 3, "offset": 3, "temperature": 0.1}
+    ).json()
     both = client.post("/v1/search/vector", json={"vector": z[0].tolist(), "k": 6, "temperature": 0.1}).json()
     assert [h["id"] for h in first["results"] + second["results"]] == [h["id"] for h in both["results"]]
 

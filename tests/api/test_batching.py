@@ -1,4 +1,5 @@
 """MicroBatcher without HTTP: concurrent calls share batches; answers equal direct searches."""
+
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,9 @@ def test_gathered_queries_are_batched_and_exact(api_index, api_dataset, workers)
     for r, v, k, t in zip(results[:10], vectors, ks, temps):
         ref = searcher.search_vectors(v[None], k, t)
         assert [h.id for h in r.hits] == [h.id for h in ref[0]] and len(r.hits) == k
-        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref[0]], rtol=1e-5)
+        np.testing.assert_allclose(
+            [h.probability for h in r.hits], [h.probability for h in ref[0]], rtol=1e-5
+        )
         assert r.version == api_index["version"]
     ref = searcher.search_images(images, 4)
     for r, hits in zip(results[10:], ref):
@@ -51,9 +54,13 @@ def test_bad_vector_in_a_batch_fails_alone(api_index):
 
     async def go():
         try:
-            return await asyncio.gather(batcher.search_vector(good, 3), batcher.search_vector(good[:3], 3),
-                                        batcher.search_vector(good * np.nan, 3), batcher.search_vector(good, 2),
-                                        return_exceptions=True)
+            return await asyncio.gather(
+                batcher.search_vector(good, 3),
+                batcher.search_vector(good[:3], 3),
+                batcher.search_vector(good * np.nan, 3),
+                batcher.search_vector(good, 2),
+                return_exceptions=True,
+            )
         finally:
             await batcher.aclose()
 
@@ -112,7 +119,9 @@ def test_lone_queries_skip_the_queue_and_batches_never_exceed_the_threads(api_in
     for r, v in zip(alone + list(burst), vectors):
         ref = searcher.search_vectors(v[None], 5)
         assert [h.id for h in r.hits] == [h.id for h in ref[0]]
-        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref[0]], rtol=1e-5)
+        np.testing.assert_allclose(
+            [h.probability for h in r.hits], [h.probability for h in ref[0]], rtol=1e-5
+        )
 
 
 def test_only_request_runs_on_the_event_loop(api_index):
@@ -137,7 +146,9 @@ def test_only_request_runs_on_the_event_loop(api_index):
             active.count = 0
 
     snap = searcher.snapshot()
-    object.__setattr__(snap, "search", lambda *a, **kw: threads_used.append(threading.get_ident()) or real(*a, **kw))
+    object.__setattr__(
+        snap, "search", lambda *a, **kw: threads_used.append(threading.get_ident()) or real(*a, **kw)
+    )
     loop_thread = threading.get_ident()
     try:
         alone = asyncio.run(go(1))
@@ -168,14 +179,16 @@ def test_a_batch_waits_for_requests_already_in_the_process(api_index, monkeypatc
     vectors = np.random.default_rng(4).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
 
     async def late(v, turns):
-        for _ in range(turns):   # still "parsing": a few turns of the loop
+        for _ in range(turns):  # still "parsing": a few turns of the loop
             await asyncio.sleep(0)
         return await batcher.search_vector(v, 5)
 
     async def go():
         active.count = 3
         try:
-            return await asyncio.wait_for(asyncio.gather(*[late(v, t) for v, t in zip(vectors, (0, 3, 6))]), 60)
+            return await asyncio.wait_for(
+                asyncio.gather(*[late(v, t) for v, t in zip(vectors, (0, 3, 6))]), 60
+            )
         finally:
             active.count = 0
             await batcher.aclose()

@@ -1,4 +1,5 @@
 """`softsearch dedup` on a real folder with planted edited copies, then GET /v1/duplicates and /duplicates."""
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,33 @@ def scanned(tmp_path_factory, make_image_folder):
         copies.append(copy)
     ck = make_checkpoint(base / "enc.safetensors", seed=1)
     root = base / "index"
-    assert main(["index", "build", "--root", str(root), "--checkpoint", str(ck), "--dataset", "folder", "--split", "all",
-                 "--data-root", str(folder), "--no-progress"]) == 0
-    return {"root": root, "folder": folder, "out": base / "dups.json", "originals": originals, "copies": copies}
+    assert (
+        main(
+            [
+                "index",
+                "build",
+                "--root",
+                str(root),
+                "--checkpoint",
+                str(ck),
+                "--dataset",
+                "folder",
+                "--split",
+                "all",
+                "--data-root",
+                str(folder),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    return {
+        "root": root,
+        "folder": folder,
+        "out": base / "dups.json",
+        "originals": originals,
+        "copies": copies,
+    }
 
 
 def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highest_p(scanned, capsys):
@@ -44,7 +69,7 @@ def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highes
     version = store.current_version()
     with TestClient(create_app(Settings(index_root=root))) as http:
         ss = SoftsearchClient(http=http)
-        with pytest.raises(SoftsearchError) as err:          # not scanned yet: 404 saying what to run
+        with pytest.raises(SoftsearchError) as err:  # not scanned yet: 404 saying what to run
             ss._call("GET", "/v1/duplicates")
         assert err.value.status == 404 and "softsearch dedup" in err.value.detail
         assert main(["dedup", "--index", str(root), "--out", str(scanned["out"]), "--no-progress"]) == 0
@@ -54,14 +79,16 @@ def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highes
         assert data == json.loads(scanned["out"].read_text())
         assert data["threshold"] == 0.5 and data["count"] == 44 and data["threshold_rule"] == "default"
         # the planted JPEG / colour copies are found, each with its original (folder ids are relative paths)
-        rel = lambda p: p.relative_to(scanned["folder"]).as_posix()   # noqa: E731
+        rel = lambda p: p.relative_to(scanned["folder"]).as_posix()  # noqa: E731
         pairs = {frozenset((q["a"], q["b"])) for g in data["groups"] for q in g["pairs"]}
         planted = {frozenset((rel(o), rel(c))) for o, c in zip(scanned["originals"], scanned["copies"])}
         assert len(planted & pairs) >= 3
         for g in data["groups"]:
             assert len(g["ids"]) >= 2 and g["confidence"] >= 0.5 - 1e-12
             assert g["confidence"] == pytest.approx(min(q["p_ab"] for q in g["pairs"]))
-        assert data["max_probability"] == pytest.approx(max(q["p_ab"] for g in data["groups"] for q in g["pairs"]))
+        assert data["max_probability"] == pytest.approx(
+            max(q["p_ab"] for g in data["groups"] for q in g["pairs"])
+        )
         body = ss._call("GET", "/v1/duplicates", params={"limit": 1}).json()
         assert body["version"] == version and body["total_groups"] == len(data["groups"])
         assert body["groups"] == data["groups"][:1]
@@ -69,21 +96,40 @@ def test_dedup_writes_groups_that_the_api_serves_with_notes_threshold_and_highes
         assert body["notes"] == data["notes"] and body["skipped"] == []
         # the usual rules beside the scan: cosine >= 0.99 against brute force on the stored embeddings
         assert body["baselines"] == data["baselines"] and data["baselines"][:2] == [
-            {**b, "name": n} for b, n in zip(data["baselines"][:2], ("dHash", "pHash"))]
+            {**b, "name": n} for b, n in zip(data["baselines"][:2], ("dHash", "pHash"))
+        ]
         emb = np.asarray(store.load(version, verify=False, gpu=False).embeddings, np.float64)
         emb /= np.linalg.norm(emb, axis=1, keepdims=True)
         cos = emb @ emb.T
         want = int((np.triu(cos, 1) >= 0.99).sum())
         assert [b["pairs"] for b in data["baselines"] if b["name"] == "cosine"] == [want]
         page = ss.http.get("/duplicates")
-        assert page.status_code == 200 and "Duplicates in index version" in page.text and "data:image/png" in page.text
+        assert (
+            page.status_code == 200
+            and "Duplicates in index version" in page.text
+            and "data:image/png" in page.text
+        )
         assert "The usual rules on the same items" in page.text
 
 
 def test_a_precision_threshold_is_a_probability_the_scan_found(scanned):
     root = scanned["root"]
     store = IndexStore(root)
-    assert main(["dedup", "--index", str(root), "--precision", "0.97", "--calibration-items", "100", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "dedup",
+                "--index",
+                str(root),
+                "--precision",
+                "0.97",
+                "--calibration-items",
+                "100",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(store.duplicates_path(store.current_version()).read_text())
     found = [q["p_ab"] for g in data["groups"] for q in g["pairs"]]
     if data["threshold_rule"].startswith("lowest p"):
@@ -95,8 +141,21 @@ def test_a_precision_threshold_is_a_probability_the_scan_found(scanned):
 def test_an_unreachable_threshold_is_reported_with_the_highest_p(scanned):
     root = scanned["root"]
     store = IndexStore(root)
-    assert main(["dedup", "--index", str(root), "--threshold", "0.999999999", "--calibration-items", "100",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "dedup",
+                "--index",
+                str(root),
+                "--threshold",
+                "0.999999999",
+                "--calibration-items",
+                "100",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(store.duplicates_path(store.current_version()).read_text())
     if data["max_probability"] < data["threshold"]:
         assert data["groups"] == [] and any(f"{data['max_probability']:.3g}" in n for n in data["notes"])
@@ -105,10 +164,12 @@ def test_an_unreachable_threshold_is_reported_with_the_highest_p(scanned):
 
 
 def test_dedup_user_mistakes_are_one_line(scanned, tmp_path, capsys):
-    for argv, needle in ((["--threshold", "1.5"], "--threshold must be in (0, 1)"),
-                         (["--precision", "0"], "--precision must be in (0, 1)"),
-                         (["--threshold", "0.5", "--precision", "0.9"], "not both"),
-                         (["--calibration-items", "3"], "calibration_items must be >= 20")):
+    for argv, needle in (
+        (["--threshold", "1.5"], "--threshold must be in (0, 1)"),
+        (["--precision", "0"], "--precision must be in (0, 1)"),
+        (["--threshold", "0.5", "--precision", "0.9"], "not both"),
+        (["--calibration-items", "3"], "calibration_items must be >= 20"),
+    ):
         assert main(["dedup", "--index", str(scanned["root"]), *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0]
@@ -156,14 +217,30 @@ def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys
     of an indexed file is reported with that file."""
     root = scanned["root"]
     assert main(["dedup", "--index", str(root), "--calibration-items", "100", "--no-progress"]) == 0
-    extra = tmp_path / "extra"   # class folders like the indexed ones (the quality gate scores by class)
+    extra = tmp_path / "extra"  # class folders like the indexed ones (the quality gate scores by class)
     originals = sorted(scanned["folder"].rglob("*.png"))[10:12]
     for n, original in enumerate(originals):
         (extra / f"class{n}").mkdir(parents=True)
         shutil.copy2(original, extra / f"class{n}" / f"again{n}.png")
     capsys.readouterr()
-    assert main(["index", "add", "--root", str(root), "--dataset", "folder", "--split", "all",
-                 "--data-root", str(extra), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "index",
+                "add",
+                "--root",
+                str(root),
+                "--dataset",
+                "folder",
+                "--split",
+                "all",
+                "--data-root",
+                str(extra),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "duplicate pairs among 2 new items" in out
     for n, original in enumerate(originals):

@@ -6,6 +6,7 @@ Every request is answered within the hypothesis deadline, never with a 5xx, and 
 reference of the documented language says: 200 with `matched` = the items the reference passes (over
 each item's fields as GET /v1/items/{id} reports them), 422 for a filter the reference refuses, 400 for
 nesting deeper than MAX_DEPTH or text the JSON parser cannot read (multipart: 422 bad_filter)."""
+
 from __future__ import annotations
 
 import json
@@ -50,21 +51,26 @@ def dump(value) -> str:
         return "{" + ",".join(json.dumps(k) + ":" + dump(v) for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ",".join(dump(v) for v in value) + "]"
-    return json.dumps(value)            # NaN / Infinity for non-finite floats, as Python's json reads them
+    return json.dumps(value)  # NaN / Infinity for non-finite floats, as Python's json reads them
 
 
 # ---- the reference: the documented language, item by item -----------------------------------------------
+
 
 class Refused(Exception):
     pass
 
 
 def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= FLOAT_MAX   # NaN compares False
+    return (
+        isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= FLOAT_MAX
+    )  # NaN compares False
 
 
 def _value_ok(kind: str, x) -> bool:
-    return {"str": isinstance(x, str), "bool": isinstance(x, bool), "int": _number(x), "float": _number(x)}[kind]
+    return {"str": isinstance(x, str), "bool": isinstance(x, bool), "int": _number(x), "float": _number(x)}[
+        kind
+    ]
 
 
 def check(spec, types: dict, count: list) -> None:
@@ -91,7 +97,11 @@ def check(spec, types: dict, count: list) -> None:
                 if op == "eq":
                     ok = _value_ok(kind, x)
                 elif op == "in":
-                    ok = isinstance(x, list) and 0 < len(x) <= MAX_IN_VALUES and all(_value_ok(kind, v) for v in x)
+                    ok = (
+                        isinstance(x, list)
+                        and 0 < len(x) <= MAX_IN_VALUES
+                        and all(_value_ok(kind, v) for v in x)
+                    )
                 elif op in RANGES:
                     ok = kind in ("int", "float") and _value_ok(kind, x)
                 elif op == "prefix":
@@ -124,7 +134,7 @@ def passes(spec, item: dict) -> bool:
                     result &= any(_same(v, y) for y in x)
                 elif op == "prefix":
                     result &= v.startswith(x)
-                else:                                    # numbers compare as float64
+                else:  # numbers compare as float64
                     a, b = float(v), float(x)
                     result &= {"gt": a > b, "gte": a >= b, "lt": a < b, "lte": a <= b}[op]
     return result
@@ -151,7 +161,7 @@ def expected(text: str, multipart: bool, types: dict, items: list[dict]):
         too_deep = _depth(spec) > MAX_DEPTH
     except RecursionError:
         spec, too_deep = None, True
-    except ValueError:                                   # an integer over Python's 4,300-digit limit
+    except ValueError:  # an integer over Python's 4,300-digit limit
         return {422 if multipart else 400}, None
     if not multipart and not isinstance(spec, (dict, type(None))):
         # a JSON body's `filter` must be an object: 422 for anything else, or 400 where the body's
@@ -171,27 +181,73 @@ def expected(text: str, multipart: bool, types: dict, items: list[dict]):
 # ---- strategies ----------------------------------------------------------------------------------------
 
 FIELDS = {"tag": "str", "count": "int", "score": "float", "flag": "bool"}
-NAMES = ["tag", "count", "score", "flag", "and", "or", "not", "eq", "in", "gt", "gte", "lt", "lte", "prefix",
-         "colour", ""]
+NAMES = [
+    "tag",
+    "count",
+    "score",
+    "flag",
+    "and",
+    "or",
+    "not",
+    "eq",
+    "in",
+    "gt",
+    "gte",
+    "lt",
+    "lte",
+    "prefix",
+    "colour",
+    "",
+]
 HUGE = st.one_of(
-    st.sampled_from([10 ** 400, -(10 ** 400), 2 ** 1024, int(FLOAT_MAX), -int(FLOAT_MAX), int(FLOAT_MAX) + 2 ** 971,
-                     2 ** 53 + 1, float(FLOAT_MAX), 5e-324]),
+    st.sampled_from(
+        [
+            10**400,
+            -(10**400),
+            2**1024,
+            int(FLOAT_MAX),
+            -int(FLOAT_MAX),
+            int(FLOAT_MAX) + 2**971,
+            2**53 + 1,
+            float(FLOAT_MAX),
+            5e-324,
+        ]
+    ),
     st.integers(300, 6000).map(lambda n: Raw("9" * n)),  # beyond float64, and beyond Python's digit limit
-    st.sampled_from([Raw("1e400"), Raw("-1e999"), Raw("NaN"), Raw("-Infinity"), Raw("1E+309")]))
+    st.sampled_from([Raw("1e400"), Raw("-1e999"), Raw("NaN"), Raw("-Infinity"), Raw("1E+309")]),
+)
 NUMBERS = st.one_of(st.integers(-6, 6), st.integers(), st.floats(), HUGE)
 LONG_TEXT = st.builds(lambda s, n: s * n, st.text(min_size=1, max_size=3), st.integers(1, 120_000))
 TEXT = st.one_of(st.sampled_from(TAGS), st.text(max_size=12), LONG_TEXT)
 SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, TEXT)
-ANY_JSON = st.recursive(SCALARS, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.one_of(st.sampled_from(NAMES), st.text(max_size=8)), inner,
-                                                  max_size=4)), max_leaves=12)
-VALUE = {"str": st.one_of(st.sampled_from(TAGS), TEXT), "int": NUMBERS, "float": NUMBERS, "bool": st.booleans()}
+ANY_JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.one_of(st.sampled_from(NAMES), st.text(max_size=8)), inner, max_size=4),
+    ),
+    max_leaves=12,
+)
+VALUE = {
+    "str": st.one_of(st.sampled_from(TAGS), TEXT),
+    "int": NUMBERS,
+    "float": NUMBERS,
+    "bool": st.booleans(),
+}
 
 
-SHAPES = {"str": ["eq", "in", "prefix"], "bool": ["eq", "in"], "int": ["eq", "in", "range"],
-          "float": ["eq", "in", "range"]}
-SENSIBLE = {"str": st.sampled_from(TAGS), "bool": st.booleans(), "int": st.integers(-6, 6),
-            "float": st.sampled_from([-3.0, -0.0, 0.25, 1e-300, 1.5e300, 2.0])}
+SHAPES = {
+    "str": ["eq", "in", "prefix"],
+    "bool": ["eq", "in"],
+    "int": ["eq", "in", "range"],
+    "float": ["eq", "in", "range"],
+}
+SENSIBLE = {
+    "str": st.sampled_from(TAGS),
+    "bool": st.booleans(),
+    "int": st.integers(-6, 6),
+    "float": st.sampled_from([-3.0, -0.0, 0.25, 1e-300, 1.5e300, 2.0]),
+}
 
 
 @st.composite
@@ -199,7 +255,9 @@ def condition(draw):
     """One field's condition: mostly well formed (a field's own operators and values near the stored
     ones), now and then any field name, operator, shape or value."""
     wild = draw(st.integers(0, 4)) == 0
-    field = draw(st.sampled_from(sorted(FIELDS) + ["colour"])) if wild else draw(st.sampled_from(sorted(FIELDS)))
+    field = (
+        draw(st.sampled_from(sorted(FIELDS) + ["colour"])) if wild else draw(st.sampled_from(sorted(FIELDS)))
+    )
     kind = FIELDS.get(field, "str")
     value = draw(st.sampled_from([VALUE[kind], ANY_JSON])) if wild else SENSIBLE[kind]
     shapes = ["eq", "dict", "in", "range", "prefix"] if wild else SHAPES[kind]
@@ -209,22 +267,37 @@ def condition(draw):
     if shape == "in":
         return {field: {"in": draw(st.lists(value, min_size=0 if wild else 1, max_size=5))}}
     if shape == "range":
-        return {field: {op: draw(value) for op in draw(st.lists(st.sampled_from(RANGES), min_size=1, max_size=2))}}
+        return {
+            field: {op: draw(value) for op in draw(st.lists(st.sampled_from(RANGES), min_size=1, max_size=2))}
+        }
     if shape == "prefix":
         return {field: {"prefix": draw(value)}}
-    return {field: draw(st.dictionaries(st.sampled_from(["eq", "in", "gt", "lt", "prefix", "near"]), value,
-                                        max_size=3))}
+    return {
+        field: draw(
+            st.dictionaries(st.sampled_from(["eq", "in", "gt", "lt", "prefix", "near"]), value, max_size=3)
+        )
+    }
 
 
-FILTERS = st.recursive(condition(), lambda inner: st.one_of(
-    st.builds(lambda fs: {"and": fs}, st.lists(inner, max_size=3)),
-    st.builds(lambda fs: {"or": fs}, st.lists(inner, max_size=3)),
-    st.builds(lambda f: {"not": f}, inner),
-    st.builds(lambda a, b: {**a, **b}, inner, inner)), max_leaves=8)
+FILTERS = st.recursive(
+    condition(),
+    lambda inner: st.one_of(
+        st.builds(lambda fs: {"and": fs}, st.lists(inner, max_size=3)),
+        st.builds(lambda fs: {"or": fs}, st.lists(inner, max_size=3)),
+        st.builds(lambda f: {"not": f}, inner),
+        st.builds(lambda a, b: {**a, **b}, inner, inner),
+    ),
+    max_leaves=8,
+)
 
 #: (prefix, suffix) wrapping a filter text n times: deep nesting without building it as objects
-WRAPS = [("[", "]"), ('{"not":', "}"), ('{"and":[', "]}"), ('{"or":[{"tag":"apps"},', "]}"),
-         ('{"count":{"in":[', "]}}")]
+WRAPS = [
+    ("[", "]"),
+    ('{"not":', "}"),
+    ('{"and":[', "]}"),
+    ('{"or":[{"tag":"apps"},', "]}"),
+    ('{"count":{"in":[', "]}}"),
+]
 
 
 @st.composite
@@ -239,6 +312,7 @@ def filter_text(draw) -> str:
 
 # ---- the served index: synthetic items with one user field of each type ---------------------------------
 
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, api_dataset):
     base = tmp_path_factory.mktemp("filter_property")
@@ -249,7 +323,7 @@ def served(tmp_path_factory, api_dataset):
         if n % 7:
             row["tag"] = TAGS[n % len(TAGS)]
         if n % 5:
-            row["count"] = [-5, 0, 1, 3, 2 ** 60, 6][n % 6]
+            row["count"] = [-5, 0, 1, 3, 2**60, 6][n % 6]
         if n % 3:
             row["score"] = [-0.0, 1e-300, -2.5, 1.5e300, 0.25][n % 5]
         if n % 4:
@@ -257,8 +331,12 @@ def served(tmp_path_factory, api_dataset):
         lines.append(json.dumps(row))
     (base / "user.jsonl").write_text("\n".join(lines) + "\n")
     ck = make_checkpoint(base / "encoder.safetensors", seed=3)
-    build_index(ck, api_dataset, base / "index",
-                BuildOptions(progress=False, metadata=load_user_metadata(base / "user.jsonl")))
+    build_index(
+        ck,
+        api_dataset,
+        base / "index",
+        BuildOptions(progress=False, metadata=load_user_metadata(base / "user.jsonl")),
+    )
     app = create_app(Settings(index_root=base / "index", admin_token=ADMIN_TOKEN))
     with TestClient(app, raise_server_exceptions=False) as client:
         info = client.get("/v1/index").json()
@@ -266,42 +344,72 @@ def served(tmp_path_factory, api_dataset):
         assert {k: types[k] for k in FIELDS} == FIELDS
         items = [client.get(f"/v1/items/{i}").json()["fields"] for i in ids]
         assert sum("flag" in it for it in items) == sum(1 for n in range(len(ids)) if n % 4)
-        yield {"client": client, "types": types, "items": items, "ids": ids, "dim": info["dim"],
-               "png": png_bytes(api_dataset.image(0)), "vector": [1.0] + [0.0] * (info["dim"] - 1)}
+        yield {
+            "client": client,
+            "types": types,
+            "items": items,
+            "ids": ids,
+            "dim": info["dim"],
+            "png": png_bytes(api_dataset.image(0)),
+            "vector": [1.0] + [0.0] * (info["dim"] - 1),
+        }
 
 
 def _send(served, route: str, text: str):
     client, vector = served["client"], json.dumps(served["vector"])
     if route == "vector":
-        return client.post("/v1/search/vector", content=f'{{"vector":{vector},"k":3,"filter":{text}}}',
-                           headers={"content-type": "application/json"})
+        return client.post(
+            "/v1/search/vector",
+            content=f'{{"vector":{vector},"k":3,"filter":{text}}}',
+            headers={"content-type": "application/json"},
+        )
     if route == "item":
-        return client.post("/v1/search/item", content=f'{{"id":{json.dumps(served["ids"][1])},"k":3,'
-                                                       f'"include_self":true,"filter":{text}}}',
-                           headers={"content-type": "application/json"})
+        return client.post(
+            "/v1/search/item",
+            content=f'{{"id":{json.dumps(served["ids"][1])},"k":3,"include_self":true,"filter":{text}}}',
+            headers={"content-type": "application/json"},
+        )
     if route == "batch":
-        return client.post("/v1/search/batch", content=f'{{"vectors":[{vector},{vector}],"k":3,"filter":{text}}}',
-                           headers={"content-type": "application/json"})
+        return client.post(
+            "/v1/search/batch",
+            content=f'{{"vectors":[{vector},{vector}],"k":3,"filter":{text}}}',
+            headers={"content-type": "application/json"},
+        )
     if route == "image":
-        return client.post("/v1/search", files={"file": ("q.png", served["png"], "image/png")},
-                           data={"k": "3", "filter": text})
-    return client.post("/v1/search/batch", files=[("files", ("q.png", served["png"], "image/png"))],
-                       data={"k": "3", "filter": text})
+        return client.post(
+            "/v1/search",
+            files={"file": ("q.png", served["png"], "image/png")},
+            data={"k": "3", "filter": text},
+        )
+    return client.post(
+        "/v1/search/batch",
+        files=[("files", ("q.png", served["png"], "image/png"))],
+        data={"k": "3", "filter": text},
+    )
 
 
 ROUTES = ["vector", "item", "batch", "image", "image_batch"]
 
 
 def test_every_filter_is_answered_as_the_reference_says(served):
-    seen: Counter = Counter()                    # (route, status) -> requests; "some" -> 200s matching some items
+    seen: Counter = Counter()  # (route, status) -> requests; "some" -> 200s matching some items
     slowest = [0.0]
 
     @given(text=filter_text(), route=st.sampled_from(ROUTES))
-    @settings(max_examples=400, deadline=timedelta(seconds=20), database=None, derandomize=True,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+    @settings(
+        max_examples=400,
+        deadline=timedelta(seconds=20),
+        database=None,
+        derandomize=True,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.large_base_example,
+        ],
+    )
     def run(text, route):
         start = time.perf_counter()
-        r = _send(served, route, text)             # the deadline bounds each request (generously: a shared CI box)
+        r = _send(served, route, text)  # the deadline bounds each request (generously: a shared CI box)
         slowest[0] = max(slowest[0], time.perf_counter() - start)
         assert r.status_code < 500, r.text
         multipart = route.startswith("image")
@@ -317,8 +425,11 @@ def test_every_filter_is_answered_as_the_reference_says(served):
         seen["some"] += matched is not None and 0 < matched < len(served["items"])
 
     run()
-    print("filter property test, requests by (route, status):", dict(sorted(seen.items(), key=str)),
-          f"slowest request {slowest[0]:.3f} s")
+    print(
+        "filter property test, requests by (route, status):",
+        dict(sorted(seen.items(), key=str)),
+        f"slowest request {slowest[0]:.3f} s",
+    )
     # the examples reached every outcome on every route: answered filters (some selecting a proper
     # subset), refused ones (422) and ones nested too deep or unreadable (400)
     for route in ROUTES:

@@ -1,4 +1,5 @@
 """Filters, batches and the Python client on a served folder index with class folders (real PNG files)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,16 @@ def _dense(version, vector, rows, tau):
 
 def test_index_lists_fields_and_items_carry_them(ss, folder_index):
     fields = ss.index().fields
-    assert fields == {"path": "str", "class": "str", "size": "int", "mtime": "float", "width": "int",
-                      "height": "int", "format": "str", "rating": "int"}
+    assert fields == {
+        "path": "str",
+        "class": "str",
+        "size": "int",
+        "mtime": "float",
+        "width": "int",
+        "height": "int",
+        "format": "str",
+        "rating": "int",
+    }
     first = folder_index["ids"][0]
     item = ss.item(first)
     assert item.fields["class"] == first.split("/")[0] and item.fields["width"] == 40
@@ -51,20 +60,26 @@ def test_filtered_search_returns_only_that_class_ranked_as_brute_force(ss, folde
         assert {version.ids[h.row].split("/")[0] for h in answer.results} == {name}
         # the query's own embedding, as the server computed it: vector search with the same filter agrees
         vec_answer = None
-        stored = version.embeddings[version.ids.index(query_file.relative_to(folder_index["folder"]).as_posix())]
+        stored = version.embeddings[
+            version.ids.index(query_file.relative_to(folder_index["folder"]).as_posix())
+        ]
         vec_answer = ss.search_vector(stored.tolist(), k=8, temperature=0.2, filter={"class": name})
         order, p = _dense(version, stored, rows, 0.2)
         assert [h.row for h in vec_answer.results] == order[:8]
         np.testing.assert_allclose([h.probability for h in vec_answer.results], p[:8], rtol=1e-5, atol=1e-9)
         assert abs(sum(p) - 1) < 1e-9 and vec_answer.matched == rows.size
-        assert [h.id for h in answer.results] == [h.id for h in vec_answer.results]   # uploaded copy of the file
+        assert [h.id for h in answer.results] == [
+            h.id for h in vec_answer.results
+        ]  # uploaded copy of the file
 
 
 def test_combined_filters_and_item_search_with_a_filter(ss, folder_index):
     version = folder_index["version"]
     rating = {i: n % 5 for n, i in enumerate(folder_index["ids"])}
     flt = {"and": [{"rating": {"gte": 1, "lt": 3}}, {"not": {"class": "class0"}}]}
-    rows = np.array([r for r, i in enumerate(version.ids) if 1 <= rating[i] < 3 and not i.startswith("class0/")])
+    rows = np.array(
+        [r for r, i in enumerate(version.ids) if 1 <= rating[i] < 3 and not i.startswith("class0/")]
+    )
     item = version.ids[int(rows[0])]
     answer = ss.search_item(item, k=5, temperature=0.3, filter=flt, include_self=True)
     order, p = _dense(version, version.embeddings[int(rows[0])], rows, 0.3)
@@ -76,18 +91,26 @@ def test_combined_filters_and_item_search_with_a_filter(ss, folder_index):
     assert nothing.results == [] and nothing.matched == 0
 
 
-@pytest.mark.parametrize("bad, needle", [({"colour": "red"}, "unknown field 'colour'"),
-                                         ({"rating": "high"}, "field 'rating' is int"),
-                                         ({"class": {"gt": 1}}, "ranges need a numeric field")])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"colour": "red"}, "unknown field 'colour'"),
+        ({"rating": "high"}, "field 'rating' is int"),
+        ({"class": {"gt": 1}}, "ranges need a numeric field"),
+    ],
+)
 def test_bad_filters_are_422_naming_the_field(ss, folder_index, bad, needle):
     with pytest.raises(SoftsearchError) as err:
         ss.search_item(folder_index["ids"][0], k=3, filter=bad)
     assert err.value.status == 422 and err.value.code == "bad_filter" and needle in err.value.detail
-    with pytest.raises(SoftsearchError) as err:   # the multipart route reads the filter as JSON text
+    with pytest.raises(SoftsearchError) as err:  # the multipart route reads the filter as JSON text
         ss.search_image(folder_index["folder"] / folder_index["ids"][0], k=3, filter=bad)
     assert err.value.status == 422 and needle in err.value.detail
-    r = ss.http.post("/v1/search", files={"file": ("q.png", (folder_index["folder"] / folder_index["ids"][0])
-                                                   .read_bytes())}, data={"filter": "{nope"})
+    r = ss.http.post(
+        "/v1/search",
+        files={"file": ("q.png", (folder_index["folder"] / folder_index["ids"][0]).read_bytes())},
+        data={"filter": "{nope"},
+    )
     assert r.status_code == 422 and r.json()["error"] == "bad_filter"
 
 
@@ -100,8 +123,9 @@ def test_batches_answer_each_query_as_the_single_route(ss, folder_index):
     assert len(batch) == 3
     for b, s in zip(batch, singles):
         assert [h.id for h in b.results] == [h.id for h in s.results] and b.n_passed == s.n_passed
-        np.testing.assert_allclose([h.probability for h in b.results], [h.probability for h in s.results],
-                                   rtol=1e-6)
+        np.testing.assert_allclose(
+            [h.probability for h in b.results], [h.probability for h in s.results], rtol=1e-6
+        )
     files = [folder_index["folder"] / folder_index["ids"][r] for r in (3, 40)]
     images = ss.search_batch(images=files, k=3)
     for f, answer in zip(files, images):
@@ -129,19 +153,25 @@ def test_client_raises_server_errors_and_reads_service_routes(ss, folder_index):
     assert ss.reload().version == folder_index["version"].version
 
 
-@pytest.mark.parametrize("kind, params", [("flat", {}), ("ivf-flat", {"nlist": 4}), ("ivf-pq", {"nlist": 4, "m": 4}),
-                                          ("hnsw", {"M": 8})])
+@pytest.mark.parametrize(
+    "kind, params",
+    [("flat", {}), ("ivf-flat", {"nlist": 4}), ("ivf-pq", {"nlist": 4, "m": 4}), ("hnsw", {"M": 8})],
+)
 def test_item_search_equals_vector_search_for_every_index_kind(tmp_path_factory, api_dataset, kind, params):
     """POST /v1/search/item == /v1/search/vector with the item's stored embedding: same ids, same p to 1e-6."""
     from api_helpers import make_checkpoint
+
     from index.build import BuildOptions, build_index
     from index.store import IndexStore
 
     base = tmp_path_factory.mktemp(f"kind-{kind}")
     root = base / "index"
-    build_index(make_checkpoint(base / "enc.safetensors", seed=3), api_dataset, root,
-                BuildOptions(kind=kind, params=params,
-                             progress=False, force=True))
+    build_index(
+        make_checkpoint(base / "enc.safetensors", seed=3),
+        api_dataset,
+        root,
+        BuildOptions(kind=kind, params=params, progress=False, force=True),
+    )
     version = IndexStore(root).load(verify=False, gpu=False)
     with TestClient(create_app(Settings(index_root=root))) as http:
         ss = SoftsearchClient(http=http)
@@ -150,5 +180,9 @@ def test_item_search_equals_vector_search_for_every_index_kind(tmp_path_factory,
             ref = ss.search_vector(vector, k=7, temperature=0.2)
             got = ss.search_item(version.ids[row], k=7, temperature=0.2, include_self=True)
             assert [h.id for h in got.results] == [h.id for h in ref.results]
-            np.testing.assert_allclose([h.probability for h in got.results], [h.probability for h in ref.results],
-                                       rtol=1e-6, atol=1e-12)
+            np.testing.assert_allclose(
+                [h.probability for h in got.results],
+                [h.probability for h in ref.results],
+                rtol=1e-6,
+                atol=1e-12,
+            )

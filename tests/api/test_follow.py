@@ -1,5 +1,6 @@
 """Each serving process follows the store's `current` pointer (api/swap.py): an activation is served
 without an admin reload; a version that cannot be loaded is refused once and the old one keeps serving."""
+
 from __future__ import annotations
 
 import time
@@ -40,9 +41,11 @@ def test_follows_current_and_refuses_a_broken_version_once(tmp_path):
 
         v3 = build_index(ck_c, ds, root, BuildOptions(progress=False, activate=False))
         store = IndexStore(root)
-        with open(store.path(v3) / "ids.json", "r+b") as fh:  # damaged on disk: its checksum no longer matches
+        with open(
+            store.path(v3) / "ids.json", "r+b"
+        ) as fh:  # damaged on disk: its checksum no longer matches
             fh.write(b"{")
-        store.activate(v3, verify=False)   # the pointer moves to it; the server cannot load it
+        store.activate(v3, verify=False)  # the pointer moves to it; the server cannot load it
         _wait_for(lambda: (metrics.sample("softsearch_index_reloads_total", result="refused") or 0) >= 1)
         time.sleep(0.5)  # ten more polls: refused once, not retried while `current` stays put
         assert metrics.sample("softsearch_index_reloads_total", result="refused") == 1

@@ -1,5 +1,6 @@
 """Hot swap under load on a real uvicorn server: 16 clients query continuously while the index
 is rebuilt and swapped 5 times; zero failed requests, every answer matches its reported version."""
+
 from __future__ import annotations
 
 import time
@@ -41,20 +42,32 @@ def test_hot_swap_under_load(tmp_path):
     root = tmp_path / "index"
     # each swap changes encoder, size or dimension, so answers really differ between versions
     plan = [(ck_a, 100), (ck_b, 80), (ck_wide, 90), (ck_a, 60), (ck_b, 110), (ck_wide, 70)]
-    first = build_index(plan[0][0], create_dataset("synthetic", split="train", size=plan[0][1], seed=0), root,
-                        BuildOptions(progress=False))
+    first = build_index(
+        plan[0][0],
+        create_dataset("synthetic", split="train", size=plan[0][1], seed=0),
+        root,
+        BuildOptions(progress=False),
+    )
     queries = create_dataset("synthetic", split="test", size=8, seed=0)
     images = [queries.image(i) for i in range(len(queries))]
     payloads = [png_bytes(im) for im in images]
 
-    app = create_app(Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2))
+    app = create_app(
+        Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2)
+    )
     versions = [first]
     with ServerThread(app) as server, SearchClients(server.url, payloads, CLIENTS, K) as load:
         with httpx.Client(base_url=server.url, timeout=60) as admin:
-            for ck, size in plan[1:SWAPS + 1]:
+            for ck, size in plan[1 : SWAPS + 1]:
                 time.sleep(0.5)
-                versions.append(build_index(ck, create_dataset("synthetic", split="train", size=size, seed=0), root,
-                                            BuildOptions(progress=False)))
+                versions.append(
+                    build_index(
+                        ck,
+                        create_dataset("synthetic", split="train", size=size, seed=0),
+                        root,
+                        BuildOptions(progress=False),
+                    )
+                )
                 r = admin.post("/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
                 assert r.status_code == 200 and r.json()["version"] == versions[-1], r.text
                 load.wait_for(CLIENTS)  # queries on this version

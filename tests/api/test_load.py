@@ -1,4 +1,5 @@
 """Bounded load test: `softsearch serve` in a subprocess, 32 concurrent clients on loopback."""
+
 from __future__ import annotations
 
 import httpx
@@ -18,18 +19,26 @@ def test_32_clients_zero_errors(api_index, api_dataset, tmp_path):
         payloads = [png_bytes(api_dataset.image(i)) for i in range(16)]
 
         def send(http, rng):
-            return http.post("/v1/search", files={"file": ("q.png", payloads[int(rng.integers(16))], "image/png")},
-                             data={"k": "10"})
+            return http.post(
+                "/v1/search",
+                files={"file": ("q.png", payloads[int(rng.integers(16))], "image/png")},
+                data={"k": "10"},
+            )
 
         res = run_load(url, CLIENTS, DURATION_S, send)
         lat = res["latencies"]
-        print(f"\nload: {CLIENTS} clients x {DURATION_S:.0f} s: {res['requests']} requests, {res['qps']:.1f} req/s, "
-              f"p50 {percentile(lat, 50) * 1e3:.1f} ms, p99 {percentile(lat, 99) * 1e3:.1f} ms, "
-              f"errors {len(res['errors'])}")
+        print(
+            f"\nload: {CLIENTS} clients x {DURATION_S:.0f} s: {res['requests']} requests, {res['qps']:.1f} req/s, "
+            f"p50 {percentile(lat, 50) * 1e3:.1f} ms, p99 {percentile(lat, 99) * 1e3:.1f} ms, "
+            f"errors {len(res['errors'])}"
+        )
         assert not res["errors"], res["errors"][:5]
         assert res["requests"] >= CLIENTS
         metrics = httpx.get(url + "/metrics").text
-        batch_sum = next(float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("softsearch_batch_size_sum"))
-        batch_count = next(float(l.split()[-1]) for l in metrics.splitlines()
-                           if l.startswith("softsearch_batch_size_count"))
+        batch_sum = next(
+            float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("softsearch_batch_size_sum")
+        )
+        batch_count = next(
+            float(l.split()[-1]) for l in metrics.splitlines() if l.startswith("softsearch_batch_size_count")
+        )
         assert batch_sum == res["requests"] and batch_sum / batch_count > 1  # load was batched

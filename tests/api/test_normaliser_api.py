@@ -1,5 +1,6 @@
 """The normaliser setting through the HTTP API: the response's log Z, its bound and method, against a
 dense float64 softmax over the stored embeddings; bad values stop the server before it starts."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ def test_search_response_carries_the_normaliser_and_its_bound(make_client, api_i
     assert norm["method"] == (normaliser or "exact").replace("auto", "exact")
     ref = _dense_log_z(api_index, vector, 0.3)
     assert body["log_normaliser"] == pytest.approx(ref, abs=1e-5)
-    assert body["log_normalizer"] == body["log_normaliser"]   # the old spelling, kept on the wire
+    assert body["log_normalizer"] == body["log_normaliser"]  # the old spelling, kept on the wire
     assert norm["lower"] - 1e-5 <= ref <= norm["upper"] + 1e-5
     assert norm["interval"] is None and norm["level"] is None and norm["rows"] == body["count"]
     for h in body["results"]:
@@ -56,7 +57,7 @@ def test_bad_normaliser_setting_stops_start_up(capsys):
 def test_mapped_pages_setting_reaches_the_searcher(make_client, capsys):
     from api.server import build_parser, main
 
-    def settings_flags(argv):   # the serve flags that are Settings (main() takes the --engine ones apart)
+    def settings_flags(argv):  # the serve flags that are Settings (main() takes the --engine ones apart)
         return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k in Settings.model_fields}
 
     assert load_settings(settings_flags(["--mapped-pages", "keep"]), environ={}).mapped_pages == "keep"
@@ -68,6 +69,8 @@ def test_mapped_pages_setting_reaches_the_searcher(make_client, capsys):
     # (setting, normaliser) -> does the exact scan / the bounded estimate release the pages it read
     for setting, exact, bounded in (("auto", True, False), ("release", True, True), ("keep", False, False)):
         snapshot = make_client(mapped_pages=setting).app.state.searcher.snapshot()
-        assert snapshot.release_pages is exact                                   # auto -> exact here
-        bounded_snapshot = make_client(mapped_pages=setting, normaliser="bounded").app.state.searcher.snapshot()
+        assert snapshot.release_pages is exact  # auto -> exact here
+        bounded_snapshot = make_client(
+            mapped_pages=setting, normaliser="bounded"
+        ).app.state.searcher.snapshot()
         assert bounded_snapshot.normaliser.describe()["release_pages"] is bounded

@@ -1,6 +1,7 @@
 """`index build --encoder open_clip:NAME --pretrained FILE` keeps the weights file's text tower: text queries
 then equal open_clip's own encode_text (random weights written to a file; nothing downloaded), and the text
 temperature is calibrated on the folder's sidecar captions."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,19 +22,40 @@ SIZE = 64
 def test_pretrained_index_keeps_the_text_tower(tmp_path, open_clip_weights, make_image_folder):
     folder = make_image_folder(tmp_path / "photos", count=12, classes=3, size=SIZE)
     files = sorted(p for p in folder.rglob("*.png"))
-    for n, p in enumerate(files[:8]):   # sidecar captions (the Tux Paint layout) for 8 of the 12 images
+    for n, p in enumerate(files[:8]):  # sidecar captions (the Tux Paint layout) for 8 of the 12 images
         p.with_suffix(".txt").write_text(f"picture number {n}\nfr.utf8=image {n}\n")
     weights = open_clip_weights["files"]["safetensors"]
     root = tmp_path / "index"
-    assert main(["index", "build", "--root", str(root), "--encoder", f"open_clip:{open_clip_weights['name']}",
-                 "--pretrained", str(weights), "--image-size", str(SIZE), "--dataset", "folder",
-                 "--data-root", str(folder), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "index",
+                "build",
+                "--root",
+                str(root),
+                "--encoder",
+                f"open_clip:{open_clip_weights['name']}",
+                "--pretrained",
+                str(weights),
+                "--image-size",
+                str(SIZE),
+                "--dataset",
+                "folder",
+                "--data-root",
+                str(folder),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     version = IndexStore(root).load()
     record = version.manifest.extra["text"]
     assert record["tower"]["model_name"] == open_clip_weights["name"] and record["exact"] is False
     assert record["n_queries"] == 8 and record["temperature"] > 0
 
-    model = open_clip.create_model(open_clip_weights["name"], pretrained=str(weights), pretrained_text=False).eval()
+    model = open_clip.create_model(
+        open_clip_weights["name"], pretrained=str(weights), pretrained_text=False
+    ).eval()
     tokenizer = open_clip.get_tokenizer(open_clip_weights["name"])
     text = "a photo of a red square"
     with torch.no_grad():

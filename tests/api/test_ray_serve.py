@@ -1,6 +1,7 @@
 """`serve --engine ray`: a 2-shard version on a local Ray Serve answers every search route with the ids and
 probabilities of the single-node server over the unsharded version (to 1e-6); a killed shard replica gives 503
 naming the shard, never renormalised probabilities, and Ray brings it back."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,7 @@ from index.options import CommitOptions  # noqa: E402
 from index.shards import reshard  # noqa: E402
 from index.store import IndexStore  # noqa: E402
 
-pytestmark = pytest.mark.slow   # a local Ray cluster and three Serve replicas start in ~40-60 s on 2 cores
+pytestmark = pytest.mark.slow  # a local Ray cluster and three Serve replicas start in ~40-60 s on 2 cores
 
 SHARDS = 2
 
@@ -40,17 +41,21 @@ def ray_app(api_dataset, tmp_path_factory):
     a copy of it resharded into 2 shards served on Ray Serve, single-node TestClients over the unsharded
     version (the reference) and over the sharded one (in-process fan-out)."""
     import httpx
+    from api_helpers import ADMIN_TOKEN, make_checkpoint
 
     from api.ray_serve import APP_NAME, build_app
-    from api_helpers import ADMIN_TOKEN, make_checkpoint
     from index.build import BuildOptions, build_index
     from index.metadata import Metadata
 
     base = tmp_path_factory.mktemp("ray_store")
     whole = base / "whole"
     user = Metadata({"group": "int"}, {iid: {"group": n % 3} for n, iid in enumerate(api_dataset.item_ids())})
-    build_index(make_checkpoint(base / "encoder.safetensors", seed=7), api_dataset, whole,
-                BuildOptions(progress=False, metadata=user))
+    build_index(
+        make_checkpoint(base / "encoder.safetensors", seed=7),
+        api_dataset,
+        whole,
+        BuildOptions(progress=False, metadata=user),
+    )
     root = base / "sharded"
     shutil.copytree(whole, root)
     version = reshard(root, SHARDS)
@@ -58,9 +63,16 @@ def ray_app(api_dataset, tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"index_root": str(root), "watch_interval_s": 0, "admin_token": ADMIN_TOKEN}, SHARDS,
-                        timeout_s=5.0, health_check_period_s=1.0),
-              name=APP_NAME, route_prefix="/")
+    serve.run(
+        build_app(
+            {"index_root": str(root), "watch_interval_s": 0, "admin_token": ADMIN_TOKEN},
+            SHARDS,
+            timeout_s=5.0,
+            health_check_period_s=1.0,
+        ),
+        name=APP_NAME,
+        route_prefix="/",
+    )
     reference = TestClient(create_app(Settings(index_root=whole, watch_interval_s=0)))
     reference.__enter__()
     sharded_local = TestClient(create_app(Settings(index_root=root, watch_interval_s=0)))
@@ -77,10 +89,15 @@ def ray_app(api_dataset, tmp_path_factory):
 def _same(got: dict, ref: dict, version: str):
     assert got["version"] == version
     assert [h["id"] for h in got["results"]] == [h["id"] for h in ref["results"]]
-    np.testing.assert_allclose([h["probability"] for h in got["results"]],
-                               [h["probability"] for h in ref["results"]], atol=1e-6, rtol=0)
-    np.testing.assert_allclose([h["similarity"] for h in got["results"]],
-                               [h["similarity"] for h in ref["results"]], atol=1e-6)
+    np.testing.assert_allclose(
+        [h["probability"] for h in got["results"]],
+        [h["probability"] for h in ref["results"]],
+        atol=1e-6,
+        rtol=0,
+    )
+    np.testing.assert_allclose(
+        [h["similarity"] for h in got["results"]], [h["similarity"] for h in ref["results"]], atol=1e-6
+    )
     assert got["log_normaliser"] == pytest.approx(ref["log_normaliser"], abs=1e-6)
     assert got["count"] == ref["count"] and got.get("matched") == ref.get("matched")
     assert got.get("self_rank") == ref.get("self_rank") and got["n_passed"] == ref["n_passed"]
@@ -90,12 +107,16 @@ def test_vector_item_batch_and_image_routes_equal_the_single_node_server(ray_app
     """Every search route (filters, cut-offs and pages included) on Ray equals the single-node server."""
     c, ref, local, version = ray_app["client"], ray_app["reference"], ray_app["local"], ray_app["version"]
     rng = np.random.default_rng(11)
-    bodies = [{"vector": rng.normal(size=16).tolist(), "k": 10},
-              {"vector": rng.normal(size=16).tolist(), "k": 7, "temperature": 0.05, "offset": 3},
-              {"vector": rng.normal(size=16).tolist(), "k": 100, "temperature": 1.0, "mass": 0.5},
-              {"vector": rng.normal(size=16).tolist(), "k": 5, "min_probability": 0.01}]
-    bodies += [{"vector": rng.normal(size=16).tolist(), "k": 6, "filter": {"group": 1}},          # rows in both shards
-               {"vector": rng.normal(size=16).tolist(), "k": 4, "filter": {"group": {"in": [0, 2]}}, "offset": 2}]
+    bodies = [
+        {"vector": rng.normal(size=16).tolist(), "k": 10},
+        {"vector": rng.normal(size=16).tolist(), "k": 7, "temperature": 0.05, "offset": 3},
+        {"vector": rng.normal(size=16).tolist(), "k": 100, "temperature": 1.0, "mass": 0.5},
+        {"vector": rng.normal(size=16).tolist(), "k": 5, "min_probability": 0.01},
+    ]
+    bodies += [
+        {"vector": rng.normal(size=16).tolist(), "k": 6, "filter": {"group": 1}},  # rows in both shards
+        {"vector": rng.normal(size=16).tolist(), "k": 4, "filter": {"group": {"in": [0, 2]}}, "offset": 2},
+    ]
     for body in bodies:
         want = ref.post("/v1/search/vector", json=body)
         if "filter" in body:
@@ -103,7 +124,7 @@ def test_vector_item_batch_and_image_routes_equal_the_single_node_server(ray_app
         got = c.post("/v1/search/vector", json=body)
         assert got.status_code == want.status_code == 200, (got.text, want.text)
         _same(got.json(), want.json(), version)
-        _same(local.post("/v1/search/vector", json=body).json(), want.json(), version)   # in-process fan-out
+        _same(local.post("/v1/search/vector", json=body).json(), want.json(), version)  # in-process fan-out
     ids = IndexStore(ray_app["root"]).load(verify=False).ids
     for item, extra in ((ids[3], {}), (ids[70], {"include_self": True}), (ids[119], {"temperature": 0.3})):
         body = {"id": item, "k": 5, **extra}
@@ -119,18 +140,20 @@ def test_vector_item_batch_and_image_routes_equal_the_single_node_server(ray_app
     buf = io.BytesIO()
     api_dataset.image(5).save(buf, format="PNG")
     files = {"file": ("q.png", buf.getvalue(), "image/png")}
-    want, got = ref.post("/v1/search", files=files, data={"k": "5"}), c.post("/v1/search", files=files, data={"k": "5"})
+    want, got = (
+        ref.post("/v1/search", files=files, data={"k": "5"}),
+        c.post("/v1/search", files=files, data={"k": "5"}),
+    )
     assert got.status_code == 200, got.text
     _same(got.json(), want.json(), version)
     bad = c.post("/v1/search/vector", json={"vector": [1.0, 2.0], "k": 3})
-    assert bad.status_code == 422 and bad.json()["error"]   # validation answered by the same app
+    assert bad.status_code == 422 and bad.json()["error"]  # validation answered by the same app
 
 
 def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_app):
     """POST /v1/admin/reload to a second sharded version while 3 clients query: 0 failed requests, every answer
     names one version and equals the reference, and after the reload only the new version answers."""
     import httpx
-
     from api_helpers import ADMIN_TOKEN
 
     c, ref, old = ray_app["client"], ray_app["reference"], ray_app["version"]
@@ -168,13 +191,16 @@ def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_ap
     assert r.json()["version"] == new and r.json()["previous"] == old
     assert failures == []
     assert {v for _, v in seen} == {old, new}
-    assert all(v == new for t, v in seen if t > done + 0.5)   # answers started after the swap: the new version
+    assert all(v == new for t, v in seen if t > done + 0.5)  # answers started after the swap: the new version
     assert len(seen) > 20
 
 
 def _replica_actors(shard: str) -> list:
-    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
-             if "SERVE_REPLICA" in a["name"] and f"#{shard}#" in a["name"]]
+    names = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "SERVE_REPLICA" in a["name"] and f"#{shard}#" in a["name"]
+    ]
     return [ray.get_actor(a["name"], namespace=a["namespace"]) for a in names]
 
 
@@ -183,7 +209,7 @@ def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
     naming it (no results); a replica the controller replaces within the timeout answers, and then rightly; once
     replaced, the same answer as before. Never probabilities renormalised over the other shard."""
     c, ref = ray_app["client"], ray_app["reference"]
-    version = IndexStore(ray_app["root"]).current_version()   # the one served (a swap test may have moved it)
+    version = IndexStore(ray_app["root"]).current_version()  # the one served (a swap test may have moved it)
     body = {"vector": np.linspace(-1, 1, 16).tolist(), "k": 5}
     want = ref.post("/v1/search/vector", json=body).json()
     _same(c.post("/v1/search/vector", json=body).json(), want, version)
@@ -200,20 +226,20 @@ def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
         if r.status_code != 200 or time.monotonic() > deadline:
             break
         _same(r.json(), want, version)
-        with contextlib.suppress(ValueError):   # a replica that died between the listing and the lookup
+        with contextlib.suppress(ValueError):  # a replica that died between the listing and the lookup
             actors = _replica_actors("shard-001")
     if r.status_code != 200:
         assert r.status_code == 503, r.text
         assert r.json()["error"] == "shard_unavailable" and r.json()["shard"] == "shard-001"
         assert "shard-001" in r.json()["detail"] and "results" not in r.json()
-    deadline = time.monotonic() + 120   # the Serve controller replaces the dead replica
+    deadline = time.monotonic() + 120  # the Serve controller replaces the dead replica
     statuses = []
     while time.monotonic() < deadline:
         r = c.post("/v1/search/vector", json=body)
         statuses.append(r.status_code)
         if r.status_code == 200:
             break
-        assert r.status_code == 503 and r.json()["shard"] == "shard-001", r.text   # never a partial answer
+        assert r.status_code == 503 and r.json()["shard"] == "shard-001", r.text  # never a partial answer
         time.sleep(1.0)
     assert r.status_code == 200, statuses
     _same(r.json(), want, version)
@@ -233,16 +259,18 @@ def test_a_shard_that_stays_down_gives_503_naming_it_until_its_files_return(ray_
     _same(c.post("/v1/search/vector", json=body).json(), want, version)
     shard_dir.rename(away)
     try:
-        deadline = time.monotonic() + 90   # the health checks (every 1 s) mark the replica down, Serve replaces it
+        deadline = (
+            time.monotonic() + 90
+        )  # the health checks (every 1 s) mark the replica down, Serve replaces it
         while True:
             r = c.post("/v1/search/vector", json=body)
             if r.status_code != 200:
                 break
-            _same(r.json(), want, version)   # the old replica still answered, and rightly
+            _same(r.json(), want, version)  # the old replica still answered, and rightly
             assert time.monotonic() < deadline, "shard-001 never went down"
             time.sleep(0.5)
         down_since, answers = time.monotonic(), []
-        while time.monotonic() < down_since + 15:   # and it stays down: 503 naming it, every time
+        while time.monotonic() < down_since + 15:  # and it stays down: 503 naming it, every time
             answers.append(c.post("/v1/search/vector", json=body))
         for r in [r, *answers]:
             assert r.status_code == 503, r.text
@@ -252,7 +280,7 @@ def test_a_shard_that_stays_down_gives_503_naming_it_until_its_files_return(ray_
     finally:
         away.rename(shard_dir)
     deadline, statuses = time.monotonic() + 120, []
-    while time.monotonic() < deadline:   # a replacement now passes its first health check and loads the shard
+    while time.monotonic() < deadline:  # a replacement now passes its first health check and loads the shard
         r = c.post("/v1/search/vector", json=body)
         statuses.append(r.status_code)
         if r.status_code == 200:

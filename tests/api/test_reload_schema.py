@@ -1,4 +1,5 @@
 """The admin reload body is strict: the OpenAPI schema says `force` is a boolean, so 0/1/"yes" are refused."""
+
 import pytest
 from pydantic import ValidationError
 

@@ -8,6 +8,7 @@ Bounded for the suite: 30 examples per operation and phase, and the coverage pha
 value of every keyword) is left out on the three JSON search routes, whose schema is the whole filter
 grammar over eight fields (about 16 minutes there alone); their filters get the fuzzing phase here and
 the reference property test (test_filter_property.py)."""
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,10 @@ def _suite_config(path: Path) -> Path:
     text = (ROOT / "schemathesis.toml").read_text()
     assert re.search(r'^hooks = "tests/api/schemathesis_hooks.py"$', text, re.M), text
     text = text.replace('"tests/api/schemathesis_hooks.py"', f'"{HOOKS}"')
-    path.write_text(text + '\n[[operations]]\ninclude-path-regex = "^/v1/search/(vector|item|batch)$"\n'
-                           "phases.coverage.enabled = false\n")
+    path.write_text(
+        text + '\n[[operations]]\ninclude-path-regex = "^/v1/search/(vector|item|batch)$"\n'
+        "phases.coverage.enabled = false\n"
+    )
     return path
 
 
@@ -49,24 +52,55 @@ def test_schemathesis_with_every_check_is_clean_on_every_route(folder_index, tmp
     report = tmp_path / "report"
     with ServerThread(app) as server:
         run = subprocess.run(
-            [str(SCHEMATHESIS), "--config-file", str(_suite_config(tmp_path / "schemathesis.toml")), "run",
-             f"{server.url}/openapi.json", "--checks", "all", "--max-examples", str(EXAMPLES), "--seed", "1",
-             "--report", "junit", "--report-dir", str(report)],
-            cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_COLOR": "1"})
+            [
+                str(SCHEMATHESIS),
+                "--config-file",
+                str(_suite_config(tmp_path / "schemathesis.toml")),
+                "run",
+                f"{server.url}/openapi.json",
+                "--checks",
+                "all",
+                "--max-examples",
+                str(EXAMPLES),
+                "--seed",
+                "1",
+                "--report",
+                "junit",
+                "--report-dir",
+                str(report),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     generated = int(re.search(r"(\d+) generated", out).group(1))
     print(f"schemathesis --checks all: {generated} cases, clean")
     # every operation ran, the item routes included, none failed or errored
     cases = {c.get("name"): c for c in ET.parse(next(report.glob("*.xml"))).getroot().iter("testcase")}
-    assert {"GET /v1/items/{item_id}", "GET /v1/items/{item_id}/thumbnail", "POST /v1/search",
-            "POST /v1/search/batch", "POST /v1/search/vector", "POST /v1/search/item", "GET /v1/items"} <= set(cases)
+    assert {
+        "GET /v1/items/{item_id}",
+        "GET /v1/items/{item_id}/thumbnail",
+        "POST /v1/search",
+        "POST /v1/search/batch",
+        "POST /v1/search/vector",
+        "POST /v1/search/item",
+        "GET /v1/items",
+    } <= set(cases)
     assert len(cases) >= 14
-    assert not [name for name, c in cases.items() if c.find("failure") is not None or c.find("error") is not None]
+    assert not [
+        name for name, c in cases.items() if c.find("failure") is not None or c.find("error") is not None
+    ]
     # the requests reached the handlers: image searches answered 200 (the hooks' files decoded), refusals
     # were 4xx, and nothing was a 5xx
-    counts = {(s.labels["route"], s.labels["method"], s.labels["status"]): s.value
-              for metric in app.state.metrics.requests.collect() for s in metric.samples}
+    counts = {
+        (s.labels["route"], s.labels["method"], s.labels["status"]): s.value
+        for metric in app.state.metrics.requests.collect()
+        for s in metric.samples
+    }
     assert not any(status.startswith("5") for (_, _, status) in counts), counts
     for route in ("/v1/search", "/v1/search/batch", "/v1/search/vector", "/v1/search/item"):
         assert counts.get((route, "POST", "200"), 0) > 0, (route, counts)

@@ -1,5 +1,6 @@
 """`softsearch serve` over a sharded version (in-process fan-out): the non-search routes describe it as one
 version of all its items, as they describe the unsharded version it came from."""
+
 from __future__ import annotations
 
 import shutil
@@ -31,11 +32,12 @@ def test_index_items_and_health_routes_describe_one_version(clients):
     assert b["version"] == version and b["count"] == a["count"] == len(ids) and b["dim"] == a["dim"]
     assert b["fields"] == a["fields"] and b["temperature"] == a["temperature"]
     assert [s["count"] for s in b["manifest"]["shards"]] == [40, 40, 40]
-    for item in (ids[0], ids[41], ids[119]):   # one item in each shard
+    for item in (ids[0], ids[41], ids[119]):  # one item in each shard
         got, want = sharded.get(f"/v1/items/{item}"), whole.get(f"/v1/items/{item}")
         assert got.status_code == 200, got.text
-        assert {k: v for k, v in got.json().items() if k != "version"} == \
-            {k: v for k, v in want.json().items() if k != "version"}
+        assert {k: v for k, v in got.json().items() if k != "version"} == {
+            k: v for k, v in want.json().items() if k != "version"
+        }
         thumb = sharded.get(f"/v1/items/{item}/thumbnail")
         assert thumb.status_code == 200 and thumb.content == whole.get(f"/v1/items/{item}/thumbnail").content
     assert sharded.get("/v1/items/no-such-item").status_code == 404

@@ -1,6 +1,7 @@
 """`softsearch index sync --notify` while a real uvicorn server answers 12 clients continuously: the
 folder changes twice, each sync (quality gate, calibration, activation, notify) swaps the server to
 the synced version; zero failed requests, and every answer matches the version it reports."""
+
 from __future__ import annotations
 
 import shutil
@@ -49,32 +50,66 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
         (folder / path.parent.name).mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, folder / path.parent.name / path.name)
     root = tmp_path / "index"
-    assert main(["index", "build", "--root", str(root), "--checkpoint", str(ck), "--dataset", "folder",
-                 "--split", "all", "--data-root", str(folder), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "index",
+                "build",
+                "--root",
+                str(root),
+                "--checkpoint",
+                str(ck),
+                "--dataset",
+                "folder",
+                "--split",
+                "all",
+                "--data-root",
+                str(folder),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     first = IndexStore(root).current_version()
     queries = [Image.open(p).convert("RGB") for p in files[::9]]
     payloads = [png_bytes(im) for im in queries]
 
-    app = create_app(Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2))
+    app = create_app(
+        Settings(index_root=root, admin_token=ADMIN_TOKEN, batch_max_size=16, batch_max_wait_ms=2)
+    )
     versions = [first]
     with ServerThread(app) as server, SearchClients(server.url, payloads, CLIENTS, K) as load:
         for step in range(2):
             time.sleep(0.5)
             current = sorted(folder.rglob("*.png"))
-            for path in current[step::10]:                            # remove ~10 %
+            for path in current[step::10]:  # remove ~10 %
                 path.unlink()
-            for path in current[5 + step::20]:                        # modify ~5 %
+            for path in current[5 + step :: 20]:  # modify ~5 %
                 if path.exists():
                     with Image.open(path) as im:
                         ImageOps.invert(im.convert("RGB")).save(path)
-            for path in files[50 + 10 * step:60 + 10 * step]:         # add new files
+            for path in files[50 + 10 * step : 60 + 10 * step]:  # add new files
                 shutil.copy2(path, folder / path.parent.name / path.name)
-            assert main(["index", "sync", "--root", str(root), "--no-progress", "--notify", server.url,
-                         "--token", ADMIN_TOKEN]) == 0
+            assert (
+                main(
+                    [
+                        "index",
+                        "sync",
+                        "--root",
+                        str(root),
+                        "--no-progress",
+                        "--notify",
+                        server.url,
+                        "--token",
+                        ADMIN_TOKEN,
+                    ]
+                )
+                == 0
+            )
             versions.append(IndexStore(root).current_version())
             assert versions[-1] != versions[-2]
             with httpx.Client(base_url=server.url, timeout=30) as http:
-                assert http.get("/healthz").json()["version"] == versions[-1]   # the server follows
+                assert http.get("/healthz").json()["version"] == versions[-1]  # the server follows
             load.wait_for(CLIENTS)
     results = load.results
 
@@ -87,7 +122,9 @@ def test_sync_with_notify_swaps_under_load(tmp_path, make_image_folder):
         assert [h["id"] for h in body["results"]] == expected[body["version"]][q], (body["version"], q)
     gate = IndexStore(root).manifest(versions[-1]).quality_gate.to_json()
     assert gate["passed"] and gate["serving_version"] == versions[-2]
-    assert "serving_scored_on" in gate   # its own files changed: scored by its settings on the new items
+    assert "serving_scored_on" in gate  # its own files changed: scored by its settings on the new items
     assert len(results) >= 3 * CLIENTS and len(seen) == 3, (len(results), seen)
-    assert create_dataset("folder", split="all", root=str(folder), image_size=32).item_ids() == \
-        IndexStore(root).load().ids
+    assert (
+        create_dataset("folder", split="all", root=str(folder), image_size=32).item_ids()
+        == IndexStore(root).load().ids
+    )

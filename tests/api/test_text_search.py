@@ -1,6 +1,7 @@
 """Text queries end to end: a (briefly) trained image-text checkpoint, `index build` storing the text tower and a
 calibrated text temperature, HTTP text search equal to the offline search and to numpy brute force, the client,
 `softsearch search --text`, and 409 on a version without a text tower."""
+
 from __future__ import annotations
 
 import json
@@ -31,10 +32,18 @@ TEXTS = ["a red disc at the top, light from the east", "light from the south, a 
 @pytest.fixture(scope="module")
 def text_store(tmp_path_factory):
     base = tmp_path_factory.mktemp("text_search")
-    config = TrainConfig(dataset="synthetic", dataset_size=96, steps=3, batch_size=32, warmup_steps=1,
-                         encoder=EncoderConfig(embed_dim=16, width=16, layers=1, heads=2, patch_size=8),
-                         text={"width": 16, "layers": 1, "heads": 2, "context_length": 20},
-                         out_dir=str(base / "run"), progress=False, device="cpu")
+    config = TrainConfig(
+        dataset="synthetic",
+        dataset_size=96,
+        steps=3,
+        batch_size=32,
+        warmup_steps=1,
+        encoder=EncoderConfig(embed_dim=16, width=16, layers=1, heads=2, patch_size=8),
+        text={"width": 16, "layers": 1, "heads": 2, "context_length": 20},
+        out_dir=str(base / "run"),
+        progress=False,
+        device="cpu",
+    )
     ck = train(config)
     ds = create_dataset("synthetic", split="test", size=80, seed=0)
     root = base / "index"
@@ -62,7 +71,7 @@ def test_checkpoint_holds_both_towers(text_store):
     with safe_open(str(text_store["checkpoint"]), framework="pt") as fh:
         keys = set(fh.keys())
     assert {k for k in keys if not k.startswith("text.")} == set(enc.state_dict())
-    assert {k[len("text."):] for k in keys if k.startswith("text.")} == set(text.state_dict())
+    assert {k[len("text.") :] for k in keys if k.startswith("text.")} == set(text.state_dict())
 
 
 def test_manifest_records_calibrated_text_temperature(text_store):
@@ -91,7 +100,9 @@ def test_http_text_search_equals_offline_and_brute_force(ss, text_store):
         answer = client.search_text(t, k=10)
         assert answer.temperature == pytest.approx(tau, rel=1e-12)
         assert [h.id for h in answer.results] == [h.id for h in hits]
-        np.testing.assert_allclose([h.probability for h in answer.results], [h.probability for h in hits], atol=1e-6)
+        np.testing.assert_allclose(
+            [h.probability for h in answer.results], [h.probability for h in hits], atol=1e-6
+        )
         rows, p = _brute(z, text.encode([t])[0], tau)
         assert [h.row for h in answer.results] == rows[:10].tolist()
         np.testing.assert_allclose([h.probability for h in answer.results], p[:10], atol=1e-6)
@@ -104,7 +115,13 @@ def test_text_search_cutoffs_and_bad_input(ss):
     full = client.search_text(TEXTS[0], k=20)
     cut = client.search_text(TEXTS[0], k=20, min_probability=full.results[2].probability)
     assert [h.id for h in cut.results] == [h.id for h in full.results[:3]]
-    for body in ({"text": ""}, {"text": "x", "k": 0}, {"text": "x" * 1001}, {"k": 3}, {"text": "x", "bogus": 1}):
+    for body in (
+        {"text": ""},
+        {"text": "x", "k": 0},
+        {"text": "x" * 1001},
+        {"k": 3},
+        {"text": "x", "bogus": 1},
+    ):
         r = http.post("/v1/search/text", json=body)
         assert r.status_code == 422, body
         assert "detail" in r.json() or "error" in r.json()
@@ -113,7 +130,9 @@ def test_text_search_cutoffs_and_bad_input(ss):
 
 
 def test_cli_search_text_matches_offline(text_store, capsys):
-    assert cli_main(["search", "--index", str(text_store["root"]), "--text", TEXTS[0], "-k", "5", "--json"]) == 0
+    assert (
+        cli_main(["search", "--index", str(text_store["root"]), "--text", TEXTS[0], "-k", "5", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     snap = Searcher(text_store["root"], optimise_encoder=False, load=True).snapshot()
     hits = search_text(snap, [TEXTS[0]], 5)[0]
@@ -127,7 +146,9 @@ def test_version_without_text_tower_answers_409(tmp_path):
 
     ck = make_checkpoint(tmp_path / "enc.safetensors", seed=1)
     root = tmp_path / "index"
-    build_index(ck, create_dataset("synthetic", split="test", size=40, seed=0), root, BuildOptions(progress=False))
+    build_index(
+        ck, create_dataset("synthetic", split="test", size=40, seed=0), root, BuildOptions(progress=False)
+    )
     with TestClient(create_app(Settings(index_root=root))) as http:
         r = http.post("/v1/search/text", json={"text": "a red disc"})
         assert r.status_code == 409
@@ -157,7 +178,7 @@ def test_page_text_box_shows_the_text_search(tmp_path, text_store):
         wait.until(lambda d: d.execute_script(ids_js) == [h.id for h in expected.results])
         meta = driver.find_element(By.ID, "result-meta").text
         shown_tau = float(meta.split("tau ")[1].split()[0])
-        assert shown_tau == pytest.approx(expected.temperature, rel=5e-3)   # the calibrated text temperature
+        assert shown_tau == pytest.approx(expected.temperature, rel=5e-3)  # the calibrated text temperature
         # an empty box says so instead of searching
         driver.find_element(By.ID, "text-query").clear()
         driver.find_element(By.ID, "text-search").click()
@@ -174,7 +195,7 @@ def test_added_and_deleted_versions_keep_the_text_temperature(tmp_path, text_sto
     root = tmp_path / "index"
     shutil.copytree(text_store["root"], root)
     record = text_store["version"].manifest.extra["text"]
-    extra = create_dataset("synthetic", split="test", size=90, seed=0)   # 10 new items after the 80
+    extra = create_dataset("synthetic", split="test", size=90, seed=0)  # 10 new items after the 80
     added = add_items(root, extra, embed=EmbedOptions(progress=False))
     store = IndexStore(root)
     assert store.load(added, verify=False, gpu=False).manifest.extra["text"] == record

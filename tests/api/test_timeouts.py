@@ -1,6 +1,7 @@
 """Slow and idle clients against a real `softsearch serve` (api/timeouts.py): a silent connection, a
 trickled head, a stalled body and an idle keep-alive connection are closed after their timeouts,
 while searches on other connections keep being answered."""
+
 from __future__ import annotations
 
 import json
@@ -33,29 +34,42 @@ def _read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
 
 
 def _search(url: str, image: bytes) -> int:
-    return httpx.post(url + "/v1/search", files={"file": ("q.png", image, "image/png")}, data={"k": "3"},
-                      timeout=30).status_code
+    return httpx.post(
+        url + "/v1/search", files={"file": ("q.png", image, "image/png")}, data={"k": "3"}, timeout=30
+    ).status_code
 
 
 def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, api_dataset, tmp_path):
     image = png_bytes(api_dataset.image(0))
-    with serve_process(api_index["root"], "--header-timeout-s", TIMEOUT_S, "--body-timeout-s", TIMEOUT_S,
-                       "--keep-alive-timeout-s", TIMEOUT_S, log_path=tmp_path / "serve.log") as server:
-        silent = _connect(server.url)                                     # connects, says nothing
-        trickle = _connect(server.url)                                    # half a head, then nothing
+    with serve_process(
+        api_index["root"],
+        "--header-timeout-s",
+        TIMEOUT_S,
+        "--body-timeout-s",
+        TIMEOUT_S,
+        "--keep-alive-timeout-s",
+        TIMEOUT_S,
+        log_path=tmp_path / "serve.log",
+    ) as server:
+        silent = _connect(server.url)  # connects, says nothing
+        trickle = _connect(server.url)  # half a head, then nothing
         trickle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
-        stalled = _connect(server.url)                                    # a head, a tenth of its body
-        head = (f"POST /v1/search HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n"
-                f"Content-Length: 1000\r\n\r\n").encode()
-        stalled.sendall(head + b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"q.png\"\r\n\r\n")
-        idle = _connect(server.url)                                       # one request, then idle
+        stalled = _connect(server.url)  # a head, a tenth of its body
+        head = (
+            "POST /v1/search HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n"
+            "Content-Length: 1000\r\n\r\n"
+        ).encode()
+        stalled.sendall(
+            head + b'--b0undary\r\nContent-Disposition: form-data; name="file"; filename="q.png"\r\n\r\n'
+        )
+        idle = _connect(server.url)  # one request, then idle
         idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         # a slow but punctual client: its head in pieces, all within the deadline, is answered
         punctual = _connect(server.url)
         for piece in (b"GET /healthz HTTP/1.1\r\n", b"Host: x\r\n", b"Connection: close\r\n\r\n"):
             punctual.sendall(piece)
             time.sleep(TIMEOUT_S / 5)
-        assert _search(server.url, image) == 200                          # others are served meanwhile
+        assert _search(server.url, image) == 200  # others are served meanwhile
 
         for sock in (silent, trickle):
             data, waited = _read_until_closed(sock)
@@ -66,7 +80,7 @@ def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, ap
         assert status.startswith(b"HTTP/1.1 408") and b"connection: close" in status.lower(), data
         assert json.loads(body)["error"] == "request_timeout"
         data, _ = _read_until_closed(idle)
-        assert data.startswith(b"HTTP/1.1 200") and data.count(b"HTTP/1.1") == 1   # answered once, then closed
+        assert data.startswith(b"HTTP/1.1 200") and data.count(b"HTTP/1.1") == 1  # answered once, then closed
         data, _ = _read_until_closed(punctual)
         assert data.startswith(b"HTTP/1.1 200"), data
 
@@ -82,7 +96,7 @@ def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, ap
         data, waited = _read_until_closed(late)
         assert data == b"" and waited < TIMEOUT_S + 10
 
-        huge = _connect(server.url)                       # a head still incomplete after h11's 16 KiB
+        huge = _connect(server.url)  # a head still incomplete after h11's 16 KiB
         huge.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000)
         data, _ = _read_until_closed(huge)
         assert data.startswith(b"HTTP/1.1 400")

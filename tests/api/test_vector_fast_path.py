@@ -1,5 +1,6 @@
 """POST /v1/search/vector at serving speed: concurrent queries batched into one exact pass, JSON (orjson)
 and binary float32 bodies; every answer checked against a float64 brute force over the stored vectors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,11 @@ def vector_index(tmp_path_factory):
     np.save(base / "v.npy", emb)
     build_from_vectors(base / "v.npy", base / "index", BuildOptions(kind="flat", force=True, progress=False))
     version = IndexStore(base / "index").load()
-    return {"root": base / "index", "emb": np.asarray(version.embeddings), "tau": version.manifest.temperature}
+    return {
+        "root": base / "index",
+        "emb": np.asarray(version.embeddings),
+        "tau": version.manifest.temperature,
+    }
 
 
 def _brute(emb: np.ndarray, vector: np.ndarray, tau: float, k: int):
@@ -67,8 +72,13 @@ def test_concurrent_json_and_binary_queries_share_passes_and_are_exact(vector_in
             jobs = []
             for i, (v, k) in enumerate(zip(vectors, ks)):
                 if i % 2:
-                    jobs.append(client.post(f"/v1/search/vector?k={k}", content=v.astype("<f4").tobytes(),
-                                            headers={"content-type": "application/octet-stream"}))
+                    jobs.append(
+                        client.post(
+                            f"/v1/search/vector?k={k}",
+                            content=v.astype("<f4").tobytes(),
+                            headers={"content-type": "application/octet-stream"},
+                        )
+                    )
                 else:
                     jobs.append(client.post("/v1/search/vector", json={"vector": v.tolist(), "k": k}))
             return await asyncio.gather(*jobs)
@@ -76,7 +86,7 @@ def test_concurrent_json_and_binary_queries_share_passes_and_are_exact(vector_in
     answers = asyncio.run(go())
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers if r.status_code != 200]
     bodies = [r.json() for r in answers]
-    assert max(b["batch_size"] for b in bodies) > 1          # concurrent queries were batched
+    assert max(b["batch_size"] for b in bodies) > 1  # concurrent queries were batched
     for b, v, k in zip(bodies, vectors, ks):
         _check(b, vector_index["emb"], v, vector_index["tau"], k)
 
@@ -86,10 +96,14 @@ def test_binary_equals_json_and_query_string_fields(vector_index):
 
     v = np.random.default_rng(2).standard_normal(DIM).astype(np.float32)
     with TestClient(_app(vector_index["root"])) as client:
-        as_json = client.post("/v1/search/vector", json={"vector": v.tolist(), "k": 7, "temperature": 0.2,
-                                                         "offset": 2})
-        as_bin = client.post("/v1/search/vector?k=7&temperature=0.2&offset=2", content=v.tobytes(),
-                             headers={"content-type": "application/octet-stream"})
+        as_json = client.post(
+            "/v1/search/vector", json={"vector": v.tolist(), "k": 7, "temperature": 0.2, "offset": 2}
+        )
+        as_bin = client.post(
+            "/v1/search/vector?k=7&temperature=0.2&offset=2",
+            content=v.tobytes(),
+            headers={"content-type": "application/octet-stream"},
+        )
         assert as_json.status_code == as_bin.status_code == 200
         assert as_json.headers["content-type"] == "application/json"
         assert as_json.json() == as_bin.json()
@@ -101,22 +115,27 @@ def test_binary_equals_json_and_query_string_fields(vector_index):
         assert r["k"] == 4 and len(r["results"]) == 4 and r["temperature"] == 0.2
 
 
-@pytest.mark.parametrize("query, body, status, code", [
-    ("k=3", b"\x00\x00\x80", 422, "bad_vector"),                          # not a multiple of 4 bytes
-    ("k=3", np.ones(DIM - 1, dtype="<f4").tobytes(), 422, "bad_vector"),  # wrong dimension
-    ("k=3", np.full(DIM, np.nan, dtype="<f4").tobytes(), 422, "bad_vector"),
-    ("k=3", np.zeros(DIM, dtype="<f4").tobytes(), 422, "bad_vector"),     # no direction
-    ("k=3", b"", 422, "bad_vector"),
-    ("k=0", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
-    ("k=abc", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
-    ("k=3&bogus=1", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
-    ("k=100000", np.ones(DIM, dtype="<f4").tobytes(), 422, "k_out_of_range"),
-])
+@pytest.mark.parametrize(
+    "query, body, status, code",
+    [
+        ("k=3", b"\x00\x00\x80", 422, "bad_vector"),  # not a multiple of 4 bytes
+        ("k=3", np.ones(DIM - 1, dtype="<f4").tobytes(), 422, "bad_vector"),  # wrong dimension
+        ("k=3", np.full(DIM, np.nan, dtype="<f4").tobytes(), 422, "bad_vector"),
+        ("k=3", np.zeros(DIM, dtype="<f4").tobytes(), 422, "bad_vector"),  # no direction
+        ("k=3", b"", 422, "bad_vector"),
+        ("k=0", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
+        ("k=abc", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
+        ("k=3&bogus=1", np.ones(DIM, dtype="<f4").tobytes(), 422, "validation_error"),
+        ("k=100000", np.ones(DIM, dtype="<f4").tobytes(), 422, "k_out_of_range"),
+    ],
+)
 def test_bad_binary_queries_are_4xx_json(vector_index, query, body, status, code):
     from fastapi.testclient import TestClient
 
     with TestClient(_app(vector_index["root"])) as client:
-        r = client.post(f"/v1/search/vector?{query}", content=body, headers={"content-type": "application/octet-stream"})
+        r = client.post(
+            f"/v1/search/vector?{query}", content=body, headers={"content-type": "application/octet-stream"}
+        )
         assert r.status_code == status, r.text
         assert r.json()["error"] == code
 
@@ -126,5 +145,7 @@ def test_openapi_documents_both_bodies(vector_index):
 
     with TestClient(_app(vector_index["root"])) as client:
         op = client.get("/openapi.json").json()["paths"]["/v1/search/vector"]["post"]
-    assert op["requestBody"]["content"]["application/json"]["schema"]["properties"]["vector"]["minItems"] == DIM
+    assert (
+        op["requestBody"]["content"]["application/json"]["schema"]["properties"]["vector"]["minItems"] == DIM
+    )
     assert "application/octet-stream" in op["description"] and "little-endian float32" in op["description"]

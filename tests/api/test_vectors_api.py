@@ -1,5 +1,6 @@
 """A version built from your own vectors, served: vector, item and batch search (with filters) against
 numpy brute force; image routes answer 409 and thumbnails 404 (there is no encoder and no image)."""
+
 from __future__ import annotations
 
 import io
@@ -33,8 +34,21 @@ def vector_store(tmp_path_factory):
         for i in range(N):
             fh.write(json.dumps({"id": str(i), "shard": "a" if i < 1200 else "b", "score": i % 10}) + "\n")
     root = tmp / "store"
-    assert index_main(["build", "--root", str(root), "--no-progress", "--embeddings", str(shards),
-                       "--metadata", str(tmp / "meta.jsonl")]) == 0
+    assert (
+        index_main(
+            [
+                "build",
+                "--root",
+                str(root),
+                "--no-progress",
+                "--embeddings",
+                str(shards),
+                "--metadata",
+                str(tmp / "meta.jsonl"),
+            ]
+        )
+        == 0
+    )
     version = IndexStore(root).load()
     return {"root": root, "z": np.asarray(version.embeddings, np.float64), "version": version.version}
 
@@ -60,7 +74,7 @@ def test_vector_search_is_exact_search_with_exact_probabilities(ss, vector_store
     answer = client.search_vector(q.tolist(), k=10, temperature=0.05)
     rows, s, p = _exact(z, q, np.arange(N), 0.05)
     assert [h.row for h in answer.results] == rows[:10].tolist()
-    assert [h.id for h in answer.results] == [str(r) for r in rows[:10]]   # ids default to the row number
+    assert [h.id for h in answer.results] == [str(r) for r in rows[:10]]  # ids default to the row number
     np.testing.assert_allclose([h.similarity for h in answer.results], s[:10], atol=1e-5)
     np.testing.assert_allclose([h.probability for h in answer.results], p[:10], rtol=1e-4)
 
@@ -69,7 +83,9 @@ def test_filters_item_and_batch_routes(ss, vector_store):
     client, _ = ss
     z = vector_store["z"]
     q = np.random.default_rng(1).normal(size=D)
-    answer = client.search_vector(q.tolist(), k=5, temperature=0.1, filter={"shard": "b", "score": {"gte": 5}})
+    answer = client.search_vector(
+        q.tolist(), k=5, temperature=0.1, filter={"shard": "b", "score": {"gte": 5}}
+    )
     rows = np.array([i for i in range(1200, N) if i % 10 >= 5])
     want, _, p = _exact(z, q, rows, 0.1)
     assert [h.row for h in answer.results] == want[:5].tolist() and answer.matched == len(rows)
@@ -112,18 +128,27 @@ def test_swaps_between_an_image_version_and_a_vector_version(tmp_path):
 
     root = tmp_path / "store"
     ds = create_dataset("synthetic", split="train", size=64, seed=0)
-    v1 = build_index(make_checkpoint(tmp_path / "enc.safetensors", seed=3), ds, root, BuildOptions(progress=False))
+    v1 = build_index(
+        make_checkpoint(tmp_path / "enc.safetensors", seed=3), ds, root, BuildOptions(progress=False)
+    )
     searcher = Searcher(root, load=True)
     image = Image.new("RGB", (32, 32), (10, 200, 30))
     assert len(searcher.search_images([image], 3)[0]) == 3
     x = np.random.default_rng(4).normal(size=(500, 16))
     np.save(tmp_path / "v.npy", x)
-    assert index_main(["build", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "v.npy")],
-                      evaluator=evaluate_version) == 0   # the image evaluator cannot score it: skipped, not failed
+    assert (
+        index_main(
+            ["build", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "v.npy")],
+            evaluator=evaluate_version,
+        )
+        == 0
+    )  # the image evaluator cannot score it: skipped, not failed
     store = IndexStore(root)
     v2 = store.current_version()
     gate = store.manifest(v2).quality_gate.to_json()
-    assert v2 != v1 and gate["passed"] and gate["serving_version"] == v1 and "recall check only" in gate["note"]
+    assert (
+        v2 != v1 and gate["passed"] and gate["serving_version"] == v1 and "recall check only" in gate["note"]
+    )
     result = searcher.reload()
     assert result.version == v2 and searcher.snapshot().encoder is None
     with pytest.raises(NoEncoderError, match="search it with vectors"):

@@ -1,4 +1,5 @@
 """The web page in headless Chromium (selenium): upload an indexed image, get the grid, top = itself."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,15 @@ def _chromium(tmp_path):
     os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager reach the network
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-dev-shm-usage", "--window-size=1280,1000", f"--user-data-dir={tmp_path / 'profile'}"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1000",
+        f"--user-data-dir={tmp_path / 'profile'}",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(60)
@@ -46,8 +54,10 @@ def page_on(app, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)",
+)
 def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -75,17 +85,22 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
         # probability bars are absolute: each bar's width is 100 p % (not scaled to the top hit), and the
         # peakedness line says how far the top hit is above uniform
         widths = driver.execute_script(
-            "return Array.from(document.querySelectorAll('#results .bar.prob span')).map(s => s.style.width);")
+            "return Array.from(document.querySelectorAll('#results .bar.prob span')).map(s => s.style.width);"
+        )
         probs = driver.execute_script(
-            "return Array.from(document.querySelectorAll('#results .result')).map(c => c.innerText);")
+            "return Array.from(document.querySelectorAll('#results .result')).map(c => c.innerText);"
+        )
         shown = [float(t.split("probability ")[1].split()[0]) for t in probs]
         assert len(widths) == 12
         for w, p in zip(widths, shown):
             assert abs(float(w.rstrip("%")) - 100 * p) <= 0.06 + 0.01 * 100 * p
         assert "as probable as a random item" in driver.find_element(By.ID, "peakedness").text
         # thumbnails of the results actually loaded
-        wait.until(lambda d: d.execute_script(
-            "return Array.from(document.querySelectorAll('#results img')).every(i => i.complete && i.naturalWidth > 0)"))
+        wait.until(
+            lambda d: d.execute_script(
+                "return Array.from(document.querySelectorAll('#results img')).every(i => i.complete && i.naturalWidth > 0)"
+            )
+        )
 
         # picking an indexed thumbnail searches with it: its own id comes first
         sample = driver.find_elements(By.CSS_SELECTOR, "#samples img.sample")[0]
@@ -102,20 +117,27 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
         # the API docs render from packaged files (no CDN: this browser has no network): Swagger UI
         # lists the search routes, ReDoc renders the title and an operation
         driver.get(url + "/docs")
-        wait.until(lambda d: d.execute_script(
-            "return document.querySelectorAll('.swagger-ui .opblock').length") >= 5)
+        wait.until(
+            lambda d: d.execute_script("return document.querySelectorAll('.swagger-ui .opblock').length") >= 5
+        )
         paths = driver.execute_script(
-            "return Array.from(document.querySelectorAll('.opblock-summary-path')).map(e => e.innerText);")
+            "return Array.from(document.querySelectorAll('.opblock-summary-path')).map(e => e.innerText);"
+        )
         assert any("/v1/search/item" in p for p in paths), paths
         driver.get(url + "/redoc")
-        wait.until(lambda d: d.execute_script(
-            "return !!document.querySelector('redoc h1') && document.body.innerText.includes('search')"))
+        wait.until(
+            lambda d: d.execute_script(
+                "return !!document.querySelector('redoc h1') && document.body.innerText.includes('search')"
+            )
+        )
     assert (tmp_path / "web_page.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)",
+)
 def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
     """Class picker (from GET /v1/index), path prefix, probability threshold and pages, in the browser."""
     from selenium.webdriver.common.by import By
@@ -127,11 +149,16 @@ def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#filter-class option")) == 4)
         Select(driver.find_element(By.ID, "filter-class")).select_by_value("class1")
         driver.find_element(By.ID, "file").send_keys(str(folder_index["folder"] / folder_index["ids"][0]))
-        wait.until(lambda d: (ids := d.execute_script(ids_js)) and len(ids) == 12
-                   and all(i.startswith("class1/") for i in ids))
+        wait.until(
+            lambda d: (
+                (ids := d.execute_script(ids_js))
+                and len(ids) == 12
+                and all(i.startswith("class1/") for i in ids)
+            )
+        )
         assert "20 match the filter" in driver.find_element(By.ID, "result-meta").text
         first_page = driver.execute_script(ids_js)
-        driver.find_element(By.ID, "next-page").click()   # results 13..20 of the 20 in class1
+        driver.find_element(By.ID, "next-page").click()  # results 13..20 of the 20 in class1
         wait.until(lambda d: (ids := d.execute_script(ids_js)) and ids != first_page and len(ids) == 8)
         assert set(driver.execute_script(ids_js)).isdisjoint(first_page)
         assert driver.find_element(By.ID, "next-page").get_attribute("disabled") is not None
@@ -139,50 +166,68 @@ def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
         Select(driver.find_element(By.ID, "filter-class")).select_by_value("")
         prefix = driver.find_element(By.ID, "filter-prefix")
         prefix.send_keys("class2/")
-        prefix.send_keys("\t")   # change event
-        wait.until(lambda d: (ids := d.execute_script(ids_js)) and all(i.startswith("class2/") for i in ids)
-                   and len(ids) == 12)
+        prefix.send_keys("\t")  # change event
+        wait.until(
+            lambda d: (
+                (ids := d.execute_script(ids_js))
+                and all(i.startswith("class2/") for i in ids)
+                and len(ids) == 12
+            )
+        )
         texts_js = "return Array.from(document.querySelectorAll('#results .result')).map(c => c.innerText);"
         shown = [float(t.split("probability ")[1].split()[0]) for t in driver.execute_script(texts_js)]
-        j = next(j for j in range(2, 11) if shown[j] > shown[j + 1])   # a cut between two distinct values
+        j = next(j for j in range(2, 11) if shown[j] > shown[j + 1])  # a cut between two distinct values
         threshold = driver.find_element(By.ID, "min-probability")
         threshold.send_keys(f"{(shown[j] + shown[j + 1]) / 2:.6g}")
         threshold.send_keys("\t")
         wait.until(lambda d: len(d.execute_script(ids_js)) == j + 1)
         # one short page: the pager is hidden (and, since the hidden attribute now wins, not shown)
-        assert "results 1–%d" % (j + 1) in driver.find_element(By.ID, "page-info").get_attribute("textContent")
+        assert "results 1–%d" % (j + 1) in driver.find_element(By.ID, "page-info").get_attribute(
+            "textContent"
+        )
         assert not driver.find_element(By.ID, "pager").is_displayed()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)")
-def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty_cut_off(tmp_path, folder_index):
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="headless browser test needs Debian 'chromium' and 'chromium-driver' (make system-deps)",
+)
+def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty_cut_off(
+    tmp_path, folder_index
+):
     """Before a search no hidden element shows (no broken query-image icon, no page buttons); the similarity bar
     is max(s, 0) on a labelled 0..1 scale; a cut-off that leaves nothing says so and what to do."""
     from selenium.webdriver.common.by import By
 
-    cards_js = ("return Array.from(document.querySelectorAll('#results .result')).map(c => ({id: c.dataset.id, "
-                "s: parseFloat(c.dataset.similarity), p: parseFloat(c.dataset.probability), "
-                "sim: c.querySelector('.bar.sim span').style.width, prob: c.querySelector('.bar.prob span').style.width}));")
+    cards_js = (
+        "return Array.from(document.querySelectorAll('#results .result')).map(c => ({id: c.dataset.id, "
+        "s: parseFloat(c.dataset.similarity), p: parseFloat(c.dataset.probability), "
+        "sim: c.querySelector('.bar.sim span').style.width, prob: c.querySelector('.bar.prob span').style.width}));"
+    )
     app = create_app(Settings(index_root=folder_index["root"], admin_token=ADMIN_TOKEN))
     with page_on(app, tmp_path) as (driver, wait, url):
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#samples img.sample")) == 16)
-        wait.until(lambda d: d.execute_script(
-            "return Array.from(document.querySelectorAll('#samples img')).every(i => i.complete)"))
+        wait.until(
+            lambda d: d.execute_script(
+                "return Array.from(document.querySelectorAll('#samples img')).every(i => i.complete)"
+            )
+        )
         shown = driver.execute_script(
             "return Array.from(document.querySelectorAll('[hidden]'))"
-            ".filter(e => getComputedStyle(e).display !== 'none').map(e => e.id || e.tagName);")
+            ".filter(e => getComputedStyle(e).display !== 'none').map(e => e.id || e.tagName);"
+        )
         assert shown == [], f"elements with the hidden attribute are displayed: {shown}"
         assert not driver.find_element(By.ID, "query-preview").is_displayed()
         assert not driver.find_element(By.ID, "pager").is_displayed()
         assert not driver.find_element(By.ID, "prev-page").is_displayed()
         broken = driver.execute_script(
             "return Array.from(document.images).filter(i => i.getClientRects().length && "
-            "(!i.getAttribute('src') || (i.complete && i.naturalWidth === 0))).map(i => i.id || i.alt);")
+            "(!i.getAttribute('src') || (i.complete && i.naturalWidth === 0))).map(i => i.id || i.alt);"
+        )
         assert broken == [], f"broken images on the page before any search: {broken}"
 
-        k = driver.find_element(By.ID, "k")   # every item: the far ones have the lowest cosines
+        k = driver.find_element(By.ID, "k")  # every item: the far ones have the lowest cosines
         k.clear()
         k.send_keys("60")
         driver.find_elements(By.CSS_SELECTOR, "#samples img.sample")[0].click()
@@ -191,11 +236,13 @@ def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty
         assert driver.find_element(By.ID, "query-preview").is_displayed()
         # the query is a random sample: any card but its own (s < 0.99) tells (s+1)/2 from max(s, 0) by > 0.5 points
         assert min(c["s"] for c in cards) < 0.99, cards
-        for c in cards:   # the bar is the cosine itself on 0..1 (negatives empty), the probability itself
+        for c in cards:  # the bar is the cosine itself on 0..1 (negatives empty), the probability itself
             assert abs(float(c["sim"].rstrip("%")) - 100 * max(c["s"], 0.0)) <= 0.051, c
             assert abs(float(c["prob"].rstrip("%")) - 100 * c["p"]) <= 0.051, c
         legend = driver.find_element(By.ID, "bar-legend")
-        assert legend.is_displayed() and "cosine similarity" in legend.text and "0 (empty) to 1" in legend.text
+        assert (
+            legend.is_displayed() and "cosine similarity" in legend.text and "0 (empty) to 1" in legend.text
+        )
 
         # a cut-off above every hit's probability: nothing passes, and the page says why and what to do
         top = max(c["p"] for c in cards)
@@ -204,7 +251,7 @@ def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty
         assert float(cut) > top
         box = driver.find_element(By.ID, "min-probability")
         box.send_keys(cut)
-        box.send_keys("\t")   # change event
+        box.send_keys("\t")  # change event
         wait.until(lambda d: d.find_element(By.ID, "results").get_attribute("data-count") == "0")
         note = driver.find_element(By.ID, "no-results").text
         assert f"no result above the cut-off p ≥ {cut}" in note and "lower it" in note, note

@@ -1,5 +1,6 @@
 """`softsearch serve --workers 2` in a subprocess: metrics scraped from any worker add up over both
 workers, and a new version reaches every worker (admin reload hits one; the other follows `current`)."""
+
 from __future__ import annotations
 
 import glob
@@ -25,9 +26,14 @@ def _per_worker_queries(metrics_dir) -> dict[str, float]:
     """{pid: image queries that worker answered}, read from its own sample file."""
     out = {}
     for path in glob.glob(os.path.join(metrics_dir, "counter_*.db")):
-        pid = os.path.basename(path)[len("counter_"):-len(".db")]
-        out[pid] = sum(s.value for m in MultiProcessCollector.merge([path]) if m.name == "softsearch_queries"
-                       for s in m.samples if s.name == "softsearch_queries_total" and s.labels == {"kind": "image"})
+        pid = os.path.basename(path)[len("counter_") : -len(".db")]
+        out[pid] = sum(
+            s.value
+            for m in MultiProcessCollector.merge([path])
+            if m.name == "softsearch_queries"
+            for s in m.samples
+            if s.name == "softsearch_queries_total" and s.labels == {"kind": "image"}
+        )
     return out
 
 
@@ -46,20 +52,38 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
     ck_a = make_checkpoint(tmp_path / "a.safetensors", seed=21)
     ck_b = make_checkpoint(tmp_path / "b.safetensors", seed=22)
     root = tmp_path / "index"
-    v1 = build_index(ck_a, create_dataset("synthetic", split="train", size=64, seed=0), root,
-                     BuildOptions(progress=False))
+    v1 = build_index(
+        ck_a, create_dataset("synthetic", split="train", size=64, seed=0), root, BuildOptions(progress=False)
+    )
     queries = create_dataset("synthetic", split="test", size=8, seed=0)
     payloads = [png_bytes(queries.image(i)) for i in range(len(queries))]
     metrics_dir = tmp_path / "metrics"
     log_path = tmp_path / "server.log"
 
     def search(i: int) -> httpx.Response:  # a fresh connection each time, so any worker may answer
-        return httpx.post(url + "/v1/search", files={"file": ("q.png", payloads[i % len(payloads)], "image/png")},
-                          data={"k": "5"}, headers={"Connection": "close"}, timeout=60)
+        return httpx.post(
+            url + "/v1/search",
+            files={"file": ("q.png", payloads[i % len(payloads)], "image/png")},
+            data={"k": "5"},
+            headers={"Connection": "close"},
+            timeout=60,
+        )
 
-    with serve_process(root, "--workers", WORKERS, "--watch-interval-s", "0.2", "--admin-token", ADMIN_TOKEN,
-                       env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}, log_path=log_path, timeout_s=180,
-                       ready=lambda srv: _scrape_ready(srv.url) >= WORKERS, poll_s=0.5, stop_timeout_s=30) as server:
+    with serve_process(
+        root,
+        "--workers",
+        WORKERS,
+        "--watch-interval-s",
+        "0.2",
+        "--admin-token",
+        ADMIN_TOKEN,
+        env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)},
+        log_path=log_path,
+        timeout_s=180,
+        ready=lambda srv: _scrape_ready(srv.url) >= WORKERS,
+        poll_s=0.5,
+        stop_timeout_s=30,
+    ) as server:
         url = server.url
         sent = 0
         with ThreadPoolExecutor(8) as pool:
@@ -82,9 +106,15 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
             assert m[f'softsearch_index_info{{version="{v1}"}}'] == 1
 
         # a new version: the admin reload reaches one worker, the other follows the store's pointer
-        v2 = build_index(ck_b, create_dataset("synthetic", split="train", size=48, seed=0), root,
-                         BuildOptions(progress=False))
-        r = httpx.post(url + "/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60)
+        v2 = build_index(
+            ck_b,
+            create_dataset("synthetic", split="train", size=48, seed=0),
+            root,
+            BuildOptions(progress=False),
+        )
+        r = httpx.post(
+            url + "/v1/admin/reload", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=60
+        )
         assert r.status_code == 200 and r.json()["version"] == v2, r.text
         deadline = time.monotonic() + 30
         with ThreadPoolExecutor(8) as pool:
@@ -96,7 +126,10 @@ def test_workers_merge_metrics_and_follow_swaps(tmp_path):
                 assert time.monotonic() < deadline, "a worker kept serving the old version"
                 time.sleep(0.2)
         m = _scrape(url)
-        assert m[f'softsearch_index_info{{version="{v2}"}}'] == 1 and m[f'softsearch_index_info{{version="{v1}"}}'] == 0
+        assert (
+            m[f'softsearch_index_info{{version="{v2}"}}'] == 1
+            and m[f'softsearch_index_info{{version="{v1}"}}'] == 0
+        )
         assert m["softsearch_index_items"] == 48
     assert server.proc.returncode == 0, log_path.read_text()
 
@@ -114,7 +147,11 @@ def test_serve_supervisor_imports_no_model_code():
     """`softsearch serve --workers N` runs uvicorn's supervisor in the CLI process; only the workers
     build the app, so importing the CLI and the server module must not pull in torch or FAISS
     (measured: ~40 MB resident instead of ~1.3 GB, bench/serve_memory.py)."""
-    code = ("import sys, api.cli, api.server, api.config; "
-            "print(sorted(m for m in ('torch', 'faiss', 'api.app', 'search.serving.searcher') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        "import sys, api.cli, api.server, api.config; "
+        "print(sorted(m for m in ('torch', 'faiss', 'api.app', 'search.serving.searcher') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,12 +1,24 @@
 """The audit-hook test of tests/index/test_chaos_slow.py: does an audit event write under `root`?
 (A module of its own: the killed subprocess imports it without pytest.)"""
+
 from __future__ import annotations
 
 import os
 
 #: Python audit events that change the filesystem (an "open" only when it opens for writing)
-WRITE_EVENTS = frozenset({"open", "os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.symlink",
-                          "os.truncate", "os.chmod"})
+WRITE_EVENTS = frozenset(
+    {
+        "open",
+        "os.rename",
+        "os.remove",
+        "os.rmdir",
+        "os.mkdir",
+        "shutil.rmtree",
+        "os.symlink",
+        "os.truncate",
+        "os.chmod",
+    }
+)
 
 
 def is_store_write(event: str, args: tuple, root: str) -> bool:

@@ -1,4 +1,5 @@
 """Fixtures for the index tests: a tiny saved encoder checkpoint and random unit vectors."""
+
 from __future__ import annotations
 
 import sys
@@ -24,25 +25,41 @@ def _random_checkpoint(directory, seed: int, step: int, tau: float, lineage: dic
     torch.manual_seed(seed)
     encoder = create_encoder(EncoderConfig(**TINY_ENCODER))
     path = directory / "checkpoint.safetensors"
-    save_checkpoint(path, encoder, step=step, train_config={"schedule": "fixed", "schedule_options": {"temperature": tau}},
-                    lineage=lineage, metrics=metrics)
+    save_checkpoint(
+        path,
+        encoder,
+        step=step,
+        train_config={"schedule": "fixed", "schedule_options": {"temperature": tau}},
+        lineage=lineage,
+        metrics=metrics,
+    )
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A randomly initialised 1-layer ViT (16-dim embeddings) saved as a real checkpoint."""
-    return _random_checkpoint(tmp_path_factory.mktemp("ckpt"), seed=0, step=7, tau=0.25,
-                              lineage={"objective": "infonce", "temperature_schedule": "fixed"}, metrics={})
+    return _random_checkpoint(
+        tmp_path_factory.mktemp("ckpt"),
+        seed=0,
+        step=7,
+        tau=0.25,
+        lineage={"objective": "infonce", "temperature_schedule": "fixed"},
+        metrics={},
+    )
 
 
 @pytest.fixture(scope="session")
 def other_checkpoint(tmp_path_factory):
     """A second, differently initialised checkpoint of the same architecture (for rebuild)."""
-    return _random_checkpoint(tmp_path_factory.mktemp("ckpt2"), seed=1, step=9, tau=0.5,
-                              lineage={"objective": "weince", "temperature_schedule": "fixed"},
-                              metrics={"temperature": 0.4})
-
+    return _random_checkpoint(
+        tmp_path_factory.mktemp("ckpt2"),
+        seed=1,
+        step=9,
+        tau=0.5,
+        lineage={"objective": "weince", "temperature_schedule": "fixed"},
+        metrics={"temperature": 0.4},
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
 """Reference helpers for the index tests (random unit vectors, brute-force top-k)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ subprocesses), then a rerun: the store verifies, `current` is what the rerun say
 removals, mkdirs: Python audit events): a dry run of the same command on a copy of the store counts
 them, and the killed run sends itself SIGKILL at a seeded random one of them, so every kill lands in
 the middle of the command's store work, never in its imports."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ sys.addaudithook(_count_hook)
 # the killed run: api.cli's `index` command with the same hook, SIGKILL at the n-th store write
 _KILLER = f"""
 import os, signal, sys
-sys.path.insert(0, {str(REPO / 'tests' / 'index')!r})
+sys.path.insert(0, {str(REPO / "tests" / "index")!r})
 root, n, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 from chaos_hook import is_store_write
 seen = [0]
@@ -87,29 +88,52 @@ def _count_writes(command: list[str], root: Path, scratch: Path, capsys) -> int:
 
 
 def _killed_run(command: list[str], root: Path, at: int) -> None:
-    proc = subprocess.run([sys.executable, "-c", _KILLER, str(root), str(at), *_argv(command, root)], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLER, str(root), str(at), *_argv(command, root)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, (command, at, proc.returncode, proc.stderr[-2000:])
 
 
 def _leftovers(root: Path) -> list[str]:
     """Paths under the store that no finished command leaves: staging entries, temporary files, trash."""
     staged = [p.name for p in (root / "staging").iterdir()] if (root / "staging").is_dir() else []
-    junk = [str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name or p.name.startswith(".trash-")]
+    junk = [
+        str(p.relative_to(root)) for p in root.rglob("*") if ".tmp" in p.name or p.name.startswith(".trash-")
+    ]
     return staged + junk
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_points_then_rerun(tmp_path, tiny_checkpoint, other_checkpoint, make_image_folder,
-                                            capsys):
+def test_kill_9_at_random_points_then_rerun(
+    tmp_path, tiny_checkpoint, other_checkpoint, make_image_folder, capsys
+):
     rng = random.Random(SEED)
     photos = make_image_folder(tmp_path / "photos", count=24, classes=3, size=32)
     root = tmp_path / "store"
     # the archive to import: a version of another encoder over another folder
     elsewhere = tmp_path / "elsewhere"
-    assert cli_main(["index", "build", "--root", str(elsewhere), "--checkpoint", str(other_checkpoint),
-                     "--dataset", "folder", "--data-root", str(make_image_folder(tmp_path / "other", count=12,
-                                                                                 classes=2, size=32, seed=1))]) == 0
+    assert (
+        cli_main(
+            [
+                "index",
+                "build",
+                "--root",
+                str(elsewhere),
+                "--checkpoint",
+                str(other_checkpoint),
+                "--dataset",
+                "folder",
+                "--data-root",
+                str(make_image_folder(tmp_path / "other", count=12, classes=2, size=32, seed=1)),
+            ]
+        )
+        == 0
+    )
     archive = tmp_path / "v.tar"
     assert cli_main(["index", "export", "--root", str(elsewhere), "--out", str(archive)]) == 0
     capsys.readouterr()
@@ -123,17 +147,21 @@ def test_kill_9_at_random_points_then_rerun(tmp_path, tiny_checkpoint, other_che
         for i, p in enumerate(sorted((tmp_path / "more").rglob("*.png"))):
             shutil.copy(p, photos / p.parent.name / f"new{i}.png")
 
-    steps = [("build", build, None), ("sync", ["sync", "--data-root", str(photos)], change_folder),
-             ("import", ["import", str(archive), "--force"], None),
-             ("activate", None, None), ("prune", ["prune", "--keep", "1"], None)]
+    steps = [
+        ("build", build, None),
+        ("sync", ["sync", "--data-root", str(photos)], change_folder),
+        ("import", ["import", str(archive), "--force"], None),
+        ("activate", None, None),
+        ("prune", ["prune", "--keep", "1"], None),
+    ]
     kills, left_by_kills = [], 0
     for name, command, before in steps:
         if before is not None:
             before()
-        if name == "activate":       # back to the first version this store built
+        if name == "activate":  # back to the first version this store built
             command = ["activate", store.versions()[0], "--force"]
         current_before = store.current_version() if root.exists() else None
-        for _ in range(KILLS_PER_COMMAND):    # killed, then killed again on what the first kill left
+        for _ in range(KILLS_PER_COMMAND):  # killed, then killed again on what the first kill left
             store_writes = _count_writes(command, root, tmp_path, capsys)
             assert store_writes > 3, (name, store_writes)
             at = rng.randint(1, store_writes)
@@ -150,7 +178,11 @@ def test_kill_9_at_random_points_then_rerun(tmp_path, tiny_checkpoint, other_che
         else:
             assert named and store.current_version() == named[0], (name, at, out)
             assert "not activated" not in out, (name, at, out)
-        assert cli_main(["index", "verify", "--all", "--root", str(root)]) == 0, (name, at, capsys.readouterr())
+        assert cli_main(["index", "verify", "--all", "--root", str(root)]) == 0, (
+            name,
+            at,
+            capsys.readouterr(),
+        )
         left_by_kills += len(_leftovers(root))
         assert cli_main(["index", "gc", "--max-age-s", "0", "--root", str(root)]) == 0
         capsys.readouterr()

@@ -1,4 +1,5 @@
 """`softsearch index ...` through index.cli.main in-process."""
+
 from __future__ import annotations
 
 import http.server
@@ -17,12 +18,25 @@ from index.cli import parse_bytes, parse_params
 def main(argv, **kw):
     """`softsearch index ARGV` as the console script runs it (with the --notify HTTP client)."""
     return index_main(argv, notifier=notify_server, **kw)
+
+
 from index.store import IndexStore
 
 
 def _build(root, checkpoint, *extra) -> list[str]:
-    return ["build", "--root", str(root), "--checkpoint", str(checkpoint), "--dataset", "synthetic",
-            "--size", "48", "--no-progress", *extra]
+    return [
+        "build",
+        "--root",
+        str(root),
+        "--checkpoint",
+        str(checkpoint),
+        "--dataset",
+        "synthetic",
+        "--size",
+        "48",
+        "--no-progress",
+        *extra,
+    ]
 
 
 class _Recorder(http.server.BaseHTTPRequestHandler):
@@ -33,7 +47,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
         _Recorder.requests.append((self.path, self.headers.get("Authorization"), json.loads(body)))
         self.send_response(200)
         self.end_headers()
-        self.wfile.write(json.dumps({"version": json.loads(body)["version"]}).encode())   # as the API answers
+        self.wfile.write(json.dumps({"version": json.loads(body)["version"]}).encode())  # as the API answers
 
     def log_message(self, *args):
         pass
@@ -57,8 +71,23 @@ def test_build_list_activate_rollback_verify(tmp_path, tiny_checkpoint, capsys, 
     store = IndexStore(root)
     v1 = store.current_version()
     assert f"version {v1} (activated), 48 items, kind flat, 0 skipped" in out
-    assert main(_build(root, tiny_checkpoint, "--kind", "hnsw", "--param", "M=8", "--notify", url,
-                       "--token", "s3cret")) == 0
+    assert (
+        main(
+            _build(
+                root,
+                tiny_checkpoint,
+                "--kind",
+                "hnsw",
+                "--param",
+                "M=8",
+                "--notify",
+                url,
+                "--token",
+                "s3cret",
+            )
+        )
+        == 0
+    )
     v2 = store.current_version()
     assert store.manifest(v2).params["M"] == 8 and v2 != v1
     assert requests == [("/v1/admin/reload", "Bearer s3cret", {"version": v2})]
@@ -78,7 +107,7 @@ def test_build_list_activate_rollback_verify(tmp_path, tiny_checkpoint, capsys, 
     emb.write_bytes(emb.read_bytes()[:-8])
     assert main(["verify", "--root", str(root), v1]) == 1
     assert "CORRUPT" in capsys.readouterr().out
-    assert main(["activate", "--root", str(root), v1]) == 2          # never activate a corrupt version
+    assert main(["activate", "--root", str(root), v1]) == 2  # never activate a corrupt version
     assert "bytes" in capsys.readouterr().err and store.current_version() == v2
     assert main(["prune", "--root", str(root), "--keep", "1"]) == 0
     assert store.versions() == [v2]
@@ -92,9 +121,21 @@ def test_add_from_folder_and_failed_notify(tmp_path, tiny_checkpoint, capsys):
     for i in range(3):
         Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(folder / f"n{i}.png")
     capsys.readouterr()
-    rc = main(["add", "--root", str(root), "--folder", str(folder), "--no-progress", "--notify", "http://127.0.0.1:9",
-               "--notify-timeout", "0.6"])
-    assert rc == 3   # the store moved, the server did not confirm: exit 3 after retrying
+    rc = main(
+        [
+            "add",
+            "--root",
+            str(root),
+            "--folder",
+            str(folder),
+            "--no-progress",
+            "--notify",
+            "http://127.0.0.1:9",
+            "--notify-timeout",
+            "0.6",
+        ]
+    )
+    assert rc == 3  # the store moved, the server did not confirm: exit 3 after retrying
     captured = capsys.readouterr()
     assert "51 items" in captured.out and "error: the server did not confirm version" in captured.err
     assert "attempts" in captured.err
@@ -114,7 +155,7 @@ def test_quality_gate_exit_code(tmp_path, tiny_checkpoint, capsys):
     store = IndexStore(root)
     refused = [v for v in store.versions() if v != v1][0]
     assert store.current_version() == v1
-    assert main(["activate", "--root", str(root), refused]) == 1          # gate refusals exit 1 everywhere
+    assert main(["activate", "--root", str(root), refused]) == 1  # gate refusals exit 1 everywhere
     err = capsys.readouterr().err
     assert "quality gate failed (map@10): candidate 0.1 < serving 0.9" in err and "--force" in err
     assert main(["activate", "--root", str(root), refused, "--force"]) == 0
@@ -123,18 +164,37 @@ def test_quality_gate_exit_code(tmp_path, tiny_checkpoint, capsys):
     assert entry["forced"] is True and entry["path"] == "index activate" and entry["version"] == refused
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["build", "--checkpoint", "nope.safetensors", "--dataset", "synthetic"], "checkpoint not found: nope.safetensors"),
-    (["activate", "20990101T000000000Z-deadbeef"], "unknown index version '20990101T000000000Z-deadbeef'"),
-    (["rollback"], "no earlier activated version"),
-    (["verify"], "no current index version"),
-    (["add", "--folder", "x"], "no current index version"),
-    (["prune", "--keep", "0"], "keep must be"),
-    (["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--batch-size", "0"], "batch_size must be"),
-    (["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--target-recall", "1.5"], "target_recall"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["build", "--checkpoint", "nope.safetensors", "--dataset", "synthetic"],
+            "checkpoint not found: nope.safetensors",
+        ),
+        (
+            ["activate", "20990101T000000000Z-deadbeef"],
+            "unknown index version '20990101T000000000Z-deadbeef'",
+        ),
+        (["rollback"], "no earlier activated version"),
+        (["verify"], "no current index version"),
+        (["add", "--folder", "x"], "no current index version"),
+        (["prune", "--keep", "0"], "keep must be"),
+        (
+            ["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--batch-size", "0"],
+            "batch_size must be",
+        ),
+        (
+            ["build", "--checkpoint", "__CKPT__", "--dataset", "synthetic", "--target-recall", "1.5"],
+            "target_recall",
+        ),
+    ],
+)
 def test_user_errors_exit_2(tmp_path, argv, message, capsys, tiny_checkpoint):
-    argv = argv[:1] + ["--root", str(tmp_path)] + [str(tiny_checkpoint) if a == "__CKPT__" else a for a in argv[1:]]
+    argv = (
+        argv[:1]
+        + ["--root", str(tmp_path)]
+        + [str(tiny_checkpoint) if a == "__CKPT__" else a for a in argv[1:]]
+    )
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
@@ -154,6 +214,7 @@ def test_argument_errors(tmp_path, tiny_checkpoint, capsys):
 
 class _Flaky(http.server.BaseHTTPRequestHandler):
     """Answers the first `busy` reloads with `status` (+ Retry-After when set), then as the API does."""
+
     plan: dict = {}
 
     def do_POST(self):  # noqa: N802 - http.server API
@@ -179,13 +240,16 @@ class _Flaky(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.parametrize("status, retry_after, busy, expected_sleeps, ok", [
-    (429, 2, 2, [2.0, 2.0], True),                 # Retry-After honoured
-    (503, None, 3, [0.25, 0.5, 1.0], True),        # 5xx without it: doubling backoff
-    (409, None, 1, [], False),                     # refused: no retry
-    (403, None, 1, [], False),
-    (429, 3, 99, [3.0, 3.0, 3.0, 1.0], False),     # bounded: gives up when the time is spent
-])
+@pytest.mark.parametrize(
+    "status, retry_after, busy, expected_sleeps, ok",
+    [
+        (429, 2, 2, [2.0, 2.0], True),  # Retry-After honoured
+        (503, None, 3, [0.25, 0.5, 1.0], True),  # 5xx without it: doubling backoff
+        (409, None, 1, [], False),  # refused: no retry
+        (403, None, 1, [], False),
+        (429, 3, 99, [3.0, 3.0, 3.0, 1.0], False),  # bounded: gives up when the time is spent
+    ],
+)
 def test_notify_retries_what_can_pass_and_stops_in_time(status, retry_after, busy, expected_sleeps, ok):
     from api.notify import notify_server
 
@@ -195,13 +259,19 @@ def test_notify_retries_what_can_pass_and_stops_in_time(status, retry_after, bus
     clock = [0.0]
     sleeps = []
 
-    def sleep(s):   # virtual time: the retry schedule is checked without waiting for it
+    def sleep(s):  # virtual time: the retry schedule is checked without waiting for it
         sleeps.append(round(s, 3))
         clock[0] += s
 
     try:
-        good, message = notify_server(f"http://127.0.0.1:{httpd.server_address[1]}", "t0ken-123", "V2",
-                                      wait_s=10.0, sleep=sleep, clock=lambda: clock[0])
+        good, message = notify_server(
+            f"http://127.0.0.1:{httpd.server_address[1]}",
+            "t0ken-123",
+            "V2",
+            wait_s=10.0,
+            sleep=sleep,
+            clock=lambda: clock[0],
+        )
     finally:
         httpd.shutdown()
     assert good is ok and sleeps == expected_sleeps, (message, sleeps)
@@ -216,7 +286,7 @@ def test_failed_build_leaves_no_staging_and_gc_removes_stale(tmp_path, tiny_chec
 
     root = tmp_path / "idx"
 
-    def undecodable(candidate):   # the calibration step meets a file it cannot decode (after the write)
+    def undecodable(candidate):  # the calibration step meets a file it cannot decode (after the write)
         raise ValueError("image too large to decode: 30000 x 30000 pixels")
 
     for _ in range(2):
@@ -225,9 +295,12 @@ def test_failed_build_leaves_no_staging_and_gc_removes_stale(tmp_path, tiny_chec
     store = IndexStore(root)
     assert store.versions() == [] and store.current_version() is None
     left = [p.name for p in store.staging_dir.iterdir()]
-    assert all(name.startswith("embed-") for name in left), left   # only the resumable embedding cache
+    assert all(name.startswith("embed-") for name in left), left  # only the resumable embedding cache
     # a build killed outright leaves its directory: `index gc` removes it once it is older than an hour
-    stale, fresh = store.staging_path("20200101T000000000Z-deadbeef"), store.staging_path("20990101T000000000Z-cafe0000")
+    stale, fresh = (
+        store.staging_path("20200101T000000000Z-deadbeef"),
+        store.staging_path("20990101T000000000Z-cafe0000"),
+    )
     os.utime(stale, (0, 0))
     assert main(["gc", "--root", str(root)]) == 0
     assert "removed 1 stale staging entry: 20200101T000000000Z-deadbeef" in capsys.readouterr().out
@@ -251,24 +324,26 @@ def test_a_version_without_gate_result_is_gated_at_first_activation(tmp_path, ti
     v1 = store.current_version()
     (old,) = [v for v in store.versions() if v != v1]
     manifest = read_manifest_json(store.path(old))
-    del manifest["quality_gate"]                 # as a store written before the gate existed
+    del manifest["quality_gate"]  # as a store written before the gate existed
     write_manifest(store.path(old), manifest)
     capsys.readouterr()
     assert main(["activate", "--root", str(root), old], evaluator=worse) == 1
     assert calls == [(old, v1)] and store.current_version() == v1
     assert "quality gate failed (map@10): candidate 0.2 < serving 0.7" in capsys.readouterr().err
-    gate = store.manifest(old).quality_gate.to_json()   # recorded: judged like any build from now on
+    gate = store.manifest(old).quality_gate.to_json()  # recorded: judged like any build from now on
     assert gate["passed"] is False and gate["checks"]["score"]["serving_version"] == v1
-    assert main(["activate", "--root", str(root), old]) == 1 and len(calls) == 1   # not gated twice
+    assert main(["activate", "--root", str(root), old]) == 1 and len(calls) == 1  # not gated twice
 
 
 def test_help_states_the_rules(capsys):
     from index.cli import build_parser
 
-    for argv, needles in ((["build", "--help"], ["--target-recall", "not activated, exit 1", "recorded as forced"]),
-                          (["activate", "--help"], ["--force", "recorded as forced", "--notify-timeout", "exit 3"]),
-                          (["rollback", "--help"], ["--force", "activation rule"]),
-                          (["gc", "--help"], ["--max-age-s", "killed builds"])):
+    for argv, needles in (
+        (["build", "--help"], ["--target-recall", "not activated, exit 1", "recorded as forced"]),
+        (["activate", "--help"], ["--force", "recorded as forced", "--notify-timeout", "exit 3"]),
+        (["rollback", "--help"], ["--force", "activation rule"]),
+        (["gc", "--help"], ["--max-age-s", "killed builds"]),
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(argv)
         text = " ".join(capsys.readouterr().out.split())

@@ -4,6 +4,7 @@ Each command that cannot fit must end in one `error:` line naming the path, the 
 that filesystem (checked against shutil.disk_usage) and the space needed, exit 4 (index/cli.py
 STORAGE_FAILED), remove what it staged and leave `current` and every version loadable.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ def _mount_tmpfs(path, size: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("a disk-full test needs a small real filesystem: mounting a tmpfs needs root")
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); the container lacks CAP_SYS_ADMIN")
 
@@ -48,8 +50,15 @@ def small_fs(tmp_path):
 def two_versions(tmp_path_factory, tiny_checkpoint):
     """{root, versions}: a store on the ordinary disk with two activated versions (40 then 60 items)."""
     root = tmp_path_factory.mktemp("disk_full") / "store"
-    versions = [build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=n, seed=0), root,
-                            BuildOptions(progress=False)) for n in (40, 60)]
+    versions = [
+        build_index(
+            tiny_checkpoint,
+            create_dataset("synthetic", split="train", size=n, seed=0),
+            root,
+            BuildOptions(progress=False),
+        )
+        for n in (40, 60)
+    ]
     return {"root": root, "versions": versions}
 
 
@@ -99,8 +108,18 @@ def test_build_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, capsys, 
     shutil.copytree(two_versions["root"], root)
     versions = two_versions["versions"]
     filler = _fill(small_fs, leave_kib * 1024)
-    argv = ["build", "--root", str(root), "--checkpoint", str(tiny_checkpoint), "--dataset", "synthetic",
-            "--size", "400", "--no-progress"]
+    argv = [
+        "build",
+        "--root",
+        str(root),
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--dataset",
+        "synthetic",
+        "--size",
+        "400",
+        "--no-progress",
+    ]
     code, err = _run(capsys, *argv)
     assert code == STORAGE_FAILED == 4
     line = _assert_disk_full_line(err, small_fs)
@@ -119,8 +138,12 @@ def test_build_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, capsys, 
 
 def test_import_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, tmp_path, capsys):
     other = tmp_path / "other"
-    build_index(tiny_checkpoint, create_dataset("synthetic", split="test", size=300, seed=1), other,
-                BuildOptions(progress=False))
+    build_index(
+        tiny_checkpoint,
+        create_dataset("synthetic", split="test", size=300, seed=1),
+        other,
+        BuildOptions(progress=False),
+    )
     archive = export_version(other, tmp_path / "v.tar")
     root = small_fs / "store"
     shutil.copytree(two_versions["root"], root)
@@ -129,7 +152,7 @@ def test_import_that_cannot_fit(small_fs, two_versions, tiny_checkpoint, tmp_pat
     code, err = _run(capsys, "import", str(archive), "--root", str(root))
     assert code == STORAGE_FAILED
     line = _assert_disk_full_line(err, small_fs)
-    assert f"{root}/staging/import-" in line          # the member being written when the disk filled
+    assert f"{root}/staging/import-" in line  # the member being written when the disk filled
     assert "needed" in line
     _assert_store_intact(root, capsys, versions[-1], versions)
 
@@ -160,12 +183,20 @@ def test_activate_and_rollback_on_a_full_disk(small_fs, two_versions, capsys):
         assert code == STORAGE_FAILED, err
         line = _assert_disk_full_line(err, small_fs)
         assert f"{root}/" in err and "staged" not in line
-        assert _needed(line) >= 2 * 4096                           # the pointer and history.json
-        assert line.endswith(f"`current` still points at {new}, which keeps serving; free some space and "
-                             + (f"run 'softsearch index activate {old} --root {root}'" if argv[0] == "activate"
-                                else f"rerun 'softsearch index rollback --root {root}'")), line
-        assert (f"index version {old} was not activated: " if argv[0] == "activate"
-                else f"the rollback to {old} was not made: ") in line
+        assert _needed(line) >= 2 * 4096  # the pointer and history.json
+        assert line.endswith(
+            f"`current` still points at {new}, which keeps serving; free some space and "
+            + (
+                f"run 'softsearch index activate {old} --root {root}'"
+                if argv[0] == "activate"
+                else f"rerun 'softsearch index rollback --root {root}'"
+            )
+        ), line
+        assert (
+            f"index version {old} was not activated: "
+            if argv[0] == "activate"
+            else f"the rollback to {old} was not made: "
+        ) in line
         _assert_store_intact(root, capsys, new, [old, new])
         assert IndexStore(root).serving_check(new).failed == ()
     _free_up_to(small_fs, filler, _needed(line))
@@ -178,8 +209,9 @@ def test_activate_and_rollback_on_a_full_disk(small_fs, two_versions, capsys):
     assert _run(capsys, "activate", new, "--root", str(root))[0] == 0
 
 
-def test_a_disk_that_fills_between_the_pointer_and_the_history_puts_the_pointer_back(small_fs, two_versions,
-                                                                                      monkeypatch, capsys):
+def test_a_disk_that_fills_between_the_pointer_and_the_history_puts_the_pointer_back(
+    small_fs, two_versions, monkeypatch, capsys
+):
     """`current` and history.json are written one after the other: when the disk fills after the free-space
     check (another writer), so that the pointer fits and the longer history does not, the pointer is put
     back -- `current` and its history never disagree."""
@@ -189,7 +221,7 @@ def test_a_disk_that_fills_between_the_pointer_and_the_history_puts_the_pointer_
     shutil.copytree(two_versions["root"], root)
     old, new = two_versions["versions"]
     store = IndexStore(root)
-    for _ in range(10):   # a history.json of a store in use: longer than one block
+    for _ in range(10):  # a history.json of a store in use: longer than one block
         store.rollback(verify=False)
         store.activate(new, verify=False)
     history = (root / "history.json").read_bytes()
@@ -198,21 +230,25 @@ def test_a_disk_that_fills_between_the_pointer_and_the_history_puts_the_pointer_
 
     def filled_meanwhile(path):
         free = real(path)
-        _fill(small_fs, 4096)     # one block left: the pointer's temp file fits, history.json's does not
+        _fill(small_fs, 4096)  # one block left: the pointer's temp file fits, history.json's does not
         return free
 
     monkeypatch.setattr(store_module, "free_bytes", filled_meanwhile)
     code, err = _run(capsys, "activate", old, "--root", str(root), "--force")
     assert code == STORAGE_FAILED
     line = _assert_disk_full_line(err, small_fs)
-    assert line.startswith(f"error: no space left on device writing {root}/history.json")   # the pointer got through
+    assert line.startswith(
+        f"error: no space left on device writing {root}/history.json"
+    )  # the pointer got through
     assert f"index version {old} was not activated: `current` still points at {new}" in line
     assert store.current_version() == new and (root / "history.json").read_bytes() == history
     monkeypatch.undo()
     _assert_store_intact(root, capsys, new, [old, new])
 
 
-def test_gate_records_on_a_full_disk_say_what_they_left(small_fs, two_versions, tiny_checkpoint, tmp_path, capsys):
+def test_gate_records_on_a_full_disk_say_what_they_left(
+    small_fs, two_versions, tiny_checkpoint, tmp_path, capsys
+):
     """The quality gate result is written into a manifest: at a version's first activation (a committed
     version without one) and in an import's staging before its commit. A full disk there says so, with the
     bytes needed; nothing is activated and the serving version keeps serving."""
@@ -224,11 +260,11 @@ def test_gate_records_on_a_full_disk_say_what_they_left(small_fs, two_versions, 
     old, new = two_versions["versions"]
     store = IndexStore(root)
     manifest = read_manifest_json(store.path(old))
-    del manifest["quality_gate"]                        # as a store written before the gate existed
+    del manifest["quality_gate"]  # as a store written before the gate existed
     write_manifest(store.path(old), manifest)
     fillers = []
 
-    def fills_the_disk(candidate, serving):             # the gate scores, then the disk is full
+    def fills_the_disk(candidate, serving):  # the gate scores, then the disk is full
         fillers.append(_fill(small_fs, 0))
         return {"metric": "score", "candidate": 0.5, "serving": 0.5}
 
@@ -236,29 +272,44 @@ def test_gate_records_on_a_full_disk_say_what_they_left(small_fs, two_versions, 
     assert index_main(["activate", old, "--root", str(root)], evaluator=fills_the_disk) == STORAGE_FAILED
     line = _assert_disk_full_line(capsys.readouterr().err, small_fs)
     assert line.startswith(f"error: no space left on device writing {store.path(old)}/manifest.json")
-    assert line.endswith(f"the quality gate result of {old} was not recorded and it was not activated: `current` "
-                         f"still points at {new}, which keeps serving; free some space and rerun"), line
+    assert line.endswith(
+        f"the quality gate result of {old} was not recorded and it was not activated: `current` "
+        f"still points at {new}, which keeps serving; free some space and rerun"
+    ), line
     assert _needed(line) > len(json.dumps(manifest)) and "staged" not in line
     assert store.manifest(old).quality_gate is None
     _assert_store_intact(root, capsys, new, [old, new])
     fillers.pop().unlink()
 
     other = tmp_path / "other"
-    imported = build_index(tiny_checkpoint, create_dataset("synthetic", split="test", size=30, seed=1), other,
-                           BuildOptions(progress=False))
+    imported = build_index(
+        tiny_checkpoint,
+        create_dataset("synthetic", split="test", size=30, seed=1),
+        other,
+        BuildOptions(progress=False),
+    )
     archive = export_version(other, tmp_path / "v.tar")
     capsys.readouterr()
-    assert index_main(["import", str(archive), "--root", str(root)], evaluator=fills_the_disk) == STORAGE_FAILED
+    assert (
+        index_main(["import", str(archive), "--root", str(root)], evaluator=fills_the_disk) == STORAGE_FAILED
+    )
     line = _assert_disk_full_line(capsys.readouterr().err, small_fs)
     assert line.startswith(f"error: no space left on device writing {root}/staging/import-")
-    assert line.endswith(f"the import of {imported} stopped before its commit: nothing of it is in versions/ and "
-                         f"`current` still points at {new}, which keeps serving; free some space and rerun the "
-                         "import"), line
+    assert line.endswith(
+        f"the import of {imported} stopped before its commit: nothing of it is in versions/ and "
+        f"`current` still points at {new}, which keeps serving; free some space and rerun the "
+        "import"
+    ), line
     assert _needed(line) >= 3 * 4096 and "staged files were removed" not in line
     _assert_store_intact(root, capsys, new, [old, new])
     fillers.pop().unlink()
-    assert index_main(["import", str(archive), "--root", str(root)],
-                      evaluator=lambda c, s: {"metric": "score", "candidate": 0.5, "serving": 0.5}) == 0
+    assert (
+        index_main(
+            ["import", str(archive), "--root", str(root)],
+            evaluator=lambda c, s: {"metric": "score", "candidate": 0.5, "serving": 0.5},
+        )
+        == 0
+    )
     assert store.current_version() == imported
 
 
@@ -273,8 +324,11 @@ def test_other_os_errors_name_the_path(tmp_path, two_versions, capsys):
         code, err = _run(capsys, "activate", old, "--root", str(ro / "store"))
         assert code == STORAGE_FAILED and "Traceback" not in err
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: Read-only file system [EROFS]: ") \
-            and str(ro / "store") in lines[0], err
+        assert (
+            len(lines) == 1
+            and lines[0].startswith("error: Read-only file system [EROFS]: ")
+            and str(ro / "store") in lines[0]
+        ), err
         assert IndexStore(ro / "store").current_version() == new
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
@@ -292,7 +346,7 @@ def test_each_writer_reports_a_full_disk_as_DiskFull(small_fs):
     from index.disk import DiskFull, writing
 
     _fill(small_fs, 0)
-    big = np.ones((20000, 16), np.float32)                   # 1.2 MiB: cannot fit
+    big = np.ones((20000, 16), np.float32)  # 1.2 MiB: cannot fit
 
     def plain(path):
         with open(path, "wb") as fh:

@@ -1,4 +1,5 @@
 """index/embed.py: shards, skipping unreadable items, resume bookkeeping."""
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,16 @@ def encoder():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_skips_bad_items_and_writes_shards(tmp_path, encoder, workers):
     base = create_dataset("synthetic", size=45, seed=0)
-    res = embed_dataset(encoder, Flaky(base), tmp_path, key="k", shard_size=10, batch_size=8,
-                        num_workers=workers, progress=False)
+    res = embed_dataset(
+        encoder,
+        Flaky(base),
+        tmp_path,
+        key="k",
+        shard_size=10,
+        batch_size=8,
+        num_workers=workers,
+        progress=False,
+    )
     good = np.array([i for i in range(45) if i not in BAD])
     np.testing.assert_array_equal(res.rows, good)
     ref = embed(encoder, base.tensors(good), progress=False)
@@ -59,7 +68,9 @@ def test_skips_bad_items_and_writes_shards(tmp_path, encoder, workers):
     meta = json.loads((tmp_path / "shard_00001.json").read_text())
     assert meta["rows"] == [10, 11, 12, 13, 14, 15, 16, 19] and len(meta["skipped"]) == 2
     # a second run finds every shard complete and reads the same result without embedding
-    again = embed_dataset(encoder, Flaky(base), tmp_path, key="k", shard_size=10, batch_size=8, progress=False)
+    again = embed_dataset(
+        encoder, Flaky(base), tmp_path, key="k", shard_size=10, batch_size=8, progress=False
+    )
     assert again.resumed_shards == 5
     np.testing.assert_array_equal(again.embeddings, res.embeddings)
 
@@ -68,7 +79,7 @@ def test_changed_job_starts_over(tmp_path, encoder):
     base = create_dataset("synthetic", size=12, seed=0)
     embed_dataset(encoder, base, tmp_path, key="a", shard_size=5, progress=False)
     assert prepare_cache(tmp_path, "a", np.arange(12), 5) == 3
-    assert prepare_cache(tmp_path, "b", np.arange(12), 5) == 0           # other key: old shards dropped
+    assert prepare_cache(tmp_path, "b", np.arange(12), 5) == 0  # other key: old shards dropped
     assert list(tmp_path.glob("shard_*")) == []
     with pytest.raises(RuntimeError, match="missing"):
         collect_shards(tmp_path, np.arange(12), 5, 16)
@@ -114,18 +125,22 @@ class Recording(torch.nn.Module):
         self.inner, self.calls = inner, []
 
     def forward(self, x):
-        self.calls.append((torch.get_num_threads(), x.is_contiguous(memory_format=torch.channels_last), len(x)))
+        self.calls.append(
+            (torch.get_num_threads(), x.is_contiguous(memory_format=torch.channels_last), len(x))
+        )
         return self.inner(x)
 
 
 def test_cpu_streams_equal_one_forward(tmp_path, encoder):
     """Chunks on single-threaded streams give one forward's rows; the process's thread count is restored."""
     torch.manual_seed(1)
-    conv = create_encoder(EncoderConfig(image_size=32, width=16, layers=(1, 1, 1, 1), heads=2, embed_dim=16)).eval()
-    assert conv.prefers_channels_last and not encoder.prefers_channels_last    # ModifiedResNet vs ViT
+    conv = create_encoder(
+        EncoderConfig(image_size=32, width=16, layers=(1, 1, 1, 1), heads=2, embed_dim=16)
+    ).eval()
+    assert conv.prefers_channels_last and not encoder.prefers_channels_last  # ModifiedResNet vs ViT
     x = torch.randn(100, 3, 32, 32)
     with torch.inference_mode():
-        ref = conv(x)                                                         # one NCHW forward, all rows
+        ref = conv(x)  # one NCHW forward, all rows
     before = torch.get_num_threads()
     rec = Recording(conv)
     streams = CpuStreams(rec, 2, chunk=16)
@@ -140,7 +155,9 @@ def test_cpu_streams_equal_one_forward(tmp_path, encoder):
     # the embedding loop uses them at batches larger than a chunk; same rows as the plain helper
     base = create_dataset("synthetic", size=70, seed=0, image_size=32)
     res = embed_dataset(conv, base, tmp_path, batch_size=64, progress=False)
-    np.testing.assert_allclose(res.embeddings, embed(conv, base.tensors(np.arange(70)), progress=False), atol=1e-6)
+    np.testing.assert_allclose(
+        res.embeddings, embed(conv, base.tensors(np.arange(70)), progress=False), atol=1e-6
+    )
     assert torch.get_num_threads() == before
 
 
@@ -152,12 +169,20 @@ def test_logs_the_shard_split_per_rank(tmp_path, encoder, caplog):
 
     base = create_dataset("synthetic", size=50, seed=0)
     with caplog.at_level(logging.INFO, logger="index.embed"):
-        assert embed_shards(encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2,
-                            progress=False) == 2                           # shards 1 and 3 of 0..4
+        assert (
+            embed_shards(
+                encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2, progress=False
+            )
+            == 2
+        )  # shards 1 and 3 of 0..4
     msg = [r.getMessage() for r in caplog.records if "shard" in r.getMessage()][-1]
     assert "50 items in 5 shard(s) of 10 over 2 rank(s)" in msg
     assert "rank 1: shards [1, 3] (2 to embed, 0 already on disk)" in msg
-    with caplog.at_level(logging.INFO, logger="index.embed"):   # a rerun finds them done
-        assert embed_shards(encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2,
-                            progress=False) == 0
+    with caplog.at_level(logging.INFO, logger="index.embed"):  # a rerun finds them done
+        assert (
+            embed_shards(
+                encoder, base, tmp_path, np.arange(50), shard_size=10, rank=1, world_size=2, progress=False
+            )
+            == 0
+        )
     assert "(0 to embed, 2 already on disk)" in caplog.records[-1].getMessage()

@@ -1,12 +1,13 @@
 """index/faiss_index.py against brute-force numpy on random unit vectors."""
+
 from __future__ import annotations
 
 import faiss
 import numpy as np
 import pytest
+from index_refs import brute_force, unit_vectors
 
 from index import faiss_index as fi
-from index_refs import brute_force, unit_vectors
 
 
 def _recall(found: np.ndarray, exact: np.ndarray) -> float:
@@ -25,11 +26,14 @@ def test_flat_is_exact():
     np.testing.assert_array_equal(fi.exact_neighbours(db, q, 10), ref_rows)
 
 
-@pytest.mark.parametrize("kind, params, floor", [
-    ("ivf-flat", {"nlist": 16}, 0.95),
-    ("hnsw", {"M": 16}, 0.95),
-    ("ivf-pq", {"nlist": 16, "m": 8, "nbits": 4}, 0.3),
-])
+@pytest.mark.parametrize(
+    "kind, params, floor",
+    [
+        ("ivf-flat", {"nlist": 16}, 0.95),
+        ("hnsw", {"M": 16}, 0.95),
+        ("ivf-pq", {"nlist": 16, "m": 8, "nbits": 4}, 0.3),
+    ],
+)
 def test_approximate_kinds_recall_and_scores(kind, params, floor):
     db, q = unit_vectors(2000, 16, 2), unit_vectors(40, 16, 3)
     index, p = fi.build(kind, db, **params)
@@ -38,19 +42,19 @@ def test_approximate_kinds_recall_and_scores(kind, params, floor):
     result = fi.tune(index, q, exact, target_recall=0.95, k=10)
     scores, rows = fi.search(index, q, 10)
     recall = _recall(rows, exact)
-    assert recall == pytest.approx(result.recall)           # tune reports what search does
+    assert recall == pytest.approx(result.recall)  # tune reports what search does
     assert recall >= floor, f"{kind} recall@10 {recall}"
     if kind == "ivf-pq":
         # PQ scores are inner products with the *decoded* vectors, not the originals
         ivf = faiss.extract_index_ivf(index)
         ivf.make_direct_map()
         stored = index.reconstruct_batch(rows.ravel()).reshape(*rows.shape, -1)
-        assert np.max(np.abs(stored - db[rows])) > 1e-3     # lossy codes...
+        assert np.max(np.abs(stored - db[rows])) > 1e-3  # lossy codes...
     else:
         stored = db[rows]
-    true = np.einsum("qd,qkd->qk", q, stored)              # ...but the scores are exact on them
+    true = np.einsum("qd,qkd->qk", q, stored)  # ...but the scores are exact on them
     np.testing.assert_allclose(scores, true, atol=1e-4)
-    assert np.all(np.diff(scores, axis=1) <= 1e-6)          # sorted best first
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)  # sorted best first
 
 
 def test_ivf_all_probes_is_exact():
@@ -72,7 +76,7 @@ def test_tune_reaches_target_with_smallest_doubling():
     if result.value > 1:
         fi.set_search_params(index, "ivf-flat", {"nprobe": result.value // 2})
         assert _recall(fi.search(index, q, 10)[1], exact) < 0.9
-    assert [h["nprobe"] for h in result.history] == [2 ** i for i in range(len(result.history))]
+    assert [h["nprobe"] for h in result.history] == [2**i for i in range(len(result.history))]
 
 
 def test_search_caps_k_and_drops_missing_results():
@@ -86,7 +90,9 @@ def test_search_caps_k_and_drops_missing_results():
     assert rows.shape[1] < 100 and np.any(rows[:, -1] >= 0)
     valid = rows >= 0
     assert np.all(np.isneginf(scores[~valid]))
-    np.testing.assert_allclose(scores[valid], np.einsum("qd,qkd->qk", q, db[np.where(valid, rows, 0)])[valid], atol=1e-5)
+    np.testing.assert_allclose(
+        scores[valid], np.einsum("qd,qkd->qk", q, db[np.where(valid, rows, 0)])[valid], atol=1e-5
+    )
     for r in rows:  # no duplicate rows in a result list
         assert len(set(r[r >= 0])) == int(np.sum(r >= 0))
 
@@ -107,11 +113,11 @@ def test_search_rejects_bad_input(bad_k):
 
 
 def test_choose_kind_rules():
-    assert fi.choose_kind(500, 128, memory_budget_bytes=1)[0] == "flat"          # tiny: always exact
-    assert fi.choose_kind(50_000, 128, 1 << 30) == ("flat", {})                 # small and fits
-    kind, params = fi.choose_kind(1_000_000, 128, 8 << 30)                       # mid, fits -> IVF-Flat
-    assert kind == "ivf-flat" and params["nlist"] == 4000                        # 4 sqrt(1e6)
-    budget = 100 << 20                                                           # 100 MiB for 1e6 x 128
+    assert fi.choose_kind(500, 128, memory_budget_bytes=1)[0] == "flat"  # tiny: always exact
+    assert fi.choose_kind(50_000, 128, 1 << 30) == ("flat", {})  # small and fits
+    kind, params = fi.choose_kind(1_000_000, 128, 8 << 30)  # mid, fits -> IVF-Flat
+    assert kind == "ivf-flat" and params["nlist"] == 4000  # 4 sqrt(1e6)
+    budget = 100 << 20  # 100 MiB for 1e6 x 128
     kind, params = fi.choose_kind(1_000_000, 128, budget)
     assert kind == "ivf-pq" and 128 % params["m"] == 0
     assert fi.index_bytes("ivf-pq", 128, 1_000_000, params) <= budget
@@ -119,7 +125,7 @@ def test_choose_kind_rules():
     bigger = [m for m in range(params["m"] + 1, 129) if 128 % m == 0]
     if bigger:
         assert fi.index_bytes("ivf-pq", 128, 1_000_000, {**params, "m": bigger[0]}) > budget
-    assert fi.default_nlist(100) == 2                                            # >= 39 points per list
+    assert fi.default_nlist(100) == 2  # >= 39 points per list
     with pytest.raises(ValueError, match="too small"):
         fi.choose_kind(1_000_000, 128, 1 << 20)
     with pytest.raises(ValueError, match="count"):
@@ -153,7 +159,7 @@ def test_gpu_choice_and_cpu_fallback(monkeypatch):
     assert not fi.use_gpu("flat") and not fi.use_gpu("ivf-pq")
     monkeypatch.setattr(fi, "gpu_count", lambda: 2)
     assert fi.use_gpu("flat") and fi.use_gpu("ivf-flat") and fi.use_gpu("ivf-pq")
-    assert not fi.use_gpu("hnsw")                       # FAISS has no GPU HNSW
+    assert not fi.use_gpu("hnsw")  # FAISS has no GPU HNSW
     # On this CPU-only machine the GPU calls fail (faiss-cpu has no GPU classes, faiss-gpu finds no
     # device); the build must still produce the same index.
     db, q = unit_vectors(500, 8, 0), unit_vectors(5, 8, 1)
@@ -167,7 +173,7 @@ def test_tune_with_stored_rows_excludes_the_self_match():
     index, _ = fi.build("ivf-flat", db, nlist=32, nprobe=1)
     rows = np.arange(0, 2000, 40)
     _, exact = brute_force(db, db[rows], 11)
-    assert np.all(exact[:, 0] == rows)                       # each query's best match is itself
+    assert np.all(exact[:, 0] == rows)  # each query's best match is itself
     result = fi.tune(index, db[rows], exact, target_recall=0.9, self_rows=rows)
     # independent recount at the chosen nprobe, neighbours other than self only
     _, found = fi.search(index, db[rows], 11)
@@ -225,5 +231,7 @@ def test_small_training_sets_are_explained_in_the_log_not_warned_on_stderr(capfd
         ListStats.build(db[:40])
     assert "WARNING clustering" not in capfd.readouterr().err
     said = [r.getMessage() for r in caplog.records if "FAISS suggests" in r.getMessage()]
-    assert any("coarse quantizer trained on 300 points for 16 centroids (FAISS suggests 624)" in m for m in said), said
+    assert any(
+        "coarse quantizer trained on 300 points for 16 centroids (FAISS suggests 624)" in m for m in said
+    ), said
     assert any("PQ codebooks trained on 300 points for 256 centroids" in m for m in said), said

@@ -1,5 +1,6 @@
 """The index-kind registry (index/kinds/): a kind defined and registered here, in the test alone, is built,
 gated and served end to end, and its answers are checked against a numpy brute force."""
+
 from __future__ import annotations
 
 import faiss
@@ -15,6 +16,7 @@ N, DIM, K = 3000, 32, 10
 
 class IVFSQ8(IVFKind):
     """Inverted lists of 8-bit scalar-quantised rows: a kind none of the project's modules name."""
+
     name = "toy-ivf-sq8"
     streamable = False
     gpu = False
@@ -53,7 +55,7 @@ def test_registry_refuses_duplicates_and_unknown_names(toy_kind):
     kinds.unregister(toy_kind.name)
     with pytest.raises(ValueError, match="unknown index kind"):
         kinds.get(toy_kind.name)
-    kinds.register(toy_kind)   # back for the fixture's teardown
+    kinds.register(toy_kind)  # back for the fixture's teardown
 
 
 def test_builtin_kinds_recognise_their_own_indexes():
@@ -76,15 +78,18 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
     np.save(tmp_path / "v.npy", emb)
     root = tmp_path / "index"
     target = 0.9
-    version = build_from_vectors(tmp_path / "v.npy", root,
-                                 BuildOptions(kind=toy_kind.name, target_recall=target, progress=False))
+    version = build_from_vectors(
+        tmp_path / "v.npy", root, BuildOptions(kind=toy_kind.name, target_recall=target, progress=False)
+    )
 
     stored = IndexStore(root)
-    assert stored.current_version() == version                       # activated: the gate let it through
+    assert stored.current_version() == version  # activated: the gate let it through
     loaded = stored.load(version)
     m = loaded.manifest
-    assert m.kind == toy_kind.name and isinstance(faiss.downcast_index(loaded.index), faiss.IndexIVFScalarQuantizer)
-    assert m.params["nprobe"] == faiss.extract_index_ivf(loaded.index).nprobe      # tuned knob applied on load
+    assert m.kind == toy_kind.name and isinstance(
+        faiss.downcast_index(loaded.index), faiss.IndexIVFScalarQuantizer
+    )
+    assert m.params["nprobe"] == faiss.extract_index_ivf(loaded.index).nprobe  # tuned knob applied on load
     assert m.recall.param == "nprobe" and m.recall.recall >= target
     checks = activation_checks(m)
     assert [c.passed for c in checks] == [True, True], [c.message for c in checks]
@@ -100,18 +105,22 @@ def test_a_registered_kind_is_built_gated_and_served(toy_kind, tmp_path):
         # the served similarity is the exact cosine of the stored row (re-scored from the stored vectors)
         np.testing.assert_allclose([h.similarity for h in found], emb[rows].astype(np.float64) @ q, atol=1e-5)
         hits += len(set(rows) & set(truth.tolist()))
-    assert hits / (len(queries) * K) >= target - 0.05                 # new queries, near the gate's target
+    assert hits / (len(queries) * K) >= target - 0.05  # new queries, near the gate's target
 
 
 def test_refusal_hints_come_from_each_kind():
     from index import faiss_index
 
-    n, d = 5000, 32                               # --kind auto chooses flat for 5000 x 32
-    hints = {name: faiss_index.suggest_kind(name, faiss_index.default_params(name, d, n), n, d, 0.95)
-             for name in kinds.names()}
+    n, d = 5000, 32  # --kind auto chooses flat for 5000 x 32
+    hints = {
+        name: faiss_index.suggest_kind(name, faiss_index.default_params(name, d, n), n, d, 0.95)
+        for name in kinds.names()
+    }
     assert hints["flat"] == "--kind flat is exact"
     assert hints["ivf-flat"].endswith("--kind auto chooses flat")
     assert hints["ivf-pq"].startswith("--kind auto chooses flat for 5000 x 32")
     assert "--param M=64" in hints["hnsw"] and "--kind flat" in hints["hnsw"]
-    large = faiss_index.suggest_kind("ivf-pq", {"m": 8}, 2_000_000, 64, 0.95)   # auto: ivf-flat or ivf-pq (RAM)
+    large = faiss_index.suggest_kind(
+        "ivf-pq", {"m": 8}, 2_000_000, 64, 0.95
+    )  # auto: ivf-flat or ivf-pq (RAM)
     assert "--param m= a larger divisor of 64" in large

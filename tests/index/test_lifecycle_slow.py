@@ -1,4 +1,5 @@
 """Crash safety and distributed embedding: real subprocesses (slow)."""
+
 from __future__ import annotations
 
 import os
@@ -35,17 +36,22 @@ def test_sigkill_mid_build_leaves_current_loadable_and_resumes(tmp_path, tiny_ch
     queries = before.embeddings[:5]
     expected = before.search(queries, 5)
 
-    script = (f"from index.build import BuildOptions, build_index; from training.datasets import create_dataset; "
-              f"build_index({str(tiny_checkpoint)!r}, create_dataset('synthetic', size=2000, seed=3), "
-              f"{str(root)!r}, BuildOptions(shard_size=64, batch_size=32, progress=False))")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    script = (
+        f"from index.build import BuildOptions, build_index; from training.datasets import create_dataset; "
+        f"build_index({str(tiny_checkpoint)!r}, create_dataset('synthetic', size=2000, seed=3), "
+        f"{str(root)!r}, BuildOptions(shard_size=64, batch_size=32, progress=False))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     deadline = time.monotonic() + 90
     try:
-        while time.monotonic() < deadline:     # kill as soon as embedding has written a shard
+        while time.monotonic() < deadline:  # kill as soon as embedding has written a shard
             if list(store.staging_dir.glob("embed-*/shard_*.json")):
                 break
-            assert proc.poll() is None, f"build ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"
+            assert proc.poll() is None, (
+                f"build ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"
+            )
             time.sleep(0.05)
         else:
             pytest.fail("no embedding shard appeared within 90 s")
@@ -69,13 +75,36 @@ def test_sigkill_mid_build_leaves_current_loadable_and_resumes(tmp_path, tiny_ch
 
 @pytest.mark.slow
 def test_two_process_torchrun_matches_single_process(tmp_path, tiny_checkpoint):
-    args = ["--checkpoint", str(tiny_checkpoint), "--dataset", "synthetic", "--size", "300",
-            "--shard-size", "32", "--batch-size", "64", "--no-progress"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "index.cli", "build", "--root", str(tmp_path / "dist"), *args]
+    args = [
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--dataset",
+        "synthetic",
+        "--size",
+        "300",
+        "--shard-size",
+        "32",
+        "--batch-size",
+        "64",
+        "--no-progress",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "index.cli",
+        "build",
+        "--root",
+        str(tmp_path / "dist"),
+        *args,
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("index build: version") == 1          # only rank 0 reports
+    assert done.stdout.count("index build: version") == 1  # only rank 0 reports
     from index.cli import main
 
     assert main(["build", "--root", str(tmp_path / "single"), *args]) == 0

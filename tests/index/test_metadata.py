@@ -1,4 +1,5 @@
 """Per-item metadata (index/metadata.py): built-in folder fields, user files, carried through add/sync/delete."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ import shutil
 import pytest
 from PIL import Image
 
-from index.build import BuildOptions, add_items, build_index
+from index.build import BuildOptions, build_index
 from index.cli import main
-from index.metadata import (ITEM_METADATA, Metadata, MetadataError, load_user_metadata, read_metadata)
+from index.metadata import ITEM_METADATA, Metadata, MetadataError, load_user_metadata, read_metadata
 from index.options import EmbedOptions
 from index.store import IndexStore
 from index.sync import delete_items, sync_index
@@ -33,8 +34,15 @@ def test_folder_build_stores_file_facts_read_independently(tmp_path, folder, tin
     root = tmp_path / "index"
     version = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     meta = read_metadata(IndexStore(root).path(version))
-    assert meta.types == {"path": "str", "class": "str", "size": "int", "mtime": "float", "width": "int",
-                          "height": "int", "format": "str"}
+    assert meta.types == {
+        "path": "str",
+        "class": "str",
+        "size": "int",
+        "mtime": "float",
+        "width": "int",
+        "height": "int",
+        "format": "str",
+    }
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     assert sorted(meta.items) == sorted(p.relative_to(folder).as_posix() for p in files)
     for p in files:
@@ -60,11 +68,13 @@ def test_user_metadata_jsonl_and_csv_types_and_errors(tmp_path):
     assert m.types == {"stars": "int", "tag": "str", "ok": "bool"}
     assert m.items["b"] == {"tag": "blue", "ok": False} and m.items["c"]["stars"] == 12
     bad = tmp_path / "bad.jsonl"
-    for text, needle in [('{"id": "a", "x": 1}\n{"id": "b", "x": "one"}\n', "'x' is str here but int"),
-                         ('{"id": "a", "class": "mine"}\n', "'class' is built in"),
-                         ('{"x": 1}\n', 'needs a non-empty string "id"'),
-                         ('{"id": "a", "x": [1]}\n', "must be a string, number or boolean"),
-                         ('{"id": "a"\n', "not JSON")]:
+    for text, needle in [
+        ('{"id": "a", "x": 1}\n{"id": "b", "x": "one"}\n', "'x' is str here but int"),
+        ('{"id": "a", "class": "mine"}\n', "'class' is built in"),
+        ('{"x": 1}\n', 'needs a non-empty string "id"'),
+        ('{"id": "a", "x": [1]}\n', "must be a string, number or boolean"),
+        ('{"id": "a"\n', "not JSON"),
+    ]:
         bad.write_text(text)
         with pytest.raises(MetadataError, match=needle):
             load_user_metadata(bad)
@@ -74,15 +84,25 @@ def test_user_metadata_jsonl_and_csv_types_and_errors(tmp_path):
         load_user_metadata(nohead)
 
 
-def test_metadata_follows_items_through_add_sync_delete_and_rebuild(tmp_path, folder, tiny_checkpoint,
-                                                                    other_checkpoint, make_image_folder):
+def test_metadata_follows_items_through_add_sync_delete_and_rebuild(
+    tmp_path, folder, tiny_checkpoint, other_checkpoint, make_image_folder
+):
     root = tmp_path / "index"
     user = tmp_path / "user.jsonl"
     ids = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.png"))
-    user.write_text("".join(json.dumps({"id": i, "rating": n % 5, "album": f"al{n % 2}"}) + "\n"
-                            for n, i in enumerate(ids)) + json.dumps({"id": "not/indexed.png", "rating": 1}) + "\n")
-    v1 = build_index(tiny_checkpoint, _folder_ds(folder), root,
-                     BuildOptions(progress=False, metadata=load_user_metadata(user)))
+    user.write_text(
+        "".join(
+            json.dumps({"id": i, "rating": n % 5, "album": f"al{n % 2}"}) + "\n" for n, i in enumerate(ids)
+        )
+        + json.dumps({"id": "not/indexed.png", "rating": 1})
+        + "\n"
+    )
+    v1 = build_index(
+        tiny_checkpoint,
+        _folder_ds(folder),
+        root,
+        BuildOptions(progress=False, metadata=load_user_metadata(user)),
+    )
     store = IndexStore(root)
     m1 = read_metadata(store.path(v1))
     assert m1.types["rating"] == "int" and m1.types["album"] == "str"
@@ -106,6 +126,7 @@ def test_metadata_follows_items_through_add_sync_delete_and_rebuild(tmp_path, fo
     assert ids[5] not in read_metadata(store.path(v4)).items
     # rebuild with a new encoder re-reads file facts and carries the user's fields
     from index.build import rebuild_index
+
     v5 = rebuild_index(root, other_checkpoint, BuildOptions(progress=False))
     m5 = read_metadata(store.path(v5))
     assert m5.items[ids[7]]["rating"] == 7 % 5 and m5.items["class0/added.png"]["rating"] == 4
@@ -116,8 +137,20 @@ def test_cli_metadata_option_and_bad_file_is_one_line(tmp_path, folder, tiny_che
     root = tmp_path / "index"
     bad = tmp_path / "bad.csv"
     bad.write_text("name\nx\n")
-    args = ["build", "--root", str(root), "--checkpoint", str(tiny_checkpoint), "--dataset", "folder",
-            "--split", "all", "--data-root", str(folder), "--no-progress"]
+    args = [
+        "build",
+        "--root",
+        str(root),
+        "--checkpoint",
+        str(tiny_checkpoint),
+        "--dataset",
+        "folder",
+        "--split",
+        "all",
+        "--data-root",
+        str(folder),
+        "--no-progress",
+    ]
     assert main(args + ["--metadata", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "'id' column" in err[0]

@@ -1,5 +1,6 @@
 """Encoder weights inside the store (index/models.py): content-addressed, verified, shared, pruned,
 and migrated from stores written before the layout existed."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ from index_refs import copy_checkpoint
 
 from index.build import BuildOptions, add_items, build_index, rebuild_index
 from index.manifest import IndexCorruptError, file_sha256
-from index.options import EmbedOptions
 from index.models import load_version_encoder, model_relpath
+from index.options import EmbedOptions
 from index.store import IndexStore
 from training.checkpoint import load_checkpoint
 from training.encoder import embed
@@ -38,31 +39,35 @@ def test_build_stores_the_weights_and_needs_no_training_dir(tmp_path, tiny_check
     sha = file_sha256(ck)
     m = store.manifest(v1)
     assert m.checkpoint.sha256 == sha and m.checkpoint.model == model_relpath(sha)
-    assert m.checkpoint.path == str(ck.resolve())          # provenance only
-    assert file_sha256(root / model_relpath(sha)) == sha         # a byte-exact copy
+    assert m.checkpoint.path == str(ck.resolve())  # provenance only
+    assert file_sha256(root / model_relpath(sha)) == sha  # a byte-exact copy
     reference, _ = load_checkpoint(ck)
-    shutil.move(run, tmp_path / "moved-away")                   # the training directory is gone
+    shutil.move(run, tmp_path / "moved-away")  # the training directory is gone
     encoder, _, got_sha = load_version_encoder(store.load())
     assert got_sha == sha
     x = items.tensors(np.arange(8))
     np.testing.assert_array_equal(embed(encoder, x, progress=False), embed(reference, x, progress=False))
-    v2 = add_items(root, more_items, embed=EmbedOptions(progress=False))             # grows without the original checkpoint
+    v2 = add_items(
+        root, more_items, embed=EmbedOptions(progress=False)
+    )  # grows without the original checkpoint
     assert store.manifest(v2).checkpoint.sha256 == sha and store.models.shas() == [sha]
 
 
-def test_versions_share_one_model_and_prune_drops_unused_ones(tmp_path, tiny_checkpoint, other_checkpoint, items):
+def test_versions_share_one_model_and_prune_drops_unused_ones(
+    tmp_path, tiny_checkpoint, other_checkpoint, items
+):
     root = tmp_path / "index"
     build_index(tiny_checkpoint, items, root, BuildOptions(progress=False))
     build_index(tiny_checkpoint, items, root, BuildOptions(progress=False))
     store = IndexStore(root)
     first = file_sha256(tiny_checkpoint)
-    assert store.models.shas() == [first]                          # written once, shared
+    assert store.models.shas() == [first]  # written once, shared
     v3 = rebuild_index(root, other_checkpoint, BuildOptions(progress=False, force=True))
     second = file_sha256(other_checkpoint)
     assert sorted(store.models.shas()) == sorted([first, second])
     assert store.prune(2) and store.models.shas() == sorted([first, second])  # grace period: both young
     store.prune(1, model_grace_s=0.0)
-    assert store.versions() == [v3] and store.models.shas() == [second]     # only the model v3 uses is left
+    assert store.versions() == [v3] and store.models.shas() == [second]  # only the model v3 uses is left
     assert store.load().manifest.checkpoint.sha256 == second
 
 
@@ -77,10 +82,10 @@ def test_damaged_model_is_refused_or_repaired_from_its_source(tmp_path, tiny_che
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
-    encoder, _, _ = load_version_encoder(store.load())            # the source still matches: restored
+    encoder, _, _ = load_version_encoder(store.load())  # the source still matches: restored
     assert file_sha256(model) == sha
     model.write_bytes(bytes(data))
-    os.utime(model, ns=(1, 1))                                     # new identity: no remembered hash
+    os.utime(model, ns=(1, 1))  # new identity: no remembered hash
     shutil.rmtree(run)
     with pytest.raises(IndexCorruptError, match="damaged"):
         load_version_encoder(store.load())
@@ -103,11 +108,11 @@ def test_old_store_migrates_on_first_use(tmp_path, tiny_checkpoint, items):
     _make_old_store(root, ck, items)
     store = IndexStore(root)
     assert store.models.shas() == []
-    load_version_encoder(store.load())                             # first use copies the checkpoint in
+    load_version_encoder(store.load())  # first use copies the checkpoint in
     sha = file_sha256(ck)
     assert store.models.shas() == [sha]
     shutil.rmtree(tmp_path / "run")
-    load_version_encoder(store.load())                             # and from then on it is self-contained
+    load_version_encoder(store.load())  # and from then on it is self-contained
 
 
 def test_old_store_without_its_checkpoint_says_what_to_copy_where(tmp_path, tiny_checkpoint, items):
@@ -121,7 +126,7 @@ def test_old_store_without_its_checkpoint_says_what_to_copy_where(tmp_path, tiny
     message = str(err.value)
     assert version in message and str(root / model_relpath(sha)) in message and "index rebuild" in message
     (root / "models").mkdir()
-    shutil.copyfile(tiny_checkpoint, root / model_relpath(sha))    # doing what the message says works
+    shutil.copyfile(tiny_checkpoint, root / model_relpath(sha))  # doing what the message says works
     load_version_encoder(IndexStore(root).load())
 
 

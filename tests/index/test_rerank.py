@@ -1,6 +1,7 @@
 """IVF-PQ served with exact re-ranking from the stored vectors: the re-ranked search against numpy, the joint
 (nprobe, k'/k) tuning against brute-force recall, `--kind auto` under a memory budget, and the served recall
 through POST /v1/search/vector."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,7 +53,9 @@ def test_tune_with_reranking_reaches_target_and_reports_true_recall(pq):
     exact = fi.exact_neighbours(data, data[rows], 11)
     plain = fi.tune(index, data[rows], exact, target_recall=0.95, k=10, kind="ivf-pq", self_rows=rows)
     assert not plain.reached and plain.recall < 0.8 and plain.rerank is None
-    got = fi.tune(index, data[rows], exact, target_recall=0.95, k=10, kind="ivf-pq", self_rows=rows, embeddings=data)
+    got = fi.tune(
+        index, data[rows], exact, target_recall=0.95, k=10, kind="ivf-pq", self_rows=rows, embeddings=data
+    )
     assert got.reached and got.recall >= 0.95 and got.param == "nprobe"
     assert faiss_index_nprobe(index) == got.value
     hits = 0
@@ -63,7 +66,9 @@ def test_tune_with_reranking_reaches_target_and_reports_true_recall(pq):
     assert got.recall == pytest.approx(hits / (10 * len(rows)), abs=1e-9)
     # the chosen pair is in the history, and no cheaper r at the same nprobe reached the target
     same = [h for h in got.history if h["nprobe"] == got.value]
-    assert {"nprobe": got.value, "rerank": got.rerank} in [{"nprobe": h["nprobe"], "rerank": h["rerank"]} for h in same]
+    assert {"nprobe": got.value, "rerank": got.rerank} in [
+        {"nprobe": h["nprobe"], "rerank": h["rerank"]} for h in same
+    ]
     assert all(h["recall"] < 0.95 for h in same if h["rerank"] < got.rerank)
 
 
@@ -78,7 +83,7 @@ def test_choose_kind_picks_reranked_pq_when_full_vectors_do_not_fit():
     kind, params = fi.choose_kind(200_000, 128, 20 * mib)
     assert kind == "ivf-pq" and params["rerank"] >= 1
     assert fi.index_bytes("ivf-pq", 128, 200_000, params) <= 20 * mib < 200_000 * 128 * 4
-    assert fi.choose_kind(200_000, 128, 200 * mib)[0] == "ivf-flat"   # the full vectors fit: no codes
+    assert fi.choose_kind(200_000, 128, 200 * mib)[0] == "ivf-flat"  # the full vectors fit: no codes
 
 
 def test_auto_build_under_budget_serves_target_recall(tmp_path):
@@ -98,8 +103,23 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     np.save(tmp_path / "v.npy", data)
     budget = 200_000
     root = tmp_path / "store"
-    assert index_main(["build", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "v.npy"),
-                       "--kind", "auto", "--memory-budget", str(budget)]) == 0
+    assert (
+        index_main(
+            [
+                "build",
+                "--root",
+                str(root),
+                "--no-progress",
+                "--embeddings",
+                str(tmp_path / "v.npy"),
+                "--kind",
+                "auto",
+                "--memory-budget",
+                str(budget),
+            ]
+        )
+        == 0
+    )
     store = IndexStore(root)
     v = store.load()
     m = v.manifest
@@ -107,7 +127,9 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     assert (v.path / INDEX_FILE).stat().st_size <= budget < data.nbytes
     assert m.quality_gate.passed and m.quality_gate.recall.served >= 0.95
     queries = clustered_unit(100, 32, seed=9)
-    exact = np.argsort(-(queries.astype(np.float64) @ data.T.astype(np.float64)), axis=1, kind="stable")[:, :10]
+    exact = np.argsort(-(queries.astype(np.float64) @ data.T.astype(np.float64)), axis=1, kind="stable")[
+        :, :10
+    ]
     _, reranked = fi.search_reranked(v.index, v.embeddings, queries, 10, m.params["rerank"])
     with TestClient(create_app(Settings(index_root=root))) as http:
         client = SoftsearchClient(http=http)
@@ -115,14 +137,15 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     # the exact normaliser's one pass over the mapped rows also yields the exact top-k (search/serving/exact_scan.py),
     # so the served hits are the exact ones (scores to float32 ties), at least as good as the re-ranked PQ search
     scores64 = queries.astype(np.float64) @ data.T.astype(np.float64)
-    np.testing.assert_allclose(np.take_along_axis(scores64, served, 1), np.take_along_axis(scores64, exact, 1),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.take_along_axis(scores64, served, 1), np.take_along_axis(scores64, exact, 1), atol=1e-5
+    )
     assert fi.recall_at_k(served, exact, 10) >= fi.recall_at_k(reranked, exact, 10) >= 0.9
 
 
 def test_rerank_factor_reads_the_manifest_and_defaults_for_pq():
     assert fi.rerank_factor("ivf-pq", {"nprobe": 4, "rerank": 7}) == 7
-    assert fi.rerank_factor("ivf-pq", {"nprobe": 4}) == fi.RERANK_PQ   # versions built before it was tuned
+    assert fi.rerank_factor("ivf-pq", {"nprobe": 4}) == fi.RERANK_PQ  # versions built before it was tuned
     assert fi.rerank_factor("ivf-flat", {"nprobe": 4}) == 1 and fi.rerank_factor("flat", None) == 1
     with pytest.raises(ValueError, match="rerank=0"):
         fi.default_params("ivf-pq", 32, 5000, rerank=0)
@@ -134,6 +157,8 @@ def test_tune_caps_candidates_at_a_share_of_the_collection():
     index, _ = fi.build("ivf-pq", data, nlist=4, m=1, nbits=4)
     rows = fi.tuning_rows(300, 100)
     exact = fi.exact_neighbours(data, data[rows], 11)
-    got = fi.tune(index, data[rows], exact, target_recall=0.99, k=10, kind="ivf-pq", self_rows=rows, embeddings=data)
+    got = fi.tune(
+        index, data[rows], exact, target_recall=0.99, k=10, kind="ivf-pq", self_rows=rows, embeddings=data
+    )
     assert max(h["rerank"] for h in got.history) * 11 <= 300 // fi.RERANK_SHARE
     assert not got.reached and got.rerank * 11 <= 300 // fi.RERANK_SHARE

@@ -1,4 +1,5 @@
 """Sharded versions in the store: `index build --shards`, `index reshard`, verify, export / import, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,19 @@ from index.transfer import export_version, import_version
 
 
 def _build(root, checkpoint, *extra) -> list[str]:
-    return ["build", "--root", str(root), "--checkpoint", str(checkpoint), "--dataset", "synthetic",
-            "--size", "50", "--no-progress", *extra]
+    return [
+        "build",
+        "--root",
+        str(root),
+        "--checkpoint",
+        str(checkpoint),
+        "--dataset",
+        "synthetic",
+        "--size",
+        "50",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_split_rows_covers_every_row_once():
@@ -49,14 +61,14 @@ def test_build_with_shards_writes_one_gated_version(tmp_path, tiny_checkpoint, c
     assert main(_build(root, tiny_checkpoint, "--shards", "3")) == 0
     out = capsys.readouterr().out
     store = IndexStore(root)
-    assert store.versions() == [store.current_version()]          # the unsharded intermediate is gone
+    assert store.versions() == [store.current_version()]  # the unsharded intermediate is gone
     m = store.manifest(store.current_version())
     assert [e["count"] for e in m.shards] == [16, 17, 17] and m.count == 50
     assert m.quality_gate is not None and m.recall.recall == 1.0
     assert "50 items" in out and "activated" in out
     loaded = store.load()
     assert isinstance(loaded, ShardedVersion)
-    for entry, shard in zip(m.shards, loaded.shards):   # each shard a complete version of its rows
+    for entry, shard in zip(m.shards, loaded.shards):  # each shard a complete version of its rows
         assert shard.manifest.version == f"{m.version}.{entry['name']}" and len(shard.ids) == entry["count"]
         assert shard.index.ntotal == entry["count"]
     assert main(["verify", "--root", str(root)]) == 0
@@ -114,11 +126,17 @@ def test_export_import_of_a_sharded_version(tmp_path, tiny_checkpoint):
     a, b = IndexStore(root).load(), IndexStore(tmp_path / "other").load()
     assert isinstance(b, ShardedVersion) and a.ids == b.ids
     np.testing.assert_array_equal(np.asarray(a.embeddings), np.asarray(b.embeddings))
-    assert json.loads((IndexStore(tmp_path / "other").path(version) / "shard-001" / "manifest.json").read_text())[
-        "count"] == 25
+    assert (
+        json.loads(
+            (IndexStore(tmp_path / "other").path(version) / "shard-001" / "manifest.json").read_text()
+        )["count"]
+        == 25
+    )
 
 
-def test_add_and_delete_on_a_sharded_version_equal_them_on_the_unsharded_one(tmp_path, tiny_checkpoint, capsys):
+def test_add_and_delete_on_a_sharded_version_equal_them_on_the_unsharded_one(
+    tmp_path, tiny_checkpoint, capsys
+):
     """`index delete` then `index add` on a 3-shard version give a 3-shard version with the ids, rows and served
     probabilities (to 1e-6) of the same commands on the unsharded version; the intermediates are gone."""
     import shutil
@@ -137,29 +155,61 @@ def test_add_and_delete_on_a_sharded_version_equal_them_on_the_unsharded_one(tmp
     ids = IndexStore(plain).load().ids
     (tmp_path / "drop.txt").write_text("\n".join([ids[0], ids[5], ids[20], ids[39]]) + "\n")
     for root in (plain, sharded):
-        assert softsearch(["index", "delete", "--root", str(root), "--ids-file", str(tmp_path / "drop.txt"),
-                           "--force"]) == 0   # a random encoder: the gate may score the smaller set lower
-        assert softsearch(["index", "add", "--root", str(root), "--dataset", "synthetic", "--split", "test",
-                           "--size", "6", "--no-progress", "--checkpoint", str(tiny_checkpoint), "--force"]) == 0
+        assert (
+            softsearch(
+                ["index", "delete", "--root", str(root), "--ids-file", str(tmp_path / "drop.txt"), "--force"]
+            )
+            == 0
+        )  # a random encoder: the gate may score the smaller set lower
+        assert (
+            softsearch(
+                [
+                    "index",
+                    "add",
+                    "--root",
+                    str(root),
+                    "--dataset",
+                    "synthetic",
+                    "--split",
+                    "test",
+                    "--size",
+                    "6",
+                    "--no-progress",
+                    "--checkpoint",
+                    str(tiny_checkpoint),
+                    "--force",
+                ]
+            )
+            == 0
+        )
     out = capsys.readouterr().out
     assert "3 shards (42 items; 36 in" in out
     want, got = IndexStore(plain).load(), IndexStore(sharded).load(verify=True)
     assert isinstance(got, ShardedVersion) and len(got.manifest.shards) == 3 and len(got) == len(want) == 42
     assert got.ids == want.ids and ids[5] not in got.ids
     np.testing.assert_allclose(np.asarray(got.embeddings), np.asarray(want.embeddings), atol=1e-6, rtol=0)
-    gate = got.manifest.quality_gate   # gated against the sharded version it replaced, scored like the plain one
-    assert gate.serving_version != first and gate.candidate == pytest.approx(want.manifest.quality_gate.candidate,
-                                                                               rel=1e-4, abs=1e-6)
-    store = IndexStore(sharded)   # the original plain version, the first sharded one, after delete, after add
+    gate = (
+        got.manifest.quality_gate
+    )  # gated against the sharded version it replaced, scored like the plain one
+    assert gate.serving_version != first and gate.candidate == pytest.approx(
+        want.manifest.quality_gate.candidate, rel=1e-4, abs=1e-6
+    )
+    store = IndexStore(sharded)  # the original plain version, the first sharded one, after delete, after add
     assert len(store.versions()) == 4 and all(store.manifest(v).shards for v in store.versions()[1:])
     ref = TestClient(create_app(Settings(index_root=plain, watch_interval_s=0)))
     fan = TestClient(create_app(Settings(index_root=sharded, watch_interval_s=0)))
     with ref, fan:
         rng = np.random.default_rng(5)
-        for body in ({"vector": rng.normal(size=16).tolist(), "k": 42, "temperature": 0.2},
-                     {"id": got.ids[-1], "k": 5, "temperature": 0.1}):
+        for body in (
+            {"vector": rng.normal(size=16).tolist(), "k": 42, "temperature": 0.2},
+            {"id": got.ids[-1], "k": 5, "temperature": 0.1},
+        ):
             route = "/v1/search/item" if "id" in body else "/v1/search/vector"
             w, g = ref.post(route, json=body).json(), fan.post(route, json=body).json()
             assert [h["id"] for h in g["results"]] == [h["id"] for h in w["results"]]
-            np.testing.assert_allclose([h["probability"] for h in g["results"]],
-                                       [h["probability"] for h in w["results"]], atol=1e-6, rtol=0)
+            np.testing.assert_allclose(
+                [h["probability"] for h in g["results"]],
+                [h["probability"] for h in w["results"]],
+                atol=1e-6,
+                rtol=0,
+            )

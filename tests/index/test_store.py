@@ -1,4 +1,5 @@
 """IndexStore / IndexVersion / manifest: round trips, checksums, activation history, retention."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,19 @@ import json
 import faiss
 import numpy as np
 import pytest
+from index_refs import brute_force, unit_vectors
 
 from index.build import write_version
 from index.manifest import IndexCorruptError, file_sha256
-from index.store import (EMBEDDINGS_FILE, IDS_FILE, INDEX_FILE, LIST_STATS_FILE, IndexStore, IndexVersion,
-                         check_version_name)
-from index_refs import brute_force, unit_vectors
+from index.store import (
+    EMBEDDINGS_FILE,
+    IDS_FILE,
+    INDEX_FILE,
+    LIST_STATS_FILE,
+    IndexStore,
+    IndexVersion,
+    check_version_name,
+)
 
 
 def _commit(store: IndexStore, n=300, d=8, seed=0, kind="flat", activate=True, **kw) -> str:
@@ -31,9 +39,10 @@ def test_round_trip_search_matches_brute_force(tmp_path, kind):
     ids = [f"img/{i:05d}.png" for i in range(len(emb))]
     params = {"nlist": 8, "m": 8, "nbits": 4} if kind == "ivf-pq" else {}
     # PQ codes of 8 x 4 bits are lossy: its target is what it can reach (the activation rule checks it)
-    version, staging = write_version(store, emb, ids, kind=kind, params=params,
-                                     target_recall=0.3 if kind == "ivf-pq" else 0.95)
-    assert store.versions() == []                      # nothing visible before commit
+    version, staging = write_version(
+        store, emb, ids, kind=kind, params=params, target_recall=0.3 if kind == "ivf-pq" else 0.95
+    )
+    assert store.versions() == []  # nothing visible before commit
     store.commit(staging, version)
     store.activate(version)
     loaded = store.load()
@@ -67,7 +76,7 @@ def test_manifest_contents(tmp_path):
     assert m.metric == "inner_product" and m.normalised is True and m.kind == "flat"
     assert m.faiss_version == faiss.__version__ and m.search_temperature == 0.07
     assert set(m.files) == {INDEX_FILE, EMBEDDINGS_FILE, IDS_FILE, LIST_STATS_FILE}
-    for name, info in m.files.items():      # recorded checksums are the real ones
+    for name, info in m.files.items():  # recorded checksums are the real ones
         path = store.path(version) / name
         assert info["sha256"] == file_sha256(path) and info["bytes"] == path.stat().st_size
     assert m.recall.recall == 1.0 and {"build_s", "tune_s", "write_s"} <= set(m.timings)
@@ -110,7 +119,7 @@ def test_activate_rollback_history(tmp_path):
     with pytest.raises(FileNotFoundError, match="no current"):
         store.load()
     a, b, c = (_commit(store, n=20, seed=s, activate=False) for s in range(3))
-    assert store.versions() == sorted([a, b, c]) == [a, b, c]     # names sort by creation time
+    assert store.versions() == sorted([a, b, c]) == [a, b, c]  # names sort by creation time
     store.activate(a)
     store.activate(b)
     store.activate(c)
@@ -123,7 +132,10 @@ def test_activate_rollback_history(tmp_path):
     assert store.current_version() == a
     store.activate(c)
     assert store.rollback() == a
-    assert [e["action"] for e in store.history()["log"]] == ["activate"] * 3 + ["rollback"] * 2 + ["activate", "rollback"]
+    assert [e["action"] for e in store.history()["log"]] == ["activate"] * 3 + ["rollback"] * 2 + [
+        "activate",
+        "rollback",
+    ]
     with pytest.raises(ValueError, match="unknown index version 'nope'"):
         store.activate("nope")
     for bad in ("../x", ".hidden", "a/b", ""):
@@ -142,7 +154,7 @@ def test_retention_never_deletes_current_and_rollback_skips_deleted(tmp_path):
     assert sorted(removed) == names[1:3]
     assert store.versions() == [names[0], names[3], names[4]]
     assert store.current_version() == names[0]
-    with pytest.raises(ValueError, match="no earlier"):   # names[1] was deleted: nothing to go back to
+    with pytest.raises(ValueError, match="no earlier"):  # names[1] was deleted: nothing to go back to
         store.rollback()
     with pytest.raises(ValueError, match="keep"):
         store.prune(0)
@@ -169,7 +181,9 @@ def test_write_version_rejects_bad_input(tmp_path):
         write_version(store, emb, ["a"] * 10)
     with pytest.raises(ValueError, match="9 ids"):
         write_version(store, emb, [str(i) for i in range(9)])
-    version, staging = write_version(store, emb, [str(i) for i in range(10)], kind="auto", memory_budget=1 << 30)
+    version, staging = write_version(
+        store, emb, [str(i) for i in range(10)], kind="auto", memory_budget=1 << 30
+    )
     assert IndexVersion.load(staging).kind == "flat"
     with pytest.raises(FileNotFoundError):
         IndexVersion.load(tmp_path / "missing")
@@ -208,7 +222,9 @@ def test_gc_removes_trash_and_pointer_temp_files_left_by_kills(tmp_path):
         os.utime(p, (0, 0))
     removed = store.clean_staging(max_age_s=60)
     assert sorted(removed) == sorted([trash.name, tmp_pointer.name])
-    assert not trash.exists() and not tmp_pointer.exists() and fresh.exists() and (tmp_path / ".lock").exists()
+    assert (
+        not trash.exists() and not tmp_pointer.exists() and fresh.exists() and (tmp_path / ".lock").exists()
+    )
     assert fresh.name in store.clean_staging(max_age_s=0) and not fresh.exists()
 
 
@@ -225,9 +241,9 @@ def test_gc_removes_model_temp_files_left_by_a_killed_model_write(tmp_path, tiny
     sha = store.models.add_file(tiny_checkpoint)
     data = tiny_checkpoint.read_bytes()
     left = []
-    for _ in range(2):   # what ModelStore.add_file has written when the kill comes: half the checkpoint
+    for _ in range(2):  # what ModelStore.add_file has written when the kill comes: half the checkpoint
         tmp = store.models._tmp()
-        tmp.write_bytes(data[:len(data) // 2])
+        tmp.write_bytes(data[: len(data) // 2])
         left.append(tmp)
     os.utime(left[0], (0, 0))
     capsys.readouterr()

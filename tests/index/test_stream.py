@@ -1,4 +1,5 @@
 """The streamed build (index/stream.py) against the in-RAM build, numpy brute force and ListStats.build."""
+
 from __future__ import annotations
 
 import shutil
@@ -12,7 +13,7 @@ from index import faiss_index, stream
 from index.build import BuildOptions, add_vectors, build_from_vectors
 from index.list_stats import ListStats
 from index.paging import PagedRows, drop_index_pages, read_rows
-from index.store import IndexStore, IVFDATA_FILE, LIST_STATS_FILE
+from index.store import IVFDATA_FILE, LIST_STATS_FILE, IndexStore
 from index.vectors import open_vectors, unit_rows
 
 
@@ -28,7 +29,7 @@ def _shards(tmp_path, x: np.ndarray, sizes) -> open_vectors:
     d.mkdir()
     start = 0
     for i, size in enumerate(sizes):
-        np.save(d / f"part-{i:02d}.npy", x[start:start + size].astype(np.float64 if i % 2 else np.float32))
+        np.save(d / f"part-{i:02d}.npy", x[start : start + size].astype(np.float64 if i % 2 else np.float32))
         start += size
     assert start == len(x)
     return open_vectors(d)
@@ -43,7 +44,10 @@ def _lists(index) -> list[np.ndarray]:
 def _codes(index) -> list[bytes]:
     ivf = faiss.extract_index_ivf(index)
     inv = ivf.invlists
-    return [bytes(faiss.rev_swig_ptr(inv.get_codes(l), inv.list_size(l) * ivf.code_size)) for l in range(ivf.nlist)]
+    return [
+        bytes(faiss.rev_swig_ptr(inv.get_codes(l), inv.list_size(l) * ivf.code_size))
+        for l in range(ivf.nlist)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["ivf-flat", "ivf-pq"])
@@ -56,7 +60,7 @@ def test_streamed_lists_equal_the_in_ram_build(tmp_path, kind):
     staging.mkdir()
     built = stream.build_streamed(source, staging, kind, {"nlist": 24}, chunk_rows=700)
     z = unit_rows(source)
-    assert built.train_rows == len(z)   # a sample of all rows: the reference trains on the same points
+    assert built.train_rows == len(z)  # a sample of all rows: the reference trains on the same points
     np.testing.assert_array_equal(np.load(staging / "embeddings.npy"), z)
     ref, _ = faiss_index.create_index(kind, 32, len(z), **built.params)
     ref.train(z)
@@ -68,20 +72,21 @@ def test_streamed_lists_equal_the_in_ram_build(tmp_path, kind):
     q = z[::97]
     for nprobe in (1, 4, 24):
         faiss.extract_index_ivf(built.index).nprobe = faiss.extract_index_ivf(ref).nprobe = nprobe
-        np.testing.assert_array_equal(faiss_index.search(built.index, q, 10)[1], faiss_index.search(ref, q, 10)[1])
+        np.testing.assert_array_equal(
+            faiss_index.search(built.index, q, 10)[1], faiss_index.search(ref, q, 10)[1]
+        )
 
 
 def test_streamed_recall_equals_in_ram_build_when_trained_on_a_sample(tmp_path, monkeypatch):
     """With a training sample smaller than N the streamed build's served recall is that of the in-RAM build
     trained on the same sample (the served search: IVF-PQ re-ranked from the stored rows)."""
-    monkeypatch.setattr(stream, "TRAIN_BYTES", 4000 * 4 * 16)       # 4000 of 12000 rows
+    monkeypatch.setattr(stream, "TRAIN_BYTES", 4000 * 4 * 16)  # 4000 of 12000 rows
     x = _clustered(12000, 16, seed=1)
     np.save(tmp_path / "x.npy", x)
     source = open_vectors(tmp_path / "x.npy")
     staging = tmp_path / "v"
     staging.mkdir()
-    built = stream.build_streamed(source, staging, "ivf-pq", {"m": 8, "nbits": 5}, seed=3,
-                                  chunk_rows=1000)
+    built = stream.build_streamed(source, staging, "ivf-pq", {"m": 8, "nbits": 5}, seed=3, chunk_rows=1000)
     assert built.train_rows == 4000 and built.params["nlist"] == 4000 // 39
     z = unit_rows(source)
     rows = np.sort(np.random.default_rng(3).choice(len(z), size=4000, replace=False))
@@ -104,27 +109,32 @@ def test_ivf_flat_at_nprobe_nlist_is_brute_force(tmp_path):
     np.save(tmp_path / "x.npy", x)
     staging = tmp_path / "v"
     staging.mkdir()
-    built = stream.build_streamed(open_vectors(tmp_path / "x.npy"), staging, "ivf-flat", {"nlist": 16}, chunk_rows=256)
+    built = stream.build_streamed(
+        open_vectors(tmp_path / "x.npy"), staging, "ivf-flat", {"nlist": 16}, chunk_rows=256
+    )
     z = x / np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True)
     faiss.extract_index_ivf(built.index).nprobe = 16
     q = z[:50].astype(np.float32)
     scores, rows = faiss_index.search(built.index, q, 10)
     exact = np.argsort(-(q.astype(np.float64) @ z.T), axis=1, kind="stable")[:, :10]
     np.testing.assert_array_equal(rows, exact)
-    np.testing.assert_allclose(scores, np.take_along_axis(q.astype(np.float64) @ z.T, exact, axis=1), atol=1e-5)
+    np.testing.assert_allclose(
+        scores, np.take_along_axis(q.astype(np.float64) @ z.T, exact, axis=1), atol=1e-5
+    )
 
 
 def test_list_statistics_equal_the_in_ram_computation(tmp_path, monkeypatch):
     """normaliser_stats.npz written in the streamed passes equals ListStats.build over the same lists
     (partition exactly; means, radii, eigenvalues to float rounding), also when the scatter matrices
     take several passes."""
-    monkeypatch.setattr(stream, "SCATTER_BYTES", 5 * 16 * 16 * 8)   # 5 lists a pass
+    monkeypatch.setattr(stream, "SCATTER_BYTES", 5 * 16 * 16 * 8)  # 5 lists a pass
     x = _clustered(4000, 16, seed=4)
     np.save(tmp_path / "x.npy", x)
     staging = tmp_path / "v"
     staging.mkdir()
-    built = stream.build_streamed(open_vectors(tmp_path / "x.npy"), staging, "ivf-pq", {"nlist": 23, "m": 4},
-                                  chunk_rows=333)
+    built = stream.build_streamed(
+        open_vectors(tmp_path / "x.npy"), staging, "ivf-pq", {"nlist": 23, "m": 4}, chunk_rows=333
+    )
     ours = ListStats.load(staging / LIST_STATS_FILE)
     ref = ListStats.build(np.load(staging / "embeddings.npy"), built.index)
     assert ours.source == ref.source and ours.problems(4000, 16, built.index) == []
@@ -140,7 +150,7 @@ def test_build_reads_the_rows_chunk_wise(tmp_path, monkeypatch):
     below the N x D rows, and every read of the source is a slice of at most one chunk."""
     monkeypatch.setattr(stream, "TRAIN_BYTES", 2000 * 4 * 32)
     n, d, chunk = 150000, 32, 2000
-    np.save(tmp_path / "x.npy", _clustered(n, d, seed=5).astype(np.float64))   # 38 MB float64
+    np.save(tmp_path / "x.npy", _clustered(n, d, seed=5).astype(np.float64))  # 38 MB float64
     source = open_vectors(tmp_path / "x.npy")
 
     from index import paging
@@ -148,7 +158,7 @@ def test_build_reads_the_rows_chunk_wise(tmp_path, monkeypatch):
     largest = []
     read_rows = paging.read_rows
 
-    def counting(array, rows):          # every read of the rows goes through paging.read_rows (pread)
+    def counting(array, rows):  # every read of the rows goes through paging.read_rows (pread)
         largest.append(len(np.asarray(rows).reshape(-1)))
         return read_rows(array, rows)
 
@@ -162,7 +172,7 @@ def test_build_reads_the_rows_chunk_wise(tmp_path, monkeypatch):
     finally:
         tracemalloc.stop()
     full = n * d * 4
-    assert max(largest) == chunk and sum(largest) >= 2 * n   # chunks only (two passes and more)
+    assert max(largest) == chunk and sum(largest) >= 2 * n  # chunks only (two passes and more)
     assert peak < full / 4, f"peak {peak} B traced vs {full} B of float32 rows"
 
 
@@ -216,8 +226,8 @@ def test_paging_helpers_return_the_same_rows(tmp_path):
     np.testing.assert_array_equal(PagedRows(mapped)[idx], x[idx])
     np.testing.assert_array_equal(PagedRows(mapped)[10:20], x[10:20])
     np.testing.assert_array_equal(read_rows(mapped, idx), x[idx])
-    np.testing.assert_array_equal(read_rows(mapped[1:], [0, 4]), x[[1, 5]])   # a view: read through the map
-    np.testing.assert_array_equal(read_rows(x, [2, 1]), x[[2, 1]])            # in RAM
+    np.testing.assert_array_equal(read_rows(mapped[1:], [0, 4]), x[[1, 5]])  # a view: read through the map
+    np.testing.assert_array_equal(read_rows(x, [2, 1]), x[[2, 1]])  # in RAM
     with pytest.raises(IndexError):
         read_rows(mapped, [3000])
     # the index's lists are still readable after their pages were dropped
@@ -228,7 +238,7 @@ def test_paging_helpers_return_the_same_rows(tmp_path):
     drop_index_pages(built.index)
     after = faiss_index.search(built.index, x[:7] / np.linalg.norm(x[:7], axis=1, keepdims=True), 5)
     np.testing.assert_array_equal(before[1], after[1])
-    exact = faiss_index.exact_neighbours(mapped, x[:7], 5, block_rows=500)   # blocked: 6 blocks merged
+    exact = faiss_index.exact_neighbours(mapped, x[:7], 5, block_rows=500)  # blocked: 6 blocks merged
     np.testing.assert_array_equal(exact, faiss_index.exact_neighbours(np.array(x), x[:7], 5))
 
 

@@ -1,4 +1,5 @@
 """index sync / delete (index/sync.py) over a real folder of PNG files that changes."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ from index.store import IndexStore
 from index.sync import delete_items, sync_index
 from training.datasets import create_dataset
 
-N = 80   # 10 % = 8 added, 8 removed; 5 % = 4 modified
+N = 80  # 10 % = 8 added, 8 removed; 5 % = 4 modified
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def _change(folder, spare, rng):
     touched = [ids[i] for i in order[12:16]]
     for item in removed:
         (folder / item).unlink()
-    for item in modified:   # new content (inverted pixels), same name
+    for item in modified:  # new content (inverted pixels), same name
         path = folder / item
         with Image.open(path) as im:
             ImageOps.invert(im.convert("RGB")).save(path)
@@ -76,7 +77,9 @@ def _change(folder, spare, rng):
     return {"added": added, "removed": removed, "modified": modified, "touched": touched}
 
 
-def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, folders, tiny_checkpoint, embedded_ids):
+def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(
+    tmp_path, folders, tiny_checkpoint, embedded_ids
+):
     folder, spare = folders
     root = tmp_path / "index"
     v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
@@ -89,25 +92,28 @@ def test_sync_reembeds_exactly_the_changes_and_equals_a_fresh_build(tmp_path, fo
     assert v2 != v1 and store.current_version() == v2
     assert (counts["added"], counts["removed"], counts["modified"], counts["touched"]) == (8, 8, 4, 4)
     assert counts["unchanged"] == N - 8 - 4 - 4 and counts["embedded"] == 12 and counts["skipped"] == 0
-    assert sorted(embedded_ids) == sorted(change["added"] + change["modified"])   # exactly those, nothing else
+    assert sorted(embedded_ids) == sorted(change["added"] + change["modified"])  # exactly those, nothing else
     synced = store.load(v2)
     assert synced.manifest.sync["embedded"] == 12 and synced.manifest.parent == v1
 
     scratch_root = tmp_path / "scratch"
-    fresh = IndexStore(scratch_root).load(build_index(tiny_checkpoint, _folder_ds(folder), scratch_root,
-                                                      BuildOptions(progress=False)))
-    assert synced.ids == fresh.ids                                  # same items, same (folder) order
+    fresh = IndexStore(scratch_root).load(
+        build_index(tiny_checkpoint, _folder_ds(folder), scratch_root, BuildOptions(progress=False))
+    )
+    assert synced.ids == fresh.ids  # same items, same (folder) order
     np.testing.assert_allclose(synced.embeddings, fresh.embeddings, atol=1e-6, rtol=0)
     assert not set(change["removed"]) & set(synced.ids) and set(change["added"]) <= set(synced.ids)
     old = store.load(v1)
-    for item in change["touched"]:   # reused rows are the base's bytes
+    for item in change["touched"]:  # reused rows are the base's bytes
         assert np.array_equal(synced.embeddings[synced.ids.index(item)], old.embeddings[old.ids.index(item)])
     _, rows = synced.search(np.asarray(synced.embeddings[:5]), 1)
     assert rows[:, 0].tolist() == [0, 1, 2, 3, 4]
     assert synced.manifest.dataset["fingerprint"] == _folder_ds(folder).fingerprint()
 
     embedded_ids.clear()
-    assert sync_index(root, embed=EmbedOptions(progress=False))[0] == v2 and embedded_ids == []   # in step: nothing to do
+    assert (
+        sync_index(root, embed=EmbedOptions(progress=False))[0] == v2 and embedded_ids == []
+    )  # in step: nothing to do
     assert store.versions() == [v1, v2]
 
 
@@ -117,32 +123,41 @@ def test_sync_skips_and_reports_bad_files_and_retries_them(tmp_path, folders, ti
     build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     victim = sorted(folder.rglob("*.png"))[3]
     good = victim.read_bytes()
-    victim.write_bytes(good[: len(good) // 3])                        # truncated in place
+    victim.write_bytes(good[: len(good) // 3])  # truncated in place
     (folder / "class0" / "notes.png").write_text("this is not an image")
     version, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert counts["modified"] == 1 and counts["added"] == 1 and counts["skipped"] == 2
     m = IndexStore(root).manifest(version)
     assert {s["id"] for s in m.skipped} == {victim.relative_to(folder).as_posix(), "class0/notes.png"}
     assert m.count == N - 1
-    victim.write_bytes(good)                                          # repaired: embedded again ("retried")
+    victim.write_bytes(good)  # repaired: embedded again ("retried")
     embedded_ids.clear()
     version, counts = sync_index(root, embed=EmbedOptions(progress=False))
     assert counts["retried"] == 2 and counts["embedded"] == 1 and counts["skipped"] == 1
-    assert IndexStore(root).manifest(version).count == N and embedded_ids.count(victim.relative_to(folder).as_posix()) == 1
+    assert (
+        IndexStore(root).manifest(version).count == N
+        and embedded_ids.count(victim.relative_to(folder).as_posix()) == 1
+    )
 
 
-def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_for(tmp_path, folders, tiny_checkpoint):
+def test_sync_of_a_version_without_file_records_reembeds_what_it_cannot_vouch_for(
+    tmp_path, folders, tiny_checkpoint
+):
     folder, _ = folders
     root = tmp_path / "index"
     v1 = build_index(tiny_checkpoint, _folder_ds(folder), root, BuildOptions(progress=False))
     path = IndexStore(root).path(v1)
     manifest = json.loads((path / "manifest.json").read_text())
-    del manifest["files"][ITEM_FILES]                                 # as written before records existed
+    del manifest["files"][ITEM_FILES]  # as written before records existed
     (path / ITEM_FILES).unlink()
     (path / "manifest.json").write_text(json.dumps(manifest))
     next(iter(sorted(folder.rglob("*.png")))).unlink()
     _, counts = sync_index(root, embed=EmbedOptions(progress=False))
-    assert counts["removed"] == 1 and counts["modified"] == counts["unrecorded"] == N - 1 and counts["embedded"] == N - 1
+    assert (
+        counts["removed"] == 1
+        and counts["modified"] == counts["unrecorded"] == N - 1
+        and counts["embedded"] == N - 1
+    )
 
 
 def test_delete_drops_items_and_keeps_the_rest(tmp_path, folders, tiny_checkpoint, capsys):
@@ -155,7 +170,9 @@ def test_delete_drops_items_and_keeps_the_rest(tmp_path, folders, tiny_checkpoin
     v2, counts = delete_items(root, drop)
     new = store.load(v2)
     assert counts["deleted"] == 3 and new.ids == [i for i in old.ids if i not in drop]
-    np.testing.assert_array_equal(new.embeddings, np.asarray(old.embeddings)[[i for i, x in enumerate(old.ids) if x not in drop]])
+    np.testing.assert_array_equal(
+        new.embeddings, np.asarray(old.embeddings)[[i for i, x in enumerate(old.ids) if x not in drop]]
+    )
     assert new.manifest.deleted["deleted"] == 3 and store.current_version() == v2
 
     ids_file = tmp_path / "ids.txt"
@@ -178,19 +195,26 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
     assert main(["sync", "--root", str(root), "--no-progress"]) == 0
     assert "already in step" in capsys.readouterr().out
     synthetic = tmp_path / "synthetic"
-    build_index(tiny_checkpoint, create_dataset("synthetic", split="train", size=16), synthetic,
-                BuildOptions(progress=False))
-    for argv, message in ((["sync", "--root", str(synthetic)], "not built from an image folder"),
-                          (["sync", "--root", str(root), "--data-root", str(tmp_path / "gone")], "not found"),
-                          (["sync", "--root", str(tmp_path / "empty")], "empty does not exist"),
-                          (["sync", "--root", str(tmp_path)], "no current index version")):
+    build_index(
+        tiny_checkpoint,
+        create_dataset("synthetic", split="train", size=16),
+        synthetic,
+        BuildOptions(progress=False),
+    )
+    for argv, message in (
+        (["sync", "--root", str(synthetic)], "not built from an image folder"),
+        (["sync", "--root", str(root), "--data-root", str(tmp_path / "gone")], "not found"),
+        (["sync", "--root", str(tmp_path / "empty")], "empty does not exist"),
+        (["sync", "--root", str(tmp_path)], "no current index version"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
 
 
-def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(tmp_path, folders, tiny_checkpoint,
-                                                                                embedded_ids, capsys):
+def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(
+    tmp_path, folders, tiny_checkpoint, embedded_ids, capsys
+):
     """`index sync` on a 3-shard version: the file records survive the reshard, so exactly the added and modified
     files are embedded; the result is a 3-shard version with a fresh build's ids and rows; a second sync is in step
     and writes nothing."""
@@ -209,12 +233,13 @@ def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(t
     synced = store.load(verify=True)
     assert isinstance(synced, ShardedVersion) and len(synced.manifest.shards) == 3
     fresh_root = tmp_path / "fresh"
-    fresh = IndexStore(fresh_root).load(build_index(tiny_checkpoint, _folder_ds(folder), fresh_root,
-                                                    BuildOptions(progress=False)))
+    fresh = IndexStore(fresh_root).load(
+        build_index(tiny_checkpoint, _folder_ds(folder), fresh_root, BuildOptions(progress=False))
+    )
     assert synced.ids == fresh.ids
     np.testing.assert_allclose(np.asarray(synced.embeddings), fresh.embeddings, atol=1e-6, rtol=0)
     versions = store.versions()
     embedded_ids.clear()
     assert main(["sync", "--root", str(root), "--no-progress"]) == 0
     assert "already in step" in capsys.readouterr().out and embedded_ids == []
-    assert store.versions() == versions and v1 in versions and len(versions) == 3   # whole, v1, synced
+    assert store.versions() == versions and v1 in versions and len(versions) == 3  # whole, v1, synced

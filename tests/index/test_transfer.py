@@ -1,4 +1,5 @@
 """index export / import (index/transfer.py): a version and its model in one checked archive."""
+
 from __future__ import annotations
 
 import gzip
@@ -46,7 +47,7 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     dst = IndexStore(tmp_path / "new")
     assert (version, existed) == (exported["version"], False) and dst.current_version() == version
     a, b = src.load(version), dst.load(version)
-    assert LIST_STATS_FILE in a.manifest.files       # the normaliser's statistics travel with the version
+    assert LIST_STATS_FILE in a.manifest.files  # the normaliser's statistics travel with the version
     for name in a.manifest.files:
         assert file_sha256(a.path / name) == file_sha256(b.path / name)
     sa, sb = a.list_stats(), b.list_stats()
@@ -59,8 +60,8 @@ def test_round_trip_gives_the_same_version_and_model(tmp_path, exported, items):
     enc_a, _, _ = load_version_encoder(a)
     enc_b, _, _ = load_version_encoder(b)
     np.testing.assert_array_equal(embed(enc_a, x, progress=False), embed(enc_b, x, progress=False))
-    assert import_version(tmp_path / "new", exported["archive"]) == (version, True)   # idempotent
-    assert not any((tmp_path / "new" / "staging").iterdir())                            # nothing left behind
+    assert import_version(tmp_path / "new", exported["archive"]) == (version, True)  # idempotent
+    assert not any((tmp_path / "new" / "staging").iterdir())  # nothing left behind
 
 
 def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoint, items):
@@ -82,12 +83,14 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     def unavailable(candidate, current):
         raise FileNotFoundError("image folder /elsewhere not found")
 
-    with pytest.raises(QualityGateError, match="cannot score this version here: .*elsewhere.* did not activate it"):
+    with pytest.raises(
+        QualityGateError, match="cannot score this version here: .*elsewhere.* did not activate it"
+    ):
         import_version(root2, exported["archive"], commit=CommitOptions(evaluator=unavailable))
     store2 = IndexStore(root2)
     assert store2.current_version() != exported["version"]
-    assert store2.manifest(exported["version"]).quality_gate.passed is False   # 'activate' needs --force
-    assert main(["activate", "--root", str(root2), exported["version"]]) == 1   # a gate refusal: exit 1
+    assert store2.manifest(exported["version"]).quality_gate.passed is False  # 'activate' needs --force
+    assert main(["activate", "--root", str(root2), exported["version"]]) == 1  # a gate refusal: exit 1
     assert main(["activate", "--root", str(root2), exported["version"], "--force"]) == 0
 
     root3 = tmp_path / "serving3"
@@ -96,8 +99,9 @@ def test_import_goes_through_the_quality_gate(tmp_path, exported, other_checkpoi
     assert IndexStore(root3).current_version() == exported["version"]
 
 
-def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path, exported, other_checkpoint, items,
-                                                                        capsys):
+def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(
+    tmp_path, exported, other_checkpoint, items, capsys
+):
     """A kill between an import's commit and its activation leaves the version committed with its gate
     result and `current` unmoved: the state activate=False writes (the same steps, minus the last).
     Rerunning the import finishes the activation; the recorded gate still decides."""
@@ -109,13 +113,15 @@ def test_a_rerun_finishes_the_activation_a_killed_import_did_not_reach(tmp_path,
     assert store.current_version() == serving and version in store.versions()
     capsys.readouterr()
     assert main(["import", str(exported["archive"]), "--root", str(root), "--no-activate"]) == 0
-    assert "(already present), not activated" in capsys.readouterr().out and store.current_version() == serving
+    assert (
+        "(already present), not activated" in capsys.readouterr().out and store.current_version() == serving
+    )
     assert main(["import", str(exported["archive"]), "--root", str(root)]) == 0
     assert f"imported {version} into {root} (already present), activated" in capsys.readouterr().out
     assert store.current_version() == version
     entry = store.last_activation(version)
     assert entry["path"] == "index import" and entry["previous"] == serving and not entry["forced"]
-    assert store.rollback() == serving                  # the activation stack knows the import came after
+    assert store.rollback() == serving  # the activation stack knows the import came after
     assert not any((root / "staging").iterdir())
 
     # a first run whose gate refused the version: the rerun refuses it too (exit 1), `current` stays
@@ -181,12 +187,21 @@ def _tampered(members, version, how):
     return out
 
 
-@pytest.mark.parametrize("how, message", [
-    ("absolute", "absolute path"), ("dotdot", "escapes the store"), ("symlink", "is a link"),
-    ("hardlink", "is a link"), ("checksum", "fails its checksum"), ("unlisted", "unlisted"),
-    ("elsewhere", "escapes the store"), ("layout", "outside the export layout"),
-    ("missing", "does not match its export index"), ("index", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("absolute", "absolute path"),
+        ("dotdot", "escapes the store"),
+        ("symlink", "is a link"),
+        ("hardlink", "is a link"),
+        ("checksum", "fails its checksum"),
+        ("unlisted", "unlisted"),
+        ("elsewhere", "escapes the store"),
+        ("layout", "outside the export layout"),
+        ("missing", "does not match its export index"),
+        ("index", "not valid JSON"),
+    ],
+)
 def test_import_refuses_bad_archives_and_writes_nothing(tmp_path, exported, how, message):
     bad = tmp_path / "bad.tar"
     _write(bad, _tampered(_members(exported["archive"]), exported["version"], how))
@@ -195,7 +210,7 @@ def test_import_refuses_bad_archives_and_writes_nothing(tmp_path, exported, how,
         import_version(root, bad)
     store = IndexStore(root)
     assert store.versions() == [] and store.current_version() is None and store.models.shas() == []
-    assert _tree(root) == set()                                   # staging cleaned, nothing written anywhere
+    assert _tree(root) == set()  # staging cleaned, nothing written anywhere
     assert not (tmp_path / "evil.txt").exists()
 
 
@@ -214,12 +229,17 @@ def test_cli_export_import_and_user_errors(tmp_path, exported, capsys):
     assert main(["export", "--root", str(exported["root"]), "--out", str(out)]) == 0
     assert f"exported {exported['version']}" in capsys.readouterr().out
     assert main(["import", "--root", str(tmp_path / "b"), str(out)]) == 0
-    assert "activated" in capsys.readouterr().out and IndexStore(tmp_path / "b").current_version() == exported["version"]
+    assert (
+        "activated" in capsys.readouterr().out
+        and IndexStore(tmp_path / "b").current_version() == exported["version"]
+    )
     (tmp_path / "junk.tar").write_bytes(b"not a tar at all")
-    for argv, text in ((["import", "--root", str(tmp_path / "c"), str(tmp_path / "junk.tar")], "not a tar archive"),
-                       (["import", "--root", str(tmp_path / "c"), str(tmp_path / "nope.tar")], "archive not found"),
-                       (["export", "--root", str(tmp_path / "empty"), "--out", str(out)], "empty does not exist"),
-                       (["export", "--root", str(tmp_path), "--out", str(out)], "no current index version")):
+    for argv, text in (
+        (["import", "--root", str(tmp_path / "c"), str(tmp_path / "junk.tar")], "not a tar archive"),
+        (["import", "--root", str(tmp_path / "c"), str(tmp_path / "nope.tar")], "archive not found"),
+        (["export", "--root", str(tmp_path / "empty"), "--out", str(out)], "empty does not exist"),
+        (["export", "--root", str(tmp_path), "--out", str(out)], "no current index version"),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert text in err and err.count("\n") == 1 and "Traceback" not in err
@@ -265,6 +285,7 @@ def test_concurrent_imports_of_one_archive_serialise(tmp_path, exported):
 
 # ----------------------------------------------------------------------------- sizes while streaming
 
+
 def _tar_block(info: tarfile.TarInfo, data: bytes | None = None) -> bytes:
     """One member as tar bytes: its header, then `data` padded to 512-byte blocks (None: header only)."""
     head = info.tobuf(tarfile.PAX_FORMAT, tarfile.ENCODING, "surrogateescape")
@@ -308,7 +329,7 @@ def _gzip_bomb(path, members, bomb: str, size: int):
             else:
                 info.size = len(data)
                 out.write(gzip.compress(_tar_block(info, data)))
-        out.write(gzip.compress(bytes(2 * tarfile.BLOCKSIZE)))   # end of archive
+        out.write(gzip.compress(bytes(2 * tarfile.BLOCKSIZE)))  # end of archive
     return path.stat().st_size
 
 
@@ -321,7 +342,9 @@ def test_member_larger_than_stated_is_refused_at_its_header(tmp_path, exported):
     bad = tmp_path / "bad.tar"
     _write(bad, _restated(_members(exported["archive"]), smaller))
     root = tmp_path / "store"
-    with pytest.raises(ValueError, match=f"{ids} has .* bytes, the export index says .*refused before writing"):
+    with pytest.raises(
+        ValueError, match=f"{ids} has .* bytes, the export index says .*refused before writing"
+    ):
         import_version(root, bad)
     assert _tree(root) == set()
 
@@ -342,7 +365,7 @@ def test_gzip_bomb_stated_small_writes_nothing(tmp_path, exported):
     # (an import that decompressed past the member would report a truncated archive instead)
     cut = tmp_path / "cut.tar.gz"
     data = bad.read_bytes()
-    cut.write_bytes(data[:data.index(_compressed_zeros(16 << 20)) + 100])
+    cut.write_bytes(data[: data.index(_compressed_zeros(16 << 20)) + 100])
     with pytest.raises(ValueError, match=f"{ids} has {2 << 30} bytes, the export index says"):
         import_version(root, cut)
     assert _tree(root) == set()
@@ -352,6 +375,7 @@ def test_extraction_stops_at_the_first_byte_past_the_stated_size(tmp_path, expor
     """The streaming guard itself: a member whose data runs past what the export index states is cut
     off at that size, not written out (here a 2 GiB bomb stated as 1 MiB, past the header check)."""
     from index.transfer import extract_member
+
     ids = f"versions/{exported['version']}/ids.json"
     bomb = tmp_path / "bomb.tar.gz"
     _gzip_bomb(bomb, _members(exported["archive"]), ids, 2 << 30)
@@ -372,8 +396,9 @@ def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_
     digest = hashlib.sha256()
     for _ in range(size // (16 << 20)):
         digest.update(bytes(16 << 20))
-    members = _restated(_members(exported["archive"]),
-                        lambda files: files[ids].update(bytes=size, sha256=digest.hexdigest()))
+    members = _restated(
+        _members(exported["archive"]), lambda files: files[ids].update(bytes=size, sha256=digest.hexdigest())
+    )
     bad = tmp_path / "honest.tar.gz"
     _gzip_bomb(bad, members, ids, size)
     root = tmp_path / "store"
@@ -399,11 +424,13 @@ def test_honestly_stated_bomb_is_held_to_the_total_limit_and_the_free_space(tmp_
 def test_default_import_limit_is_the_documented_one():
     from index.cli import build_parser, parse_bytes
     from index.transfer import DEFAULT_MAX_IMPORT_BYTES
+
     args = build_parser().parse_args(["import", "a.tar"])
-    assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2 ** 30
+    assert parse_bytes(args.max_bytes) == DEFAULT_MAX_IMPORT_BYTES == 64 * 2**30
 
 
 # ----------------------------------------------------------------------------- compression ratio
+
 
 def _padded(exported, path, pad: int):
     """A consistent gzip export whose version carries one more file, `pad` zero bytes: every size and
@@ -421,8 +448,11 @@ def _padded(exported, path, pad: int):
         members.append((info.name, data))
     members.append((f"versions/{version}/padding.bin", padding))
     index = json.loads(dict(members)[EXPORT_INDEX])
-    index["files"] = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-                      for name, data in members if name != EXPORT_INDEX}
+    index["files"] = {
+        name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        for name, data in members
+        if name != EXPORT_INDEX
+    }
     members[0] = (EXPORT_INDEX, json.dumps(index).encode())
     with tarfile.open(path, "w:gz") as tar:
         for name, data in members:
@@ -441,15 +471,17 @@ def test_compression_ratio_is_limited_before_anything_is_written(tmp_path, expor
     bomb = tmp_path / "padded.tar.gz"
     stated = _padded(exported, bomb, 32 << 20)
     size = bomb.stat().st_size
-    assert stated / size > 5 * DEFAULT_MAX_RATIO                    # far past the limit (~300:1)
+    assert stated / size > 5 * DEFAULT_MAX_RATIO  # far past the limit (~300:1)
     root = tmp_path / "new" / "store"
     capsys.readouterr()
     assert main(["import", "--root", str(root), str(bomb)]) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: the archive states {stated} bytes (32.1 MiB) from {size} ({size / 1024:.1f} KiB) on disk, "
-                   f"a compression ratio of {stated / size:.0f}:1, over the import limit of 20:1; raise it with "
-                   "--max-ratio if it is expected\n")
-    assert not (tmp_path / "new").exists()                           # nothing left behind, not even a directory
+    assert err == (
+        f"error: the archive states {stated} bytes (32.1 MiB) from {size} ({size / 1024:.1f} KiB) on disk, "
+        f"a compression ratio of {stated / size:.0f}:1, over the import limit of 20:1; raise it with "
+        "--max-ratio if it is expected\n"
+    )
+    assert not (tmp_path / "new").exists()  # nothing left behind, not even a directory
     # a limit just above the archive's ratio lets it through; just below refuses it
     with pytest.raises(ValueError, match="compression ratio"):
         import_version(root, bomb, max_ratio=stated / size * 0.99)
@@ -470,6 +502,7 @@ def test_compression_ratio_is_limited_before_anything_is_written(tmp_path, expor
 def test_default_ratio_limit_is_the_documented_one():
     from index.cli import build_parser
     from index.transfer import DEFAULT_MAX_RATIO
+
     args = build_parser().parse_args(["import", "a.tar"])
     assert args.max_ratio == DEFAULT_MAX_RATIO == 20
     help_text = build_parser()._subparsers._group_actions[0].choices["import"].format_help()

@@ -1,5 +1,6 @@
 """Bring your own vectors: `index build --embeddings FILE [--ids FILE] [--metadata FILE]` on real .npy files,
 checked against numpy (normalisation, exact search), and the recall-check gate of versions without an encoder."""
+
 from __future__ import annotations
 
 import json
@@ -89,14 +90,25 @@ def test_cli_build_from_vectors_serves_exact_neighbours_and_records_the_source(t
         for i in range(0, 3000, 2):
             fh.write(json.dumps({"id": ids[i], "even": True, "group": i % 7}) + "\n")
     root = tmp_path / "store"
-    assert _build(root, "--embeddings", str(tmp_path / "v.npy"), "--ids", str(tmp_path / "ids.txt"),
-                  "--metadata", str(tmp_path / "meta.jsonl")) == 0
+    assert (
+        _build(
+            root,
+            "--embeddings",
+            str(tmp_path / "v.npy"),
+            "--ids",
+            str(tmp_path / "ids.txt"),
+            "--metadata",
+            str(tmp_path / "meta.jsonl"),
+        )
+        == 0
+    )
     store = IndexStore(root)
     v = store.load()
     m = v.manifest
     assert m.checkpoint is None and m.encoder is None and m.kind == "flat"
     assert m.source["embeddings"] == str((tmp_path / "v.npy").resolve())
     from index.manifest import file_sha256
+
     assert m.source["sha256"] == file_sha256(tmp_path / "v.npy") and m.source["dtype"] == ["float64"]
     assert v.ids == ids
     z = x / np.linalg.norm(x, axis=1, keepdims=True)
@@ -121,24 +133,45 @@ def test_cli_user_mistakes_are_one_line(tmp_path, capsys):
     np.save(tmp_path / "good.npy", clustered(200, 8))
     (tmp_path / "ids.txt").write_text("a\nb\n")
     root = tmp_path / "store"
-    cases = [(["--embeddings", str(tmp_path / "bad.npy")], "row 5 is a zero vector"),
-             (["--embeddings", str(tmp_path / "good.npy"), "--ids", str(tmp_path / "ids.txt")], "2 ids for 200"),
-             (["--embeddings", str(tmp_path / "good.npy"), "--dataset", "synthetic"], "drop --dataset"),
-             (["--embeddings", str(tmp_path / "nope.npy")], "embeddings not found"),
-             ([], "--embeddings FILE")]
+    cases = [
+        (["--embeddings", str(tmp_path / "bad.npy")], "row 5 is a zero vector"),
+        (["--embeddings", str(tmp_path / "good.npy"), "--ids", str(tmp_path / "ids.txt")], "2 ids for 200"),
+        (["--embeddings", str(tmp_path / "good.npy"), "--dataset", "synthetic"], "drop --dataset"),
+        (["--embeddings", str(tmp_path / "nope.npy")], "embeddings not found"),
+        ([], "--embeddings FILE"),
+    ]
     for argv, message in cases:
         assert _build(root, *argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert _build(root, "--embeddings", str(tmp_path / "good.npy")) == 0
     capsys.readouterr()
-    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy"), "--dataset",
-                       "synthetic"]) == 2
+    assert (
+        index_main(
+            ["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy"), "--dataset", "synthetic"]
+        )
+        == 2
+    )
     assert "drop --dataset" in capsys.readouterr().err
-    assert index_main(["add", "--root", str(root), "--embeddings", str(tmp_path / "good.npy"), "--ids",
-                       str(tmp_path / "ids.txt")]) == 2
+    assert (
+        index_main(
+            [
+                "add",
+                "--root",
+                str(root),
+                "--embeddings",
+                str(tmp_path / "good.npy"),
+                "--ids",
+                str(tmp_path / "ids.txt"),
+            ]
+        )
+        == 2
+    )
     assert "2 ids for 200" in capsys.readouterr().err
-    assert index_main(["add", "--root", str(root), "--dataset", "synthetic", "--size", "4", "--no-progress"]) == 2
+    assert (
+        index_main(["add", "--root", str(root), "--dataset", "synthetic", "--size", "4", "--no-progress"])
+        == 2
+    )
     assert "has no encoder" in capsys.readouterr().err
     assert index_main(["export", "--root", str(root), "--out", str(tmp_path / "x.tar")]) == 2
     assert "built from vectors" in capsys.readouterr().err
@@ -150,8 +183,10 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
     x = clustered(4000, 16, seed=5)
     np.save(tmp_path / "v.npy", x)
     root = tmp_path / "store"
-    assert _build(root, "--embeddings", str(tmp_path / "v.npy"), "--kind", "ivf-pq", "--param", "m=4",
-                  "--force") == 0
+    assert (
+        _build(root, "--embeddings", str(tmp_path / "v.npy"), "--kind", "ivf-pq", "--param", "m=4", "--force")
+        == 0
+    )
     v = IndexStore(root).load()
     got = held_out_recall(v, n_queries=300)
     assert got["n_queries"] == 300
@@ -164,7 +199,7 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
     r = got["rerank"]
     hits = 0
     for row in rows:
-        _, cand = v.index.search(z[row:row + 1].astype(np.float32), 11 * r)
+        _, cand = v.index.search(z[row : row + 1].astype(np.float32), 11 * r)
         cand = cand[0][cand[0] >= 0]
         served = cand[np.argsort(-(z[cand] @ z[row]), kind="stable")]
         served = [c for c in served if c != row][:10]
@@ -186,13 +221,31 @@ def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
     assert _build(root, "--embeddings", str(tmp_path / "a.npy"), "--kind", "ivf-flat") == 0
     store = IndexStore(root)
     v1 = store.current_version()
-    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "b.npy")]) == 0
+    assert (
+        index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "b.npy")])
+        == 0
+    )
     v2 = store.load()
     assert v2.manifest.parent == v1 and v2.ids == [str(i) for i in range(1300)]
     (tmp_path / "ids.txt").write_text("".join(f"late-{i}\n" for i in range(200)))
     (tmp_path / "meta.jsonl").write_text(json.dumps({"id": "late-3", "tag": "x"}) + "\n")
-    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
-                       "--ids", str(tmp_path / "ids.txt"), "--metadata", str(tmp_path / "meta.jsonl")]) == 0
+    assert (
+        index_main(
+            [
+                "add",
+                "--root",
+                str(root),
+                "--no-progress",
+                "--embeddings",
+                str(tmp_path / "c.npy"),
+                "--ids",
+                str(tmp_path / "ids.txt"),
+                "--metadata",
+                str(tmp_path / "meta.jsonl"),
+            ]
+        )
+        == 0
+    )
     v3 = store.load()
     assert v3.ids[1300:] == [f"late-{i}" for i in range(200)] and len(v3.manifest.added_sources) == 2
     ref = np.concatenate([x[:1000], x[1000:1300].astype(np.float16).astype(np.float64), x[1300:]])
@@ -205,8 +258,21 @@ def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
     assert faiss_index.recall_at_k(rows, exact, 10) >= 0.9
     assert "late-3" in (v3.path / "item_metadata.json").read_text()
     capsys.readouterr()
-    assert index_main(["add", "--root", str(root), "--no-progress", "--embeddings", str(tmp_path / "c.npy"),
-                       "--ids", str(tmp_path / "ids.txt")]) == 2
+    assert (
+        index_main(
+            [
+                "add",
+                "--root",
+                str(root),
+                "--no-progress",
+                "--embeddings",
+                str(tmp_path / "c.npy"),
+                "--ids",
+                str(tmp_path / "ids.txt"),
+            ]
+        )
+        == 2
+    )
     assert "'late-0' is already in" in capsys.readouterr().err
 
 

@@ -1,4 +1,5 @@
 """Make the shared reference helpers (search_refs.py) importable under --import-mode=importlib."""
+
 import sys
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Independent reference generators for the search tests (inline von Mises / label / instance)."""
+
 from __future__ import annotations
 
 import numpy as np

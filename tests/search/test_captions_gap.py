@@ -1,4 +1,5 @@
 """Synthetic captions: bins and words checked against the rendered pixels, the exact ideal, the oracle gap."""
+
 import json
 
 import numpy as np
@@ -7,7 +8,12 @@ import pytest
 from search.evaluation.gap import softmax_gap_dense
 from search.evaluation.text_eval import caption_queries, text_gap, text_recall
 from training.captions import (
-    CaptionIdeal, CaptionScheme, TEMPLATES, oracle_image_embedding, oracle_text_embedding, read_captions,
+    TEMPLATES,
+    CaptionIdeal,
+    CaptionScheme,
+    oracle_image_embedding,
+    oracle_text_embedding,
+    read_captions,
 )
 from training.synthetic import render, sample_latents
 
@@ -19,10 +25,10 @@ def test_words_name_what_the_pixels_show():
     lat = np.array([[0.0, 0.0, np.pi / 2]])
     assert SCHEME.captions(lat) == ["a red disc at the top, light from the east"]
     img = render(lat, resolution=32)[0].astype(float)
-    ys, xs = np.nonzero(img[..., 0] - img[..., 1] > 60)          # red-dominant pixels = the disc
-    assert ys.mean() < 12 and abs(xs.mean() - 15.5) < 2          # top row band, centred horizontally
-    grey = img[28:, :, 1]                                        # background strip at the bottom
-    assert grey[:, -4:].mean() > grey[:, :4].mean() + 20         # brighter to the east (right)
+    ys, xs = np.nonzero(img[..., 0] - img[..., 1] > 60)  # red-dominant pixels = the disc
+    assert ys.mean() < 12 and abs(xs.mean() - 15.5) < 2  # top row band, centred horizontally
+    grey = img[28:, :, 1]  # background strip at the bottom
+    assert grey[:, -4:].mean() > grey[:, :4].mean() + 20  # brighter to the east (right)
 
 
 def test_bins_are_centred_arcs():
@@ -70,10 +76,10 @@ def test_oracle_gap_below_1e4_and_equals_dense():
     zi = oracle_image_embedding(SCHEME, db)
     tau = 0.01
     gap, kept = text_gap(zt, zi, cells, db_cells, tau)
-    assert 0 < kept.sum() < len(cells)   # some held-out cells are empty in a 512-image database
+    assert 0 < kept.sum() < len(cells)  # some held-out cells are empty in a 512-image database
     assert float(gap.kl.mean()) < 1e-4
     dense = softmax_gap_dense(zt[kept], zi, cells[kept], db_cells, CaptionIdeal(SCHEME), tau)
-    np.testing.assert_allclose(gap.kl, dense.kl, atol=1e-6)   # the streamed pass multiplies in float32
+    np.testing.assert_allclose(gap.kl, dense.kl, atol=1e-6)  # the streamed pass multiplies in float32
     # independent: q uniform on the cell, p softmax of s / tau, KL by hand
     s = zt[kept] @ zi.T / tau
     logp = s - np.log(np.exp(s - s.max(1, keepdims=True)).sum(1, keepdims=True)) - s.max(1, keepdims=True)

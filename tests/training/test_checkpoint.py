@@ -24,9 +24,13 @@ TINY = EncoderConfig(width=16, layers=1, heads=2, patch_size=8, mlp_ratio=1.0, e
 
 def _save(tmp_path, enc, **kw):
     return save_checkpoint(
-        tmp_path / "ck.safetensors", enc, step=7, train_config={"lr": 0.1, "steps": 3},
+        tmp_path / "ck.safetensors",
+        enc,
+        step=7,
+        train_config={"lr": 0.1, "steps": 3},
         lineage={"objective": "infonce", "temperature_schedule": "fixed", "dataset": {"name": "x"}},
-        metrics={"loss": 1.5}, **kw,
+        metrics={"loss": 1.5},
+        **kw,
     )
 
 
@@ -44,7 +48,9 @@ def test_round_trip_exact(tmp_path, config):
     for (k, a), (k2, b) in zip(enc.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(a, b)
     assert meta["step"] == 7 and meta["metrics"] == {"loss": 1.5}
-    assert meta["encoder"]["layers"] == (list(config.layers) if isinstance(config.layers, tuple) else config.layers)
+    assert meta["encoder"]["layers"] == (
+        list(config.layers) if isinstance(config.layers, tuple) else config.layers
+    )
     assert meta["lineage"]["train_config_hash"] == config_hash({"steps": 3, "lr": 0.1})
     assert read_checkpoint_metadata(path) == meta
 
@@ -125,7 +131,9 @@ def test_train_state_round_trip(tmp_path):
     rng.random()
     random.seed(5)
     path = save_train_state(
-        tmp_path / "ts.safetensors", step=2, optimizer=opt,
+        tmp_path / "ts.safetensors",
+        step=2,
+        optimizer=opt,
         schedule_state={"log_tau": torch.tensor(-2.0)},
         rng_tensors={"torch": torch.get_rng_state()},
         extra_json={"numpy": rng.bit_generator.state, "python": random.getstate()},

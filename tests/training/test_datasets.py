@@ -16,8 +16,8 @@ from training.datasets import (
     create_dataset,
 )
 from training.idx import write_idx
-from training.synthetic import render, sample_latents
 from training.images import load_square
+from training.synthetic import render, sample_latents
 from training.transforms import denormalize, preprocess
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -25,6 +25,7 @@ needs_fashion = pytest.mark.skipif(not FASHION.is_dir(), reason="dataset-fashion
 
 
 # --- preprocess ---------------------------------------------------------------------------
+
 
 def test_preprocess_same_size_is_exact_affine():
     imgs = np.random.default_rng(0).integers(0, 256, size=(4, 8, 8, 3), dtype=np.uint8)
@@ -46,18 +47,19 @@ def test_preprocess_grayscale_repeated_and_pil_path_matches_numpy():
     torch.testing.assert_close(preprocess(pil, 32), x, atol=0, rtol=0)
     torch.testing.assert_close(preprocess(pil[0], 32), x[:1], atol=0, rtol=0)
     # resize reference: bilinear upsampling of [0, 1] pixels
-    ref = F.interpolate(torch.from_numpy(gray[:, None] / 255.0).float(), size=(32, 32), mode="bilinear",
-                        align_corners=False)
+    ref = F.interpolate(
+        torch.from_numpy(gray[:, None] / 255.0).float(), size=(32, 32), mode="bilinear", align_corners=False
+    )
     torch.testing.assert_close(x[:, :1], (ref - 0.5) / 0.5, atol=1e-6, rtol=0)
 
 
 def test_preprocess_mixed_sizes_and_centre_crop():
     wide = np.zeros((10, 20, 3), dtype=np.uint8)
-    wide[:, 5:15] = 255                     # the central 10x10 square is white, the sides black
+    wide[:, 5:15] = 255  # the central 10x10 square is white, the sides black
     square = np.full((16, 16, 3), 128, dtype=np.uint8)
     x = preprocess([Image.fromarray(wide), Image.fromarray(square)], 10)
     assert x.shape == (2, 3, 10, 10)
-    torch.testing.assert_close(x[0], torch.ones(3, 10, 10))          # centre crop keeps the white part
+    torch.testing.assert_close(x[0], torch.ones(3, 10, 10))  # centre crop keeps the white part
     torch.testing.assert_close(x[1], torch.full((3, 10, 10), 128 / 255 * 2 - 1), atol=1e-6, rtol=0)
     rgba = Image.fromarray(np.full((5, 5, 4), 200, dtype=np.uint8), mode="RGBA")
     assert preprocess(rgba, 5).shape == (1, 3, 5, 5)
@@ -76,6 +78,7 @@ def test_preprocess_bad_input():
 
 
 # --- registry and base contract -----------------------------------------------------------
+
 
 def test_registry_and_errors(tmp_path):
     assert {"synthetic", "fashion-mnist", "folder"} <= set(DATASETS)
@@ -120,6 +123,7 @@ def _check_contract(ds: ImageDataset):
 
 # --- synthetic ----------------------------------------------------------------------------
 
+
 def test_synthetic_dataset(tiny_synthetic, tiny_synthetic_test):
     ds = tiny_synthetic
     _check_contract(ds)
@@ -143,6 +147,7 @@ def test_synthetic_dataset(tiny_synthetic, tiny_synthetic_test):
 
 
 # --- fashion-mnist ------------------------------------------------------------------------
+
 
 def _fake_fashion(root: Path, n_train=12, n_test=5, compress=True):
     rng = np.random.default_rng(0)
@@ -204,6 +209,7 @@ def test_real_fashion_mnist():
 
 # --- folder -------------------------------------------------------------------------------
 
+
 def _png(path: Path, arr: np.ndarray, mode=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(arr, mode=mode).save(path)
@@ -235,7 +241,9 @@ def test_folder_dataset(image_folder):
     assert ds.image(1).size == (64, 64)
     np.testing.assert_array_equal(np.asarray(ds.image(1)), load_square(image_folder / "cat/1.png", 64))
     # what people see is the file itself
-    np.testing.assert_array_equal(np.asarray(ds.display_image(1)), np.asarray(Image.open(image_folder / "cat/1.png")))
+    np.testing.assert_array_equal(
+        np.asarray(ds.display_image(1)), np.asarray(Image.open(image_folder / "cat/1.png"))
+    )
     gray = np.asarray(ds.display_image(5))
     assert gray.shape == (9, 9, 3) and np.array_equal(gray[..., 0], gray[..., 2])
     # tensors: the cached squares resized to image_size, independently recomputed from the files
@@ -244,7 +252,7 @@ def test_folder_dataset(image_folder):
     assert ds.augment_source([0, 3]).shape == (2, 3, 64, 64)
     again = create_dataset(**ds.spec())
     assert again.fingerprint() == ds.fingerprint() and again.item_ids() == ids
-    assert not again.cache.built and again.cache.path == ds.cache.path        # decoded once, opened after
+    assert not again.cache.built and again.cache.path == ds.cache.path  # decoded once, opened after
     # content changes change the fingerprint and the cache
     _png(image_folder / "dog" / "0.png", np.zeros((5, 5, 3), dtype=np.uint8))
     changed = create_dataset(**ds.spec())
@@ -257,9 +265,11 @@ def test_folder_images_at_the_tower_size_stay_exact(tmp_path):
     file (the cache replicates pixels 2x, tensors averages 2 x 2 blocks back); a multiple, up to
     uint8 rounding."""
     rng = np.random.default_rng(5)
-    imgs = {"a.png": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
-            "b.png": rng.integers(0, 256, (32, 48, 3), dtype=np.uint8),      # non-square: centre crop
-            "c.png": rng.integers(0, 256, (128, 128, 3), dtype=np.uint8)}    # 4x: block means
+    imgs = {
+        "a.png": rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+        "b.png": rng.integers(0, 256, (32, 48, 3), dtype=np.uint8),  # non-square: centre crop
+        "c.png": rng.integers(0, 256, (128, 128, 3), dtype=np.uint8),
+    }  # 4x: block means
     for name, arr in imgs.items():
         _png(tmp_path / "f" / name, arr)
     ds = create_dataset("folder", split="all", root=str(tmp_path / "f"), image_size=32)
@@ -297,7 +307,7 @@ def _readable_only(tmp_path):
     root = tmp_path / "ok"
     for k in range(3):
         _png(root / f"{k}.jpg", np.full((6, 7, 3), 40 * k, dtype=np.uint8))
-    return create_dataset("folder", root=str(root), image_size=8)   # split "train" falls back to "all"
+    return create_dataset("folder", root=str(root), image_size=8)  # split "train" falls back to "all"
 
 
 def test_folder_splits_and_errors(tmp_path):
@@ -310,7 +320,7 @@ def test_folder_splits_and_errors(tmp_path):
     assert tr.item_ids() == ["train/a/x.png", "train/b/x.png"] and tr.class_names == ["a", "b"]
     assert te.item_ids() == ["test/a/x.png", "test/b/x.png"]
     everything = create_dataset("folder", split="all", root=str(root))
-    assert len(everything) == 4 and everything.labels is not None   # classes "test" and "train"
+    assert len(everything) == 4 and everything.labels is not None  # classes "test" and "train"
     assert create_dataset("folder", split="all", root=str(root), labels=False).labels is None
     with pytest.raises(ValueError, match="root"):
         create_dataset("folder")

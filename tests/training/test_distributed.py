@@ -31,8 +31,10 @@ def _batch():
     # float64 end to end, so rounding cannot hide (or fake) a mismatch: tolerances are 1e-7.
     g = torch.Generator().manual_seed(123)
     shape = (N_PAIRS, 3, 32, 32)
-    return (torch.randn(shape, generator=g, dtype=torch.float64),
-            torch.randn(shape, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(shape, generator=g, dtype=torch.float64),
+        torch.randn(shape, generator=g, dtype=torch.float64),
+    )
 
 
 class _SmallEncoder(torch.nn.Module):
@@ -41,8 +43,12 @@ class _SmallEncoder(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 8, stride=8), torch.nn.GELU(), torch.nn.Flatten(),
-                                       torch.nn.Linear(4 * 4 * 4, 8))
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 8, stride=8),
+            torch.nn.GELU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(4 * 4 * 4, 8),
+        )
 
     def forward(self, x):
         return torch.nn.functional.normalize(self.net(x), dim=-1)  # (B, 8) unit rows
@@ -55,7 +61,10 @@ def _encoder():
 
 def _cases() -> dict[str, tuple[str, dict]]:
     """Every registered loss with its defaults (WEINCE: the paper variant), plus WEINCE's blend variant."""
-    return {**{name: (name, {}) for name in available_losses()}, "weince-blend": ("weince", {"variant": "blend"})}
+    return {
+        **{name: (name, {}) for name in available_losses()},
+        "weince-blend": ("weince", {"variant": "blend"}),
+    }
 
 
 def _one_step(model, encoder, case, view_a, view_b, info):
@@ -71,8 +80,13 @@ def _one_step(model, encoder, case, view_a, view_b, info):
 
 
 def _worker(rank, port, out_dir):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     with distributed_session("cpu") as info:
         encoder = _encoder()
@@ -116,14 +130,31 @@ def test_ddp_step_equals_single_process(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_torchrun_two_processes_match_single_process(tmp_path):
     """(b) `torchrun --nproc-per-node 2` == one process with the same global batch, 20 steps."""
-    common = ["--config", str(ROOT / "configs" / "tiny.toml"), "--set", "steps=20", "--set", "checkpoint_every=10"]
+    common = [
+        "--config",
+        str(ROOT / "configs" / "tiny.toml"),
+        "--set",
+        "steps=20",
+        "--set",
+        "checkpoint_every=10",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # the same entry point as the `softsearch train` console script
     launcher = tmp_path / "softsearch_train.py"
     launcher.write_text("import sys\nfrom training.trainer import main\nsys.exit(main())\n")
     # `python -m torch.distributed.run` is torchrun (also where a venv has no torchrun script)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(launcher),
-           *common, "--out", str(tmp_path / "ddp")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(launcher),
+        *common,
+        "--out",
+        str(tmp_path / "ddp"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=140)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -133,8 +164,10 @@ def test_torchrun_two_processes_match_single_process(tmp_path):
     from training.trainer import main
 
     assert main([*common, "--out", str(tmp_path / "single")]) == 0
-    rows = {k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-            for k in ("ddp", "single")}
+    rows = {
+        k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("ddp", "single")
+    }
     assert len(rows["ddp"]) == len(rows["single"]) == 20
     for a, b in zip(rows["ddp"], rows["single"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), (a["step"], a["loss"], b["loss"])

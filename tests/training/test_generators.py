@@ -36,7 +36,9 @@ class _LabelledArrayDataset:
 
     def __init__(self, labels, seed=0):
         self.labels = np.asarray(labels, dtype=np.int64)
-        self.images = np.random.default_rng(seed).integers(0, 256, size=(len(labels), 12, 12, 3), dtype=np.uint8)
+        self.images = np.random.default_rng(seed).integers(
+            0, 256, size=(len(labels), 12, 12, 3), dtype=np.uint8
+        )
         self.image_size = 12
 
     def __len__(self):
@@ -47,6 +49,7 @@ class _LabelledArrayDataset:
 
 
 # --- registry -----------------------------------------------------------------------------
+
 
 def _dataset_for(name, tiny_synthetic):
     return tiny_synthetic if name == "latent" else _LabelledArrayDataset(np.arange(20) % 4)
@@ -88,6 +91,7 @@ def test_create_generator_errors():
 
 # --- latent -------------------------------------------------------------------------------
 
+
 def test_log_i0_matches_scipy():
     for k in (0.1, 1.0, 8.0, 50.0):
         assert log_i0(k) == pytest.approx(math.log(i0(k)), rel=1e-12)
@@ -103,8 +107,9 @@ def test_latent_log_ratio_and_q_match_brute_force(kappa):
     for a in range(4):
         for b in range(30):
             # log of prod_i exp(kappa cos(dtheta_i)) / I0(kappa): von Mises density over uniform 1/(2pi)
-            brute[a, b] = sum(math.log(math.exp(kappa * math.cos(d_lat[b, i] - q_lat[a, i])) / i0(kappa))
-                              for i in range(M))
+            brute[a, b] = sum(
+                math.log(math.exp(kappa * math.cos(d_lat[b, i] - q_lat[a, i])) / i0(kappa)) for i in range(M)
+            )
     np.testing.assert_allclose(lr, brute, rtol=1e-10, atol=1e-10)
     q = _softmax_rows(lr)
     np.testing.assert_allclose(q.sum(axis=1), 1.0, atol=1e-12)
@@ -126,9 +131,9 @@ def test_latent_perturbation_is_von_mises(rng):
     lat = sample_latents(4000, seed=2)
     moved = gen.perturb(lat, rng)
     assert moved.min() >= 0 and moved.max() < 2 * np.pi
-    d = np.angle(np.exp(1j * (moved - lat))).ravel()            # wrapped to (-pi, pi]
+    d = np.angle(np.exp(1j * (moved - lat))).ravel()  # wrapped to (-pi, pi]
     mean_cos = np.cos(d).mean()
-    expected = i1(kappa) / i0(kappa)                            # E cos(X), X ~ vM(0, kappa)
+    expected = i1(kappa) / i0(kappa)  # E cos(X), X ~ vM(0, kappa)
     stderr = np.cos(d).std() / math.sqrt(d.size)
     assert abs(mean_cos - expected) < 4 * stderr
     assert abs(np.sin(d).mean()) < 4 * np.sin(d).std() / math.sqrt(d.size)
@@ -177,6 +182,7 @@ def test_oracle_embedding_is_the_ideal_search(kappa):
 
 # --- label --------------------------------------------------------------------------------
 
+
 def test_label_log_ratio_brute_force():
     gen = LabelGenerator()
     db = np.array([0, 0, 1, 2, 2, 2, 0, 1, 2, 2])
@@ -193,21 +199,21 @@ def test_label_log_ratio_brute_force():
     q = _softmax_rows(lr[:3])
     for a, c in enumerate(queries[:3]):
         same = db == c
-        np.testing.assert_allclose(q[a, same], 1.0 / same.sum())   # uniform over same-class items
+        np.testing.assert_allclose(q[a, same], 1.0 / same.sum())  # uniform over same-class items
         assert np.all(q[a, ~same] == 0)
     # sum over the database of r / N = 1 (r is a density ratio under the empirical marginal)
     assert np.exp(lr[:3]).sum(axis=1) / n == pytest.approx(np.ones(3))
 
 
 def test_label_positive_indices_uniform_other_same_class():
-    labels = np.array([0, 1, 0, 2, 0, 1, 0, 3])        # classes 2 and 3 are singletons
+    labels = np.array([0, 1, 0, 2, 0, 1, 0, 3])  # classes 2 and 3 are singletons
     gen = LabelGenerator()
     r = np.random.default_rng(0)
     anchors = np.repeat(np.arange(len(labels)), 3000)
     pos = gen.positive_indices(labels, anchors, r)
     assert np.all(labels[pos] == labels[anchors])
     alone = np.isin(anchors, [3, 7])
-    assert np.all(pos[alone] == anchors[alone])          # alone in its class -> itself
+    assert np.all(pos[alone] == anchors[alone])  # alone in its class -> itself
     assert np.all(pos[~alone] != anchors[~alone])
     for a in (0, 1, 2):
         others = np.flatnonzero((labels == labels[a]) & (np.arange(len(labels)) != a))
@@ -222,12 +228,13 @@ def test_label_sample_pairs(rng):
     gen = LabelGenerator(augment=False)
     a, b = gen.sample_pairs(ds, np.array([0, 1, 4]), np.random.default_rng(9))
     torch.testing.assert_close(a, ds.tensors([0, 1, 4]))
-    torch.testing.assert_close(b, ds.tensors([2, 3, 5]))   # the only other item of each class
+    torch.testing.assert_close(b, ds.tensors([2, 3, 5]))  # the only other item of each class
     with pytest.raises(ValueError, match="labelled"):
         gen.sample_pairs(create_dataset("synthetic", size=4), np.arange(2), rng)
 
 
 # --- instance -----------------------------------------------------------------------------
+
 
 def test_instance_log_ratio_and_views(rng):
     gen = InstanceGenerator()
@@ -246,6 +253,7 @@ def test_instance_log_ratio_and_views(rng):
 
 # --- augmentations ------------------------------------------------------------------------
 
+
 def _params(n, **kw):
     base = {"w": 1.0, "h": 1.0, "cx": 0.0, "cy": 0.0, "flip": 0.0, "brightness": 1.0, "contrast": 1.0}
     base.update(kw)
@@ -260,7 +268,9 @@ def _batch(n=3, s=16, seed=0):
 def test_augment_identity_and_flip():
     x = _batch()
     torch.testing.assert_close(apply_params(x, _params(3)), x, atol=1e-5, rtol=0)
-    torch.testing.assert_close(apply_params(x, _params(3, flip=1.0)), torch.flip(x, dims=[-1]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        apply_params(x, _params(3, flip=1.0)), torch.flip(x, dims=[-1]), atol=1e-5, rtol=0
+    )
 
 
 def test_augment_centre_crop_matches_interpolate():
@@ -275,7 +285,7 @@ def test_augment_centre_crop_matches_interpolate():
 def test_augment_from_a_larger_source():
     """out_size < source side: crop on the source grid, then shrink to out_size as preprocess does."""
     x = _batch(s=32)
-    down = F.avg_pool2d(x, 2)            # an exact 2x reduction: 2 x 2 block means (as preprocess)
+    down = F.avg_pool2d(x, 2)  # an exact 2x reduction: 2 x 2 block means (as preprocess)
     torch.testing.assert_close(apply_params(x, _params(3), out_size=16), down, atol=1e-5, rtol=0)
     # a centred half crop: the central 16x16 block, bilinear x2 onto the source grid, then 2 x 2 means
     y = apply_params(x, _params(3, w=0.5, h=0.5), out_size=16)
@@ -298,7 +308,7 @@ def test_augment_translation_shifts_pixels():
 
 def test_augment_photometric():
     x = _batch()
-    p = (x + 1) / 2                                               # [0, 1] pixels
+    p = (x + 1) / 2  # [0, 1] pixels
     y = apply_params(x, _params(3, brightness=0.8))
     torch.testing.assert_close((y + 1) / 2, (0.8 * p).clamp(0, 1), atol=1e-5, rtol=0)
     y = apply_params(x, _params(3, contrast=0.5))
@@ -327,9 +337,11 @@ def test_augment_colour_grey_blur_against_references():
     p = ((x + 1) / 2).double().numpy()
     grey = p.mean(axis=1, keepdims=True)
     y = apply_params(x, _params(2, saturation=0.5))
-    np.testing.assert_allclose((y.double().numpy() + 1) / 2, np.clip(grey + 0.5 * (p - grey), 0, 1), atol=1e-5)
+    np.testing.assert_allclose(
+        (y.double().numpy() + 1) / 2, np.clip(grey + 0.5 * (p - grey), 0, 1), atol=1e-5
+    )
     y = apply_params(x, _params(2, grey=1.0)).double().numpy()
-    np.testing.assert_allclose((y + 1) / 2, np.repeat(grey, 3, axis=1), atol=1e-5)   # every channel its grey
+    np.testing.assert_allclose((y + 1) / 2, np.repeat(grey, 3, axis=1), atol=1e-5)  # every channel its grey
     # grey on one view only: the other keeps its colour
     y = apply_params(x, {**_params(2), "grey": np.array([1.0, 0.0])})
     torch.testing.assert_close(y[1], x[1], atol=1e-5, rtol=0)
@@ -337,7 +349,7 @@ def test_augment_colour_grey_blur_against_references():
     y = apply_params(x, _params(2, blur=1.0)).double().numpy()
     pad = np.pad(p, ((0, 0), (0, 0), (1, 1), (1, 1)), mode="edge")
     k = np.array([0.25, 0.5, 0.25])
-    ref = sum(k[i] * k[j] * pad[:, :, i:i + 8, j:j + 8] for i in range(3) for j in range(3))
+    ref = sum(k[i] * k[j] * pad[:, :, i : i + 8, j : j + 8] for i in range(3) for j in range(3))
     np.testing.assert_allclose((y + 1) / 2, ref, atol=1e-5)
 
 
@@ -368,13 +380,16 @@ def test_augment_new_options_draw_only_when_on():
 
 # --- neighbour ----------------------------------------------------------------------------
 
+
 def test_pixel_neighbours_match_brute_force():
     from training.neighbours import grey_pixels, pixel_neighbours
 
     ds = _LabelledArrayDataset(np.arange(150) % 3, seed=5)
     table = pixel_neighbours(ds, k=4, block=32, progress=False)  # several blocks
     # independent reference: cosine of float64 grey levels straight from the uint8 images
-    grey = ds_images_grey = np.stack([preprocess(ds.images[i:i + 1], 12)[0].numpy() for i in range(len(ds))])
+    grey = ds_images_grey = np.stack(
+        [preprocess(ds.images[i : i + 1], 12)[0].numpy() for i in range(len(ds))]
+    )
     grey = (ds_images_grey * 0.5 + 0.5).mean(axis=1).reshape(len(ds), -1).astype(np.float64)
     grey /= np.linalg.norm(grey, axis=1, keepdims=True)
     sim = grey @ grey.T
@@ -389,7 +404,9 @@ def test_pixel_neighbours_match_brute_force():
 
 def test_neighbour_positives_are_augmented_neighbours(rng):
     ds = _LabelledArrayDataset(np.arange(40) % 2, seed=6)
-    plain = dict(crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0.0, translate=0.0, brightness=0.0, contrast=0.0)
+    plain = dict(
+        crop_scale=(1.0, 1.0), crop_ratio=(1.0, 1.0), flip_p=0.0, translate=0.0, brightness=0.0, contrast=0.0
+    )
     gen = create_generator("neighbour", k=3, **plain)
     table = gen.neighbour_table(ds)
     assert gen.neighbour_table(ds) is table  # computed once per dataset
@@ -438,8 +455,8 @@ def test_encoder_neighbours_match_brute_force_and_refresh_when_due():
     every = ds.tensors(np.arange(len(ds)))
     enc = _CountingEncoder(every[0].numel())
     enc.train()
-    table = encoder_neighbours(enc, ds, k=4, batch_size=16)          # several batches
-    assert enc.training and enc.modes and not any(enc.modes)          # embedded in eval mode, mode restored
+    table = encoder_neighbours(enc, ds, k=4, batch_size=16)  # several batches
+    assert enc.training and enc.modes and not any(enc.modes)  # embedded in eval mode, mode restored
     # independent reference: float64 cosine of the projections, self excluded, argsort
     z = (every.flatten(1).double() @ enc.w.detach().double()).numpy()
     z /= np.linalg.norm(z, axis=1, keepdims=True)
@@ -453,21 +470,22 @@ def test_encoder_neighbours_match_brute_force_and_refresh_when_due():
     g = grey_pixels(ds).double().numpy()
     both = (sim + g @ g.T) / 2
     np.fill_diagonal(both, -np.inf)
-    np.testing.assert_array_equal(encoder_neighbours(enc, ds, k=4, with_pixels=True),
-                                  np.argsort(-both, axis=1, kind="stable")[:, :4])
+    np.testing.assert_array_equal(
+        encoder_neighbours(enc, ds, k=4, with_pixels=True), np.argsort(-both, axis=1, kind="stable")[:, :4]
+    )
     gb = create_generator("neighbour", k=4, space="both")
     assert gb.refresh(enc, ds, 0)
     np.testing.assert_array_equal(gb.neighbour_table(ds), np.argsort(-both, axis=1, kind="stable")[:, :4])
 
     gen = create_generator("neighbour", k=4, space="encoder", refresh_every=10)
     with pytest.raises(RuntimeError, match="refresh"):
-        gen.neighbour_table(ds)                                       # the encoder space needs the encoder
-    assert gen.refresh(enc, ds, 0)                                    # first call computes
+        gen.neighbour_table(ds)  # the encoder space needs the encoder
+    assert gen.refresh(enc, ds, 0)  # first call computes
     np.testing.assert_array_equal(gen.neighbour_table(ds), table)
     assert not gen.refresh(enc, ds, 5) and gen.refresh(enc, ds, 10)  # then only every 10 steps
-    once = create_generator("neighbour", k=4, space="encoder")        # refresh_every 0: the step-0 table only
+    once = create_generator("neighbour", k=4, space="encoder")  # refresh_every 0: the step-0 table only
     assert once.refresh(enc, ds, 0) and not once.refresh(enc, ds, 100)
-    assert not create_generator("neighbour", k=4).refresh(enc, ds, 0)   # pixel space: nothing to refresh
+    assert not create_generator("neighbour", k=4).refresh(enc, ds, 0)  # pixel space: nothing to refresh
     # options round trip; the pixel default's options read as before
     assert repr(create_generator("neighbour", **gen.options())) == repr(gen)
     assert "space" not in create_generator("neighbour").options()

@@ -55,15 +55,18 @@ def _write(tmp_path, data, name="bad.idx"):
     return p
 
 
-@pytest.mark.parametrize("data, match", [
-    (b"\x00\x00\x08", "too short"),
-    (b"\x01\x00\x08\x01\x00\x00\x00\x01\x05", "magic"),
-    (b"\x00\x00\x0A\x01\x00\x00\x00\x01\x05", "dtype code 0x0A"),
-    (b"\x00\x00\x08\x00", "0 dimensions"),
-    (b"\x00\x00\x08\x02\x00\x00\x00\x01", "truncated IDX header"),
-    (b"\x00\x00\x08\x01\x00\x00\x00\x03\x05\x06", "body has 2 bytes"),
-    (b"\x00\x00\x08\x01\x00\x00\x00\x01\x05\x06", "body has 2 bytes"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"\x00\x00\x08", "too short"),
+        (b"\x01\x00\x08\x01\x00\x00\x00\x01\x05", "magic"),
+        (b"\x00\x00\x0a\x01\x00\x00\x00\x01\x05", "dtype code 0x0A"),
+        (b"\x00\x00\x08\x00", "0 dimensions"),
+        (b"\x00\x00\x08\x02\x00\x00\x00\x01", "truncated IDX header"),
+        (b"\x00\x00\x08\x01\x00\x00\x00\x03\x05\x06", "body has 2 bytes"),
+        (b"\x00\x00\x08\x01\x00\x00\x00\x01\x05\x06", "body has 2 bytes"),
+    ],
+)
 def test_malformed_files(tmp_path, data, match):
     p = _write(tmp_path, data)
     with pytest.raises(ValueError, match=match) as err:
@@ -95,7 +98,7 @@ def test_write_rejects_unsupported(tmp_path):
 def test_real_fashion_mnist_labels_header():
     path = FASHION / "t10k-labels-idx1-ubyte.gz"
     raw = gzip.decompress(path.read_bytes())
-    assert raw[:8] == bytes([0, 0, 8, 1, 0, 0, 0x27, 0x10])       # uint8, 1-D, 10000 items
+    assert raw[:8] == bytes([0, 0, 8, 1, 0, 0, 0x27, 0x10])  # uint8, 1-D, 10000 items
     labels = read_idx(path)
     assert labels.shape == (10000,)
     np.testing.assert_array_equal(labels, np.frombuffer(raw[8:], dtype=np.uint8))

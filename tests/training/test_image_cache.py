@@ -5,11 +5,11 @@ import multiprocessing
 import os
 from pathlib import Path
 
+import image_files as F
 import numpy as np
 import pytest
 from PIL import Image
 
-import image_files as F
 from training import image_cache
 from training.image_cache import default_cache_root, file_digests, open_or_build
 from training.images import DEFAULT_LIMITS, ImageLimits, load_square
@@ -29,7 +29,9 @@ def _folder(root: Path, n: int, seed: int = 0) -> list[Path]:
 def _build(paths, cache_root, side=16, workers=1, limits=DEFAULT_LIMITS):
     names = [p.name for p in paths]
     digests = file_digests(paths[0].parent, names, cache_root)
-    return open_or_build(paths, names, digests, side, limits, cache_root=cache_root, workers=workers, progress=False)
+    return open_or_build(
+        paths, names, digests, side, limits, cache_root=cache_root, workers=workers, progress=False
+    )
 
 
 def test_default_root_from_environment(monkeypatch, tmp_path):
@@ -62,8 +64,12 @@ def test_rows_are_the_decoded_squares_and_reopen_is_free(tmp_path):
     assert _build(paths, tmp_path / "c", side=8).path != cache.path
     assert _build(paths, tmp_path / "c", limits=ImageLimits(max_pixels=10_000)).path != cache.path
     assert sorted(p.name for p in (tmp_path / "c" / "images").iterdir() if p.is_dir()) == sorted(
-        {cache.path.name, _build(paths, tmp_path / "c", side=8).path.name,
-         _build(paths, tmp_path / "c", limits=ImageLimits(max_pixels=10_000)).path.name})
+        {
+            cache.path.name,
+            _build(paths, tmp_path / "c", side=8).path.name,
+            _build(paths, tmp_path / "c", limits=ImageLimits(max_pixels=10_000)).path.name,
+        }
+    )
 
 
 def test_worker_pool_equals_inline_decode(tmp_path):
@@ -85,7 +91,7 @@ def test_concurrent_builders_decode_once_and_agree(tmp_path):
     with multiprocessing.get_context("fork").Pool(3) as pool:
         results = pool.map(_race, [(paths, str(tmp_path / "c"))] * 3)
     assert len({r[0] for r in results}) == 1 and len({r[2] for r in results}) == 1
-    assert sum(r[1] for r in results) == 1                       # one process decoded, two opened its result
+    assert sum(r[1] for r in results) == 1  # one process decoded, two opened its result
     leftovers = [p.name for p in (tmp_path / "c" / "images").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
 
@@ -103,11 +109,11 @@ def test_stale_partial_build_is_replaced(tmp_path, monkeypatch):
         _build(paths, tmp_path / "c")
     monkeypatch.undo()
     images = tmp_path / "c" / "images"
-    assert calls and not [p for p in images.iterdir() if p.is_dir()]   # nothing half-built is visible
-    os.makedirs(images / "abc.tmp-1")                                # as if a builder had been killed -9
+    assert calls and not [p for p in images.iterdir() if p.is_dir()]  # nothing half-built is visible
+    os.makedirs(images / "abc.tmp-1")  # as if a builder had been killed -9
     cache = _build(paths, tmp_path / "c")
     assert cache.built and cache.ok.all()
-    (cache.path / "index.json").unlink()                             # damaged by hand: rebuilt, not trusted
+    (cache.path / "index.json").unlink()  # damaged by hand: rebuilt, not trusted
     assert _build(paths, tmp_path / "c").built
 
 
@@ -116,12 +122,13 @@ def test_digests_are_memoised_on_stat(tmp_path, monkeypatch):
     names = [p.name for p in paths]
     first = file_digests(tmp_path / "img", names, tmp_path / "c")
     import hashlib
+
     assert first[0] == hashlib.sha256(paths[0].read_bytes()).hexdigest()
     hashed = []
     real = image_cache._sha256_file
     monkeypatch.setattr(image_cache, "_sha256_file", lambda p: hashed.append(p.name) or real(p))
     assert file_digests(tmp_path / "img", names, tmp_path / "c") == first and hashed == []
-    F.save(paths[1], Image.new("RGB", (5, 5)))                      # content (and stat) change
+    F.save(paths[1], Image.new("RGB", (5, 5)))  # content (and stat) change
     second = file_digests(tmp_path / "img", names, tmp_path / "c")
     assert hashed == [paths[1].name] and second[1] != first[1] and second[0] == first[0]
     assert file_digests(tmp_path / "img", ["missing.png"], tmp_path / "c") == ["unreadable"]
@@ -142,4 +149,6 @@ def test_spawned_workers_when_other_threads_run(tmp_path):
     finally:
         stop.set()
         t.join()
-    np.testing.assert_array_equal(np.asarray(spawned.images), np.asarray(_build(paths, tmp_path / "one").images))
+    np.testing.assert_array_equal(
+        np.asarray(spawned.images), np.asarray(_build(paths, tmp_path / "one").images)
+    )

@@ -3,11 +3,11 @@
 import io
 import time
 
+import image_files as F
 import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-import image_files as F
 from training.images import (
     DEFAULT_LIMITS,
     DEFAULT_MAX_PIXELS,
@@ -25,20 +25,23 @@ from training.images import (
 @pytest.fixture
 def no_decode(monkeypatch):
     """Fail the test if any pixel data is decoded."""
+
     def refuse(self, *a, **k):
         raise AssertionError(f"pixel data of a {self.size} image was decoded")
+
     monkeypatch.setattr(ImageFile.ImageFile, "load", refuse)
 
 
 def test_default_pixel_limit_is_the_apis():
     from api.config import Settings
+
     assert DEFAULT_LIMITS.max_pixels == DEFAULT_MAX_PIXELS == Settings().max_image_pixels == 20_000_000
 
 
 def test_huge_png_refused_from_the_header_without_decoding(tmp_path, no_decode):
     path = F.huge_png(tmp_path / "huge.png")
-    assert path.stat().st_size < 1 << 20          # a real 600 MP PNG in well under a megabyte
-    assert path.read_bytes()[16:24] == (F.HUGE_SIDE).to_bytes(4, "big") * 2     # IHDR width, height
+    assert path.stat().st_size < 1 << 20  # a real 600 MP PNG in well under a megabyte
+    assert path.read_bytes()[16:24] == (F.HUGE_SIDE).to_bytes(4, "big") * 2  # IHDR width, height
     t0 = time.perf_counter()
     with pytest.raises(ImageError) as err:
         load_square(path, 64)
@@ -67,12 +70,15 @@ def test_pixel_limit_is_inclusive_and_bytes_limit(tmp_path):
         ImageLimits(max_pixels=0)
 
 
-@pytest.mark.parametrize("make, code", [
-    (F.text_png, "not_an_image"),
-    (F.truncated_png, "corrupt_image"),
-    (lambda p: (p.write_bytes(b""), p)[1], "empty_file"),
-    (lambda p: p, "unreadable"),                       # does not exist
-])
+@pytest.mark.parametrize(
+    "make, code",
+    [
+        (F.text_png, "not_an_image"),
+        (F.truncated_png, "corrupt_image"),
+        (lambda p: (p.write_bytes(b""), p)[1], "empty_file"),
+        (lambda p: p, "unreadable"),  # does not exist
+    ],
+)
 def test_bad_files_have_one_reason_each(tmp_path, make, code):
     path = make(tmp_path / "x.png")
     with pytest.raises(ImageError) as err:
@@ -138,7 +144,7 @@ def test_cmyk_jpeg_and_exif_orientation(tmp_path):
     got = load_rgb(path)
     assert got.shape == (32, 16, 3)
     np.testing.assert_allclose(got.astype(int), expected.astype(int), atol=40)
-    assert got[:14].mean() > 240 and got[18:].mean() < 15     # white on top once displayed
+    assert got[:14].mean() > 240 and got[18:].mean() < 15  # white on top once displayed
 
 
 def test_animated_gif_first_frame(tmp_path):
@@ -148,15 +154,15 @@ def test_animated_gif_first_frame(tmp_path):
 
 def test_jpeg_draft_decodes_at_reduced_scale(tmp_path):
     rng = np.random.default_rng(2)
-    smooth = np.kron(rng.integers(0, 256, (6, 8, 3)), np.ones((128, 128, 1))).astype(np.uint8)   # 768 x 1024
+    smooth = np.kron(rng.integers(0, 256, (6, 8, 3)), np.ones((128, 128, 1))).astype(np.uint8)  # 768 x 1024
     path = F.save(tmp_path / "big.jpg", Image.fromarray(smooth), quality=95)
     assert load_rgb(path).shape == (768, 1024, 3)
     # coarsest DCT scale keeping both sides >= 64: min(1024 // 64, 768 // 64) = 12 -> 1/8
     assert load_rgb(path, min_side=64).shape == (96, 128, 3)
-    assert load_rgb(path, min_side=200).shape == (384, 512, 3)   # 768 // 200 = 3 -> 1/2
+    assert load_rgb(path, min_side=200).shape == (384, 512, 3)  # 768 // 200 = 3 -> 1/2
     # the drafted square is close to the full decode's square (smooth content)
     full = fit_square(load_rgb(path), 64).astype(int)
-    np.testing.assert_allclose(load_square(path, 64).astype(int), full, atol=64)   # differ only at edges
+    np.testing.assert_allclose(load_square(path, 64).astype(int), full, atol=64)  # differ only at edges
     assert np.abs(load_square(path, 64).astype(int) - full).mean() < 3
 
 
@@ -164,7 +170,7 @@ def test_fit_square_geometry_matches_preprocess():
     from training.transforms import denormalize, preprocess
 
     wide = np.zeros((10, 20, 3), np.uint8)
-    wide[:, 5:15] = 255                       # the central square is white
+    wide[:, 5:15] = 255  # the central square is white
     np.testing.assert_array_equal(fit_square(wide, 10), np.full((10, 10, 3), 255, np.uint8))
     rng = np.random.default_rng(0)
     img = rng.integers(0, 256, (40, 60, 3), dtype=np.uint8)

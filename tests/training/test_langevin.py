@@ -1,5 +1,6 @@
 """Langevin noise: zero temperature is the plain optimizer step, noise variance 2 eta T,
 sphere constraint, and the stationary laws of SGLD (Gaussian, von Mises-Fisher) in closed form."""
+
 import math
 
 import pytest

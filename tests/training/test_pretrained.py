@@ -2,6 +2,7 @@
 `pretrained=FILE` accepts (random initialisation, nothing downloaded), load through
 `encoder.pretrained`; the encoder's outputs equal the saved model's own `encode_image` on open_clip's
 own preprocessing of the same images."""
+
 from __future__ import annotations
 
 import copy
@@ -18,7 +19,7 @@ from training.encoder import EncoderConfig, create_encoder, embed
 from training.transforms import preprocess
 
 STAMPS = Path("/usr/share/tuxpaint/stamps")
-OPEN_CLIP_MODEL = "ViT-S-32-alt"   # the model the session fixture `open_clip_weights` saves
+OPEN_CLIP_MODEL = "ViT-S-32-alt"  # the model the session fixture `open_clip_weights` saves
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,15 @@ def images():
 def _reference(model, images) -> tuple[torch.Tensor, torch.Tensor]:
     """open_clip end to end: its own eval transform for the model, then encode_image(normalize=True)."""
     cfg = open_clip.get_model_preprocess_cfg(model)
-    transform = open_clip.image_transform(cfg["size"], is_train=False, mean=cfg["mean"], std=cfg["std"],
-                                          interpolation=cfg["interpolation"], resize_mode=cfg["resize_mode"])
-    x = torch.stack([transform(im) for im in images])          # (B, 3, 224, 224)
+    transform = open_clip.image_transform(
+        cfg["size"],
+        is_train=False,
+        mean=cfg["mean"],
+        std=cfg["std"],
+        interpolation=cfg["interpolation"],
+        resize_mode=cfg["resize_mode"],
+    )
+    x = torch.stack([transform(im) for im in images])  # (B, 3, 224, 224)
     with torch.no_grad():
         return x, model.encode_image(x, normalize=True)
 
@@ -45,18 +52,22 @@ def _reference(model, images) -> tuple[torch.Tensor, torch.Tensor]:
 def test_pretrained_file_round_trip(open_clip_weights, images, layout):
     assert open_clip_weights["name"] == OPEN_CLIP_MODEL
     model = open_clip_weights["model"]
-    if layout == "fp16":   # the file holds half-precision weights: compare with the model they describe
+    if layout == "fp16":  # the file holds half-precision weights: compare with the model they describe
         model = copy.deepcopy(model)
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(p.half().float())
-    encoder = create_encoder(EncoderConfig(model_name=OPEN_CLIP_MODEL, pretrained=str(open_clip_weights["files"][layout])))
+    encoder = create_encoder(
+        EncoderConfig(model_name=OPEN_CLIP_MODEL, pretrained=str(open_clip_weights["files"][layout]))
+    )
     # the model's own preprocessing: image size, mean and std (open_clip's config for it)
     assert encoder.image_size == 224
     assert encoder.config.image_mean == pytest.approx(open_clip.OPENAI_DATASET_MEAN)
     assert encoder.config.image_std == pytest.approx(open_clip.OPENAI_DATASET_STD)
     assert encoder.embed_dim == model.visual.output_dim
-    assert encoder.clip_temperature == pytest.approx(open_clip_weights["temperature"], rel=1e-3 if layout == "fp16" else 1e-6)
+    assert encoder.clip_temperature == pytest.approx(
+        open_clip_weights["temperature"], rel=1e-3 if layout == "fp16" else 1e-6
+    )
     mine = encoder.tower.state_dict()
     for name, value in model.visual.state_dict().items():
         assert torch.equal(mine[name], value), name
@@ -71,11 +82,14 @@ def test_pretrained_file_round_trip(open_clip_weights, images, layout):
 def test_reduced_image_size_resizes_position_embeddings_like_open_clip(open_clip_weights, images):
     path = str(open_clip_weights["files"]["safetensors"])
     encoder = create_encoder(EncoderConfig(model_name=OPEN_CLIP_MODEL, pretrained=path, image_size=64))
-    model = open_clip.create_model(OPEN_CLIP_MODEL, pretrained=path, force_image_size=64,
-                                   pretrained_text=False).eval()
+    model = open_clip.create_model(
+        OPEN_CLIP_MODEL, pretrained=path, force_image_size=64, pretrained_text=False
+    ).eval()
     small = [im.resize((64, 64), Image.BICUBIC) for im in images]
     _, z_ref = _reference(model, small)
-    np.testing.assert_allclose(embed(encoder, preprocess(small, 64), progress=False), z_ref.numpy(), atol=2e-5)
+    np.testing.assert_allclose(
+        embed(encoder, preprocess(small, 64), progress=False), z_ref.numpy(), atol=2e-5
+    )
     assert encoder.tower.positional_embedding.shape[0] == (64 // 32) ** 2 + 1
 
 
@@ -83,17 +97,19 @@ def test_checkpoint_keeps_the_models_normalisation(tmp_path, open_clip_weights, 
     path = str(open_clip_weights["files"]["safetensors"])
     encoder = create_encoder(EncoderConfig(model_name=OPEN_CLIP_MODEL, pretrained=path, image_size=64))
     ck = save_checkpoint(tmp_path / "c.safetensors", encoder, step=0, train_config={}, lineage={})
-    loaded, meta = load_checkpoint(ck)   # rebuilt without the pretrained file
+    loaded, meta = load_checkpoint(ck)  # rebuilt without the pretrained file
     assert meta["encoder"]["image_mean"] == pytest.approx(open_clip.OPENAI_DATASET_MEAN)
     small = preprocess([im.resize((64, 64)) for im in images], 64)
     np.testing.assert_array_equal(embed(loaded, small, progress=False), embed(encoder, small, progress=False))
 
 
 def test_named_model_defaults_and_errors(open_clip_weights, tmp_path):
-    assert EncoderConfig(model_name=OPEN_CLIP_MODEL).image_size == 224   # the model's own input size
+    assert EncoderConfig(model_name=OPEN_CLIP_MODEL).image_size == 224  # the model's own input size
     assert EncoderConfig().image_size == 32 and EncoderConfig().image_mean is None
     with pytest.raises(ValueError, match="cannot load encoder.pretrained=.*ViT-S-32'"):
-        create_encoder(EncoderConfig(model_name="ViT-S-32", pretrained=str(open_clip_weights["files"]["bin"])))
+        create_encoder(
+            EncoderConfig(model_name="ViT-S-32", pretrained=str(open_clip_weights["files"]["bin"]))
+        )
     junk = tmp_path / "junk.bin"
     junk.write_bytes(b"not weights")
     with pytest.raises(ValueError, match="cannot load encoder.pretrained"):
@@ -113,15 +129,35 @@ def test_fine_tuning_starts_from_the_pretrained_weights(tmp_path, open_clip_weig
     weights = open_clip_weights["files"]["train_checkpoint"]
     out = tmp_path / "run"
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
-    assert main(["train", "--config", str(tiny), "--set", f'out_dir="{out}"', "--set", "steps=2",
-                 "--set", "batch_size=8", "--set", f'encoder.model_name="{OPEN_CLIP_MODEL}"',
-                 "--set", f'encoder.pretrained="{weights}"', "--set", "encoder.image_size=64"]) == 0
-    reference = open_clip.create_model(OPEN_CLIP_MODEL, pretrained=str(weights), force_image_size=64,
-                                       pretrained_text=False).visual.state_dict()
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(tiny),
+                "--set",
+                f'out_dir="{out}"',
+                "--set",
+                "steps=2",
+                "--set",
+                "batch_size=8",
+                "--set",
+                f'encoder.model_name="{OPEN_CLIP_MODEL}"',
+                "--set",
+                f'encoder.pretrained="{weights}"',
+                "--set",
+                "encoder.image_size=64",
+            ]
+        )
+        == 0
+    )
+    reference = open_clip.create_model(
+        OPEN_CLIP_MODEL, pretrained=str(weights), force_image_size=64, pretrained_text=False
+    ).visual.state_dict()
     init = load_file(str(out / "init.safetensors"))
     final = load_file(str(out / "checkpoint.safetensors"))
     for name, value in reference.items():
-        assert torch.equal(init[f"tower.{name}"], value), name        # step 0 is exactly the pretrained model
-    assert any(not torch.equal(final[k], init[k]) for k in init)       # and training moved it
+        assert torch.equal(init[f"tower.{name}"], value), name  # step 0 is exactly the pretrained model
+    assert any(not torch.equal(final[k], init[k]) for k in init)  # and training moved it
     encoder, meta = load_checkpoint(out / "checkpoint.safetensors")
     assert meta["encoder"]["image_mean"] == pytest.approx(open_clip.OPENAI_DATASET_MEAN)

@@ -1,4 +1,5 @@
 """Every registry refuses a second class under a taken name and names the part on each class."""
+
 import pytest
 
 from training._registry import make_register
@@ -8,8 +9,15 @@ from training.losses import LOSSES, register_loss
 from training.schedules import SCHEDULES, register_schedule
 
 
-@pytest.mark.parametrize("registry,register", [(DATASETS, register_dataset), (GENERATORS, register_generator),
-                                               (LOSSES, register_loss), (SCHEDULES, register_schedule)])
+@pytest.mark.parametrize(
+    "registry,register",
+    [
+        (DATASETS, register_dataset),
+        (GENERATORS, register_generator),
+        (LOSSES, register_loss),
+        (SCHEDULES, register_schedule),
+    ],
+)
 def test_taken_names_are_refused_and_classes_named(registry, register):
     name, cls = next(iter(registry.items()))
     assert cls.name == name

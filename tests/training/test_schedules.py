@@ -1,8 +1,8 @@
 """Temperature schedules: closed-form values, registry coverage, learnable gradient, validation."""
+
 import math
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -20,7 +20,8 @@ def test_every_schedule_builds_with_defaults_and_is_positive(name):
     other = create_schedule(name, **{k: v for k, v in sched.options.items()})
     other.load_state_dict(sched.state_dict())
     assert float(torch.as_tensor(other.temperature(7)).detach()) == pytest.approx(
-        float(torch.as_tensor(sched.temperature(7)).detach()))
+        float(torch.as_tensor(sched.temperature(7)).detach())
+    )
     assert create_schedule(**sched.describe()).describe() == sched.describe()
 
 
@@ -76,11 +77,20 @@ def test_learnable_has_gradient_and_clamp():
     assert float(s.temperature(0).detach()) == pytest.approx(0.01, rel=1e-6)
 
 
-@pytest.mark.parametrize("name,opts", [
-    ("nope", {}), ("fixed", {"tau": 0}), ("fixed", {"tau": -1}), ("exp", {"gamma": 1.5}),
-    ("log", {"c": 0}), ("log", {"tau_0": None, "t_0": 1.0}), ("cosine", {"tau_min": 2.0, "tau_max": 1.0}),
-    ("fixed", {"bogus": 1}), ("learnable", {"tau": 5.0}),
-])
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("nope", {}),
+        ("fixed", {"tau": 0}),
+        ("fixed", {"tau": -1}),
+        ("exp", {"gamma": 1.5}),
+        ("log", {"c": 0}),
+        ("log", {"tau_0": None, "t_0": 1.0}),
+        ("cosine", {"tau_min": 2.0, "tau_max": 1.0}),
+        ("fixed", {"bogus": 1}),
+        ("learnable", {"tau": 5.0}),
+    ],
+)
 def test_bad_options_raise_value_error(name, opts):
     with pytest.raises(ValueError):
         create_schedule(name, **opts)
@@ -95,7 +105,9 @@ def test_default_log_schedule_is_the_papers_and_keeps_annealing_for_a_million_st
     """Defaults: 1/T_t = log(t + t_0) / c with t_0 = 2, c = 1 and no floor, so T strictly decreases
     at every checked step up to 10^6 and equals the closed form."""
     s = create_schedule("log")
-    steps = np.unique(np.concatenate([np.arange(0, 2000), np.geomspace(2000, 10**6, 400).astype(int), [10**5]]))
+    steps = np.unique(
+        np.concatenate([np.arange(0, 2000), np.geomspace(2000, 10**6, 400).astype(int), [10**5]])
+    )
     temps = np.array([s.temperature(int(t)) for t in steps])
     np.testing.assert_allclose(temps, 1.0 / np.log(steps + 2.0), rtol=1e-12)
     assert np.all(np.diff(temps) < 0)

@@ -91,7 +91,7 @@ def test_angles_identifiable_by_nearest_neighbour():
     lat = sample_latents(40, seed=11, split="test")
     q = render(lat).reshape(40, -1).astype(np.float32)
     # squared distance = |q|^2 - 2 q.d + |d|^2
-    dist = (q ** 2).sum(1)[:, None] - 2 * q @ db.T + (db ** 2).sum(1)[None, :]
+    dist = (q**2).sum(1)[:, None] - 2 * q @ db.T + (db**2).sum(1)[None, :]
     est = grid[dist.argmin(axis=1)]
     err = _circ_err(est, lat)
     # within one grid step (pi/16 is half a step) for every angle of every image

@@ -1,5 +1,6 @@
 """Image-text training pieces: the symmetric CLIP loss against an independent formula, unique-caption batches,
 WEINCE on image-text rows, folder captions."""
+
 import numpy as np
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_unique_caption_batches():
     for _ in range(20):
         idx = unique_caption_batch(data, 4, rng)
         assert len(idx) == 4 and len(set(keys[idx])) == 4
-    assert len(unique_caption_batch(data, 8, rng)) == 5   # only 5 distinct captions exist
+    assert len(unique_caption_batch(data, 8, rng)) == 5  # only 5 distinct captions exist
 
 
 def test_synthetic_caption_data_names_the_cells(tiny_synthetic):
@@ -69,7 +70,7 @@ def test_text_config_checks_and_tokenizer_is_offline():
     enc = TextEncoder(TextConfig(width=16, heads=2, layers=1, context_length=12), 8)
     tokens = enc.tokenize(["a red disc", "x " * 50])
     assert tokens.shape == (2, 12) and tokens.dtype == torch.long
-    assert int(tokens[1, -1]) == enc.tokenizer.eot_token_id   # truncated, still ends with end-of-text
+    assert int(tokens[1, -1]) == enc.tokenizer.eot_token_id  # truncated, still ends with end-of-text
 
 
 def test_folder_captions_train_and_skip_uncaptioned(tmp_path, make_image_folder):
@@ -87,13 +88,22 @@ def test_folder_captions_train_and_skip_uncaptioned(tmp_path, make_image_folder)
     (folder / "captions.jsonl").write_text("\n".join(lines) + "\n")
     ds = create_dataset("folder", split="all", root=str(folder), image_size=32, progress=False)
     data = caption_data(ds, {})
-    assert data.items.tolist() == list(range(9))          # 3 images without a caption are not trained on
+    assert data.items.tolist() == list(range(9))  # 3 images without a caption are not trained on
     batch = unique_caption_batch(data, 8, np.random.default_rng(0))
-    assert len(batch) == 5                                # only 5 distinct captions
-    config = TrainConfig(dataset="folder", data_root=str(folder), split="all", steps=2, batch_size=8, warmup_steps=1,
-                         encoder=EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8),
-                         text={"width": 16, "layers": 1, "heads": 2, "context_length": 8},
-                         out_dir=str(tmp_path / "run"), progress=False, device="cpu")
+    assert len(batch) == 5  # only 5 distinct captions
+    config = TrainConfig(
+        dataset="folder",
+        data_root=str(folder),
+        split="all",
+        steps=2,
+        batch_size=8,
+        warmup_steps=1,
+        encoder=EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8),
+        text={"width": 16, "layers": 1, "heads": 2, "context_length": 8},
+        out_dir=str(tmp_path / "run"),
+        progress=False,
+        device="cpu",
+    )
     meta = read_checkpoint_metadata(train(config))
     assert meta["lineage"]["text"]["captions"] == "files" and meta["lineage"]["text"]["captioned"] == 9
     with pytest.raises(ValueError, match="bins"):
@@ -109,23 +119,42 @@ def test_locked_image_tower_is_kept_and_text_tower_learns(tmp_path):
 
     enc_cfg = EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8)
     torch.manual_seed(3)
-    image_ck = save_checkpoint(tmp_path / "image.safetensors", create_encoder(enc_cfg), step=0, train_config={},
-                               lineage={"objective": "infonce"})
-    common = dict(dataset="synthetic", dataset_size=64, steps=3, batch_size=16, warmup_steps=1, encoder=enc_cfg,
-                  progress=False, device="cpu")
+    image_ck = save_checkpoint(
+        tmp_path / "image.safetensors",
+        create_encoder(enc_cfg),
+        step=0,
+        train_config={},
+        lineage={"objective": "infonce"},
+    )
+    common = dict(
+        dataset="synthetic",
+        dataset_size=64,
+        steps=3,
+        batch_size=16,
+        warmup_steps=1,
+        encoder=enc_cfg,
+        progress=False,
+        device="cpu",
+    )
     text = {"width": 16, "layers": 1, "heads": 2, "context_length": 20, "image_checkpoint": str(image_ck)}
     ck = train(TrainConfig(**common, text={**text, "lock_image": True}, out_dir=str(tmp_path / "lit")))
     before, _ = load_checkpoint(image_ck)
     after, meta = load_checkpoint(ck)
     for (name, a), b in zip(before.state_dict().items(), after.state_dict().values()):
-        assert torch.equal(a, b), name          # locked: the image tower is the one given
+        assert torch.equal(a, b), name  # locked: the image tower is the one given
     assert meta["lineage"]["text"]["image_tower"] == "locked (LiT)"
     init = load_text_encoder(ck)
     assert init is not None
     # without the lock both towers move
     ck2 = train(TrainConfig(**common, text=text, out_dir=str(tmp_path / "both")))
     moved, _ = load_checkpoint(ck2)
-    assert any(not torch.equal(a, b) for a, b in zip(before.state_dict().values(), moved.state_dict().values()))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before.state_dict().values(), moved.state_dict().values())
+    )
     assert read_checkpoint_metadata(ck2)["lineage"]["text"]["image_tower"] == "trained"
     with pytest.raises(ValueError, match="image_checkpoint"):
-        train(TrainConfig(**common, text={"width": 16, "heads": 2, "lock_image": True}, out_dir=str(tmp_path / "x")))
+        train(
+            TrainConfig(
+                **common, text={"width": 16, "heads": 2, "lock_image": True}, out_dir=str(tmp_path / "x")
+            )
+        )

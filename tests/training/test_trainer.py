@@ -57,17 +57,34 @@ def test_sample_views_split_matches_full_batch():
 
 
 def test_load_config_and_overrides(tmp_path):
-    cfg = load_train_config(TINY, ["steps=3", "encoder.layers=[1, 1, 1, 1]", "schedule_options.tau=0.5",
-                                   "lr=1e-3", "generator=none", "progress=true", 'out_dir="x y"',
-                                   "loss_options.kappa_rho=10", "grad_clip=1"])
+    cfg = load_train_config(
+        TINY,
+        [
+            "steps=3",
+            "encoder.layers=[1, 1, 1, 1]",
+            "schedule_options.tau=0.5",
+            "lr=1e-3",
+            "generator=none",
+            "progress=true",
+            'out_dir="x y"',
+            "loss_options.kappa_rho=10",
+            "grad_clip=1",
+        ],
+    )
     assert cfg.steps == 3 and cfg.encoder.layers == (1, 1, 1, 1) and cfg.encoder.width == 16
     assert cfg.schedule_options == {"tau": 0.5} and cfg.lr == 1e-3 and cfg.generator is None
     assert cfg.progress is True and cfg.out_dir == "x y" and cfg.loss_options == {"kappa_rho": 10}
     assert cfg.grad_clip == 1.0 and isinstance(cfg.grad_clip, float)
     assert load_train_config(None).steps == TrainConfig().steps
-    for bad, needle in [("bogus=1", "bogus"), ("encoder.bogus=1", "encoder.bogus"), ("steps=abc", "steps"),
-                        ("steps=0", "steps"), ("nokeyvalue", "nokeyvalue"), ("lr.x=1", "lr"),
-                        ("encoder.layers=[1, 1, 1]", "encoder.layers")]:
+    for bad, needle in [
+        ("bogus=1", "bogus"),
+        ("encoder.bogus=1", "encoder.bogus"),
+        ("steps=abc", "steps"),
+        ("steps=0", "steps"),
+        ("nokeyvalue", "nokeyvalue"),
+        ("lr.x=1", "lr"),
+        ("encoder.layers=[1, 1, 1]", "encoder.layers"),
+    ]:
         with pytest.raises(ValueError, match=needle):
             load_train_config(TINY, [bad])
     bad_file = tmp_path / "bad.toml"
@@ -93,9 +110,17 @@ def _read_metrics(out):
 
 def test_main_end_to_end(tmp_path):
     out = tmp_path / "run"
-    assert main(["--config", str(TINY), "--set", "steps=4", "--set", "checkpoint_every=2", "--out", str(out)]) == 0
-    assert {p.name for p in out.iterdir()} >= {"init.safetensors", "checkpoint.safetensors",
-                                                 "train_state.safetensors", "metrics.jsonl", "config.json"}
+    assert (
+        main(["--config", str(TINY), "--set", "steps=4", "--set", "checkpoint_every=2", "--out", str(out)])
+        == 0
+    )
+    assert {p.name for p in out.iterdir()} >= {
+        "init.safetensors",
+        "checkpoint.safetensors",
+        "train_state.safetensors",
+        "metrics.jsonl",
+        "config.json",
+    }
     rows = _read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
@@ -108,11 +133,16 @@ def test_main_end_to_end(tmp_path):
     cfg = load_train_config(TINY, ["steps=4", "checkpoint_every=2", f'out_dir="{out}"'])
     assert meta["lineage"]["train_config_hash"] == config_hash(cfg.lineage_dict())
     assert meta["lineage"]["objective"] == "infonce" and meta["lineage"]["temperature_schedule"] == "fixed"
-    assert meta["lineage"]["dataset"]["name"] == "synthetic" and meta["lineage"]["generator"]["name"] == "latent"
+    assert (
+        meta["lineage"]["dataset"]["name"] == "synthetic" and meta["lineage"]["generator"]["name"] == "latent"
+    )
     assert json.loads((out / "config.json").read_text()) == cfg.to_dict()
     assert any(not torch.equal(a, b) for a, b in zip(enc.state_dict().values(), init.state_dict().values()))
     # the training loss of the logged step equals a recomputation from... the state: lr was applied
-    assert load_train_state(out / "train_state.safetensors")["optimizer"]["param_groups"][0]["lr"] == rows[-1]["lr"]
+    assert (
+        load_train_state(out / "train_state.safetensors")["optimizer"]["param_groups"][0]["lr"]
+        == rows[-1]["lr"]
+    )
 
 
 def _state(path):
@@ -121,8 +151,17 @@ def _state(path):
 
 @pytest.mark.parametrize(
     "extra",
-    [[], ["schedule=\"learnable\"", "schedule_options={tau = 0.2}", "noise_schedule=\"fixed\"",
-          "noise_options={tau = 1e-4}", "num_workers=1", "loss=\"weince\""]],
+    [
+        [],
+        [
+            'schedule="learnable"',
+            "schedule_options={tau = 0.2}",
+            'noise_schedule="fixed"',
+            "noise_options={tau = 1e-4}",
+            "num_workers=1",
+            'loss="weince"',
+        ],
+    ],
     ids=["infonce-fixed", "weince-learnable-langevin-prefetch"],
 )
 def test_resume_equals_straight_run(tmp_path, extra):
@@ -132,15 +171,22 @@ def test_resume_equals_straight_run(tmp_path, extra):
     cfg_b = load_train_config(TINY, base + [f'out_dir="{tmp_path / "b"}"', "stop_after=5"])
     half = train(cfg_b)
     assert read_checkpoint_metadata(half)["step"] == 5
-    assert main(["--config", str(TINY), "--resume", "--out", str(tmp_path / "b")] + sum(
-        (["--set", s] for s in base), [])) == 0
+    assert (
+        main(
+            ["--config", str(TINY), "--resume", "--out", str(tmp_path / "b")]
+            + sum((["--set", s] for s in base), [])
+        )
+        == 0
+    )
     a, b = _state(straight), _state(tmp_path / "b" / "checkpoint.safetensors")
     for k in a:
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-6), k
     la, lb = _read_metrics(tmp_path / "a"), _read_metrics(tmp_path / "b")
     assert [r["step"] for r in lb] == list(range(10))
     for ra, rb in zip(la, lb):
-        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-6) and ra["temperature"] == pytest.approx(rb["temperature"])
+        assert ra["loss"] == pytest.approx(rb["loss"], abs=1e-6) and ra["temperature"] == pytest.approx(
+            rb["temperature"]
+        )
     if extra:
         temps = [r["temperature"] for r in la]
         assert temps[0] != temps[-1]  # the learnable temperature moved
@@ -171,8 +217,18 @@ def test_bad_inputs(tmp_path):
 @pytest.mark.slow
 def test_training_lowers_loss(tmp_path):
     """~200 steps at a fixed temperature: the training loss clearly drops."""
-    cfg = load_train_config(TINY, ["steps=200", "batch_size=32", "dataset_size=1024", "lr=3e-3",
-                                   "warmup_steps=10", "checkpoint_every=1000", f'out_dir="{tmp_path}"'])
+    cfg = load_train_config(
+        TINY,
+        [
+            "steps=200",
+            "batch_size=32",
+            "dataset_size=1024",
+            "lr=3e-3",
+            "warmup_steps=10",
+            "checkpoint_every=1000",
+            f'out_dir="{tmp_path}"',
+        ],
+    )
     train(cfg)
     losses = [r["loss"] for r in _read_metrics(tmp_path)]
     first, last = np.mean(losses[:20]), np.mean(losses[-20:])
@@ -211,18 +267,27 @@ def test_encoder_space_neighbours_follow_the_encoder(tmp_path, monkeypatch):
         return real(encoder, dataset, k, **kw)
 
     monkeypatch.setattr(neighbours, "encoder_neighbours", spy)
-    cfg = load_train_config(TINY, ["steps=7", 'generator="neighbour"', f'out_dir="{tmp_path}"',
-                                   'generator_options={k = 3, space = "encoder", refresh_every = 3}'])
+    cfg = load_train_config(
+        TINY,
+        [
+            "steps=7",
+            'generator="neighbour"',
+            f'out_dir="{tmp_path}"',
+            'generator_options={k = 3, space = "encoder", refresh_every = 3}',
+        ],
+    )
     train(cfg)
-    assert len(seen) == 3                                            # steps 0, 3, 6
+    assert len(seen) == 3  # steps 0, 3, 6
     init = load_file(str(tmp_path / "init.safetensors"))
     for name, value in init.items():
-        torch.testing.assert_close(seen[0][name].float(), value.float())   # the untrained tower's neighbours
-    for a, b in zip(seen, seen[1:]):                                        # each later table: newer weights
+        torch.testing.assert_close(seen[0][name].float(), value.float())  # the untrained tower's neighbours
+    for a, b in zip(seen, seen[1:]):  # each later table: newer weights
         assert any(not torch.equal(a[n], b[n]) for n in a)
     info = json.loads((tmp_path / "config.json").read_text())
     assert info["generator_options"]["space"] == "encoder"
-    assert isinstance(generators.create_generator("neighbour", **info["generator_options"]), generators.NeighbourGenerator)
+    assert isinstance(
+        generators.create_generator("neighbour", **info["generator_options"]), generators.NeighbourGenerator
+    )
 
 
 def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
@@ -235,10 +300,22 @@ def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(24):
         Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(img / f"{i:02d}.png")
-    cfg = load_train_config(ROOT / "configs" / "folder.toml", [
-        f'data_root="{img}"', f'out_dir="{tmp_path / "run"}"', "steps=3", "batch_size=8", "warmup_steps=1",
-        "num_workers=0", "cache_workers=1", "progress=false", f'cache_dir="{tmp_path / "cache"}"',
-        "checkpoint_every=1000", "device=\"cpu\""])
+    cfg = load_train_config(
+        ROOT / "configs" / "folder.toml",
+        [
+            f'data_root="{img}"',
+            f'out_dir="{tmp_path / "run"}"',
+            "steps=3",
+            "batch_size=8",
+            "warmup_steps=1",
+            "num_workers=0",
+            "cache_workers=1",
+            "progress=false",
+            f'cache_dir="{tmp_path / "cache"}"',
+            "checkpoint_every=1000",
+            'device="cpu"',
+        ],
+    )
     ckpt = train(cfg)
     gen = read_checkpoint_metadata(ckpt)["lineage"]["generator"]
     assert gen["name"] == "neighbour" and gen["options"]["space"] == "encoder"

@@ -1,5 +1,6 @@
 """WEINCE: InfoNCE limit, stop-gradient gates, tail fits on known laws, brute-force reference,
 EMA and the distributed (gather) contract."""
+
 import math
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from training.losses import InfoNCELoss, LOSSES, contrastive_similarities, create_loss
+from training.losses import LOSSES, InfoNCELoss, contrastive_similarities, create_loss
 from training.weince import WEINCELoss, fit_tail, power_law_slope, tail_fit, weince_logits
 
 
@@ -26,8 +27,19 @@ def test_registered():
     assert not list(loss.parameters())  # no trainable parameters
 
 
-@pytest.mark.parametrize("opts", [{"margin": "x"}, {"kappa_rho": 0}, {"quantile": 1.5}, {"m": 2},
-                                  {"beta": "big"}, {"beta": -1.0}, {"fixed_lambda": 2.0}, {"nope": 1}])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"margin": "x"},
+        {"kappa_rho": 0},
+        {"quantile": 1.5},
+        {"m": 2},
+        {"beta": "big"},
+        {"beta": -1.0},
+        {"fixed_lambda": 2.0},
+        {"nope": 1},
+    ],
+)
 def test_bad_options(opts):
     with pytest.raises(ValueError):
         create_loss("weince", **opts)
@@ -140,7 +152,9 @@ def _brute_force(sim, pos, self_idx, tau, opts, rho0_prev=None, beta_prev=None):
     q = np.quantile(rho, opts["quantile"])
     rho0 = q if rho0_prev is None else opts["ema"] * rho0_prev + (1 - opts["ema"]) * q
     sig = lambda v: 1 / (1 + np.exp(-v))  # noqa: E731
-    lam = sig(opts["kappa_rho"] * (np.log(rho0) - np.log(rho))) * sig(opts["kappa_aic"] * (daic - opts["margin"]))
+    lam = sig(opts["kappa_rho"] * (np.log(rho0) - np.log(rho))) * sig(
+        opts["kappa_aic"] * (daic - opts["margin"])
+    )
     bh = np.clip(beta_hat, opts["beta_min"], opts["beta_max"])
     if opts["beta"] == "auto":
         bb = bh.mean() if beta_prev is None else opts["ema"] * beta_prev + (1 - opts["ema"]) * bh.mean()
@@ -166,8 +180,21 @@ def _brute_force(sim, pos, self_idx, tau, opts, rho0_prev=None, beta_prev=None):
 
 @pytest.mark.parametrize("beta", [1.0, "auto"])
 def test_matches_brute_force_loop_over_two_steps(beta):
-    opts = dict(margin=0.0, kappa_rho=10.0, kappa_aic=1.0, quantile=0.2, m=16, tail_frac=0.1,
-                burn_frac=0.05, eps=1e-6, beta=beta, beta_min=0.5, beta_max=16.0, shrink_c=20.0, ema=0.9)
+    opts = dict(
+        margin=0.0,
+        kappa_rho=10.0,
+        kappa_aic=1.0,
+        quantile=0.2,
+        m=16,
+        tail_frac=0.1,
+        burn_frac=0.05,
+        eps=1e-6,
+        beta=beta,
+        beta_min=0.5,
+        beta_max=16.0,
+        shrink_c=20.0,
+        ema=0.9,
+    )
     loss_fn = WEINCELoss(variant="blend", **opts)
     rho0, bb = None, None
     for step in range(2):  # second step exercises the EMA of rho_0 (and of the batch beta)
@@ -202,13 +229,21 @@ def test_two_ranks_with_gather_equal_single_process(variant, tail_points):
     # two sorted halves that must be merged.
     za, zb = _views(n=16, seed=7)
     z_all = torch.cat([za, zb])
-    opts = dict(variant=variant, margin=0.0, beta="auto", shrink_c=10.0, weib_min_tail_points=tail_points,
-                weib_top_m=8, pl_top_m=12, weib_r2_min=0.0)
+    opts = dict(
+        variant=variant,
+        margin=0.0,
+        beta="auto",
+        shrink_c=10.0,
+        weib_min_tail_points=tail_points,
+        weib_top_m=8,
+        pl_top_m=12,
+        weib_r2_min=0.0,
+    )
     single = WEINCELoss(**opts)(za, zb, 0.1)
     n = 8
     locals_ = []
     for r in range(2):
-        z_local = torch.cat([za[r * n:(r + 1) * n], zb[r * n:(r + 1) * n]])
+        z_local = torch.cat([za[r * n : (r + 1) * n], zb[r * n : (r + 1) * n]])
         locals_.append(contrastive_similarities(z_local, z_all, r * n))
     # Each rank's gathered inputs depend on earlier gathered statistics (rho_0 -> lambda -> stats),
     # so iterate: every pass records the local inputs and serves the previous pass's concatenation.
@@ -216,10 +251,12 @@ def test_two_ranks_with_gather_equal_single_process(variant, tail_points):
     for _ in range(4):
         new_rec, outs = [[], []], []
         for r in range(2):
+
             def gather(x, r=r, k=iter(range(100))):
                 i = next(k)
                 new_rec[r].append(x.detach().clone())
                 return x.detach() if recorded is None else torch.cat([recorded[0][i], recorded[1][i]])
+
             outs.append(WEINCELoss(**opts).loss_from_similarities(*locals_[r], 0.1, gather=gather))
         recorded = new_rec
     assert float((outs[0].loss + outs[1].loss) / 2) == pytest.approx(float(single.loss), rel=1e-10)
@@ -273,19 +310,41 @@ def test_blend_variant_equals_the_previous_implementation(tag, opts):
         assert float(res.loss.detach()) == pytest.approx(float(golden[f"{tag}_step{step}_loss"]), rel=1e-13)
         np.testing.assert_allclose(a.grad.numpy(), golden[f"{tag}_step{step}_grad_a"], rtol=1e-11, atol=1e-14)
         np.testing.assert_allclose(b.grad.numpy(), golden[f"{tag}_step{step}_grad_b"], rtol=1e-11, atol=1e-14)
-        assert res.stats["weince_lambda_mean"] == pytest.approx(float(golden[f"{tag}_step{step}_lambda_mean"]))
-        assert not any(k.startswith(("weince_beta_t", "weince_loss_weib", "weince_loss_pl")) for k in res.stats)
+        assert res.stats["weince_lambda_mean"] == pytest.approx(
+            float(golden[f"{tag}_step{step}_lambda_mean"])
+        )
+        assert not any(
+            k.startswith(("weince_beta_t", "weince_loss_weib", "weince_loss_pl")) for k in res.stats
+        )
 
 
 def test_variant_defaults_and_explicit_overrides():
     paper, blend = WEINCELoss().options(), WEINCELoss(variant="blend").options()
     assert paper["variant"] == "paper"
-    assert (paper["weib_lambda"], paper["pl_lambda"], paper["weib_top_m"], paper["pl_top_m"]) == (0.5, 0.5, 50, 50)
-    assert (paper["weib_beta"], paper["weib_beta_init"], paper["weib_beta_momentum"], paper["weib_r2_min"]) == \
-        ("auto", 4.0, 0.9, 0.85)
-    assert (paper["gumbel_proxy"], paper["slope_penalty"], paper["ema"], paper["rho0_rule"]) == \
-        ("loglog", True, 0.0, "nearest")
-    assert (blend["weib_lambda"], blend["pl_lambda"], blend["gumbel_proxy"], blend["ema"]) == (0.0, 0.0, "exponential", 0.9)
+    assert (paper["weib_lambda"], paper["pl_lambda"], paper["weib_top_m"], paper["pl_top_m"]) == (
+        0.5,
+        0.5,
+        50,
+        50,
+    )
+    assert (
+        paper["weib_beta"],
+        paper["weib_beta_init"],
+        paper["weib_beta_momentum"],
+        paper["weib_r2_min"],
+    ) == ("auto", 4.0, 0.9, 0.85)
+    assert (paper["gumbel_proxy"], paper["slope_penalty"], paper["ema"], paper["rho0_rule"]) == (
+        "loglog",
+        True,
+        0.0,
+        "nearest",
+    )
+    assert (blend["weib_lambda"], blend["pl_lambda"], blend["gumbel_proxy"], blend["ema"]) == (
+        0.0,
+        0.0,
+        "exponential",
+        0.9,
+    )
     # an explicit option beats the variant's default, and options() rebuilds the same loss
     mixed = WEINCELoss(variant="blend", weib_lambda=0.5, gumbel_proxy="loglog")
     assert mixed.options()["weib_lambda"] == 0.5 and mixed.options()["gumbel_proxy"] == "loglog"
@@ -293,10 +352,23 @@ def test_variant_defaults_and_explicit_overrides():
     assert create_loss("weince", variant="blend").options() == blend
 
 
-@pytest.mark.parametrize("opts", [{"variant": "full"}, {"gumbel_proxy": "weibull"}, {"rho0_rule": "mid"},
-                                  {"slope_penalty": "yes"}, {"weib_lambda": -0.1}, {"pl_top_m": 0},
-                                  {"weib_top_m": 2.5}, {"weib_beta": "fit"}, {"weib_beta_momentum": 1.5},
-                                  {"weib_r2_min": 2.0}, {"weib_min_tail_points": 5}, {"weib_tail_frac": 0.0}])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"variant": "full"},
+        {"gumbel_proxy": "weibull"},
+        {"rho0_rule": "mid"},
+        {"slope_penalty": "yes"},
+        {"weib_lambda": -0.1},
+        {"pl_top_m": 0},
+        {"weib_top_m": 2.5},
+        {"weib_beta": "fit"},
+        {"weib_beta_momentum": 1.5},
+        {"weib_r2_min": 2.0},
+        {"weib_min_tail_points": 5},
+        {"weib_tail_frac": 0.0},
+    ],
+)
 def test_bad_paper_options(opts):
     with pytest.raises(ValueError):
         create_loss("weince", **opts)
@@ -342,7 +414,9 @@ def _paper_reference(za, zb, tau, o, beta_t_prev):
         k = len(y_w)
         daic[i] = (k * np.log(sse_g / k) + 4) - (k * np.log(sse_w / k) + 4)
     rho0 = np.sort(rho)[int(round(o["quantile"] * (A - 1)))]
-    lam = _sigmoid(o["kappa_rho"] * (np.log(rho0) - np.log(rho))) * _sigmoid(o["kappa_aic"] * (daic - o["margin"]))
+    lam = _sigmoid(o["kappa_rho"] * (np.log(rho0) - np.log(rho))) * _sigmoid(
+        o["kappa_aic"] * (daic - o["margin"])
+    )
     # beta_t: power-law slope of the smallest max(1024, 5 %) shortfalls of all negatives
     all_d = np.sort([1.0 - sim[i, j] for i in range(A) for j in negs_of(sim, i)])
     k_tail = min(len(all_d), max(o["weib_min_tail_points"], int(o["weib_tail_frac"] * len(all_d))))
@@ -364,12 +438,14 @@ def _paper_reference(za, zb, tau, o, beta_t_prev):
         out = np.zeros((A, 3))
         for i in range(A):
             cands = [j for j in range(A) if j != i]
-            blend = [(1 - lam[i]) * s[i, j] / tau + lam[i] * -math.log(1 - min(s[i, j], 1 - eps)) for j in cands]
+            blend = [
+                (1 - lam[i]) * s[i, j] / tau + lam[i] * -math.log(1 - min(s[i, j], 1 - eps)) for j in cands
+            ]
             out[i, 0] = ce(blend, cands.index(pos[i]))
             hardest = sorted(negs_of(s, i), key=lambda j: -s[i, j])
-            top_w = [pos[i]] + hardest[:o["weib_top_m"]]
+            top_w = [pos[i]] + hardest[: o["weib_top_m"]]
             out[i, 1] = ce([-beta_t * math.log(1 - min(s[i, j], 1 - eps)) for j in top_w], 0)
-            top_p = [pos[i]] + hardest[:o["pl_top_m"]]
+            top_p = [pos[i]] + hardest[: o["pl_top_m"]]
             out[i, 2] = ce([s[i, j] / tau for j in top_p], 0)
         return out
 
@@ -391,7 +467,9 @@ def test_paper_variant_matches_plain_formulas_value_and_gradient():
         a, b = za.clone().requires_grad_(), zb.clone().requires_grad_()
         res = loss_fn(a, b, tau)
         res.loss.backward()
-        ref_loss, lam, (beta_t, slope, r2), ref_terms = _paper_reference(za.numpy(), zb.numpy(), tau, o, beta_prev)
+        ref_loss, lam, (beta_t, slope, r2), ref_terms = _paper_reference(
+            za.numpy(), zb.numpy(), tau, o, beta_prev
+        )
         assert 0.05 < lam.mean() < 0.95  # the gates are in play
         assert r2 >= 0.85 and beta_t != beta_prev  # the EMA moved
         z0 = torch.cat([za, zb]).numpy()
@@ -464,7 +542,10 @@ def test_slope_penalty_neutralises_a_degenerate_tail():
     # a proper tail is untouched by the penalty
     g = torch.Generator().manual_seed(73)
     d = torch.rand(4, 40, generator=g, dtype=torch.float64)
-    assert torch.equal(tail_fit(d, burn=2, gumbel="loglog").daic, tail_fit(d, burn=2, gumbel="loglog", slope_penalty=True).daic)
+    assert torch.equal(
+        tail_fit(d, burn=2, gumbel="loglog").daic,
+        tail_fit(d, burn=2, gumbel="loglog", slope_penalty=True).daic,
+    )
 
 
 def test_float32_fit_sse_matches_float64_residuals():

@@ -1,11 +1,11 @@
 """The duplicate scan against planted truth (generated pictures and real Tux Paint stamps), its parts against
 independent computations: the EM fit against the exact posterior of a known mixture, the threshold rule and
 the groups against brute force, the alignment against a known crop; flips only when asked; bad files skipped."""
+
 from __future__ import annotations
 
 import io
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +65,7 @@ def _closure(n: int, pairs: set) -> set:
     members = {}
     for i, c in enumerate(lab):
         members.setdefault(c, []).append(i)
-    return {frozenset((x, y)) for m in members.values() for k, x in enumerate(m) for y in m[k + 1:]}
+    return {frozenset((x, y)) for m in members.values() for k, x in enumerate(m) for y in m[k + 1 :]}
 
 
 def _pr(scan, truth: set, threshold: float = 0.5):
@@ -84,11 +84,11 @@ def test_edits_stay_in_the_family_and_flip_only_when_asked():
         out = Image.open(io.BytesIO(data))
         assert edit in names and "flip" not in names and out.size[0] >= 8
         if edit == "crop":
-            assert out.size[0] * out.size[1] >= 0.8 * 160 * 120 - 200     # at most 20 % of the area removed
+            assert out.size[0] * out.size[1] >= 0.8 * 160 * 120 - 200  # at most 20 % of the area removed
     data, names = edited_copy(im, rng, edits=("jpeg",), flip=True)
     mirrored = np.asarray(Image.open(io.BytesIO(data)).convert("L"), np.float64)
     orig = np.asarray(im.convert("L"), np.float64)
-    corr = lambda a, b: np.corrcoef(a.ravel(), b.ravel())[0, 1]   # noqa: E731
+    corr = lambda a, b: np.corrcoef(a.ravel(), b.ravel())[0, 1]  # noqa: E731
     assert "flip" in names and corr(mirrored, orig[:, ::-1]) > 0.95 > corr(mirrored, orig)
     with pytest.raises(ValueError, match="unknown edits"):
         edited_copy(im, rng, edits=("blur",))
@@ -98,14 +98,14 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     pics = _generated(2, 5)
     im = Image.open(io.BytesIO(pics[0]))
     buf = io.BytesIO()
-    im.crop((12, 8, 160, 120)).resize((200, 152)).save(buf, format="PNG")       # ~14 % of the area cropped
+    im.crop((12, 8, 160, 120)).resize((200, 152)).save(buf, format="PNG")  # ~14 % of the area cropped
     items = [thumbnail(b, 64) for b in (pics[0], buf.getvalue(), pics[1])]
     grey = np.stack([g for g, _ in items])
     col = np.stack([chroma(c) for _, c in items])
     f = pair_features(grey, np.array([0, 0]), np.array([1, 2]), colours=col)
     raw = np.corrcoef(grey[0].ravel().astype(float), grey[1].ravel().astype(float))[0, 1]
-    assert f[0, 0] > 0.98 > raw            # aligned, the crop correlates almost perfectly; unaligned it does not
-    assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]   # another picture: low correlation, more unexplained colour
+    assert f[0, 0] > 0.98 > raw  # aligned, the crop correlates almost perfectly; unaligned it does not
+    assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]  # another picture: low correlation, more unexplained colour
 
 
 def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture():
@@ -138,7 +138,9 @@ def test_a_share_at_its_bound_is_reported():
     rng = np.random.default_rng(1)
     d = len(NAMES)
     pos = rng.normal(2.0 * SIGN, 1, (300, d))
-    unl = np.where(rng.random(600)[:, None] < 0.8, rng.normal(2.0 * SIGN, 1, (600, d)), rng.normal(0, 1, (600, d)))
+    unl = np.where(
+        rng.random(600)[:, None] < 0.8, rng.normal(2.0 * SIGN, 1, (600, d)), rng.normal(0, 1, (600, d))
+    )
     model = fit_model(pos, unl, l2=1e-4, max_share=0.3, quantile=0.9)
     assert model.share == pytest.approx(0.3) and "bound" in model.bound and "--threshold" in model.bound
 
@@ -169,7 +171,9 @@ def test_scan_of_generated_pictures_finds_the_planted_copies_and_their_share():
     originals = _generated(120, 7)
     sources, planted, _ = _plant(originals, 0.2, 8)
     truth = _closure(len(sources), planted)
-    scan = scan_collection(lambda r: sources[r], len(sources), DedupConfig(calibration_items=200), progress=False)
+    scan = scan_collection(
+        lambda r: sources[r], len(sources), DedupConfig(calibration_items=200), progress=False
+    )
     precision, recall = _pr(scan, truth)
     assert precision >= 0.9 and recall >= 0.7
     true_share = len({i for p in truth for i in p}) / len(sources)
@@ -183,12 +187,21 @@ def test_scan_of_real_stamps_finds_the_planted_copies_and_skips_bad_files():
     rng = np.random.default_rng(11)
     picked = [files[i] for i in sorted(rng.choice(len(files), 150, replace=False))]
     sources, planted, _ = _plant(picked, 0.2, 12)
-    truth = _closure(len(sources), planted | {frozenset((i, j)) for i in range(len(picked))
-                                              for j in range(i + 1, len(picked))
-                                              if picked[i].read_bytes() == picked[j].read_bytes()})
+    truth = _closure(
+        len(sources),
+        planted
+        | {
+            frozenset((i, j))
+            for i in range(len(picked))
+            for j in range(i + 1, len(picked))
+            if picked[i].read_bytes() == picked[j].read_bytes()
+        },
+    )
     bad = [b"not an image", b"\x89PNG\r\n\x1a\n truncated"]
     sources += bad
-    scan = scan_collection(lambda r: sources[r], len(sources), DedupConfig(calibration_items=200), progress=False)
+    scan = scan_collection(
+        lambda r: sources[r], len(sources), DedupConfig(calibration_items=200), progress=False
+    )
     assert sorted(scan.skipped) == [len(sources) - 2, len(sources) - 1]
     assert not (set(scan.a) | set(scan.b)) & set(scan.skipped)
     precision, recall = _pr(scan, truth)
@@ -214,7 +227,7 @@ def test_mirrored_copies_match_only_with_flips():
     col = np.stack([chroma(c) for _, c in items])
     n = len(originals)
     a = np.r_[np.arange(n), np.arange(n)]
-    b = np.r_[np.arange(n) + n, (np.arange(n) + 1) % n + n]          # its mirror, then another's mirror
+    b = np.r_[np.arange(n) + n, (np.arange(n) + 1) % n + n]  # its mirror, then another's mirror
     plain = pair_features(grey, a, b, colours=col)
     flips = pair_features(grey, a, b, colours=col, flips=True)
     assert (flips[:n, 0] > 0.97).all() and (plain[:n, 0] < 0.8).all()
@@ -232,7 +245,8 @@ def test_mirrored_copies_are_found_with_flips_and_the_share_does_not_drain():
         data, _ = edited_copy(Image.open(io.BytesIO(originals[i])), rng, edits=("jpeg",), flip=True)
         sources.append(data)
         planted.add(frozenset((int(i), len(sources) - 1)))
-    scan = scan_collection(lambda r: sources[r], len(sources), DedupConfig(calibration_items=200, flips=True),
-                           progress=False)
+    scan = scan_collection(
+        lambda r: sources[r], len(sources), DedupConfig(calibration_items=200, flips=True), progress=False
+    )
     precision, recall = _pr(scan, planted)
     assert scan.model.share > 0.01 and recall >= 0.8 and precision >= 0.9

@@ -1,17 +1,25 @@
 """The raw-pixel baseline and the paired comparison against independent numpy computations."""
+
 import numpy as np
 import pytest
 import torch
 
-from search.evaluation.baselines import (RAW_PIXELS, baseline_comparison, centred_unit, per_query_precision,
-                                         raw_pixel_features, recipe_description, verdict)
+from search.evaluation.baselines import (
+    RAW_PIXELS,
+    baseline_comparison,
+    centred_unit,
+    per_query_precision,
+    raw_pixel_features,
+    recipe_description,
+    verdict,
+)
 
 
 def test_raw_pixel_features_are_grey_area_thumbnails():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 3, 64, 64)).astype(np.float32)
     got = raw_pixel_features(torch.from_numpy(x))
-    grey = x.mean(axis=1)                                              # (3, 64, 64)
+    grey = x.mean(axis=1)  # (3, 64, 64)
     ref = grey.reshape(3, 32, 2, 32, 2).mean(axis=(2, 4)).reshape(3, -1)  # 2x2 box average
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
@@ -57,14 +65,21 @@ def test_paired_difference_and_verdict_follow_the_interval():
 
 
 def test_verdict_names_the_recipe():
-    info = {"lineage": {"generator": {"name": "neighbour", "options": {"k": 5, "space": "encoder", "refresh_every": 50}}},
-            "train_config": {"steps": 400, "encoder": {"image_size": 32}}}
+    info = {
+        "lineage": {
+            "generator": {"name": "neighbour", "options": {"k": 5, "space": "encoder", "refresh_every": 50}}
+        },
+        "train_config": {"steps": 400, "encoder": {"image_size": 32}},
+    }
     recipe = recipe_description(info)
-    assert recipe == "encoder neighbours as positives (neighbour, k 5, refreshed every 50 steps), 32 px, 400 steps"
+    assert (
+        recipe
+        == "encoder neighbours as positives (neighbour, k 5, refreshed every 50 steps), 32 px, 400 steps"
+    )
     pixels = {"lineage": {"generator": {"name": "neighbour", "options": {"k": 3}}}, "train_config": {}}
     assert recipe_description(pixels) == "grey-pixel neighbours as positives (neighbour, k 3)"
     assert recipe_description({"lineage": {"generator": {"name": "label"}}}).startswith("class folders")
-    assert recipe_description({}) is None                      # an imported model records no recipe
+    assert recipe_description({}) is None  # an imported model records no recipe
     rng = np.random.default_rng(4)
     base = rng.uniform(0.2, 0.5, 100)
     out = baseline_comparison({RAW_PIXELS: (base, base)}, (base + 0.1, base + 0.1), n_boot=200, recipe=recipe)

@@ -20,9 +20,14 @@ TINY = EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8)
 def _ckpt(path, seed, tau):
     torch.manual_seed(seed)
     enc = create_encoder(TINY)
-    return save_checkpoint(path, enc, step=0, train_config={"seed": seed, "steps": 7},
-                           lineage={"objective": "infonce", "generator": {"name": "label", "options": {}}},
-                           metrics={"temperature": tau})
+    return save_checkpoint(
+        path,
+        enc,
+        step=0,
+        train_config={"seed": seed, "steps": 7},
+        lineage={"objective": "infonce", "generator": {"name": "label", "options": {}}},
+        metrics={"temperature": tau},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,19 +57,50 @@ def _check_html(path, sections=SECTIONS, n_img=5):
 def test_eval_checkpoint_synthetic_matches_library(ckpts, tmp_path, capsys):
     a, b = ckpts
     out = tmp_path / "rep"
-    assert main(["--checkpoint", str(a), "--dataset", "synthetic", "--size", "64", "--queries-size", "24",
-                 "--out", str(out), "--n-boot", "100", "--k-law-samples", "200", "--compare", str(b)]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(a),
+                "--dataset",
+                "synthetic",
+                "--size",
+                "64",
+                "--queries-size",
+                "24",
+                "--out",
+                str(out),
+                "--n-boot",
+                "100",
+                "--k-law-samples",
+                "200",
+                "--compare",
+                str(b),
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "gap @ calibrated" in stdout and "ideal_recall@10" in stdout
     rep = json.loads((out / "report.json").read_text())
     text = _check_html(out / "report.html")
     assert "exact" in text and rep["generator"]["name"] == "latent"
     assert str(tmp_path) not in text and str(tmp_path) not in json.dumps(rep)  # no absolute paths
-    assert rep["checkpoint"]["file"] == "a.safetensors" and rep["compare"]["checkpoint"]["file"] == "b.safetensors"
+    assert (
+        rep["checkpoint"]["file"] == "a.safetensors"
+        and rep["compare"]["checkpoint"]["file"] == "b.safetensors"
+    )
     ga, tail = rep["gaussianity"], rep["tail"]
-    assert ga["n"] == 24 and ga["d"] == 8 and ga["mardia"]["n_null"] == 199 and ga["projections"]["n_projections"] == 64
+    assert (
+        ga["n"] == 24
+        and ga["d"] == 8
+        and ga["mardia"]["n_null"] == 199
+        and ga["projections"]["n_projections"] == 64
+    )
     assert "r(x, y) <= 1" in tail["negatives_rule"] and tail["gpd"]["n_queries"] == 24
-    assert tail["weibull_gumbel"]["n_queries"] == 24 and "maximum likelihood" in tail["weibull_gumbel"]["method"]
+    assert (
+        tail["weibull_gumbel"]["n_queries"] == 24 and "maximum likelihood" in tail["weibull_gumbel"]["method"]
+    )
     assert rep["k_law"]["summary"]["text"] in text
     # independent recomputation with the contract's embed() and the library functions
     enc, _ = load_checkpoint(a)
@@ -74,7 +110,9 @@ def test_eval_checkpoint_synthetic_matches_library(ckpts, tmp_path, capsys):
     g = softmax_gap(zq, zdb, qs.latents, db.latents, db.default_generator(), 0.2).summary()
     for key in ("cross_entropy", "ideal_entropy", "kl"):
         assert rep["gap"]["serving"][key] == pytest.approx(g[key], rel=1e-5)
-    cal = calibrate_temperature(zq, zdb, qs.latents, db.latents, db.default_generator(), train_temperature=0.2)
+    cal = calibrate_temperature(
+        zq, zdb, qs.latents, db.latents, db.default_generator(), train_temperature=0.2
+    )
     assert rep["calibration"]["temperature"] == pytest.approx(cal.temperature, rel=1e-4)
     assert rep["gap"]["calibrated"]["kl"] == pytest.approx(cal.gap_at_calibrated["kl"], rel=1e-4)
     assert rep["temperatures"]["train"] == 0.2 and rep["compare"]["rows"]["training tau"]["other"] == 0.1
@@ -94,11 +132,30 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
         pytest.skip("fashion-mnist files not available")
     build_index(a, db, root, BuildOptions(progress=False))
     out = tmp_path / "rep"
-    assert main(["--index", str(root), "--queries-size", "30", "--out", str(out), "--n-boot", "50",
-                 "--k-law-samples", "100", "--temperature", "0.3"]) == 0
+    assert (
+        main(
+            [
+                "--index",
+                str(root),
+                "--queries-size",
+                "30",
+                "--out",
+                str(out),
+                "--n-boot",
+                "50",
+                "--k-law-samples",
+                "100",
+                "--temperature",
+                "0.3",
+            ]
+        )
+        == 0
+    )
     rep = json.loads((out / "report.json").read_text())
     _check_html(out / "report.html")
-    assert rep["generator"]["name"] == "label" and rep["index"]["root"] == root.name  # no absolute paths in a report
+    assert (
+        rep["generator"]["name"] == "label" and rep["index"]["root"] == root.name
+    )  # no absolute paths in a report
     enc, _ = load_checkpoint(a)
     qs = create_dataset("fashion-mnist", "test", size=30, seed=0)
     zq, zdb = embed(enc, qs, progress=False), embed(enc, db, progress=False)
@@ -125,14 +182,32 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
     assert row["name"].startswith("raw pixels") and row["precision@10"] == pytest.approx(raw.mean(), abs=0.01)
     assert row["difference@10"]["low"] <= row["difference@10"]["mean"] <= row["difference@10"]["high"]
     assert b["verdict"].startswith("training ") and b["verdict"] in (out / "report.html").read_text()
-    assert b["verdict"].endswith("; recipe: class folders as positives (label), 7 steps")   # which recipe ran
+    assert b["verdict"].endswith("; recipe: class folders as positives (label), 7 steps")  # which recipe ran
     # the label gap's ideal entropy is log n_c (closed form)
     counts = np.bincount(db.labels, minlength=10)
-    assert rep["gap"]["serving"]["ideal_entropy"] == pytest.approx(np.mean(np.log(counts[qs.labels])), rel=1e-9)
+    assert rep["gap"]["serving"]["ideal_entropy"] == pytest.approx(
+        np.mean(np.log(counts[qs.labels])), rel=1e-9
+    )
 
     out2 = tmp_path / "rep2"
-    assert main(["--index", str(root), "--generator", "instance", "--max-queries", "20", "--out", str(out2),
-                 "--n-boot", "20", "--no-k-law"]) == 0
+    assert (
+        main(
+            [
+                "--index",
+                str(root),
+                "--generator",
+                "instance",
+                "--max-queries",
+                "20",
+                "--out",
+                str(out2),
+                "--n-boot",
+                "20",
+                "--no-k-law",
+            ]
+        )
+        == 0
+    )
     text = (out2 / "report.html").read_text()
     assert "approximation" in text
     rep2 = json.loads((out2 / "report.json").read_text())
@@ -143,10 +218,31 @@ def test_eval_index_labels_and_instance(ckpts, tmp_path):
 def test_eval_bad_input(ckpts, tmp_path):
     a, _ = ckpts
     with pytest.raises(ValueError, match="temperature"):
-        main(["--checkpoint", str(a), "--dataset", "synthetic", "--size", "16", "--temperature", "-1",
-              "--out", str(tmp_path)])
+        main(
+            [
+                "--checkpoint",
+                str(a),
+                "--dataset",
+                "synthetic",
+                "--size",
+                "16",
+                "--temperature",
+                "-1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     with pytest.raises(FileNotFoundError):
-        main(["--checkpoint", str(tmp_path / "missing.safetensors"), "--dataset", "synthetic", "--out", str(tmp_path)])
+        main(
+            [
+                "--checkpoint",
+                str(tmp_path / "missing.safetensors"),
+                "--dataset",
+                "synthetic",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     with pytest.raises(ValueError, match="--index"):
         main(["--out", str(tmp_path)])
 
@@ -156,7 +252,7 @@ def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
     """A folder without a test/ split: queries are database items, their own rows excluded."""
     from PIL import Image
 
-    from search.evaluation.metrics import knn_search, relevance, hit_rate_at_k
+    from search.evaluation.metrics import hit_rate_at_k, knn_search, relevance
 
     a, _ = ckpts
     rng = np.random.default_rng(0)
@@ -166,8 +262,24 @@ def test_eval_folder_queries_are_database_items(ckpts, tmp_path):
             px = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8) // (2 if c == "cats" else 1)
             Image.fromarray(px).save(tmp_path / "img" / c / f"{i}.png")
     out = tmp_path / "rep"
-    assert main(["--checkpoint", str(a), "--dataset", "folder", "--data-root", str(tmp_path / "img"),
-                 "--out", str(out), "--n-boot", "20", "--no-k-law"]) == 0
+    assert (
+        main(
+            [
+                "--checkpoint",
+                str(a),
+                "--dataset",
+                "folder",
+                "--data-root",
+                str(tmp_path / "img"),
+                "--out",
+                str(out),
+                "--n-boot",
+                "20",
+                "--no-k-law",
+            ]
+        )
+        == 0
+    )
     rep = json.loads((out / "report.json").read_text())
     assert rep["queries"]["same_as_database"] and rep["generator"]["name"] == "label"
     enc, _ = load_checkpoint(a)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
+from search_refs import GenericLatent, Instance, Labels, VonMises, oracle, unit
 
-from search.evaluation.gap import softmax_gap, softmax_gap_dense, ideal_and_learned
-from search_refs import VonMises, GenericLatent, Labels, Instance, oracle, unit
+from search.evaluation.gap import ideal_and_learned, softmax_gap, softmax_gap_dense
 
 RNG = np.random.default_rng(0)
 
@@ -73,7 +73,9 @@ def test_q_and_p_are_distributions():
     q, p = ideal_and_learned(oracle(qlat), oracle(dlat), qlat, dlat, VonMises(2.0), 0.3)
     np.testing.assert_allclose(q.sum(1), 1.0, rtol=1e-12)
     np.testing.assert_allclose(p.sum(1), 1.0, rtol=1e-12)
-    q, _ = ideal_and_learned(oracle(qlat), oracle(dlat), np.array([0, 1, 2, 3, 4]) % 2, np.arange(60) % 3, Labels(), 0.3)
+    q, _ = ideal_and_learned(
+        oracle(qlat), oracle(dlat), np.array([0, 1, 2, 3, 4]) % 2, np.arange(60) % 3, Labels(), 0.3
+    )
     np.testing.assert_allclose(q.sum(1), 1.0, rtol=1e-12)
 
 
@@ -86,7 +88,7 @@ def test_dense_rows_are_blocked_over_the_database(monkeypatch):
     s = zq.astype(np.float64) @ zn.astype(np.float64).T / 0.2
     ref = np.exp(s - s.max(1, keepdims=True))
     ref /= ref.sum(1, keepdims=True)
-    monkeypatch.setattr(gap_module, "DENSE_BLOCK", 10)   # 11 blocks, the last one ragged
+    monkeypatch.setattr(gap_module, "DENSE_BLOCK", 10)  # 11 blocks, the last one ragged
     _, p = ideal_and_learned(zq, zn, qlat, dlat, VonMises(2.0), 0.2)
     np.testing.assert_allclose(p, ref, rtol=1e-12)
 
@@ -147,10 +149,17 @@ def test_generic_path_only_sees_tiles():
 
 # --- fused fixed-shift tile kernels (search/evaluation/fused.py) ---------------------------------------
 
+
 def _fused_case(rng, q=150, n=2600, d=24):
     zq, zd = unit(rng.normal(size=(q, d))), unit(rng.normal(size=(n, d)))
-    return zq, zd, rng.uniform(0, 2 * np.pi, (q, 3)), rng.uniform(0, 2 * np.pi, (n, 3)), \
-        rng.integers(0, 6, q), rng.integers(0, 6, n)
+    return (
+        zq,
+        zd,
+        rng.uniform(0, 2 * np.pi, (q, 3)),
+        rng.uniform(0, 2 * np.pi, (n, 3)),
+        rng.integers(0, 6, q),
+        rng.integers(0, 6, n),
+    )
 
 
 @pytest.mark.parametrize("tau", [0.1, 0.03, 0.004])
@@ -161,10 +170,16 @@ def test_fixed_shift_eager_matches_dense_including_underflow_rows(tau, monkeypat
 
     monkeypatch.setattr(gap_mod, "fused_supported", lambda dev: True)
     monkeypatch.setattr(gap_mod.TileSums, "_failed", False)  # restored after the test
-    monkeypatch.setattr(gap_mod.TileSums, "_kernels", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no compiler"))))
+    monkeypatch.setattr(
+        gap_mod.TileSums,
+        "_kernels",
+        classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no compiler"))),
+    )
     redone = []
     online = gap_mod._online_gap
-    monkeypatch.setattr(gap_mod, "_online_gap", lambda zq, *a, **k: (redone.append(len(zq)), online(zq, *a, **k))[1])
+    monkeypatch.setattr(
+        gap_mod, "_online_gap", lambda zq, *a, **k: (redone.append(len(zq)), online(zq, *a, **k))[1]
+    )
     zq, zd, lq, ld, cq, cd = _fused_case(np.random.default_rng(3))
     for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
         ref = softmax_gap_dense(zq, zd, mq, md, gen, tau)
@@ -180,16 +195,20 @@ def test_fixed_shift_eager_matches_dense_including_underflow_rows(tau, monkeypat
 @pytest.mark.slow
 def test_compiled_tile_kernels_match_eager_and_dense():
     """The torch.compile'd kernels (full tiles) and the eager edges give the dense answer."""
-    from search.evaluation.fused import TileSums, fused_supported
-
     import torch
+
+    from search.evaluation.fused import TileSums, fused_supported
 
     if not fused_supported(torch.device("cpu")):
         pytest.skip("no C++ compiler for torch.compile on this machine")
     from search.evaluation.fused import latent_sums, partition_sum
 
     g = torch.Generator().manual_seed(0)
-    lp, uq, un = torch.randn(32, 1024, generator=g) * 4, torch.randn(32, 6, generator=g), torch.randn(1024, 6, generator=g)
+    lp, uq, un = (
+        torch.randn(32, 1024, generator=g) * 4,
+        torch.randn(32, 6, generator=g),
+        torch.randn(1024, 6, generator=g),
+    )
     shift_p = lp.amax(1) + 0.5
     shift_q = torch.linalg.vector_norm(uq, dim=1) * torch.linalg.vector_norm(un, dim=1).max()
     sums = TileSums(compiled=True)
@@ -197,13 +216,17 @@ def test_compiled_tile_kernels_match_eager_and_dense():
     assert sums.compiled  # compilation worked (a failure would have switched the instance to eager)
     for got, want in zip(compiled, latent_sums(lp, uq, un, shift_p, shift_q, broadcast=False)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(sums.partition(lp, shift_p, full=True), partition_sum(lp, shift_p), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        sums.partition(lp, shift_p, full=True), partition_sum(lp, shift_p), rtol=1e-5, atol=1e-6
+    )
     assert sums.compiled
 
     zq, zd, lq, ld, cq, cd = _fused_case(np.random.default_rng(4), q=96, n=3000)
     for gen, mq, md in [(VonMises(4.0), lq, ld), (Labels(), cq, cd)]:
         ref = softmax_gap_dense(zq, zd, mq, md, gen, 0.07)
-        res = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=True)  # full + ragged tiles
+        res = softmax_gap(
+            zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=True
+        )  # full + ragged tiles
         _assert_close(res, ref)
         eager = softmax_gap(zq, zd, mq, md, gen, 0.07, block_q=32, block_n=1024, fused=False)
         np.testing.assert_allclose(res.kl, eager.kl, rtol=1e-5)

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
+from search_refs import Labels, VonMises, oracle
 
 from search.evaluation.k_law import KLawResult, LatentSampler, PoolSampler, k_law, k_law_summary, plot_k_law
-from search_refs import Labels, VonMises, oracle
 
 KS = (1, 4, 16, 64, 256, 1024)
 
@@ -29,7 +29,7 @@ def test_symmetry_identity_holds(oracle_law):
     """Plain MC risk == E[R H(q,p)] over marginal databases == E[H(q,p)] over databases with the positive."""
     r = oracle_law
     for other, se in ((r.risk_symmetric, r.risk_symmetric_se), (r.ce_with_positive, r.ce_with_positive_se)):
-        z = np.abs(r.risk - other) / np.sqrt(r.risk_se ** 2 + se ** 2)
+        z = np.abs(r.risk - other) / np.sqrt(r.risk_se**2 + se**2)
         assert np.all(z < 4.5), z
 
 
@@ -52,10 +52,13 @@ def test_pool_sampler_consistent():
     s = PoolSampler(oracle(qlat), qlat, oracle(dlat), dlat, VonMises(1.0), 0.5)
     np.testing.assert_allclose(np.exp(s.log_r).mean(1), 1.0, rtol=1e-10)  # E_pool r~ = 1
     r = k_law(s, ks=(2, 32), n_queries=3000, seed=0)
-    z = np.abs(r.risk - r.risk_symmetric) / np.sqrt(r.risk_se ** 2 + r.risk_symmetric_se ** 2)
+    z = np.abs(r.risk - r.risk_symmetric) / np.sqrt(r.risk_se**2 + r.risk_symmetric_se**2)
     assert np.all(z < 4.5)
-    lab = k_law(PoolSampler(oracle(qlat), np.arange(60) % 3, oracle(dlat), np.arange(800) % 3, Labels(), 0.5),
-                ks=(1, 64), n_queries=500)
+    lab = k_law(
+        PoolSampler(oracle(qlat), np.arange(60) % 3, oracle(dlat), np.arange(800) % 3, Labels(), 0.5),
+        ks=(1, 64),
+        n_queries=500,
+    )
     assert lab.undefined_fraction[0] > 0.3 and lab.undefined_fraction[1] == 0.0
 
 
@@ -66,7 +69,7 @@ def test_table_estimator_adds_up_and_matches_plain_risk(oracle_law):
     np.testing.assert_allclose(r.risk_est, r.ce_marginal + r.diff, rtol=1e-10, atol=1e-12)
     assert np.all(r.diff_se <= 1.001 * np.minimum(r.diff_plain_se, r.diff_cv_se))
     assert np.all((r.diff_weight >= 0) & (r.diff_weight <= 1))
-    z = np.abs(r.risk - r.risk_est) / np.sqrt(r.risk_se ** 2 + r.risk_est_se ** 2)
+    z = np.abs(r.risk - r.risk_est) / np.sqrt(r.risk_se**2 + r.risk_est_se**2)
     assert np.all(z < 4.5), z
     d = r.to_dict()
     assert "control variate" in d["estimator"] and d["summary"]["text"]
@@ -77,9 +80,19 @@ def test_summary_says_what_the_curve_shows(oracle_law):
     assert flat["flat"] and "flat at" in flat["text"] and flat["from_k"] == 64
     ks = np.array([1, 4, 16, 64, 256, 1024])
     grow = np.array([-0.5, -2.0, -6.0, -10.0, -14.0, -18.0])  # still growing, small se
-    fake = KLawResult(ks=ks, risk=ks * 0.0, risk_se=ks * 0.0, risk_symmetric=ks * 0.0, risk_symmetric_se=ks * 0.0,
-                      ce_marginal=ks * 0.0, ce_marginal_se=ks * 0.0, ce_with_positive=ks * 0.0,
-                      ce_with_positive_se=ks * 0.0, diff=grow / ks, diff_se=0.3 / ks)
+    fake = KLawResult(
+        ks=ks,
+        risk=ks * 0.0,
+        risk_se=ks * 0.0,
+        risk_symmetric=ks * 0.0,
+        risk_symmetric_se=ks * 0.0,
+        ce_marginal=ks * 0.0,
+        ce_marginal_se=ks * 0.0,
+        ce_with_positive=ks * 0.0,
+        ce_with_positive_se=ks * 0.0,
+        diff=grow / ks,
+        diff_se=0.3 / ks,
+    )
     s = k_law_summary(fake)
     assert not s["flat"] and "not flat" in s["text"] and "-18" in s["text"]
 

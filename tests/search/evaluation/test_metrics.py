@@ -1,11 +1,18 @@
 import numpy as np
 import pytest
+from search_refs import unit
 
 from search.evaluation.metrics import (
-    average_precision_at_k, bootstrap_ci, knn_accuracy, knn_search, n_relevant, precision_at_k,
-    hit_rate_at_k, relevance, retrieval_metrics,
+    average_precision_at_k,
+    bootstrap_ci,
+    hit_rate_at_k,
+    knn_accuracy,
+    knn_search,
+    n_relevant,
+    precision_at_k,
+    relevance,
+    retrieval_metrics,
 )
-from search_refs import unit
 
 RNG = np.random.default_rng(1)
 

@@ -1,5 +1,6 @@
 """Normality tests: statistics against direct formulas, and each test's level on simulated Gaussian data
 at the demo report's size (n = 512 queries, 64-d features of rank 62) within a binomial interval."""
+
 import math
 
 import numpy as np
@@ -7,7 +8,13 @@ import pytest
 from scipy import special, stats
 
 from search.evaluation.normality import (
-    coordinate_normality, gaussianity, mardia, mardia_null, norm_concentration, plot_qq, projection_normality,
+    coordinate_normality,
+    gaussianity,
+    mardia,
+    mardia_null,
+    norm_concentration,
+    plot_qq,
+    projection_normality,
     univariate_normality,
 )
 
@@ -63,7 +70,7 @@ def test_mardia_against_direct_formula(samples):
     s_inv = np.linalg.inv(xc.T @ xc / len(x))
     g = xc @ s_inv @ xc.T
     r = mardia(x, n_null=0)
-    assert r["skewness"] == pytest.approx(np.mean(g ** 3), rel=1e-9)
+    assert r["skewness"] == pytest.approx(np.mean(g**3), rel=1e-9)
     assert r["kurtosis"] == pytest.approx(np.mean(np.diag(g) ** 2), rel=1e-9)
     n, d = x.shape
     assert r["kurtosis_expected"] == pytest.approx(d * (d + 2) * (n - 1) / (n + 1))
@@ -84,7 +91,10 @@ def test_mardia_null_is_the_statistic_on_gaussian_samples():
     x = torch.randn((5, 40, 3), generator=gen, dtype=torch.float64).numpy()
     for i in range(5):
         r = mardia(x[i], n_null=0)
-        assert (r["skewness"], r["kurtosis"]) == (pytest.approx(b1[i], rel=1e-9), pytest.approx(b2[i], rel=1e-9))
+        assert (r["skewness"], r["kurtosis"]) == (
+            pytest.approx(b1[i], rel=1e-9),
+            pytest.approx(b2[i], rel=1e-9),
+        )
 
 
 def test_univariate_tests_hold_level_at_report_size():

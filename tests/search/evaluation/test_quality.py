@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -13,8 +12,14 @@ TINY = EncoderConfig(embed_dim=8, width=16, layers=1, heads=2, patch_size=8)
 
 def _ckpt(path, seed, tau):
     torch.manual_seed(seed)
-    return save_checkpoint(path, create_encoder(TINY), step=0, train_config={"seed": seed},
-                           lineage={"objective": "infonce"}, metrics={"temperature": tau})
+    return save_checkpoint(
+        path,
+        create_encoder(TINY),
+        step=0,
+        train_config={"seed": seed},
+        lineage={"objective": "infonce"},
+        metrics={"temperature": tau},
+    )
 
 
 @pytest.mark.slow
@@ -41,13 +46,21 @@ def test_quality_gate_in_build_index(tmp_path):
     # the gate's numbers equal an independent computation with each version's own encoder and tau
     for role, ck, tau in (("candidate", b, 0.1), ("serving", a, 0.2)):
         enc, _ = load_checkpoint(ck)
-        g = softmax_gap(embed(enc, queries, progress=False), embed(enc, db, progress=False), queries.latents,
-                        db.latents, db.default_generator(), tau).summary()
+        g = softmax_gap(
+            embed(enc, queries, progress=False),
+            embed(enc, db, progress=False),
+            queries.latents,
+            db.latents,
+            db.default_generator(),
+            tau,
+        ).summary()
         assert qg["gap"][role] == pytest.approx(g["kl"], rel=1e-5)
         assert qg[role] == pytest.approx(-g["kl"], rel=1e-5)
     assert qg["passed"] == (qg["candidate"] >= qg["serving"])
     # a version against itself: equal scores, ok
-    same = evaluate_version(store.load(v1, gpu=False), store.load(v1, gpu=False), queries, metric="recall_at_10")
+    same = evaluate_version(
+        store.load(v1, gpu=False), store.load(v1, gpu=False), queries, metric="recall_at_10"
+    )
     assert same["candidate"] == same["serving"] and same["ok"]
     assert 0.0 <= same["recall_at_10"]["candidate"] <= 1.0
 
@@ -77,12 +90,15 @@ def test_build_stores_calibrated_search_temperature(tmp_path):
 
     enc, _ = load_checkpoint(ck)
     zq, zdb = embed(enc, queries, progress=False), embed(enc, db, progress=False)
-    ref = calibrate_temperature(zq, zdb, queries.latents, db.latents, db.default_generator(), train_temperature=0.5)
+    ref = calibrate_temperature(
+        zq, zdb, queries.latents, db.latents, db.default_generator(), train_temperature=0.5
+    )
     # The minimiser of a flat objective is ill-conditioned (embedding round-off moves it a little);
     # the minimum value is not: both must agree.
     assert manifest.search_temperature == pytest.approx(ref.temperature, rel=0.05)
-    at_tau = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(),
-                         manifest.search_temperature).summary()["kl"]
+    at_tau = softmax_gap(
+        zq, zdb, queries.latents, db.latents, db.default_generator(), manifest.search_temperature
+    ).summary()["kl"]
     at_train = softmax_gap(zq, zdb, queries.latents, db.latents, db.default_generator(), 0.5).summary()["kl"]
     assert at_tau == pytest.approx(ref.gap_at_calibrated["kl"], rel=1e-4)
     assert at_tau < at_train and manifest.calibration["gap_at_calibrated"] == pytest.approx(at_tau, rel=1e-5)

@@ -1,12 +1,21 @@
 """Tail statistics: fits against scipy, the query bootstrap's coverage of a known xi on simulated data,
 the endpoint bound, the threshold choice and the Weibull-vs-Gumbel likelihoods."""
+
 import numpy as np
 import pytest
 from scipy import optimize, stats
 
 from search.evaluation.tail import (
-    choose_threshold, gpd_fit, gpd_threshold_fit, gpd_threshold_stability, plot_daic, plot_tail,
-    plot_threshold_stability, tail_diagnostics, weibull_gumbel, weibull_gumbel_mle,
+    choose_threshold,
+    gpd_fit,
+    gpd_threshold_fit,
+    gpd_threshold_stability,
+    plot_daic,
+    plot_tail,
+    plot_threshold_stability,
+    tail_diagnostics,
+    weibull_gumbel,
+    weibull_gumbel_mle,
 )
 
 
@@ -44,8 +53,14 @@ def _coverage(draw, xi_true, trials, n_queries, per_query, quantile=None, seed=0
         rng = np.random.default_rng(seed + t)
         s = draw(rng, (n_queries, per_query))
         u = 0.0 if quantile is None else float(np.quantile(s, quantile))
-        f = gpd_threshold_fit(s.ravel(), np.repeat(np.arange(n_queries), per_query), u,
-                              bound=np.inf if quantile is None else 1.0, n_boot=200, seed=t)
+        f = gpd_threshold_fit(
+            s.ravel(),
+            np.repeat(np.arange(n_queries), per_query),
+            u,
+            bound=np.inf if quantile is None else 1.0,
+            n_boot=200,
+            seed=t,
+        )
         hits.append(f["xi_low"] <= xi_true <= f["xi_high"])
     return float(np.mean(hits))
 
@@ -103,8 +118,9 @@ def test_constrained_fit_caps_the_endpoint():
     direct = stats.genpareto.logpdf(y, c["xi"][0], 0, c["sigma"][0]).sum()
     assert c["loglik"][0] == pytest.approx(direct, abs=1e-6)
     # here the optimum is on the boundary (endpoint = 0.9, sigma = -0.9 xi): scipy's bounded search over it agrees
-    best = optimize.minimize_scalar(lambda xi: -stats.genpareto.logpdf(y, xi, 0, -xi * 0.9).sum(),
-                                    bounds=(-1, -1e-6), method="bounded")
+    best = optimize.minimize_scalar(
+        lambda xi: -stats.genpareto.logpdf(y, xi, 0, -xi * 0.9).sum(), bounds=(-1, -1e-6), method="bounded"
+    )
     assert c["loglik"][0] >= -best.fun - 1e-6
 
 
@@ -112,7 +128,12 @@ def test_choose_threshold_rule():
     def fit(xi, lo, hi):
         return {"xi": xi, "xi_low": lo, "xi_high": hi, "alpha": 0.05}
 
-    stable = [fit(-0.30, -0.32, -0.28), fit(-0.45, -0.47, -0.43), fit(-0.46, -0.50, -0.42), fit(-0.44, -0.55, -0.35)]
+    stable = [
+        fit(-0.30, -0.32, -0.28),
+        fit(-0.45, -0.47, -0.43),
+        fit(-0.46, -0.50, -0.42),
+        fit(-0.44, -0.55, -0.35),
+    ]
     k, why = choose_threshold(stable)
     assert k == 1 and "2 higher" in why
     drifting = [fit(-0.3, -0.31, -0.29), fit(-0.4, -0.41, -0.39), fit(-0.5, -0.52, -0.48)]
@@ -140,13 +161,15 @@ def test_weibull_gumbel_mle_matches_scipy():
 
 def test_weibull_vs_gumbel_domains():
     rng = np.random.default_rng(0)
-    near_bound = 1 - rng.uniform(size=(200, 2000)) ** (1 / 3)   # F(delta) = delta^3: Weibull domain, beta 3
+    near_bound = 1 - rng.uniform(size=(200, 2000)) ** (1 / 3)  # F(delta) = delta^3: Weibull domain, beta 3
     w = weibull_gumbel(-np.sort(-near_bound, axis=1)[:, :33])
     assert 2.5 < w["beta_median"] < 3.5 and w["fraction_weibull"] > 0.8 and w["daic_median"] > 2
-    exp_tail = 0.3 + 0.03 * rng.exponential(size=(200, 2000))   # Gumbel domain, far below the bound
+    exp_tail = 0.3 + 0.03 * rng.exponential(size=(200, 2000))  # Gumbel domain, far below the bound
     g = weibull_gumbel(-np.sort(-exp_tail, axis=1)[:, :33])
     # the power law at a distant bound mimics the exponential: dAIC near 0, rarely decisive
-    assert abs(g["daic_mean"]) < 0.5 and g["fraction_weibull_decisive"] < 0.05 < w["fraction_weibull_decisive"]
+    assert (
+        abs(g["daic_mean"]) < 0.5 and g["fraction_weibull_decisive"] < 0.05 < w["fraction_weibull_decisive"]
+    )
     assert g["daic_median"] < w["daic_median"]
     with pytest.raises(ValueError, match="bound"):
         weibull_gumbel_mle(np.full((2, 5), 1.5))
@@ -180,10 +203,14 @@ def test_bundle_on_sphere_and_plots():
     z = rng.normal(size=(300, 8))
     z /= np.linalg.norm(z, axis=1, keepdims=True)
     neg = np.ones((40, 260), bool)
-    neg[:, :5] = False                                           # e.g. each query's positives
+    neg[:, :5] = False  # e.g. each query's positives
     t = tail_diagnostics(z[:40], z[40:], neg, top_m=16, n_boot=20)
     # on the sphere S^7 the similarity has endpoint 1: a bounded tail, xi < 0 at the chosen threshold
     assert t["gpd"]["chosen_xi"] < 0 and t["gpd"]["n_pairs"] == 40 * 255 and t["negatives_per_query"] == 255
     assert t["weibull_gumbel"]["m"] == 16
-    for png in (plot_threshold_stability(t["gpd"]), plot_tail(t), plot_daic(t["weibull_gumbel"]["daic_values"])):
+    for png in (
+        plot_threshold_stability(t["gpd"]),
+        plot_tail(t),
+        plot_daic(t["weibull_gumbel"]["daic_values"]),
+    ):
         assert png[:4] == b"\x89PNG"

@@ -2,6 +2,7 @@
 row (its error within 0.01 nats at the default settings), the same queries one at a time (the batch
 changes nothing), and over an HNSW version the served top-10 against brute force (recall) with `auto`
 choosing by its own measurement."""
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,9 @@ def setup():
     data = _clustered(20000, rng, centres)
     held_out = _clustered(150, rng, centres)
     uniform = rng.standard_normal((50, D)).astype(np.float32)
-    q = np.ascontiguousarray(np.concatenate([held_out, uniform / np.linalg.norm(uniform, axis=1, keepdims=True)]))
+    q = np.ascontiguousarray(
+        np.concatenate([held_out, uniform / np.linalg.norm(uniform, axis=1, keepdims=True)])
+    )
     index = faiss.IndexHNSWFlat(D, 16, faiss.METRIC_INNER_PRODUCT)
     index.add(data)
     index.hnsw.efSearch = 128
@@ -54,7 +57,7 @@ def test_default_bounded_is_within_a_hundredth_of_a_nat(setup, tau):
     assert err.max() <= 0.01, (tau, err.max(), np.argmax(err))
     assert np.all((got.lower <= ref) & (ref <= got.upper))
     sampled = ~got.exact_mask
-    assert sampled[:150].mean() >= 0.9, sampled[:150].mean()   # held-out cluster queries: the sample suffices
+    assert sampled[:150].mean() >= 0.9, sampled[:150].mean()  # held-out cluster queries: the sample suffices
     # (uniform directions at low tau: rare rows carry Z, the sample's se is too large, the pass answers)
     assert got.rows[sampled].mean() < 0.5 * len(data)
     # the stated standard error keeps its promise: the sampled answers' errors are at most a few se
@@ -70,7 +73,10 @@ def test_a_batch_answers_as_its_queries_alone(setup):
     taus = np.linspace(0.05, 0.3, len(q))
     cfg = NormaliserConfig("bounded", head_rows=256, samples=256, target_se=0.004, max_se=0.006)
     batch = bounded_log_normaliser(q, data, stats, taus, cfg, top)
-    alone = [bounded_log_normaliser(q[i:i + 1], data, stats, taus[i:i + 1], cfg, top[i:i + 1]) for i in range(len(q))]
+    alone = [
+        bounded_log_normaliser(q[i : i + 1], data, stats, taus[i : i + 1], cfg, top[i : i + 1])
+        for i in range(len(q))
+    ]
     np.testing.assert_allclose(batch.value, [a.value[0] for a in alone], rtol=0, atol=1e-5)
     np.testing.assert_allclose(batch.upper, [a.upper[0] for a in alone], rtol=0, atol=1e-5)
     np.testing.assert_array_equal(batch.rows, [a.rows[0] for a in alone])
@@ -86,7 +92,12 @@ def test_auto_over_an_index_below_the_recall_target_keeps_exact(setup):
     assert low.method == "exact" and low.probe is None
     high = Normaliser.for_version(data, setup["index"], cfg, stored=lambda: stats, index_recall=0.995)
     probe = high.describe()["probe"]
-    assert probe["exact_ms"] > 0 and probe["bounded_ms"] > 0 and probe["exact_ms_1"] > 0 and probe["bounded_ms_1"] > 0
+    assert (
+        probe["exact_ms"] > 0
+        and probe["bounded_ms"] > 0
+        and probe["exact_ms_1"] > 0
+        and probe["bounded_ms_1"] > 0
+    )
     cheaper = probe["bounded_ms"] + probe["bounded_ms_1"] < probe["exact_ms"] + probe["exact_ms_1"]
     assert high.method == probe["chosen"] == ("bounded" if cheaper else "exact")
     described = high.describe()
@@ -106,8 +117,11 @@ def test_hnsw_version_served_bounded_recall_and_log_z(setup, tmp_path):
     np.save(vec, data)
     # tuned on stored rows (own row left out), which HNSW finds more easily than new queries: 0.99 there
     # served ~0.984 on these held-out ones, so the build aims at 0.999 to serve >= 0.99
-    build_from_vectors(vec, tmp_path / "store", BuildOptions(kind="hnsw", params={"M": 16}, target_recall=0.999,
-                                                          progress=False))
+    build_from_vectors(
+        vec,
+        tmp_path / "store",
+        BuildOptions(kind="hnsw", params={"M": 16}, target_recall=0.999, progress=False),
+    )
     snap = Searcher(tmp_path / "store", normaliser="bounded", load=True).snapshot()
     ans = snap.search(q, 10)
     s = q.astype(np.float64) @ data.astype(np.float64).T

@@ -1,4 +1,5 @@
 """cut_and_page against a brute-force rule applied hit by hit (seeded random cases)."""
+
 import numpy as np
 import pytest
 
@@ -38,6 +39,6 @@ def test_matches_brute_force(seed):
 def test_mass_one_keeps_everything_and_bad_input_is_refused():
     p = np.array([0.5, 0.3, 0.2])
     assert cut_and_page(p, 10, mass=1.0, fetched_all=True).n_passed == 3
-    assert cut_and_page(p, 10, mass=0.5).n_passed == 1        # the first hit alone reaches 0.5
+    assert cut_and_page(p, 10, mass=0.5).n_passed == 1  # the first hit alone reaches 0.5
     with pytest.raises(ValueError):
         cut_and_page(p[::-1], 3)

@@ -1,4 +1,5 @@
 """The one-pass exact scan: log Z and the top-k of a batch against float64 brute force and the old path."""
+
 from __future__ import annotations
 
 import faiss
@@ -35,7 +36,7 @@ def _brute(emb: np.ndarray, queries: np.ndarray, taus: np.ndarray, k: int):
 @pytest.mark.parametrize("block", [256, 1000, 8192])
 def test_log_z_and_top_k_match_brute_force(data, block):
     emb, queries = data
-    taus = np.array([0.02, 0.05, 0.1, 0.3, 1.0, 5.0] * 2)   # low tau: logits up to 50, no overflow
+    taus = np.array([0.02, 0.05, 0.1, 0.3, 1.0, 5.0] * 2)  # low tau: logits up to 50, no overflow
     result = ExactScanner(emb, block=block)(queries, taus, 25)
     log_z, s, order = _brute(emb, queries, taus, 25)
     np.testing.assert_allclose(result.log_z, log_z, rtol=0, atol=1e-6 / taus.min() * 0.1 + 1e-6)
@@ -43,8 +44,8 @@ def test_log_z_and_top_k_match_brute_force(data, block):
     # the rows found have exactly the k best similarities (near-ties may swap rows, never values)
     got = np.take_along_axis(s, result.rows, axis=1)
     np.testing.assert_allclose(got, np.take_along_axis(s, order, axis=1), rtol=0, atol=1e-6)
-    assert (np.diff(got, axis=1) <= 1e-6).all()     # best first
-    assert (result.rows == order).mean() > 0.95      # and, away from near-ties, the same rows
+    assert (np.diff(got, axis=1) <= 1e-6).all()  # best first
+    assert (result.rows == order).mean() > 0.95  # and, away from near-ties, the same rows
 
 
 def test_matches_the_per_query_path(data):
@@ -55,9 +56,9 @@ def test_matches_the_per_query_path(data):
     index = faiss.IndexFlatIP(emb.shape[1])
     index.add(emb)
     for i in range(len(queries)):
-        one = ExactScanner(emb)(queries[i:i + 1], taus[i:i + 1], 10)
-        old = log_normaliser(queries[i:i + 1], emb, taus[i:i + 1])
-        _, rows = index.search(queries[i:i + 1], 10)
+        one = ExactScanner(emb)(queries[i : i + 1], taus[i : i + 1], 10)
+        old = log_normaliser(queries[i : i + 1], emb, taus[i : i + 1])
+        _, rows = index.search(queries[i : i + 1], 10)
         assert abs(batch.log_z[i] - old[0]) < 1e-6 and abs(one.log_z[0] - old[0]) < 1e-6
         assert batch.rows[i].tolist() == one.rows[0].tolist() == rows[0].tolist()
 
@@ -65,7 +66,7 @@ def test_matches_the_per_query_path(data):
 def test_ties_prefer_the_lower_row_and_k_is_clipped():
     rng = np.random.default_rng(0)
     base = _unit(rng.standard_normal((5, 16)))
-    emb = np.concatenate([base, base, base])             # rows r, r + 5, r + 10 are equal
+    emb = np.concatenate([base, base, base])  # rows r, r + 5, r + 10 are equal
     result = ExactScanner(emb, block=4)(base[:2], np.array([0.1, 0.1]), 100)
     assert result.rows.shape == (2, 15)
     assert result.rows[0, :3].tolist() == [0, 5, 10] and result.rows[1, :3].tolist() == [1, 6, 11]
@@ -82,7 +83,9 @@ def test_memory_mapped_rows_read_only(tmp_path, data):
         got = ExactScanner(mapped, release=release, block=512)(queries[:3], taus, 5)
         ref = ExactScanner(emb)(queries[:3], taus, 5)
         assert got.rows.tolist() == ref.rows.tolist()
-        np.testing.assert_allclose(got.log_z, ref.log_z, rtol=0, atol=1e-8)   # float32 products: same to ~1 ulp
+        np.testing.assert_allclose(
+            got.log_z, ref.log_z, rtol=0, atol=1e-8
+        )  # float32 products: same to ~1 ulp
 
 
 def test_two_or_three_queries_are_padded_without_changing_answers(data):
@@ -92,6 +95,6 @@ def test_two_or_three_queries_are_padded_without_changing_answers(data):
         got = ExactScanner(emb, block=700)(queries[:n], taus[:n], 7)
         assert got.log_z.shape == (n,) and got.rows.shape == (n, 7)
         for i in range(n):
-            one = ExactScanner(emb, block=700)(queries[i:i + 1], taus[i:i + 1], 7)
+            one = ExactScanner(emb, block=700)(queries[i : i + 1], taus[i : i + 1], 7)
             assert got.rows[i].tolist() == one.rows[0].tolist()
-            assert abs(got.log_z[i] - one.log_z[0]) < 3e-6   # float32 products of another shape: ~1 ulp / tau
+            assert abs(got.log_z[i] - one.log_z[0]) < 3e-6  # float32 products of another shape: ~1 ulp / tau

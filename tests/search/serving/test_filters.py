@@ -1,5 +1,6 @@
 """The filter language (search/serving/filters.py) against a plain-Python evaluator, and filtered
 search (SearchSnapshot.search with a mask) against brute force over the subset."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,14 +60,16 @@ def _reference(spec, values: dict) -> bool:
 
 
 def _random_filter(rng, depth=0):
-    leaves = [lambda: {"class": str(rng.choice(["apps", "food", "animals", "none"]))},
-              lambda: {"class": {"in": list(rng.choice(["apps", "food", "animals"], size=2, replace=False))}},
-              lambda: {"path": {"prefix": str(rng.choice(["a", "ab", "b/", ""]))}},
-              lambda: {"size": {str(rng.choice(["gt", "gte", "lt", "lte"])): int(rng.integers(0, 100))}},
-              lambda: {"size": {"gte": 20, "lt": 60}},
-              lambda: {"score": {"lt": float(rng.normal())}},
-              lambda: {"ok": bool(rng.random() > 0.5)},
-              lambda: {"size": int(rng.integers(0, 100))}]
+    leaves = [
+        lambda: {"class": str(rng.choice(["apps", "food", "animals", "none"]))},
+        lambda: {"class": {"in": list(rng.choice(["apps", "food", "animals"], size=2, replace=False))}},
+        lambda: {"path": {"prefix": str(rng.choice(["a", "ab", "b/", ""]))}},
+        lambda: {"size": {str(rng.choice(["gt", "gte", "lt", "lte"])): int(rng.integers(0, 100))}},
+        lambda: {"size": {"gte": 20, "lt": 60}},
+        lambda: {"score": {"lt": float(rng.normal())}},
+        lambda: {"ok": bool(rng.random() > 0.5)},
+        lambda: {"size": int(rng.integers(0, 100))},
+    ]
     if depth < 2 and rng.random() < 0.5:
         op = str(rng.choice(["and", "or", "not"]))
         if op == "not":
@@ -86,22 +89,25 @@ def test_random_filters_equal_the_item_by_item_reference():
         ref = np.array([_reference(spec, meta.items[i]) for i in ids])
         np.testing.assert_array_equal(mask, ref, err_msg=str(spec))
         nonempty += 0 < ref.sum() < len(ids)
-    assert nonempty > 100   # the random filters select proper subsets, not only all or nothing
+    assert nonempty > 100  # the random filters select proper subsets, not only all or nothing
 
 
-@pytest.mark.parametrize("spec, field, needle", [
-    ({"colour": "red"}, "colour", "unknown field 'colour'"),
-    ({"class": 3}, "class", "field 'class' is str; got 3"),
-    ({"size": "big"}, "size", "field 'size' is int"),
-    ({"class": {"gt": "a"}}, "class", "ranges need a numeric field"),
-    ({"size": {"prefix": "1"}}, "size", "prefix needs a string field"),
-    ({"size": {"near": 3}}, "size", "unknown operator 'near'"),
-    ({"class": {"in": []}}, "class", "must be a list"),
-    ({"or": {"class": "a"}}, None, "must be a non-empty list"),
-    ({}, None, "non-empty JSON object"),
-    ("{not json", None, "not JSON"),
-    ({"ok": 1}, "ok", "field 'ok' is bool"),
-])
+@pytest.mark.parametrize(
+    "spec, field, needle",
+    [
+        ({"colour": "red"}, "colour", "unknown field 'colour'"),
+        ({"class": 3}, "class", "field 'class' is str; got 3"),
+        ({"size": "big"}, "size", "field 'size' is int"),
+        ({"class": {"gt": "a"}}, "class", "ranges need a numeric field"),
+        ({"size": {"prefix": "1"}}, "size", "prefix needs a string field"),
+        ({"size": {"near": 3}}, "size", "unknown operator 'near'"),
+        ({"class": {"in": []}}, "class", "must be a list"),
+        ({"or": {"class": "a"}}, None, "must be a non-empty list"),
+        ({}, None, "non-empty JSON object"),
+        ("{not json", None, "not JSON"),
+        ({"ok": 1}, "ok", "field 'ok' is bool"),
+    ],
+)
 def test_bad_filters_name_the_field(spec, field, needle):
     with pytest.raises(FilterError, match=needle) as err:
         parse_filter(spec, TYPES)
@@ -126,6 +132,7 @@ def test_the_text_depth_is_the_decoded_depth():
     """The bracket count run before json.loads agrees with the depth of what json.loads returns, strings
     (brackets and escaped quotes inside them) left out."""
     from search.serving.filters import filter_depth, text_depth
+
     rng = np.random.default_rng(3)
 
     def random_json(level):
@@ -133,22 +140,28 @@ def test_the_text_depth_is_the_decoded_depth():
         if pick <= 1:
             return [random_json(level + 1) for _ in range(rng.integers(0, 3))]
         if pick <= 3:
-            return {str(rng.choice(["a", "[", '"{', "\\]"])) + str(i): random_json(level + 1)
-                    for i in range(rng.integers(0, 3))}
+            return {
+                str(rng.choice(["a", "[", '"{', "\\]"])) + str(i): random_json(level + 1)
+                for i in range(rng.integers(0, 3))
+            }
         return str(rng.choice(["x", "[[[", '\\"}', "{", 3, None]))
+
     for _ in range(300):
         value = random_json(0)
         text = __import__("json").dumps(value)
         assert text_depth(text) == _true_depth(value) == filter_depth(value), text
 
 
-@pytest.mark.parametrize("spec, needle", [
-    ({"size": {"gte": 10 ** 400}}, "out of range"),
-    ({"score": -(10 ** 309)}, "out of range"),
-    ({"size": {"in": [1, 2 ** 1024]}}, "out of range"),
-    ({"score": float("nan")}, "field 'score' is float; got NaN"),
-    ({"score": {"lt": float("inf")}}, "got Infinity"),
-])
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ({"size": {"gte": 10**400}}, "out of range"),
+        ({"score": -(10**309)}, "out of range"),
+        ({"size": {"in": [1, 2**1024]}}, "out of range"),
+        ({"score": float("nan")}, "field 'score' is float; got NaN"),
+        ({"score": {"lt": float("inf")}}, "got Infinity"),
+    ],
+)
 def test_numbers_beyond_float64_are_refused_by_name(spec, needle):
     with pytest.raises(FilterError, match=needle) as err:
         parse_filter(spec, TYPES)
@@ -158,9 +171,10 @@ def test_numbers_beyond_float64_are_refused_by_name(spec, needle):
 
 def test_the_largest_float64_compares_and_a_long_in_list_costs_no_memory():
     import sys
+
     ids, meta = _metadata(200, 0)
     cols = MetadataColumns.build(meta, ids)
-    biggest = int(sys.float_info.max)          # exactly representable: accepted, compared as itself
+    biggest = int(sys.float_info.max)  # exactly representable: accepted, compared as itself
     has_size = np.array(["size" in meta.items[i] for i in ids])
     np.testing.assert_array_equal(parse_filter({"size": {"lt": biggest}}, TYPES).mask(cols), has_size)
     assert not parse_filter({"size": {"gt": biggest}}, TYPES).mask(cols).any()
@@ -173,6 +187,7 @@ def test_the_largest_float64_compares_and_a_long_in_list_costs_no_memory():
 
 def test_nesting_deeper_than_a_valid_filter_is_refused_before_decoding():
     from search.serving.filters import MAX_DEPTH, FilterTooDeep
+
     for text in ("[" * 100_000, '{"not":' * 2000 + '{"ok": true}' + "}" * 2000):
         with pytest.raises(FilterTooDeep) as err:
             parse_filter(text, TYPES)

@@ -1,4 +1,5 @@
 """InferenceEncoder (the serving forward: ONNX Runtime, TorchScript) against the eager encoder it copies."""
+
 from __future__ import annotations
 
 import builtins
@@ -15,8 +16,16 @@ from training.encoder import EncoderConfig, create_encoder, embed
 TOWERS = {
     "vit": dict(image_size=32, width=32, layers=2, heads=2, patch_size=8, embed_dim=16),
     "resnet": dict(image_size=32, width=32, layers=(1, 1, 1, 1), heads=4, embed_dim=24),
-    "vit-renormalised": dict(image_size=16, width=32, layers=1, heads=2, patch_size=4, embed_dim=8,
-                             image_mean=(0.4, 0.45, 0.5), image_std=(0.2, 0.25, 0.3)),
+    "vit-renormalised": dict(
+        image_size=16,
+        width=32,
+        layers=1,
+        heads=2,
+        patch_size=4,
+        embed_dim=8,
+        image_mean=(0.4, 0.45, 0.5),
+        image_std=(0.2, 0.25, 0.3),
+    ),
 }
 
 
@@ -87,7 +96,7 @@ def test_eager_when_not_optimised_or_tracing_fails(monkeypatch):
 
 
 def test_copy_refused_when_it_disagrees(monkeypatch):
-    monkeypatch.setattr(inference, "PROBE_TOL", -1.0)   # no copy can be within a negative tolerance
+    monkeypatch.setattr(inference, "PROBE_TOL", -1.0)  # no copy can be within a negative tolerance
     enc = _encoder("resnet")
     fast = InferenceEncoder(enc)
     assert fast.kind == "eager"

@@ -1,5 +1,6 @@
 """search/serving/normaliser.py against independent computations: float64 dense logsumexp over every row,
 per-list moments by plain numpy, the Bennett inequality on explicit laws, and coverage counts."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,15 @@ import pytest
 from scipy.special import logsumexp
 from scipy.stats import binom
 
-from search.serving.normaliser import (ListStats, Normaliser, NormaliserConfig, bennett_log_bound, bounded_log_normaliser,
-                               choose_method, log_normaliser)
+from search.serving.normaliser import (
+    ListStats,
+    Normaliser,
+    NormaliserConfig,
+    bennett_log_bound,
+    bounded_log_normaliser,
+    choose_method,
+    log_normaliser,
+)
 
 D = 32
 
@@ -37,8 +45,11 @@ def _dense_log_z(q: np.ndarray, e: np.ndarray, taus: np.ndarray) -> np.ndarray:
 
 def _ivf(data: np.ndarray, nlist: int, pq: bool = False) -> faiss.Index:
     quant = faiss.IndexFlatIP(D)
-    index = (faiss.IndexIVFPQ(quant, D, nlist, 8, 6, faiss.METRIC_INNER_PRODUCT) if pq
-             else faiss.IndexIVFFlat(quant, D, nlist, faiss.METRIC_INNER_PRODUCT))
+    index = (
+        faiss.IndexIVFPQ(quant, D, nlist, 8, 6, faiss.METRIC_INNER_PRODUCT)
+        if pq
+        else faiss.IndexIVFFlat(quant, D, nlist, faiss.METRIC_INNER_PRODUCT)
+    )
     index.train(data)
     index.add(data)
     return index
@@ -72,12 +83,12 @@ def test_bennett_bound_holds_on_explicit_laws_and_is_attained(rng):
     for _ in range(2000):
         m = int(rng.integers(2, 60))
         t = rng.standard_normal(m) * rng.uniform(0.01, 5) + rng.standard_exponential(m) * rng.uniform(0, 3)
-        t -= t.mean()                                      # mean exactly 0
-        b = t.max() * rng.uniform(1.0, 1.5)                # any b >= max t
-        v = np.mean(t * t) * rng.uniform(1.0, 2.0)         # any v >= mean t^2
+        t -= t.mean()  # mean exactly 0
+        b = t.max() * rng.uniform(1.0, 1.5)  # any b >= max t
+        v = np.mean(t * t) * rng.uniform(1.0, 2.0)  # any v >= mean t^2
         bound = bennett_log_bound(b, v)
         assert math.log(np.mean(np.exp(t))) <= bound + 1e-12
-        assert bound >= 0.0                                 # Jensen: mean exp(t) >= 1
+        assert bound >= 0.0  # Jensen: mean exp(t) >= 1
     # the two-point law on {-v/b, b} attains it; v = b^2 gives cosh(b)
     for b, v in [(0.3, 0.02), (2.0, 1.0), (8.0, 3.0), (40.0, 100.0)]:
         pb = v / (b * b + v)
@@ -85,7 +96,7 @@ def test_bennett_bound_holds_on_explicit_laws_and_is_attained(rng):
         assert bennett_log_bound(b, v) == pytest.approx(attained, rel=1e-12)
     assert bennett_log_bound(3.0, 9.0) == pytest.approx(math.log(math.cosh(3.0)), rel=1e-12)
     assert bennett_log_bound(0.0, 0.0) == 0.0 and bennett_log_bound(5.0, 0.0) == 0.0
-    assert np.isfinite(bennett_log_bound(5000.0, 1e6))     # b = R / tau at tau = 1e-4 stays finite
+    assert np.isfinite(bennett_log_bound(5000.0, 1e6))  # b = R / tau at tau = 1e-4 stays finite
 
 
 # ----------------------------------------------------------------------------- list statistics
@@ -96,10 +107,10 @@ def test_ivf_list_statistics_match_numpy_per_list(data, pq):
     index = _ivf(data, 32, pq=pq)
     stats = ListStats.build(data, index, chunk_rows=1000)  # several chunks of whole lists
     assert "IVF" in stats.source and stats.lists == 32
-    _, assign = index.quantizer.search(data, 1)           # the IVF's own assignment of every row
+    _, assign = index.quantizer.search(data, 1)  # the IVF's own assignment of every row
     assert sorted(stats.order.tolist()) == list(range(len(data)))
     for l in range(stats.lists):
-        rows = np.sort(stats.order[stats.offsets[l]:stats.offsets[l + 1]])
+        rows = np.sort(stats.order[stats.offsets[l] : stats.offsets[l + 1]])
         np.testing.assert_array_equal(rows, np.flatnonzero(assign[:, 0] == l))
         if len(rows) == 0:
             continue
@@ -130,15 +141,18 @@ def test_kmeans_partition_for_a_flat_index_and_save_load(data, tmp_path):
 
 @pytest.mark.parametrize("partition", ["ivf-flat", "ivf-pq", "kmeans"])
 def test_deterministic_bound_always_contains_exact(data, partition, rng):
-    index = {"ivf-flat": lambda: _ivf(data, 64), "ivf-pq": lambda: _ivf(data, 64, pq=True),
-             "kmeans": lambda: None}[partition]()
+    index = {
+        "ivf-flat": lambda: _ivf(data, 64),
+        "ivf-pq": lambda: _ivf(data, 64, pq=True),
+        "kmeans": lambda: None,
+    }[partition]()
     stats = ListStats.build(data, index, lists=80)
     q = _queries(data, rng, 200)
     checked = 0
     for tau in (0.005, 0.02, 0.05, 0.1, 0.3, 1.0, 3.0):
         taus = np.full(len(q), tau)
         ref = _dense_log_z(q, data, taus)
-        f32 = log_normaliser(q, data, taus)              # what `exact` serves (float32 products)
+        f32 = log_normaliser(q, data, taus)  # what `exact` serves (float32 products)
         for head, samples in ((0, 64), (300, 256), (3000, 64)):
             got = bounded_log_normaliser(q, data, stats, taus, NormaliserConfig("bounded", head, samples))
             assert np.all(got.lower <= ref) and np.all(ref <= got.upper), (tau, head)
@@ -157,8 +171,8 @@ def test_scanning_every_list_is_exact_and_tight(data, stats_ivf, rng):
     got = bounded_log_normaliser(q, data, stats_ivf, taus, NormaliserConfig("bounded", head_rows=len(data)))
     ref = _dense_log_z(q, data, taus)
     np.testing.assert_allclose(got.value, ref, rtol=0, atol=1e-5)
-    assert np.all(np.isnan(got.interval_lower))          # nothing sampled
-    assert np.all(got.upper - got.lower < 2e-3 / taus)   # only the float32 rounding slack remains
+    assert np.all(np.isnan(got.interval_lower))  # nothing sampled
+    assert np.all(got.upper - got.lower < 2e-3 / taus)  # only the float32 rounding slack remains
     assert np.all(got.rows == len(data))
 
 
@@ -183,8 +197,17 @@ def test_sampled_interval_covers_at_its_stated_level(data, stats_ivf, control):
     q = _queries(data, rng, 1500)
     taus = rng.uniform(0.1, 0.5, len(q))
     level = 0.9
-    cfg = NormaliserConfig("bounded", 200, 1024, level=level, top_rows=20, max_se=0.05, target_se=0.0125,
-                           max_samples=32768, control_variate=control)
+    cfg = NormaliserConfig(
+        "bounded",
+        200,
+        1024,
+        level=level,
+        top_rows=20,
+        max_se=0.05,
+        target_se=0.0125,
+        max_samples=32768,
+        control_variate=control,
+    )
     got = bounded_log_normaliser(q, data, stats_ivf, taus, cfg, _top_rows(data, q, 20))
     ref = _dense_log_z(q, data, taus)
     sampled = ~got.exact_mask
@@ -205,8 +228,9 @@ def test_sampled_interval_covers_at_its_stated_level(data, stats_ivf, control):
 def test_estimate_and_top10_probabilities_vs_exact(data, stats_ivf, rng):
     q = _queries(data, rng, 300)
     taus = np.full(len(q), 0.1)
-    got = bounded_log_normaliser(q, data, stats_ivf, taus, NormaliserConfig("bounded", 1000, 2048),
-                                 _top_rows(data, q, 100))
+    got = bounded_log_normaliser(
+        q, data, stats_ivf, taus, NormaliserConfig("bounded", 1000, 2048), _top_rows(data, q, 100)
+    )
     ref = _dense_log_z(q, data, taus)
     err = np.abs(got.value - ref)
     assert np.median(err) < 0.01 and err.max() < 0.1
@@ -215,7 +239,9 @@ def test_estimate_and_top10_probabilities_vs_exact(data, stats_ivf, rng):
     st = np.take_along_axis(s, top, 1) / taus[:, None]
     p_exact = np.exp(st - ref[:, None])
     p_est = np.exp(st - got.value[:, None])
-    assert np.all(np.exp(st - got.upper[:, None]) <= p_exact) and np.all(p_exact <= np.exp(st - got.lower[:, None]))
+    assert np.all(np.exp(st - got.upper[:, None]) <= p_exact) and np.all(
+        p_exact <= np.exp(st - got.lower[:, None])
+    )
     np.testing.assert_allclose(p_est, p_exact, rtol=0.1)
     assert np.median(np.abs(p_est / p_exact - 1)) < 0.01
 
@@ -234,7 +260,7 @@ def test_two_stage_sample_reaches_its_target_se(data, stats_ivf):
     b = bounded_log_normaliser(q, data, stats_ivf, taus, two, top)
     width_a = np.median(a.interval_upper - a.interval_lower)
     width_b = np.median(b.interval_upper - b.interval_lower)
-    assert width_a > 4 * 1.96 * 0.005 and width_b < 2.6 * 1.96 * 0.005   # pilot too wide; fresh ~ target
+    assert width_a > 4 * 1.96 * 0.005 and width_b < 2.6 * 1.96 * 0.005  # pilot too wide; fresh ~ target
     assert np.median(np.abs(b.value - ref)) < 0.5 * np.median(np.abs(a.value - ref))
     assert b.rows.mean() > a.rows.mean() + 1000
     covered = (b.interval_lower <= ref) & (ref <= b.interval_upper)
@@ -264,7 +290,7 @@ def test_same_query_same_answer_and_reads_few_rows(data, stats_ivf, rng):
     cfg = NormaliserConfig("bounded", 300, 500, max_se=1.0, max_samples=500)  # one stage, never falls back
     a = bounded_log_normaliser(q, data, stats_ivf, taus, cfg)
     b = bounded_log_normaliser(q[::-1].copy(), data, stats_ivf, taus, cfg)
-    np.testing.assert_array_equal(a.value, b.value[::-1])   # seeded by the query, not by batch position
+    np.testing.assert_array_equal(a.value, b.value[::-1])  # seeded by the query, not by batch position
     assert np.all(a.rows < 0.2 * len(data))
 
 
@@ -289,13 +315,16 @@ def test_auto_times_both_methods_where_the_size_leaves_it_open(data, stats_ivf):
     """Within AUTO_PROBE_FACTOR x exact_max_macs, a version with stored list statistics gets whichever
     method a timing at load finds cheaper; its answers are those of the method chosen."""
     n, d = data.shape
-    cfg = NormaliserConfig("auto", exact_max_macs=n * d // 2)     # the size rule alone would say bounded
+    cfg = NormaliserConfig("auto", exact_max_macs=n * d // 2)  # the size rule alone would say bounded
     norm = Normaliser.for_version(data, None, cfg, stored=lambda: stats_ivf)
     probe = norm.describe()["probe"]
     assert probe["queries"] == 8 and probe["exact_ms"] > 0 and probe["bounded_ms"] > 0
-    exact_cost = probe["exact_ms"] + probe["exact_ms_1"]        # a batch of 8 and a query alone, per query
-    assert norm.method == probe["chosen"] == ("exact" if exact_cost <= probe["bounded_ms"] + probe["bounded_ms_1"]
-                                              else "bounded")
+    exact_cost = probe["exact_ms"] + probe["exact_ms_1"]  # a batch of 8 and a query alone, per query
+    assert (
+        norm.method
+        == probe["chosen"]
+        == ("exact" if exact_cost <= probe["bounded_ms"] + probe["bounded_ms_1"] else "bounded")
+    )
     assert (norm.stats is stats_ivf) == (norm.method == "bounded")
     q = data[:5]
     taus = np.full(5, 0.1)
@@ -303,10 +332,11 @@ def test_auto_times_both_methods_where_the_size_leaves_it_open(data, stats_ivf):
     exact = log_normaliser(q, data, taus)
     assert np.all(got.lower - 1e-9 <= exact) and np.all(exact <= got.upper + 1e-9)
     # outside the window, or without stored statistics or the probe, the size rule decides untimed
-    for config, stored, method in [(NormaliserConfig("auto", exact_max_macs=n * d // 100), lambda: stats_ivf, "bounded"),
-                                   (NormaliserConfig("auto", probe=False), lambda: stats_ivf, "exact"),
-                                   (NormaliserConfig("auto", head_rows=n, exact_max_macs=n * d // 2), lambda: stats_ivf,
-                                    "bounded"),
-                                   (NormaliserConfig("auto"), None, "exact")]:
+    for config, stored, method in [
+        (NormaliserConfig("auto", exact_max_macs=n * d // 100), lambda: stats_ivf, "bounded"),
+        (NormaliserConfig("auto", probe=False), lambda: stats_ivf, "exact"),
+        (NormaliserConfig("auto", head_rows=n, exact_max_macs=n * d // 2), lambda: stats_ivf, "bounded"),
+        (NormaliserConfig("auto"), None, "exact"),
+    ]:
         norm = Normaliser.for_version(data, None, config, stored=stored)
         assert norm.method == method and norm.probe is None and "probe" not in norm.describe()

@@ -1,6 +1,7 @@
 """search/serving/normaliser.py releases the pages of a memory-mapped embeddings file it has read
 (`release_pages`, madvise MADV_DONTNEED): the mapping's resident size in /proc/self/smaps stays
 below a block after an exact or bounded log Z, and the values equal the in-RAM computation."""
+
 from __future__ import annotations
 
 import math
@@ -10,15 +11,23 @@ import faiss
 import numpy as np
 import pytest
 
-from search.serving.normaliser import (ListStats, NormaliserConfig, bounded_log_normaliser, log_normaliser, release_pages,
-                               releasable)
+from search.serving.normaliser import (
+    ListStats,
+    NormaliserConfig,
+    bounded_log_normaliser,
+    log_normaliser,
+    releasable,
+    release_pages,
+)
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").is_file(),
-                                reason="needs /proc/self/smaps (Linux) to read a mapping's resident pages")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/smaps").is_file(),
+    reason="needs /proc/self/smaps (Linux) to read a mapping's resident pages",
+)
 
 D = 128
-N = 16384                      # 8 MiB of float32 rows
-BLOCK = 1024                   # 512 KiB per block of the exact scan
+N = 16384  # 8 MiB of float32 rows
+BLOCK = 1024  # 512 KiB per block of the exact scan
 PAGE = 4096
 
 
@@ -48,19 +57,19 @@ def mapped(tmp_path):
 
 def test_exact_scan_leaves_at_most_one_block_mapped(mapped):
     x, mm = mapped
-    assert releasable(mm) and not releasable(x) and not release_pages(x)     # in RAM: nothing to release
+    assert releasable(mm) and not releasable(x) and not release_pages(x)  # in RAM: nothing to release
     q = x[:4] + 0.1
     taus = np.array([0.05, 0.1, 0.5, 1.0])
-    touched = float(np.asarray(mm).sum())                                     # read every page
-    assert math.isfinite(touched) and mapping_rss(mm) >= 0.9 * x.nbytes       # what the scan used to leave
+    touched = float(np.asarray(mm).sum())  # read every page
+    assert math.isfinite(touched) and mapping_rss(mm) >= 0.9 * x.nbytes  # what the scan used to leave
     got = log_normaliser(q, mm, taus, block=BLOCK)
     assert mapping_rss(mm) <= BLOCK * D * 4 + 2 * PAGE
     np.testing.assert_array_equal(got, log_normaliser(q, x, taus, block=BLOCK))  # same blocks, same floats
-    kept = log_normaliser(q, mm, taus, block=BLOCK, release=False)            # the switch the bench measures
+    kept = log_normaliser(q, mm, taus, block=BLOCK, release=False)  # the switch the bench measures
     assert mapping_rss(mm) >= 0.9 * x.nbytes
     np.testing.assert_array_equal(kept, got)
     assert release_pages(mm, 100, 200) and mapping_rss(mm) <= x.nbytes - 100 * D * 4 + 2 * PAGE
-    one = log_normaliser(q, mm[:BLOCK], taus)                                # the one-block path
+    one = log_normaliser(q, mm[:BLOCK], taus)  # the one-block path
     np.testing.assert_array_equal(one, log_normaliser(q, x[:BLOCK], taus))
 
 
@@ -81,7 +90,7 @@ def test_bounded_reads_leave_no_rows_mapped(mapped):
     for name in ("value", "lower", "upper", "interval_lower", "interval_upper", "rows"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name))
     bounded_log_normaliser(q, mm, stats, taus, cfg, release=False)
-    assert mapping_rss(mm) > 100 * PAGE                                       # the rows it read, left mapped
+    assert mapping_rss(mm) > 100 * PAGE  # the rows it read, left mapped
 
 
 def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
@@ -100,9 +109,11 @@ def test_a_gather_never_maps_more_than_about_one_stretch(mapped, monkeypatch):
 
     release_pages(mm)
     monkeypatch.setattr(normaliser, "release_bytes", watched)
-    span = 2 << 20                                                            # 2 MiB stretches of an 8 MiB file
+    span = 2 << 20  # 2 MiB stretches of an 8 MiB file
     got = normaliser._gather(mm, rows, release=True, span_bytes=span)
     np.testing.assert_array_equal(got, x[rows])
-    assert len(seen) in (4, 5) and max(seen) <= 2 * span + PAGE and mapping_rss(mm) <= 2 * PAGE  # (folios may straddle)
-    normaliser._gather(mm, rows)                                              # no release: the rows stay mapped
+    assert (
+        len(seen) in (4, 5) and max(seen) <= 2 * span + PAGE and mapping_rss(mm) <= 2 * PAGE
+    )  # (folios may straddle)
+    normaliser._gather(mm, rows)  # no release: the rows stay mapped
     assert mapping_rss(mm) >= x.nbytes // 2

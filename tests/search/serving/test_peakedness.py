@@ -1,4 +1,5 @@
 """Peakedness against numpy: exact entropy when every item is returned, an upper bound otherwise."""
+
 import numpy as np
 import pytest
 

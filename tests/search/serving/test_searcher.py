@@ -1,4 +1,5 @@
 """Searcher vs brute-force numpy: top-k, exact whole-database softmax, hot swap rules."""
+
 from __future__ import annotations
 
 import threading
@@ -22,8 +23,13 @@ TINY = dict(image_size=32, width=32, layers=1, heads=2, patch_size=8, mlp_ratio=
 def _checkpoint(path, seed: int, embed_dim: int = 16, temperature: float = 0.2):
     torch.manual_seed(seed)
     enc = create_encoder(EncoderConfig(embed_dim=embed_dim, **TINY))
-    return save_checkpoint(path, enc, step=0, train_config={"seed": seed},
-                           lineage={"objective": "infonce", "temperature": temperature})
+    return save_checkpoint(
+        path,
+        enc,
+        step=0,
+        train_config={"seed": seed},
+        lineage={"objective": "infonce", "temperature": temperature},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +47,7 @@ def store_setup(tmp_path_factory):
 def _brute(q, emb, tau, k):
     """Dense reference: full similarity matrix, argsort, softmax over all N."""
     q = q / np.linalg.norm(q, axis=1, keepdims=True)
-    s = (q.astype(np.float64) @ emb.astype(np.float64).T)  # (Q, N)
+    s = q.astype(np.float64) @ emb.astype(np.float64).T  # (Q, N)
     logits = s / tau
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
@@ -127,17 +133,21 @@ def test_bounded_serving_uses_the_versions_stored_statistics(store_setup, tmp_pa
     monkeypatch.setattr(ListStats, "build", classmethod(counting_build))
     searcher = Searcher(root, load=True, normaliser="bounded")
     stats = searcher.snapshot().normaliser.stats
-    assert built == []                                          # loaded, not rebuilt
-    fresh = real_build(ListStats, np.asarray(searcher.snapshot().index.embeddings), searcher.snapshot().index.index)
+    assert built == []  # loaded, not rebuilt
+    fresh = real_build(
+        ListStats, np.asarray(searcher.snapshot().index.embeddings), searcher.snapshot().index.index
+    )
     for name in ("offsets", "order", "where", "means", "radius", "lam"):
         np.testing.assert_array_equal(getattr(stats, name), getattr(fresh, name))
     vdir = root / "versions" / store_setup["v1"]
-    manifest = read_manifest_json(vdir)                              # as written before the statistics were stored
+    manifest = read_manifest_json(vdir)  # as written before the statistics were stored
     del manifest["files"][LIST_STATS_FILE]
     write_manifest(vdir, manifest)
     with caplog.at_level(logging.INFO, logger="search.serving.normaliser"):
         legacy = Searcher(root, load=True, normaliser="bounded").snapshot().normaliser.stats
-    assert built == [(96, 16)] and any("stores no normaliser statistics" in r.getMessage() for r in caplog.records)
+    assert built == [(96, 16)] and any(
+        "stores no normaliser statistics" in r.getMessage() for r in caplog.records
+    )
     np.testing.assert_array_equal(legacy.means, stats.means)
     built.clear()
     assert Searcher(root, load=True, normaliser="exact").snapshot().normaliser is None and built == []
@@ -181,10 +191,19 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     old = searcher.snapshot()
     assert searcher.reload().changed is False  # same current version: no-op
     # a version built with another checkpoint brings its own encoder, atomically
-    v2 = build_index(store_setup["ck_b"], create_dataset("synthetic", split="train", size=40, seed=0), root,
-                     BuildOptions(progress=False))
+    v2 = build_index(
+        store_setup["ck_b"],
+        create_dataset("synthetic", split="train", size=40, seed=0),
+        root,
+        BuildOptions(progress=False),
+    )
     res = searcher.reload()
-    assert (res.previous, res.version, res.changed, res.encoder_reloaded) == (store_setup["v1"], v2, True, True)
+    assert (res.previous, res.version, res.changed, res.encoder_reloaded) == (
+        store_setup["v1"],
+        v2,
+        True,
+        True,
+    )
     new = searcher.snapshot()
     assert new.count == 40 and new.encoder is not old.encoder
     # the old snapshot still answers on its own version (in-flight queries)
@@ -202,7 +221,9 @@ def test_reload_swaps_encoder_with_version_and_refuses_bad_ones(store_setup):
     sha_b = store.manifest(v2).checkpoint.sha256
     _checkpoint(store_setup["ck_b"], seed=99)  # overwrite ck_b with different weights
     assert searcher.reload().version == v2
-    assert [h.id for h in searcher.search_images(img, 1)[0]] == [h.id for h in new.search(new.encode(img), 1)[0]]
+    assert [h.id for h in searcher.search_images(img, 1)[0]] == [
+        h.id for h in new.search(new.encode(img), 1)[0]
+    ]
     # refused: the store's model damaged (and its source changed) -> the old version keeps serving
     store.activate(v3)
     searcher.reload()
@@ -291,7 +312,6 @@ def test_from_parts_and_not_ready(store_setup, rng):
         empty.search_vectors(q, 3)
 
 
-
 def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeypatch):
     """NormaliserConfig.release_pages (serve --mapped-pages release | keep | auto) is what the exact scan and
     the bounded estimate are called with; the answers do not depend on it (tests/search/test_page_release.py
@@ -302,7 +322,7 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     seen = []
     real_exact, real_bounded = searcher_module.ExactScanner, normaliser_module.bounded_log_normaliser
 
-    def exact_spy(*args, **kwargs):   # the exact path's one-pass scan (made once per snapshot)
+    def exact_spy(*args, **kwargs):  # the exact path's one-pass scan (made once per snapshot)
         seen.append(("exact", kwargs.get("release")))
         return real_exact(*args, **kwargs)
 
@@ -315,15 +335,25 @@ def test_page_release_setting_reaches_both_normalisers(store_setup, rng, monkeyp
     answers = {}
     for method in ("exact", "bounded"):
         for release in (True, False, None):
-            cfg = NormaliserConfig(method, release_pages=release, head_rows=8, samples=64, max_se=10.0,
-                                   max_samples=64)
+            cfg = NormaliserConfig(
+                method, release_pages=release, head_rows=8, samples=64, max_se=10.0, max_samples=64
+            )
             searcher = Searcher(store_setup["root"], load=True, normaliser=cfg)
             q = np.random.default_rng(7).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
             ans = searcher.search_vectors(q, k=5, temperature=0.5)
-            answers[method, release] = (ans.log_normalisers, [[(h.row, h.probability) for h in hits] for hits in ans])
+            answers[method, release] = (
+                ans.log_normalisers,
+                [[(h.row, h.probability) for h in hits] for hits in ans],
+            )
     # None (auto): the exact scan releases, the bounded estimate's scattered reads stay mapped
-    assert seen == [("exact", True), ("exact", False), ("exact", True), ("bounded", True), ("bounded", False),
-                    ("bounded", False)]
+    assert seen == [
+        ("exact", True),
+        ("exact", False),
+        ("exact", True),
+        ("bounded", True),
+        ("bounded", False),
+        ("bounded", False),
+    ]
     assert answers["exact", True] == answers["exact", False] == answers["exact", None]
     assert answers["bounded", True] == answers["bounded", False] == answers["bounded", None]
 
@@ -338,16 +368,19 @@ def test_filtered_search_equals_brute_force_over_the_subset(store_setup, tmp_pat
     root = tmp_path / kind
     ids = store_setup["ds"].item_ids()
     user = Metadata({"group": "int"}, {iid: {"group": n % 3} for n, iid in enumerate(ids)})
-    build_index(store_setup["ck_a"], store_setup["ds"], root,
-                BuildOptions(kind=kind, params=params, progress=False, force=True,
-                             metadata=user))
+    build_index(
+        store_setup["ck_a"],
+        store_setup["ds"],
+        root,
+        BuildOptions(kind=kind, params=params, progress=False, force=True, metadata=user),
+    )
     s = Searcher(root, load=True)
     snap = s.snapshot()
     assert snap.metadata_fields == {"group": "int"}
     flt = parse_filter({"group": 1}, snap.metadata_fields)
     class_mask = snap.filter_mask(flt)
     np.testing.assert_array_equal(class_mask, [ids.index(i) % 3 == 1 for i in snap.index.ids])
-    assert snap.filter_mask(flt) is class_mask            # cached
+    assert snap.filter_mask(flt) is class_mask  # cached
     random_mask = np.zeros(snap.count, bool)
     random_mask[rng.choice(snap.count, size=10, replace=False)] = True
     emb = np.asarray(snap.index.embeddings)
@@ -372,8 +405,12 @@ def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, r
     from index import faiss_index as fi
 
     root = tmp_path / "pq"
-    build_index(store_setup["ck_a"], store_setup["ds"], root, BuildOptions(kind="ivf-pq", params={"nlist": 4, "m": 4},
-                                                                           progress=False, force=True))
+    build_index(
+        store_setup["ck_a"],
+        store_setup["ds"],
+        root,
+        BuildOptions(kind="ivf-pq", params={"nlist": 4, "m": 4}, progress=False, force=True),
+    )
     snap = Searcher(root, load=True).snapshot()
     assert snap.rerank == snap.manifest.params["rerank"] == snap.manifest.recall.rerank >= 1
     emb = np.asarray(snap.index.embeddings)

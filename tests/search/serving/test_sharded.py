@@ -1,4 +1,5 @@
 """A sharded version served in process equals the unsharded version it was split from and a dense numpy softmax."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,13 @@ def stores(tmp_path_factory):
     base = tmp_path_factory.mktemp("sharded")
     torch.manual_seed(3)
     enc = create_encoder(EncoderConfig(embed_dim=16, **TINY))
-    ck = save_checkpoint(base / "a.safetensors", enc, step=0, train_config={"seed": 3},
-                         lineage={"objective": "infonce", "temperature": 0.2})
+    ck = save_checkpoint(
+        base / "a.safetensors",
+        enc,
+        step=0,
+        train_config={"seed": 3},
+        lineage={"objective": "infonce", "temperature": 0.2},
+    )
     ds = create_dataset("synthetic", split="train", size=120, seed=0)
     ids = ds.item_ids()
     user = Metadata({"group": "int"}, {iid: {"group": n % 4} for n, iid in enumerate(ids)})
@@ -61,8 +67,14 @@ def test_sharded_version_is_one_version_with_its_shards_listed(stores):
     assert [e["name"] for e in m.shards] == ["shard-000", "shard-001", "shard-002"]
     assert [e["count"] for e in m.shards] == [40, 40, 40] and [e["offset"] for e in m.shards] == [0, 40, 80]
     assert m.count == 120 and m.parent == stores["whole"]
-    assert {n.split("/")[1] for n in m.files} >= {"index.faiss", "embeddings.npy", "ids.json", "manifest.json",
-                                                  "item_metadata.json", "normaliser_stats.npz"}
+    assert {n.split("/")[1] for n in m.files} >= {
+        "index.faiss",
+        "embeddings.npy",
+        "ids.json",
+        "manifest.json",
+        "item_metadata.json",
+        "normaliser_stats.npz",
+    }
     loaded = store.load(stores["sharded"])
     whole = store.load(stores["whole"])
     assert isinstance(loaded, ShardedVersion) and loaded.ids == whole.ids
@@ -80,15 +92,19 @@ def test_same_ids_and_probabilities_as_unsharded_and_dense_numpy(stores, tau, k)
     emb = np.asarray(IndexStore(stores["root"]).load(stores["whole"]).embeddings)
     t = tau if tau is not None else whole.snapshot().temperature
     top, p_dense, log_z = _dense(q, emb, t, min(k, 120))
-    np.testing.assert_allclose(b.log_normalisers, a.log_normalisers, rtol=0, atol=1e-6)   # float32 partial sums in another order
-    np.testing.assert_allclose(b.log_normalisers, log_z, atol=1e-5)   # float32 similarities / tau
+    np.testing.assert_allclose(
+        b.log_normalisers, a.log_normalisers, rtol=0, atol=1e-6
+    )  # float32 partial sums in another order
+    np.testing.assert_allclose(b.log_normalisers, log_z, atol=1e-5)  # float32 similarities / tau
     assert b.version == stores["sharded"]
     for i in range(q.shape[0]):
         assert [h.id for h in b[i]] == [h.id for h in a[i]]
         assert [h.row for h in b[i]] == top[i].tolist()
-        np.testing.assert_allclose([h.probability for h in b[i]], [h.probability for h in a[i]], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(
+            [h.probability for h in b[i]], [h.probability for h in a[i]], atol=1e-6, rtol=0
+        )
         np.testing.assert_allclose([h.probability for h in b[i]], p_dense[i], rtol=1e-5, atol=1e-9)
-    if k >= 120:   # every row returned: the probabilities over the whole version sum to 1
+    if k >= 120:  # every row returned: the probabilities over the whole version sum to 1
         np.testing.assert_allclose([sum(h.probability for h in hits) for hits in b], 1.0, atol=1e-9)
 
 
@@ -99,19 +115,25 @@ def test_filters_across_shards_equal_unsharded_and_dense(stores):
     q = rng.normal(size=(5, 16)).astype(np.float32)
     emb = np.asarray(whole.index.embeddings)
     one_shard = np.zeros(120, bool)
-    one_shard[[45, 50, 71]] = True        # rows of shard-001 only: the other shards contribute log Z_s = -inf
+    one_shard[[45, 50, 71]] = True  # rows of shard-001 only: the other shards contribute log Z_s = -inf
     for mask in (sharded.filter_mask(parse_filter({"group": 2}, sharded.metadata_fields)), one_shard):
-        np.testing.assert_array_equal(mask, whole.filter_mask(parse_filter({"group": 2}, whole.metadata_fields))
-                                      if mask is not one_shard else one_shard)
+        np.testing.assert_array_equal(
+            mask,
+            whole.filter_mask(parse_filter({"group": 2}, whole.metadata_fields))
+            if mask is not one_shard
+            else one_shard,
+        )
         sub = np.flatnonzero(mask)
         k = min(6, sub.size)
         a, b = whole.search(q, k, 0.3, mask=mask), sharded.search(q, k, 0.3, mask=mask)
         top, p_dense, log_z = _dense(q, emb[sub], 0.3, k)
-        np.testing.assert_allclose(b.log_normalisers, log_z, atol=1e-5)   # float32 similarities / tau
+        np.testing.assert_allclose(b.log_normalisers, log_z, atol=1e-5)  # float32 similarities / tau
         for i in range(q.shape[0]):
             assert [h.row for h in b[i]] == sub[top[i]].tolist() == [h.row for h in a[i]]
             np.testing.assert_allclose([h.probability for h in b[i]], p_dense[i], rtol=1e-5, atol=1e-9)
-            np.testing.assert_allclose([h.probability for h in b[i]], [h.probability for h in a[i]], atol=1e-6)
+            np.testing.assert_allclose(
+                [h.probability for h in b[i]], [h.probability for h in a[i]], atol=1e-6
+            )
     assert sharded.search(q[:1], 5, mask=np.zeros(120, bool))[0] == []
 
 
@@ -133,9 +155,16 @@ def test_a_failing_shard_fails_the_query_naming_it(stores):
     def down(*args):
         raise ConnectionError("replica died")
 
-    broken = ShardedSnapshot(**{**{f: getattr(snap, f) for f in ("encoder", "checkpoint_sha256", "index",
-                                                                 "temperature", "block", "runner")},
-                                "shards": (snap.shards[0], down, snap.shards[2]), "names": snap.names})
+    broken = ShardedSnapshot(
+        **{
+            **{
+                f: getattr(snap, f)
+                for f in ("encoder", "checkpoint_sha256", "index", "temperature", "block", "runner")
+            },
+            "shards": (snap.shards[0], down, snap.shards[2]),
+            "names": snap.names,
+        }
+    )
     with pytest.raises(ShardUnavailable, match="shard-001"):
         broken.search(np.ones((1, 16), np.float32), 5)
 

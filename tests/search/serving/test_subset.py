@@ -1,4 +1,5 @@
 """Filtered search inside FAISS against brute force over the subset (ids, recall, probabilities)."""
+
 import numpy as np
 import pytest
 
@@ -14,7 +15,7 @@ def _clustered(n=6000, d=32, clusters=40, seed=0):
 
 
 def _brute(x, q, mask, k, tau):
-    s = (q.astype(np.float64) @ x[mask].astype(np.float64).T)
+    s = q.astype(np.float64) @ x[mask].astype(np.float64).T
     rows = np.flatnonzero(mask)
     order = np.argsort(-s, axis=1, kind="stable")[:, :k]
     log_z = np.log(np.exp(s / tau).sum(axis=1))  # dense reference, no running max (tau not tiny here)
@@ -28,17 +29,23 @@ def _brute(x, q, mask, k, tau):
 def test_filtered_search_matches_brute_force_over_subset(kind, selectivity, exact_max):
     x, rng = _clustered()
     mask = rng.random(x.shape[0]) < selectivity
-    q = fi.normalise(x[rng.choice(x.shape[0], 30, replace=False)] + 0.05 * rng.normal(size=(30, x.shape[1])).astype(np.float32))
+    q = fi.normalise(
+        x[rng.choice(x.shape[0], 30, replace=False)]
+        + 0.05 * rng.normal(size=(30, x.shape[1])).astype(np.float32)
+    )
     index, _ = fi.build(kind, x, seed=0)
     p, rows = filtered_search(index, x, q, 10, mask, temperature=0.05, exact_max=exact_max)
     ref_rows, ref_p = _brute(x, q, mask, 10, 0.05)
-    assert mask[rows[rows >= 0]].all()                       # only subset rows come back
+    assert mask[rows[rows >= 0]].all()  # only subset rows come back
     assert fi.recall_at_k(rows, ref_rows, 10) >= 0.99
     # probabilities of the returned rows equal the dense reference over the subset
     s = np.einsum("qd,qkd->qk", q.astype(np.float64), x[rows].astype(np.float64))
-    dense = np.exp(s / 0.05 - np.log(np.exp((q.astype(np.float64) @ x[mask].astype(np.float64).T) / 0.05).sum(1))[:, None])
+    dense = np.exp(
+        s / 0.05
+        - np.log(np.exp((q.astype(np.float64) @ x[mask].astype(np.float64).T) / 0.05).sum(1))[:, None]
+    )
     np.testing.assert_allclose(p, dense, atol=1e-6, rtol=1e-5)
-    if kind == "flat" or exact_max is None:   # exact search: the same rows in the same order
+    if kind == "flat" or exact_max is None:  # exact search: the same rows in the same order
         np.testing.assert_array_equal(rows, ref_rows)
         np.testing.assert_allclose(p, ref_p, atol=1e-6, rtol=1e-5)
 
