@@ -342,7 +342,9 @@ def run_size(n: int, args, rows: list[dict]) -> None:
         )
 
     # ---- resident memory, fresh processes
-    del emb, index, stats
+    emb = index = stats = (
+        None  # release the map and the index before the next size (the lambdas above closed over them)
+    )
     rss_e = child_rss(args, "exact", 1)  # a second exact query would find the file cached again
     rss_b = child_rss(args, "bounded", args.rss_queries)
     rss_br = child_rss(args, "bounded-release", args.rss_queries)

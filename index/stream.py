@@ -139,7 +139,7 @@ def build_streamed(
         np.lib.format.write_array_header_1_0(
             emb_fh, {"descr": np.dtype(np.float32).str, "fortran_order": False, "shape": (n, d)}
         )
-        for start, z in unit_blocks(source, chunk_rows, progress=progress, desc="streamed build: assign"):
+        for _start, z in unit_blocks(source, chunk_rows, progress=progress, desc="streamed build: assign"):
             emb_fh.write(memoryview(z).cast("B"))
             _, a = ivf.quantizer.search(z, 1)  # (B, 1) nearest centroid
             a = a[:, 0]
@@ -256,7 +256,7 @@ def _moments(
         g1 = min(nlist, g0 + group)
         scatter = np.zeros((g1 - g0, d, d))
         with open(assign_path, "rb") as assign_fh:
-            for start, z in iter_row_blocks(embeddings, chunk_rows):
+            for _start, z in iter_row_blocks(embeddings, chunk_rows):
                 a = np.fromfile(assign_fh, np.int32, count=len(z)).astype(np.int64)
                 inside = np.flatnonzero((a >= g0) & (a < g1))
                 if not len(inside):

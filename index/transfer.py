@@ -264,7 +264,7 @@ def extract_member(
     with writing(target, needed):
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target, "wb") as out:
-            for chunk in iter(lambda: source.read(min(1 << 20, limit - written + 1)), b""):
+            for chunk in iter(lambda: source.read(min(1 << 20, limit - written + 1)), b""):  # noqa: B023 (reads the running count on purpose)
                 written += len(chunk)
                 if written > limit:
                     raise ValueError(

@@ -272,10 +272,10 @@ def test_a_shard_that_stays_down_gives_503_naming_it_until_its_files_return(ray_
         down_since, answers = time.monotonic(), []
         while time.monotonic() < down_since + 15:  # and it stays down: 503 naming it, every time
             answers.append(c.post("/v1/search/vector", json=body))
-        for r in [r, *answers]:
-            assert r.status_code == 503, r.text
-            assert r.json()["error"] == "shard_unavailable" and r.json()["shard"] == "shard-001"
-            assert "results" not in r.json() and r.headers["Retry-After"]
+        for answer in [r, *answers]:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["error"] == "shard_unavailable" and answer.json()["shard"] == "shard-001"
+            assert "results" not in answer.json() and answer.headers["Retry-After"]
         assert len(answers) >= 2
     finally:
         away.rename(shard_dir)
