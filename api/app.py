@@ -230,8 +230,8 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         title="softsearch",
         version="1",
         summary="Image similarity search with exact softmax probabilities over the whole index.",
-        description="Upload an image (or send an embedding) and get the top-k indexed items with their cosine "
-        "similarity and the learned softmax-search probability p(j|x) over the whole index. "
+        description="Upload an image (or send an embedding) and get the top-k indexed items with their "
+        "cosine similarity and the learned softmax-search probability p(j|x) over the whole index. "
         "Errors are JSON {error, detail}.",
         lifespan=lifespan,
     )
@@ -260,7 +260,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         app.include_router(module.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so they count 413s and 429s
+    # add_middleware wraps: the last added is outermost; metrics sit outside the limits, so count 413s/429s
     app.add_middleware(
         UnhandledErrorMiddleware
     )  # innermost: a route's unhandled error is a 500 on a kept connection

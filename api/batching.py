@@ -9,8 +9,8 @@ fill by themselves; with `max_wait_ms == 0` (the default) that adaptive batching
 is, except that a batch waits up to GATHER_S for HTTP requests already in the process (counted by
 ActiveRequestsMiddleware, not yet queued or in a running batch): they would otherwise wait for
 a whole pass. A query that finds the queue empty, a thread free and no such company skips the
-queue altogether (it would form a batch of one anyway). A query that is the only HTTP request in the process runs on
-the event loop itself: at one client the request never changes threads (on a loaded machine each
+queue altogether (it would form a batch of one anyway). A query that is the only HTTP request in the process
+runs on the event loop itself: at one client the request never changes threads (on a loaded machine each
 wake-up of another thread waits for a time slice). `workers` batches may run at once (torch
 releases the GIL, so they use separate cores).
 `max_batch_size == 1` disables batching: each query runs directly in the thread pool.

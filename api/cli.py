@@ -54,7 +54,8 @@ def gate_calibrator(candidate, *args, **kwargs):
 
 
 def _report_duplicates(root, base: str | None, version: str) -> None:
-    """After `index add | sync`: which new items duplicate indexed ones (needs an earlier `softsearch dedup`)."""
+    """After `index add | sync`: which new items duplicate indexed ones (needs an earlier
+    `softsearch dedup`)."""
     from search.duplicates.job import report_new_duplicates
 
     report_new_duplicates(root, base, version)
@@ -114,7 +115,9 @@ def _serve(argv: list[str]) -> int:
 
 
 EXPERIMENTS = {
-    "anneal": "Langevin temperature annealing on a planted InfoNCE landscape (log vs exp vs cosine schedules)",
+    "anneal": (
+        "Langevin temperature annealing on a planted InfoNCE landscape (log vs exp vs cosine schedules)"
+    ),
 }
 EXPERIMENT_USAGE = (
     "usage: softsearch experiment NAME [options]\n\nexperiments:\n"

@@ -37,7 +37,8 @@ class Settings(BaseModel):
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one")
     admin_token: str | None = Field(
         None,
-        description="bearer token for /v1/admin/*, at least 8 characters; unset disables the admin routes (404)",
+        description="bearer token for /v1/admin/*, at least 8 characters; "
+        "unset disables the admin routes (404)",
     )
     max_k: int = Field(DEFAULT_MAX_K, ge=1, le=10_000, description="largest k a request may ask for")
     max_upload_bytes: int = Field(
@@ -88,8 +89,8 @@ class Settings(BaseModel):
         60.0,
         gt=0.0,
         le=3600.0,
-        description="a request's body must arrive within this many seconds of its head; otherwise 408 and the "
-        "connection is closed (60 s lets a 10 MiB upload through at ~1.4 Mbit/s)",
+        description="a request's body must arrive within this many seconds of its head; otherwise 408 and "
+        "the connection is closed (60 s lets a 10 MiB upload through at ~1.4 Mbit/s)",
     )
     keep_alive_timeout_s: float = Field(
         5.0,

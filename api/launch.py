@@ -169,7 +169,8 @@ def serve_process(
     log_level: str = "warning",
     **kw,
 ) -> Iterator[ServerProcess]:
-    """`softsearch serve --index ROOT ARGS...` on a free loopback port, ready on entry (see `server_process`)."""
+    """`softsearch serve --index ROOT ARGS...` on a free loopback port, ready on entry (see
+    `server_process`)."""
     port = free_port()
     with server_process(
         serve_argv(root, port, *args, torch_threads=torch_threads, log_level=log_level),

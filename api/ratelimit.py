@@ -92,8 +92,8 @@ class RateLimitMiddleware:
         body = json.dumps(
             {
                 "error": "rate_limited",
-                "detail": f"too many requests from {key}: limit {self.limiter.rate:g}/s, burst {self.limiter.burst}; "
-                f"retry in {retry_after} s",
+                "detail": f"too many requests from {key}: limit {self.limiter.rate:g}/s, "
+                f"burst {self.limiter.burst}; retry in {retry_after} s",
             }
         ).encode()
         await send(

@@ -78,9 +78,10 @@ class ShardServer:
         return shard_answer(self._snapshot(version), q, k, taus, mask)
 
     def check_health(self) -> None:
-        """Ray Serve's periodic health check (and a new replica's first one): this shard of the store's current
-        version is on disk (its manifest and index file), i.e. a replica can load what it must serve. A shard whose
-        files are gone stays down -- Serve keeps replacing the replica -- and every query gets 503 naming it."""
+        """Ray Serve's periodic health check (and a new replica's first one): this shard of the store's
+        current version is on disk (its manifest and index file), i.e. a replica can load what it must serve.
+        A shard whose files are gone stays down -- Serve keeps replacing the replica -- and every query gets
+        503 naming it."""
         store = self.searcher.store
         current = store.current_version()
         if current is None:
@@ -196,7 +197,8 @@ def shard_unavailable_response(request: Request, err: ShardUnavailable) -> JSONR
 
 @serve.ingress()
 class Ingress:
-    """The ingress deployment: the softsearch FastAPI app over a RaySearcher (built once the replica starts)."""
+    """The ingress deployment: the softsearch FastAPI app over a RaySearcher (built once the replica
+    starts)."""
 
     def __init__(self, settings: dict, handles: list, timeout_s: float = DEFAULT_SHARD_TIMEOUT_S):
         self.settings, self.handles, self.timeout_s = settings, handles, timeout_s
@@ -288,8 +290,8 @@ def serve_on_ray(
     if manifest is None or not manifest.shards:
         what = f"version {current} is not sharded" if current else "there is no current version"
         print(
-            f"error: --engine ray serves a sharded version and {what} under {settings.index_root}; make one with "
-            f"`softsearch index reshard --root {settings.index_root} --shards N`",
+            f"error: --engine ray serves a sharded version and {what} under {settings.index_root}; "
+            f"make one with `softsearch index reshard --root {settings.index_root} --shards N`",
             file=sys.stderr,
         )
         return 2

@@ -200,7 +200,10 @@ def _port_problem(host: str, port: int) -> str | None:
         try:
             sock.bind((host, port))
         except OSError as err:
-            return f"cannot listen on {host}:{port}: {err.strerror or err} (another server on that port? try --port)"
+            return (
+                f"cannot listen on {host}:{port}: {err.strerror or err} "
+                "(another server on that port? try --port)"
+            )
     return None
 
 

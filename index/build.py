@@ -417,7 +417,8 @@ class BuildOptions(CommitOptions, EmbedOptions):
 
     @classmethod
     def combine(cls, embed: EmbedOptions, commit: CommitOptions, **what) -> "BuildOptions":
-        """Options from the two records plus what to build (`what`: kind, params, memory_budget, fields, metadata)."""
+        """Options from the two records plus what to build (`what`: kind, params, memory_budget, fields,
+        metadata)."""
         knobs = {f.name: getattr(o, f.name) for o in (embed, commit) for f in dataclasses.fields(o)}
         return cls(**knobs, **what)
 
@@ -516,7 +517,8 @@ def _finish_build(
     parent,
     records,
 ) -> str:
-    """Rank 0's part of `build_index` once every shard is embedded (`o.metadata`: the merged item metadata)."""
+    """Rank 0's part of `build_index` once every shard is embedded (`o.metadata`: the merged item
+    metadata)."""
     results, caches = embedded
     embeddings, ids, skipped, sources = [], [], [], []
     for s, (ds, res) in enumerate(zip(datasets, results)):
@@ -828,7 +830,8 @@ def build_from_vectors(
 
 
 def _vector_fields(record: dict, fields: dict | None) -> dict:
-    """The manifest fields of a version built from vectors: no encoder, the vectors' `record` as its source."""
+    """The manifest fields of a version built from vectors: no encoder, the vectors' `record` as its
+    source."""
     out = {
         "checkpoint": None,
         "encoder": None,

@@ -630,7 +630,8 @@ def _embed_options(args):
 
 
 def _commit_options(args, evaluator, calibrator=None):
-    """The commit knobs (tuning target, quality gate, activation, pruning) of every command that makes a version."""
+    """The commit knobs (tuning target, quality gate, activation, pruning) of every command that makes a
+    version."""
     from index.options import CommitOptions
 
     return CommitOptions(
@@ -731,8 +732,8 @@ def _list(store: IndexStore, as_json: bool) -> None:
         return "-" if not isinstance(x, (int, float)) else format(x, fmt)
 
     print(
-        f"{'':1} {'version':<30} {'count':>9} {'kind':<8} {'index@10':>8} {'target':>6} {'exact':>6} {'served':>6} "
-        f"{'gate':<6} {'checkpoint':<12} created"
+        f"{'':1} {'version':<30} {'count':>9} {'kind':<8} {'index@10':>8} {'target':>6} {'exact':>6} "
+        f"{'served':>6} {'gate':<6} {'checkpoint':<12} created"
     )
     for r in rows:
         if r["status"] != "ok":

@@ -4,8 +4,9 @@ left on that filesystem and roughly the space the operation needed (`softsearch 
 Writers wrap their writes in `writing(path, needed)`: a full disk becomes `DiskFull` (an OSError
 naming the path and the bytes needed) whichever way the library underneath reports it -- ENOSPC /
 EDQUOT, numpy's short write without an errno, FAISS's RuntimeError, safetensors' SafetensorError --
-and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line, ending with what the failed operation left (its
-`outcome`: a build's staging removed, an activation not made, ...).
+and any other OSError without a file name gets `path`. `describe` turns one into the CLI's `error:` line,
+ending with what the failed operation left (its `outcome`: a build's staging removed, an activation not made,
+...).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def on_disk(nbytes: int) -> int:
 
 
 def free_bytes(path) -> int | None:
-    """Free bytes (for an unprivileged user) on the filesystem holding `path` or its nearest existing parent."""
+    """Free bytes (for an unprivileged user) on the filesystem holding `path` or its nearest existing
+    parent."""
     p = Path(os.path.abspath(path))
     while not p.exists() and p != p.parent:
         p = p.parent

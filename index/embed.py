@@ -149,9 +149,9 @@ class CpuStreams:
     """Throughput-mode CPU inference: a batch runs as chunks on `n` single-threaded streams.
 
     One forward on n OpenMP threads meets at a barrier after every op, so on a shared machine one
-    descheduled thread stalls them all (docs/results.md §23). Streams never wait for each other inside a chunk, and a slow one holds
-    back only its own chunk. Rows are independent in eval mode (BatchNorm uses running stats), so
-    the result equals one forward over the batch. Conv towers get channels-last input.
+    descheduled thread stalls them all (docs/results.md §23). Streams never wait for each other inside a
+    chunk, and a slow one holds back only its own chunk. Rows are independent in eval mode (BatchNorm uses
+    running stats), so the result equals one forward over the batch. Conv towers get channels-last input.
     """
 
     def __init__(self, encoder, n: int, chunk: int = 32):

@@ -237,7 +237,8 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
 
 def rerank_factor(kind: str, params: dict | None) -> int:
     """k'/k: candidates per hit the server re-scores exactly from the stored vectors (manifest params
-    ``rerank``; RERANK_PQ for re-ranked (PQ) kinds without one, whose code order is not the exact order; else 1)."""
+    ``rerank``; RERANK_PQ for re-ranked (PQ) kinds without one, whose code order is not the exact order; else
+    1)."""
     value = (params or {}).get("rerank")
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
@@ -255,14 +256,15 @@ def search_reranked(
 ) -> tuple[np.ndarray, np.ndarray]:
     """What the server answers: the index's top k*rerank candidates re-scored exactly, s = z_q . z_y with
     z_y the stored row, and the best k of them -> (scores (Q, k'), rows (Q, k')), -1 / -inf = none.
-    With rerank = 1 the candidates are only re-ordered by their exact scores. `release`: see `search_paged`."""
+    With rerank = 1 the candidates are only re-ordered by their exact scores. `release`: see
+    `search_paged`."""
     x = _as_float32(queries, index.d, "queries")
     _, cand = search_paged(index, x, int(k) * int(rerank), release)  # (Q, k*r) best first, -1 = none
     return rerank_candidates(embeddings, x, cand, k)
 
 
-#: Inverted lists `search_paged` lets a batch of queries probe (queries x nprobe) between two releases: a fault
-#: on a mapped page may map up to a 2 MiB folio around it, so this bounds the resident list pages.
+#: Inverted lists `search_paged` lets a batch of queries probe (queries x nprobe) between two releases: a
+#: fault on a mapped page may map up to a 2 MiB folio around it, so this bounds the resident list pages.
 PAGED_LISTS = 64
 
 
@@ -477,10 +479,11 @@ def _tune_reranked(
     measured time per query, t = t_faiss(nprobe) + t_rerank(r).
 
     nprobe doubles from 1; at each, ONE search fetches k * RERANK_MAX candidates and every r in 1, 2, 4, ...,
-    RERANK_MAX (with k * r <= N / RERANK_SHARE) is scored on its prefix (the top k*r PQ candidates are the first k*r of the longer list),
-    stopping at the first r that reaches the target (a larger r only costs more at that nprobe). The
-    doubling stops at nlist, when t_faiss alone exceeds the best pair's time (more probes cannot be
-    cheaper), or when recall at RERANK_MAX gains less than `min_gain` (plateau; then the best recall wins)."""
+    RERANK_MAX (with k * r <= N / RERANK_SHARE) is scored on its prefix (the top k*r PQ candidates are the
+    first k*r of the longer list), stopping at the first r that reaches the target (a larger r only costs more
+    at that nprobe). The doubling stops at nlist, when t_faiss alone exceeds the best pair's time (more probes
+    cannot be cheaper), or when recall at RERANK_MAX gains less than `min_gain` (plateau; then the best recall
+    wins)."""
     ivf = faiss.extract_index_ivf(index)
     extra = 1 if self_rows is not None else 0
     kq = k + extra

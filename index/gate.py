@@ -311,9 +311,9 @@ def held_out_recall(
 
 
 def held_out_rows(n: int, n_queries: int = GATE_QUERIES, seed: int = GATE_SEED) -> tuple[np.ndarray, str]:
-    """(sorted rows, what they are) the gate queries with: the first `n_queries` of a seeded draw of distinct rows
-    that the build did not tune on (`faiss_index.tuning_rows`); all rows' draw when every row was tuned on.
-    O(n_queries) memory at any N (no array of all N rows)."""
+    """(sorted rows, what they are) the gate queries with: the first `n_queries` of a seeded draw of distinct
+    rows that the build did not tune on (`faiss_index.tuning_rows`); all rows' draw when every row was tuned
+    on. O(n_queries) memory at any N (no array of all N rows)."""
     tuned = faiss_index.tuning_rows(n)
     rng = np.random.default_rng(seed)
     if n - len(tuned) <= 0:

@@ -273,8 +273,8 @@ def _list_moments(
 def round_up(radius: np.ndarray, lam: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Radii and eigenvalues as stored: rounded up so they stay upper bounds.
 
-    float64 rounding of these sums is ~1e-16 relative; eigvalsh is backward stable (error <= ~D * 1e-16 * |C|),
-    so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds."""
+    float64 rounding of these sums is ~1e-16 relative; eigvalsh is backward stable (error <= ~D * 1e-16 *
+    |C|), so a 1e-9 relative + 1e-12 absolute margin keeps them upper bounds."""
     radius = radius * (1 + 1e-9) + 1e-12
     lam = np.maximum(lam, 0.0) * (1 + 1e-9) + 1e-12
     lam = np.minimum(lam, radius**2)  # variance along a unit direction <= max squared distance
@@ -292,8 +292,8 @@ def save_streamed(
     source: str,
     seconds: float,
 ) -> None:
-    """Write the same .npz as `ListStats.save` (read back by `ListStats.load`) with the (N,) row order given as
-    an iterable of blocks, written as they come: a streamed build never holds the order in RAM."""
+    """Write the same .npz as `ListStats.save` (read back by `ListStats.load`) with the (N,) row order given
+    as an iterable of blocks, written as they come: a streamed build never holds the order in RAM."""
     import zipfile
 
     dtype = np.dtype(np.int32 if count < 2**31 else np.int64)

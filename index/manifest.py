@@ -169,7 +169,8 @@ def manifest_text(manifest: "Manifest | dict") -> str:
 
 
 def updated_bytes(directory: str | os.PathLike, **fields) -> int:
-    """On-disk bytes of `directory`'s manifest once `update_manifest(directory, **fields)` has rewritten it."""
+    """On-disk bytes of `directory`'s manifest once `update_manifest(directory, **fields)` has rewritten
+    it."""
     return on_disk(len(manifest_text(read_manifest(directory).updated(**fields)).encode("utf-8")))
 
 
@@ -521,8 +522,8 @@ class Manifest:
     recall: RecallRecord | None = None
     normaliser_stats: dict | None = None
     calibration: dict | None = None
-    #: how a streamed build made the index (index/stream.py): {"streamed": true, "lists_file": "index.ivfdata",
-    #: "train_rows", "chunk_rows"}; None for an index trained and filled in one call
+    #: how a streamed build made the index (index/stream.py): {"streamed": true, "lists_file":
+    #: "index.ivfdata", "train_rows", "chunk_rows"}; None for an index trained and filled in one call
     build: dict | None = None
     quality_gate: GateRecord | None = None
     #: a sharded version (index/shards.py): [{"name", "count", "offset", "kind", "params", "recall"}], one per
@@ -630,7 +631,7 @@ def _migrate(data: dict) -> dict:
         ]
         if "sources" not in data or fixed != data["sources"]:
             data["sources"] = fixed
-    # the search temperature: a number today; a {"temperature"|"tau"} record or `calibrated_temperature` before
+    # the search temperature: a number now; earlier a {"temperature"|"tau"} record or `calibrated_temperature`
     if "search_temperature" in data or "calibrated_temperature" in data:
         value = None
         for key in ("search_temperature", "calibrated_temperature"):

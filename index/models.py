@@ -117,7 +117,8 @@ class ModelStore:
 
     # ------------------------------------------------------------------ writing
     def _install(self, tmp: Path, sha: str) -> Path:
-        """Move a fully written temp file to models/<sha>.safetensors (dropped if that exists and is intact)."""
+        """Move a fully written temp file to models/<sha>.safetensors (dropped if that exists and is
+        intact)."""
         target = self.path(sha)
         if target.is_file() and _sha_of(target) == sha:
             tmp.unlink(missing_ok=True)
@@ -165,7 +166,8 @@ class ModelStore:
         return sha
 
     def adopt(self, path: str | os.PathLike, sha: str) -> Path:
-        """Move a file (same filesystem, e.g. staging/) into the store as models/<sha>; its content must hash to `sha`."""
+        """Move a file (same filesystem, e.g. staging/) into the store as models/<sha>; its content must hash
+        to `sha`."""
         path = Path(path)
         actual = file_sha256(path)
         if actual != check_sha(sha):
@@ -197,7 +199,8 @@ class ModelStore:
         lineage: dict | None = None,
         metrics: dict | None = None,
     ) -> str:
-        """Save an in-memory encoder as a softsearch checkpoint straight into the store; returns its sha256."""
+        """Save an in-memory encoder as a softsearch checkpoint straight into the store; returns its
+        sha256."""
         from training.checkpoint import save_checkpoint
 
         tmp = self._tmp()
@@ -267,8 +270,8 @@ class ModelStore:
                 else "no source is recorded"
             )
             raise FileNotFoundError(
-                f"index version {version} needs encoder model {sha[:12]}..., which is not in {self.dir} and {where}; "
-                f"copy that checkpoint file to {target} (any file with sha256 {sha}), or run "
+                f"index version {version} needs encoder model {sha[:12]}..., which is not in {self.dir} "
+                f"and {where}; copy that checkpoint file to {target} (any file with sha256 {sha}), or run "
                 f"'softsearch index rebuild --root {self.root} --checkpoint C'"
             )
         else:

@@ -47,9 +47,9 @@ SCRATCH_ROWS = "rows.tmp.npy"
 
 
 class Embedder:
-    """A Ray Data actor: decodes a batch of item numbers of the dataset `spec` and embeds them with the encoder
-    of `checkpoint` (loaded once per actor). Output columns: row (item number), embedding (unit float32 rows;
-    zeros where the item failed), error ("" for a good item)."""
+    """A Ray Data actor: decodes a batch of item numbers of the dataset `spec` and embeds them with the
+    encoder of `checkpoint` (loaded once per actor). Output columns: row (item number), embedding (unit
+    float32 rows; zeros where the item failed), error ("" for a good item)."""
 
     def __init__(self, checkpoint: str, spec: dict, device: str = "cpu", threads: int = 1):
         import torch
@@ -229,10 +229,10 @@ def build_on_ray(
     actors: int = 1,
     actor_cpus: float = 1.0,
 ) -> str:
-    """Embed `dataset` with `checkpoint` and write ONE sharded version of `shards` shards, each shard embedded and
-    built by a Ray task (`_build_shard`), then calibrated, gated and activated as `index build --shards N`.
-    `actors` Embedder actors (of `actor_cpus` CPUs each) per shard; `address` None: the running Ray, else
-    ray.init(address) (a local Ray when none runs). Returns the version name."""
+    """Embed `dataset` with `checkpoint` and write ONE sharded version of `shards` shards, each shard embedded
+    and built by a Ray task (`_build_shard`), then calibrated, gated and activated as
+    `index build --shards N`. `actors` Embedder actors (of `actor_cpus` CPUs each) per shard; `address` None:
+    the running Ray, else ray.init(address) (a local Ray when none runs). Returns the version name."""
     import ray
 
     from training.checkpoint import checkpoint_sha256, load_checkpoint
@@ -408,7 +408,7 @@ def build_on_ray(
     finally:
         if started:
             ray.shutdown()
-    # calibrated above (unless the temperature came from the command line): the commit only gates and activates
+    # calibrated above (unless the command line gave the temperature): the commit only gates and activates
     version = commit_staged(
         store,
         Staged(version, staging, candidate),

@@ -2,10 +2,10 @@
 
 Layout of a sharded version (one version for the store: one manifest, one checksum list, one activation)::
 
-    versions/<version>/manifest.json          count = all items; ``shards`` lists each shard's name, rows, offset;
-                                              ``files`` lists every shard file as "shard-000/index.faiss", ...
-    versions/<version>/shard-000/             its own manifest.json, index.faiss, embeddings.npy, ids.json,
-                                              item_metadata.json, normaliser_stats.npz (index/build.write_version)
+    versions/<version>/manifest.json    count = all items; ``shards`` lists each shard's name, rows, offset;
+                                        ``files`` lists every shard file as "shard-000/index.faiss", ...
+    versions/<version>/shard-000/       its own manifest.json, index.faiss, embeddings.npy, ids.json,
+                                        item_metadata.json, normaliser_stats.npz (index/build.write_version)
 
 Rows are split contiguously: global row = shard offset + local row, so a sharded version and the version it
 was resharded from number their items alike. Serving merges the shards exactly (search/serving/sharded.py):
@@ -40,7 +40,7 @@ from index.options import CommitOptions
 
 logger = logging.getLogger(__name__)
 
-#: Fields a sharded version carries over from the version it was made from (the encoder, data and temperature).
+#: Fields a sharded version carries over from the version it was made from (encoder, data, temperature).
 CARRIED = (
     "checkpoint",
     "encoder",
@@ -149,8 +149,9 @@ class ShardedVersion:
         return None  # each shard has its own (search/serving/sharded.py reads them per shard)
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """(scores (Q, k'), global rows (Q, k')) of every shard's FAISS index at its tuned parameters, merged by
-        score (ties: lower row first), k' = min(k, N); -1 = none. What `IndexVersion.search` answers unsharded."""
+        """(scores (Q, k'), global rows (Q, k')) of every shard's FAISS index at its tuned parameters, merged
+        by score (ties: lower row first), k' = min(k, N); -1 = none. What `IndexVersion.search` answers
+        unsharded."""
         q = np.ascontiguousarray(queries, dtype=np.float32)
         scores, rows = [], []
         for shard, off in zip(self.shards, self.offsets):
@@ -208,7 +209,8 @@ class ShardedVersion:
 
 
 def version_metadata(path):
-    """The metadata of a version directory, a sharded one's merged over its shards (index.metadata.Metadata)."""
+    """The metadata of a version directory, a sharded one's merged over its shards
+    (index.metadata.Metadata)."""
     path = Path(path)
     manifest = read_manifest(path)
     if not manifest.shards:
@@ -279,9 +281,10 @@ def write_sharded(
     kind: str | None = None,
     params: dict | None = None,
 ) -> tuple[str, Path]:
-    """Split the loaded version `parent` (an IndexVersion) into `shards` contiguous shards and write one sharded
-    version into staging: each shard built and tuned by `index.build.write_version` with the parent's kind (or
-    `kind`), its metadata restricted to its items. Returns (version, staging dir); nothing is in versions/ yet."""
+    """Split the loaded version `parent` (an IndexVersion) into `shards` contiguous shards and write one
+    sharded version into staging: each shard built and tuned by `index.build.write_version` with the parent's
+    kind (or `kind`), its metadata restricted to its items. Returns (version, staging dir); nothing is in
+    versions/ yet."""
     from index.build import write_version
     from index.commit import discard_staging
     from index.store import new_version_name
@@ -383,11 +386,11 @@ def reshard(
     commit: CommitOptions | None = None,
     path: str = "index reshard",
 ) -> str:
-    """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated and
-    activated like any version. The quality gate scores the source's rows and temperature, which the sharded
-    version holds unchanged (its search answers equal the source's), and the recall check measures the shards'
-    merged FAISS search (`merged_recall`). `commit` None: `CommitOptions(margin=0.0)` (the same rows scored
-    twice: no noise to tolerate)."""
+    """A new sharded version with the items of `source` (default: current) split into `shards` shards, gated
+    and activated like any version. The quality gate scores the source's rows and temperature, which the
+    sharded version holds unchanged (its search answers equal the source's), and the recall check measures the
+    shards' merged FAISS search (`merged_recall`). `commit` None: `CommitOptions(margin=0.0)` (the same rows
+    scored twice: no noise to tolerate)."""
     from index.commit import Staged
     from index.commit import commit as commit_staged
     from index.store import IndexStore, IndexVersion
@@ -420,9 +423,10 @@ def flat_view(sharded: ShardedVersion):
 
 
 def unshard(store, version: str, *, target_recall: float = 0.95) -> str:
-    """Commit (never activate) an unsharded version equal to the sharded `version`: its rows, ids, metadata and
-    file records in global row order, the shards' kind rebuilt over all rows, the encoder, data and temperature
-    carried over. What `index add / sync / delete` start from on a sharded version (their result is resharded)."""
+    """Commit (never activate) an unsharded version equal to the sharded `version`: its rows, ids, metadata
+    and file records in global row order, the shards' kind rebuilt over all rows, the encoder, data and
+    temperature carried over. What `index add / sync / delete` start from on a sharded version (their result
+    is resharded)."""
     from index.build import write_version
     from index.commit import discard_staging
 

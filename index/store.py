@@ -12,9 +12,9 @@ Layout under `root`::
     .lock                 flock taken by every pointer / directory change
 
 Activation rule (index/gate.py, its one home): `current` moves only through `IndexStore.activate` /
-`IndexStore.rollback`, which apply `activation_checks` to the version (its recorded quality-gate result, and the recall@10 its
-FAISS index reaches at the tuned search parameters against the version's target) and either refuse
-(ActivationRefused: which check, the figures, how to override) or move the pointer. `force`
+`IndexStore.rollback`, which apply `activation_checks` to the version (its recorded quality-gate result, and
+the recall@10 its FAISS index reaches at the tuned search parameters against the version's target) and either
+refuse (ActivationRefused: which check, the figures, how to override) or move the pointer. `force`
 overrides a failed check; the override is logged in history.json with the time, the path that asked
 ("index activate", "POST /v1/admin/reload", ...) and "forced": true. A serving process loads a
 version only if `serving_check` accepts it: it passes the rule, or its activation was forced.
@@ -147,7 +147,8 @@ class IndexVersion:
             )
         if not isinstance(ids, list) or len(ids) != n:
             problems.append(
-                f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, expected {n}"
+                f"ids.json holds {len(ids) if isinstance(ids, list) else type(ids).__name__} ids, "
+                f"expected {n}"
             )
         if faiss_index.kind_of(index) != manifest.kind:
             problems.append(f"index is {faiss_index.kind_of(index)}, manifest says {manifest.kind}")
@@ -429,8 +430,8 @@ class IndexStore:
     def check_activation(self, version: str, *, force: bool = False) -> Decision:
         """Apply the activation rule to `version` without changing anything.
 
-        Returns the Decision; raises ActivationRefused when a check failed and not `force`. A version with no gate result is judged on its recall alone here
-        (`activate` with a `gate` first gates it)."""
+        Returns the Decision; raises ActivationRefused when a check failed and not `force`. A version with no
+        gate result is judged on its recall alone here (`activate` with a `gate` first gates it)."""
         manifest = self.manifest(version)
         checks = tuple(activation_checks(manifest))
         failed = tuple(c for c in checks if c.passed is False)

@@ -69,8 +69,9 @@ ID_BYTES = 8  # FAISS idx_t
 
 
 def streamed_params(kind: str, count: int, dim: int, params: dict | None = None) -> tuple[dict, int]:
-    """(params, training rows) of a streamed build: nlist ~ 4 sqrt(N) capped at training rows / 39 unless given;
-    training rows = min(N, TRAIN_BYTES / 4D), raised to 39 nlist for a given nlist and to 64 * 2^nbits for PQ."""
+    """(params, training rows) of a streamed build: nlist ~ 4 sqrt(N) capped at training rows / 39 unless
+    given; training rows = min(N, TRAIN_BYTES / 4D), raised to 39 nlist for a given nlist and to 64 * 2^nbits
+    for PQ."""
     params = dict(params or {})
     train = min(count, max(1, TRAIN_BYTES // (4 * dim)))
     if "nlist" in params:
@@ -378,9 +379,10 @@ def write_streamed_version(
     progress: bool = False,
     version: str | None = None,
 ) -> tuple[str, Path, IndexVersion]:
-    """A complete version of `source` in staging, built by `build_streamed` and tuned -> (version, staging dir,
-    the staged version loaded with its lists mapped and row-number ids unmaterialised, for the gate).
-    `ids` None: row numbers; `version` None: a new name. Nothing is visible in versions/ until `IndexStore.commit`."""
+    """A complete version of `source` in staging, built by `build_streamed` and tuned -> (version, staging
+    dir, the staged version loaded with its lists mapped and row-number ids unmaterialised, for the gate).
+    `ids` None: row numbers; `version` None: a new name. Nothing is visible in versions/ until
+    `IndexStore.commit`."""
     n, dim = source.count, source.dim
     version = version or new_version_name(salt=f"{n}:{dim}:{kind}:streamed")
     staging = store.staging_path(version)

@@ -331,7 +331,8 @@ def read_ids_file(path) -> list[str]:
 def delete_items(
     root, ids, *, base: str | None = None, ignore_missing: bool = False, commit: CommitOptions | None = None
 ) -> tuple[str, dict]:
-    """New version = `base` (default current) without the items `ids` -> (version, counts). No re-embedding."""
+    """New version = `base` (default current) without the items `ids` -> (version, counts). No
+    re-embedding."""
     t_start = time.perf_counter()
     commit = commit or CommitOptions()
     commit.check()

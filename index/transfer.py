@@ -142,7 +142,8 @@ _SHARD_RE = re.compile(r"^shard-[0-9]{3,}$")
 
 
 def _allowed(name: str, version: str, model: str) -> bool:
-    """Exactly the paths an export writes: the index, versions/<version>/<file>, models/<model>.safetensors."""
+    """Exactly the paths an export writes: the index, versions/<version>/<file>,
+    models/<model>.safetensors."""
     if name == EXPORT_INDEX or name == model_relpath(model):
         return True
     parts = PurePosixPath(name).parts

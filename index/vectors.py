@@ -1,4 +1,5 @@
-"""Vectors computed elsewhere ("bring your own vectors"): read, check and normalise them for `index build --embeddings`.
+"""Vectors computed elsewhere ("bring your own vectors"): read, check and normalise them for
+`index build --embeddings`.
 
 A source is one `.npy` file or a directory of `.npy` shards concatenated in name order, each a
 (rows, D) float16 / float32 / float64 array, read memory-mapped in row blocks (never all of a

@@ -100,8 +100,8 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
     """Apply augmentation parameters to a preprocessed batch x (B, 3, R, R) -> (B, 3, S, S).
 
     S = out_size (default R). With R > S the crop is resampled on an R x R grid and then shrunk
-    to S as ``preprocess`` shrinks (2 x 2 block means at R = 2 S), before the photometric jitter: a crop of side
-    fraction w then has R w / S source pixels per output pixel, >= 1.2 for the default crops
+    to S as ``preprocess`` shrinks (2 x 2 block means at R = 2 S), before the photometric jitter: a crop of
+    side fraction w then has R w / S source pixels per output pixel, >= 1.2 for the default crops
     (w >= 0.61) at R = 2 S, so crops are not upsampled. With R = S: the plain one-pass transform.
     """
     if x.ndim != 4:

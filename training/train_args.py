@@ -7,8 +7,8 @@ import argparse
 
 from training.cli_parser import CommandParser
 
-# The built-in schedules and their defaults, as training.schedules.describe_schedules() prints them (that needs
-# torch); tests/test_cli_startup.py checks the two agree, so a changed default cannot leave this behind.
+# The built-in schedules and their defaults, as training.schedules.describe_schedules() prints them (that
+# needs torch); tests/test_cli_startup.py checks the two agree, so a changed default cannot leave this behind.
 SCHEDULE_HELP = """\
   cosine     tau_min = 0.1, tau_max = 1.0, period = 400.0, steps_per_epoch = 1
   exp        tau_0 = 1.0, gamma = 0.999, tau_min = 0.01, tau_max = inf, steps_per_epoch = 1
@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "noise_schedule / [noise_options]), with their defaults:\n"
         + SCHEDULE_HELP
         + "\n\nswitching schedule replaces the options table whole, e.g.\n"
-        "  --set schedule='\"cosine\"' --set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
+        "  --set schedule='\"cosine\"' "
+        "--set 'schedule_options={tau_min = 0.1, tau_max = 1.0, period = 400.0}'",
     )
     parser.add_argument(
         "--config", help="TOML config file (configs/synthetic.toml, ...); defaults if omitted"

@@ -162,7 +162,8 @@ def power_law_slope(sorted_shortfalls: torch.Tensor, eps: float = 1e-6) -> tuple
 def weince_logits(
     sim: torch.Tensor, lam: torch.Tensor, beta: torch.Tensor, temperature, eps: float = 1e-6
 ) -> torch.Tensor:
-    """l_ij = (1 - lam_i) s_ij / tau + lam_i beta_i (-log(1 - min(s_ij, 1 - eps))); sim (A, C), lam/beta (A,)."""
+    """l_ij = (1 - lam_i) s_ij / tau + lam_i beta_i (-log(1 - min(s_ij, 1 - eps))); sim (A, C), lam/beta
+    (A,)."""
     weibit = torch.log1p(-sim.clamp(max=1.0 - eps))  # (A, C) log delta (the Weibull coordinate, negated)
     # two fused passes over (A, C): sim * ((1 - lam)/tau) - (lam beta) * log delta
     return torch.addcmul(sim * ((1.0 - lam) / temperature)[:, None], weibit, -(lam * beta)[:, None])
@@ -554,7 +555,8 @@ class WEINCELoss(ContrastiveLoss):
     def loss_from_similarities(
         self, sim, pos_index, self_index, temperature, gather: Gather = identity_gather
     ) -> LossOutput:
-        """WEINCE cross-entropy (+ top-M terms) averaged over the local anchors; sim (A, C) cosine, pos/self (A,)."""
+        """WEINCE cross-entropy (+ top-M terms) averaged over the local anchors; sim (A, C) cosine, pos/self
+        (A,)."""
         neg, negatives = self._negatives(sim, pos_index, self_index)
         weib_m = min(self.weib_top_m, negatives) if self.weib_lambda > 0 else 0
         pl_m = min(self.pl_top_m, negatives) if self.pl_lambda > 0 else 0

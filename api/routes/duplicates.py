@@ -1,4 +1,5 @@
-"""GET /v1/duplicates (the served version's duplicate groups, from `softsearch dedup`) and /duplicates (their page)."""
+"""GET /v1/duplicates (the served version's duplicate groups, from `softsearch dedup`) and /duplicates (their
+page)."""
 
 from __future__ import annotations
 

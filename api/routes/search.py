@@ -192,7 +192,8 @@ async def search_image(
     fetch = fetch_count(k, offset, settings)
     flt = query_filter(filter, snapshot)
     data = await file.read(settings.max_upload_bytes + 1)
-    # decoded as an indexed file was (training/images.py), where the query runs (batch thread or, alone, the loop)
+    # decoded as an indexed file was (training/images.py), where the query runs (batch thread, or the loop
+    # when alone)
     decode = partial(
         decode_image,
         data,

@@ -87,7 +87,8 @@ async def search_text(
     query: TextQuery,
     ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
 ) -> Response:
-    """Top-k indexed images for a text, with exact softmax probabilities at the calibrated text temperature."""
+    """Top-k indexed images for a text, with exact softmax probabilities at the calibrated text
+    temperature."""
     (job,) = await _text_jobs(ctx, [query.text], query)
     try:
         result = await job
@@ -104,7 +105,8 @@ async def search_text_batch(
     query: BatchTextQuery,
     ctx: Annotated[SearchContext, Depends(search_context("application/json"))],
 ) -> Response:
-    """Several texts in one request (one k, temperature, filter and cut-offs); each answered as /v1/search/text."""
+    """Several texts in one request (one k, temperature, filter and cut-offs); each answered as
+    /v1/search/text."""
     jobs = await _text_jobs(ctx, list(query.texts), query)
     results = await asyncio.gather(*jobs, return_exceptions=True)
     for i, r in enumerate(results):

@@ -1,6 +1,6 @@
 """The registry of index kinds: one module per kind (flat.py, ivf.py, ivf_pq.py, hnsw.py), each an `IndexKind`
-(index/kinds/base.py) registered by name. Everything that depends on the kind asks it here, so adding a kind is
-one module plus one `register` call (a line in BUILTIN, or at run time). No FAISS import: the command-line
+(index/kinds/base.py) registered by name. Everything that depends on the kind asks it here, so adding a kind
+is one module plus one `register` call (a line in BUILTIN, or at run time). No FAISS import: the command-line
 parser lists the names."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The contract an index kind fulfils: what index/faiss_index.py, build.py, stream.py, store.py and the gate ask
-of a kind, so that none of them compares kind names. FAISS is imported inside methods, never at import time,
-so the command-line parser can list the kinds without loading it."""
+"""The contract an index kind fulfils: what index/faiss_index.py, build.py, stream.py, store.py and the gate
+ask of a kind, so that none of them compares kind names. FAISS is imported inside methods, never at import
+time, so the command-line parser can list the kinds without loading it."""
 
 from __future__ import annotations
 
@@ -62,7 +62,8 @@ class IndexKind:
         return 0
 
     def codebook_rows(self, params: dict) -> int:
-        """Rows the codebooks need beyond the coarse quantizer's (a streamed build raises its sample to it)."""
+        """Rows the codebooks need beyond the coarse quantizer's (a streamed build raises its sample to
+        it)."""
         return 0
 
     def training_parts(self, index) -> list[tuple[str, object, int]]:

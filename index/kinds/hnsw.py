@@ -46,7 +46,10 @@ class HNSW(IndexKind):
         return isinstance(index, faiss.IndexHNSW)
 
     def suggest(self, params: dict, count: int, dim: int, auto: str) -> str:
-        return f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) or --kind {auto} (--kind auto)"
+        return (
+            f"rebuild with a larger graph (--param M={2 * int(params.get('M', 32))}) "
+            f"or --kind {auto} (--kind auto)"
+        )
 
 
 KIND = HNSW()

@@ -1,5 +1,5 @@
-"""``ivf-flat``: inverted lists over a flat-IP coarse quantizer with the full vectors in the lists; search knob
-``nprobe``. `IVFKind` holds what every IVF kind shares (nlist, nprobe, training, streaming)."""
+"""``ivf-flat``: inverted lists over a flat-IP coarse quantizer with the full vectors in the lists; search
+knob ``nprobe``. `IVFKind` holds what every IVF kind shares (nlist, nprobe, training, streaming)."""
 
 from __future__ import annotations
 

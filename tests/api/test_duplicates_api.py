@@ -213,8 +213,8 @@ def test_a_scan_in_the_older_format_is_refused_with_what_to_run(scanned, tmp_pat
 
 
 def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys):
-    """After `softsearch dedup`, `index add` says which new items duplicate indexed ones: a byte-identical copy
-    of an indexed file is reported with that file."""
+    """After `softsearch dedup`, `index add` says which new items duplicate indexed ones: a byte-identical
+    copy of an indexed file is reported with that file."""
     root = scanned["root"]
     assert main(["dedup", "--index", str(root), "--calibration-items", "100", "--no-progress"]) == 0
     extra = tmp_path / "extra"  # class folders like the indexed ones (the quality gate scores by class)

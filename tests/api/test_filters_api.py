@@ -158,7 +158,8 @@ def test_client_raises_server_errors_and_reads_service_routes(ss, folder_index):
     [("flat", {}), ("ivf-flat", {"nlist": 4}), ("ivf-pq", {"nlist": 4, "m": 4}), ("hnsw", {"M": 8})],
 )
 def test_item_search_equals_vector_search_for_every_index_kind(tmp_path_factory, api_dataset, kind, params):
-    """POST /v1/search/item == /v1/search/vector with the item's stored embedding: same ids, same p to 1e-6."""
+    """POST /v1/search/item == /v1/search/vector with the item's stored embedding: same ids, same p to
+    1e-6."""
     from api_helpers import make_checkpoint
 
     from index.build import BuildOptions, build_index

@@ -112,7 +112,7 @@ def test_gate_refusals_admin_reload_and_force(tmp_path, capsys):
         root, "--admin-token", ADMIN_TOKEN, "--watch-interval-s", "0", log_path=tmp_path / "serve.log"
     ) as srv:
         url = srv.url
-        # 1. a low-recall ivf-pq build: committed, not activated, exit 1, a message that says why and what to do
+        # 1. a low-recall ivf-pq build: committed, not activated, exit 1, a message saying why and what to do
         rc, out, err = _cli(capsys, *_build(root, ck, *LOW_RECALL, "--notify", url, "--token", ADMIN_TOKEN))
         assert rc == 1 and store.current_version() == v1 and _served(url) == v1
         (v2,) = [v for v in store.versions() if v != v1]

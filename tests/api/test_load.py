@@ -28,8 +28,9 @@ def test_32_clients_zero_errors(api_index, api_dataset, tmp_path):
         res = run_load(url, CLIENTS, DURATION_S, send)
         lat = res["latencies"]
         print(
-            f"\nload: {CLIENTS} clients x {DURATION_S:.0f} s: {res['requests']} requests, {res['qps']:.1f} req/s, "
-            f"p50 {percentile(lat, 50) * 1e3:.1f} ms, p99 {percentile(lat, 99) * 1e3:.1f} ms, "
+            f"\nload: {CLIENTS} clients x {DURATION_S:.0f} s: {res['requests']} requests, "
+            f"{res['qps']:.1f} req/s, p50 {percentile(lat, 50) * 1e3:.1f} ms, "
+            f"p99 {percentile(lat, 99) * 1e3:.1f} ms, "
             f"errors {len(res['errors'])}"
         )
         assert not res["errors"], res["errors"][:5]

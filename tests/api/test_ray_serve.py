@@ -151,8 +151,8 @@ def test_vector_item_batch_and_image_routes_equal_the_single_node_server(ray_app
 
 
 def test_a_swap_under_load_reaches_every_shard_first_and_fails_no_request(ray_app):
-    """POST /v1/admin/reload to a second sharded version while 3 clients query: 0 failed requests, every answer
-    names one version and equals the reference, and after the reload only the new version answers."""
+    """POST /v1/admin/reload to a second sharded version while 3 clients query: 0 failed requests, every
+    answer names one version and equals the reference, and after the reload only the new version answers."""
     import httpx
     from api_helpers import ADMIN_TOKEN
 
@@ -205,9 +205,10 @@ def _replica_actors(shard: str) -> list:
 
 
 def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
-    """Killing shard-001's replicas: while it is down past the shard timeout a query is 503 `shard_unavailable`
-    naming it (no results); a replica the controller replaces within the timeout answers, and then rightly; once
-    replaced, the same answer as before. Never probabilities renormalised over the other shard."""
+    """Killing shard-001's replicas: while it is down past the shard timeout a query is 503
+    `shard_unavailable` naming it (no results); a replica the controller replaces within the timeout answers,
+    and then rightly; once replaced, the same answer as before. Never probabilities renormalised over the
+    other shard."""
     c, ref = ray_app["client"], ray_app["reference"]
     version = IndexStore(ray_app["root"]).current_version()  # the one served (a swap test may have moved it)
     body = {"vector": np.linspace(-1, 1, 16).tolist(), "k": 5}
@@ -215,9 +216,9 @@ def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
     _same(c.post("/v1/search/vector", json=body).json(), want, version)
     actors = _replica_actors("shard-001")
     assert actors, ray.util.list_named_actors(all_namespaces=True)
-    # every replica the controller starts is killed too; whether a query meets the 5 s shard timeout first depends
-    # on how fast Ray replaces it (seconds on a loaded machine, under one on an idle one), so both outcomes are
-    # checked: a 200 must be the right answer, anything else the 503 naming the shard
+    # every replica the controller starts is killed too; whether a query meets the 5 s shard timeout first
+    # depends on how fast Ray replaces it (seconds on a loaded machine, under one on an idle one), so both
+    # outcomes are checked: a 200 must be the right answer, anything else the 503 naming the shard
     deadline = time.monotonic() + 20
     while True:
         for actor in actors:
@@ -246,9 +247,10 @@ def test_a_killed_shard_replica_gives_503_naming_it_then_recovers(ray_app):
 
 
 def test_a_shard_that_stays_down_gives_503_naming_it_until_its_files_return(ray_app):
-    """shard-001's files moved out of the store: its health check fails, Serve replaces the replica and every new
-    one fails too, so the shard stays down and every query is 503 `shard_unavailable` naming it (no results, never
-    probabilities over shard-000 alone) for as long as it is down; files back: the same answer as before."""
+    """shard-001's files moved out of the store: its health check fails, Serve replaces the replica and every
+    new one fails too, so the shard stays down and every query is 503 `shard_unavailable` naming it (no
+    results, never probabilities over shard-000 alone) for as long as it is down; files back: the same answer
+    as before."""
     c, ref = ray_app["client"], ray_app["reference"]
     store = IndexStore(ray_app["root"])
     version = store.current_version()

@@ -1,6 +1,6 @@
-"""Text queries end to end: a (briefly) trained image-text checkpoint, `index build` storing the text tower and a
-calibrated text temperature, HTTP text search equal to the offline search and to numpy brute force, the client,
-`softsearch search --text`, and 409 on a version without a text tower."""
+"""Text queries end to end: a (briefly) trained image-text checkpoint, `index build` storing the text tower
+and a calibrated text temperature, HTTP text search equal to the offline search and to numpy brute force, the
+client, `softsearch search --text`, and 409 on a version without a text tower."""
 
 from __future__ import annotations
 

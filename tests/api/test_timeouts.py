@@ -84,7 +84,7 @@ def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, ap
         data, _ = _read_until_closed(punctual)
         assert data.startswith(b"HTTP/1.1 200"), data
 
-        # the clocks run for the stated time, not less: a fresh silent connection is still open after half of it
+        # the clocks run for the stated time, not less: a fresh silent connection is still open at half of it
         late = _connect(server.url)
         late.settimeout(TIMEOUT_S / 2)
         try:

@@ -1,5 +1,6 @@
-"""A server never evaluates: an admin reload of a version with no quality-gate result is one clear 409, nothing
-changes (store pointer, served version); once `softsearch index activate` has gated it, the server follows."""
+"""A server never evaluates: an admin reload of a version with no quality-gate result is one clear 409,
+nothing changes (store pointer, served version); once `softsearch index activate` has gated it, the server
+follows."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_reload_of_an_ungated_version_is_409_until_the_cli_gates_it(tmp_path, fo
         assert store.current_version() == v1 and store.manifest(v2).quality_gate is None  # nothing recorded
         assert client.get("/readyz").json()["version"] == v1
 
-        # the CLI gates it (a version built from vectors: the recall check on held-out rows, no evaluator call)
+        # the CLI gates it (a version built from vectors: recall check on held-out rows, no evaluator call)
         assert (
             index_main(
                 ["activate", "--root", str(root), v2],

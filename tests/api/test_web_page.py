@@ -41,7 +41,8 @@ def _chromium(tmp_path):
 
 @contextlib.contextmanager
 def page_on(app, tmp_path):
-    """`app` served on a loopback port and headless Chromium on its page: yields (driver, a 60 s wait, url)."""
+    """`app` served on a loopback port and headless Chromium on its page: yields (driver, a 60 s wait,
+    url)."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     with ServerThread(app) as server:
@@ -98,7 +99,8 @@ def test_upload_shows_grid_with_the_item_first(tmp_path, api_index, api_dataset)
         # thumbnails of the results actually loaded
         wait.until(
             lambda d: d.execute_script(
-                "return Array.from(document.querySelectorAll('#results img')).every(i => i.complete && i.naturalWidth > 0)"
+                "return Array.from(document.querySelectorAll('#results img'))"
+                ".every(i => i.complete && i.naturalWidth > 0)"
             )
         )
 
@@ -196,14 +198,15 @@ def test_filter_threshold_and_pages_on_a_folder_index(tmp_path, folder_index):
 def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty_cut_off(
     tmp_path, folder_index
 ):
-    """Before a search no hidden element shows (no broken query-image icon, no page buttons); the similarity bar
-    is max(s, 0) on a labelled 0..1 scale; a cut-off that leaves nothing says so and what to do."""
+    """Before a search no hidden element shows (no broken query-image icon, no page buttons); the similarity
+    bar is max(s, 0) on a labelled 0..1 scale; a cut-off that leaves nothing says so and what to do."""
     from selenium.webdriver.common.by import By
 
     cards_js = (
         "return Array.from(document.querySelectorAll('#results .result')).map(c => ({id: c.dataset.id, "
         "s: parseFloat(c.dataset.similarity), p: parseFloat(c.dataset.probability), "
-        "sim: c.querySelector('.bar.sim span').style.width, prob: c.querySelector('.bar.prob span').style.width}));"
+        "sim: c.querySelector('.bar.sim span').style.width, "
+        "prob: c.querySelector('.bar.prob span').style.width}));"
     )
     app = create_app(Settings(index_root=folder_index["root"], admin_token=ADMIN_TOKEN))
     with page_on(app, tmp_path) as (driver, wait, url):
@@ -234,7 +237,8 @@ def test_page_hides_what_is_hidden_scales_bars_zero_to_one_and_explains_an_empty
         wait.until(lambda d: len(d.execute_script(cards_js)) == 60)
         cards = driver.execute_script(cards_js)
         assert driver.find_element(By.ID, "query-preview").is_displayed()
-        # the query is a random sample: any card but its own (s < 0.99) tells (s+1)/2 from max(s, 0) by > 0.5 points
+        # the query is a random sample: any card but its own (s < 0.99) tells (s+1)/2 from max(s, 0) by
+        # > 0.5 points
         assert min(c["s"] for c in cards) < 0.99, cards
         for c in cards:  # the bar is the cosine itself on 0..1 (negatives empty), the probability itself
             assert abs(float(c["sim"].rstrip("%")) - 100 * max(c["s"], 0.0)) <= 0.051, c

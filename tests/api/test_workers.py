@@ -149,7 +149,8 @@ def test_serve_supervisor_imports_no_model_code():
     (measured: ~40 MB resident instead of ~1.3 GB, bench/serve_memory.py)."""
     code = (
         "import sys, api.cli, api.server, api.config; "
-        "print(sorted(m for m in ('torch', 'faiss', 'api.app', 'search.serving.searcher') if m in sys.modules))"
+        "print(sorted(m for m in ('torch', 'faiss', 'api.app', 'search.serving.searcher') "
+        "if m in sys.modules))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True

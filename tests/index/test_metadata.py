@@ -1,4 +1,5 @@
-"""Per-item metadata (index/metadata.py): built-in folder fields, user files, carried through add/sync/delete."""
+"""Per-item metadata (index/metadata.py): built-in folder fields, user files, carried through
+add/sync/delete."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""`index build --engine ray --shards N`: shards embedded (Ray Data over an actor pool) and built as Ray tasks give
-the single-process build's rows and ids, and a version that gates, calibrates and serves like it."""
+"""`index build --engine ray --shards N`: shards embedded (Ray Data over an actor pool) and built as Ray tasks
+give the single-process build's rows and ids, and a version that gates, calibrates and serves like it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def _build(root, checkpoint, *extra) -> list[str]:
 
 
 def test_engine_ray_refuses_what_it_cannot_build_in_one_line(tmp_path, tiny_checkpoint, capsys):
-    """No --shards, or vectors instead of a dataset: one `error:` line, exit 2, nothing written, no Ray started."""
+    """No --shards, or vectors instead of a dataset: one `error:` line, exit 2, nothing written, no Ray
+    started."""
     vectors = tmp_path / "v.npy"
     np.save(vectors, np.eye(4, dtype=np.float32))
     cases = [
@@ -66,8 +67,9 @@ def test_engine_ray_refuses_what_it_cannot_build_in_one_line(tmp_path, tiny_chec
 
 @pytest.mark.slow  # a local Ray and its embedding actors start in ~30-40 s on 2 shared cores
 def test_ray_build_equals_the_single_process_build(tmp_path, tiny_checkpoint):
-    """Same ids, rows within 1e-6, the quality-gate score of the plain version it replaces and calibrated temperature, and the same served ids
-    and probabilities (to 1e-6) as the plain build; flat shards (write_version) and ivf-flat ones (streamed)."""
+    """Same ids, rows within 1e-6, the quality-gate score of the plain version it replaces and calibrated
+    temperature, and the same served ids and probabilities (to 1e-6) as the plain build; flat shards
+    (write_version) and ivf-flat ones (streamed)."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
     plain, flat, ivf = tmp_path / "plain", tmp_path / "ray-flat", tmp_path / "ray-ivf"

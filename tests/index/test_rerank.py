@@ -27,7 +27,8 @@ def pq():
 
 
 def _brute_reranked(index, data, q, k, r):
-    """Reference: the index's top k*r candidates (FAISS's own search), re-scored with numpy float64, best k."""
+    """Reference: the index's top k*r candidates (FAISS's own search), re-scored with numpy float64, best
+    k."""
     _, cand = index.search(q[None, :], k * r)
     cand = cand[0][cand[0] >= 0]
     s = data[cand].astype(np.float64) @ q.astype(np.float64)
@@ -46,8 +47,8 @@ def test_search_reranked_matches_numpy(pq):
 
 
 def test_tune_with_reranking_reaches_target_and_reports_true_recall(pq):
-    """Without re-ranking these 4-byte codes plateau far below 0.95; with it the tuned pair reaches it, and the
-    recall `tune` reports for that pair is the brute-force recall of the re-ranked search."""
+    """Without re-ranking these 4-byte codes plateau far below 0.95; with it the tuned pair reaches it, and
+    the recall `tune` reports for that pair is the brute-force recall of the re-ranked search."""
     data, index, _ = pq
     rows = fi.tuning_rows(len(data), 400)
     exact = fi.exact_neighbours(data, data[rows], 11)
@@ -134,8 +135,9 @@ def test_auto_build_under_budget_serves_target_recall(tmp_path):
     with TestClient(create_app(Settings(index_root=root))) as http:
         client = SoftsearchClient(http=http)
         served = np.array([[h.row for h in client.search_vector(q.tolist(), k=10).results] for q in queries])
-    # the exact normaliser's one pass over the mapped rows also yields the exact top-k (search/serving/exact_scan.py),
-    # so the served hits are the exact ones (scores to float32 ties), at least as good as the re-ranked PQ search
+    # the exact normaliser's one pass over the mapped rows also yields the exact top-k
+    # (search/serving/exact_scan.py), so the served hits are the exact ones (scores to float32 ties), at least
+    # as good as the re-ranked PQ search
     scores64 = queries.astype(np.float64) @ data.T.astype(np.float64)
     np.testing.assert_allclose(
         np.take_along_axis(scores64, served, 1), np.take_along_axis(scores64, exact, 1), atol=1e-5
@@ -152,7 +154,8 @@ def test_rerank_factor_reads_the_manifest_and_defaults_for_pq():
 
 
 def test_tune_caps_candidates_at_a_share_of_the_collection():
-    """On 300 rows k*r stays <= 300 / RERANK_SHARE: re-ranking everything would be exact search in disguise."""
+    """On 300 rows k*r stays <= 300 / RERANK_SHARE: re-ranking everything would be exact search in
+    disguise."""
     data = clustered_unit(300, 16, seed=2)
     index, _ = fi.build("ivf-pq", data, nlist=4, m=1, nbits=4)
     rows = fi.tuning_rows(300, 100)

@@ -1,4 +1,5 @@
-"""Sharded versions in the store: `index build --shards`, `index reshard`, verify, export / import, refusals."""
+"""Sharded versions in the store: `index build --shards`, `index reshard`, verify, export / import,
+refusals."""
 
 from __future__ import annotations
 
@@ -137,8 +138,9 @@ def test_export_import_of_a_sharded_version(tmp_path, tiny_checkpoint):
 def test_add_and_delete_on_a_sharded_version_equal_them_on_the_unsharded_one(
     tmp_path, tiny_checkpoint, capsys
 ):
-    """`index delete` then `index add` on a 3-shard version give a 3-shard version with the ids, rows and served
-    probabilities (to 1e-6) of the same commands on the unsharded version; the intermediates are gone."""
+    """`index delete` then `index add` on a 3-shard version give a 3-shard version with the ids, rows and
+    served probabilities (to 1e-6) of the same commands on the unsharded version; the intermediates are
+    gone."""
     import shutil
 
     from fastapi.testclient import TestClient

@@ -52,8 +52,8 @@ def _codes(index) -> list[bytes]:
 
 @pytest.mark.parametrize("kind", ["ivf-flat", "ivf-pq"])
 def test_streamed_lists_equal_the_in_ram_build(tmp_path, kind):
-    """Same rows, same trained quantizer: every list holds the same rows, in the same order, with the same codes
-    as FAISS's own add() in RAM, although the rows came in chunks of 700 across uneven shards."""
+    """Same rows, same trained quantizer: every list holds the same rows, in the same order, with the same
+    codes as FAISS's own add() in RAM, although the rows came in chunks of 700 across uneven shards."""
     x = _clustered(6000, 32)
     source = _shards(tmp_path, x, [1000, 2500, 7, 2493])
     staging = tmp_path / "v"

@@ -215,9 +215,9 @@ def test_sync_cli_summary_and_user_errors(tmp_path, folders, tiny_checkpoint, ca
 def test_sync_of_a_sharded_version_reembeds_only_the_changes_and_stays_sharded(
     tmp_path, folders, tiny_checkpoint, embedded_ids, capsys
 ):
-    """`index sync` on a 3-shard version: the file records survive the reshard, so exactly the added and modified
-    files are embedded; the result is a 3-shard version with a fresh build's ids and rows; a second sync is in step
-    and writes nothing."""
+    """`index sync` on a 3-shard version: the file records survive the reshard, so exactly the added and
+    modified files are embedded; the result is a 3-shard version with a fresh build's ids and rows; a second
+    sync is in step and writes nothing."""
     from index.shards import ShardedVersion, reshard
 
     folder, spare = folders

@@ -1,5 +1,6 @@
 """Bring your own vectors: `index build --embeddings FILE [--ids FILE] [--metadata FILE]` on real .npy files,
-checked against numpy (normalisation, exact search), and the recall-check gate of versions without an encoder."""
+checked against numpy (normalisation, exact search), and the recall-check gate of versions without an
+encoder."""
 
 from __future__ import annotations
 
@@ -211,8 +212,8 @@ def test_held_out_recall_matches_brute_force_and_excludes_tuning_rows(tmp_path):
 
 
 def test_cli_add_vectors_extends_the_version(tmp_path, capsys):
-    """`index add --embeddings` onto a version built from vectors: rows appended (normalised), ids continue the
-    row numbers or come from --ids, metadata merged, served search still exact; clashing ids refused."""
+    """`index add --embeddings` onto a version built from vectors: rows appended (normalised), ids continue
+    the row numbers or come from --ids, metadata merged, served search still exact; clashing ids refused."""
     x = clustered(1500, 16, seed=8)
     np.save(tmp_path / "a.npy", x[:1000])
     np.save(tmp_path / "b.npy", x[1000:1300].astype(np.float16))
