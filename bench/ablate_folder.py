@@ -325,7 +325,8 @@ TOWERS = {  # untrained towers: what the architecture's pooling alone buys over 
 
 
 def towers(collections: list[str], split_seed: int = 0, init_seeds=(0, 1)) -> int:
-    """Untrained towers vs pixels on the seed-0 split (no training): bench/results/ablate_folder_towers.json."""
+    """Untrained towers vs pixels on the seed-0 split (no training):
+    bench/results/ablate_folder_towers.json."""
     import torch
 
     from training.checkpoint import save_checkpoint

@@ -1,5 +1,5 @@
-"""GPU against CPU, side by side, for the steps bench/gpu_check.sh cannot time from the shell: embedding with a
-trained checkpoint, building and searching every index kind, and exact search.
+"""GPU against CPU, side by side, for the steps bench/gpu_check.sh cannot time from the shell: embedding with
+a trained checkpoint, building and searching every index kind, and exact search.
 
 Embedding: `training.encoder.embed` of synthetic images on cuda and on the CPU. Index kinds:
 `faiss_index.build` (on the GPU when FAISS is a GPU build and sees GPUs, `use_gpu`; HNSW always on the CPU)

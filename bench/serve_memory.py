@@ -83,7 +83,8 @@ def workers_of(pid: int) -> list[int]:
 
 class Serve:
     """`softsearch serve` on `root` (api.launch.serve_process) until /readyz answers in every worker
-    (with --workers); `url`, `proc`, `ready_s` (start to ready: checksums, index, ids, encoder, normaliser)."""
+    (with --workers); `url`, `proc`, `ready_s` (start to ready: checksums, index, ids, encoder,
+    normaliser)."""
 
     def __init__(self, root: Path, workers: int = 1, extra: tuple[str, ...] = ()):
         self.root, self.workers, self.extra = root, workers, extra

@@ -29,7 +29,8 @@ def _thumb(snapshot, item_id: str) -> str:
 
 
 def probability_figure(result: dict) -> bytes:
-    """Histogram of the candidate pairs' p (log counts) beside the synthetic copies' p, the threshold marked."""
+    """Histogram of the candidate pairs' p (log counts) beside the synthetic copies' p, the threshold
+    marked."""
     from search.figures import png_bytes, pyplot
 
     plt = pyplot()

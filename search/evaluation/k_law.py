@@ -349,8 +349,8 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
 
 
 def plot_k_law(result: KLawResult) -> bytes:
-    """PNG bytes: risk and E H(q,p) vs k (left) and k x gap (right), the table's estimator with 95 % intervals;
-    the right title is `k_law_summary`'s sentence."""
+    """PNG bytes: risk and E H(q,p) vs k (left) and k x gap (right), the table's estimator with 95 %
+    intervals; the right title is `k_law_summary`'s sentence."""
     import textwrap
 
     plt = pyplot()

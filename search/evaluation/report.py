@@ -1,8 +1,9 @@
 """Evaluation report: plots (PNG bytes), one self-contained HTML page, report.json, a stdout table.
 
 The HTML embeds every plot as a base64 PNG so the file can be mailed or archived alone.
-Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
-Every plot has a caption underneath (<figcaption>); the settings table states n, d and every test's setup.
+Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity,
+tail, compare. Every plot has a caption underneath (<figcaption>); the settings table states n, d and every
+test's setup.
 """
 
 from __future__ import annotations
