@@ -1,5 +1,5 @@
-"""The streamed build at 10^6 .. 3x10^7 vectors: build time and peak RSS per size, recall@10 of the served
-version.
+"""The streamed build at 10^6 .. 3x10^7 vectors: build time and peak RSS per size, recall@10 of the
+served version.
 
 For each size N, clustered vectors (d = 64, the generator of bench/index_kinds.py: unit centres, seed 123,
 plus isotropic noise) are generated chunk by chunk with a seed and written to a .npy file, so this script
@@ -19,7 +19,8 @@ recall of both.
 Resumable: each finished size is kept in bench/results/build_scale_sizes.json and skipped on a rerun
 (--sizes picks sizes; --redo recomputes). The data of a size is deleted after it (--keep-data keeps it).
 
-    nice -n 19 .venv/bin/python bench/build_scale.py --sizes 1e6,1e7,3e7   # writes bench/results/build_scale.json
+    # writes bench/results/build_scale.json
+    nice -n 19 .venv/bin/python bench/build_scale.py --sizes 1e6,1e7,3e7
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ against the same kind created, trained and filled on the CPU, both searched for 
 Exact search: FAISS on the GPU (GpuIndexFlatIP) when it has GPUs, else torch on cuda (q @ x^T, top-k), each
 checked against FAISS's CPU brute force (the same top-k rows). Without a CUDA GPU it says so and exits 0.
 
-    .venv/bin/python bench/gpu_check.py --checkpoint runs/x/checkpoint.safetensors   # bench/results/gpu_check.json
+    # writes bench/results/gpu_check.json
+    .venv/bin/python bench/gpu_check.py --checkpoint runs/x/checkpoint.safetensors
 """
 
 from __future__ import annotations

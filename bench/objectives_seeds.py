@@ -7,10 +7,11 @@ k-list {1, 2, 5, 10, 20, 50} at kNN temperature 0.1, and the label cross-entropy
 calibrated search temperature. Each (objective, seed) is its own run directory; a run that was
 interrupted resumes from its last checkpoint (every 100 steps), a finished one is never redone.
 
-    .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]   # run what is missing
-    .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0        # one run
-    .venv/bin/python bench/objectives_seeds.py report                                      # the JSON table only
-    .venv/bin/python bench/objectives_seeds.py gaussianity --runs-dir R    # diagnostics for runs finished before them
+    .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]  # run what is missing
+    .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0     # one run
+    .venv/bin/python bench/objectives_seeds.py report                                    # the JSON table only
+    # diagnostics for runs finished before them:
+    .venv/bin/python bench/objectives_seeds.py gaussianity --runs-dir R
 
 Each run is a child process, so a long sweep picks up code that changed while it ran. Finished
 runs leave `bench/results/objectives_seeds/<objective>-seed<k>.json` (figures) and `.npz`
@@ -121,9 +122,9 @@ OBJECTIVES: dict[str, dict] = {
         }
         for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))
     },
-    # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t (E|h|^2 - log det Cov
-    # h), alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation (E|h|^2 - log det ~ 370
-    # there)
+    # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t
+    # (E|h|^2 - log det Cov h), alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation
+    # (E|h|^2 - log det ~ 370 there)
     "infonce-t0.1-greg": {
         "loss": "infonce",
         "loss_options": {},
