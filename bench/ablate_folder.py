@@ -306,7 +306,8 @@ def run_one(
             (run_dir / f).unlink(missing_ok=True)
     p = res["precision"]
     print(
-        f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
+        f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} "
+        f"trained {p['trained']['p@10']:.3f} "
         f"(vs pixels {res['trained_vs_pixels']['mean']:+.3f} [{res['trained_vs_pixels']['low']:+.3f}, "
         f"{res['trained_vs_pixels']['high']:+.3f}]) {train_s:.0f} s wall, {cpu_s:.0f} s cpu",
         flush=True,

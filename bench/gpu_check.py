@@ -52,7 +52,8 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check here"
+            "gpu_check: no CUDA GPU on this machine "
+            "(torch.cuda.is_available() is False); nothing to check here"
         )
         return 0
     rows = []

@@ -184,9 +184,10 @@ def fit_model(
     bound = ""
     if share >= max_share:
         bound = (
-            f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
-            "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
-            "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies"
+            f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: "
+            "the synthetic copies look no more alike than this collection's neighbours (the edits the fit "
+            "knows do not tell them apart); inspect the page and raise --threshold, or check the "
+            "collection is not mostly copies"
         )
     share = max(share, MIN_SHARE)
     model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])

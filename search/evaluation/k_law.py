@@ -79,7 +79,8 @@ class LatentSampler:
     ):
         if m < 1 or not kappa > 0 or not temperature > 0:
             raise ValueError(
-                f"need m >= 1, kappa > 0, temperature > 0; got m={m}, kappa={kappa}, temperature={temperature}"
+                f"need m >= 1, kappa > 0, temperature > 0; got "
+                f"m={m}, kappa={kappa}, temperature={temperature}"
             )
         self.m, self.kappa, self.temperature = int(m), float(kappa), float(temperature)
         self.embed = embed or _oracle
