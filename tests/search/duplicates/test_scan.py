@@ -1,7 +1,7 @@
 """The duplicate scan against planted truth (generated pictures and real Tux Paint stamps), its parts against
-independent computations: the EM fit against the exact posterior of a known mixture, the threshold rule and
-the groups against brute force, the alignment against a known crop; flips only when asked; bad files
-skipped."""
+independent computations: the monotone positive-unlabelled fit against the exact posterior of a known mixture,
+the threshold rule and the groups against brute force, the alignment against a known crop; flips only when
+asked; bad files skipped."""
 
 from __future__ import annotations
 
