@@ -15,7 +15,10 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 def machine() -> str:
     """One line naming the machine: CPU count, platform, torch device if any."""
-    desc = f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()} {platform.release()}, python {platform.python_version()}"
+    desc = (
+        f"{platform.machine()} {os.cpu_count()} cpu, {platform.system()} {platform.release()}, "
+        f"python {platform.python_version()}"
+    )
     try:
         import torch
 

@@ -306,7 +306,8 @@ def run_one(
             (run_dir / f).unlink(missing_ok=True)
     p = res["precision"]
     print(
-        f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} trained {p['trained']['p@10']:.3f} "
+        f"{name}: pixels {p['pixels']['p@10']:.3f} init {p['init']['p@10']:.3f} "
+        f"trained {p['trained']['p@10']:.3f} "
         f"(vs pixels {res['trained_vs_pixels']['mean']:+.3f} [{res['trained_vs_pixels']['low']:+.3f}, "
         f"{res['trained_vs_pixels']['high']:+.3f}]) {train_s:.0f} s wall, {cpu_s:.0f} s cpu",
         flush=True,
@@ -325,7 +326,8 @@ TOWERS = {  # untrained towers: what the architecture's pooling alone buys over 
 
 
 def towers(collections: list[str], split_seed: int = 0, init_seeds=(0, 1)) -> int:
-    """Untrained towers vs pixels on the seed-0 split (no training): bench/results/ablate_folder_towers.json."""
+    """Untrained towers vs pixels on the seed-0 split (no training):
+    bench/results/ablate_folder_towers.json."""
     import torch
 
     from training.checkpoint import save_checkpoint

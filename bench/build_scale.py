@@ -1,23 +1,26 @@
-"""The streamed build at 10^6 .. 3x10^7 vectors: build time and peak RSS per size, recall@10 of the served version.
+"""The streamed build at 10^6 .. 3x10^7 vectors: build time and peak RSS per size, recall@10 of the
+served version.
 
-For each size N, clustered vectors (d = 64, the generator of bench/index_kinds.py: unit centres, seed 123, plus
-isotropic noise) are generated chunk by chunk with a seed and written to a .npy file, so this script never holds
-them. The build is the real command, `softsearch index build --embeddings FILE --kind ivf-pq` (index/stream.py:
-trained on a bounded sample, lists on disk, tuned and gated), run in a child process whose peak RSS is its
-ru_maxrss (os.wait4). The served version is then loaded as the server loads it (IndexStore.load) and 1000
-held-out query vectors (same distribution, not stored) are searched as the server searches
-(faiss_index.search_reranked at the tuned nprobe and re-rank factor); recall@10 against exact search
+For each size N, clustered vectors (d = 64, the generator of bench/index_kinds.py: unit centres, seed 123,
+plus isotropic noise) are generated chunk by chunk with a seed and written to a .npy file, so this script
+never holds them. The build is the real command, `softsearch index build --embeddings FILE --kind ivf-pq`
+(index/stream.py: trained on a bounded sample, lists on disk, tuned and gated), run in a child process whose
+peak RSS is its ru_maxrss (os.wait4). The served version is then loaded as the server loads it
+(IndexStore.load) and 1000 held-out query vectors (same distribution, not stored) are searched as the server
+searches (faiss_index.search_reranked at the tuned nprobe and re-rank factor); recall@10 against exact search
 (faiss.knn over row blocks of the stored vectors, merged).
 
-Baseline, side by side where the vectors fit in RAM (--baseline-max, default 10^7): what a user would otherwise
-write, plain FAISS in a child process: np.load the file, normalise, index_factory("IVF{nlist},PQ{m}x8np") with
-the same nlist and m, train (FAISS subsamples 256 nlist rows) + add in one call, searched at the same nprobe
-without re-ranking. Per size it records build seconds, peak RSS and recall of both.
+Baseline, side by side where the vectors fit in RAM (--baseline-max, default 10^7): what a user would
+otherwise write, plain FAISS in a child process: np.load the file, normalise,
+index_factory("IVF{nlist},PQ{m}x8np") with the same nlist and m, train (FAISS subsamples 256 nlist rows) + add
+in one call, searched at the same nprobe without re-ranking. Per size it records build seconds, peak RSS and
+recall of both.
 
 Resumable: each finished size is kept in bench/results/build_scale_sizes.json and skipped on a rerun
 (--sizes picks sizes; --redo recomputes). The data of a size is deleted after it (--keep-data keeps it).
 
-    nice -n 19 .venv/bin/python bench/build_scale.py --sizes 1e6,1e7,3e7   # writes bench/results/build_scale.json
+    # writes bench/results/build_scale.json
+    nice -n 19 .venv/bin/python bench/build_scale.py --sizes 1e6,1e7,3e7
 """
 
 from __future__ import annotations

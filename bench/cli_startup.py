@@ -1,9 +1,10 @@
-"""How long `softsearch CMD --help` and a mistyped flag take, against the import the parsers used to pay first.
+"""How long `softsearch CMD --help` and a mistyped flag take, against the import the parsers used to pay
+first.
 
 Each case runs in a fresh interpreter (`python -m api.cli ...`), median of --repeats runs. The baseline is a
 fresh interpreter importing torch and FAISS and the modules each command's code needs (what every one of these
-paid before it parsed its arguments, before issue 44), timed the same way, so the ratio is what the parse-first
-order saves on this machine at its current load.
+paid before it parsed its arguments, before issue 44), timed the same way, so the ratio is what the
+parse-first order saves on this machine at its current load.
 """
 
 from __future__ import annotations

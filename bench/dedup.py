@@ -1,13 +1,14 @@
-"""Near-duplicates on a real folder with planted edited copies: softsearch's scan against dHash, pHash (imagehash),
-PDQ (pdqhash) and, with --checkpoint, cosine >= 0.99 on the encoder's embeddings (immich's rule).
+"""Near-duplicates on a real folder with planted edited copies: softsearch's scan against dHash, pHash
+(imagehash), PDQ (pdqhash) and, with --checkpoint, cosine >= 0.99 on the encoder's embeddings (immich's rule).
 
 A random --planted share of the folder's images (at most --max-items of them) gets one or two edited copies
 (search/duplicates/edits.py: JPEG, resize, crop <= 20 %, rotation <= 5 degrees, brightness/contrast/colour,
 overlay, format change). Truth: the planted pairs, plus files whose decoded pixels are identical, closed
 transitively. The scan runs at its label-free defaults (search/duplicates/scan.py). Reported: pair precision,
-recall, F1 over the pairs inside its groups (what a user gets), and over the kept pairs alone; the hashes at their usual cut-off and at their best cut-off in hindsight (chosen on the truth);
-ECE of the scan's pair probabilities (all scored pairs, and the pairs at p >= 0.05); recall per edit; the
-estimated share of items with a duplicate against the true one; seconds.
+recall, F1 over the pairs inside its groups (what a user gets), and over the kept pairs alone; the hashes at
+their usual cut-off and at their best cut-off in hindsight (chosen on the truth); ECE of the scan's pair
+probabilities (all scored pairs, and the pairs at p >= 0.05); recall per edit; the estimated share of items
+with a duplicate against the true one; seconds.
 
     .venv/bin/python bench/dedup.py --folder DIR --name NAME [--planted 0.2] [--max-items 1000]
 """
@@ -51,7 +52,8 @@ def plant(files: list[Path], share: float, rng) -> tuple[list, dict, set]:
 
 
 def truth_pairs(pixels: list, planted: set) -> set[frozenset]:
-    """Planted pairs and identical-pixel pairs, closed transitively (a copy of a file stored twice is both's)."""
+    """Planted pairs and identical-pixel pairs, closed transitively (a copy of a file stored twice is
+    both's)."""
     parent = list(range(len(pixels)))
 
     def root(x):
@@ -161,8 +163,8 @@ def main(argv=None) -> int:
     threshold = DedupConfig().threshold
     keep = scan.p >= threshold
     direct = {frozenset((int(a), int(b))) for a, b in zip(scan.a[keep], scan.b[keep])}
-    # what a user gets is groups: every pair inside a group is a duplicate pair (the hashes, thresholded on all
-    # pairs, get their cliques whole; a scan's candidates link a clique of ten copies through a few pairs)
+    # what a user gets is groups: every pair inside a group is a duplicate pair (the hashes, thresholded on
+    # all pairs, get their cliques whole; a scan's candidates link a clique of ten copies through a few pairs)
     found = truth_pairs(list(range(n)), {tuple(p) for p in direct})
     prec, rec, f1 = scores(found, truth)
     dprec, drec, df1 = scores(direct, truth)

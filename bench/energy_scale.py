@@ -36,7 +36,8 @@ from _common import row, write_results  # noqa: E402
 
 
 def fixed_batches(config, n_batches: int):
-    """`n_batches` pairs of view tensors from the run's own data and generator, away from its training steps."""
+    """`n_batches` pairs of view tensors from the run's own data and generator, away from its training
+    steps."""
     from training.trainer import batch_indices, build_data, sample_views
 
     dataset, generator = build_data(config)

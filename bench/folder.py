@@ -176,8 +176,9 @@ def _bench(args, work: Path) -> int:
     cache_read = len(train_ds) / (time.perf_counter() - t0)
     cache_bytes = train_ds.cache.nbytes + test_ds.cache.nbytes
     print(
-        f"cache: {n_files} files decoded in {decode_s:.1f} s ({train_ds.cache.info['workers']} workers; first use "
-        f"incl. hashing {first_use:.1f} s), {cache_bytes / 2**20:.1f} MiB; on demand {on_demand:.0f} img/s"
+        f"cache: {n_files} files decoded in {decode_s:.1f} s "
+        f"({train_ds.cache.info['workers']} workers; first use incl. hashing "
+        f"{first_use:.1f} s), {cache_bytes / 2**20:.1f} MiB; on demand {on_demand:.0f} img/s"
     )
 
     # 2. training step, folder vs Fashion-MNIST, alternating rounds

@@ -5,11 +5,11 @@ Throughput: time of one (Q, d) x (d, N) fp32 matrix product on the device divide
 >= 0.5), for the latent generator (log r computed on the device) and the label fast path.
 A second baseline runs the same products tile by tile and discards them (no Q x N output
 to write: at N = 1e6 the plain product spends most of its time writing 16 GB), the stricter
-reference. The default path (fused tile kernels on CPU at these sizes, search/evaluation/fused.py) is also timed
-against the eager online-max walk (`fused=False`). Memory: peak memory of `softmax_gap` vs the dense reference `softmax_gap_dense` at the same shape
-(GPU: torch peak allocation; CPU: peak RSS growth of a fresh child process). The dense reference
-is measured only while its estimated footprint (about 8 float64 Q x N matrices) fits
-`--dense-limit-gb`; otherwise its estimate is reported.
+reference. The default path (fused tile kernels on CPU at these sizes, search/evaluation/fused.py) is also
+timed against the eager online-max walk (`fused=False`). Memory: peak memory of `softmax_gap` vs the dense
+reference `softmax_gap_dense` at the same shape (GPU: torch peak allocation; CPU: peak RSS growth of a fresh
+child process). The dense reference is measured only while its estimated footprint (about 8 float64 Q x N
+matrices) fits `--dense-limit-gb`; otherwise its estimate is reported.
 
     .venv/bin/python bench/gap.py            # GPU: Q=4096, N=1e5; CPU (2 shared cores): Q=1024, N=2e4
     .venv/bin/python bench/gap.py --full     # N = 1e6

@@ -1,5 +1,5 @@
-"""GPU against CPU, side by side, for the steps bench/gpu_check.sh cannot time from the shell: embedding with a
-trained checkpoint, building and searching every index kind, and exact search.
+"""GPU against CPU, side by side, for the steps bench/gpu_check.sh cannot time from the shell: embedding with
+a trained checkpoint, building and searching every index kind, and exact search.
 
 Embedding: `training.encoder.embed` of synthetic images on cuda and on the CPU. Index kinds:
 `faiss_index.build` (on the GPU when FAISS is a GPU build and sees GPUs, `use_gpu`; HNSW always on the CPU)
@@ -7,7 +7,8 @@ against the same kind created, trained and filled on the CPU, both searched for 
 Exact search: FAISS on the GPU (GpuIndexFlatIP) when it has GPUs, else torch on cuda (q @ x^T, top-k), each
 checked against FAISS's CPU brute force (the same top-k rows). Without a CUDA GPU it says so and exits 0.
 
-    .venv/bin/python bench/gpu_check.py --checkpoint runs/x/checkpoint.safetensors   # bench/results/gpu_check.json
+    # writes bench/results/gpu_check.json
+    .venv/bin/python bench/gpu_check.py --checkpoint runs/x/checkpoint.safetensors
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         print(
-            "gpu_check: no CUDA GPU on this machine (torch.cuda.is_available() is False); nothing to check here"
+            "gpu_check: no CUDA GPU on this machine "
+            "(torch.cuda.is_available() is False); nothing to check here"
         )
         return 0
     rows = []

@@ -6,11 +6,11 @@ embeddings, the version's checkpoint, the same decode and preprocessing, no prob
 batching, no limits or metrics). One closed-loop client (threads in this process, each on a
 keep-alive connection POSTing a random query image as multipart form data and reading the answer
 before the next; http.client with pre-built bodies, so the client costs little of the machine the
-servers share) drives one server at a time at 1, 8 and 32 clients, in interleaved rounds (the order alternates every round), so the
-shared machine's load hits both alike; rows pool each server's rounds (QPS = answers / seconds,
-p50 / p99 over all latencies) and give the product / plain ratio, with the median and the worst of
-the per-round ratios. Both get the same torch thread
-count (`--torch-threads`, default 1), the product its default batching.
+servers share) drives one server at a time at 1, 8 and 32 clients, in interleaved rounds (the order alternates
+every round), so the shared machine's load hits both alike; rows pool each server's rounds (QPS = answers /
+seconds, p50 / p99 over all latencies) and give the product / plain ratio, with the median and the worst of
+the per-round ratios. Both get the same torch thread count (`--torch-threads`, default 1), the product its
+default batching.
 
 Cases: a folder index of the tuxpaint clip-art corpus (configs/folder.toml's tower, queries = 64
 of its real PNG files, uploaded as they are on disk) and a synthetic index (2000 items, the

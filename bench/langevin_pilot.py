@@ -1,4 +1,5 @@
-"""Pilot: is the sweep's Langevin noise (bench/objectives_seeds.py LANGEVIN) neither negligible nor destructive?
+"""Pilot: is the sweep's Langevin noise (bench/objectives_seeds.py LANGEVIN) neither negligible nor
+destructive?
 
 Trains the ``anneal-langevin`` objective of bench/objectives_seeds.py (log-annealed InfoNCE on
 configs/fashion-mnist.toml) for a few steps twice, with its Langevin noise and with the noise off

@@ -12,8 +12,8 @@ grey-pixel neighbours, both augmented), same step budget and seed; only the obje
 Labels are used only to evaluate: kNN accuracy of test queries against the train database
 (k=200 weighted by exp(s/0.07), and k=20 with the same weights), recall@10 (a same-label item in
 the top 10), precision@10 and the label cross-entropy gap KL(q || p) of the softmax search at the
-training tau and at the calibrated tau (search/evaluation/gap.py, search/evaluation/calibration.py). Baseline: cosine
-kNN (k=5 majority) on raw 784-d pixels, on the same subsets and on the full 60k/10k split.
+training tau and at the calibrated tau (search/evaluation/gap.py, search/evaluation/calibration.py). Baseline:
+cosine kNN (k=5 majority) on raw 784-d pixels, on the same subsets and on the full 60k/10k split.
 
     .venv/bin/python bench/objectives.py [--steps 300] [--db-size 10000] [--queries 2000] [--config C]
 

@@ -7,10 +7,11 @@ k-list {1, 2, 5, 10, 20, 50} at kNN temperature 0.1, and the label cross-entropy
 calibrated search temperature. Each (objective, seed) is its own run directory; a run that was
 interrupted resumes from its last checkpoint (every 100 steps), a finished one is never redone.
 
-    .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]   # run what is missing
-    .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0        # one run
-    .venv/bin/python bench/objectives_seeds.py report                                      # the JSON table only
-    .venv/bin/python bench/objectives_seeds.py gaussianity --runs-dir R    # diagnostics for runs finished before them
+    .venv/bin/python bench/objectives_seeds.py sweep [--objectives A,B] [--seeds 0,1,2]  # run what is missing
+    .venv/bin/python bench/objectives_seeds.py run --objective infonce-t0.5 --seed 0     # one run
+    .venv/bin/python bench/objectives_seeds.py report                                    # the JSON table only
+    # diagnostics for runs finished before them:
+    .venv/bin/python bench/objectives_seeds.py gaussianity --runs-dir R
 
 Each run is a child process, so a long sweep picks up code that changed while it ran. Finished
 runs leave `bench/results/objectives_seeds/<objective>-seed<k>.json` (figures) and `.npz`
@@ -121,8 +122,9 @@ OBJECTIVES: dict[str, dict] = {
         }
         for start, end in ((1.0, 0.5), (0.5, 0.2), (0.5, 0.1))
     },
-    # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h),
-    # alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation (E|h|^2 - log det ~ 370 there)
+    # issue 31 item 4: InfoNCE at its best tau with the Gaussianity regulariser alpha_t
+    # (E|h|^2 - log det Cov h), alpha_t = 0.01 / (1 + t/500); 0.01 puts it at ~1 nat at initialisation
+    # (E|h|^2 - log det ~ 370 there)
     "infonce-t0.1-greg": {
         "loss": "infonce",
         "loss_options": {},
@@ -142,9 +144,10 @@ OBJECTIVES: dict[str, dict] = {
         "steps": 4000,
     },
     # issue 31 item 2: Langevin annealing with c above the measured energy scale (bench/energy_scale.py: the
-    # straight-path barrier between two tau-0.1 minima from one initialisation is 0.68 nats), softmax temperature fixed at the best tau.
-    # Every noise schedule starts at T_0 = c / log(t_0) = 0.434 (c = 1, t_0 = 10); log ends at c / log(2010) = 0.131,
-    # exp is tuned to end there too, cosine decays to 0 over the run; "none" is infonce-t0.1 itself.
+    # straight-path barrier between two tau-0.1 minima from one initialisation is 0.68 nats), softmax
+    # temperature fixed at the best tau. Every noise schedule starts at T_0 = c / log(t_0) = 0.434 (c = 1, t_0
+    # = 10); log ends at c / log(2010) = 0.131, exp is tuned to end there too, cosine decays to 0 over the
+    # run; "none" is infonce-t0.1 itself.
     **{
         f"langevin-{name}-t0.1": {
             "loss": "infonce",
@@ -167,8 +170,8 @@ OBJECTIVES: dict[str, dict] = {
             ("cosine", {"tau_min": 0.0, "tau_max": LANGEVIN_T0, "period": 2.0 * STEPS}),
         )
     },
-    # ... and the log form with c = 5 nats, above the largest estimate (straight paths between minima of different
-    # seeds: 3.8-4.5 nats, an upper bound since the networks are not aligned for permutations)
+    # ... and the log form with c = 5 nats, above the largest estimate (straight paths between minima of
+    # different seeds: 3.8-4.5 nats, an upper bound since the networks are not aligned for permutations)
     "langevin-log-c5-t0.1": {
         "loss": "infonce",
         "loss_options": {},
@@ -322,7 +325,8 @@ def query_gaussianity(encoder, queries, n: int = 4000) -> dict:
 
 
 def cmd_gaussianity(args) -> int:
-    """Add the Gaussianity diagnostics to finished runs that lack them (runs evaluated before they existed)."""
+    """Add the Gaussianity diagnostics to finished runs that lack them (runs evaluated before they
+    existed)."""
     from training.checkpoint import load_checkpoint
     from training.datasets import create_dataset
 

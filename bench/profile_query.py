@@ -89,7 +89,8 @@ def http_median(
 
 
 def image_server(version_dir: str, port: int) -> None:
-    """Child process: the app over Searcher.from_parts(a 512-d default tower, the version), served by uvicorn."""
+    """Child process: the app over Searcher.from_parts(a 512-d default tower, the version), served by
+    uvicorn."""
     import torch
     import uvicorn
 

@@ -83,7 +83,8 @@ def workers_of(pid: int) -> list[int]:
 
 class Serve:
     """`softsearch serve` on `root` (api.launch.serve_process) until /readyz answers in every worker
-    (with --workers); `url`, `proc`, `ready_s` (start to ready: checksums, index, ids, encoder, normaliser)."""
+    (with --workers); `url`, `proc`, `ready_s` (start to ready: checksums, index, ids, encoder,
+    normaliser)."""
 
     def __init__(self, root: Path, workers: int = 1, extra: tuple[str, ...] = ()):
         self.root, self.workers, self.extra = root, workers, extra
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         "--serve-arg",
         action="append",
         default=[],
-        help="extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50",
+        help=(
+            "extra `softsearch serve` option for the N=1e6 servers (repeatable), e.g. --serve-arg=--max-k=50"
+        ),
     )
     p.add_argument("--release-cost", type=Path, default=None, help=argparse.SUPPRESS)  # the timing subprocess
     args = p.parse_args(argv)
@@ -343,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                 kept,
             )
         )
-    note = f"1-min load average {os.getloadavg()[0]:.1f} at the end; serve options: {' '.join(extra) or 'defaults'}"
+    note = (
+        f"1-min load average {os.getloadavg()[0]:.1f} at the end; "
+        f"serve options: {' '.join(extra) or 'defaults'}"
+    )
     write_results("serve_memory", rows, machine_note=note)
     return 0
 

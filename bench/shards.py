@@ -3,9 +3,10 @@
 (in-process fan-out), and as a 1-, 2- and 4-shard version on Ray Serve (`serve --engine ray`: a deployment per
 shard, the ingress merging), all in one run on this machine, under the shared closed-loop load tool
 (bench/_common.py). Then the build: the same synthetic images embedded and indexed by `index build` in one
-process and by `index build --engine ray --shards 2` (Ray tasks, Ray Data actors), rows checked equal. The ingress's overhead per query is measured
-apart, where the scan costs next to nothing: a 2000-item version, one client, sequential queries, Ray 1-shard
-p50 minus `serve` p50 (the proxy -> ingress -> shard hops and the merge).
+process and by `index build --engine ray --shards 2` (Ray tasks, Ray Data actors), rows checked equal. The
+ingress's overhead per query is measured apart, where the scan costs next to nothing: a 2000-item version, one
+client, sequential queries, Ray 1-shard p50 minus `serve` p50 (the proxy -> ingress -> shard hops and the
+merge).
 
 Every configuration answers the same queries; the script first checks that each returns the baseline's ids
 and probabilities (to 1e-6) before it times anything.
@@ -66,8 +67,8 @@ def sharded_copy(whole: Path, dest: Path, shards: int) -> Path:
 
 
 def load(url: str, bodies: list[dict], clients: int, duration: float) -> dict:
-    """The shared closed loop (bench/_common.py): `clients` keep-alive connections posting pre-encoded bodies for
-    `duration` s -> QPS, p50, p99 (ms), errors."""
+    """The shared closed loop (bench/_common.py): `clients` keep-alive connections posting pre-encoded bodies
+    for `duration` s -> QPS, p50, p99 (ms), errors."""
     encoded = [json.dumps(b).encode() for b in bodies]
     r = closed_loop(
         url, "/v1/search/vector", encoded, {"Content-Type": "application/json"}, clients, duration
@@ -82,9 +83,9 @@ def load(url: str, bodies: list[dict], clients: int, duration: float) -> dict:
 
 
 def ray_build(tmp: Path, size: int, shards: int, batch: int) -> list[dict]:
-    """Rows: the default encoder (random weights) embedding `size` synthetic images and building a flat version,
-    by `build_index` in this process and by `build_on_ray` with `shards` shards (one actor of 1 CPU each) on the
-    running Ray; the two versions' rows are checked equal (1e-6) first."""
+    """Rows: the default encoder (random weights) embedding `size` synthetic images and building a flat
+    version, by `build_index` in this process and by `build_on_ray` with `shards` shards (one actor of 1 CPU
+    each) on the running Ray; the two versions' rows are checked equal (1e-6) first."""
     import torch
 
     from index.build import BuildOptions, build_index

@@ -21,8 +21,9 @@ its own keep-alive connection (http.client, bodies built once: ~0.1 ms of client
 a random held-out query and reading the whole answer before the next. Per server: recall@k over all
 held-out queries against the exact float32 top-k, then QPS, p50/p99 and the server's CPU time per
 answered query (its process tree's user + system time over the run: the figure the machine's other
-load disturbs least) at each client count, then the resident memory of its process tree. softsearch's probabilities are checked against a float64 brute force.
-The machine's load average (other processes share it) is recorded before and after every server.
+load disturbs least) at each client count, then the resident memory of its process tree. softsearch's
+probabilities are checked against a float64 brute force. The machine's load average (other processes share it)
+is recorded before and after every server.
 
     python bench/vs_vectordb.py                              # 10^5 x 512: ~10 minutes on 2 shared cores
     python bench/vs_vectordb.py --n 20000 --duration 3 --systems softsearch-binary chroma

@@ -143,7 +143,8 @@ def test_help_of_eval_serve_and_every_index_command_loads_no_torch() -> None:
     cases = [["eval", "--help"], ["serve", "--help"]] + [["index", s, "--help"] for s in subs]
     code = (
         "import json, sys\nfrom api.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
-        "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
+        "    try:\n        main(argv)\n"
+        "    except SystemExit as e:\n        assert e.code == 0, (argv, e.code)\n"
         "print('LOADED', sorted(m for m in ('torch', 'open_clip', 'scipy') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True)

@@ -1,4 +1,5 @@
-"""bench/gpu_check.sh on a machine without a CUDA GPU (CUDA_VISIBLE_DEVICES hides any): it says so and exits 0."""
+"""bench/gpu_check.sh on a machine without a CUDA GPU (CUDA_VISIBLE_DEVICES hides any): it says so and exits
+0."""
 
 from __future__ import annotations
 

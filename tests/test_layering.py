@@ -86,7 +86,8 @@ def test_search_serving_and_evaluation_never_import_each_other() -> None:
 
 
 def test_a_serving_process_loads_no_evaluation_module() -> None:
-    """What `softsearch serve` imports (the app, its CLI, the swapper) pulls in no search.evaluation module."""
+    """What `softsearch serve` imports (the app, its CLI, the swapper) pulls in no search.evaluation
+    module."""
     import subprocess
     import sys
 

@@ -1,7 +1,7 @@
 """Pair alignment: one thumbnail warped onto the other by an affine map and a gain/offset, fitted by
-inverse-compositional Lucas-Kanade (coarse to fine), batched over pairs with torch. A crop, resize, small rotation
-or brightness/contrast change is an affine map of the pixels and their values, so after the fit a copy
-correlates with its original almost perfectly; two different pictures do not, however the fit bends.
+inverse-compositional Lucas-Kanade (coarse to fine), batched over pairs with torch. A crop, resize, small
+rotation or brightness/contrast change is an affine map of the pixels and their values, so after the fit a
+copy correlates with its original almost perfectly; two different pictures do not, however the fit bends.
 
 Features per pair (the better of both directions, and of the mirror with flips):
   ncc      normalised cross-correlation over the template pixels that land inside the other picture

@@ -1,7 +1,8 @@
-"""The rules people already use for near-duplicates, run beside the scan on the same thumbnails so the page can
-show what each would have kept: dHash and pHash (imagehash's definitions, at Hamming distance <= 8), PDQ (when
-the pdqhash package is installed, <= 31 of 256 bits) and cosine >= 0.99 on the index's embeddings (immich's
-rule). No labels: the page lists how many pairs each keeps and how many of them the scan's groups hold too."""
+"""The rules people already use for near-duplicates, run beside the scan on the same thumbnails so the page
+can show what each would have kept: dHash and pHash (imagehash's definitions, at Hamming distance <= 8), PDQ
+(when the pdqhash package is installed, <= 31 of 256 bits) and cosine >= 0.99 on the index's embeddings
+(immich's rule). No labels: the page lists how many pairs each keeps and how many of them the scan's groups
+hold too."""
 
 from __future__ import annotations
 
@@ -15,13 +16,15 @@ BLOCK = 4096
 
 
 def dhash_bits(grey: np.ndarray) -> np.ndarray:
-    """(64,) bool: imagehash.dhash of one greyscale picture (9 x 8 Lanczos, each pixel brighter than its left)."""
+    """(64,) bool: imagehash.dhash of one greyscale picture (9 x 8 Lanczos, each pixel brighter than its
+    left)."""
     px = np.asarray(Image.fromarray(grey).resize((9, 8), Image.LANCZOS), np.float64)
     return (px[:, 1:] > px[:, :-1]).reshape(-1)
 
 
 def phash_bits(grey: np.ndarray) -> np.ndarray:
-    """(64,) bool: imagehash.phash (32 x 32 Lanczos, 2-D DCT-II, the 8 x 8 lowest frequencies above their median)."""
+    """(64,) bool: imagehash.phash (32 x 32 Lanczos, 2-D DCT-II, the 8 x 8 lowest frequencies above their
+    median)."""
     px = np.asarray(Image.fromarray(grey).resize((32, 32), Image.LANCZOS), np.float64)
     low = dct(dct(px, axis=0), axis=1)[:8, :8]
     return (low > np.median(low)).reshape(-1)
@@ -49,7 +52,8 @@ def hash_table(thumbs: np.ndarray, ok: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def hamming_pairs(packed: np.ndarray, ok: np.ndarray, cutoff: int) -> np.ndarray:
-    """(m, 2) rows a < b of `ok` items whose hashes differ in at most `cutoff` bits (exact, FAISS popcount)."""
+    """(m, 2) rows a < b of `ok` items whose hashes differ in at most `cutoff` bits (exact, FAISS
+    popcount)."""
     import faiss
 
     good = np.flatnonzero(ok)

@@ -11,8 +11,8 @@ FORMAT = "softsearch-duplicates-3"  # the JSON a scan writes (older scans are no
 class DedupConfig:
     """What the duplicate finder does; the defaults are the method, a collection needs no others.
 
-    thumb: side of the greyscale thumbnail each image is reduced to (aligned at half and a quarter of it, correlated
-        at half after warping at full).
+    thumb: side of the greyscale thumbnail each image is reduced to (aligned at half and a quarter of it,
+        correlated at half after warping at full).
     dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor.
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).

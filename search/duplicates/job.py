@@ -204,7 +204,8 @@ def report_new_duplicates(root, base: str | None, version: str, progress: bool =
     for x, y, q in kept:
         print(f"duplicate: {x} ~ {y} (p {q:.3f})")
     print(
-        f"{len(kept)} duplicate pairs among {new_rows.size} new items (p >= {threshold:.3g}, model of {scanned})"
+        f"{len(kept)} duplicate pairs among {new_rows.size} "
+        f"new items (p >= {threshold:.3g}, model of {scanned})"
     )
     return {"pairs": kept, "threshold": threshold}
 
@@ -258,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     grouped = sum(len(g["ids"]) for g in result["groups"])
     print(
-        f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= {result['threshold']:.3g} "
-        f"({result['threshold_rule']}); highest p {result['max_probability']:.3g}; items with a duplicate: about "
-        f"{result['collection_share']:.1%} (estimated, no labels); {len(result['skipped'])} skipped; {path}"
+        f"dedup {version}: {len(result['groups'])} groups ({grouped} items) at p >= "
+        f"{result['threshold']:.3g} ({result['threshold_rule']}); highest p "
+        f"{result['max_probability']:.3g}; items with a duplicate: about {result['collection_share']:.1%} "
+        f"(estimated, no labels); {len(result['skipped'])} skipped; {path}"
     )
     return 0

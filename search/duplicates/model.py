@@ -1,15 +1,15 @@
 """The duplicate classifier, fitted on each collection without labels.
 
 POSITIVES are synthetic edited copies of the collection's own images against their originals (edits.py); the
-collection's candidate pairs (each item and its nearest items) are UNLABELLED: mostly look-alikes, plus whatever
-duplicates the collection holds, at an unknown share pi. One monotone logistic model, positives against all
-candidate pairs at equal total weight, estimates log R(x) = log p_copy(x) / p_candidate(x). Among the pairs most
-like copies, candidates are all duplicates, so there p_candidate = pi p_copy and R = 1 / pi: pi is read off
-where the synthetic copies sit (R at their `quantile`), and a pair's probability is pi R(x) (Elkan and Noto's
-positive-unlabelled estimate), capped at 1. No iteration, so nothing can drain to "no duplicates".
+collection's candidate pairs (each item and its nearest items) are UNLABELLED: mostly look-alikes, plus
+whatever duplicates the collection holds, at an unknown share pi. One monotone logistic model, positives
+against all candidate pairs at equal total weight, estimates log R(x) = log p_copy(x) / p_candidate(x). Among
+the pairs most like copies, candidates are all duplicates, so there p_candidate = pi p_copy and R = 1 / pi: pi
+is read off where the synthetic copies sit (R at their `quantile`), and a pair's probability is pi R(x) (Elkan
+and Noto's positive-unlabelled estimate), capped at 1. No iteration, so nothing can drain to "no duplicates".
 
-The model is monotone: each feature (align.FEATURES and the descriptors' cosine, correlations read as Fisher z)
-enters as a piecewise-linear function with non-negative slopes in the direction of "more alike" (higher
+The model is monotone: each feature (align.FEATURES and the descriptors' cosine, correlations read as Fisher
+z) enters as a piecewise-linear function with non-negative slopes in the direction of "more alike" (higher
 correlation, coverage and cosine; less stretch and unexplained colour), so a pair more alike than another in
 every feature is never less likely a copy, and a pair more alike than any synthetic copy (a mirrored copy with
 --flips) keeps the highest odds instead of falling outside what the fit saw.
@@ -104,8 +104,8 @@ def fit_monotone(
 
 @dataclass
 class DuplicateModel:
-    """What a scan's probabilities are: log R(x) = coef . basis(x, knots) + intercept (copies against candidate
-    pairs), p = min(1, share R(x)); `bound` names a limit the fit reached ("" when none)."""
+    """What a scan's probabilities are: log R(x) = coef . basis(x, knots) + intercept (copies against
+    candidate pairs), p = min(1, share R(x)); `bound` names a limit the fit reached ("" when none)."""
 
     knots: list
     coef: np.ndarray
@@ -184,9 +184,10 @@ def fit_model(
     bound = ""
     if share >= max_share:
         bound = (
-            f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: the synthetic "
-            "copies look no more alike than this collection's neighbours (the edits the fit knows do not tell "
-            "them apart); inspect the page and raise --threshold, or check the collection is not mostly copies"
+            f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: "
+            "the synthetic copies look no more alike than this collection's neighbours (the edits the fit "
+            "knows do not tell them apart); inspect the page and raise --threshold, or check the "
+            "collection is not mostly copies"
         )
     share = max(share, MIN_SHARE)
     model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])

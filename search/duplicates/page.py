@@ -29,7 +29,8 @@ def _thumb(snapshot, item_id: str) -> str:
 
 
 def probability_figure(result: dict) -> bytes:
-    """Histogram of the candidate pairs' p (log counts) beside the synthetic copies' p, the threshold marked."""
+    """Histogram of the candidate pairs' p (log counts) beside the synthetic copies' p, the threshold
+    marked."""
     from search.figures import png_bytes, pyplot
 
     plt = pyplot()
@@ -75,12 +76,14 @@ def render_page(result: dict, snapshot) -> str:
         ".item img{width:96px;height:96px;object-fit:contain;background:#f4f4f4;display:block}"
         ".meta{width:100%;font-size:.85rem;color:#555}.note{background:#fff4d6;padding:.4rem}</style></head><body>",
         f"<h1>Duplicates in index version {esc(result['version'])}</h1>",
-        f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of {result['count']} "
-        f"items) at pair probability &ge; {result['threshold']:.3g} ({esc(result['threshold_rule'])}); the highest "
-        f"probability found is {result['max_probability']:.3g}. {result['pairs_scored']} candidate pairs scored "
-        f"(each item's nearest by thumbnail DCT and by embedding), aligned and correlated; the classifier was "
-        f"fitted on {model['positives']} edited copies of this collection's own images against those pairs, no "
-        f"labels (positives against unlabelled pairs; share of candidate pairs that are duplicates {model['share']:.3g}). Items with a duplicate: about {result['collection_share']:.1%} "
+        f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of "
+        f"{result['count']} items) at pair probability &ge; {result['threshold']:.3g} "
+        f"({esc(result['threshold_rule'])}); the highest probability found is "
+        f"{result['max_probability']:.3g}. {result['pairs_scored']} candidate pairs scored (each item's "
+        f"nearest by thumbnail DCT and by embedding), aligned and correlated; the classifier was fitted "
+        f"on {model['positives']} edited copies of this collection's own images against those pairs, no "
+        f"labels (positives against unlabelled pairs; share of candidate pairs that are duplicates "
+        f"{model['share']:.3g}). Items with a duplicate: about {result['collection_share']:.1%} "
         f"(estimated); held-out synthetic copies found at the default threshold: "
         f"{model['copy_recall']:.0%}.</p>",
     ]

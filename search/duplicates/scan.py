@@ -2,13 +2,14 @@
 synthetic copies, the self-supervised fit (model.py), probabilities, a threshold and groups. Knows nothing of
 index versions: job.py feeds it an index version's images and embeddings, tests and benchmarks a folder's.
 
-In a paragraph: every image becomes a 64 x 64 greyscale and a 16 x 16 colour thumbnail; pictures with identical
-decoded pixels or identical thumbnails are one group at once (p 1), and one item per group stands for it from
-then on; each such item's nearest items by the thumbnail's low-frequency DCT (and, when there are embeddings,
-by the index's own) are its candidates; each candidate pair is aligned (an affine map and a gain, align.py)
-and scored by how well it then correlates; a logistic regression fitted on this collection -- edited copies
-of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled learning) -- turns those scores
-into the probability that the pair is one picture edited, at this collection's own share of duplicates.
+In a paragraph: every image becomes a 64 x 64 greyscale and a 16 x 16 colour thumbnail; pictures with
+identical decoded pixels or identical thumbnails are one group at once (p 1), and one item per group stands
+for it from then on; each such item's nearest items by the thumbnail's low-frequency DCT (and, when there are
+embeddings, by the index's own) are its candidates; each candidate pair is aligned (an affine map and a gain,
+align.py) and scored by how well it then correlates; a logistic regression fitted on this collection -- edited
+copies of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled
+learning) -- turns those scores into the probability that the pair is one picture edited, at this collection's
+own share of duplicates.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ EDIT_SIDE = 320  # synthetic copies are made from the picture shrunk to this lon
 @dataclass
 class Scan:
     """A scan's pairs (rows a < b), their probabilities, the fitted model and what was skipped: first the
-    aligned candidate pairs (their design rows in x), then the pairs joined as identical (`identical` True, p 1)."""
+    aligned candidate pairs (their design rows in x), then the pairs joined as identical (`identical` True, p
+    1)."""
 
     a: np.ndarray
     b: np.ndarray
@@ -127,7 +129,8 @@ def candidate_pairs(
 def synthetic_positives(
     read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool
 ) -> np.ndarray:
-    """Design rows of edited copies of the given rows against their originals (a quarter mirrored with flips)."""
+    """Design rows of edited copies of the given rows against their originals (a quarter mirrored with
+    flips)."""
     copies, copy_colours, used = [], [], []
     decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
@@ -213,7 +216,8 @@ def scan_collection(
     t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     good = np.flatnonzero(lead)
-    # each readable item once in random order, again until there are calibration_items copies (small collections)
+    # each readable item once in random order, again until there are calibration_items copies (small
+    # collections)
     reps = -(-config.calibration_items // good.size)
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[: config.calibration_items]
     xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)

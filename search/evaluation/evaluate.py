@@ -454,7 +454,8 @@ def version_database(version) -> tuple[list, np.ndarray]:
 
 
 def _load_database(cfg: EvalConfig, device):
-    """-> (encoder, info, checkpoint path, db embeddings or None, datasets, rows, index dict or None, manifest)."""
+    """-> (encoder, info, checkpoint path, db embeddings or None, datasets, rows, index dict or None,
+    manifest)."""
     if cfg.index is not None:
         if cfg.checkpoint is not None or cfg.dataset is not None:
             raise ValueError(
@@ -629,7 +630,8 @@ def _compare(cfg: EvalConfig, data: EvalData, this: dict, device) -> dict:
 
 
 def display_path(path) -> str:
-    """A path for a report: as given when relative, relative to the working directory when under it, else its name."""
+    """A path for a report: as given when relative, relative to the working directory when under it, else its
+    name."""
     p = Path(path)
     if not p.is_absolute():
         return str(p)

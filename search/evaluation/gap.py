@@ -176,8 +176,9 @@ def _log_partition(
 ) -> np.ndarray:
     """log Z_p = logsumexp_j s_qj / tau per query, streamed over (block_q, block_n) tiles.
 
-    With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y| (search/evaluation/fused.py);
-    rows whose total could have lost mass to underflow are redone with the online max."""
+    With `tile_sums`, one fused pass per tile against the fixed shift |x_q| max|y|
+    (search/evaluation/fused.py); rows whose total could have lost mass to underflow are redone with the
+    online max."""
     if tile_sums is not None:
         out, redo = _log_partition_fixed(zq, zn, temperature, block_q, block_n, dev, tile_sums)
         if redo.any():

@@ -79,7 +79,8 @@ class LatentSampler:
     ):
         if m < 1 or not kappa > 0 or not temperature > 0:
             raise ValueError(
-                f"need m >= 1, kappa > 0, temperature > 0; got m={m}, kappa={kappa}, temperature={temperature}"
+                f"need m >= 1, kappa > 0, temperature > 0; got "
+                f"m={m}, kappa={kappa}, temperature={temperature}"
             )
         self.m, self.kappa, self.temperature = int(m), float(kappa), float(temperature)
         self.embed = embed or _oracle
@@ -349,8 +350,8 @@ def k_law(sampler, ks=DEFAULT_KS, n_queries: int = 2000, seed: int = 0, batch: i
 
 
 def plot_k_law(result: KLawResult) -> bytes:
-    """PNG bytes: risk and E H(q,p) vs k (left) and k x gap (right), the table's estimator with 95 % intervals;
-    the right title is `k_law_summary`'s sentence."""
+    """PNG bytes: risk and E H(q,p) vs k (left) and k x gap (right), the table's estimator with 95 %
+    intervals; the right title is `k_law_summary`'s sentence."""
     import textwrap
 
     plt = pyplot()

@@ -37,7 +37,8 @@ def _as_2d(x, name: str) -> np.ndarray:
 
 
 def norm_concentration(features) -> dict:
-    """Pre-normalisation norms |h|: mean, std and coefficient of variation std/mean (-> 0 when norms concentrate)."""
+    """Pre-normalisation norms |h|: mean, std and coefficient of variation std/mean (-> 0 when norms
+    concentrate)."""
     h = _as_2d(features, "features")
     norms = np.linalg.norm(h, axis=1)
     mean, std = float(norms.mean()), float(norms.std(ddof=1))

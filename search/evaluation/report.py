@@ -1,8 +1,9 @@
 """Evaluation report: plots (PNG bytes), one self-contained HTML page, report.json, a stdout table.
 
 The HTML embeds every plot as a base64 PNG so the file can be mailed or archived alone.
-Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity, tail, compare.
-Every plot has a caption underneath (<figcaption>); the settings table states n, d and every test's setup.
+Section ids (tested): baselines, settings, generator, metrics, gap, calibration, samples, k-law, gaussianity,
+tail, compare. Every plot has a caption underneath (<figcaption>); the settings table states n, d and every
+test's setup.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def _figure(png: bytes | None, alt: str, caption: str) -> str:
     if not png:
         return f"<p class='note'>{html.escape(alt)}: not available</p>"
     return (
-        f"<figure><img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
+        f"<figure><img alt='{html.escape(alt)}' "
+        f"src='data:image/png;base64,{base64.b64encode(png).decode()}'/>"
         f"<figcaption>{caption}</figcaption></figure>"
     )
 
@@ -210,7 +212,8 @@ def _settings(report: dict) -> str:
             "tail",
             (
                 f"{_fmt((tail.get('gpd') or {}).get('n_queries'))} queries × "
-                f"{_fmt((tail.get('gpd') or {}).get('n_items'))} items; negatives: {_fmt(tail.get('negatives_rule'))}"
+                f"{_fmt((tail.get('gpd') or {}).get('n_items'))} items; "
+                f"negatives: {_fmt(tail.get('negatives_rule'))}"
             )
             if tail
             else "not computed",
@@ -424,7 +427,8 @@ def _tail_section(report: dict, figures: dict) -> list[str]:
     within = "within" if ch["endpoint_within_bound"] else "<b>outside</b>"
     out.append(
         f"<p>Chosen threshold u = {_fmt(ch['threshold'])} (quantile {_fmt(ch['quantile'])}, "
-        f"{ch['n_exceedances']} excesses from {ch['n_queries']} queries): {html.escape(gp['chosen_reason'])}. "
+        f"{ch['n_exceedances']} excesses from {ch['n_queries']} queries): "
+        f"{html.escape(gp['chosen_reason'])}. "
         f"There ξ = {_fmt(ch['xi'])} [{_fmt(ch['xi_low'])}, {_fmt(ch['xi_high'])}]; the fitted endpoint "
         f"{_fmt(ch['endpoint'])} is {within} the bound 1"
         + (
@@ -564,8 +568,10 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>softsearch evaluation</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto;padding:1em}"
-        "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "th{background:#eee;white-space:nowrap}td.l{text-align:left}.note{color:#555;font-size:90%}.warn{color:#a40}"
+        "table{border-collapse:collapse;margin:.5em 0}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+        "th{background:#eee;white-space:nowrap}td.l{text-align:left}"
+        ".note{color:#555;font-size:90%}.warn{color:#a40}"
         "img{max-width:100%}figure{margin:1em 0}figcaption{color:#333;font-size:90%;max-width:900px}</style>"
         "</head><body>",
         "<h1>softsearch evaluation</h1>",
@@ -582,7 +588,8 @@ def render_html(report: dict, figures: dict[str, bytes | None]) -> str:
         + ".</p></section>",
         "<section id='metrics'><h2>Retrieval metrics</h2>",
         f"<p class='note'>{_fmt(report.get('metrics_note'))}; mean and "
-        f"{100 * (1 - report.get('metrics', {}).get('alpha', 0.05)):.0f} % bootstrap CI over {_fmt(nq)} queries.</p>",
+        f"{100 * (1 - report.get('metrics', {}).get('alpha', 0.05)):.0f} % bootstrap CI "
+        f"over {_fmt(nq)} queries.</p>",
         _table(["metric", "mean", "CI low", "CI high"], metric_rows(report.get("metrics"))),
         "</section>",
         "<section id='gap'><h2>Cross-entropy gap H(q,p) - H(q)</h2>",
@@ -668,7 +675,8 @@ def summary_table(report: dict) -> str:
                 f"[{lo:+.4f}, {hi:+.4f}]"
             )
     lines.append(
-        f"generator: {report['generator']['name']} ({'exact' if report['generator']['exact'] else 'approximation'})"
+        f"generator: {report['generator']['name']} "
+        f"({'exact' if report['generator']['exact'] else 'approximation'})"
     )
     queries, database = report.get("queries") or {}, report.get("database") or {}
     if queries.get("skipped") or database.get("skipped"):
@@ -680,7 +688,8 @@ def summary_table(report: dict) -> str:
         lines.append(f"  {name:<18} {m:8.4f}  [{lo:.4f}, {hi:.4f}]")
     for label, tau, ce, ce_se, h, kl, kl_se in gap_rows(report.get("gap", {})):
         lines.append(
-            f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}"
+            f"  gap @ {label:<12} tau={tau:<8.4g} H(q,p)={ce:.4f}±{ce_se:.4f}  "
+            f"H(q)={h:.4f}  KL={kl:.4f}±{kl_se:.4f}"
         )
     cal = (report.get("calibration") or {}).get("temperature")
     serving = (report.get("gap", {}).get("serving") or {}).get("temperature")
@@ -693,16 +702,18 @@ def summary_table(report: dict) -> str:
     ga = (report.get("gaussianity") or {}).get("mardia")
     if ga:
         lines.append(
-            f"  Mardia (n={ga['n']}, rank {ga['rank']}, {ga['calibration']}): skewness z={ga['skewness_z']:.3g} "
-            f"p={ga['skewness_pvalue']:.3g}, kurtosis z={ga['kurtosis_z']:.3g} p={ga['kurtosis_pvalue']:.3g}"
+            f"  Mardia (n={ga['n']}, rank {ga['rank']}, {ga['calibration']}): "
+            f"skewness z={ga['skewness_z']:.3g} p={ga['skewness_pvalue']:.3g}, "
+            f"kurtosis z={ga['kurtosis_z']:.3g} p={ga['kurtosis_pvalue']:.3g}"
         )
     tail = report.get("tail")
     if tail:
         gp = tail["gpd"]
         ch = gp["fits"][gp["chosen"]]
         lines.append(
-            f"  tail: GPD xi={ch['xi']:.3f} [{ch['xi_low']:.3f}, {ch['xi_high']:.3f}] at u={ch['threshold']:.4g} "
-            f"(quantile {ch['quantile']:.3g}); xi over thresholds {min(f['xi'] for f in gp['fits']):.3f}.."
+            f"  tail: GPD xi={ch['xi']:.3f} [{ch['xi_low']:.3f}, {ch['xi_high']:.3f}] "
+            f"at u={ch['threshold']:.4g} (quantile {ch['quantile']:.3g}); "
+            f"xi over thresholds {min(f['xi'] for f in gp['fits']):.3f}.."
             f"{max(f['xi'] for f in gp['fits']):.3f}; endpoint {ch['endpoint']:.4g}"
         )
         wg = tail.get("weibull_gumbel")

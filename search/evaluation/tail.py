@@ -41,7 +41,8 @@ THRESHOLD_QUANTILES = (0.8, 0.85, 0.9, 0.925, 0.95, 0.97, 0.98, 0.99, 0.995, 0.9
 
 
 def _group_sums(y: np.ndarray, starts: np.ndarray, theta: np.ndarray) -> np.ndarray:
-    """(n_groups, G): per-group sums of log(1 + theta_g y_i); `y` sorted by group, `starts` each group's first row."""
+    """(n_groups, G): per-group sums of log(1 + theta_g y_i); `y` sorted by group, `starts` each group's first
+    row."""
     out = np.empty((starts.size, theta.size))
     for c0 in range(0, theta.size, 32):  # column blocks keep the (n, 32) temporary small
         out[:, c0 : c0 + 32] = np.add.reduceat(
@@ -53,8 +54,9 @@ def _group_sums(y: np.ndarray, starts: np.ndarray, theta: np.ndarray) -> np.ndar
 def _profile_max(
     sums: np.ndarray, counts: np.ndarray, theta: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per weight row: the maximum over the theta grid of l*(theta) -> (theta_hat, xi_hat, loglik, grid index);
-    sums (W, G) = sum_i w_i log(1 + theta_g y_i), counts (W,) = sum_i w_i. NaN rows where nothing is feasible."""
+    """Per weight row: the maximum over the theta grid of l*(theta) -> (theta_hat, xi_hat, loglik, grid
+    index); sums (W, G) = sum_i w_i log(1 + theta_g y_i), counts (W,) = sum_i w_i. NaN rows where nothing is
+    feasible."""
     xi = sums / counts[:, None]  # (W, G): xi(theta)
     with np.errstate(divide="ignore", invalid="ignore"):
         ll = -counts[:, None] * (np.log(xi / theta[None, :]) + 1.0 + xi)
@@ -199,7 +201,8 @@ def gpd_threshold_fit(
 
 
 def choose_threshold(fits: list[dict]) -> tuple[int, str]:
-    """Index of the lowest threshold whose xi lies inside the bootstrap interval of every higher one, and why."""
+    """Index of the lowest threshold whose xi lies inside the bootstrap interval of every higher one, and
+    why."""
     for k, f in enumerate(fits):
         if all(h["xi_low"] <= f["xi"] <= h["xi_high"] for h in fits[k + 1 :]):
             if k == len(fits) - 1:
@@ -375,7 +378,8 @@ def tail_diagnostics(
 
 
 def plot_threshold_stability(gpd: dict) -> bytes:
-    """PNG bytes: xi with its bootstrap interval (left) and the fitted endpoint (right) against the threshold."""
+    """PNG bytes: xi with its bootstrap interval (left) and the fitted endpoint (right) against the
+    threshold."""
     plt = pyplot()
     fits = gpd["fits"]
     u = np.array([f["threshold"] for f in fits])

@@ -284,9 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(text + "\n")
     g, r = result["gap"], result["retrieval"]
     print(
-        f"text queries {result['n_queries']} vs {result['n_images']} images, tau {result['temperature']:.4g}: "
+        f"text queries {result['n_queries']} vs {result['n_images']} images, "
+        f"tau {result['temperature']:.4g}: "
         f"gap {g['kl']:.4f} +- {g['kl_se']:.4f} nats, H(q,p) {g['cross_entropy']:.4f}, "
-        f"recall@1/5/10 {r['recall@1']:.3f}/{r['recall@5']:.3f}/{r['recall@10']:.3f}, hit@10 {r['hit@10']:.3f}"
+        f"recall@1/5/10 {r['recall@1']:.3f}/{r['recall@5']:.3f}/{r['recall@10']:.3f}, "
+        f"hit@10 {r['hit@10']:.3f}"
     )
     return 0
 

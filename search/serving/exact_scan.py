@@ -3,8 +3,8 @@
 The exact normaliser must read every row for every query, so the exact top-k costs nothing more: the
 same score block s = E_b q^T (rows b of the embeddings, all Q queries at once: one matrix product, so
 a batch of Q queries reads the file once, not Q times) feeds a streaming logsumexp (running max of s,
-terms exp((s - max) / tau) in float32, sums in float64) and a running top-k per query. No index search is needed.
-The product runs in torch on the caller's thread count (the server's `--torch-threads`, 1 by default:
+terms exp((s - max) / tau) in float32, sums in float64) and a running top-k per query. No index search is
+needed. The product runs in torch on the caller's thread count (the server's `--torch-threads`, 1 by default:
 two batch threads use two cores without BLAS threads fighting for them).
 """
 

@@ -54,7 +54,8 @@ class FilterError(ValueError):
 
 
 class FilterTooDeep(FilterError):
-    """A filter nested deeper than MAX_DEPTH: refused as the JSON parser refuses a body nested too deep (400)."""
+    """A filter nested deeper than MAX_DEPTH: refused as the JSON parser refuses a body nested too deep
+    (400)."""
 
     status, code = 400, "filter_too_deep"
 

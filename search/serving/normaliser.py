@@ -506,7 +506,8 @@ def bounded_log_normaliser(
         )
         if len(again):
             # two-stage: the first sample was a pilot that sizes a fresh one (se ~ 1/sqrt(M)); the estimate
-            # and interval come from the fresh draws alone (another stream of the query's seed), so they stay valid
+            # and interval come from the fresh draws alone (another stream of the query's seed), so they stay
+            # valid
             with np.errstate(over="ignore", invalid="ignore"):
                 grow = np.where(
                     np.isfinite(se_log[again]), (se_log[again] / config.target_se) ** 2 * 1.2, np.inf
@@ -650,7 +651,8 @@ def _without_known(
     taus: np.ndarray,
     slack: np.ndarray,
 ) -> None:
-    """In place: per-(query, tail list) log bounds on the rows NOT already summed, for lists holding known rows.
+    """In place: per-(query, tail list) log bounds on the rows NOT already summed, for lists holding known
+    rows.
 
     With h known rows of list l (sum of their similarities sigma, their exp-sum H_l), the rest has
     mean similarity (n_l <x, mu_l> - sigma) / (n_l - h), so by Jensen its sum is >= (n_l - h) *
@@ -714,14 +716,14 @@ def _sample_tail(
     """Stratified importance sample of log T over the tail lists of queries `which`, with a control variate.
 
     With pi_l = L_l / sum_tail L, a list expecting (M - 2) pi_l >= _MIN_STRATUM draws is its own stratum
-    with m_l = floor((M - 2) pi_l) draws; the other lists form one pooled stratum drawn with replacement (list ~
-    pi, row uniform) with the remaining (>= 2) draws. Per draw, t = (s - <x, mu_l>) / tau has mean exactly
-    0 over its list (mu_l is the list's mean), so y = exp(t) - t has the mean of exp(t), S_l / L_l (pooled:
+    with m_l = floor((M - 2) pi_l) draws; the other lists form one pooled stratum drawn with replacement (list
+    ~ pi, row uniform) with the remaining (>= 2) draws. Per draw, t = (s - <x, mu_l>) / tau has mean exactly 0
+    over its list (mu_l is the list's mean), so y = exp(t) - t has the mean of exp(t), S_l / L_l (pooled:
     sum_pool S / sum_pool L), with a much smaller variance where t is moderate (exp(t) - t = 1 + t^2 / 2 +
     ...): t is a control variate with known mean. T^ = sum_strata (L of the stratum) * mean y, Var^ =
-    sum_strata L^2 * var(y) / m (strata are independent). A drawn row among the known ones (summed
-    exactly) counts 0 - t, so T^ estimates the rest of the tail. Returns (log T^, log se, rows read),
-    each (len(which),)."""
+    sum_strata L^2 * var(y) / m (strata are independent). A drawn row among the known ones (summed exactly)
+    counts 0 - t, so T^ estimates the rest of the tail. Returns (log T^, log se, rows read), each
+    (len(which),)."""
     stats = inp.stats
     n_w = len(which)
     n_lists = inp.log_lo.shape[1]
@@ -903,7 +905,8 @@ class Normaliser:
         block: int = DEFAULT_BLOCK,
         top_rows: np.ndarray | None = None,
     ) -> LogZ:
-        """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them exactly)."""
+        """log Z of each query; `top_rows` (Q, K): the index's best rows for them (bounded sums them
+        exactly)."""
         if self.method == "exact":
             value = log_normaliser(
                 queries, embeddings, temperatures, block, release=self.config.releases("exact")

@@ -49,9 +49,9 @@ class ShardUnavailable(RuntimeError):
 
 @dataclass
 class ShardAnswer:
-    """One shard's answer for Q queries: per query its top rows (LOCAL rows, ranked), their exact similarities,
-    and log Z_s as (value, lower, upper) with the normaliser's method and rows read. Plain arrays: it crosses
-    process boundaries (Ray) as it is."""
+    """One shard's answer for Q queries: per query its top rows (LOCAL rows, ranked), their exact
+    similarities, and log Z_s as (value, lower, upper) with the normaliser's method and rows read. Plain
+    arrays: it crosses process boundaries (Ray) as it is."""
 
     version: str
     rows: list  # Q arrays of int64 local rows
@@ -93,8 +93,8 @@ def merge_answers(
     version: str,
 ) -> SearchAnswer:
     """The whole version's answer from its shards' answers: log Z = logsumexp of the shards' log Z_s (bounds
-    likewise), the top-k the most similar of the shards' top-k (ties: lower global row first), p = exp(s / tau -
-    log Z)."""
+    likewise), the top-k the most similar of the shards' top-k (ties: lower global row first), p = exp(s / tau
+    - log Z)."""
     n = len(taus)
     value = np.logaddexp.reduce(np.stack([p.log_z for p in parts]), axis=0) if parts else np.full(n, -np.inf)
     lower = np.logaddexp.reduce(np.stack([p.lower for p in parts]), axis=0)
@@ -152,8 +152,9 @@ def _fanout_pool() -> ThreadPoolExecutor:
 
 @dataclass(frozen=True, eq=False)
 class ShardedSnapshot(SearchSnapshot):
-    """A SearchSnapshot over a sharded version: the encoder, ids and metadata of the whole version, searches fanned
-    out to `shards` (callables (q, k, taus, mask) -> ShardAnswer, one per shard in row order) and merged exactly."""
+    """A SearchSnapshot over a sharded version: the encoder, ids and metadata of the whole version, searches
+    fanned out to `shards` (callables (q, k, taus, mask) -> ShardAnswer, one per shard in row order) and
+    merged exactly."""
 
     shards: tuple = ()
     names: tuple = ()
@@ -222,5 +223,6 @@ def local_shards(version: ShardedVersion, make_snapshot: Callable) -> tuple[list
 def sharded_snapshot(
     base: dict, version: ShardedVersion, shards: Sequence[Callable], names: Sequence[str]
 ) -> ShardedSnapshot:
-    """A ShardedSnapshot from the SearchSnapshot fields `base` (encoder, checkpoint_sha256, temperature, ...)."""
+    """A ShardedSnapshot from the SearchSnapshot fields `base` (encoder, checkpoint_sha256, temperature,
+    ...)."""
     return ShardedSnapshot(index=version, shards=tuple(shards), names=tuple(names), **base)

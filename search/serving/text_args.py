@@ -1,4 +1,5 @@
-"""`softsearch search`'s command line, apart from the search so `--help` and a mistyped flag load no torch or FAISS."""
+"""`softsearch search`'s command line, apart from the search so `--help` and a mistyped flag load no torch or
+FAISS."""
 
 from __future__ import annotations
 

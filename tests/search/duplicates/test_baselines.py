@@ -1,5 +1,6 @@
-"""Identical pictures joined by digest before any neighbour search, and the baseline rules the page shows beside
-the scan, each against an independent computation (imagehash itself, brute-force Hamming and cosine)."""
+"""Identical pictures joined by digest before any neighbour search, and the baseline rules the page shows
+beside the scan, each against an independent computation (imagehash itself, brute-force Hamming and
+cosine)."""
 
 from __future__ import annotations
 

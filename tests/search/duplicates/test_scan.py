@@ -1,6 +1,7 @@
 """The duplicate scan against planted truth (generated pictures and real Tux Paint stamps), its parts against
-independent computations: the EM fit against the exact posterior of a known mixture, the threshold rule and
-the groups against brute force, the alignment against a known crop; flips only when asked; bad files skipped."""
+independent computations: the monotone positive-unlabelled fit against the exact posterior of a known mixture,
+the threshold rule and the groups against brute force, the alignment against a known crop; flips only when
+asked; bad files skipped."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def _generated(n: int, seed: int) -> list[bytes]:
 
 
 def _plant(originals: list, share: float, seed: int, edits=None, flip=False):
-    """(sources, planted pairs, edit names per copy): `share` of the originals get one or two edited copies."""
+    """(sources, planted pairs, edit names per copy): `share` of the originals get one or two edited
+    copies."""
     rng = np.random.default_rng(seed)
     sources, pairs, names = list(originals), set(), {}
     for i in rng.choice(len(originals), size=int(round(share * len(originals))), replace=False):
@@ -134,7 +136,8 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture():
 
 
 def test_a_share_at_its_bound_is_reported():
-    """Unlabelled pairs that are mostly like the copies (80 %) drive the share to the bound, and the fit says so."""
+    """Unlabelled pairs that are mostly like the copies (80 %) drive the share to the bound, and the fit says
+    so."""
     rng = np.random.default_rng(1)
     d = len(NAMES)
     pos = rng.normal(2.0 * SIGN, 1, (300, d))
@@ -217,8 +220,8 @@ def _mirror_correlation(data: bytes) -> float:
 
 def test_mirrored_copies_match_only_with_flips():
     """A mirrored, re-encoded copy of a picture unlike its own mirror: aligned without flips it stays far from
-    its original (the map cannot mirror), with flips it matches it almost perfectly; a different picture matches
-    neither way."""
+    its original (the map cannot mirror), with flips it matches it almost perfectly; a different picture
+    matches neither way."""
     originals = [d for d in _generated(40, 21) if _mirror_correlation(d) < 0.3][:6]
     rng = np.random.default_rng(3)
     mirrored = [edited_copy(Image.open(io.BytesIO(d)), rng, edits=("jpeg",), flip=True)[0] for d in originals]
@@ -236,8 +239,9 @@ def test_mirrored_copies_match_only_with_flips():
 
 @pytest.mark.slow
 def test_mirrored_copies_are_found_with_flips_and_the_share_does_not_drain():
-    """75 generated pictures and 15 mirrored JPEG copies (more alike than the synthetic copies, which carry one to
-    three edits): the replaced EM fit drained to a zero share here and kept none; the monotone fit keeps them."""
+    """75 generated pictures and 15 mirrored JPEG copies (more alike than the synthetic copies, which carry
+    one to three edits): the replaced EM fit drained to a zero share here and kept none; the monotone fit
+    keeps them."""
     originals = _generated(75, 31)
     rng = np.random.default_rng(5)
     sources, planted = list(originals), set()

@@ -83,7 +83,8 @@ def test_mardia_against_direct_formula(samples):
 
 
 def test_mardia_null_is_the_statistic_on_gaussian_samples():
-    """The simulated null equals mardia() on the same standard normal draws (independent whitening by eigh)."""
+    """The simulated null equals mardia() on the same standard normal draws (independent whitening by
+    eigh)."""
     import torch
 
     b1, b2 = mardia_null(40, 3, 5, seed=11)
@@ -133,7 +134,8 @@ def _mc_levels(n, d, trials, n_null, seed):
 
 
 def test_mardia_simulated_null_holds_level_small():
-    """Monte-Carlo Mardia (B = 39: 0.05 x 40 and 0.025 x 40 are integers) on 400 Gaussian samples (64, rank 7)."""
+    """Monte-Carlo Mardia (B = 39: 0.05 x 40 and 0.025 x 40 are integers) on 400 Gaussian samples (64, rank
+    7)."""
     skew, kurt = _mc_levels(64, 8, 400, 39, seed=3)
     lo, hi = level_interval(400, 0.05)
     assert lo <= skew <= hi and lo <= kurt <= hi
@@ -141,7 +143,8 @@ def test_mardia_simulated_null_holds_level_small():
 
 @pytest.mark.slow
 def test_mardia_simulated_null_holds_level_at_report_size():
-    """The same at the demo's shape (n 512, rank 62), where the chi2 skewness form is off (variance 25 % low)."""
+    """The same at the demo's shape (n 512, rank 62), where the chi2 skewness form is off (variance 25 %
+    low)."""
     skew, kurt = _mc_levels(REPORT_N, REPORT_D - 1, 200, 39, seed=5)
     lo, hi = level_interval(200, 0.05)
     assert lo <= skew <= hi and lo <= kurt <= hi

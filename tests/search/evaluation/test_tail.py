@@ -36,7 +36,8 @@ def test_gpd_fit_matches_scipy(xi):
 
 
 def test_group_weights_equal_refit_on_replicated_data():
-    """A bootstrap row of query counts gives the fit of the data with each query's pairs repeated that often."""
+    """A bootstrap row of query counts gives the fit of the data with each query's pairs repeated that
+    often."""
     rng = np.random.default_rng(0)
     y = stats.genpareto.rvs(-0.3, scale=0.2, size=(12, 30), random_state=rng)
     groups = np.repeat(np.arange(12), 30)
@@ -107,7 +108,8 @@ def test_threshold_stability_on_reversed_weibull_recovers_xi_and_endpoint():
 
 
 def test_constrained_fit_caps_the_endpoint():
-    """Heavy-tailed excesses (xi = 0.2, no endpoint): the bounded fit puts the endpoint exactly on the bound."""
+    """Heavy-tailed excesses (xi = 0.2, no endpoint): the bounded fit puts the endpoint exactly on the
+    bound."""
     y = stats.genpareto.rvs(0.2, scale=0.05, size=4000, random_state=3)
     y = y[y < 0.9]
     f = gpd_threshold_fit(y + 0.1, np.arange(y.size) % 50, 0.1, bound=1.0, n_boot=50)
@@ -117,7 +119,8 @@ def test_constrained_fit_caps_the_endpoint():
     c = gpd_fit(y, upper=0.9)
     direct = stats.genpareto.logpdf(y, c["xi"][0], 0, c["sigma"][0]).sum()
     assert c["loglik"][0] == pytest.approx(direct, abs=1e-6)
-    # here the optimum is on the boundary (endpoint = 0.9, sigma = -0.9 xi): scipy's bounded search over it agrees
+    # here the optimum is on the boundary (endpoint = 0.9, sigma = -0.9 xi): scipy's bounded search over it
+    # agrees
     best = optimize.minimize_scalar(
         lambda xi: -stats.genpareto.logpdf(y, xi, 0, -xi * 0.9).sum(), bounds=(-1, -1e-6), method="bounded"
     )

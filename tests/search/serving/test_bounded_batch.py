@@ -106,8 +106,8 @@ def test_auto_over_an_index_below_the_recall_target_keeps_exact(setup):
 
 
 def test_hnsw_version_served_bounded_recall_and_log_z(setup, tmp_path):
-    """A version built from the vectors as HNSW, its efSearch tuned at build (to 0.999 on stored rows), served with
-    the bounded normaliser: top-10 against brute force on held-out queries, log Z within 0.01 nats, each
+    """A version built from the vectors as HNSW, its efSearch tuned at build (to 0.999 on stored rows), served
+    with the bounded normaliser: top-10 against brute force on held-out queries, log Z within 0.01 nats, each
     probability exp(s / tau - log Z) of the exact similarity, and GET /v1/index's normaliser record."""
     from index.build import BuildOptions, build_from_vectors
     from search.serving.searcher import Searcher

@@ -178,7 +178,8 @@ def test_the_largest_float64_compares_and_a_long_in_list_costs_no_memory():
     has_size = np.array(["size" in meta.items[i] for i in ids])
     np.testing.assert_array_equal(parse_filter({"size": {"lt": biggest}}, TYPES).mask(cols), has_size)
     assert not parse_filter({"size": {"gt": biggest}}, TYPES).mask(cols).any()
-    # 1,000 values, one of 250,000 characters: no (1,000 x 250,000) array (1 GB) is built; the short one matches
+    # 1,000 values, one of 250,000 characters: no (1,000 x 250,000) array (1 GB) is built; the short one
+    # matches
     spec = {"class": {"in": ["x" * 250_000] + ["apps"] + [""] * 998}}
     mask = parse_filter(spec, TYPES).mask(cols)
     np.testing.assert_array_equal(mask, [meta.items[i].get("class") == "apps" for i in ids])

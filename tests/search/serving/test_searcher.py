@@ -399,9 +399,9 @@ def test_filtered_search_equals_brute_force_over_the_subset(store_setup, tmp_pat
 
 
 def test_pq_candidates_are_reranked_by_exact_similarity(store_setup, tmp_path, rng):
-    """An IVF-PQ version answers with its candidates ordered by exact similarity (rerank x k of them, the factor
-    the build tuned with nprobe), so its top-k is at least as close to brute force as the PQ code order, and
-    always sorted."""
+    """An IVF-PQ version answers with its candidates ordered by exact similarity (rerank x k of them, the
+    factor the build tuned with nprobe), so its top-k is at least as close to brute force as the PQ code
+    order, and always sorted."""
     from index import faiss_index as fi
 
     root = tmp_path / "pq"

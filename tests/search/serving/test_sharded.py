@@ -1,4 +1,5 @@
-"""A sharded version served in process equals the unsharded version it was split from and a dense numpy softmax."""
+"""A sharded version served in process equals the unsharded version it was split from and a dense numpy
+softmax."""
 
 from __future__ import annotations
 
