@@ -48,7 +48,8 @@ demo: venv
 	@echo "serving http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(BIN)/softsearch serve --index $(RUN)/index --host 127.0.0.1 --port $(PORT) --report $(RUN)/eval/report.html
 
-test: venv system-deps
+# the linter first (seconds), then the suite
+test: venv system-deps lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-fast: venv
