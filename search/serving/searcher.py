@@ -26,6 +26,7 @@ when its model is missing or damaged, or when the encoder's embedding dimension,
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -509,10 +510,15 @@ class Searcher:
             )
         # built off to the side like the rest of the snapshot (bounded: the version's stored list
         # statistics; one pass over the rows for a version written before they were stored)
+        config = self.normaliser
+        if "shard" in version.manifest.extra and config.probe:
+            # a shard's `auto` goes by size alone: a timing probe could decide differently in each process
+            # serving it (in process, each Ray replica), and their answers would then differ
+            config = dataclasses.replace(config, probe=False)
         normaliser = Normaliser.for_version(
             emb,
             version.index,
-            self.normaliser,
+            config,
             stored=getattr(version, "list_stats", None),
             index_recall=_index_recall(version.manifest),
         )

@@ -192,3 +192,25 @@ def test_sharded_version_ann_search_and_duplicate_neighbours_equal_unsharded(sto
     np.testing.assert_allclose(s_b, s_a, atol=1e-6)
     assert sharded.search(q[:1], 500)[1].shape == (1, 120)
     assert sharded.item_ids(r_b[0]) == whole.item_ids(r_a[0])
+
+
+def test_auto_on_a_shard_goes_by_size_so_every_process_decides_alike(stores):
+    """A timing probe could pick exact in one process and bounded in another (in process, each Ray replica);
+    a shard's `auto` skips it and follows the size rule, which every process computes the same."""
+    # sizes where `auto` is open (N * D above exact_max_macs, within the probe's factor of it): the whole
+    # version probes, each shard does not
+    config = NormaliserConfig(method="auto", head_rows=4, samples=4, exact_max_macs=400)
+    whole = _loaded(stores, "whole", normaliser=config)
+    assert "probe" in whole.snapshot().normaliser_info
+    sharded = _loaded(stores, "sharded", normaliser=config)
+    version = IndexStore(stores["root"]).load(stores["sharded"], verify=False, gpu=False)
+    shards, names = sharded.shard_searchers(version)
+    assert len(shards) == 3
+    for shard in shards:
+        info = shard.snapshot.normaliser_info
+        assert "probe" not in info and info["requested"] == "auto"
+        assert info["method"] == "bounded"  # 40 rows x 16 > 400: the size rule's answer, in every process
+    q = np.random.default_rng(5).normal(size=(3, 16)).astype(np.float32)
+    first = sharded.search_vectors(q, 5, 0.1)
+    again = _loaded(stores, "sharded", normaliser=config).search_vectors(q, 5, 0.1)
+    np.testing.assert_array_equal(first.log_normalisers, again.log_normalisers)
