@@ -57,7 +57,9 @@ def commit(
         if model:
             store.models.ensure(*model)
         if options.calibrator is not None:
-            _calibrate(staging, options.calibrator)
+            _calibrate(staging, options.calibrator, candidate)
+            if candidate is not None:  # the gate reads the calibrated temperature
+                candidate.manifest = read_manifest(staging)
         serving_name = store.current_version()
         if candidate is None:
             candidate = IndexVersion.load(staging, verify=False, gpu=False)
@@ -114,12 +116,15 @@ def discard_staging(staging: Path) -> None:
         logger.info("removed the staging directory of the failed build: %s", staging)
 
 
-def _calibrate(staging: Path, calibrator: Calibrator) -> None:
-    """Store the calibrated search temperature in the staged manifest (unless one was given explicitly)."""
+def _calibrate(staging: Path, calibrator: Calibrator, candidate: IndexVersion | None = None) -> None:
+    """Store the calibrated search temperature in the staged manifest (unless one was given explicitly),
+    calibrated on `candidate` when the staged version is already loaded (a sharded build's flat view)."""
     if read_manifest(staging).search_temperature_source == "command line":
         return
     t0 = time.perf_counter()
-    result = calibrator(IndexVersion.load(staging, verify=False, gpu=False))
+    if candidate is None:
+        candidate = IndexVersion.load(staging, verify=False, gpu=False)
+    result = calibrator(candidate)
     if result is None:
         return
     update_manifest(

@@ -13,7 +13,6 @@ Every node must read and write the store at the same path (a shared filesystem),
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -388,19 +387,9 @@ def build_on_ray(
         write_manifest(staging, manifest)
         fsync_dir(staging)
         loaded = ShardedVersion.load(staging, verify=False, gpu=False)
-        candidate = flat_view(
-            loaded
-        )  # the gate and calibration read the rows as one version, as for a reshard
+        # the gate and calibration read the rows as one version, as for a reshard
+        candidate = flat_view(loaded)
         loaded = None
-        if o.calibrator is not None and temp_source != "command line":
-            result = o.calibrator(candidate)
-            if result is not None:
-                update_manifest(
-                    staging,
-                    calibration=dict(result),
-                    search_temperature=float(result["temperature"]),
-                    search_temperature_source="calibrated: argmin of held-out H(q,p)",
-                )
         candidate.manifest = read_manifest(staging)
     except BaseException:
         discard_staging(staging)
@@ -408,11 +397,10 @@ def build_on_ray(
     finally:
         if started:
             ray.shutdown()
-    # calibrated above (unless the command line gave the temperature): the commit only gates and activates
     version = commit_staged(
         store,
         Staged(version, staging, candidate),
-        dataclasses.replace(o, calibrator=None),
+        o,
         path="index build",
         t_start=t_start,
         model=(ckpt_sha, checkpoint),
