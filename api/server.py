@@ -132,6 +132,11 @@ def _configure(settings) -> None:
     if threads is None:  # workers x batch threads x torch's default (all cores) would oversubscribe the CPU
         threads = max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
     if threads is not None:
+        # FAISS's OpenMP reads its thread count once, when it loads, and only from the environment (a call
+        # in this thread would not reach the batch threads): one per call, as torch, so a lone query's
+        # index search does not wait for a second thread that the other batch or another process holds
+        # (docs/results.md §27)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         import torch
 
         torch.set_num_threads(threads)
