@@ -640,10 +640,11 @@ def _dots(
 def _pair_dots(
     embeddings: np.ndarray, q: np.ndarray, pq: np.ndarray, rows: np.ndarray, release: bool = False
 ) -> np.ndarray:
-    """float32 <q[pq[i]], embeddings[rows[i]]> for every pair: one fused gather-and-dot over a (Q, R)
-    table of rows per query (faiss `fvec_inner_products_by_idx`, each row read once from the map, no
-    gathered copy). With `release` the rows are first gathered in file order through `_gather`, which
-    unmaps each 16 MiB stretch once read."""
+    """float32 <q[pq[i]], embeddings[rows[i]]> for every pair: one fused gather-and-dot per query over its
+    rows (faiss `fvec_inner_products_by_idx`, each row read once from the map, no gathered copy; one call
+    per query, so a query drawing 16 000 rows does not pad the others' to its length). With `release`
+    the rows are first gathered in file order through `_gather`, which unmaps each 16 MiB stretch once
+    read."""
     import faiss
 
     out = np.empty(len(rows), dtype=np.float32)
@@ -654,26 +655,31 @@ def _pair_dots(
         uniq, inv = np.unique(rows, return_inverse=True)
         base, rows = _gather(embeddings, uniq, True), inv.astype(np.int64)
     base = np.ascontiguousarray(base, dtype=np.float32)
-    n_q = q.shape[0]
-    per = np.bincount(pq, minlength=n_q)
-    width = int(per.max())
-    order = np.argsort(pq, kind="stable")
-    first = np.cumsum(per) - per
-    slot = np.empty(len(rows), dtype=np.int64)
-    slot[order] = np.arange(len(rows)) - np.repeat(first, per)
-    table = np.full((n_q, width), -1, dtype=np.int64)
-    table[pq, slot] = rows
-    dots = np.empty((n_q, width), dtype=np.float32)
-    faiss.fvec_inner_products_by_idx(
-        faiss.swig_ptr(dots),
-        faiss.swig_ptr(np.ascontiguousarray(q)),
-        faiss.swig_ptr(base),
-        faiss.swig_ptr(table),
-        q.shape[1],
-        n_q,
-        width,
-    )
-    out[:] = dots[pq, slot]
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    d = q.shape[1]
+    if q.shape[0] == 1 or not np.any(pq[1:] < pq[:-1]):  # one query, or pairs already grouped by query
+        order, grouped = None, np.ascontiguousarray(rows, dtype=np.int64)
+    else:
+        order = np.argsort(pq, kind="stable")
+        grouped = np.ascontiguousarray(rows[order], dtype=np.int64)
+    dots = np.empty(len(rows), dtype=np.float32)
+    per = np.bincount(pq, minlength=q.shape[0])
+    start = 0
+    for i in np.flatnonzero(per).tolist():  # one call per query over its own rows: no padding to the longest
+        stop = start + int(per[i])
+        faiss.fvec_inner_products_by_idx(
+            faiss.swig_ptr(dots[start:stop]),
+            faiss.swig_ptr(q[i]),
+            faiss.swig_ptr(base),
+            faiss.swig_ptr(grouped[start:stop]),
+            d,
+            1,
+            stop - start,
+        )
+        start = stop
+    if order is None:
+        return dots
+    out[order] = dots
     return out
 
 
