@@ -228,7 +228,7 @@ def scan_collection(
         x,
         l2=config.l2,
         max_share=config.max_share,
-        quantile=config.quantile,
+        share_delta=config.share_delta,
         segments=config.segments,
         threshold=config.threshold,
     )
