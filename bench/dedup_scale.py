@@ -68,7 +68,7 @@ def child(n: int) -> dict:
     return {
         "n": n,
         "seconds": seconds,
-        "cpu_seconds": cpu,  # this process's CPU time: what a loaded machine cannot inflate as it does wall time
+        "cpu_seconds": cpu,  # this process's CPU time, which load inflates less than wall time
         "load": [load0, os.getloadavg()[0]],
         "stages": scan.seconds,
         "pairs_scored": int(scan.p.size),
