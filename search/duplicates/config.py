@@ -13,7 +13,9 @@ class DedupConfig:
 
     thumb: side of the greyscale thumbnail each image is reduced to (aligned at half and a quarter of it,
         correlated at half after warping at full).
-    dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor.
+    dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor's
+        grey half.
+    colour_weight: weight of the descriptor's colour half (the 8 x 8 chroma layout) against its grey half.
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
     iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
@@ -25,7 +27,8 @@ class DedupConfig:
     """
 
     thumb: int = 64
-    dct: int = 8
+    dct: int = 12
+    colour_weight: float = 1.0
     k_descriptor: int = 6
     k_embedding: int = 6
     calibration_items: int = 400
@@ -43,6 +46,8 @@ class DedupConfig:
             raise ValueError(f"thumb must be a multiple of 4 and >= 16, got {self.thumb}")
         if not 2 <= self.dct <= self.thumb:
             raise ValueError(f"dct must be in [2, thumb], got {self.dct}")
+        if not 0.0 <= self.colour_weight <= 10.0:
+            raise ValueError(f"colour_weight must be in [0, 10], got {self.colour_weight}")
         if self.k_descriptor < 1 or self.k_embedding < 0:
             raise ValueError("k_descriptor must be >= 1 and k_embedding >= 0")
         if self.calibration_items < 20:

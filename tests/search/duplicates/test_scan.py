@@ -111,6 +111,43 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]  # another picture: low correlation, more unexplained colour
 
 
+def test_search_descriptor_halves_mirror_and_colour():
+    """The search key against independent computations: its grey half is the DCT block of the thumbnail
+    (scipy), its colour half the 8 x 8 mean of the chroma thumbnail, mean removed and unit-normalised, and
+    zero on a grey picture; the mirrored key equals the key of the mirrored arrays; a picture's own recoloured
+    twin (same grey shape) is farther from it than its cropped copy."""
+    from scipy.fft import dctn
+
+    from search.duplicates.descriptors import search_descriptor
+
+    rng = np.random.default_rng(3)
+    thumbs = rng.integers(0, 256, (3, 64, 64)).astype(np.uint8)
+    colours = rng.normal(0, 40, (3, 16, 16, 2)).astype(np.float16)
+    colours[2] = 0  # a grey picture
+    d = search_descriptor(thumbs, colours, 12, 1.0)
+    grey = dctn(thumbs.astype(np.float64), type=2, axes=(1, 2), norm="ortho")[:, :12, :12]
+    grey = grey.reshape(3, -1)[:, 1:]
+    grey /= np.linalg.norm(grey, axis=1, keepdims=True)
+    col = colours.astype(np.float64).reshape(3, 8, 2, 8, 2, 2).mean((2, 4)).reshape(3, -1)
+    col -= col.mean(1, keepdims=True)
+    col[:2] /= np.linalg.norm(col[:2], axis=1, keepdims=True)
+    want = np.hstack([grey, col]) / np.sqrt(np.where(np.arange(3) < 2, 2.0, 1.0))[:, None]
+    assert np.allclose(d, want, atol=1e-5)
+    mirrored = search_descriptor(thumbs[:, :, ::-1], colours[:, :, ::-1], 12, 1.0)
+    assert np.allclose(search_descriptor(thumbs, colours, 12, 1.0, flip=True), mirrored, atol=1e-5)
+    # a red disc, its cropped copy, and the same disc in blue
+    def disc(fill, box=(0, 0, 160, 160)):
+        im = Image.new("RGB", (160, 160), (255, 255, 255))
+        ImageDraw.Draw(im).ellipse((30, 30, 130, 130), fill=fill)
+        buf = io.BytesIO()
+        im.crop(box).save(buf, format="PNG")
+        return thumbnail(buf.getvalue(), 64)
+
+    items = [disc((200, 30, 30)), disc((200, 30, 30), (12, 12, 160, 150)), disc((30, 30, 200))]
+    key = search_descriptor(np.stack([g for g, _ in items]), np.stack([chroma(c) for _, c in items]), 12, 1.0)
+    assert key[0] @ key[1] > key[0] @ key[2]
+
+
 @pytest.mark.parametrize("share", [0.01, 0.07, 0.2, 0.3])
 def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     """Positives and negatives from two Gaussians with one covariance, the positives' mean far along every
