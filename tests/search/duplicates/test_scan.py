@@ -135,6 +135,7 @@ def test_search_descriptor_halves_mirror_and_colour():
     assert np.allclose(d, want, atol=1e-5)
     mirrored = search_descriptor(thumbs[:, :, ::-1], colours[:, :, ::-1], 12, 1.0)
     assert np.allclose(search_descriptor(thumbs, colours, 12, 1.0, flip=True), mirrored, atol=1e-5)
+
     # a red disc, its cropped copy, and the same disc in blue
     def disc(fill, box=(0, 0, 160, 160)):
         im = Image.new("RGB", (160, 160), (255, 255, 255))
