@@ -154,10 +154,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         },
     ),
     "label": ("classes", {"generator": "auto"}),
-    "label-simclr": (
+    "label-simclr": (  # the label generator with the SimCLR-style augmentations (no neighbour options)
         "classes",
         {
-            "generator": "auto",
+            "generator": "label",
+            "generator_options.k": None,
+            **PIXELS,
             "generator_options.crop_scale": [0.3, 1.0],
             "generator_options.brightness": 0.4,
             "generator_options.contrast": 0.4,
@@ -288,7 +290,9 @@ def run_one(
     layout, changes = CONFIGS[config_name]
     classes, flat = split_collection(collection, seed)
     data = tomllib.loads(CONFIG.read_text())
-    for k, v in {**changes, **(scale or {})}.items():
+    # the tower alone ("trained", "init"): the pixel anchor is scored after the fact (anchored-w columns;
+    # training does not depend on it, tests/training/test_trainer.py)
+    for k, v in {"encoder.pixel_weight": None, **changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"
