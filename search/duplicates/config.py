@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-FORMAT = "softsearch-duplicates-3"  # the JSON a scan writes (older scans are not read)
+FORMAT = "softsearch-duplicates-4"  # the JSON a scan writes (older scans are not read)
 
 
 @dataclass(frozen=True)
@@ -13,25 +13,28 @@ class DedupConfig:
 
     thumb: side of the greyscale thumbnail each image is reduced to (aligned at half and a quarter of it,
         correlated at half after warping at full).
-    dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor.
+    dct: side of the low-frequency DCT block whose coefficients (DC dropped) are the search descriptor's
+        grey half.
+    colour_weight: weight of the descriptor's colour half (the 8 x 8 chroma layout) against its grey half.
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
     iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
     max_share: the highest share of candidate pairs the fit may call duplicates (a bound it reports when hit).
-    quantile: where among the synthetic copies the fit reads the share (their ratio there is 1 / share).
+    share_delta: confidence (1 - share_delta) of the bound that picks the cut of the share estimate.
     segments: pieces of each feature's monotone function in the fit, at quantiles of the pooled pairs.
     threshold: the pair probability a pair must reach, unless --threshold or --precision says otherwise.
     l2: ridge penalty of the logistic regression on standardised features.
     """
 
     thumb: int = 64
-    dct: int = 8
+    dct: int = 12
+    colour_weight: float = 1.0
     k_descriptor: int = 6
     k_embedding: int = 6
     calibration_items: int = 400
     iterations: tuple[int, int] = (16, 8)
     max_share: float = 0.5
-    quantile: float = 0.5
+    share_delta: float = 0.1
     segments: int = 8
     threshold: float = 0.5
     l2: float = 1e-4
@@ -43,6 +46,8 @@ class DedupConfig:
             raise ValueError(f"thumb must be a multiple of 4 and >= 16, got {self.thumb}")
         if not 2 <= self.dct <= self.thumb:
             raise ValueError(f"dct must be in [2, thumb], got {self.dct}")
+        if not 0.0 <= self.colour_weight <= 10.0:
+            raise ValueError(f"colour_weight must be in [0, 10], got {self.colour_weight}")
         if self.k_descriptor < 1 or self.k_embedding < 0:
             raise ValueError("k_descriptor must be >= 1 and k_embedding >= 0")
         if self.calibration_items < 20:
@@ -53,8 +58,8 @@ class DedupConfig:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
         if not 0.0 < self.threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {self.threshold}")
-        if self.l2 < 0 or not 0.0 < self.quantile < 1.0 or self.segments < 1:
-            raise ValueError("l2 must be >= 0, quantile in (0, 1) and segments >= 1")
+        if self.l2 < 0 or not 0.0 < self.share_delta < 1.0 or self.segments < 1:
+            raise ValueError("l2 must be >= 0, share_delta in (0, 1) and segments >= 1")
 
     def to_json(self) -> dict:
         return {

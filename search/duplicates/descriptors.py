@@ -1,6 +1,9 @@
 """Per-image descriptors: a small greyscale thumbnail (aligned and correlated pair by pair, align.py) and
-its low-frequency DCT block without the DC term, unit-normalised (the k-NN search key: brightness and
-contrast changes leave it unchanged, JPEG and resizing barely move it)."""
+the k-NN search key: its low-frequency DCT block without the DC term, unit-normalised (brightness and
+contrast changes leave it unchanged, JPEG and resizing barely move it), beside the picture's colour layout
+(an 8 x 8 grid of opponent chroma, also unit-normalised, zero on grey pictures). The colour half keeps a
+cropped or rotated copy near its original where the grey layout alone has moved: on drawings many pictures
+share one grey shape (round icons on white) and differ in colour."""
 
 from __future__ import annotations
 
@@ -57,6 +60,26 @@ def chroma(rgb: np.ndarray) -> np.ndarray:
     """(..., 2) opponent chroma of RGB values: red-green and yellow-blue (zero on greys)."""
     x = np.asarray(rgb, np.float32)
     return np.stack([x[..., 0] - x[..., 1], (x[..., 0] + x[..., 1]) / 2 - x[..., 2]], axis=-1)
+
+
+def search_descriptor(
+    thumbs: np.ndarray, colours: np.ndarray, block: int, colour_weight: float, flip: bool = False
+) -> np.ndarray:
+    """(n, block^2 - 1 + 128) float32 unit vectors: `dct_descriptor` and `colour_weight` times the colour
+    layout (the (n, 16, 16, 2) chroma thumbnails pooled to 8 x 8, mean removed, divided by their norm but
+    never by less than a grey picture's: CHROMA_FLOOR per cell), renormalised; `flip`: of the mirror."""
+    from search.duplicates.align import CHROMA_FLOOR
+
+    c = np.asarray(colours, np.float32)
+    n, side = len(c), c.shape[1]
+    c = c.reshape(n, 8, side // 8, 8, side // 8, c.shape[3]).mean((2, 4))
+    if flip:
+        c = c[:, :, ::-1]
+    c = c.reshape(n, -1)
+    c = c - c.mean(1, keepdims=True)
+    c = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), CHROMA_FLOOR * np.sqrt(c.shape[1]))
+    d = np.hstack([dct_descriptor(thumbs, block, flip), colour_weight * c])
+    return (d / np.maximum(np.linalg.norm(d, axis=1, keepdims=True), 1e-6)).astype(np.float32)
 
 
 def dct_descriptor(thumbs: np.ndarray, block: int, flip: bool = False) -> np.ndarray:

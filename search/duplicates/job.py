@@ -192,11 +192,19 @@ def report_new_duplicates(root, base: str | None, version: str, progress: bool =
     local = {int(r): i for i, r in enumerate(rows)}
     good = np.array([int(x) not in skipped and int(y) not in skipped for x, y in pr], bool)
     pr = pr[good]
-    from search.duplicates.descriptors import dct_descriptor
+    from search.duplicates.descriptors import search_descriptor
 
     la, lb = np.array([local[int(x)] for x in pr[:, 0]]), np.array([local[int(y)] for y in pr[:, 1]])
     p = (
-        score_pairs(thumbs, colours, dct_descriptor(thumbs, config.dct), la, lb, model, config)
+        score_pairs(
+            thumbs,
+            colours,
+            search_descriptor(thumbs, colours, config.dct, config.colour_weight),
+            la,
+            lb,
+            model,
+            config,
+        )
         if len(pr)
         else np.zeros(0)
     )

@@ -3,16 +3,25 @@
 POSITIVES are synthetic edited copies of the collection's own images against their originals (edits.py); the
 collection's candidate pairs (each item and its nearest items) are UNLABELLED: mostly look-alikes, plus
 whatever duplicates the collection holds, at an unknown share pi. One monotone logistic model, positives
-against all candidate pairs at equal total weight, estimates log R(x) = log p_copy(x) / p_candidate(x). Among
-the pairs most like copies, candidates are all duplicates, so there p_candidate = pi p_copy and R = 1 / pi: pi
-is read off where the synthetic copies sit (R at their `quantile`), and a pair's probability is pi R(x) (Elkan
-and Noto's positive-unlabelled estimate), capped at 1. No iteration, so nothing can drain to "no duplicates".
+against all candidate pairs at equal total weight, gives each pair a score s(x) (its log density ratio,
+copies against candidates; some 50 monotone parameters against thousands of pairs, so a pair's score barely
+depends on its own label), and from the scores:
 
-The model is monotone: each feature (align.FEATURES and the descriptors' cosine, correlations read as Fisher
-z) enters as a piecewise-linear function with non-negative slopes in the direction of "more alike" (higher
-correlation, coverage and cosine; less stretch and unexplained colour), so a pair more alike than another in
-every feature is never less likely a copy, and a pair more alike than any synthetic copy (a mirrored copy with
---flips) keeps the highest odds instead of falling outside what the fit saw.
+- the share pi is a mixture-proportion estimate (Best Bin Estimation, Garg et al. 2021): for a cut t, the
+  share of candidates above t over the share of copies above t is pi plus the look-alikes above t, so its
+  minimum over t, less-noisy cuts favoured by a confidence term (Hoeffding, `share_delta`), estimates pi.
+  It counts pairs instead of reading a fitted ratio at the copies, so it holds when duplicates are rare
+  (where the logistic ratio runs off to infinity) as when they are common;
+- a pair's probability is pi R(s) capped at 1, with R = g / (1 - g) and g the monotone (isotonic, PAV) fit
+  of copy against candidate on the scores: where candidates are all duplicates R is 1 / pi, the
+  plateau a logistic curve cannot draw.
+
+Nothing iterates, so nothing can drain to "no duplicates". The model is monotone: each feature (align.FEATURES
+and the descriptors' cosine, correlations read as Fisher z) enters the score as a piecewise-linear function
+with non-negative slopes in the direction of "more alike" (higher correlation, coverage and cosine; less
+stretch and unexplained colour), and the calibration is non-decreasing in the score, so a pair more alike
+than another in every feature is never less likely a copy, and a pair more alike than any synthetic copy (a
+mirrored copy with --flips) keeps the highest odds instead of falling outside what the fit saw.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import isotonic_regression
 from scipy.special import expit
 
 from search.duplicates.align import FEATURES
@@ -104,21 +114,26 @@ def fit_monotone(
 
 @dataclass
 class DuplicateModel:
-    """What a scan's probabilities are: log R(x) = coef . basis(x, knots) + intercept (copies against
-    candidate pairs), p = min(1, share R(x)); `bound` names a limit the fit reached ("" when none)."""
+    """What a scan's probabilities are: a pair's score s(x) = coef . basis(x, knots) + intercept, its ratio
+    log R(s) read off the calibration (scores `cal_s`, non-decreasing log ratios `cal_logr`, linear between),
+    p = min(1, share R(s)); `bound` names a limit the fit reached ("" when none)."""
 
     knots: list
     coef: np.ndarray
     share: float
-    steps: int
+    cal_s: np.ndarray
+    cal_logr: np.ndarray
     bound: str = ""
     positives: int = 0
     candidates: int = 0
     copy_recall: float = float("nan")  # held-out synthetic copies at p >= the default threshold
     history: list = field(default_factory=list)
 
-    def log_ratio(self, x: np.ndarray) -> np.ndarray:
+    def score(self, x: np.ndarray) -> np.ndarray:
         return basis(x, self.knots) @ self.coef[:-1] + self.coef[-1]
+
+    def log_ratio(self, x: np.ndarray) -> np.ndarray:
+        return np.interp(self.score(x), self.cal_s, self.cal_logr)
 
     def probability(self, x: np.ndarray, share: float | None = None) -> np.ndarray:
         s = self.share if share is None else share
@@ -131,7 +146,8 @@ class DuplicateModel:
             "knots": [k.tolist() for k in self.knots],
             "coef": self.coef.tolist(),
             "share": self.share,
-            "steps": self.steps,
+            "calibration_scores": self.cal_s.tolist(),
+            "calibration_log_ratios": self.cal_logr.tolist(),
             "bound": self.bound,
             "positives": self.positives,
             "candidates": self.candidates,
@@ -144,7 +160,8 @@ class DuplicateModel:
             [np.asarray(k, np.float64) for k in d["knots"]],
             np.asarray(d["coef"]),
             float(d["share"]),
-            int(d["steps"]),
+            np.asarray(d["calibration_scores"], np.float64),
+            np.asarray(d["calibration_log_ratios"], np.float64),
             d.get("bound", ""),
             int(d.get("positives", 0)),
             int(d.get("candidates", 0)),
@@ -159,13 +176,42 @@ def _fit_balanced(bp, bu, wu, l2, start=None):
     return fit_monotone(x, y, w / w.mean(), l2, start)
 
 
+def mixture_share(sp: np.ndarray, su: np.ndarray, delta: float) -> tuple[float, float, float]:
+    """Best Bin Estimation of the share of candidates that are copies, from the scores of copies (sp)
+    and candidates (su) -> (share, the cut's copy fraction, the cut's candidate fraction): over the cuts t at
+    each copy's score, the t minimising q_u(t) / q_p(t) plus a Hoeffding bound at confidence 1 - delta on
+    both fractions, divided by q_p(t) (Garg et al. 2021, with their slack gamma at 0)."""
+    sp, su = np.sort(np.asarray(sp, np.float64)), np.sort(np.asarray(su, np.float64))
+    qp = 1.0 - np.searchsorted(sp, sp, side="left") / sp.size
+    qu = 1.0 - np.searchsorted(su, sp, side="left") / su.size
+    slack = np.sqrt(np.log(4 / delta) / (2 * sp.size)) + np.sqrt(np.log(4 / delta) / (2 * su.size))
+    i = int(np.argmin((qu + slack) / qp))
+    return float(qu[i] / qp[i]), float(qp[i]), float(qu[i])
+
+
+def ratio_calibration(sp: np.ndarray, su: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The non-decreasing log R(s) of copies against candidates on their scores: the weighted isotonic
+    (PAV) fit g of copy (weight 1 / #copies) against candidate (1 / #candidates), R = g / (1 - g); each
+    block of equal g becomes its first and last score (linear between blocks)."""
+    s = np.r_[sp, su]
+    y = np.r_[np.ones(len(sp)), np.zeros(len(su))]
+    w = np.r_[np.full(len(sp), 1.0 / len(sp)), np.full(len(su), 1.0 / len(su))]
+    o = np.argsort(s, kind="stable")
+    g = np.clip(isotonic_regression(y[o], weights=w[o]).x, 1e-9, 1 - 1e-9)
+    s = s[o]
+    edge = np.r_[True, g[1:] != g[:-1]]  # first of each block
+    last = np.r_[edge[1:], True]
+    keep = edge | last
+    return s[keep], np.log(g[keep]) - np.log1p(-g[keep])
+
+
 def fit_model(
     positives: np.ndarray,
     unlabelled: np.ndarray,
     *,
     l2: float,
     max_share: float,
-    quantile: float,
+    share_delta: float = DedupConfig.share_delta,
     threshold: float = 0.5,
     segments: int = DedupConfig.segments,
 ) -> DuplicateModel:
@@ -179,10 +225,12 @@ def fit_model(
     xp, xu = basis(positives, knots), basis(unlabelled, knots)
     ones = np.ones(len(xu))
     coef = _fit_balanced(xp, xu, ones, l2)
-    top = float(np.quantile(xp @ coef[:-1] + coef[-1], quantile))
-    share = float(np.exp(-top)) if top > -np.log(max_share) else max_share
+    sp, su = xp @ coef[:-1] + coef[-1], xu @ coef[:-1] + coef[-1]
+    share, qp, qu = mixture_share(sp, su, share_delta)
+    cal_s, cal_logr = ratio_calibration(sp, su)
     bound = ""
     if share >= max_share:
+        share = max_share
         bound = (
             f"the share of candidate pairs that are duplicates is at its bound {max_share:g}: "
             "the synthetic copies look no more alike than this collection's neighbours (the edits the fit "
@@ -190,13 +238,14 @@ def fit_model(
             "collection is not mostly copies"
         )
     share = max(share, MIN_SHARE)
-    model = DuplicateModel(knots, coef, share, 1, bound, len(xp), len(xu), history=[top])
-    # held-out copy recall: each half of the positives scored by a fit on the other half, at this share
+    model = DuplicateModel(knots, coef, share, cal_s, cal_logr, bound, len(xp), len(xu), history=[qp, qu])
+    # held-out copy recall: each half of the copies scored by a fit on the other half, at this share
     half = np.arange(len(xp)) % 2 == 0
     hits = []
     for held in (half, ~half):
         c = _fit_balanced(xp[~held], xu, ones, l2, coef)
-        hits.append(np.minimum(xp[held] @ c[:-1] + c[-1] + np.log(share), 0.0) >= np.log(threshold))
+        lr = np.interp(xp[held] @ c[:-1] + c[-1], cal_s, cal_logr)
+        hits.append(np.minimum(lr + np.log(share), 0.0) >= np.log(threshold))
     model.copy_recall = float(np.concatenate(hits).mean())
     return model
 

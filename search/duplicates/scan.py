@@ -28,8 +28,8 @@ from search.duplicates.baselines import hash_table
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import (
     chroma,
-    dct_descriptor,
     identical_groups,
+    search_descriptor,
     thumbnail,
     thumbnail_and_digest,
 )
@@ -150,6 +150,7 @@ def synthetic_positives(
     if not copies:
         return np.zeros((0, len(NAMES)))
     c = np.stack(copies)
+    cc = np.stack(copy_colours)
     used = np.asarray(used)
     f = pair_features(
         thumbs,
@@ -157,14 +158,15 @@ def synthetic_positives(
         np.arange(len(used)),
         colours=colours,
         other=c,
-        other_colours=np.stack(copy_colours),
+        other_colours=cc,
         iters=config.iterations,
         flips=config.flips,
     )
-    cd = dct_descriptor(c, config.dct)
+    cd = search_descriptor(c, cc, config.dct, config.colour_weight)
     cos = np.einsum("ij,ij->i", desc[used], cd)
     if config.flips:
-        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[used], dct_descriptor(c, config.dct, flip=True)))
+        flip = search_descriptor(c, cc, config.dct, config.colour_weight, flip=True)
+        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[used], flip))
     return design(f, cos)
 
 
@@ -205,8 +207,12 @@ def scan_collection(
     rep = identical_groups(keys)
     same = np.flatnonzero(rep != np.arange(n))
     lead = ok & (rep == np.arange(n))
-    desc = dct_descriptor(thumbs, config.dct)
-    flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
+    desc = search_descriptor(thumbs, colours, config.dct, config.colour_weight)
+    flipped = (
+        search_descriptor(thumbs, colours, config.dct, config.colour_weight, flip=True)
+        if config.flips
+        else None
+    )
     extra = neighbours(config.k_embedding) if neighbours is not None and config.k_embedding else None
     a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
     t["candidates"] = time.perf_counter() - t0
@@ -228,7 +234,7 @@ def scan_collection(
         x,
         l2=config.l2,
         max_share=config.max_share,
-        quantile=config.quantile,
+        share_delta=config.share_delta,
         segments=config.segments,
         threshold=config.threshold,
     )
@@ -246,7 +252,11 @@ def score_pairs(
     thumbs, colours, desc, a, b, model: DuplicateModel, config: DedupConfig, progress: bool = False
 ):
     """Probabilities of given pairs under an already fitted model (new items after `index add`)."""
-    flipped = dct_descriptor(thumbs, config.dct, flip=True) if config.flips else None
+    flipped = (
+        search_descriptor(thumbs, colours, config.dct, config.colour_weight, flip=True)
+        if config.flips
+        else None
+    )
     return model.probability(pair_design(thumbs, colours, desc, a, b, config, progress, flipped))
 
 

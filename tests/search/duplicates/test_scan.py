@@ -6,6 +6,7 @@ asked; bad files skipped."""
 from __future__ import annotations
 
 import io
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, thumbnail
 from search.duplicates.edits import EDITS, edited_copy
-from search.duplicates.model import NAMES, SIGN, fit_model, threshold_for_precision
+from search.duplicates.model import NAMES, SIGN, DuplicateModel, fit_model, threshold_for_precision
 from search.duplicates.scan import groups_of, scan_collection
 from training.images import load_rgb
 
@@ -110,29 +111,76 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]  # another picture: low correlation, more unexplained colour
 
 
-def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture():
+def test_search_descriptor_halves_mirror_and_colour():
+    """The search key against independent computations: its grey half is the DCT block of the thumbnail
+    (scipy), its colour half the 8 x 8 mean of the chroma thumbnail, mean removed and unit-normalised, and
+    zero on a grey picture; the mirrored key equals the key of the mirrored arrays; a picture's own recoloured
+    twin (same grey shape) is farther from it than its cropped copy."""
+    from scipy.fft import dctn
+
+    from search.duplicates.descriptors import search_descriptor
+
+    rng = np.random.default_rng(3)
+    thumbs = rng.integers(0, 256, (3, 64, 64)).astype(np.uint8)
+    colours = rng.normal(0, 40, (3, 16, 16, 2)).astype(np.float16)
+    colours[2] = 0  # a grey picture
+    d = search_descriptor(thumbs, colours, 12, 1.0)
+    grey = dctn(thumbs.astype(np.float64), type=2, axes=(1, 2), norm="ortho")[:, :12, :12]
+    grey = grey.reshape(3, -1)[:, 1:]
+    grey /= np.linalg.norm(grey, axis=1, keepdims=True)
+    col = colours.astype(np.float64).reshape(3, 8, 2, 8, 2, 2).mean((2, 4)).reshape(3, -1)
+    col -= col.mean(1, keepdims=True)
+    col[:2] /= np.linalg.norm(col[:2], axis=1, keepdims=True)
+    want = np.hstack([grey, col]) / np.sqrt(np.where(np.arange(3) < 2, 2.0, 1.0))[:, None]
+    assert np.allclose(d, want, atol=1e-5)
+    mirrored = search_descriptor(thumbs[:, :, ::-1], colours[:, :, ::-1], 12, 1.0)
+    assert np.allclose(search_descriptor(thumbs, colours, 12, 1.0, flip=True), mirrored, atol=1e-5)
+
+    # a red disc, its cropped copy, and the same disc in blue
+    def disc(fill, box=(0, 0, 160, 160)):
+        im = Image.new("RGB", (160, 160), (255, 255, 255))
+        ImageDraw.Draw(im).ellipse((30, 30, 130, 130), fill=fill)
+        buf = io.BytesIO()
+        im.crop(box).save(buf, format="PNG")
+        return thumbnail(buf.getvalue(), 64)
+
+    items = [disc((200, 30, 30)), disc((200, 30, 30), (12, 12, 160, 150)), disc((30, 30, 200))]
+    key = search_descriptor(np.stack([g for g, _ in items]), np.stack([chroma(c) for _, c in items]), 12, 1.0)
+    assert key[0] @ key[1] > key[0] @ key[2]
+
+
+@pytest.mark.parametrize("share", [0.01, 0.07, 0.2, 0.3])
+def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     """Positives and negatives from two Gaussians with one covariance, the positives' mean far along every
     feature's "more alike" direction (the pairs most like copies are copies: the estimate's assumption);
-    unlabelled = a 7 % mixture. The fitted share and each unlabelled pair's probability are compared with the
-    exact values computed from the generating densities (measured: share 0.067 against 0.070, mean |error| of
-    the posterior 0.007)."""
+    unlabelled = a mixture at a share from rare (1 %) to common (30 %). The fitted share and each unlabelled
+    pair's probability are compared with the exact values computed from the generating densities (measured:
+    shares 0.0084, 0.071, 0.192, 0.290 against 0.0086, 0.072, 0.201, 0.299; mean |error| of the posterior
+    0.001-0.016; 96-98 % of the duplicates kept at 0.5, no other pair)."""
     rng = np.random.default_rng(0)
     d = len(NAMES)
     mu_pos, mu_neg = 4.0 * SIGN, np.zeros(d)
     pos = rng.normal(mu_pos, 1.0, (600, d))
-    u_is_dup = rng.random(4000) < 0.07
-    unl = np.where(u_is_dup[:, None], rng.normal(mu_pos, 1.0, (4000, d)), rng.normal(mu_neg, 1.0, (4000, d)))
-    model = fit_model(pos, unl, l2=1e-4, max_share=0.5, quantile=DedupConfig().quantile)
-    assert model.share == pytest.approx(u_is_dup.mean(), rel=0.25) and not model.bound
+    n = 8000
+    u_is_dup = rng.random(n) < share
+    unl = np.where(u_is_dup[:, None], rng.normal(mu_pos, 1.0, (n, d)), rng.normal(mu_neg, 1.0, (n, d)))
+    model = fit_model(pos, unl, l2=1e-4, max_share=0.5)
+    assert model.share == pytest.approx(u_is_dup.mean(), rel=0.2) and not model.bound
     log_lr = unl @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
-    exact = expit(log_lr + np.log(0.07 / 0.93))
+    exact = expit(log_lr + np.log(share / (1 - share)))
     assert np.mean(np.abs(model.probability(unl) - exact)) < 0.02
+    # the pairs kept at 0.5 are the mixture's duplicates
+    kept = model.probability(unl) >= 0.5
+    assert (kept & u_is_dup).sum() >= 0.95 * u_is_dup.sum() and (kept & ~u_is_dup).sum() <= 0.02 * kept.sum()
     # monotone: moving any pair further along every "more alike" direction never lowers its probability
     p0 = model.probability(unl)
     for j in range(d):
         moved = unl.copy()
         moved[:, j] += 0.5 * SIGN[j]
         assert (model.probability(moved) >= p0 - 1e-12).all()
+    # the model survives its JSON form
+    again = DuplicateModel.from_json(json.loads(json.dumps(model.to_json())))
+    assert np.array_equal(again.probability(unl), p0)
 
 
 def test_a_share_at_its_bound_is_reported():
@@ -144,7 +192,7 @@ def test_a_share_at_its_bound_is_reported():
     unl = np.where(
         rng.random(600)[:, None] < 0.8, rng.normal(2.0 * SIGN, 1, (600, d)), rng.normal(0, 1, (600, d))
     )
-    model = fit_model(pos, unl, l2=1e-4, max_share=0.3, quantile=0.9)
+    model = fit_model(pos, unl, l2=1e-4, max_share=0.3)
     assert model.share == pytest.approx(0.3) and "bound" in model.bound and "--threshold" in model.bound
 
 
@@ -170,17 +218,28 @@ def test_precision_threshold_and_groups_match_brute_force():
 
 
 @pytest.mark.slow
-def test_scan_of_generated_pictures_finds_the_planted_copies_and_their_share():
-    originals = _generated(120, 7)
-    sources, planted, _ = _plant(originals, 0.2, 8)
-    truth = _closure(len(sources), planted)
+@pytest.mark.parametrize("planted, n", [(0.01, 1500), (0.2, 120)])
+def test_scan_of_generated_pictures_finds_the_planted_copies_and_their_share(planted, n):
+    """From rare (1 % of the items with a copy, where reading the share off the fitted ratio at the copies
+    kept about 60 % of them) to common (20 %): the estimated share of candidate pairs that are duplicates
+    against the planted truth among the aligned pairs, the share of items with a duplicate, and what a user
+    gets at the default threshold (measured: pair shares 0.0057 / 0.0049 and 0.075 / 0.084, item shares
+    0.023 / 0.026 and 0.33 / 0.39, precision 1.00, recall 0.79 and 0.88; with the share read off the fitted
+    ratio, 0.0013 against 0.0039 on a larger draw at 1 %, and half the aligned duplicates kept)."""
+    originals = _generated(n, 7)
+    sources, planted_pairs, _ = _plant(originals, planted, 8)
+    truth = _closure(len(sources), planted_pairs)
     scan = scan_collection(
         lambda r: sources[r], len(sources), DedupConfig(calibration_items=200), progress=False
     )
+    aligned = ~scan.identical
+    is_dup = np.array([frozenset((int(a), int(b))) in truth for a, b in zip(scan.a, scan.b)])[aligned]
+    assert is_dup.sum() >= 10
+    assert scan.model.share == pytest.approx(is_dup.mean(), rel=0.3) and not scan.model.bound
     precision, recall = _pr(scan, truth)
-    assert precision >= 0.9 and recall >= 0.7
+    assert precision >= 0.95 and recall >= 0.75
     true_share = len({i for p in truth for i in p}) / len(sources)
-    assert scan.share_items == pytest.approx(true_share, abs=0.1)
+    assert scan.share_items == pytest.approx(true_share, rel=0.25)
 
 
 @pytest.mark.slow
