@@ -170,6 +170,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         },
     ),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
+    "label-tau01": ("classes", {"generator": "auto", "schedule_options.tau": 0.1}),
 }
 
 
