@@ -1,8 +1,9 @@
 """Pair alignment: one thumbnail warped onto the other by an affine map and a gain/offset, fitted by
-inverse-compositional Lucas-Kanade (coarse to fine, the worst-fitting TRIM of the pixels left out of each step
-once the coarse fit has settled, so an overlay does not pull the map), batched over pairs with torch. A crop, resize, small
-rotation or brightness/contrast change is an affine map of the pixels and their values, so after the fit a
-copy correlates with its original almost perfectly; two different pictures do not, however the fit bends.
+inverse-compositional Lucas-Kanade (coarse to fine; once the coarse fit has settled, the worst-fitting TRIM
+of the pixels take no part in a step, so an overlay does not pull the map), batched over pairs with torch. A
+crop, resize, small rotation or brightness/contrast change is an affine map of the pixels and their values,
+so after the fit a copy correlates with its original almost perfectly; two different pictures do not,
+however the fit bends.
 
 Features per pair (the better of both directions, and of the mirror with flips):
   ncc      normalised cross-correlation over the template pixels that land inside the other picture
@@ -10,8 +11,9 @@ Features per pair (the better of both directions, and of the mirror with flips):
   coverage share of the template that lands inside the other picture
   stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
   chroma   share of the template's colour (opponent chroma of the small colour thumbnails, warped by the
-           same map) that the other's, at its best gain, does not explain, the worst TRIM of the cells left out: a saturation change keeps it
-           near 0, a recoloured look-alike (the same icon in red and in blue) does not
+           same map) that the other's, at its best gain, does not explain, over all but the worst TRIM of
+           the cells (an overlay's colour): a saturation change keeps it near 0, a recoloured look-alike (the
+           same icon in red and in blue) does not
 """
 
 from __future__ import annotations
