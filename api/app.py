@@ -31,6 +31,7 @@ from api.openapi import install_served_openapi
 from api.ratelimit import RateLimitMiddleware, TokenBucketLimiter
 from api.routes import admin, duplicates, health, index, items, search, text, web
 from api.timeouts import BodyTimeoutMiddleware
+from api.vector_path import VectorPathMiddleware, VectorPathState
 from search.serving.normaliser import NormaliserConfig
 from search.serving.searcher import NotReadyError, Searcher
 
@@ -279,5 +280,18 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         # outside the limits: the client address every layer below sees (the rate-limit key) is the
         # X-Forwarded-For one only when the TCP peer is one of these trusted proxies
         app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
-    app.add_middleware(ActiveRequestsMiddleware, active=active)  # outermost: counts every request
+    app.add_middleware(ActiveRequestsMiddleware, active=active)  # counts every request
+    # outermost: plain vector queries answered without the stack below (api/vector_path.py); with a rate
+    # limit or trusted proxies every request takes the full stack
+    app.state.vector_path = VectorPathState(
+        enabled=not settings.rate_limit_enabled and not settings.forwarded_allow_ips
+    )
+    app.add_middleware(
+        VectorPathMiddleware,
+        fastapi_app=app,
+        state=app.state.vector_path,
+        active=active,
+        body_limit=settings.max_upload_bytes + BODY_OVERHEAD_BYTES,
+        body_timeout_s=settings.body_timeout_s,
+    )
     return app

@@ -106,7 +106,13 @@ def _run_batch(snapshot: SearchSnapshot, batch: list[_Pending]) -> list[QueryRes
         try:
             mask = None if key is None else snapshot.filter_mask(batch[members[0]].filter)
             k_max = max(batch[i].k for i in members)
-            answer = snapshot.search(vecs[members], k_max, [batch[i].temperature for i in members], mask=mask)
+            answer = snapshot.search(
+                vecs[members],
+                k_max,
+                [batch[i].temperature for i in members],
+                mask=mask,
+                unit=not images,  # every row came out of unit_queries just above
+            )
         except Exception as err:  # noqa: BLE001 - e.g. a filter the swapped-in version cannot run
             for i in members:
                 out[i] = err

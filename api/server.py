@@ -132,6 +132,13 @@ def _configure(settings) -> None:
     if threads is None:  # workers x batch threads x torch's default (all cores) would oversubscribe the CPU
         threads = max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
     if threads is not None:
+        # FAISS's OpenMP and numpy's OpenBLAS read their thread counts once, when they load, and only from
+        # the environment (a call in this thread would not reach the batch threads): as many as torch's.
+        # Their idle threads spin after each call, which cost a bounded batch of 16 three times the CPU
+        # per query and made a lone query wait for a second thread the other batch held (docs/results.md
+        # §27).
+        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ.setdefault(name, str(threads))
         import torch
 
         torch.set_num_threads(threads)

@@ -104,24 +104,29 @@ class BodyTimeoutMiddleware:
             if not state["timed_out"]:
                 raise
         if state["timed_out"] and not state["started"]:
-            body = json.dumps(
-                {
-                    "error": "request_timeout",
-                    "detail": f"request body not received within {self.timeout_s:g} s",
-                }
-            ).encode()
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 408,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"connection", b"close"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await send_body_timeout(send, self.timeout_s)
+
+
+async def send_body_timeout(send: Send, timeout_s: float) -> None:
+    """The 408 answer (and `Connection: close`) to a body that did not arrive within `timeout_s`."""
+    body = json.dumps(
+        {
+            "error": "request_timeout",
+            "detail": f"request body not received within {timeout_s:g} s",
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 408,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"connection", b"close"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodyTimeout(Exception):

@@ -16,6 +16,7 @@ import orjson
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
+from starlette.datastructures import QueryParams
 
 from api.routes.models import (
     FILTER_DOC,
@@ -69,14 +70,20 @@ async def read_vector_query(request: Request, media: str) -> VectorQuery | Binar
     """The request's query: JSON (422 as FastAPI words it for bad JSON or fields) or binary float32
     (the vector as a numpy array, its length and values checked by the route against the served index).
     Query-string fields apply to both; a JSON body's own fields take precedence over them."""
+    return parse_vector_query(await request.body(), media, request.scope.get("query_string") or b"")
+
+
+def parse_vector_query(body: bytes, media: str, query_string: bytes) -> VectorQuery | BinaryVectorQuery:
+    """`read_vector_query` on a body already read and the raw query string (the route and the raw ASGI
+    path, api/vector_path.py, share it, so both parse and refuse alike)."""
     from api.deps import ApiError
 
-    body = await request.body()
-    if len(request.query_params.getlist("filter")) > 1:
+    query = QueryParams(query_string) if query_string else None
+    if query is not None and len(query.getlist("filter")) > 1:
         raise ApiError(422, "bad_filter", "give `filter` once")
-    if request.scope.get("query_string") or media == OCTET:
+    if query is not None or media == OCTET:
         try:
-            params = VectorParams.model_validate(dict(request.query_params))
+            params = VectorParams.model_validate(dict(query) if query is not None else {})
         except ValidationError as err:
             raise _invalid(err, "query") from err
     else:  # a JSON body and no query string: nothing to merge (skips a validation per request)

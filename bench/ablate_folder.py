@@ -154,6 +154,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         },
     ),
     "label": ("classes", {"generator": "auto"}),
+    "label-simclr": (  # the label generator with the SimCLR-style augmentations (no neighbour options)
+        "classes",
+        {
+            "generator": "label",
+            "generator_options.k": None,
+            **PIXELS,
+            "generator_options.crop_scale": [0.3, 1.0],
+            "generator_options.brightness": 0.4,
+            "generator_options.contrast": 0.4,
+            "generator_options.saturation": 0.4,
+            "generator_options.grey_p": 0.2,
+            "generator_options.blur_p": 0.3,
+            "generator_options.rotate": 10.0,
+        },
+    ),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
 }
 
@@ -196,14 +211,24 @@ def split_collection(name: str, seed: int) -> tuple[Path, Path]:
     return classes, flat
 
 
-def _embed(encoder, ds, batch: int = 256) -> np.ndarray:
+def _embed(encoder, ds, batch: int = 256, anchored: bool = True) -> np.ndarray:
     import torch
 
     out = []
     with torch.inference_mode():
         for start in range(0, len(ds), batch):
-            out.append(encoder(ds.tensors(np.arange(start, min(start + batch, len(ds))))).float().numpy())
+            x = ds.tensors(np.arange(start, min(start + batch, len(ds))))
+            out.append((encoder(x) if anchored else encoder.tower_embed(x)).float().numpy())
     return np.concatenate(out)
+
+
+ANCHOR_WEIGHTS = (0.3, 0.5, 0.7)  # pixel anchor weights scored after the fact from the tower's embeddings
+
+
+def anchored(z: np.ndarray, pixels: np.ndarray, w: float) -> np.ndarray:
+    """[sqrt(1 - w) z, sqrt(w) p] of unit rows: the encoder's pixel anchor (training/encoder.py), whose
+    cosine is (1 - w) tower cosine + w pixel cosine; the pixels centred on the indexed images' mean."""
+    return np.hstack([np.sqrt(1 - w) * z, np.sqrt(w) * pixels]).astype(np.float32)
 
 
 def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_dir: Path) -> dict:
@@ -228,6 +253,13 @@ def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_
         enc.eval()
         zdb, zq = _embed(enc, db), _embed(enc, q)
         per[name] = {k: per_query_precision(zq, zdb, q.labels, db.labels, k) for k in (10, 1)}
+        if name == "trained":  # the same tower with a pixel anchor of weight w, scored without retraining
+            tdb, tq = _embed(enc, db, anchored=False), _embed(enc, q, anchored=False)
+            for w in ANCHOR_WEIGHTS:
+                adb, aq = anchored(tdb, pdb, w), anchored(tq, pq, w)
+                per[f"anchored-{w}"] = {
+                    k: per_query_precision(aq, adb, q.labels, db.labels, k) for k in (10, 1)
+                }
     res = {
         "n_db": len(db),
         "n_queries": len(q),
@@ -237,6 +269,8 @@ def evaluate(ckpts: dict[str, Path], classes_root: Path, image_size: int, cache_
     res["trained_vs_pixels"] = paired_difference(per["trained"][10], per["pixels"][10])
     res["trained_vs_init"] = paired_difference(per["trained"][10], per["init"][10])
     res["init_vs_pixels"] = paired_difference(per["init"][10], per["pixels"][10])
+    for w in ANCHOR_WEIGHTS:
+        res[f"anchored-{w}_vs_pixels"] = paired_difference(per[f"anchored-{w}"][10], per["pixels"][10])
     res["per_query_p10"] = {n: v[10].round(4).tolist() for n, v in per.items()}
     return res
 
@@ -256,7 +290,9 @@ def run_one(
     layout, changes = CONFIGS[config_name]
     classes, flat = split_collection(collection, seed)
     data = tomllib.loads(CONFIG.read_text())
-    for k, v in {**changes, **(scale or {})}.items():
+    # the tower alone ("trained", "init"): the pixel anchor is scored after the fact (anchored-w columns;
+    # training does not depend on it, tests/training/test_trainer.py)
+    for k, v in {"encoder.pixel_weight": None, **changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"

@@ -17,7 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+
+# as `softsearch serve` sets them (api/server.py): one OpenBLAS / OpenMP thread per call, before numpy loads
+for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
 from pathlib import Path
 
 import numpy as np
@@ -126,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     print("| step | CPU ms | wall ms |\n|---|---|---|")
     for name, ms in steps.items():
         print(f"| {name} | {ms:.3f} | {WALL.get(name, float('nan')):.3f} |")
-    import os
-
     load = os.getloadavg()
     write_results(
         args.name,

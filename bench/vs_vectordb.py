@@ -243,9 +243,13 @@ def measure(
     out = {"recall": recall([ids_of(a) for a in got], truth), "answers": got, "load_before": load_before}
     load_ms(server.url, path, bodies, headers, 4, min(2.0, duration))  # warm-up
     for c in clients:
+        batches0 = batch_sizes(server.url) if name.startswith("softsearch") else None
         cpu0 = tree_cpu_s(server.proc.pid)
         res = load_ms(server.url, path, bodies, headers, c, duration)
         res["cpu_ms"] = (tree_cpu_s(server.proc.pid) - cpu0) * 1e3 / max(res["n"], 1)
+        if batches0 is not None:  # queries per batch the server formed during this load
+            (q0, b0), (q1, b1) = batches0, batch_sizes(server.url)
+            res["mean_batch"] = (q1 - q0) / max(b1 - b0, 1)
         out[c] = res
         logger.info(
             "%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors",
@@ -259,6 +263,21 @@ def measure(
     out["rss"] = tree_rss_mib(server.proc.pid)
     out["load_after"] = os.getloadavg()[0]
     return out, got
+
+
+def batch_sizes(url: str) -> tuple[float, float]:
+    """(queries, batches) so far from softsearch's softsearch_batch_size histogram (GET /metrics)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        for key in found:
+            if line.startswith(f"softsearch_batch_size_{key} "):
+                found[key] = float(line.rsplit(" ", 1)[1])
+    return found["sum"], found["count"]
 
 
 def probability_error(
@@ -456,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                 row(f"{system} c={c} server CPU per query", r["cpu_ms"], "ms", b["cpu_ms"] if b else None),
                 row(f"{system} c={c} errors", r["errors"], "count", None),
             ]
+            if "mean_batch" in r:
+                rows.append(row(f"{system} c={c} mean batch", r["mean_batch"], "queries", None))
         rows.append(row(f"{system} rss", out["rss"], "MiB", ref["rss"] if ref else None))
         rows.append(
             row(f"{system} load average before / after", out["load_before"], "load", out["load_after"])

@@ -65,6 +65,12 @@ class EncoderConfig:
     # preprocessing config (open_clip), (0.5, 0.5, 0.5) for a custom tower
     image_mean: tuple[float, float, float] | None = None
     image_std: tuple[float, float, float] | None = None
+    # pixel anchor: the served embedding is [sqrt(1 - w) z, sqrt(w) p] for the tower's unit vector z and
+    # the image's own side x side grey pixels p (centred on the training images' mean, unit), so a
+    # cosine is (1 - w) tower cosine + w pixel cosine: a collection that pixels search well cannot fall
+    # far below them. 0 = off (the tower alone). Training's loss sees the tower alone.
+    pixel_weight: float = 0.0
+    pixel_side: int = 32
 
     def __post_init__(self) -> None:
         # TOML / JSON give lists; a tuple keeps the config hashable and comparable.
@@ -85,6 +91,10 @@ class EncoderConfig:
         """Raise ValueError naming the first bad field."""
         if self.model_name is not None:
             check_model_name(self.model_name)
+        if not 0.0 <= self.pixel_weight < 1.0:
+            raise ValueError(f"encoder.pixel_weight must be in [0, 1), got {self.pixel_weight}")
+        if not isinstance(self.pixel_side, int) or self.pixel_side <= 0:
+            raise ValueError(f"encoder.pixel_side must be a positive integer, got {self.pixel_side!r}")
         if not isinstance(self.image_size, int) or self.image_size <= 0:
             raise ValueError(f"encoder.image_size must be a positive integer, got {self.image_size!r}")
         for name in ("image_mean", "image_std"):
@@ -245,7 +255,8 @@ PROJECT_STD = (STD,) * 3
 
 
 class Encoder(nn.Module):
-    """Vision tower + L2 normalisation: `forward(x) = f(x) / |f(x)|`."""
+    """Vision tower + L2 normalisation: `forward(x) = f(x) / |f(x)|`, with the pixel anchor
+    (`pixel_weight` > 0) `[sqrt(1 - w) f/|f|, sqrt(w) p(x)]` (see `pixel_descriptor`)."""
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
@@ -266,7 +277,13 @@ class Encoder(nn.Module):
         )
         self.config = config
         self.image_size = config.image_size
-        self.embed_dim = tower.dim
+        self.tower_dim = tower.dim
+        self.pixel_weight = float(config.pixel_weight)
+        self.pixel_dim = config.pixel_side**2 if self.pixel_weight > 0 else 0
+        self.embed_dim = tower.dim + self.pixel_dim  # the served (indexed) dimension
+        if self.pixel_dim:
+            # the training images' mean grey thumbnail (set_pixel_mean), saved with the weights
+            self.register_buffer("pixel_mean", torch.zeros(self.pixel_dim))
         self.tower = tower.module
         self.clip_temperature = tower.temperature
         from open_clip.modified_resnet import ModifiedResNet
@@ -299,10 +316,43 @@ class Encoder(nn.Module):
             h = h[0]
         return h  # (B, D)
 
-    def forward(self, x: torch.Tensor, return_features: bool = False):
-        """Unit embeddings z = h / |h|, (B, D); with `return_features`, (z, h) (one forward, DDP-safe)."""
+    def grey_thumbnail(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, side^2) grey pixels of preprocessed images: channel mean, area-resized to pixel_side (the
+        report's raw-pixel baseline, search/evaluation/baselines.py)."""
+        side = self.config.pixel_side
+        grey = x.float().mean(dim=1, keepdim=True)  # (B, 1, S, S)
+        if grey.shape[-1] != side:
+            grey = F.interpolate(grey, size=(side, side), mode="area")
+        return grey.flatten(1)  # (B, side^2)
+
+    @torch.no_grad()
+    def set_pixel_mean(self, images: Iterable[torch.Tensor]) -> None:
+        """Fit the anchor's centre: the mean grey thumbnail over batches of the training images."""
+        total, n = torch.zeros(self.pixel_dim, dtype=torch.float64), 0
+        for batch in images:
+            total += self.grey_thumbnail(batch).double().sum(dim=0).cpu()
+            n += batch.shape[0]
+        if n == 0:
+            raise ValueError("set_pixel_mean needs at least one image")
+        self.pixel_mean.copy_((total / n).to(self.pixel_mean))
+
+    def pixel_descriptor(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, side^2) unit rows: the grey thumbnail minus the training mean (a centred cosine)."""
+        return F.normalize(self.grey_thumbnail(x) - self.pixel_mean, dim=-1)
+
+    def tower_embed(self, x: torch.Tensor, return_features: bool = False):
+        """The tower's own unit embeddings h / |h|, (B, tower_dim): what training's loss sees."""
         h = self.features(x)  # (B, D)
         z = F.normalize(h, dim=-1)  # (B, D)
+        return (z, h) if return_features else z
+
+    def forward(self, x: torch.Tensor, return_features: bool = False, anchored: bool = True):
+        """Unit embeddings z = h / |h|, (B, D); with `return_features`, (z, h) (one forward, DDP-safe).
+        With the pixel anchor, z is [sqrt(1 - w) h / |h|, sqrt(w) p(x)] unless `anchored` is False."""
+        z, h = self.tower_embed(x, return_features=True)
+        if self.pixel_dim and anchored:
+            w = self.pixel_weight
+            z = torch.cat([z * (1.0 - w) ** 0.5, self.pixel_descriptor(x).to(z.dtype) * w**0.5], dim=-1)
         return (z, h) if return_features else z
 
     def num_parameters(self) -> int:

@@ -167,6 +167,10 @@ class LabelGenerator(PositiveGenerator):
         brightness: float = 0.1,
         contrast: float = 0.1,
         translate: float = 0.05,
+        saturation: float = 0.0,
+        grey_p: float = 0.0,
+        blur_p: float = 0.0,
+        rotate: float = 0.0,
     ):
         self.augment = bool(augment)
         self.aug = AugmentConfig(
@@ -175,6 +179,10 @@ class LabelGenerator(PositiveGenerator):
             brightness=brightness,
             contrast=contrast,
             translate=translate,
+            saturation=saturation,
+            grey_p=grey_p,
+            blur_p=blur_p,
+            rotate=rotate,
         )
         self.description = (
             "label: positive = random other item of the same class"
@@ -192,6 +200,7 @@ class LabelGenerator(PositiveGenerator):
             "brightness": a.brightness,
             "contrast": a.contrast,
             "translate": a.translate,
+            **{k: getattr(a, k) for k in ("saturation", "grey_p", "blur_p", "rotate") if getattr(a, k)},
         }
 
     def log_ratio(self, query_meta: np.ndarray, db_meta: np.ndarray) -> np.ndarray:

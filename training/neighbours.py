@@ -83,12 +83,13 @@ def encoder_neighbours(
     t0 = time.perf_counter()
     was_training = encoder.training
     device = next(encoder.parameters()).device
+    tower = getattr(encoder, "tower_embed", encoder)  # without a pixel anchor: what training's loss sees
     encoder.eval()
     try:
         with torch.no_grad():
             z = torch.cat(
                 [
-                    encoder(dataset.tensors(np.arange(s, min(s + batch_size, n))).to(device)).float().cpu()
+                    tower(dataset.tensors(np.arange(s, min(s + batch_size, n))).to(device)).float().cpu()
                     for s in range(0, n, batch_size)
                 ]
             )

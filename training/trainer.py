@@ -160,9 +160,9 @@ def contrastive_step(
     n = view_a.shape[0]
     images = torch.cat([view_a, view_b])
     if reg_weight > 0:
-        z_local, h_local = model(images, return_features=True)  # (2n, D) each
+        z_local, h_local = model(images, return_features=True, anchored=False)  # (2n, D) each
     else:
-        z_local = model(images)  # (2n, D) = cat(view_a_local, view_b_local)
+        z_local = model(images, anchored=False)  # (2n, D) = cat(view_a_local, view_b_local): the tower
     z_all = gather_embeddings(z_local, info)  # (2N, D) = cat(view_a_global, view_b_global)
     sim, pos_index, self_index = contrastive_similarities(z_local, z_all, info.rank * n)  # (2n, 2N)
     out = loss_fn.loss_from_similarities(
@@ -301,6 +301,11 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
             "so every rank draws the same positives as a single process would"
         )
     encoder = create_encoder(config.encoder).to(info.device)
+    if encoder.pixel_dim:  # the pixel anchor's centre: the training images' mean grey thumbnail
+        n = len(dataset)
+        encoder.set_pixel_mean(
+            dataset.tensors(np.arange(s, min(s + 1024, n))).to(info.device) for s in range(0, n, 1024)
+        )
     schedule = create_schedule(config.schedule, **config.schedule_options).to(info.device)
     loss_fn = create_loss(config.loss, **config.loss_options).to(info.device)
     noise = noise_gen = None

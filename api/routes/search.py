@@ -225,20 +225,26 @@ async def search_vector(
     filter (JSON text) in the query string, e.g. `POST /v1/search/vector?k=10`: no JSON parsing at all.
     Query-string fields also apply to a JSON body, whose own fields take precedence."""
     query = await vector_body.read_vector_query(request, ctx.media)
-    snapshot = ctx.snapshot
-    fetch = fetch_count(query.k, query.offset, ctx.settings)
+    return await answer_vector(query, ctx.snapshot, ctx.settings, ctx.batcher, ctx.metrics)
+
+
+async def answer_vector(query, snapshot, settings, batcher, metrics) -> Response:
+    """The answer to a parsed vector query (`vector_body.parse_vector_query`) on one snapshot: the route
+    above and the raw ASGI path (api/vector_path.py) both answer through here, so their bytes agree."""
+    fetch = fetch_count(query.k, query.offset, settings)
     flt = query_filter(query.filter, snapshot)
     vector = _unit_vector(query.vector, snapshot)
     try:
-        result = await ctx.batcher.search_vector(vector, fetch, query.temperature, flt)
+        result = await batcher.search_vector(vector, fetch, query.temperature, flt)
     except ValueError as err:
         raise ApiError(422, "bad_vector", str(err)) from err
-    ctx.metrics.queries.labels(kind="vector").inc()
-    return vector_body.json_response(
+    response = vector_body.json_response(
         result_body(
             result, query.k, offset=query.offset, min_probability=query.min_probability, mass=query.mass
         )
     )
+    metrics.queries.labels(kind="vector").inc()
+    return response
 
 
 @router.post(

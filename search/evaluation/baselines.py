@@ -103,8 +103,16 @@ def recipe_description(info: dict) -> str | None:
     else:
         what = f"{name} positives"
     tc = info.get("train_config") or {}
-    size = (tc.get("encoder") or {}).get("image_size")
-    extra = [f"{size} px" if size else None, f"{tc['steps']} steps" if tc.get("steps") else None]
+    enc = tc.get("encoder") or {}
+    size, w = enc.get("image_size"), enc.get("pixel_weight") or 0
+    extra = [
+        f"{size} px" if size else None,
+        f"{tc['steps']} steps" if tc.get("steps") else None,
+        f"pixel anchor {w:g} (the embedding carries {enc.get('pixel_side', 32)}x{enc.get('pixel_side', 32)} "
+        f"grey pixels at weight {w:g} beside the tower's {1 - w:g})"
+        if w
+        else None,
+    ]
     return ", ".join([what] + [e for e in extra if e])
 
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from index.build import training_temperature
 from index.manifest import CheckpointRef, Manifest, file_sha256
@@ -112,19 +111,20 @@ def _tensors(ds, idx: np.ndarray) -> torch.Tensor:
 
 
 def encode(encoder, images: torch.Tensor, batch_size: int, device) -> tuple[np.ndarray, np.ndarray]:
-    """(unit embeddings z (N, D) float32, pre-normalisation features h (N, D) float32); z = h / |h|."""
+    """(unit embeddings z (N, D) float32, the tower's pre-normalisation features h (N, D_tower) float32);
+    z = h / |h|, or with a pixel anchor the encoder's served embedding (training/encoder.py)."""
     zs, hs = [], []
     encoder.eval()
     with torch.inference_mode():
         for b0 in range(0, images.shape[0], batch_size):
-            h = encoder.features(
-                images[b0 : b0 + batch_size].to(device=device, dtype=torch.float32)
-            )  # (B, D)
+            z, h = encoder(
+                images[b0 : b0 + batch_size].to(device=device, dtype=torch.float32), return_features=True
+            )  # (B, D), (B, D_tower)
             hs.append(h.float().cpu())
-            zs.append(F.normalize(h, dim=-1).float().cpu())
-    d = encoder.embed_dim
+            zs.append(z.float().cpu())
     if not zs:
-        return np.zeros((0, d), np.float32), np.zeros((0, d), np.float32)
+        d, dh = encoder.embed_dim, getattr(encoder, "tower_dim", encoder.embed_dim)
+        return np.zeros((0, d), np.float32), np.zeros((0, dh), np.float32)
     return torch.cat(zs).numpy(), torch.cat(hs).numpy()
 
 

@@ -231,15 +231,21 @@ class SearchSnapshot:
         k: int,
         temperature: float | Sequence[float | None] | None = None,
         mask: np.ndarray | None = None,
+        unit: bool = False,
     ) -> SearchAnswer:
         """Top-k of each query vector (normalised to unit length) with softmax probabilities over the
         whole index (log Z from the snapshot's normaliser: exact, or bounded with its bound).
 
         With `mask` ((N,) bool, from `filter_mask`) the search is restricted to those rows inside FAISS
-        and p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau), log Z summed exactly over F."""
+        and p(j | x, F) = exp(s_j / tau) / sum_{l in F} exp(s_l / tau), log Z summed exactly over F.
+        With `unit`, `vectors` are (Q, dim) float32 rows that `unit_queries` already gave (not checked again).
+        """
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        q = unit_queries(vectors, self.dim, "query vector")  # cosine similarity
+        if unit and isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.ndim == 2:
+            q = np.ascontiguousarray(vectors)
+        else:
+            q = unit_queries(vectors, self.dim, "query vector")  # cosine similarity
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)

@@ -89,3 +89,33 @@ def test_embed_matches_forward_all_input_kinds():
     assert embed(enc, x[:0], progress=False).shape == (0, 8)
     with pytest.raises(ValueError, match="batch_size"):
         embed(enc, x, batch_size=0)
+
+
+def test_pixel_anchor_cosine_is_the_weighted_sum_of_tower_and_pixel_cosines(tmp_path):
+    """pixel_weight w: the embedding's inner products equal (1 - w) x the tower's cosine + w x the
+    report's centred grey-pixel cosine (computed independently by the evaluation baseline); the
+    centre is saved with the weights."""
+    from search.evaluation.baselines import centred_unit, raw_pixel_features
+    from training.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    cfg = EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, image_size=64, pixel_weight=0.3)
+    enc = create_encoder(cfg).eval()
+    assert enc.embed_dim == 8 + 32 * 32 and enc.tower_dim == 8
+    x = torch.rand(12, 3, 64, 64) * 2 - 1
+    enc.set_pixel_mean([x[:5], x[5:]])  # batches, as the trainer feeds them
+    z = enc(x).detach().numpy()
+    t = enc.tower_embed(x).detach().numpy()
+    assert np.allclose(enc(x, anchored=False).detach().numpy(), t)
+    p, _ = centred_unit(raw_pixel_features(x), raw_pixel_features(x))  # 64 px -> 32x32 area thumbnails
+    np.testing.assert_allclose(z @ z.T, 0.7 * t @ t.T + 0.3 * p @ p.T, atol=2e-5)
+    np.testing.assert_allclose(np.linalg.norm(z, axis=1), 1.0, atol=1e-5)
+    save_checkpoint(tmp_path / "a.safetensors", enc, step=0, train_config={}, lineage={}, metrics={})
+    back, _ = load_checkpoint(tmp_path / "a.safetensors")
+    np.testing.assert_allclose(back(x).detach().numpy(), z, atol=1e-6)
+    assert np.array_equal(embed(back, x, progress=False), back(x).detach().numpy())
+    with pytest.raises(ValueError, match="pixel_weight"):
+        create_encoder(EncoderConfig(pixel_weight=1.0))
+    with pytest.raises(ValueError, match="pixel_side"):
+        create_encoder(EncoderConfig(pixel_weight=0.5, pixel_side=0))
+    assert create_encoder(TINY_RN).embed_dim == 8 and "pixel_mean" not in create_encoder(TINY_RN).state_dict()

@@ -320,3 +320,24 @@ def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
     gen = read_checkpoint_metadata(ckpt)["lineage"]["generator"]
     assert gen["name"] == "neighbour" and gen["options"]["space"] == "encoder"
     assert gen["options"]["refresh_every"] == cfg.generator_options["refresh_every"] > 0
+
+
+def test_pixel_anchor_leaves_the_tower_training_unchanged(tmp_path):
+    """encoder.pixel_weight > 0: the loss sees the tower alone, so the tower's weights equal a run without
+    the anchor; the checkpoint carries the training images' mean grey thumbnail as the anchor's centre."""
+    from training.trainer import build_data
+
+    common = ["steps=3", "num_workers=0", "checkpoint_every=1000"]
+    plain = train(load_train_config(TINY, [*common, f'out_dir="{tmp_path / "plain"}"']))
+    cfg = load_train_config(TINY, [*common, f'out_dir="{tmp_path / "px"}"', "encoder.pixel_weight=0.5"])
+    anchored = train(cfg)
+    a, b = load_file(str(plain)), load_file(str(anchored))
+    assert set(b) == set(a) | {"pixel_mean"}
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+    ds, _ = build_data(cfg)
+    x = ds.tensors(np.arange(len(ds))).float()  # (N, 3, S, S)
+    mean = torch.nn.functional.interpolate(x.mean(dim=1, keepdim=True), size=(32, 32), mode="area")
+    torch.testing.assert_close(b["pixel_mean"], mean.flatten(1).mean(dim=0), atol=1e-5, rtol=0)
+    init = load_file(str(tmp_path / "px" / "init.safetensors"))
+    torch.testing.assert_close(init["pixel_mean"], b["pixel_mean"])  # --compare init scores the same anchor

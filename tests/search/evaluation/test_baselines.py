@@ -80,6 +80,11 @@ def test_verdict_names_the_recipe():
     assert recipe_description(pixels) == "grey-pixel neighbours as positives (neighbour, k 3)"
     assert recipe_description({"lineage": {"generator": {"name": "label"}}}).startswith("class folders")
     assert recipe_description({}) is None  # an imported model records no recipe
+    anchored = {**info, "train_config": {"steps": 400, "encoder": {"image_size": 32, "pixel_weight": 0.5}}}
+    assert recipe_description(anchored) == (
+        recipe
+        + ", pixel anchor 0.5 (the embedding carries 32x32 grey pixels at weight 0.5 beside the tower's 0.5)"
+    )
     rng = np.random.default_rng(4)
     base = rng.uniform(0.2, 0.5, 100)
     out = baseline_comparison({RAW_PIXELS: (base, base)}, (base + 0.1, base + 0.1), n_boot=200, recipe=recipe)

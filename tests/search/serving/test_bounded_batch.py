@@ -84,6 +84,28 @@ def test_a_batch_answers_as_its_queries_alone(setup):
     assert 0 < batch.exact_mask.sum() < len(q) or not batch.exact_mask.any()
 
 
+def test_the_list_ordered_copy_gives_the_same_answers(setup):
+    """`ListedRows` holds every stored row once, at `position[row]`, in list order (each list one block);
+    reading the rows from it gives bit for bit the answers read from the embeddings themselves."""
+    from search.serving.normaliser import ListedRows
+
+    data, q, stats, top = setup["data"], setup["q"], setup["stats"], setup["top"]
+    listed = ListedRows.build(data, stats)
+    np.testing.assert_array_equal(listed.rows[listed.position], data)
+    np.testing.assert_array_equal(listed.position[stats.order], np.arange(len(data)))
+    taus = np.linspace(0.05, 0.3, len(q))
+    cfg = NormaliserConfig("bounded", head_rows=256, samples=256)
+    plain = bounded_log_normaliser(q, data, stats, taus, cfg, top)
+    copied = bounded_log_normaliser(q, data, stats, taus, cfg, top, listed=listed)
+    for name in ("value", "lower", "upper", "interval_lower", "interval_upper", "rows", "exact_mask"):
+        np.testing.assert_array_equal(getattr(copied, name), getattr(plain, name), err_msg=name)
+    # the serving object builds the copy when its pages are kept, not when they are released
+    assert Normaliser.for_version(data, config=NormaliserConfig("bounded")).listed is not None
+    released = NormaliserConfig("bounded", release_pages=True)
+    assert Normaliser.for_version(data, config=released).listed is None
+    assert Normaliser.for_version(data, config=NormaliserConfig("bounded", listed_max_bytes=0)).listed is None
+
+
 def test_auto_over_an_index_below_the_recall_target_keeps_exact(setup):
     """Bounded answers take their top-k from the index: `auto` does not trade recall for speed."""
     data, stats = setup["data"], setup["stats"]
