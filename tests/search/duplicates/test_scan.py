@@ -21,7 +21,14 @@ from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, thumbnail
 from search.duplicates.edits import EDITS, edited_copy
-from search.duplicates.model import NAMES, SIGN, DuplicateModel, fit_model, threshold_for_precision
+from search.duplicates.model import (
+    NAMES,
+    SIGN,
+    DuplicateModel,
+    fit_model,
+    mass_correction,
+    threshold_for_precision,
+)
 from search.duplicates.scan import groups_of, scan_collection
 from training.images import load_rgb
 
@@ -169,6 +176,8 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     log_lr = unl @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
     exact = expit(log_lr + np.log(share / (1 - share)))
     assert np.mean(np.abs(model.probability(unl) - exact)) < 0.015
+    # the candidates' probabilities average to the share (the PU identity, kept through the cap at 1)
+    assert np.mean(model.probability(unl)) == pytest.approx(model.share, rel=1e-6)
     # the pairs kept at 0.5 are the mixture's duplicates
     kept = model.probability(unl) >= 0.5
     assert (kept & u_is_dup).sum() >= 0.95 * u_is_dup.sum() and (kept & ~u_is_dup).sum() <= 0.02 * kept.sum()
@@ -181,6 +190,20 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     # the model survives its JSON form
     again = DuplicateModel.from_json(json.loads(json.dumps(model.to_json())))
     assert np.array_equal(again.probability(unl), p0)
+
+
+def test_mass_correction_restores_the_share_that_the_cap_drops():
+    """Log ratios whose surest pairs exceed p 1: the returned log c against a brute-force grid for the c at
+    which the capped probabilities average to the share; none needed when nothing is capped."""
+    rng = np.random.default_rng(2)
+    share = 0.05
+    lr = np.r_[rng.normal(-8, 2, 950), rng.normal(np.log(1 / share) + 1.5, 1.0, 50)]
+    lr -= np.log(np.mean(np.exp(lr)))  # mean ratio 1: uncapped, the probabilities average to the share
+    c = mass_correction(lr, share)
+    grid = np.linspace(0, 5, 50001)
+    mean = np.exp(np.minimum(lr[None] + np.log(share) + grid[:, None], 0)).mean(1)
+    assert c == pytest.approx(grid[np.argmin(np.abs(mean - share))], abs=2e-4) and c > 0.1
+    assert mass_correction(np.full(100, 0.0), share) == 0.0
 
 
 def test_a_share_at_its_bound_is_reported():
