@@ -136,7 +136,7 @@ def _configure(settings) -> None:
         # the environment (a call in this thread would not reach the batch threads): as many as torch's.
         # Their idle threads spin after each call, which cost a bounded batch of 16 three times the CPU
         # per query and made a lone query wait for a second thread the other batch held (docs/results.md
-        # §27).
+        # §28).
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ.setdefault(name, str(threads))
         import torch
@@ -167,9 +167,10 @@ def worker_app():
 
 def _set_head_timeout(settings) -> None:
     """The request-head deadline of this process's connections (read by the protocol class per connection)."""
-    from api.timeouts import HeadTimeoutH11Protocol
+    from api.timeouts import HeadTimeoutH11Protocol, HeadTimeoutHttpToolsProtocol
 
     HeadTimeoutH11Protocol.head_timeout_s = settings.header_timeout_s
+    HeadTimeoutHttpToolsProtocol.head_timeout_s = settings.header_timeout_s
 
 
 def _settings_env(settings) -> dict[str, str]:
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     # would trust X-Forwarded-For from loopback, letting any local client pick its rate-limit bucket)
     # slow and idle clients (api/timeouts.py): the head deadline lives in the protocol class, set in each
     # serving process (worker_app for --workers N); idle keep-alive is uvicorn's own timer
-    from api.timeouts import HeadTimeoutH11Protocol
+    from api.timeouts import head_timeout_protocol
 
     serve = dict(
         host=settings.host,
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=10,
         proxy_headers=False,
-        http=HeadTimeoutH11Protocol,
+        http=head_timeout_protocol(),
         timeout_keep_alive=settings.keep_alive_timeout_s,
     )
     if settings.workers > 1:

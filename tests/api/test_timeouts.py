@@ -9,6 +9,7 @@ import socket
 import time
 
 import httpx
+import pytest
 from api_helpers import png_bytes
 
 from api.launch import serve_process
@@ -103,3 +104,17 @@ def test_slow_and_idle_connections_are_closed_after_their_timeouts(api_index, ap
         assert _search(server.url, image) == 200
         for sock in (silent, trickle, stalled, idle, punctual, late, huge):
             sock.close()
+
+
+def test_serve_runs_httptools_when_installed_else_h11(monkeypatch):
+    """Both protocol classes carry the head deadline; httptools' (the C parser) is served when importable."""
+    import sys
+
+    from api.timeouts import HeadTimeoutH11Protocol, HeadTimeoutHttpToolsProtocol, head_timeout_protocol
+
+    pytest.importorskip("httptools")
+    assert head_timeout_protocol() is HeadTimeoutHttpToolsProtocol
+    monkeypatch.setitem(sys.modules, "httptools", None)  # as if not installed
+    assert head_timeout_protocol() is HeadTimeoutH11Protocol
+    for cls in (HeadTimeoutH11Protocol, HeadTimeoutHttpToolsProtocol):
+        assert cls.head_timeout_s > 0
