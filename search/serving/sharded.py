@@ -178,11 +178,17 @@ class ShardedSnapshot(SearchSnapshot):
         k: int,
         temperature: float | Sequence[float | None] | None = None,
         mask: np.ndarray | None = None,
+        unit: bool = False,
     ) -> SearchAnswer:
-        """Top-k over every shard with probabilities over the whole version (or the rows `mask` passes)."""
+        """Top-k over every shard with probabilities over the whole version (or the rows `mask` passes).
+        With `unit`, `vectors` are (Q, dim) float32 rows that `unit_queries` already gave (as
+        `SearchSnapshot.search`)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        q = unit_queries(vectors, self.dim, "query vector")
+        if unit and isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.ndim == 2:
+            q = np.ascontiguousarray(vectors)
+        else:
+            q = unit_queries(vectors, self.dim, "query vector")
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)
