@@ -136,7 +136,7 @@ def _configure(settings) -> None:
         # the environment (a call in this thread would not reach the batch threads): as many as torch's.
         # Their idle threads spin after each call, which cost a bounded batch of 16 three times the CPU
         # per query and made a lone query wait for a second thread the other batch held (docs/results.md
-        # §27).
+        # §28).
         for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ.setdefault(name, str(threads))
         import torch

@@ -72,7 +72,7 @@ class HeadTimeoutH11Protocol(H11Protocol):
 
 class HeadTimeoutHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol (C parser: ~0.1-0.4 ms less CPU per request than h11 here, docs/results.md
-    §27) with the same head deadline as `HeadTimeoutH11Protocol`: a connection whose request head has not
+    §28) with the same head deadline as `HeadTimeoutH11Protocol`: a connection whose request head has not
     arrived within `head_timeout_s` of the connection opening or of the head's first byte is closed. As h11
     does, a head still incomplete after `max_head_bytes` (h11's 16 KiB) is answered 400 and the connection
     closed (httptools itself has no such limit). `softsearch serve` uses this class when httptools is

@@ -2,7 +2,7 @@
 
 A vector query at 10^5 rows costs ~2-3 ms of search; FastAPI's routing, dependency, request object,
 exception middleware and the pure-ASGI middleware stack around them added ~0.5-0.75 ms of CPU per request,
-this handler ~0.3 (docs/results.md §27). It sits outermost among the app's middlewares and answers the plain
+this handler ~0.3 (docs/results.md §28). It sits outermost among the app's middlewares and answers the plain
 case itself -- POST to exactly /v1/search/vector, a JSON or octet-stream body within the size limit, an
 index loaded -- through the same functions as the FastAPI route (`vector_body.parse_vector_query`,
 `routes.search.answer_vector`), so its answers are the route's, byte for byte.

@@ -6,6 +6,8 @@ training cannot read the classes). One config of the grid is trained on one layo
 ``training.trainer.train`` (configs/folder.toml plus the grid's changes), then the train images are
 embedded (the index) and the held-out test images searched exactly; label precision@10 is compared,
 paired over queries, with the 32x32 grey centred-cosine pixel search and with the step-0 tower.
+Both are the tower alone; the pixel anchor (encoder.pixel_weight) is scored from the same checkpoint at a
+few weights (anchored-w columns), since training does not depend on it.
 
 Resumable: each run writes bench/results/ablate_folder/<run>.json when it finishes and is skipped
 when that file exists, so the script can be killed and restarted (run it under nohup with a log).
@@ -170,6 +172,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         },
     ),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
+    "label-tau01": ("classes", {"generator": "auto", "schedule_options.tau": 0.1}),
 }
 
 

@@ -1,7 +1,9 @@
 """Pair alignment: one thumbnail warped onto the other by an affine map and a gain/offset, fitted by
-inverse-compositional Lucas-Kanade (coarse to fine), batched over pairs with torch. A crop, resize, small
-rotation or brightness/contrast change is an affine map of the pixels and their values, so after the fit a
-copy correlates with its original almost perfectly; two different pictures do not, however the fit bends.
+inverse-compositional Lucas-Kanade (coarse to fine; once the coarse fit has settled, the worst-fitting TRIM
+of the pixels take no part in a step, so an overlay does not pull the map), batched over pairs with torch. A
+crop, resize, small rotation or brightness/contrast change is an affine map of the pixels and their values,
+so after the fit a copy correlates with its original almost perfectly; two different pictures do not,
+however the fit bends.
 
 Features per pair (the better of both directions, and of the mirror with flips):
   ncc      normalised cross-correlation over the template pixels that land inside the other picture
@@ -9,8 +11,9 @@ Features per pair (the better of both directions, and of the mirror with flips):
   coverage share of the template that lands inside the other picture
   stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
   chroma   share of the template's colour (opponent chroma of the small colour thumbnails, warped by the
-           same map) that the other's, at its best gain, does not explain: a saturation change keeps it
-           near 0, a recoloured look-alike (the same icon in red and in blue) does not
+           same map) that the other's, at its best gain, does not explain, over all but the worst TRIM of
+           the cells (an overlay's colour): a saturation change keeps it near 0, a recoloured look-alike (the
+           same icon in red and in blue) does not
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ def _norm_rows(v: torch.Tensor) -> torch.Tensor:
     return v * torch.rsqrt((v * v).mean(1, keepdim=True) + 1e-6)
 
 
-def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
+def _fit(
+    t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int, trim: bool = False, trim_from: int = 0
+) -> torch.Tensor:
     """Inverse-compositional Lucas-Kanade: the template's Jacobian and Hessian once, then per step
     only the warped image (standardised: the gain and offset drop out) and a 6 x P product."""
     side = t.shape[-1]
@@ -87,8 +92,17 @@ def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> t
     full[:, 2, 2] = 1.0
     full[:, :2] = theta
     eye = torch.eye(3)
-    for _ in range(iters):
+    keep = max(1, int(round(tv.shape[1] * (1 - TRIM))))
+    for step in range(iters):
         e = _norm_rows(_warp(i, full[:, :2])) - tv
+        if (
+            trim and step >= trim_from
+        ):  # the worst-fitting TRIM of the pixels take no part in the step: an overlay does not pull
+            cut = torch.maximum(
+                e.abs().kthvalue(keep, dim=1, keepdim=True).values,
+                3 * e.abs().median(dim=1, keepdim=True).values,
+            )
+            e = torch.where(e.abs() <= cut, e, torch.zeros_like(e))
         d = torch.bmm(k, e[:, :, None])[:, :, 0].clamp(-0.3, 0.3)
         delta = eye.repeat(b, 1, 1)
         delta[:, :2] += d.reshape(b, 2, 3)
@@ -140,18 +154,28 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.
     theta = torch.zeros(b, 2, 3, device=t.device)
     theta[:, 0, 0] = theta[:, 1, 1] = 1.0
     t2, i2 = _blur(F.avg_pool2d(t, 2)), _blur(F.avg_pool2d(i, 2))
-    theta = _fit(_blur(F.avg_pool2d(t2, 2)), _blur(F.avg_pool2d(i2, 2)), theta, iters[0])
-    theta = _fit(t2, i2, theta, iters[1])
+    theta = _fit(
+        _blur(F.avg_pool2d(t2, 2)),
+        _blur(F.avg_pool2d(i2, 2)),
+        theta,
+        iters[0],
+        trim=True,
+        trim_from=iters[0] // 2,
+    )
+    theta = _fit(t2, i2, theta, iters[1], trim=True)
     return _score(t, i, theta), theta
 
 
 def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted."""
+    """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted,
+    over the cells but the worst-fitting TRIM of them (an overlay's colour is not the picture's)."""
     w = torch.cat([_warp(cb[:, c : c + 1], theta) for c in range(cb.shape[1])], dim=1)
     a = ca.flatten(1)
     g = ((a * w).sum(1) / ((w * w).sum(1) + 1e-6)).clamp(0.5, 2.0)
-    res = ((a - g[:, None] * w) ** 2).sum(1)
-    return res / ((a * a).sum(1) + CHROMA_FLOOR**2 * a.shape[1])
+    cells = ((a - g[:, None] * w) ** 2).reshape(len(a), ca.shape[1], -1).sum(1)  # (B, s*s)
+    keep = max(1, int(round(cells.shape[1] * (1 - TRIM))))
+    res = cells.topk(keep, dim=1, largest=False).values.sum(1)
+    return res / ((1 - TRIM) * ((a * a).sum(1) + CHROMA_FLOOR**2 * a.shape[1]))
 
 
 def pair_features(

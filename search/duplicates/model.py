@@ -14,7 +14,8 @@ depends on its own label), and from the scores:
   (where the logistic ratio runs off to infinity) as when they are common;
 - a pair's probability is pi R(s) capped at 1, with R = g / (1 - g) and g the monotone (isotonic, PAV) fit
   of copy against candidate on the scores: where candidates are all duplicates R is 1 / pi, the
-  plateau a logistic curve cannot draw.
+  plateau a logistic curve cannot draw. Uncapped, the candidates' probabilities average to pi (the PU
+  identity); R is scaled up until they still do after the cap, so the surest pairs' excess is not lost.
 
 Nothing iterates, so nothing can drain to "no duplicates". The model is monotone: each feature (align.FEATURES
 and the descriptors' cosine, correlations read as Fisher z) enters the score as a piecewise-linear function
@@ -205,6 +206,25 @@ def ratio_calibration(sp: np.ndarray, su: np.ndarray) -> tuple[np.ndarray, np.nd
     return s[keep], np.log(g[keep]) - np.log1p(-g[keep])
 
 
+def mass_correction(log_ratio: np.ndarray, share: float) -> float:
+    """log c >= 0 such that the candidates' probabilities min(1, c share R) average to the share: uncapped
+    they do (the PU identity E_u[share R] = share), and the cap at 1 would otherwise drop the mass of the
+    surest pairs from the rest."""
+    lr = np.asarray(log_ratio, np.float64) + np.log(max(share, MIN_SHARE))
+    need = share * lr.size
+
+    def mass(c):
+        return np.exp(np.minimum(lr + c, 0.0)).sum()
+
+    if mass(0.0) >= need or mass(50.0) < need:
+        return 0.0
+    lo, hi = 0.0, 50.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mass(mid) < need else (lo, mid)
+    return hi
+
+
 def fit_model(
     positives: np.ndarray,
     unlabelled: np.ndarray,
@@ -228,6 +248,7 @@ def fit_model(
     sp, su = xp @ coef[:-1] + coef[-1], xu @ coef[:-1] + coef[-1]
     share, qp, qu = mixture_share(sp, su, share_delta)
     cal_s, cal_logr = ratio_calibration(sp, su)
+    cal_logr = cal_logr + mass_correction(np.interp(su, cal_s, cal_logr), min(share, max_share))
     bound = ""
     if share >= max_share:
         share = max_share

@@ -4,12 +4,13 @@ index versions: job.py feeds it an index version's images and embeddings, tests 
 
 In a paragraph: every image becomes a 64 x 64 greyscale and a 16 x 16 colour thumbnail; pictures with
 identical decoded pixels or identical thumbnails are one group at once (p 1), and one item per group stands
-for it from then on; each such item's nearest items by the thumbnail's low-frequency DCT (and, when there are
-embeddings, by the index's own) are its candidates; each candidate pair is aligned (an affine map and a gain,
-align.py) and scored by how well it then correlates; a logistic regression fitted on this collection -- edited
-copies of its own images as positives, its candidate pairs as an unlabelled mixture (positive-unlabelled
-learning) -- turns those scores into the probability that the pair is one picture edited, at this collection's
-own share of duplicates.
+for it from then on; each such item's nearest items by the thumbnail's low-frequency DCT beside its colour
+layout (and, when there are embeddings, by the index's own) are its candidates; each candidate pair is aligned
+(an affine map and a gain, align.py) and scored by how well it then correlates; a logistic regression fitted
+on this collection -- edited copies of its own images as positives, its candidate pairs as an unlabelled
+mixture (positive-unlabelled learning; the share of duplicates by Best Bin Estimation, the ratio by an
+isotonic fit) -- turns those scores into the probability that the pair is one picture edited, at this
+collection's own share of duplicates.
 """
 
 from __future__ import annotations

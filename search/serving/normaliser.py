@@ -409,7 +409,7 @@ class ListedRows:
     """An in-RAM copy of the stored rows in list order (`ListStats.order`): a head list is one contiguous
     block and a stratum's draws fall inside one list's block, so the bounded estimate reads nearby memory
     instead of rows scattered over the memory map (0.55 against 0.90 ms per query for the same ~3 000 rows
-    at 10^5 x 512, docs/results.md §27). `position[row]` is the row's place in the copy."""
+    at 10^5 x 512, docs/results.md §28). `position[row]` is the row's place in the copy."""
 
     rows: np.ndarray  # (N, D) float32, C-contiguous, rows[position[r]] == embeddings[r]
     position: np.ndarray  # (N,) int64

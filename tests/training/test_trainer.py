@@ -212,6 +212,8 @@ def test_bad_inputs(tmp_path):
         train(load_train_config(TINY, ["batch_size=512", f'out_dir="{tmp_path}"']))
     with pytest.raises(ValueError, match="nope"):
         train(load_train_config(TINY, ['loss="nope"', f'out_dir="{tmp_path}"']))
+    with pytest.raises(ValueError, match="pixel_weight"):  # the anchor is for image search only
+        load_train_config(TINY, ["encoder.pixel_weight=0.5", "text={epochs = 1}"]).validate()
 
 
 @pytest.mark.slow

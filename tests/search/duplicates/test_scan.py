@@ -21,7 +21,14 @@ from search.duplicates.align import pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, thumbnail
 from search.duplicates.edits import EDITS, edited_copy
-from search.duplicates.model import NAMES, SIGN, DuplicateModel, fit_model, threshold_for_precision
+from search.duplicates.model import (
+    NAMES,
+    SIGN,
+    DuplicateModel,
+    fit_model,
+    mass_correction,
+    threshold_for_precision,
+)
 from search.duplicates.scan import groups_of, scan_collection
 from training.images import load_rgb
 
@@ -156,7 +163,7 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     unlabelled = a mixture at a share from rare (1 %) to common (30 %). The fitted share and each unlabelled
     pair's probability are compared with the exact values computed from the generating densities (measured:
     shares 0.0084, 0.071, 0.192, 0.290 against 0.0086, 0.072, 0.201, 0.299; mean |error| of the posterior
-    0.001-0.016; 96-98 % of the duplicates kept at 0.5, no other pair)."""
+    0.0003-0.009; 97-99 % of the duplicates kept at 0.5, no other pair)."""
     rng = np.random.default_rng(0)
     d = len(NAMES)
     mu_pos, mu_neg = 4.0 * SIGN, np.zeros(d)
@@ -168,7 +175,9 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     assert model.share == pytest.approx(u_is_dup.mean(), rel=0.2) and not model.bound
     log_lr = unl @ (mu_pos - mu_neg) - 0.5 * (mu_pos @ mu_pos - mu_neg @ mu_neg)
     exact = expit(log_lr + np.log(share / (1 - share)))
-    assert np.mean(np.abs(model.probability(unl) - exact)) < 0.02
+    assert np.mean(np.abs(model.probability(unl) - exact)) < 0.015
+    # the candidates' probabilities average to the share (the PU identity, kept through the cap at 1)
+    assert np.mean(model.probability(unl)) == pytest.approx(model.share, rel=1e-6)
     # the pairs kept at 0.5 are the mixture's duplicates
     kept = model.probability(unl) >= 0.5
     assert (kept & u_is_dup).sum() >= 0.95 * u_is_dup.sum() and (kept & ~u_is_dup).sum() <= 0.02 * kept.sum()
@@ -181,6 +190,20 @@ def test_the_fit_recovers_the_share_and_the_posterior_of_a_known_mixture(share):
     # the model survives its JSON form
     again = DuplicateModel.from_json(json.loads(json.dumps(model.to_json())))
     assert np.array_equal(again.probability(unl), p0)
+
+
+def test_mass_correction_restores_the_share_that_the_cap_drops():
+    """Log ratios whose surest pairs exceed p 1: the returned log c against a brute-force grid for the c at
+    which the capped probabilities average to the share; none needed when nothing is capped."""
+    rng = np.random.default_rng(2)
+    share = 0.05
+    lr = np.r_[rng.normal(-8, 2, 950), rng.normal(np.log(1 / share) + 1.5, 1.0, 50)]
+    lr -= np.log(np.mean(np.exp(lr)))  # mean ratio 1: uncapped, the probabilities average to the share
+    c = mass_correction(lr, share)
+    grid = np.linspace(0, 5, 50001)
+    mean = np.exp(np.minimum(lr[None] + np.log(share) + grid[:, None], 0)).mean(1)
+    assert c == pytest.approx(grid[np.argmin(np.abs(mean - share))], abs=2e-4) and c > 0.1
+    assert mass_correction(np.full(100, 0.0), share) == 0.0
 
 
 def test_a_share_at_its_bound_is_reported():
@@ -220,12 +243,11 @@ def test_precision_threshold_and_groups_match_brute_force():
 @pytest.mark.slow
 @pytest.mark.parametrize("planted, n", [(0.01, 1500), (0.2, 120)])
 def test_scan_of_generated_pictures_finds_the_planted_copies_and_their_share(planted, n):
-    """From rare (1 % of the items with a copy, where reading the share off the fitted ratio at the copies
-    kept about 60 % of them) to common (20 %): the estimated share of candidate pairs that are duplicates
-    against the planted truth among the aligned pairs, the share of items with a duplicate, and what a user
-    gets at the default threshold (measured: pair shares 0.0057 / 0.0049 and 0.075 / 0.084, item shares
-    0.023 / 0.026 and 0.33 / 0.39, precision 1.00, recall 0.79 and 0.88; with the share read off the fitted
-    ratio, 0.0013 against 0.0039 on a larger draw at 1 %, and half the aligned duplicates kept)."""
+    """From rare (1 % of the items with a copy) to common (20 %): the estimated share of candidate pairs that
+    are duplicates against the planted truth among the aligned pairs, the share of items with a duplicate, and
+    what a user gets at the default threshold (measured: pair shares 0.0038 / 0.0044 and 0.060 / 0.074, item
+    shares 0.025 / 0.026 and 0.35 / 0.39, precision 1.00, recall 0.88 and 0.77; the share read off the fitted
+    ratio at the median copy gave 0.0013 / 0.0049 and recall 0.42 at 1 %, and fails here)."""
     originals = _generated(n, 7)
     sources, planted_pairs, _ = _plant(originals, planted, 8)
     truth = _closure(len(sources), planted_pairs)
@@ -237,7 +259,7 @@ def test_scan_of_generated_pictures_finds_the_planted_copies_and_their_share(pla
     assert is_dup.sum() >= 10
     assert scan.model.share == pytest.approx(is_dup.mean(), rel=0.3) and not scan.model.bound
     precision, recall = _pr(scan, truth)
-    assert precision >= 0.95 and recall >= 0.75
+    assert precision >= 0.95 and recall >= 0.7
     true_share = len({i for p in truth for i in p}) / len(sources)
     assert scan.share_items == pytest.approx(true_share, rel=0.25)
 
