@@ -27,7 +27,34 @@ except ImportError:  # httptools not installed: only the h11 protocol
     HttpToolsProtocol = H11Protocol  # type: ignore[misc,assignment]
 
 
-class HeadTimeoutH11Protocol(H11Protocol):
+class HeadTimerMixin:
+    """The head deadline's timer, shared by both protocols: armed when a head is awaited, cancelled when
+    it arrives; on expiry the connection closes if the protocol's `_head_pending()` still says so."""
+
+    head_timeout_s: float = 10.0
+    _head_timer: asyncio.TimerHandle | None
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if getattr(self, "_head_timer", None) is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing() and self._head_pending():
+            self.logger.debug("closing a connection whose request head took over %.3g s", self.head_timeout_s)
+            self.transport.close()
+
+
+class HeadTimeoutH11Protocol(HeadTimerMixin, H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose request head has not arrived within
     `head_timeout_s` of the connection opening (a client that connects and says nothing) or of the
     head's first byte (a client that trickles its headers). Between requests the keep-alive timer runs.
@@ -43,10 +70,6 @@ class HeadTimeoutH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
-
     def handle_events(self) -> None:
         super().handle_events()
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
@@ -54,23 +77,11 @@ class HeadTimeoutH11Protocol(H11Protocol):
         elif self.conn.trailing_data[0]:
             self._arm_head_timer()  # part of the next head is buffered: its clock runs
 
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self.logger.debug("closing a connection whose request head took over %.3g s", self.head_timeout_s)
-            self.transport.close()
+    def _head_pending(self) -> bool:
+        return self.conn.their_state is h11.IDLE
 
 
-class HeadTimeoutHttpToolsProtocol(HttpToolsProtocol):
+class HeadTimeoutHttpToolsProtocol(HeadTimerMixin, HttpToolsProtocol):
     """uvicorn's httptools protocol (C parser: ~0.1-0.4 ms less CPU per request than h11 here, docs/results.md
     §28) with the same head deadline as `HeadTimeoutH11Protocol`: a connection whose request head has not
     arrived within `head_timeout_s` of the connection opening or of the head's first byte is closed. As h11
@@ -87,10 +98,6 @@ class HeadTimeoutHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._arm_head_timer()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -111,20 +118,8 @@ class HeadTimeoutHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         super().on_headers_complete()
 
-    def _arm_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
-
-    def _cancel_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
-        if not self.transport.is_closing() and (self._in_head or self.cycle is None):
-            self.logger.debug("closing a connection whose request head took over %.3g s", self.head_timeout_s)
-            self.transport.close()
+    def _head_pending(self) -> bool:
+        return self._in_head or self.cycle is None
 
 
 def head_timeout_protocol():

@@ -118,3 +118,46 @@ def test_serve_runs_httptools_when_installed_else_h11(monkeypatch):
     assert head_timeout_protocol() is HeadTimeoutH11Protocol
     for cls in (HeadTimeoutH11Protocol, HeadTimeoutHttpToolsProtocol):
         assert cls.head_timeout_s > 0
+
+
+@pytest.mark.parametrize("protocol_name", ["HeadTimeoutH11Protocol", "HeadTimeoutHttpToolsProtocol"])
+def test_each_protocol_closes_a_silent_and_a_trickling_connection(protocol_name, monkeypatch):
+    """Both protocols (h11's is the fallback without httptools) run the shared head timer: a silent and a
+    trickling connection are closed after the deadline while a punctual request is answered."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    import api.timeouts as timeouts
+
+    protocol = getattr(timeouts, protocol_name)
+    monkeypatch.setattr(protocol, "head_timeout_s", 0.5)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, http=protocol, lifespan="off", log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        silent, trickle = _connect(url), _connect(url)
+        trickle.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        for conn in (silent, trickle):
+            data, seconds = _read_until_closed(conn)
+            assert data == b"" and seconds < 5
+            conn.close()
+        assert httpx.get(url + "/", timeout=10).text == "ok"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
