@@ -57,6 +57,15 @@ COLLECTIONS = {
 # Keys with a dot set inside a table (generator_options.crop_scale); None deletes the key.
 PIXELS = {"generator_options.space": None, "generator_options.refresh_every": None}  # pixel neighbours
 INSTANCE = {"generator_options.k": None, **PIXELS}  # no neighbours at all
+SIMCLR_AUGMENT = {  # SimCLR-style views: strong crops, colour, grey, blur, rotation
+    "generator_options.crop_scale": [0.3, 1.0],
+    "generator_options.brightness": 0.4,
+    "generator_options.contrast": 0.4,
+    "generator_options.saturation": 0.4,
+    "generator_options.grey_p": 0.2,
+    "generator_options.blur_p": 0.3,
+    "generator_options.rotate": 10.0,
+}
 CONFIGS: dict[str, tuple[str, dict]] = {
     "shipped": ("flat", {}),
     "shipped-classes": ("classes", {}),
@@ -131,13 +140,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         {
             "generator": "instance",
             **INSTANCE,
-            "generator_options.crop_scale": [0.3, 1.0],
-            "generator_options.brightness": 0.4,
-            "generator_options.contrast": 0.4,
-            "generator_options.saturation": 0.4,
-            "generator_options.grey_p": 0.2,
-            "generator_options.blur_p": 0.3,
-            "generator_options.rotate": 10.0,
+            **SIMCLR_AUGMENT,
         },
     ),
     "encnb-simclr": (
@@ -146,13 +149,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
             "generator": "neighbour",
             "generator_options.space": "encoder",
             "generator_options.refresh_every": 50,
-            "generator_options.crop_scale": [0.3, 1.0],
-            "generator_options.brightness": 0.4,
-            "generator_options.contrast": 0.4,
-            "generator_options.saturation": 0.4,
-            "generator_options.grey_p": 0.2,
-            "generator_options.blur_p": 0.3,
-            "generator_options.rotate": 10.0,
+            **SIMCLR_AUGMENT,
         },
     ),
     "label": ("classes", {"generator": "auto"}),
@@ -162,13 +159,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
             "generator": "label",
             "generator_options.k": None,
             **PIXELS,
-            "generator_options.crop_scale": [0.3, 1.0],
-            "generator_options.brightness": 0.4,
-            "generator_options.contrast": 0.4,
-            "generator_options.saturation": 0.4,
-            "generator_options.grey_p": 0.2,
-            "generator_options.blur_p": 0.3,
-            "generator_options.rotate": 10.0,
+            **SIMCLR_AUGMENT,
         },
     ),
     "label-64px": ("classes", {"generator": "auto", "encoder.image_size": 64}),
