@@ -3,7 +3,7 @@
 Generated pictures (random shapes in random colours, 160 x 120 PNG, held in memory) with 1 % of them given an
 edited copy (search/duplicates/edits.py); each size is scanned in a child process by
 search.duplicates.scan.scan_collection at its defaults (thumbnails, candidate pairs, alignment, synthetic
-copies, the monotone positive-unlabelled fit of search/duplicates/model.py), which reports its seconds per
+copies, the positive-unlabelled fit of search/duplicates/model.py), which reports its seconds per
 stage, its CPU seconds (the machine's load beside it), its peak RSS and the planted pairs it found.
 Targets: 10^3 in <= 60 s and 10^4 in <= 300 s on the 2-core machine.
 
