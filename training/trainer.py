@@ -141,6 +141,13 @@ def sample_views(
     return torch.cat(parts_a), torch.cat(parts_b)
 
 
+def _tower_only(model: nn.Module) -> dict:
+    """`anchored=False` for an encoder with a pixel anchor (the loss sees the tower alone), else nothing:
+    any module mapping images to unit rows can still be trained (DDP-wrapped or not)."""
+    base = getattr(model, "module", model)
+    return {"anchored": False} if getattr(base, "pixel_dim", 0) else {}
+
+
 def contrastive_step(
     model: nn.Module,
     loss_fn: ContrastiveLoss,
@@ -159,10 +166,11 @@ def contrastive_step(
     """
     n = view_a.shape[0]
     images = torch.cat([view_a, view_b])
+    tower = _tower_only(model)
     if reg_weight > 0:
-        z_local, h_local = model(images, return_features=True, anchored=False)  # (2n, D) each
+        z_local, h_local = model(images, return_features=True, **tower)  # (2n, D) each
     else:
-        z_local = model(images, anchored=False)  # (2n, D) = cat(view_a_local, view_b_local): the tower
+        z_local = model(images, **tower)  # (2n, D) = cat(view_a_local, view_b_local): the tower
     z_all = gather_embeddings(z_local, info)  # (2N, D) = cat(view_a_global, view_b_global)
     sim, pos_index, self_index = contrastive_similarities(z_local, z_all, info.rank * n)  # (2n, 2N)
     out = loss_fn.loss_from_similarities(
