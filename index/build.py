@@ -216,7 +216,7 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
     n = embeddings.shape[0]
     k = min(TUNE_K, n - 1)
     if k < 1:
-        return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
+        return faiss_index.single_item_recall(target_recall)
     rows = faiss_index.tuning_rows(n, TUNE_QUERIES, seed)
     queries = embeddings[rows]
     # exact reference (FAISS brute force, BLAS-fast at 1e6 rows); k+1 because each query's own row is
@@ -233,20 +233,7 @@ def _tune(index: faiss.Index, kind: str, embeddings: np.ndarray, target_recall: 
         self_rows=rows,
         embeddings=embeddings,
     )
-    return {
-        "k": k,
-        "recall": result.recall,
-        "exact": False,
-        "target": target_recall,
-        "param": result.param,
-        "value": result.value,
-        "reached": result.reached,
-        "rerank": result.rerank,
-        "latency_ms": result.latency_ms,
-        "sample": int(len(rows)),
-        "queries": "stored rows, own row excluded",
-        "history": result.history,
-    }
+    return result.recall_record(k, target_recall, len(rows))
 
 
 def write_version(

@@ -375,6 +375,28 @@ class TuneResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def recall_record(self, k: int, target_recall: float, sample: int) -> dict:
+        """The manifest's ``recall`` record of this tuning, measured on `sample` stored rows as queries."""
+        return {
+            "k": k,
+            "recall": self.recall,
+            "exact": False,
+            "target": target_recall,
+            "param": self.param,
+            "value": self.value,
+            "reached": self.reached,
+            "rerank": self.rerank,
+            "latency_ms": self.latency_ms,
+            "sample": int(sample),
+            "queries": "stored rows, own row excluded",
+            "history": self.history,
+        }
+
+
+def single_item_recall(target_recall: float) -> dict:
+    """The ``recall`` record of a one-item version: nothing to tune, every search finds the item."""
+    return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
+
 
 def drop_rows(rows: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
     """Per query, remove the row `drop[q]` from its result list and keep the first k."""

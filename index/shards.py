@@ -243,7 +243,7 @@ def merged_recall(parent, shard_versions: list, offsets: list[int], target: floa
     n = int(emb.shape[0])
     k = min(10, n - 1)
     if k < 1:
-        return {"k": 0, "recall": 1.0, "exact": False, "target": target, "note": "single item"}
+        return faiss_index.single_item_recall(target)
     if all(kinds.get(s.kind).exact for s in shard_versions):
         return {"k": k, "recall": 1.0, "exact": True, "target": target}
     rows = faiss_index.tuning_rows(n, faiss_index.TUNE_QUERIES, 0)

@@ -332,7 +332,7 @@ def tune_streamed(
     n = embeddings.shape[0]
     k = min(k, n - 1)
     if k < 1:
-        return {"k": 0, "recall": 1.0, "exact": False, "target": target_recall, "note": "single item"}
+        return faiss_index.single_item_recall(target_recall)
     rows = faiss_index.tuning_rows(n, faiss_index.TUNE_QUERIES, seed)
     queries = read_rows(embeddings, rows).astype(np.float32)
     exact = faiss_index.exact_neighbours(embeddings, queries, k + 1)
@@ -348,20 +348,7 @@ def tune_streamed(
         embeddings=PagedRows(embeddings),
         release=release,
     )
-    return {
-        "k": k,
-        "recall": result.recall,
-        "exact": False,
-        "target": target_recall,
-        "param": result.param,
-        "value": result.value,
-        "reached": result.reached,
-        "rerank": result.rerank,
-        "latency_ms": result.latency_ms,
-        "sample": int(len(rows)),
-        "queries": "stored rows, own row excluded",
-        "history": result.history,
-    }
+    return result.recall_record(k, target_recall, len(rows))
 
 
 def write_streamed_version(
