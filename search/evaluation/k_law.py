@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import numpy as np
@@ -179,28 +179,7 @@ class KLawResult:
         return self.ks * self.diff_se
 
     def to_dict(self) -> dict:
-        out = {
-            name: getattr(self, name).tolist()
-            for name in (
-                "ks",
-                "risk",
-                "risk_se",
-                "risk_symmetric",
-                "risk_symmetric_se",
-                "ce_marginal",
-                "ce_marginal_se",
-                "ce_with_positive",
-                "ce_with_positive_se",
-                "diff",
-                "diff_se",
-                "risk_est",
-                "risk_est_se",
-                "diff_weight",
-                "diff_plain_se",
-                "diff_cv_se",
-                "undefined_fraction",
-            )
-        }
+        out = {f.name: getattr(self, f.name).tolist() for f in fields(self) if f.name != "n_queries"}
         out["k_times_diff"] = self.k_times_diff.tolist()
         out["k_times_diff_se"] = self.k_times_diff_se.tolist()
         out["n_queries"] = self.n_queries
