@@ -478,24 +478,20 @@ def _build_checkpoint(args, store: IndexStore):
         checkpoint.unlink(missing_ok=True)
 
 
+def _refuse_image_flags(args, verb: str, flags: tuple[str, ...]) -> None:
+    """One line naming the image flags given beside --embeddings (no images are embedded then)."""
+    given = [flag for flag in flags if getattr(args, flag.removeprefix("--").replace("-", "_"))]
+    if given:
+        raise ValueError(
+            f"--embeddings {verb} your own vectors; drop {', '.join(given)} (no images are embedded)"
+        )
+
+
 def _build_from_vectors(args, options) -> str:
     """`index build --embeddings FILE [--ids FILE] [--metadata FILE]`: a version without an encoder."""
     from index.build import build_from_vectors
 
-    given = [
-        flag
-        for flag, value in (
-            ("--dataset", args.dataset),
-            ("--checkpoint", args.checkpoint),
-            ("--encoder", args.encoder),
-            ("--pretrained", args.pretrained),
-        )
-        if value
-    ]
-    if given:
-        raise ValueError(
-            f"--embeddings indexes your own vectors; drop {', '.join(given)} (no images are embedded)"
-        )
+    _refuse_image_flags(args, "indexes", ("--dataset", "--checkpoint", "--encoder", "--pretrained"))
     return build_from_vectors(
         args.embeddings, args.root, dataclasses.replace(options, calibrator=None), ids=args.ids
     )
@@ -590,19 +586,7 @@ def _add_vectors(args, store: IndexStore, evaluator, t0: float) -> int:
     """`index add --embeddings FILE [--ids FILE] [--metadata FILE]` onto a version built from vectors."""
     from index.build import add_vectors
 
-    given = [
-        flag
-        for flag, value in (
-            ("--dataset", args.dataset),
-            ("--folder", args.folder),
-            ("--checkpoint", args.checkpoint),
-        )
-        if value
-    ]
-    if given:
-        raise ValueError(
-            f"--embeddings adds your own vectors; drop {', '.join(given)} (no images are embedded)"
-        )
+    _refuse_image_flags(args, "adds", ("--dataset", "--folder", "--checkpoint"))
     version = add_vectors(
         args.root,
         args.embeddings,
