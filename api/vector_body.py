@@ -21,10 +21,9 @@ from starlette.datastructures import QueryParams
 from api.routes.models import (
     FILTER_DOC,
     MASS_DOC,
-    MAX_TEMPERATURE,
     MIN_PROBABILITY_DOC,
-    MIN_TEMPERATURE,
     OFFSET_DOC,
+    QueryTemperature,
     VectorQuery,
 )
 
@@ -37,13 +36,7 @@ class VectorParams(BaseModel):
 
     model_config = {"extra": "forbid"}
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
-    temperature: float | None = Field(
-        None,
-        ge=MIN_TEMPERATURE,
-        le=MAX_TEMPERATURE,
-        allow_inf_nan=False,
-        description="softmax temperature; default: the index's search_temperature",
-    )
+    temperature: QueryTemperature = None
     offset: int = Field(0, ge=0, description=OFFSET_DOC)
     min_probability: float | None = Field(
         None, ge=0.0, le=1.0, allow_inf_nan=False, description=MIN_PROBABILITY_DOC

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
 #: Temperatures a client may ask for; outside this range exp(s / tau) is numerically meaningless.
 MIN_TEMPERATURE = 1e-4
 MAX_TEMPERATURE = 1e4
+#: A query's softmax temperature; None: the served version's own.
+QueryTemperature = Annotated[
+    float | None,
+    Field(
+        ge=MIN_TEMPERATURE,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description="softmax temperature; default: the index's search_temperature",
+    ),
+]
 
 
 OFFSET_DOC = "skip this many ranked hits (after the cut-offs): stable pages of k; at most max_k"
@@ -148,13 +160,7 @@ class VectorQuery(JsonPageQuery):
         description="query embedding, length = index dim; normalised to unit length",
     )
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
-    temperature: float | None = Field(
-        None,
-        ge=MIN_TEMPERATURE,
-        le=MAX_TEMPERATURE,
-        allow_inf_nan=False,
-        description="softmax temperature; default: the index's search_temperature",
-    )
+    temperature: QueryTemperature = None
 
 
 #: Queries one /v1/search/batch request may carry.
@@ -167,13 +173,7 @@ class BatchVectorQuery(JsonPageQuery):
         min_length=1, max_length=MAX_BATCH_QUERIES, description="query embeddings, each of length = index dim"
     )
     k: int = Field(10, ge=1, description="results per query, 1..max_k")
-    temperature: float | None = Field(
-        None,
-        ge=MIN_TEMPERATURE,
-        le=MAX_TEMPERATURE,
-        allow_inf_nan=False,
-        description="softmax temperature; default: the index's search_temperature",
-    )
+    temperature: QueryTemperature = None
 
 
 class BatchImageForm(PageQuery):
@@ -265,13 +265,7 @@ class ItemQuery(JsonPageQuery):
     model_config = {"extra": "forbid"}
     id: str = Field(min_length=1, description="id of an indexed item: its stored embedding is the query")
     k: int = Field(10, ge=1, description="results to return, 1..max_k")
-    temperature: float | None = Field(
-        None,
-        ge=MIN_TEMPERATURE,
-        le=MAX_TEMPERATURE,
-        allow_inf_nan=False,
-        description="softmax temperature; default: the index's search_temperature",
-    )
+    temperature: QueryTemperature = None
     include_self: bool = Field(False, strict=True, description="keep the item itself in `results`")
 
 
