@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import isotonic_regression
+from scipy.optimize import brentq, isotonic_regression
 from scipy.special import expit
 
 from search.duplicates.align import FEATURES
@@ -218,11 +218,7 @@ def mass_correction(log_ratio: np.ndarray, share: float) -> float:
 
     if mass(0.0) >= need or mass(50.0) < need:
         return 0.0
-    lo, hi = 0.0, 50.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if mass(mid) < need else (lo, mid)
-    return hi
+    return float(brentq(lambda c: mass(c) - need, 0.0, 50.0, xtol=1e-12))  # mass rises with c
 
 
 def fit_model(
