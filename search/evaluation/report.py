@@ -308,33 +308,17 @@ def _gaussianity_section(report: dict, figures: dict) -> list[str]:
         )
         rows = [
             [
-                "D'Agostino K², per coordinate",
-                f"{n} × {c['n_tests']} coordinates",
-                _pct(c["alpha"]),
-                _pct(c["k2_fraction_not_rejected"]),
-                _pct(c["expected_fraction_not_rejected"]),
-            ],
-            [
-                "Anderson-Darling, per coordinate",
-                f"{n} × {c['n_tests']} coordinates",
-                _pct(c["alpha"]),
-                _pct(c["ad_fraction_not_rejected"]),
-                _pct(c["expected_fraction_not_rejected"]),
-            ],
-            [
-                "D'Agostino K², random projections",
-                f"{n} × {p['n_tests']} projections",
-                _pct(p["alpha"]),
-                _pct(p["k2_fraction_not_rejected"]),
-                _pct(p["expected_fraction_not_rejected"]),
-            ],
-            [
-                "Anderson-Darling, random projections",
-                f"{n} × {p['n_tests']} projections",
-                _pct(p["alpha"]),
-                _pct(p["ad_fraction_not_rejected"]),
-                _pct(p["expected_fraction_not_rejected"]),
-            ],
+                f"{test}, {label}",
+                f"{n} × {part['n_tests']} {unit}",
+                _pct(part["alpha"]),
+                _pct(part[f"{key}_fraction_not_rejected"]),
+                _pct(part["expected_fraction_not_rejected"]),
+            ]
+            for label, unit, part in (
+                ("per coordinate", "coordinates", c),
+                ("random projections", "projections", p),
+            )
+            for test, key in (("D'Agostino K²", "k2"), ("Anderson-Darling", "ad"))
         ]
         out.append(
             _table(
