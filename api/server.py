@@ -48,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
-    p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
+    p.add_argument(
+        "--batch-workers",
+        help="micro-batches in flight at once, or auto: 1 for a version built from vectors, 2 with an "
+        "encoder (default auto)",
+    )
     p.add_argument("--workers", type=int, help="serving processes on the same port (default 1)")
     p.add_argument(
         "--watch-interval-s",
@@ -128,7 +132,8 @@ def _threads(settings) -> int:
     workers x batch threads (torch's default, all cores each, would oversubscribe the CPU)."""
     if settings.torch_threads is not None:
         return settings.torch_threads
-    return max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
+    batch = 2 if settings.batch_workers == "auto" else settings.batch_workers  # auto: at most 2
+    return max(1, (os.cpu_count() or 1) // (settings.workers * batch))
 
 
 def _library_threads(settings) -> None:
