@@ -185,7 +185,9 @@ class Settings(BaseModel):
     def _batch_workers(cls, v: Any) -> Any:
         if isinstance(v, str) and v.strip().lower() == "auto":
             return "auto"
-        whole = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, str) and v.strip().isdigit())
+        whole = (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, str) and v.strip().isdigit()
+        )
         if not whole or not 1 <= int(v) <= 64:
             raise ValueError(f"must be an integer from 1 to 64 or 'auto', got {v!r}")
         return int(v)
