@@ -5,11 +5,10 @@
 Every option also reads from SOFTSEARCH_* environment variables (the CLI wins); invalid
 settings stop the command before the server starts, with `error: ...` and exit code 2.
 
-`--workers N` runs N uvicorn worker processes on one port, each listening on its own SO_REUSEPORT
-socket so the kernel spreads connections over them (api/reuse_port.py). Each builds its own app from the
-same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file,
-so the page cache holds one copy for all of them; they merge their Prometheus samples through
-PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
+`--workers N` runs N uvicorn worker processes on one port. Each builds its own app from the
+same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file, index
+codes and list-ordered rows (docs/results.md §30), so the page cache holds one copy for all of them;
+they merge their Prometheus samples through PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
 follows the store's `current` pointer (api/swap.py).
 """
 
@@ -303,19 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(_settings_env(settings))
         _library_threads(settings)
         logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)
-        from api.reuse_port import run_workers
-
-        config = uvicorn.Config(
-            "api.server:worker_app",
-            factory=True,
-            workers=settings.workers,
-            timeout_worker_healthcheck=WORKER_START_TIMEOUT_S,
-            **serve,
-        )
         try:
-            run_workers(config, settings.host, settings.port)
-        except KeyboardInterrupt:
-            pass
+            uvicorn.run(
+                "api.server:worker_app",
+                factory=True,
+                workers=settings.workers,
+                timeout_worker_healthcheck=WORKER_START_TIMEOUT_S,
+                **serve,
+            )
         finally:
             if created:
                 shutil.rmtree(metrics_dir, ignore_errors=True)
