@@ -8,8 +8,8 @@ settings stop the command before the server starts, with `error: ...` and exit c
 `--workers N` runs N uvicorn worker processes on one port. Each builds its own app from the
 same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file, index
 codes and list-ordered rows (docs/results.md §30), so the page cache holds one copy for all of them;
-they merge their Prometheus samples through PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
-follows the store's `current` pointer (api/swap.py).
+they merge their Prometheus samples through PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory
+unless the operator sets one) and each follows the store's `current` pointer (api/swap.py).
 """
 
 from __future__ import annotations
