@@ -30,6 +30,7 @@ import torch.nn.functional as F
 FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
 CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
+CELL = 4  # side of the cells the robust score drops (at half the thumbnail: 8 x 8 cells)
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
 # rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
 MAX_SCALE = 1.4
@@ -151,26 +152,27 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tenso
         return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
 
     full, a, c = ncc(m)
-    # robust: drop the worst-fitting TRIM of the inside pixels, twice: first by the residual in grey levels
-    # about the medians (an edit keeps the gain near 1; a least-squares gain would follow a bright caption
-    # on a dark picture and drop the stars instead), then by the residual after the gain fitted on the rest
-    keep_n = (m.sum(1) * (1 - TRIM)).long().clamp(min=1)
-    inf = torch.full_like(tv, float("inf"))
+    # robust: drop the worst-fitting TRIM of the picture in CELL x CELL cells (an overlay is one compact
+    # region; a look-alike's differences -- other stars, another emblem's edges -- are spread over many
+    # cells and are not dropped with it), chosen twice: first by the residual in grey levels about the
+    # medians (an edit keeps the gain near 1; a least-squares gain would follow a bright caption on a dark
+    # picture), then by the residual after the gain fitted on the rest
+    cells = side // CELL
+    mc = F.avg_pool2d(m.reshape(-1, 1, side, side), CELL).flatten(1)  # share of each cell inside
+    keep_c = ((mc > 0).sum(1) * (1 - TRIM)).round().long().clamp(min=1)
 
     def kept(res):
-        order = torch.where(m > 0, res, inf).argsort(dim=1)
+        r = F.avg_pool2d((res * m).reshape(-1, 1, side, side), CELL).flatten(1) / mc.clamp(min=1e-6)
+        order = torch.where(mc > 0, r, torch.full_like(r, float("inf"))).argsort(dim=1)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
-        return ((rank < keep_n[:, None]) & (m > 0)).float()
+        cell = ((rank < keep_c[:, None]) & (mc > 0)).float().reshape(-1, 1, cells, cells)
+        return F.interpolate(cell, scale_factor=CELL, mode="nearest").flatten(1) * m
 
-    robust = torch.full_like(full, -1.0)
-    for w2 in (
-        m,
-        kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs()),
-    ):
-        _, a2, c2 = ncc(w2)
-        gain = (w2 * a2 * c2).sum(1) / ((w2 * c2 * c2).sum(1) + 1e-9)
-        robust = torch.maximum(robust, ncc(kept((a2 - gain[:, None] * c2).abs()))[0])
+    w2 = kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs())
+    _, a2, c2 = ncc(w2)
+    gain = (w2 * a2 * c2).sum(1) / ((w2 * c2 * c2).sum(1) + 1e-9)
+    robust = ncc(kept((a2 - gain[:, None] * c2).abs()))[0]
     det = (theta[:, 0, 0] * theta[:, 1, 1] - theta[:, 0, 1] * theta[:, 1, 0]).abs().clamp(min=1e-3)
     sx = theta[:, :, 0].norm(dim=1).clamp(min=1e-3)
     sy = theta[:, :, 1].norm(dim=1).clamp(min=1e-3)
