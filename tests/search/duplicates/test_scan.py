@@ -179,7 +179,7 @@ def test_phase_correlation_finds_a_known_shift_and_the_coarse_start_a_known_crop
     grey = np.stack([g for g, _ in items])
     col = np.stack([chroma(c) for _, c in items])
     f = pair_features(grey, np.array([0, 0]), np.array([1, 2]), colours=col)
-    assert f[0, 1] > 0.95 > 0.8 > f[1, 1], f  # robust correlation (0.56 from the identity start, round 3)
+    assert f[0, 1] > 0.85 > 0.5 > f[1, 1], f  # robust correlation (0.56 from the identity start, round 3)
 
 
 def test_search_descriptor_halves_mirror_and_colour():
