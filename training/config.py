@@ -69,6 +69,9 @@ class TrainConfig:
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
+    # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
+    # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
+    loss_sees_anchor: bool = False
     # optimisation
     steps: int = 600
     batch_size: int = 128
