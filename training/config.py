@@ -131,8 +131,11 @@ class TrainConfig:
             raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.text and self.encoder.pixel_weight:
-            raise ValueError("encoder.pixel_weight is for image search; image-text training ([text]) needs 0")
+        if self.text and (self.encoder.pixel_weight or self.encoder.colour_weight):
+            raise ValueError(
+                "encoder.pixel_weight and colour_weight are for image search; image-text training ([text]) "
+                "needs 0"
+            )
         self.encoder.validate()
 
     def to_dict(self) -> dict:
