@@ -27,7 +27,8 @@ from ablate_folder import WORK, _embed, split_collection  # noqa: E402
 OUT = REPO / "bench" / "results" / "ablate_colour.json"
 # (tower, grey, colour) weights; (0.5, 0.5, 0) is the shipped anchor
 GRID = [(0.5, 0.5, 0.0), (0.5, 0.4, 0.1), (0.5, 0.3, 0.2), (0.4, 0.4, 0.2), (0.4, 0.3, 0.3),
-        (0.6, 0.3, 0.1), (0.3, 0.5, 0.2), (0.5, 0.25, 0.25), (0.0, 0.8, 0.2), (0.0, 0.5, 0.5)]
+        (0.6, 0.3, 0.1), (0.3, 0.5, 0.2), (0.5, 0.25, 0.25), (0.0, 0.8, 0.2), (0.0, 0.5, 0.5),
+        (0.2, 0.4, 0.4), (0.2, 0.5, 0.3), (0.3, 0.35, 0.35), (0.1, 0.45, 0.45), (0.0, 0.6, 0.4), (0.0, 0.4, 0.6)]
 
 
 def rgb_thumbnail(x, side: int) -> np.ndarray:
@@ -63,7 +64,7 @@ def centred(db: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return unit(db).astype(np.float32), unit(q).astype(np.float32)
 
 
-def score(ckpt: Path, classes_root: Path, cache_dir: Path) -> dict:
+def score(ckpt: Path, classes_root: Path, cache_dir: Path, only: str = "") -> dict:
     from search.evaluation.baselines import paired_difference, per_query_precision, raw_pixel_features
     from training.checkpoint import load_checkpoint
     from training.datasets import create_dataset
@@ -89,10 +90,12 @@ def score(ckpt: Path, classes_root: Path, cache_dir: Path) -> dict:
         zq = np.hstack([np.sqrt(w) * b for w, (_, b) in parts if w > 0])
         return per_query_precision(zq, zdb, q.labels, db.labels, 10)
 
-    per = {"pixels": p10([(1.0, g)]), "tower": p10([(1.0, t)])}
+    if only:
+        colours = {k: v for k, v in colours.items() if k in only.split(",")}
+    per = {"pixels": p10([(1.0, g)]), "tower": p10([(1.0, t)]), "anchor": p10([(0.5, t), (0.5, g)])}
     for cname, c in colours.items():
         for a, b, cw in GRID:
-            if cw == 0 and cname != "rgb8":
+            if cw == 0:
                 continue
             key = "anchor" if cw == 0 else f"{cname} t{a:g} g{b:g} c{cw:g}"
             per[key] = p10([(a, t), (b, g), (cw, c)])
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="encnb,label")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--tag", default="screen")
+    p.add_argument("--redo", action="store_true", help="score runs already in the results again")
+    p.add_argument("--colours", default="", help="only these colour descriptors (comma-separated)")
     args = p.parse_args(argv)
     import torch
 
@@ -122,10 +127,10 @@ def main(argv=None) -> int:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 name = f"{coll}--{cfg}--s{seed}" + (f"--{args.tag}" if args.tag else "")
                 ck = WORK / "runs" / name / "checkpoint.safetensors"
-                if name in res or not ck.exists():
+                if not ck.exists() or (name in res and not args.redo):
                     continue
                 classes, _ = split_collection(coll, seed)
-                res[name] = score(ck, classes, WORK / "cache")
+                res[name] = score(ck, classes, WORK / "cache", args.colours)
                 OUT.write_text(json.dumps(res, indent=1) + "\n")
                 r = res[name]["p10"]
                 print(name, f"pixels {r['pixels']:.3f} tower {r['tower']:.3f} anchor {r['anchor']:.3f}", flush=True)
