@@ -183,7 +183,10 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         if settings.index_root is None:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
         release = {"auto": None, "release": True, "keep": False}[settings.mapped_pages]
-        normaliser = NormaliserConfig(method=settings.normaliser, release_pages=release)
+        # several serving processes map one list-ordered copy of the rows instead of one copy each
+        normaliser = NormaliserConfig(
+            method=settings.normaliser, release_pages=release, listed_shared=settings.workers > 1
+        )
         return Searcher(settings.index_root, device=settings.device, normaliser=normaliser)
 
     load_error = None
