@@ -51,6 +51,9 @@ COLLECTIONS = {
         "**/*",
         10,
     ),  # unit sprites by faction
+    # MATE 48x48 icons by context folder: real files, identical files once (a folder of symlinks that
+    # bench/ablate_folder.py's caller builds; see docs/results.md, "Quality without labels, round three")
+    "mate": (os.environ.get("ABLATE_MATE", "/tmp/softsearch-ablate/mate-src"), "*", 15),
 }
 
 # config name -> (layout, changes to configs/folder.toml). "flat": no class folders; "classes": with them.
@@ -153,6 +156,29 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         },
     ),
     "label": ("classes", {"generator": "auto"}),
+    # the loss sees the anchored (served) embedding: the tower learns what the grey pixels miss
+    "encnb-aloss": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "encoder",
+            "generator_options.refresh_every": 50,
+            "encoder.pixel_weight": 0.5,
+            "loss_sees_anchor": True,
+        },
+    ),
+    # ... and the neighbours come from the anchored embedding as it trains (pixel neighbours at step 0)
+    "servednb-aloss": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "served",
+            "generator_options.refresh_every": 50,
+            "encoder.pixel_weight": 0.5,
+            "loss_sees_anchor": True,
+        },
+    ),
+    "label-aloss": ("classes", {"generator": "auto", "encoder.pixel_weight": 0.5, "loss_sees_anchor": True}),
     "label-simclr": (  # the label generator with the SimCLR-style augmentations (no neighbour options)
         "classes",
         {
@@ -426,6 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0")
     p.add_argument("--summary", action="store_true")
     p.add_argument("--towers", action="store_true", help="untrained towers vs pixels only (no training)")
+    p.add_argument(
+        "--screen-steps",
+        type=int,
+        default=0,
+        help="with --screen: this many steps instead of 150 (runs tagged 'screen<N>'), a longer budget",
+    )
     p.add_argument("--keep", action="store_true", help="keep the resume state of each run")
     p.add_argument(
         "--screen",
@@ -443,14 +475,11 @@ def main(argv: list[str] | None = None) -> int:
             for coll in args.collections.split(","):
                 if cfg not in CONFIGS or coll not in COLLECTIONS:
                     raise SystemExit(f"error: unknown config {cfg!r} or collection {coll!r}")
-                run_one(
-                    coll,
-                    cfg,
-                    seed,
-                    args.keep,
-                    SCREEN if args.screen else None,
-                    "screen" if args.screen else "",
-                )
+                scale, tag = (SCREEN, "screen") if args.screen else (None, "")
+                if args.screen and args.screen_steps:
+                    n = args.screen_steps
+                    scale, tag = {**SCREEN, "steps": n, "warmup_steps": n // 10}, f"screen{n}"
+                run_one(coll, cfg, seed, args.keep, scale, tag)
     return 0
 
 

@@ -69,6 +69,9 @@ class TrainConfig:
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
+    # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
+    # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
+    loss_sees_anchor: bool = False
     # optimisation
     steps: int = 600
     batch_size: int = 128
@@ -128,8 +131,11 @@ class TrainConfig:
             raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.text and self.encoder.pixel_weight:
-            raise ValueError("encoder.pixel_weight is for image search; image-text training ([text]) needs 0")
+        if self.text and (self.encoder.pixel_weight or self.encoder.colour_weight):
+            raise ValueError(
+                "encoder.pixel_weight and colour_weight are for image search; image-text training ([text]) "
+                "needs 0"
+            )
         self.encoder.validate()
 
     def to_dict(self) -> dict:

@@ -71,6 +71,12 @@ class EncoderConfig:
     # far below them. 0 = off (the tower alone). Training's loss sees the tower alone.
     pixel_weight: float = 0.0
     pixel_side: int = 32
+    # colour part of the anchor: the image's joint RGB histogram (colour_bins per channel, square-rooted
+    # fractions, centred on the training images' mean, unit) at weight c beside it, so a cosine is
+    # (1 - w - c) tower + w grey pixels + c colour. Grey pixels ignore colour; icon and clip-art classes
+    # often share palettes. 0 = off.
+    colour_weight: float = 0.0
+    colour_bins: int = 4
 
     def __post_init__(self) -> None:
         # TOML / JSON give lists; a tuple keeps the config hashable and comparable.
@@ -93,6 +99,13 @@ class EncoderConfig:
             check_model_name(self.model_name)
         if not 0.0 <= self.pixel_weight < 1.0:
             raise ValueError(f"encoder.pixel_weight must be in [0, 1), got {self.pixel_weight}")
+        if not 0.0 <= self.colour_weight < 1.0 or self.pixel_weight + self.colour_weight >= 1.0:
+            raise ValueError(
+                "encoder.colour_weight must be in [0, 1) with pixel_weight + colour_weight < 1, got "
+                f"{self.colour_weight} (pixel_weight {self.pixel_weight})"
+            )
+        if isinstance(self.colour_bins, bool) or not isinstance(self.colour_bins, int) or self.colour_bins < 2:
+            raise ValueError(f"encoder.colour_bins must be an integer >= 2, got {self.colour_bins!r}")
         if not isinstance(self.pixel_side, int) or self.pixel_side <= 0:
             raise ValueError(f"encoder.pixel_side must be a positive integer, got {self.pixel_side!r}")
         if not isinstance(self.image_size, int) or self.image_size <= 0:
@@ -256,7 +269,8 @@ PROJECT_STD = (STD,) * 3
 
 class Encoder(nn.Module):
     """Vision tower + L2 normalisation: `forward(x) = f(x) / |f(x)|`, with the pixel anchor
-    (`pixel_weight` > 0) `[sqrt(1 - w) f/|f|, sqrt(w) p(x)]` (see `pixel_descriptor`)."""
+    (`pixel_weight` w > 0, `colour_weight` c >= 0) `[sqrt(1 - w - c) f/|f|, sqrt(w) p(x), sqrt(c) q(x)]`
+    (see `pixel_descriptor`, `colour_descriptor`)."""
 
     def __init__(self, config: EncoderConfig):
         super().__init__()
@@ -280,10 +294,14 @@ class Encoder(nn.Module):
         self.tower_dim = tower.dim
         self.pixel_weight = float(config.pixel_weight)
         self.pixel_dim = config.pixel_side**2 if self.pixel_weight > 0 else 0
-        self.embed_dim = tower.dim + self.pixel_dim  # the served (indexed) dimension
+        self.colour_weight = float(config.colour_weight)
+        self.colour_dim = config.colour_bins**3 if self.colour_weight > 0 else 0
+        self.embed_dim = tower.dim + self.pixel_dim + self.colour_dim  # the served (indexed) dimension
         if self.pixel_dim:
             # the training images' mean grey thumbnail (set_pixel_mean), saved with the weights
             self.register_buffer("pixel_mean", torch.zeros(self.pixel_dim))
+        if self.colour_dim:  # the training images' mean colour histogram, likewise
+            self.register_buffer("colour_mean", torch.zeros(self.colour_dim))
         self.tower = tower.module
         self.clip_temperature = tower.temperature
         from open_clip.modified_resnet import ModifiedResNet
@@ -325,20 +343,42 @@ class Encoder(nn.Module):
             grey = F.interpolate(grey, size=(side, side), mode="area")
         return grey.flatten(1)  # (B, side^2)
 
+    def colour_histogram(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, bins^3) square-rooted joint RGB histograms (fractions of pixels) of preprocessed images
+        (x = (p - 0.5) / 0.5): bin floor(p * bins) per channel, counted by comparison (exportable)."""
+        bins = self.config.colour_bins
+        p = ((x.float().clamp(-1.0, 1.0) + 1.0) * (bins / 2.0)).floor().clamp(max=bins - 1)  # (B, 3, S, S)
+        code = ((p[:, 0] * bins + p[:, 1]) * bins + p[:, 2]).flatten(1)  # (B, S^2)
+        centres = torch.arange(bins**3, device=x.device, dtype=code.dtype)
+        counts = (code.unsqueeze(-1) == centres).to(torch.float32).sum(dim=1)  # (B, bins^3)
+        return (counts / code.shape[1]).sqrt()
+
     @torch.no_grad()
     def set_pixel_mean(self, images: Iterable[torch.Tensor]) -> None:
-        """Fit the anchor's centre: the mean grey thumbnail over batches of the training images."""
+        """Fit the anchor's centres: the mean grey thumbnail (and colour histogram) over batches of the
+        training images."""
         total, n = torch.zeros(self.pixel_dim, dtype=torch.float64), 0
+        colour = torch.zeros(self.colour_dim, dtype=torch.float64)
         for batch in images:
-            total += self.grey_thumbnail(batch).double().sum(dim=0).cpu()
+            if self.pixel_dim:
+                total += self.grey_thumbnail(batch).double().sum(dim=0).cpu()
+            if self.colour_dim:
+                colour += self.colour_histogram(batch).double().sum(dim=0).cpu()
             n += batch.shape[0]
         if n == 0:
             raise ValueError("set_pixel_mean needs at least one image")
-        self.pixel_mean.copy_((total / n).to(self.pixel_mean))
+        if self.pixel_dim:
+            self.pixel_mean.copy_((total / n).to(self.pixel_mean))
+        if self.colour_dim:
+            self.colour_mean.copy_((colour / n).to(self.colour_mean))
 
     def pixel_descriptor(self, x: torch.Tensor) -> torch.Tensor:
         """(B, side^2) unit rows: the grey thumbnail minus the training mean (a centred cosine)."""
         return F.normalize(self.grey_thumbnail(x) - self.pixel_mean, dim=-1)
+
+    def colour_descriptor(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, bins^3) unit rows: the colour histogram minus the training mean (a centred cosine)."""
+        return F.normalize(self.colour_histogram(x) - self.colour_mean, dim=-1)
 
     def tower_embed(self, x: torch.Tensor, return_features: bool = False):
         """The tower's own unit embeddings h / |h|, (B, tower_dim): what training's loss sees."""
@@ -348,11 +388,17 @@ class Encoder(nn.Module):
 
     def forward(self, x: torch.Tensor, return_features: bool = False, anchored: bool = True):
         """Unit embeddings z = h / |h|, (B, D); with `return_features`, (z, h) (one forward, DDP-safe).
-        With the pixel anchor, z is [sqrt(1 - w) h / |h|, sqrt(w) p(x)] unless `anchored` is False."""
+        With the pixel anchor, z is [sqrt(1 - w - c) h / |h|, sqrt(w) p(x), sqrt(c) q(x)] unless `anchored`
+        is False."""
         z, h = self.tower_embed(x, return_features=True)
-        if self.pixel_dim and anchored:
-            w = self.pixel_weight
-            z = torch.cat([z * (1.0 - w) ** 0.5, self.pixel_descriptor(x).to(z.dtype) * w**0.5], dim=-1)
+        if (self.pixel_dim or self.colour_dim) and anchored:
+            w, c = self.pixel_weight, self.colour_weight
+            parts = [z * (1.0 - w - c) ** 0.5]
+            if self.pixel_dim:
+                parts.append(self.pixel_descriptor(x).to(z.dtype) * w**0.5)
+            if self.colour_dim:
+                parts.append(self.colour_descriptor(x).to(z.dtype) * c**0.5)
+            z = torch.cat(parts, dim=-1)
         return (z, h) if return_features else z
 
     def num_parameters(self) -> int:

@@ -332,14 +332,15 @@ class NeighbourGenerator(InstanceGenerator):
       before the first step (the untrained tower's neighbours) and again every ``refresh_every``
       steps (0: never again), NNCLR-style: the support follows what the encoder has learned;
     * ``"both"``: as ``"encoder"``, ranked by the mean of the grey-pixel and the embedding cosines,
-      so a positive is close in both.
+      so a positive is close in both;
+    * ``"served"``: as ``"encoder"``, in the served embedding (with the pixel anchor, if any).
 
     The ideal search is only defined among training items, so ``log_ratio`` keeps the instance
     point-mass approximation (``exact = False``); evaluate with the ``label`` generator.
     """
 
     exact = False
-    SPACES = ("pixels", "encoder", "both")
+    SPACES = ("pixels", "encoder", "both", "served")
 
     def __init__(self, k: int = 5, space: str = "pixels", refresh_every: int = 0, **augment_options: Any):
         super().__init__(**augment_options)
@@ -357,7 +358,7 @@ class NeighbourGenerator(InstanceGenerator):
         where = (
             "grey-pixel"
             if space == "pixels"
-            else {"encoder": "encoder", "both": "pixel+encoder"}[space]
+            else {"encoder": "encoder", "both": "pixel+encoder", "served": "served-embedding"}[space]
             + (f", refreshed every {self.refresh_every} steps" if self.refresh_every else ", at step 0")
         )
         self.description = (
@@ -398,7 +399,9 @@ class NeighbourGenerator(InstanceGenerator):
 
         self._table = (
             weakref.ref(dataset),
-            encoder_neighbours(encoder, dataset, self.k, with_pixels=self.space == "both"),
+            encoder_neighbours(
+                encoder, dataset, self.k, with_pixels=self.space == "both", served=self.space == "served"
+            ),
         )
         return True
 

@@ -73,17 +73,20 @@ def encoder_neighbours(
     k: int,
     batch_size: int = 512,
     with_pixels: bool = False,
+    served: bool = False,
 ) -> np.ndarray:
     """(N, k) int64: each item's k nearest items by cosine of the encoder's embeddings (eval mode, as
     an index embeds them), best first, never itself; the encoder's train/eval mode is restored.
-    ``with_pixels``: ranked by the mean of that cosine and the grey-pixel one instead."""
+    ``with_pixels``: ranked by the mean of that cosine and the grey-pixel one instead. ``served``: the
+    encoder's served embedding (with its pixel anchor, if any) instead of the tower alone."""
     n = len(dataset)
     if not 1 <= k < n:
         raise ValueError(f"k must be in [1, {n - 1}] for a dataset of {n} items, got {k}")
     t0 = time.perf_counter()
     was_training = encoder.training
     device = next(encoder.parameters()).device
-    tower = getattr(encoder, "tower_embed", encoder)  # without a pixel anchor: what training's loss sees
+    # the tower alone (what training's loss sees by default), or what an index embeds
+    tower = encoder if served else getattr(encoder, "tower_embed", encoder)
     encoder.eval()
     try:
         with torch.no_grad():

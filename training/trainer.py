@@ -141,11 +141,12 @@ def sample_views(
     return torch.cat(parts_a), torch.cat(parts_b)
 
 
-def _tower_only(model: nn.Module) -> dict:
-    """`anchored=False` for an encoder with a pixel anchor (the loss sees the tower alone), else nothing:
-    any module mapping images to unit rows can still be trained (DDP-wrapped or not)."""
+def _tower_only(model: nn.Module, sees_anchor: bool = False) -> dict:
+    """`anchored=False` for an encoder with a pixel anchor (the loss sees the tower alone) unless
+    `sees_anchor`, else nothing: any module mapping images to unit rows can still be trained."""
     base = getattr(model, "module", model)
-    return {"anchored": False} if getattr(base, "pixel_dim", 0) else {}
+    has = getattr(base, "pixel_dim", 0) or getattr(base, "colour_dim", 0)
+    return {"anchored": False} if has and not sees_anchor else {}
 
 
 def contrastive_step(
@@ -156,6 +157,7 @@ def contrastive_step(
     temperature: float | torch.Tensor,
     info: DistInfo,
     reg_weight: float = 0.0,
+    sees_anchor: bool = False,
 ) -> LossOutput:
     """Forward pass + loss for this rank's n pairs (the full batch when single-process).
 
@@ -166,7 +168,7 @@ def contrastive_step(
     """
     n = view_a.shape[0]
     images = torch.cat([view_a, view_b])
-    tower = _tower_only(model)
+    tower = _tower_only(model, sees_anchor)  # (2n, D): the tower, or the served embedding
     if reg_weight > 0:
         z_local, h_local = model(images, return_features=True, **tower)  # (2n, D) each
     else:
@@ -309,7 +311,7 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
             "so every rank draws the same positives as a single process would"
         )
     encoder = create_encoder(config.encoder).to(info.device)
-    if encoder.pixel_dim:  # the pixel anchor's centre: the training images' mean grey thumbnail
+    if encoder.pixel_dim or encoder.colour_dim:  # the anchor's centres: the training images' means
         n = len(dataset)
         encoder.set_pixel_mean(
             dataset.tensors(np.arange(s, min(s + 1024, n))).to(info.device) for s in range(0, n, 1024)
@@ -583,7 +585,9 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
                 if config.gaussian_reg > 0
                 else 0.0
             )
-            out_loss = contrastive_step(run.model, run.loss_fn, view_a, view_b, tau, info, reg_weight)
+            out_loss = contrastive_step(
+                run.model, run.loss_fn, view_a, view_b, tau, info, reg_weight, config.loss_sees_anchor
+            )
             if not torch.isfinite(out_loss.loss):
                 raise FloatingPointError(f"loss became {float(out_loss.loss)} at step {step}")
             run.optimizer.zero_grad(set_to_none=True)

@@ -104,14 +104,24 @@ def recipe_description(info: dict) -> str | None:
         what = f"{name} positives"
     tc = info.get("train_config") or {}
     enc = tc.get("encoder") or {}
-    size, w = enc.get("image_size"), enc.get("pixel_weight") or 0
+    size, w, c = enc.get("image_size"), enc.get("pixel_weight") or 0, enc.get("colour_weight") or 0
+    side, bins = enc.get("pixel_side", 32), enc.get("colour_bins", 4)
+    carries = " and ".join(
+        part
+        for part in (
+            f"{side}x{side} grey pixels at weight {w:g}" if w else "",
+            f"a {bins}x{bins}x{bins} colour histogram at weight {c:g}" if c else "",
+        )
+        if part
+    )
     extra = [
         f"{size} px" if size else None,
         f"{tc['steps']} steps" if tc.get("steps") else None,
-        f"pixel anchor {w:g} (the embedding carries {enc.get('pixel_side', 32)}x{enc.get('pixel_side', 32)} "
-        f"grey pixels at weight {w:g} beside the tower's {1 - w:g})"
-        if w
+        f"pixel anchor {w:g}" + (f" + colour {c:g}" if c else "")
+        + f" (the embedding carries {carries} beside the tower's {1 - w - c:g})"
+        if w or c
         else None,
+        "the loss saw the anchored embedding" if (w or c) and tc.get("loss_sees_anchor") else None,
     ]
     return ", ".join([what] + [e for e in extra if e])
 

@@ -119,3 +119,36 @@ def test_pixel_anchor_cosine_is_the_weighted_sum_of_tower_and_pixel_cosines(tmp_
     with pytest.raises(ValueError, match="pixel_side"):
         create_encoder(EncoderConfig(pixel_weight=0.5, pixel_side=0))
     assert create_encoder(TINY_RN).embed_dim == 8 and "pixel_mean" not in create_encoder(TINY_RN).state_dict()
+
+
+def test_colour_part_cosine_adds_the_centred_histogram_cosine(tmp_path):
+    """colour_weight c beside pixel_weight w: inner products are (1 - w - c) tower + w grey pixels + c x
+    the cosine of centred, square-rooted joint RGB histograms (counted here with numpy's histogramdd);
+    the colour centre is saved with the weights."""
+    from search.evaluation.baselines import centred_unit, raw_pixel_features
+    from training.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(1)
+    cfg = EncoderConfig(
+        width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, image_size=32, pixel_weight=0.3, colour_weight=0.2
+    )
+    enc = create_encoder(cfg).eval()
+    assert enc.embed_dim == 8 + 32 * 32 + 4**3
+    x = torch.rand(10, 3, 32, 32) * 2 - 1
+    x[0] = 1.0  # a white image: every pixel in the top bin (p = 1 must not overflow)
+    enc.set_pixel_mean([x[:4], x[4:]])
+    z = enc(x).detach().numpy()
+    t = enc.tower_embed(x).detach().numpy()
+    p, _ = centred_unit(raw_pixel_features(x), raw_pixel_features(x))
+    rgb = ((x.numpy() + 1) / 2).transpose(0, 2, 3, 1).reshape(10, -1, 3)  # (B, S^2, 3) in [0, 1]
+    h = np.stack([np.histogramdd(v, bins=4, range=[(0, 1)] * 3)[0].ravel() for v in rgb]) / (32 * 32)
+    q, _ = centred_unit(np.sqrt(h), np.sqrt(h))
+    np.testing.assert_allclose(z @ z.T, 0.5 * t @ t.T + 0.3 * p @ p.T + 0.2 * q @ q.T, atol=2e-5)
+    save_checkpoint(tmp_path / "c.safetensors", enc, step=0, train_config={}, lineage={}, metrics={})
+    back, _ = load_checkpoint(tmp_path / "c.safetensors")
+    np.testing.assert_allclose(back(x).detach().numpy(), z, atol=1e-6)
+    colour_only = create_encoder(EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, colour_weight=0.3))
+    assert colour_only.embed_dim == 8 + 64 and "pixel_mean" not in colour_only.state_dict()
+    for bad in (dict(pixel_weight=0.6, colour_weight=0.4), dict(colour_weight=-0.1), dict(colour_bins=1)):
+        with pytest.raises(ValueError, match="colour"):
+            create_encoder(EncoderConfig(**bad))

@@ -256,6 +256,59 @@ def test_contrastive_step_single_process_equals_loss_forward():
     assert got.stats == pytest.approx(ref.stats)
 
 
+def test_contrastive_step_sees_the_anchor_only_when_asked():
+    """With a pixel/colour anchor the step's loss is the loss of the tower alone, or (sees_anchor) of the
+    served embedding, which differs from it."""
+    from training.distributed import DistInfo
+    from training.encoder import EncoderConfig, create_encoder
+    from training.losses import create_loss
+    from training.trainer import contrastive_step
+
+    torch.manual_seed(0)
+    cfg = EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.4, colour_weight=0.2)
+    enc = create_encoder(cfg).eval()  # batch-norm statistics: one batch of cat(a, b) vs a and b alone
+    a, b = torch.rand(6, 3, 32, 32) * 2 - 1, torch.rand(6, 3, 32, 32) * 2 - 1
+    enc.set_pixel_mean([torch.cat([a, b])])
+    loss = create_loss("infonce")
+    tower = contrastive_step(enc, loss, a, b, 0.3, DistInfo())
+    served = contrastive_step(enc, loss, a, b, 0.3, DistInfo(), sees_anchor=True)
+    assert torch.allclose(tower.loss, loss(enc.tower_embed(a), enc.tower_embed(b), 0.3).loss, atol=1e-6)
+    assert torch.allclose(served.loss, loss(enc(a), enc(b), 0.3).loss, atol=1e-6)
+    assert enc(a).shape[1] == 8 + 1024 + 64 and not torch.allclose(tower.loss, served.loss, atol=1e-3)
+
+
+def test_served_space_neighbours_rank_by_the_anchored_embedding():
+    """encoder_neighbours(served=True) ranks by the encoder's served (anchored) embedding: with an
+    untrained tower it agrees with a brute-force ranking of those cosines, not the tower's."""
+    from training.encoder import EncoderConfig, create_encoder
+    from training.neighbours import encoder_neighbours
+
+    class DS:
+        def __init__(self, x):
+            self.x = x
+
+        def __len__(self):
+            return len(self.x)
+
+        def tensors(self, idx):
+            return self.x[torch.as_tensor(idx)]
+
+    torch.manual_seed(2)
+    x = torch.rand(20, 3, 32, 32) * 2 - 1
+    enc = create_encoder(EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.5))
+    enc.set_pixel_mean([x])
+    enc.eval()  # as encoder_neighbours embeds
+    ds = DS(x)
+    with torch.no_grad():
+        z = enc(x).numpy()
+    sim = z @ z.T
+    np.fill_diagonal(sim, -np.inf)
+    got = encoder_neighbours(enc, ds, 3, served=True)
+    np.testing.assert_array_equal(got, np.argsort(-sim, axis=1)[:, :3])
+    # the untrained tower alone ranks otherwise (its cosines all sit near 1)
+    assert not np.array_equal(encoder_neighbours(enc, ds, 3), got)
+
+
 def test_encoder_space_neighbours_follow_the_encoder(tmp_path, monkeypatch):
     """generator neighbour/space=encoder: the table is computed from the encoder before step 0 and at
     every refresh_every-th step, each time from the encoder's weights at that step."""
