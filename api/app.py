@@ -266,6 +266,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         metrics,
         workers=batch_workers,
         active=active,
+        linger_ms=settings.batch_linger_ms,
     )
 
     metrics.observe_searcher(searcher)

@@ -55,6 +55,14 @@ class Settings(BaseModel):
         description="how long the first query of a batch waits for company; 0 = adaptive batching only "
         "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
     )
+    batch_linger_ms: float = Field(
+        0.0,
+        ge=0.0,
+        le=1000.0,
+        description="adaptive batching under concurrent load: once a batch had company, the next waits up "
+        "to this long for more queries (fuller batches, less CPU per query; a lone client never waits); "
+        "0 = off",
+    )
     batch_workers: int | Literal["auto"] = Field(
         "auto",
         description="micro-batches in flight at once (threads, 1-64); auto: 1 for a version built from "
@@ -168,6 +176,7 @@ class Settings(BaseModel):
 
     @field_validator(
         "batch_max_wait_ms",
+        "batch_linger_ms",
         "rate_limit_rps",
         "watch_interval_s",
         "header_timeout_s",
