@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
     p.add_argument(
         "--batch-linger-ms",
-        type=float,
-        help="adaptive batching under concurrent load: once a batch had company, the next waits up to this "
-        "long for more (a lone client never waits; default 0: off)",
+        help="adaptive batching under concurrent load: a batch formed while queries queued waits up to this "
+        "many ms for more (a lone client never waits), or auto: 3 with --workers > 1 over a version built "
+        "from vectors, else 0 (default auto)",
     )
     p.add_argument(
         "--batch-workers",

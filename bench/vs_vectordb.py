@@ -153,7 +153,7 @@ def softsearch_server(
     batch_workers: int | str = "auto",
     normaliser: str = "exact",
     workers: int = 1,
-    linger_ms: float = 0.0,
+    linger_ms: float | str = "auto",
 ):
     from api.launch import serve_process
 
@@ -388,11 +388,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--batch-linger-ms",
-        type=float,
         nargs="+",
-        default=[0.0],
-        help="softsearch's serve --batch-linger-ms (default 0: off); several: each softsearch system runs "
-        "with each",
+        default=["auto"],
+        help="softsearch's serve --batch-linger-ms (ms or auto, the default); several: each softsearch "
+        "system runs with each",
     )
     p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
@@ -444,15 +443,16 @@ def main(argv: list[str] | None = None) -> int:
     notes: dict[str, str] = {}
     variants = [(w, b, g) for w in args.workers for b in args.batch_workers for g in args.batch_linger_ms]
 
-    def label_of(system: str, w: int, b, g: float) -> str:
+    def label_of(system: str, w: int, b, g: str) -> str:
         if len(variants) == 1 or not system.startswith("softsearch"):
             return system
-        return f"{system} w{w} bw{b}" + (f" linger{g:g}" if len(args.batch_linger_ms) > 1 or g else "")
+        linger = f" linger{g}" if len(args.batch_linger_ms) > 1 or g != "auto" else ""
+        return f"{system} w{w} bw{b}{linger}"
 
     runs = [
         (label_of(s, w, b, g), s, w, b, g)
         for s in args.systems
-        for w, b, g in (variants if s.startswith("softsearch") else [(1, 1, 0.0)])
+        for w, b, g in (variants if s.startswith("softsearch") else [(1, 1, "auto")])
     ]
     for label, system, workers, batch_workers, linger_ms in runs:
         logger.info("%s ...", label)
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
             f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
-            f"--batch-linger-ms {'/'.join(f'{g:g}' for g in args.batch_linger_ms)}; "
+            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),
