@@ -63,8 +63,8 @@ class Settings(BaseModel):
         "auto",
         description="adaptive batching under concurrent load: a batch formed while queries queued waits up "
         "to this long (ms, 0-1000) for more (fuller batches, less CPU per query; a lone client never "
-        "waits); auto: 3 with --workers > 1 over a version built from vectors (the tail at 16 clients "
-        "fell from 68-73 to 29-36 ms p99, docs/results.md §30), else 0",
+        "waits); auto: 3 with --workers > 1 over a version built from vectors (p99 at 16 clients 29-36 ms "
+        "against 67-73 without, in four of six runs: docs/results.md §30), else 0",
     )
     batch_workers: int | Literal["auto"] = Field(
         "auto",
