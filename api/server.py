@@ -5,12 +5,11 @@
 Every option also reads from SOFTSEARCH_* environment variables (the CLI wins); invalid
 settings stop the command before the server starts, with `error: ...` and exit code 2.
 
-`--workers N` runs N uvicorn worker processes on one port, each listening on its own SO_REUSEPORT
-socket so the kernel spreads connections over them (api/reuse_port.py). Each builds its own app from the
-same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file,
-so the page cache holds one copy for all of them; they merge their Prometheus samples through
-PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
-follows the store's `current` pointer (api/swap.py).
+`--workers N` runs N uvicorn worker processes on one port. Each builds its own app from the
+same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file, index
+codes and list-ordered rows (docs/results.md §30), so the page cache holds one copy for all of them;
+they merge their Prometheus samples through PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory
+unless the operator sets one) and each follows the store's `current` pointer (api/swap.py).
 """
 
 from __future__ import annotations
@@ -48,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
-    p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
+    p.add_argument(
+        "--batch-workers",
+        help="micro-batches in flight at once, or auto: 1 for a version built from vectors, 2 with an "
+        "encoder (default auto)",
+    )
     p.add_argument("--workers", type=int, help="serving processes on the same port (default 1)")
     p.add_argument(
         "--watch-interval-s",
@@ -128,7 +131,8 @@ def _threads(settings) -> int:
     workers x batch threads (torch's default, all cores each, would oversubscribe the CPU)."""
     if settings.torch_threads is not None:
         return settings.torch_threads
-    return max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
+    batch = 2 if settings.batch_workers == "auto" else settings.batch_workers  # auto: at most 2
+    return max(1, (os.cpu_count() or 1) // (settings.workers * batch))
 
 
 def _library_threads(settings) -> None:
@@ -298,19 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(_settings_env(settings))
         _library_threads(settings)
         logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)
-        from api.reuse_port import run_workers
-
-        config = uvicorn.Config(
-            "api.server:worker_app",
-            factory=True,
-            workers=settings.workers,
-            timeout_worker_healthcheck=WORKER_START_TIMEOUT_S,
-            **serve,
-        )
         try:
-            run_workers(config, settings.host, settings.port)
-        except KeyboardInterrupt:
-            pass
+            uvicorn.run(
+                "api.server:worker_app",
+                factory=True,
+                workers=settings.workers,
+                timeout_worker_healthcheck=WORKER_START_TIMEOUT_S,
+                **serve,
+            )
         finally:
             if created:
                 shutil.rmtree(metrics_dir, ignore_errors=True)

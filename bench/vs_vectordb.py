@@ -148,7 +148,11 @@ def recall(found: list[list[str]], truth: np.ndarray) -> float:
 
 @contextlib.contextmanager
 def softsearch_server(
-    root: Path, mapped_pages: str, batch_workers: int = 2, normaliser: str = "exact", workers: int = 1
+    root: Path,
+    mapped_pages: str,
+    batch_workers: int | str = "auto",
+    normaliser: str = "exact",
+    workers: int = 1,
 ):
     from api.launch import serve_process
 
@@ -181,7 +185,10 @@ def _all_workers_ready(workers: int):
         except OSError:
             return False
         found = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
-        if float(found.get("softsearch_ready", 0)) != 1 or float(found.get("softsearch_workers", 0)) < workers:
+        if (
+            float(found.get("softsearch_ready", 0)) != 1
+            or float(found.get("softsearch_workers", 0)) < workers
+        ):
             return False
         time.sleep(2.0 if workers > 1 else 0.0)
         return True
@@ -364,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--batch-workers",
-        type=int,
         nargs="+",
-        default=[2],
-        help="softsearch's serve --batch-workers (default 2); several: each softsearch system runs with each",
+        default=["auto"],
+        help="softsearch's serve --batch-workers (a number or auto, the default); several: each softsearch "
+        "system runs with each",
     )
     p.add_argument(
         "--workers",
@@ -558,13 +565,23 @@ def main(argv: list[str] | None = None) -> int:
     for system, note in notes.items():
         print(f"  {system}: {note}")
     load = os.getloadavg()
+    policy = os.sched_getscheduler(0)
+    sched = (
+        f"scheduling SCHED_RR priority {os.sched_getparam(0).sched_priority} (servers and load tool alike)"
+        if policy == os.SCHED_RR
+        else "scheduling SCHED_FIFO (servers and load tool alike)"
+        if policy == os.SCHED_FIFO
+        else f"scheduling normal, nice {os.nice(0)} (servers and load tool alike)"
+    )
+    print(f"  {sched}")
     write_results(
         args.name,
         rows,
         machine_note=(
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
-            f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+            f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))}; "
+            f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),
     )

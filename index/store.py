@@ -309,7 +309,11 @@ class IndexStore:
         return read_manifest(self.path(version))
 
     def load(
-        self, version: str | None = None, verify: bool = True, gpu: bool | None = None, mmap_index: bool = False
+        self,
+        version: str | None = None,
+        verify: bool = True,
+        gpu: bool | None = None,
+        mmap_index: bool = False,
     ) -> IndexVersion:
         """Load `version` (default: current); IndexCorruptError leaves the store untouched."""
         version = version or self.current_version()

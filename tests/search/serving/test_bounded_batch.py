@@ -133,6 +133,10 @@ def test_the_shared_list_ordered_file_gives_the_same_answers(setup, tmp_path):
     refused = ListedRows.build(data, stats, other)
     assert refused.path is None
     np.testing.assert_array_equal(refused.rows[refused.position], data)
+    # a place it cannot be written (here: no such directory) leaves the copy in RAM as well
+    unwritable = ListedRows.build(data, stats, tmp_path / "missing" / "listed.npy")
+    assert unwritable.path is None and not (tmp_path / "missing").exists()
+    np.testing.assert_array_equal(unwritable.rows[unwritable.position], data)
     # the serving object maps the file when asked to share it
     shared = Normaliser.for_version(
         data, config=NormaliserConfig("bounded", listed_shared=True), listed_path=tmp_path / "v.npy"
