@@ -27,9 +27,24 @@ from ablate_folder import WORK, _embed, split_collection  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "ablate_colour_runs.json"  # per run; the summary: ablate_colour.json
 # (tower, grey, colour) weights; (0.5, 0.5, 0) is the shipped anchor
-GRID = [(0.5, 0.5, 0.0), (0.5, 0.4, 0.1), (0.5, 0.3, 0.2), (0.4, 0.4, 0.2), (0.4, 0.3, 0.3),
-        (0.6, 0.3, 0.1), (0.3, 0.5, 0.2), (0.5, 0.25, 0.25), (0.0, 0.8, 0.2), (0.0, 0.5, 0.5),
-        (0.2, 0.4, 0.4), (0.2, 0.5, 0.3), (0.3, 0.35, 0.35), (0.1, 0.45, 0.45), (0.0, 0.6, 0.4), (0.0, 0.4, 0.6)]
+GRID = [
+    (0.5, 0.5, 0.0),
+    (0.5, 0.4, 0.1),
+    (0.5, 0.3, 0.2),
+    (0.4, 0.4, 0.2),
+    (0.4, 0.3, 0.3),
+    (0.6, 0.3, 0.1),
+    (0.3, 0.5, 0.2),
+    (0.5, 0.25, 0.25),
+    (0.0, 0.8, 0.2),
+    (0.0, 0.5, 0.5),
+    (0.2, 0.4, 0.4),
+    (0.2, 0.5, 0.3),
+    (0.3, 0.35, 0.35),
+    (0.1, 0.45, 0.45),
+    (0.0, 0.6, 0.4),
+    (0.0, 0.4, 0.6),
+]
 
 
 def rgb_thumbnail(x, side: int) -> np.ndarray:
@@ -134,7 +149,11 @@ def main(argv=None) -> int:
                 res[name] = score(ck, classes, WORK / "cache", args.colours)
                 OUT.write_text(json.dumps(res, indent=1) + "\n")
                 r = res[name]["p10"]
-                print(name, f"pixels {r['pixels']:.3f} tower {r['tower']:.3f} anchor {r['anchor']:.3f}", flush=True)
+                print(
+                    name,
+                    f"pixels {r['pixels']:.3f} tower {r['tower']:.3f} anchor {r['anchor']:.3f}",
+                    flush=True,
+                )
     summary(res)
     return 0
 

@@ -104,7 +104,11 @@ class EncoderConfig:
                 "encoder.colour_weight must be in [0, 1) with pixel_weight + colour_weight < 1, got "
                 f"{self.colour_weight} (pixel_weight {self.pixel_weight})"
             )
-        if isinstance(self.colour_bins, bool) or not isinstance(self.colour_bins, int) or self.colour_bins < 2:
+        if (
+            isinstance(self.colour_bins, bool)
+            or not isinstance(self.colour_bins, int)
+            or self.colour_bins < 2
+        ):
             raise ValueError(f"encoder.colour_bins must be an integer >= 2, got {self.colour_bins!r}")
         if not isinstance(self.pixel_side, int) or self.pixel_side <= 0:
             raise ValueError(f"encoder.pixel_side must be a positive integer, got {self.pixel_side!r}")

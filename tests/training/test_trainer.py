@@ -265,7 +265,9 @@ def test_contrastive_step_sees_the_anchor_only_when_asked():
     from training.trainer import contrastive_step
 
     torch.manual_seed(0)
-    cfg = EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.4, colour_weight=0.2)
+    cfg = EncoderConfig(
+        width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.4, colour_weight=0.2
+    )
     enc = create_encoder(cfg).eval()  # batch-norm statistics: one batch of cat(a, b) vs a and b alone
     a, b = torch.rand(6, 3, 32, 32) * 2 - 1, torch.rand(6, 3, 32, 32) * 2 - 1
     enc.set_pixel_mean([torch.cat([a, b])])
