@@ -173,6 +173,15 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(500, "internal_error", f"internal error ({type(exc).__name__})")
 
 
+def _vector_only(searcher: Searcher | None) -> bool:
+    """Whether the version loaded at start was built from vectors (no encoder): `--batch-workers auto`
+    then runs one batch thread (a version swapped in later keeps the count chosen here)."""
+    try:
+        return searcher is not None and searcher.ready and searcher.snapshot().encoder is None
+    except Exception:  # noqa: BLE001 - nothing loaded: the image default
+        return False
+
+
 def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     """Build the service. With no `searcher`, one is opened on settings.index_root and the
     current version loaded if there is one; otherwise /readyz says 503 until a version is
@@ -183,7 +192,10 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         if settings.index_root is None:
             raise ValueError("no index root configured (SOFTSEARCH_INDEX_ROOT / --index)")
         release = {"auto": None, "release": True, "keep": False}[settings.mapped_pages]
-        normaliser = NormaliserConfig(method=settings.normaliser, release_pages=release)
+        # several serving processes map one list-ordered copy of the rows instead of one copy each
+        normaliser = NormaliserConfig(
+            method=settings.normaliser, release_pages=release, listed_shared=settings.workers > 1
+        )
         return Searcher(settings.index_root, device=settings.device, normaliser=normaliser)
 
     load_error = None
@@ -244,12 +256,15 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.load_error = load_error
 
     active = ActiveRequests()
+    batch_workers = settings.resolved_batch_workers(_vector_only(searcher))
+    if settings.batch_workers == "auto":
+        logger.info("batch threads: %d (--batch-workers auto)", batch_workers)
     app.state.batcher = MicroBatcher(
         lambda: app.state.searcher,
         settings.batch_max_size,
         settings.batch_max_wait_ms,
         metrics,
-        workers=settings.batch_workers,
+        workers=batch_workers,
         active=active,
     )
 

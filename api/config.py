@@ -55,7 +55,13 @@ class Settings(BaseModel):
         description="how long the first query of a batch waits for company; 0 = adaptive batching only "
         "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
     )
-    batch_workers: int = Field(2, ge=1, le=64, description="micro-batches in flight at once (threads)")
+    batch_workers: int | Literal["auto"] = Field(
+        "auto",
+        description="micro-batches in flight at once (threads, 1-64); auto: 1 for a version built from "
+        "vectors (one batch thread fills its batches and shares the GIL with the event loop least: the "
+        "lower tail latency at 16 clients, docs/results.md §28, §30), 2 for a version with an encoder "
+        "(its forwards release the GIL)",
+    )
     workers: int = Field(
         1,
         ge=1,
@@ -173,6 +179,25 @@ class Settings(BaseModel):
         if not math.isfinite(v):
             raise ValueError(f"must be finite, got {v}")
         return v
+
+    @field_validator("batch_workers", mode="before")
+    @classmethod
+    def _batch_workers(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        whole = (isinstance(v, int) and not isinstance(v, bool)) or (
+            isinstance(v, str) and v.strip().isdigit()
+        )
+        if not whole or not 1 <= int(v) <= 64:
+            raise ValueError(f"must be an integer from 1 to 64 or 'auto', got {v!r}")
+        return int(v)
+
+    def resolved_batch_workers(self, vector_only: bool) -> int:
+        """The batch threads to run: `batch_workers`, or for auto 1 over a version built from vectors (no
+        encoder) and 2 otherwise."""
+        if self.batch_workers != "auto":
+            return int(self.batch_workers)
+        return 1 if vector_only else 2
 
     @field_validator("log_level")
     @classmethod

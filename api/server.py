@@ -6,10 +6,10 @@ Every option also reads from SOFTSEARCH_* environment variables (the CLI wins); 
 settings stop the command before the server starts, with `error: ...` and exit code 2.
 
 `--workers N` runs N uvicorn worker processes on one port. Each builds its own app from the
-same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file,
-so the page cache holds one copy for all of them; they merge their Prometheus samples through
-PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory unless the operator sets one) and each
-follows the store's `current` pointer (api/swap.py).
+same settings (handed over as SOFTSEARCH_* variables) and memory-maps the same embedding file, index
+codes and list-ordered rows (docs/results.md §30), so the page cache holds one copy for all of them;
+they merge their Prometheus samples through PROMETHEUS_MULTIPROC_DIR (a fresh temporary directory
+unless the operator sets one) and each follows the store's `current` pointer (api/swap.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-image-pixels", type=int, help="largest width*height of an upload (default 20M)")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
-    p.add_argument("--batch-workers", type=int, help="micro-batches in flight at once (default 2)")
+    p.add_argument(
+        "--batch-workers",
+        help="micro-batches in flight at once, or auto: 1 for a version built from vectors, 2 with an "
+        "encoder (default auto)",
+    )
     p.add_argument("--workers", type=int, help="serving processes on the same port (default 1)")
     p.add_argument(
         "--watch-interval-s",
@@ -122,26 +126,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _threads(settings) -> int:
+    """Threads per library call in one serving process: --torch-threads, else the cores shared out over
+    workers x batch threads (torch's default, all cores each, would oversubscribe the CPU)."""
+    if settings.torch_threads is not None:
+        return settings.torch_threads
+    batch = 2 if settings.batch_workers == "auto" else settings.batch_workers  # auto: at most 2
+    return max(1, (os.cpu_count() or 1) // (settings.workers * batch))
+
+
+def _library_threads(settings) -> None:
+    """FAISS's OpenMP and numpy's OpenBLAS read their thread counts once, when they load, and only from
+    the environment (a call in this thread would not reach the batch threads): as many as torch's. Their
+    idle threads spin after each call, which cost a bounded batch of 16 three times the CPU per query and
+    made a lone query wait for a second thread the other batch held (docs/results.md §28). Set before
+    numpy loads, and before worker processes start (they inherit it: docs/results.md §30)."""
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(name, str(_threads(settings)))
+
+
 def _configure(settings) -> None:
     """Logging and torch threads of one serving process."""
     logging.basicConfig(
         level=settings.log_level.upper() if settings.log_level != "trace" else "DEBUG",
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    threads = settings.torch_threads
-    if threads is None:  # workers x batch threads x torch's default (all cores) would oversubscribe the CPU
-        threads = max(1, (os.cpu_count() or 1) // (settings.workers * settings.batch_workers))
-    if threads is not None:
-        # FAISS's OpenMP and numpy's OpenBLAS read their thread counts once, when they load, and only from
-        # the environment (a call in this thread would not reach the batch threads): as many as torch's.
-        # Their idle threads spin after each call, which cost a bounded batch of 16 three times the CPU
-        # per query and made a lone query wait for a second thread the other batch held (docs/results.md
-        # §28).
-        for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            os.environ.setdefault(name, str(threads))
-        import torch
+    _library_threads(settings)
+    import torch
 
-        torch.set_num_threads(threads)
+    torch.set_num_threads(_threads(settings))
 
 
 def _freeze_startup_objects() -> None:
@@ -154,12 +167,13 @@ def _freeze_startup_objects() -> None:
 
 def worker_app():
     """uvicorn factory for one worker process of `serve --workers N` (settings from SOFTSEARCH_*)."""
-    from api.app import create_app
     from api.config import load_settings
 
     settings = load_settings()
-    _configure(settings)
+    _configure(settings)  # before the app's imports load numpy and FAISS
     _set_head_timeout(settings)
+    from api.app import create_app
+
     app = create_app(settings)
     _freeze_startup_objects()
     return app
@@ -286,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_dir, created = _metrics_dir()
         os.environ[MULTIPROC_ENV] = metrics_dir
         os.environ.update(_settings_env(settings))
+        _library_threads(settings)
         logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)
         try:
             uvicorn.run(

@@ -147,11 +147,19 @@ def recall(found: list[list[str]], truth: np.ndarray) -> float:
 
 
 @contextlib.contextmanager
-def softsearch_server(root: Path, mapped_pages: str, batch_workers: int = 2, normaliser: str = "exact"):
+def softsearch_server(
+    root: Path,
+    mapped_pages: str,
+    batch_workers: int | str = "auto",
+    normaliser: str = "exact",
+    workers: int = 1,
+):
     from api.launch import serve_process
 
     with serve_process(
         root,
+        "--workers",
+        workers,
         "--normaliser",
         normaliser,
         "--mapped-pages",
@@ -162,8 +170,40 @@ def softsearch_server(root: Path, mapped_pages: str, batch_workers: int = 2, nor
         batch_workers,
         torch_threads=1,
         timeout_s=300,
+        ready=_all_workers_ready(workers),
     ) as server:
         yield server
+
+
+def _all_workers_ready(workers: int):
+    """A ready check: every worker process has its index loaded (softsearch_workers in GET /metrics), then a
+    moment for the last one to start listening, so the load's connections spread over all of them."""
+
+    def check(server) -> bool:
+        try:
+            text = http_get(server.url, "/metrics").decode()
+        except OSError:
+            return False
+        found = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        if (
+            float(found.get("softsearch_ready", 0)) != 1
+            or float(found.get("softsearch_workers", 0)) < workers
+        ):
+            return False
+        time.sleep(2.0 if workers > 1 else 0.0)
+        return True
+
+    return check
+
+
+def http_get(url: str, path: str) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("GET", path, headers={"Connection": "close"})
+        return conn.getresponse().read()
+    finally:
+        conn.close()
 
 
 @contextlib.contextmanager
@@ -244,21 +284,24 @@ def measure(
     load_ms(server.url, path, bodies, headers, 4, min(2.0, duration))  # warm-up
     for c in clients:
         batches0 = batch_sizes(server.url) if name.startswith("softsearch") else None
-        cpu0 = tree_cpu_s(server.proc.pid)
+        cpu0, own0 = tree_cpu_s(server.proc.pid), time.process_time()
         res = load_ms(server.url, path, bodies, headers, c, duration)
         res["cpu_ms"] = (tree_cpu_s(server.proc.pid) - cpu0) * 1e3 / max(res["n"], 1)
+        res["client_cpu_ms"] = (time.process_time() - own0) * 1e3 / max(res["n"], 1)
         if batches0 is not None:  # queries per batch the server formed during this load
             (q0, b0), (q1, b1) = batches0, batch_sizes(server.url)
             res["mean_batch"] = (q1 - q0) / max(b1 - b0, 1)
         out[c] = res
         logger.info(
-            "%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors",
+            "%s c=%d: %.0f qps, p50 %.1f ms, p99 %.1f ms, %d errors, CPU ms/query server %.2f client %.2f",
             name,
             c,
             res["qps"],
             res["p50"],
             res["p99"],
             res["errors"],
+            res["cpu_ms"],
+            res["client_cpu_ms"],
         )
     out["rss"] = tree_rss_mib(server.proc.pid)
     out["load_after"] = os.getloadavg()[0]
@@ -327,7 +370,18 @@ def main(argv: list[str] | None = None) -> int:
         help="softsearch's serve --mapped-pages",
     )
     p.add_argument(
-        "--batch-workers", type=int, default=2, help="softsearch's serve --batch-workers (default 2)"
+        "--batch-workers",
+        nargs="+",
+        default=["auto"],
+        help="softsearch's serve --batch-workers (a number or auto, the default); several: each softsearch "
+        "system runs with each",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="softsearch's serve --workers (default 1); several: each softsearch system runs with each",
     )
     p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
@@ -377,23 +431,30 @@ def main(argv: list[str] | None = None) -> int:
     json_bodies = [json.dumps({"vector": q.tolist(), "k": args.k}).encode() for q in queries]
     results: dict[str, dict] = {}
     notes: dict[str, str] = {}
-    for system in args.systems:
-        logger.info("%s ...", system)
+    variants = [(w, b) for w in args.workers for b in args.batch_workers]
+    runs = [
+        (s if len(variants) == 1 or not s.startswith("softsearch") else f"{s} w{w} bw{b}", s, w, b)
+        for s in args.systems
+        for w, b in (variants if s.startswith("softsearch") else [(1, 1)])
+    ]
+    for label, system, workers, batch_workers in runs:
+        logger.info("%s ...", label)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
             ann = system.startswith("softsearch-ann")
             with softsearch_server(
                 ann_root if ann else root,
                 args.mapped_pages,
-                args.batch_workers,
+                batch_workers,
                 args.ann_normaliser if ann else "exact",
+                workers,
             ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
                 bodies = [q.astype("<f4").tobytes() for q in queries] if binary else json_bodies
                 headers = {"Content-Type": "application/octet-stream" if binary else "application/json"}
                 out, got = measure(
-                    system,
+                    label,
                     server,
                     path,
                     bodies,
@@ -406,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
             out["prob_error"], out["log_z_error"] = probability_error(got, base, queries, tau)
             methods = {a["normaliser"]["method"] for a in got}
             manifest = described.get("manifest") or {}
-            notes[system] = (
+            notes[label] = (
                 f"{manifest.get('kind')} {manifest.get('params')}, normaliser "
                 f"{'/'.join(sorted(methods))} (served: {described.get('normaliser')}), "
                 f"max |log Z - exact| {out['log_z_error']:.1e}, max |p - p_exact| {out['prob_error']:.1e}"
@@ -458,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"; filled in {fill_s:.0f} s" if fill_s else "")
             )
         out.pop("answers", None)
-        results[system] = out
+        results[label] = out
 
     rows = []
     ref = results.get("chroma")
@@ -504,13 +565,23 @@ def main(argv: list[str] | None = None) -> int:
     for system, note in notes.items():
         print(f"  {system}: {note}")
     load = os.getloadavg()
+    policy = os.sched_getscheduler(0)
+    sched = (
+        f"scheduling SCHED_RR priority {os.sched_getparam(0).sched_priority} (servers and load tool alike)"
+        if policy == os.SCHED_RR
+        else "scheduling SCHED_FIFO (servers and load tool alike)"
+        if policy == os.SCHED_FIFO
+        else f"scheduling normal, nice {os.nice(0)} (servers and load tool alike)"
+    )
+    print(f"  {sched}")
     write_results(
         args.name,
         rows,
         machine_note=(
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
-            f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --batch-workers "
-            f"{args.batch_workers}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+            f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
+            f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))}; "
+            f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),
     )

@@ -578,15 +578,19 @@ def _tune_reranked(
 LISTS_FILE = "index.ivfdata"
 
 
-def read_index(path) -> faiss.Index:
+def read_index(path, mmap: bool = False) -> faiss.Index:
     """A version's index file read with FAISS's own IO. On-disk inverted lists (a `LISTS_FILE` beside it) stay
     on disk: their table is read without mapping (IO_FLAG_SKIP_IVF_DATA), then the file beside the index is
     mapped read-only (the directory may have moved since the build: staging -> versions/, export / import;
-    FAISS's IO_FLAG_ONDISK_SAME_DIR does the same but prints to stdout)."""
+    FAISS's IO_FLAG_ONDISK_SAME_DIR does the same but prints to stdout). With `mmap`, flat codes (a flat
+    index's, HNSW's stored vectors) are mapped read-only from the file (IO_FLAG_MMAP_IFC) rather than
+    copied, so several serving processes share one copy through the page cache."""
     from pathlib import Path
 
     path = Path(path)
     if not (path.parent / LISTS_FILE).is_file():
+        if mmap:
+            return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
         return faiss.read_index(str(path))
     index = faiss.read_index(str(path), faiss.IO_FLAG_SKIP_IVF_DATA | faiss.IO_FLAG_READ_ONLY)
     if not on_disk_lists(index):

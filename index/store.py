@@ -113,10 +113,13 @@ class IndexVersion:
         )
 
     @classmethod
-    def load(cls, path: str | os.PathLike, verify: bool = True, gpu: bool | None = None) -> "IndexVersion":
+    def load(
+        cls, path: str | os.PathLike, verify: bool = True, gpu: bool | None = None, mmap_index: bool = False
+    ) -> "IndexVersion":
         """Load a version directory; `verify` recomputes every file's sha256 first.
 
-        `gpu=None` moves the index onto all visible GPUs when FAISS has that kind on GPU.
+        `gpu=None` moves the index onto all visible GPUs when FAISS has that kind on GPU. `mmap_index`: flat
+        codes are mapped from the index file, not copied (`faiss_index.read_index`; shared by processes).
         Raises IndexCorruptError (a ValueError) when anything disagrees with the manifest.
         """
         path = Path(path)
@@ -130,7 +133,8 @@ class IndexVersion:
         if verify:
             verify_files(path, manifest)
         try:
-            index = faiss_index.read_index(path / INDEX_FILE)  # on-disk lists (IVFDATA_FILE) stay mapped
+            # on-disk lists (IVFDATA_FILE) stay mapped
+            index = faiss_index.read_index(path / INDEX_FILE, mmap=mmap_index)
             # memory-mapped, read-only: the serving process holds no second N x D copy; pages come
             # from the OS page cache (shared by every worker process on the machine) as they are read
             embeddings = np.load(path / EMBEDDINGS_FILE, mmap_mode="r", allow_pickle=False)
@@ -304,12 +308,18 @@ class IndexStore:
         """A version's manifest without loading the index."""
         return read_manifest(self.path(version))
 
-    def load(self, version: str | None = None, verify: bool = True, gpu: bool | None = None) -> IndexVersion:
+    def load(
+        self,
+        version: str | None = None,
+        verify: bool = True,
+        gpu: bool | None = None,
+        mmap_index: bool = False,
+    ) -> IndexVersion:
         """Load `version` (default: current); IndexCorruptError leaves the store untouched."""
         version = version or self.current_version()
         if version is None:
             raise FileNotFoundError(f"no current index version under {self.root}; build one first")
-        return IndexVersion.load(self.path(version), verify=verify, gpu=gpu)
+        return IndexVersion.load(self.path(version), verify=verify, gpu=gpu, mmap_index=mmap_index)
 
     # ------------------------------------------------------------------ changes
     def _write_current(self, version: str) -> None:

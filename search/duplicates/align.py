@@ -1,13 +1,18 @@
 """Pair alignment: one thumbnail warped onto the other by an affine map and a gain/offset, fitted by
-inverse-compositional Lucas-Kanade (coarse to fine; once the coarse fit has settled, the worst-fitting TRIM
-of the pixels take no part in a step, so an overlay does not pull the map), batched over pairs with torch. A
+inverse-compositional Lucas-Kanade (coarse to fine), started from a search that needs no gradient (phase
+correlation over a few zooms: sparse pictures such as star fields have nothing for Lucas-Kanade to follow
+from the identity); in every step the worst-fitting TRIM of the pixels, chosen by their residual in grey
+levels and then after the fitted gain, take no part, so an overlay does not pull the map; batched over pairs
+with torch. A
 crop, resize, small rotation or brightness/contrast change is an affine map of the pixels and their values,
 so after the fit a copy correlates with its original almost perfectly; two different pictures do not,
 however the fit bends.
 
 Features per pair (the better of both directions, and of the mirror with flips):
   ncc      normalised cross-correlation over the template pixels that land inside the other picture
-  robust   the same with the worst-fitting 15 % of those pixels left out (an overlay, a caption)
+  robust   the same with the worst-fitting 15 % of those pixels left out (an overlay, a caption): the
+           better of two choices of them, by the residual after the least-squares gain and after the gain
+           refitted on the pixels closest in grey levels (a caption on a dark picture sets the first gain)
   coverage share of the template that lands inside the other picture
   stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
   chroma   share of the template's colour (opponent chroma of the small colour thumbnails, warped by the
@@ -25,11 +30,15 @@ import torch.nn.functional as F
 FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
 CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
+CELL = 4  # side of the cells the robust score drops (at half the thumbnail: 8 x 8 cells)
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
 # rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
 MAX_SCALE = 1.4
 MAX_SHEAR = 0.15
 MAX_SHIFT = 0.4
+# zooms into the other picture tried by the coarse search (a crop of <= 20 % of the area with +-10 % aspect,
+# a rotation's inner crop): the scale of the map from a copy onto its original
+COARSE_ZOOMS = (1.0, 0.94, 0.88, 0.83, 0.78)
 _BLUR = torch.tensor([1.0, 2.0, 1.0]) / 4.0
 
 
@@ -68,15 +77,14 @@ def _norm_rows(v: torch.Tensor) -> torch.Tensor:
     return v * torch.rsqrt((v * v).mean(1, keepdim=True) + 1e-6)
 
 
-def _fit(
-    t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int, trim: bool = False, trim_from: int = 0
-) -> torch.Tensor:
+def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
     """Inverse-compositional Lucas-Kanade: the template's Jacobian and Hessian once, then per step
-    only the warped image (standardised: the gain and offset drop out) and a 6 x P product."""
+    only the warped image (its gain and offset fitted on the pixels kept) and a 6 x P product."""
     side = t.shape[-1]
     b = t.shape[0]
     pts = _grid(side, t.device)
     x, y = pts[:, 0], pts[:, 1]
+    t_in = t
     t = (t - t.mean(dim=(2, 3), keepdim=True)) / (t.std(dim=(2, 3), keepdim=True) + 1e-3)
     gx = (torch.roll(t, -1, 3) - torch.roll(t, 1, 3)) * (side / 4.0)
     gy = (torch.roll(t, -1, 2) - torch.roll(t, 1, 2)) * (side / 4.0)
@@ -87,22 +95,35 @@ def _fit(
     h = torch.einsum("bpi,bpj->bij", jac, jac)
     h = h + (1e-3 * h.diagonal(dim1=1, dim2=2).mean(1) + 1e-6)[:, None, None] * torch.eye(6)
     k = torch.linalg.solve(h, jac.transpose(1, 2))  # (B, 6, P)
-    tv = _norm_rows(t.flatten(1))
     full = torch.zeros(b, 3, 3)
     full[:, 2, 2] = 1.0
     full[:, :2] = theta
     eye = torch.eye(3)
-    keep = max(1, int(round(tv.shape[1] * (1 - TRIM))))
-    for step in range(iters):
-        e = _norm_rows(_warp(i, full[:, :2])) - tv
-        if (
-            trim and step >= trim_from
-        ):  # the worst-fitting TRIM of the pixels take no part in the step: an overlay does not pull
-            cut = torch.maximum(
-                e.abs().kthvalue(keep, dim=1, keepdim=True).values,
-                3 * e.abs().median(dim=1, keepdim=True).values,
-            )
-            e = torch.where(e.abs() <= cut, e, torch.zeros_like(e))
+    keep = max(1, int(round(side * side * (1 - TRIM))))
+    t_raw = t_in.flatten(1)
+    t_med, t_std = t_raw.median(1, keepdim=True).values, t_raw.std(1, keepdim=True) + 1e-3
+    w = None
+    for _ in range(iters):
+        v = _warp(i, full[:, :2])
+        # the worst-fitting TRIM of the pixels take no part in the step: an overlay does not pull. Which
+        # pixels: first by the residual in grey levels about the medians, then after the gain and offset
+        # fitted on the rest (standardising over all pixels would let a bright caption on a dark picture
+        # set the scale)
+        if w is None:
+            r0 = ((t_raw - t_med) - (v - v.median(1, keepdim=True).values)).abs()
+            w = (r0 <= r0.kthvalue(keep, dim=1, keepdim=True).values).float()
+        n = w.sum(1, keepdim=True).clamp(min=1.0)
+        mv, mt = (w * v).sum(1, keepdim=True) / n, (w * t_raw).sum(1, keepdim=True) / n
+        g = (w * (v - mv) * (t_raw - mt)).sum(1, keepdim=True) / (
+            (w * (v - mv) ** 2).sum(1, keepdim=True) + 1e-6
+        )
+        e = (g * (v - mv) - (t_raw - mt)) / t_std
+        cut = torch.maximum(
+            e.abs().kthvalue(keep, dim=1, keepdim=True).values,
+            3 * e.abs().median(dim=1, keepdim=True).values,
+        )
+        w = (e.abs() <= cut).float()  # the next step's gain is fitted on these
+        e = e * w
         d = torch.bmm(k, e[:, :, None])[:, :, 0].clamp(-0.3, 0.3)
         delta = eye.repeat(b, 1, 1)
         delta[:, :2] += d.reshape(b, 2, 3)
@@ -131,15 +152,27 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tenso
         return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
 
     full, a, c = ncc(m)
-    # robust: drop the worst-fitting TRIM of the inside pixels (residual after the least-squares gain)
-    gain = (m * a * c).sum(1) / ((m * c * c).sum(1) + 1e-9)
-    res = torch.where(m > 0, (a - gain[:, None] * c).abs(), torch.full_like(a, float("inf")))
-    keep_n = (m.sum(1) * (1 - TRIM)).long().clamp(min=1)
-    order = res.argsort(dim=1)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
-    w2 = ((rank < keep_n[:, None]) & (m > 0)).float()
-    robust, _, _ = ncc(w2)
+    # robust: drop the worst-fitting TRIM of the picture in CELL x CELL cells (an overlay is one compact
+    # region; a look-alike's differences -- other stars, another emblem's edges -- are spread over many
+    # cells and are not dropped with it), chosen twice: first by the residual in grey levels about the
+    # medians (an edit keeps the gain near 1; a least-squares gain would follow a bright caption on a dark
+    # picture), then by the residual after the gain fitted on the rest
+    cells = side // CELL
+    mc = F.avg_pool2d(m.reshape(-1, 1, side, side), CELL).flatten(1)  # share of each cell inside
+    keep_c = ((mc > 0).sum(1) * (1 - TRIM)).round().long().clamp(min=1)
+
+    def kept(res):
+        r = F.avg_pool2d((res * m).reshape(-1, 1, side, side), CELL).flatten(1) / mc.clamp(min=1e-6)
+        order = torch.where(mc > 0, r, torch.full_like(r, float("inf"))).argsort(dim=1)
+        rank = torch.empty_like(order)
+        rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
+        cell = ((rank < keep_c[:, None]) & (mc > 0)).float().reshape(-1, 1, cells, cells)
+        return F.interpolate(cell, scale_factor=CELL, mode="nearest").flatten(1) * m
+
+    w2 = kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs())
+    _, a2, c2 = ncc(w2)
+    gain = (w2 * a2 * c2).sum(1) / ((w2 * c2 * c2).sum(1) + 1e-9)
+    robust = ncc(kept((a2 - gain[:, None] * c2).abs()))[0]
     det = (theta[:, 0, 0] * theta[:, 1, 1] - theta[:, 0, 1] * theta[:, 1, 0]).abs().clamp(min=1e-3)
     sx = theta[:, :, 0].norm(dim=1).clamp(min=1e-3)
     sy = theta[:, :, 1].norm(dim=1).clamp(min=1e-3)
@@ -147,22 +180,80 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tenso
     return torch.stack([full, robust, m.mean(1), stretch], dim=1)
 
 
+def _hann(side: int) -> torch.Tensor:
+    w = torch.hann_window(side, periodic=False)
+    return w[:, None] * w[None, :]
+
+
+def phase_correlation(t: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shift (B,2) x, y in pixels, peak (B,)) such that t(p) ~ i(p + shift): the peak of the inverse
+    FFT of the whitened cross-power spectrum of the two Hann-windowed pictures (B,1,S,S), on the integer
+    grid (a shift in [-S/2, S/2)). Needs no gradient: a sparse picture (a star field) aligns as well as a
+    dense one."""
+    side = t.shape[-1]
+    w = _hann(side).to(t)
+
+    def spec(x):
+        x = x[:, 0]
+        return torch.fft.rfft2((x - x.mean(dim=(1, 2), keepdim=True)) * w)
+
+    cross = torch.conj(spec(t)) * spec(i)
+    r = torch.fft.irfft2(cross / (cross.abs() + 1e-6), s=(side, side)).flatten(1)
+    peak, at = r.max(dim=1)
+    dy, dx = at // side, at % side
+    shift = torch.stack([dx, dy], dim=1).float()
+    return torch.where(shift >= side / 2, shift - side, shift), peak
+
+
+def _ncc_at(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Correlation of t with i warped by theta over the pixels that land inside i."""
+    side = t.shape[-1]
+    m = _inside(theta, _grid(side, t.device))
+    v, tv = _warp(i, theta), t.flatten(1)
+    n = m.sum(1).clamp(min=1.0)
+    a = tv - (m * tv).sum(1, keepdim=True) / n[:, None]
+    c = v - (m * v).sum(1, keepdim=True) / n[:, None]
+    return (m * a * c).sum(1) / torch.sqrt((m * a * a).sum(1) * (m * c * c).sum(1) + 1e-9)
+
+
+def coarse_start(t: torch.Tensor, i: torch.Tensor, zooms=COARSE_ZOOMS) -> torch.Tensor:
+    """(B,2,3) start of the fit without gradients: for each zoom into i (the map's scale, a crop's inverse)
+    the shift by phase correlation; the zoom and shift whose map correlates best, unless the identity does
+    better (it then stays the start)."""
+    b, side = t.shape[0], t.shape[-1]
+    best = torch.zeros(b, 2, 3, device=t.device)
+    best[:, 0, 0] = best[:, 1, 1] = 1.0
+    score = _ncc_at(t, i, best)
+    for z in zooms:
+        theta = torch.zeros(b, 2, 3, device=t.device)
+        theta[:, 0, 0] = theta[:, 1, 1] = z
+        zoomed = _warp(i, theta).reshape(i.shape)
+        shift, _ = phase_correlation(t, zoomed)
+        theta[:, :, 2] = (z * shift * (2.0 / side)).clamp(-MAX_SHIFT, MAX_SHIFT)
+        s = _ncc_at(t, i, theta)
+        better = s > score
+        best = torch.where(better[:, None, None], theta, best)
+        score = torch.where(better, s, score)
+    return best
+
+
+def _pooled(x: torch.Tensor) -> torch.Tensor:
+    return _blur(F.avg_pool2d(x, 2))
+
+
 def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.Tensor:
-    """Fit on 2x-pooled thumbnails (coarse: 4x), score on the full ones warped, then pooled: the pooled
-    reading of a warped sharp thumbnail is what a resize would make, not bilinear blur."""
-    b = t.shape[0]
-    theta = torch.zeros(b, 2, 3, device=t.device)
-    theta[:, 0, 0] = theta[:, 1, 1] = 1.0
-    t2, i2 = _blur(F.avg_pool2d(t, 2)), _blur(F.avg_pool2d(i, 2))
+    """From the coarse search's map (phase correlation over zooms, no gradients), fit on 2x-pooled
+    thumbnails (coarse: 4x), score on the full ones warped, then pooled: the pooled reading of a warped
+    sharp thumbnail is what a resize would make, not bilinear blur."""
+    t2, i2 = _pooled(t), _pooled(i)
+    theta = coarse_start(t2, i2)
     theta = _fit(
         _blur(F.avg_pool2d(t2, 2)),
         _blur(F.avg_pool2d(i2, 2)),
         theta,
         iters[0],
-        trim=True,
-        trim_from=iters[0] // 2,
     )
-    theta = _fit(t2, i2, theta, iters[1], trim=True)
+    theta = _fit(t2, i2, theta, iters[1])
     return _score(t, i, theta), theta
 
 

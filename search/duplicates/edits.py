@@ -13,7 +13,7 @@ import io
 import math
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageEnhance
+from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 
 EDITS = ("jpeg", "resize", "crop", "rotate", "colour", "overlay")
 MAX_CROP = 0.2  # share of the area a crop may remove
@@ -63,7 +63,11 @@ def _overlay(im: Image.Image, rng: np.random.Generator) -> Image.Image:
         for x in range(x0 + 2, x0 + bw - step, step + 1):
             if rng.random() < 0.8:
                 d.rectangle((x, y0 + bh // 4, x + step // 2 + 1, y0 + 3 * bh // 4), fill=colour)
-        d.text((x0 + 2, y0), "copy", fill=colour)
+        # the caption's text at the bar's height (the default font's fixed 10 px would cover a third of a
+        # 32 px picture), clipped to the bar
+        font = ImageFont.load_default(size=max(1, bh))
+        if font.getlength("copy") <= bw - 2:
+            d.text((x0 + 2, y0), "copy", fill=colour, font=font)
     else:  # a round badge in a corner
         r = max(2, int(min(w, h) * rng.uniform(0.08, 0.15)))
         cx = r + 2 if rng.random() < 0.5 else w - r - 2

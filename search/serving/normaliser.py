@@ -55,7 +55,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from statistics import NormalDist
 from typing import Callable, Literal
 
@@ -158,6 +160,8 @@ class NormaliserConfig:
     bounded answers over it (their top-k comes from the index);
     listed_max_bytes: `bounded` keeps an in-RAM copy of the rows in list order (`ListedRows`) when they
     take at most this many bytes and its pages are kept (release_pages not True); 0: never;
+    listed_shared: that copy is a file beside the version, mapped (`ListedRows.build` with a path), so
+    several serving processes share one copy through the page cache (`serve --workers N`);
     release_pages: unmap the memory map's pages from the process once read (`release_pages`), so the
     file's pages do not pile up in the process's RSS (they stay in the shared, reclaimable page
     cache); False keeps them mapped (no refaults); None (default) releases after the exact scan's
@@ -181,6 +185,7 @@ class NormaliserConfig:
     recall_target: float = 0.99
     control_variate: bool = True
     listed_max_bytes: int = 4 << 30
+    listed_shared: bool = False
 
     def releases(self, method: str) -> bool:
         """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""
@@ -413,21 +418,67 @@ class ListedRows:
 
     rows: np.ndarray  # (N, D) float32, C-contiguous, rows[position[r]] == embeddings[r]
     position: np.ndarray  # (N,) int64
+    path: "Path | None" = None  # the shared file the rows are mapped from (None: private RAM)
 
     @classmethod
-    def build(cls, embeddings: np.ndarray, stats: ListStats) -> "ListedRows":
+    def build(cls, embeddings: np.ndarray, stats: ListStats, path=None) -> "ListedRows":
+        """The copy in private RAM, or with `path` a file of it (.npy) mapped read-only: written once (to a
+        temporary name, then renamed), then mapped by every process serving the version, so the page
+        cache holds one copy for all of them (`serve --workers N`). Where the file cannot be written or
+        does not hold these rows, the copy stays in RAM."""
         order = np.asarray(stats.order, dtype=np.int64)
-        rows = np.empty((len(order), embeddings.shape[1]), dtype=np.float32)
-        view = embeddings.view(np.ndarray) if isinstance(embeddings, np.memmap) else embeddings
-        for start in range(0, len(order), 1 << 16):  # in pieces: no second index-sized temporary
-            np.take(view, order[start : start + (1 << 16)], axis=0, out=rows[start : start + (1 << 16)])
         position = np.empty(len(order), dtype=np.int64)
         position[order] = np.arange(len(order), dtype=np.int64)
+        if path is not None:
+            rows = _listed_file(embeddings, order, Path(path))
+            if rows is not None:
+                return cls(rows, position, Path(path))
+        rows = np.empty((len(order), embeddings.shape[1]), dtype=np.float32)
+        _copy_in_order(embeddings, order, rows)
         return cls(rows, position)
 
     @property
     def nbytes(self) -> int:
         return int(self.rows.nbytes + self.position.nbytes)
+
+
+def _copy_in_order(embeddings: np.ndarray, order: np.ndarray, out: np.ndarray) -> None:
+    view = embeddings.view(np.ndarray) if isinstance(embeddings, np.memmap) else embeddings
+    for start in range(0, len(order), 1 << 16):  # in pieces: no second index-sized temporary
+        np.take(view, order[start : start + (1 << 16)], axis=0, out=out[start : start + (1 << 16)])
+
+
+def _listed_file(embeddings: np.ndarray, order: np.ndarray, path: Path) -> np.ndarray | None:
+    """The list-ordered rows mapped read-only from `path`, writing the file first when it is missing;
+    None when it cannot be written or read, or its shape or sample rows disagree with `embeddings`."""
+    shape = (len(order), int(embeddings.shape[1]))
+    try:
+        if not path.is_file():
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float32, shape=shape)
+                _copy_in_order(embeddings, order, out)
+                out.flush()
+                del out
+                try:  # atomic, and the first writer wins: every process then maps the same file
+                    os.link(tmp, path)
+                except FileExistsError:
+                    pass
+            finally:
+                tmp.unlink(missing_ok=True)
+        rows = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        logger.warning("list-ordered rows: cannot use %s (%s); keeping them in RAM", path, err)
+        return None
+    check = np.unique(np.linspace(0, len(order) - 1, num=min(len(order), 16)).astype(np.int64))
+    if (
+        rows.shape != shape
+        or rows.dtype != np.float32
+        or not np.array_equal(rows[check], np.asarray(embeddings[order[check]]))
+    ):
+        logger.warning("list-ordered rows: %s does not hold this version's rows; keeping them in RAM", path)
+        return None
+    return rows.view(np.ndarray)
 
 
 def bounded_log_normaliser(
@@ -906,6 +957,7 @@ class Normaliser:
         progress: bool = False,
         stored: "Callable[[], ListStats | None] | None" = None,
         index_recall: float | None = None,
+        listed_path=None,
     ) -> "Normaliser":
         """Resolve `auto` for these embeddings; when the result is bounded, take the list statistics
         from `stored()` (the version's own file, `IndexVersion.list_stats`) or, where that gives
@@ -916,7 +968,8 @@ class Normaliser:
         (below exact_max_macs) an approximate index reaching `config.recall_target` -- and the version
         stores its list statistics, `probe_costs` times both paths (bounded with the index's search) and
         the cheaper is kept. Bounded answers take their top-k from the index, so below the recall target
-        `auto` keeps exact, whose pass gives the exact top-k."""
+        `auto` keeps exact, whose pass gives the exact top-k. `listed_path`: where the list-ordered copy
+        is kept as a shared file (`config.listed_shared`; None: in RAM)."""
         config = NormaliserConfig.of(config)
         n, d = embeddings.shape
         method = choose_method(n, d, config)
@@ -938,7 +991,11 @@ class Normaliser:
             # stores its list statistics (bounded needs them; building them here would cost a pass or more)
             stats = stored()
             if stats is not None:
-                listed = ListedRows.build(embeddings, stats) if cls.wants_listed(embeddings, config) else None
+                listed = (
+                    ListedRows.build(embeddings, stats, listed_path)
+                    if cls.wants_listed(embeddings, config)
+                    else None
+                )
                 probe = probe_costs(embeddings, stats, config, index=index, listed=listed)
                 method = probe["chosen"]
                 logger.info(
@@ -964,7 +1021,7 @@ class Normaliser:
             advise_random(embeddings)
         out = cls(config, method, stats if method == "bounded" else None)
         if method == "bounded" and cls.wants_listed(embeddings, config):
-            out.listed = listed if listed is not None else ListedRows.build(embeddings, stats)
+            out.listed = listed if listed is not None else ListedRows.build(embeddings, stats, listed_path)
         out.probe = probe
         out.index_recall = index_recall
         return out
@@ -1018,5 +1075,6 @@ class Normaliser:
                 max_se=self.config.max_se,
                 stats_bytes=self.stats.nbytes,
                 listed_bytes=self.listed.nbytes if self.listed is not None else 0,
+                listed_shared=self.listed is not None and self.listed.path is not None,
             )
         return out

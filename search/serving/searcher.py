@@ -68,6 +68,9 @@ __all__ = [
 
 #: Filter masks a snapshot keeps (N bytes each).
 FILTER_CACHE = 64
+#: The bounded normaliser's list-ordered copy of a version's rows, shared by its serving processes
+#: (`NormaliserConfig.listed_shared`): derived from the version's files, written beside them on first use.
+LISTED_FILE = ".listed-rows.npy"
 #: What an image query on a version built from vectors is told (the API answers it with 409).
 NO_ENCODER = "this index version has no encoder: search it with vectors"
 
@@ -527,6 +530,7 @@ class Searcher:
             config,
             stored=getattr(version, "list_stats", None),
             index_recall=_index_recall(version.manifest),
+            listed_path=version.path / LISTED_FILE if config.listed_shared else None,
         )
         if encoder is None:
             runner = None
@@ -599,7 +603,8 @@ class Searcher:
             raise ValueError("this Searcher has no IndexStore to reload from")
         if old is not None and (version or self.store.current_version()) == old.version:
             return None
-        new_version = self.store.load(version)
+        # serving processes that share the rows share the index's flat codes too (mapped, not copied)
+        new_version = self.store.load(version, mmap_index=self.normaliser.listed_shared)
         if old is not None and new_version.version == old.version:
             return None
         encoder, sha, fresh = self._encoder_for(new_version, old)

@@ -149,3 +149,17 @@ def test_openapi_documents_both_bodies(vector_index):
         op["requestBody"]["content"]["application/json"]["schema"]["properties"]["vector"]["minItems"] == DIM
     )
     assert "application/octet-stream" in op["description"] and "little-endian float32" in op["description"]
+
+
+def test_batch_workers_auto_runs_one_batch_thread_for_a_version_built_from_vectors(vector_index, api_index):
+    """`--batch-workers auto` (the default): one batch thread over a version with no encoder, two over
+    one with an encoder (its forwards release the GIL); a number given is kept; bad values are refused."""
+    from api.config import load_settings
+
+    assert _app(vector_index["root"]).state.batcher.workers == 1
+    assert _app(api_index["root"]).state.batcher.workers == 2
+    assert _app(vector_index["root"], batch_workers=3).state.batcher.workers == 3
+    assert load_settings({"batch_workers": "2"}, environ={}).batch_workers == 2
+    for bad in ("0", "65", "two", "1.5"):
+        with pytest.raises(ValueError, match="batch_workers"):
+            load_settings({"batch_workers": bad}, environ={})

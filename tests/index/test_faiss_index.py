@@ -235,3 +235,23 @@ def test_small_training_sets_are_explained_in_the_log_not_warned_on_stderr(capfd
         "coarse quantizer trained on 300 points for 16 centroids (FAISS suggests 624)" in m for m in said
     ), said
     assert any("PQ codebooks trained on 300 points for 256 centroids" in m for m in said), said
+
+
+@pytest.mark.parametrize("kind, params", [("flat", {}), ("hnsw", {"M": 16, "efConstruction": 40})])
+def test_mapped_index_answers_as_the_copied_one(tmp_path, kind, params):
+    """`read_index(mmap=True)` (what `serve --workers N` shares) maps the flat codes from the file instead
+    of copying them: the same rows and scores as the copy, and as brute force for the flat kind."""
+    db, q = unit_vectors(800, 16, 4), unit_vectors(30, 16, 5)
+    index, _ = fi.build(kind, db, **params)
+    path = tmp_path / "index.faiss"
+    faiss.write_index(index, str(path))
+    copied, mapped = fi.read_index(path), fi.read_index(path, mmap=True)
+    for idx in (copied, mapped):
+        if kind == "hnsw":
+            faiss.downcast_index(idx).hnsw.efSearch = 64
+    s_c, r_c = fi.search(copied, q, 10)
+    s_m, r_m = fi.search(mapped, q, 10)
+    np.testing.assert_array_equal(r_m, r_c)
+    np.testing.assert_array_equal(s_m, s_c)
+    if kind == "flat":
+        np.testing.assert_array_equal(r_m, brute_force(db, q, 10)[1])

@@ -118,6 +118,70 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]  # another picture: low correlation, more unexplained colour
 
 
+def test_overlay_caption_is_scaled_to_the_picture():
+    """The overlay edit changes at most ~10 % of the pixels at any size (its caption text once covered a
+    third of a 32 px picture), counted on a flat picture."""
+    for side in (32, 48, 320):
+        changed = []
+        for seed in range(60):
+            rng = np.random.default_rng(seed)
+            flat = Image.new("RGB", (side, side), (128, 128, 128))
+            data, _ = edited_copy(flat, rng, edits=("overlay",))
+            out = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), np.int16)
+            changed.append((np.abs(out - 128).max(axis=2) > 24).mean())  # past JPEG's ringing on a flat field
+        assert max(changed) <= 0.10 and np.mean(changed) > 0.02, (side, max(changed), np.mean(changed))
+
+
+def _png(grey: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(grey).convert("RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _star_field(rng, side: int = 256, stars: int = 60) -> np.ndarray:
+    """A dark picture with a few bright blurred points (a star field: almost no gradient anywhere)."""
+    yy, xx = np.mgrid[0:side, 0:side]
+    im = np.full((side, side), 6.0)
+    for x, y, b, r in zip(
+        *rng.uniform(0, side, (2, stars)), rng.uniform(60, 250, stars), rng.uniform(1, 3, stars)
+    ):
+        im += b * np.exp(-((xx - x) ** 2 + (yy - y) ** 2) / (2 * r * r))
+    return np.clip(im, 0, 255).astype(np.uint8)
+
+
+def test_phase_correlation_finds_a_known_shift_and_the_coarse_start_a_known_crop():
+    """phase_correlation against a circular shift made with np.roll (exact on the integer grid);
+    coarse_start against the map of a known crop of a star field, where Lucas-Kanade from the
+    identity has no gradient to follow; then the whole alignment of that crop, overlaid, against another
+    star field."""
+    import torch
+
+    from search.duplicates.align import coarse_start, phase_correlation
+
+    rng = np.random.default_rng(3)
+    pic = rng.normal(size=(32, 32)).astype(np.float32)
+    shifted = np.roll(pic, (5, -7), axis=(0, 1))  # shifted(p) = pic(p - (5, -7)): pic(p) = shifted(p + d)
+    shift, peak = phase_correlation(torch.from_numpy(pic)[None, None], torch.from_numpy(shifted)[None, None])
+    assert shift[0].tolist() == [-7.0, 5.0] and peak[0] > 0.3  # the window makes the peak less than 1
+    sky = _star_field(rng)
+    x0, y0, cw = 30, 14, 208  # a crop of 66 % of the area, off centre
+    crop = sky[y0 : y0 + cw, x0 : x0 + cw]
+    side = 32
+    t = np.asarray(Image.fromarray(crop).resize((side, side), Image.BILINEAR), np.float32)
+    i = np.asarray(Image.fromarray(sky).resize((side, side), Image.BILINEAR), np.float32)
+    theta = coarse_start(torch.from_numpy(t)[None, None], torch.from_numpy(i)[None, None])[0].numpy()
+    # the copy's normalised point u maps to the original's (cw u + 2 x0 + cw - 256) / 256
+    want = np.array([[cw / 256, 0, (2 * x0 + cw - 256) / 256], [0, cw / 256, (2 * y0 + cw - 256) / 256]])
+    assert np.abs(theta - want).max() < 0.06, (theta, want)
+    copy = Image.fromarray(crop).convert("RGB")
+    data, _ = edited_copy(copy, np.random.default_rng(1), edits=("overlay",))
+    items = [thumbnail(_png(sky), 64), thumbnail(data, 64), thumbnail(_png(_star_field(rng)), 64)]
+    grey = np.stack([g for g, _ in items])
+    col = np.stack([chroma(c) for _, c in items])
+    f = pair_features(grey, np.array([0, 0]), np.array([1, 2]), colours=col)
+    assert f[0, 1] > 0.85 > 0.5 > f[1, 1], f  # robust correlation (0.56 from the identity start, round 3)
+
+
 def test_search_descriptor_halves_mirror_and_colour():
     """The search key against independent computations: its grey half is the DCT block of the thumbnail
     (scipy), its colour half the 8 x 8 mean of the chroma thumbnail, mean removed and unit-normalised, and

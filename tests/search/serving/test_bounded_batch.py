@@ -106,6 +106,44 @@ def test_the_list_ordered_copy_gives_the_same_answers(setup):
     assert Normaliser.for_version(data, config=NormaliserConfig("bounded", listed_max_bytes=0)).listed is None
 
 
+def test_the_shared_list_ordered_file_gives_the_same_answers(setup, tmp_path):
+    """With a path, the copy is a file written once and mapped (what `serve --workers N` shares): a second
+    build maps the same file rather than writing another, answers are bit for bit those from RAM, and a
+    file that does not hold these rows (another version's, or cut short) is not used."""
+    from search.serving.normaliser import ListedRows
+
+    data, q, stats, top = setup["data"], setup["q"][:50], setup["stats"], setup["top"][:50]
+    path = tmp_path / "listed.npy"
+    first = ListedRows.build(data, stats, path)
+    assert first.path == path and path.is_file() and not list(tmp_path.glob(".*.tmp"))
+    stamp = path.stat().st_mtime_ns
+    second = ListedRows.build(data, stats, path)
+    assert second.path == path and path.stat().st_mtime_ns == stamp  # mapped, not written again
+    np.testing.assert_array_equal(second.rows[second.position], data)
+    ram = ListedRows.build(data, stats)
+    taus = np.linspace(0.05, 0.3, len(q))
+    cfg = NormaliserConfig("bounded", head_rows=256, samples=256)
+    a = bounded_log_normaliser(q, data, stats, taus, cfg, top, listed=ram)
+    b = bounded_log_normaliser(q, data, stats, taus, cfg, top, listed=second)
+    for name in ("value", "lower", "upper", "interval_lower", "interval_upper", "rows", "exact_mask"):
+        np.testing.assert_array_equal(getattr(b, name), getattr(a, name), err_msg=name)
+    # a file of other rows (same shape) is refused: the copy stays in RAM
+    other = tmp_path / "other.npy"
+    np.save(other, data[::-1].copy())
+    refused = ListedRows.build(data, stats, other)
+    assert refused.path is None
+    np.testing.assert_array_equal(refused.rows[refused.position], data)
+    # a place it cannot be written (here: no such directory) leaves the copy in RAM as well
+    unwritable = ListedRows.build(data, stats, tmp_path / "missing" / "listed.npy")
+    assert unwritable.path is None and not (tmp_path / "missing").exists()
+    np.testing.assert_array_equal(unwritable.rows[unwritable.position], data)
+    # the serving object maps the file when asked to share it
+    shared = Normaliser.for_version(
+        data, config=NormaliserConfig("bounded", listed_shared=True), listed_path=tmp_path / "v.npy"
+    )
+    assert shared.listed.path == tmp_path / "v.npy" and shared.describe()["listed_shared"] is True
+
+
 def test_auto_over_an_index_below_the_recall_target_keeps_exact(setup):
     """Bounded answers take their top-k from the index: `auto` does not trade recall for speed."""
     data, stats = setup["data"], setup["stats"]
