@@ -266,6 +266,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         metrics,
         workers=batch_workers,
         active=active,
+        linger_ms=settings.resolved_batch_linger_ms(_vector_only(searcher)),
     )
 
     metrics.observe_searcher(searcher)

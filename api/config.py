@@ -24,6 +24,10 @@ ENV_PREFIX = "SOFTSEARCH_"
 DEFAULT_MAX_K = 100
 
 
+#: `--batch-linger-ms auto` with several workers over a vector version (docs/results.md §30).
+AUTO_LINGER_MS = 3.0
+
+
 class Settings(BaseModel):
     """Everything the HTTP service reads at start-up.
 
@@ -54,6 +58,13 @@ class Settings(BaseModel):
         le=1000.0,
         description="how long the first query of a batch waits for company; 0 = adaptive batching only "
         "(a batch takes whatever queued while the previous one ran; measured fastest on small CPUs)",
+    )
+    batch_linger_ms: float | Literal["auto"] = Field(
+        "auto",
+        description="adaptive batching under concurrent load: a batch formed while queries queued waits up "
+        "to this long (ms, 0-1000) for more (fuller batches, less CPU per query; a lone client never "
+        "waits); auto: 3 with --workers > 1 over a version built from vectors (the tail at 16 clients "
+        "fell from 68-73 to 29-36 ms p99, docs/results.md §30), else 0",
     )
     batch_workers: int | Literal["auto"] = Field(
         "auto",
@@ -191,6 +202,27 @@ class Settings(BaseModel):
         if not whole or not 1 <= int(v) <= 64:
             raise ValueError(f"must be an integer from 1 to 64 or 'auto', got {v!r}")
         return int(v)
+
+    @field_validator("batch_linger_ms", mode="before")
+    @classmethod
+    def _batch_linger_ms(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        try:
+            ms = float(v)
+        except (TypeError, ValueError):
+            ms = math.nan
+        if isinstance(v, bool) or not (math.isfinite(ms) and 0.0 <= ms <= 1000.0):
+            raise ValueError(f"must be a number of ms from 0 to 1000 or 'auto', got {v!r}")
+        return ms
+
+    def resolved_batch_linger_ms(self, vector_only: bool) -> float:
+        """How long a batch formed under load lingers: `batch_linger_ms`, or for auto 3 ms with several
+        worker processes over a version built from vectors, else 0 (one worker: it cost 664 -> 581 QPS at
+        16 clients for no better tail; with an encoder it was not measured)."""
+        if self.batch_linger_ms != "auto":
+            return float(self.batch_linger_ms)
+        return AUTO_LINGER_MS if vector_only and self.workers > 1 else 0.0
 
     def resolved_batch_workers(self, vector_only: bool) -> int:
         """The batch threads to run: `batch_workers`, or for auto 1 over a version built from vectors (no

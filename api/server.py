@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-max-size", type=int, help="micro-batch size; 1 disables batching (default 32)")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait in ms (default 0: adaptive)")
     p.add_argument(
+        "--batch-linger-ms",
+        help="adaptive batching under concurrent load: a batch formed while queries queued waits up to this "
+        "many ms for more (a lone client never waits), or auto: 3 with --workers > 1 over a version built "
+        "from vectors, else 0 (default auto)",
+    )
+    p.add_argument(
         "--batch-workers",
         help="micro-batches in flight at once, or auto: 1 for a version built from vectors, 2 with an "
         "encoder (default auto)",

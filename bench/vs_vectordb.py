@@ -153,6 +153,7 @@ def softsearch_server(
     batch_workers: int | str = "auto",
     normaliser: str = "exact",
     workers: int = 1,
+    linger_ms: float | str = "auto",
 ):
     from api.launch import serve_process
 
@@ -168,6 +169,8 @@ def softsearch_server(
         0,
         "--batch-workers",
         batch_workers,
+        "--batch-linger-ms",
+        linger_ms,
         torch_threads=1,
         timeout_s=300,
         ready=_all_workers_ready(workers),
@@ -384,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         help="softsearch's serve --workers (default 1); several: each softsearch system runs with each",
     )
     p.add_argument(
+        "--batch-linger-ms",
+        nargs="+",
+        default=["auto"],
+        help="softsearch's serve --batch-linger-ms (ms or auto, the default); several: each softsearch "
+        "system runs with each",
+    )
+    p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
     )
     p.add_argument(
@@ -431,13 +441,20 @@ def main(argv: list[str] | None = None) -> int:
     json_bodies = [json.dumps({"vector": q.tolist(), "k": args.k}).encode() for q in queries]
     results: dict[str, dict] = {}
     notes: dict[str, str] = {}
-    variants = [(w, b) for w in args.workers for b in args.batch_workers]
+    variants = [(w, b, g) for w in args.workers for b in args.batch_workers for g in args.batch_linger_ms]
+
+    def label_of(system: str, w: int, b, g: str) -> str:
+        if len(variants) == 1 or not system.startswith("softsearch"):
+            return system
+        linger = f" linger{g}" if len(args.batch_linger_ms) > 1 or g != "auto" else ""
+        return f"{system} w{w} bw{b}{linger}"
+
     runs = [
-        (s if len(variants) == 1 or not s.startswith("softsearch") else f"{s} w{w} bw{b}", s, w, b)
+        (label_of(s, w, b, g), s, w, b, g)
         for s in args.systems
-        for w, b in (variants if s.startswith("softsearch") else [(1, 1)])
+        for w, b, g in (variants if s.startswith("softsearch") else [(1, 1, "auto")])
     ]
-    for label, system, workers, batch_workers in runs:
+    for label, system, workers, batch_workers, linger_ms in runs:
         logger.info("%s ...", label)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
@@ -448,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                 batch_workers,
                 args.ann_normaliser if ann else "exact",
                 workers,
+                linger_ms,
             ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
@@ -580,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         machine_note=(
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
-            f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))}; "
+            f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
+            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),

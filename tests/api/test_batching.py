@@ -200,3 +200,58 @@ def test_a_batch_waits_for_requests_already_in_the_process(api_index, monkeypatc
         ref = searcher.search_vectors(v[None], 5)[0]
         assert [h.id for h in r.hits] == [h.id for h in ref]
         np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref], rtol=1e-6)
+
+
+@pytest.mark.parametrize("linger_ms", [0.0, 60_000.0])
+def test_a_batch_under_load_lingers_for_queries_not_yet_in_the_process(api_index, linger_ms):
+    """--batch-linger-ms: a batch formed while the batch thread was busy waits for a query that arrives
+    later (it closes when full, not when the long window ends); without it that query runs alone. A lone
+    query never lingers: it is answered on the event loop at once. Every answer is the searcher's own."""
+    from api.batching import ActiveRequests
+
+    searcher = Searcher(api_index["root"], load=True)
+    batcher = MicroBatcher(searcher, max_batch_size=2, max_wait_ms=0, workers=1, linger_ms=linger_ms)
+    vectors = np.random.default_rng(6).normal(size=(3, searcher.snapshot().dim)).astype(np.float32)
+
+    async def later(v):
+        await asyncio.sleep(0.2)  # not yet in the process when the batch before it formed
+        return await batcher.search_vector(v, 5)
+
+    async def go():
+        try:  # the first takes the only batch thread at once; the second queues behind it
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    batcher.search_vector(vectors[0], 5),
+                    batcher.search_vector(vectors[1], 5),
+                    later(vectors[2]),
+                ),
+                30,
+            )
+        finally:
+            await batcher.aclose()
+
+    results = asyncio.run(go())
+    batcher.shutdown()
+    assert [r.batch_size for r in results] == ([1, 2, 2] if linger_ms else [1, 1, 1])
+    for r, v in zip(results, vectors):
+        ref = searcher.search_vectors(v[None], 5)[0]
+        assert [h.id for h in r.hits] == [h.id for h in ref]
+        np.testing.assert_allclose([h.probability for h in r.hits], [h.probability for h in ref], rtol=1e-6)
+
+    active = ActiveRequests()
+    lone = MicroBatcher(
+        searcher, max_batch_size=8, max_wait_ms=0, workers=1, active=active, linger_ms=linger_ms
+    )
+
+    async def alone():
+        active.count = 1
+        try:
+            return await asyncio.wait_for(lone.search_vector(vectors[0], 5), 30)
+        finally:
+            active.count = 0
+            await lone.aclose()
+
+    r = asyncio.run(alone())
+    lone.shutdown()
+    assert r.batch_size == 1 and lone.inline_answers == 1
+    assert [h.id for h in r.hits] == [h.id for h in results[0].hits]

@@ -163,3 +163,19 @@ def test_batch_workers_auto_runs_one_batch_thread_for_a_version_built_from_vecto
     for bad in ("0", "65", "two", "1.5"):
         with pytest.raises(ValueError, match="batch_workers"):
             load_settings({"batch_workers": bad}, environ={})
+
+
+def test_batch_linger_auto_lingers_only_with_several_workers_over_a_vector_version(vector_index, api_index):
+    """`--batch-linger-ms auto` (the default): 3 ms with --workers > 1 over a version with no encoder, 0 with
+    one worker or an encoder; a number given is kept; bad values are refused."""
+    from api.config import AUTO_LINGER_MS, load_settings
+
+    assert _app(vector_index["root"]).state.batcher.linger == 0.0
+    assert _app(vector_index["root"], workers=2).state.batcher.linger == AUTO_LINGER_MS / 1000 == 0.003
+    assert _app(api_index["root"], workers=2).state.batcher.linger == 0.0
+    assert _app(vector_index["root"], batch_linger_ms=2.5).state.batcher.linger == 0.0025
+    assert load_settings({"batch_linger_ms": "4"}, environ={}).batch_linger_ms == 4.0
+    assert load_settings({}, environ={"SOFTSEARCH_BATCH_LINGER_MS": "auto"}).batch_linger_ms == "auto"
+    for bad in ("-1", "1001", "nan", "soon"):
+        with pytest.raises(ValueError, match="batch_linger_ms"):
+            load_settings({"batch_linger_ms": bad}, environ={})
