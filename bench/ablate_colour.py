@@ -22,13 +22,29 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from _common import row, write_results  # noqa: E402
 from ablate_folder import WORK, _embed, split_collection  # noqa: E402
 
-OUT = REPO / "bench" / "results" / "ablate_colour.json"
+OUT = REPO / "bench" / "results" / "ablate_colour_runs.json"  # per run; the summary: ablate_colour.json
 # (tower, grey, colour) weights; (0.5, 0.5, 0) is the shipped anchor
-GRID = [(0.5, 0.5, 0.0), (0.5, 0.4, 0.1), (0.5, 0.3, 0.2), (0.4, 0.4, 0.2), (0.4, 0.3, 0.3),
-        (0.6, 0.3, 0.1), (0.3, 0.5, 0.2), (0.5, 0.25, 0.25), (0.0, 0.8, 0.2), (0.0, 0.5, 0.5),
-        (0.2, 0.4, 0.4), (0.2, 0.5, 0.3), (0.3, 0.35, 0.35), (0.1, 0.45, 0.45), (0.0, 0.6, 0.4), (0.0, 0.4, 0.6)]
+GRID = [
+    (0.5, 0.5, 0.0),
+    (0.5, 0.4, 0.1),
+    (0.5, 0.3, 0.2),
+    (0.4, 0.4, 0.2),
+    (0.4, 0.3, 0.3),
+    (0.6, 0.3, 0.1),
+    (0.3, 0.5, 0.2),
+    (0.5, 0.25, 0.25),
+    (0.0, 0.8, 0.2),
+    (0.0, 0.5, 0.5),
+    (0.2, 0.4, 0.4),
+    (0.2, 0.5, 0.3),
+    (0.3, 0.35, 0.35),
+    (0.1, 0.45, 0.45),
+    (0.0, 0.6, 0.4),
+    (0.0, 0.4, 0.6),
+]
 
 
 def rgb_thumbnail(x, side: int) -> np.ndarray:
@@ -133,17 +149,30 @@ def main(argv=None) -> int:
                 res[name] = score(ck, classes, WORK / "cache", args.colours)
                 OUT.write_text(json.dumps(res, indent=1) + "\n")
                 r = res[name]["p10"]
-                print(name, f"pixels {r['pixels']:.3f} tower {r['tower']:.3f} anchor {r['anchor']:.3f}", flush=True)
+                print(
+                    name,
+                    f"pixels {r['pixels']:.3f} tower {r['tower']:.3f} anchor {r['anchor']:.3f}",
+                    flush=True,
+                )
     summary(res)
     return 0
 
 
 def summary(res: dict) -> None:
-    """Mean over seeds of each combination minus pixels, per collection x config."""
+    """Mean over seeds of each combination minus pixels, per collection x config (and run tag); rows of
+    bench/results/ablate_colour.json: each mix's mean p@10 against the pixels' mean."""
     groups: dict = {}
     for name, r in res.items():
-        coll, cfg = name.split("--")[:2]
-        groups.setdefault((coll, cfg), []).append(r)
+        coll, cfg, _seed, *tag = name.split("--")
+        groups.setdefault((coll, cfg + (f" [{tag[0]}]" if tag else "")), []).append(r)
+    rows = []
+    for (coll, cfg), rs in sorted(groups.items()):
+        px = float(np.mean([r["p10"]["pixels"] for r in rs]))
+        for k in rs[0]["p10"]:
+            if k != "pixels" and all(k in r["p10"] for r in rs):
+                v = float(np.mean([r["p10"][k] for r in rs]))
+                rows.append(row(f"{coll} {cfg} {k} p@10 ({len(rs)} seeds; baseline pixels)", v, "p@10", px))
+    write_results("ablate_colour", rows)
     for (coll, cfg), rs in sorted(groups.items()):
         print(f"== {coll} {cfg} ({len(rs)} seeds)")
         for k in rs[0]["p10"]:

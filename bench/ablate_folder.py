@@ -310,9 +310,11 @@ def run_one(
     layout, changes = CONFIGS[config_name]
     classes, flat = split_collection(collection, seed)
     data = tomllib.loads(CONFIG.read_text())
-    # the tower alone ("trained", "init"): the pixel anchor is scored after the fact (anchored-w columns;
+    # the tower alone ("trained", "init"): the anchor (grey pixels, colour) is scored after the fact
+    # (anchored-w columns here, bench/ablate_colour.py for the colour part;
     # training does not depend on it, tests/training/test_trainer.py)
-    for k, v in {"encoder.pixel_weight": None, **changes, **(scale or {})}.items():
+    tower_alone = {"encoder.pixel_weight": None, "encoder.colour_weight": None, "encoder.colour_bins": None}
+    for k, v in {**tower_alone, **changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name
     cache_dir = WORK / "cache"

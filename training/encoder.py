@@ -104,7 +104,11 @@ class EncoderConfig:
                 "encoder.colour_weight must be in [0, 1) with pixel_weight + colour_weight < 1, got "
                 f"{self.colour_weight} (pixel_weight {self.pixel_weight})"
             )
-        if isinstance(self.colour_bins, bool) or not isinstance(self.colour_bins, int) or self.colour_bins < 2:
+        if (
+            isinstance(self.colour_bins, bool)
+            or not isinstance(self.colour_bins, int)
+            or self.colour_bins < 2
+        ):
             raise ValueError(f"encoder.colour_bins must be an integer >= 2, got {self.colour_bins!r}")
         if not isinstance(self.pixel_side, int) or self.pixel_side <= 0:
             raise ValueError(f"encoder.pixel_side must be a positive integer, got {self.pixel_side!r}")
@@ -345,13 +349,17 @@ class Encoder(nn.Module):
 
     def colour_histogram(self, x: torch.Tensor) -> torch.Tensor:
         """(B, bins^3) square-rooted joint RGB histograms (fractions of pixels) of preprocessed images
-        (x = (p - 0.5) / 0.5): bin floor(p * bins) per channel, counted by comparison (exportable)."""
+        (x = (p - 0.5) / 0.5): bin floor(p * bins) per channel. Counted as (one-hot red x green)^T @
+        one-hot blue per image, O(B S^2 bins^2) memory and exportable (comparisons and a matmul)."""
         bins = self.config.colour_bins
         p = ((x.float().clamp(-1.0, 1.0) + 1.0) * (bins / 2.0)).floor().clamp(max=bins - 1)  # (B, 3, S, S)
-        code = ((p[:, 0] * bins + p[:, 1]) * bins + p[:, 2]).flatten(1)  # (B, S^2)
-        centres = torch.arange(bins**3, device=x.device, dtype=code.dtype)
-        counts = (code.unsqueeze(-1) == centres).to(torch.float32).sum(dim=1)  # (B, bins^3)
-        return (counts / code.shape[1]).sqrt()
+        levels = torch.arange(bins, device=x.device, dtype=p.dtype)
+        r, g, b = (
+            (p[:, c].flatten(1).unsqueeze(-1) == levels).to(torch.float32) for c in range(3)
+        )  # (B, S^2, bins)
+        rg = (r.unsqueeze(-1) * g.unsqueeze(-2)).flatten(2)  # (B, S^2, bins^2), column r * bins + g
+        counts = torch.bmm(rg.transpose(1, 2), b).flatten(1)  # (B, bins^3), column (r * bins + g) * bins + b
+        return (counts / p[:, 0].flatten(1).shape[1]).sqrt()
 
     @torch.no_grad()
     def set_pixel_mean(self, images: Iterable[torch.Tensor]) -> None:

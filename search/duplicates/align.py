@@ -27,18 +27,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from search.duplicates.config import DedupConfig
+
 FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
 CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
-CELL = 4  # side of the cells the robust score drops (at half the thumbnail: 8 x 8 cells)
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
 # rotation (<= 5 degrees) make, with a margin; a look-alike is not fitted by bending further
 MAX_SCALE = 1.4
 MAX_SHEAR = 0.15
 MAX_SHIFT = 0.4
-# zooms into the other picture tried by the coarse search (a crop of <= 20 % of the area with +-10 % aspect,
-# a rotation's inner crop): the scale of the map from a copy onto its original
-COARSE_ZOOMS = (1.0, 0.94, 0.88, 0.83, 0.78)
 _BLUR = torch.tensor([1.0, 2.0, 1.0]) / 4.0
 
 
@@ -137,7 +135,7 @@ def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> t
     return full[:, :2]
 
 
-def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, cell: int) -> torch.Tensor:
     side = t.shape[-1] // 2
     pts = _grid(side, t.device)
     v = F.avg_pool2d(_warp(i, theta).reshape(i.shape), 2).flatten(1)
@@ -152,22 +150,22 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tenso
         return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
 
     full, a, c = ncc(m)
-    # robust: drop the worst-fitting TRIM of the picture in CELL x CELL cells (an overlay is one compact
+    # robust: drop the worst-fitting TRIM of the picture in cell x cell cells (an overlay is one compact
     # region; a look-alike's differences -- other stars, another emblem's edges -- are spread over many
     # cells and are not dropped with it), chosen twice: first by the residual in grey levels about the
     # medians (an edit keeps the gain near 1; a least-squares gain would follow a bright caption on a dark
     # picture), then by the residual after the gain fitted on the rest
-    cells = side // CELL
-    mc = F.avg_pool2d(m.reshape(-1, 1, side, side), CELL).flatten(1)  # share of each cell inside
+    cells = side // cell
+    mc = F.avg_pool2d(m.reshape(-1, 1, side, side), cell).flatten(1)  # share of each cell inside
     keep_c = ((mc > 0).sum(1) * (1 - TRIM)).round().long().clamp(min=1)
 
     def kept(res):
-        r = F.avg_pool2d((res * m).reshape(-1, 1, side, side), CELL).flatten(1) / mc.clamp(min=1e-6)
+        r = F.avg_pool2d((res * m).reshape(-1, 1, side, side), cell).flatten(1) / mc.clamp(min=1e-6)
         order = torch.where(mc > 0, r, torch.full_like(r, float("inf"))).argsort(dim=1)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
-        cell = ((rank < keep_c[:, None]) & (mc > 0)).float().reshape(-1, 1, cells, cells)
-        return F.interpolate(cell, scale_factor=CELL, mode="nearest").flatten(1) * m
+        kept_cells = ((rank < keep_c[:, None]) & (mc > 0)).float().reshape(-1, 1, cells, cells)
+        return F.interpolate(kept_cells, scale_factor=cell, mode="nearest").flatten(1) * m
 
     w2 = kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs())
     _, a2, c2 = ncc(w2)
@@ -216,7 +214,7 @@ def _ncc_at(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tens
     return (m * a * c).sum(1) / torch.sqrt((m * a * a).sum(1) * (m * c * c).sum(1) + 1e-9)
 
 
-def coarse_start(t: torch.Tensor, i: torch.Tensor, zooms=COARSE_ZOOMS) -> torch.Tensor:
+def coarse_start(t: torch.Tensor, i: torch.Tensor, zooms: tuple[float, ...]) -> torch.Tensor:
     """(B,2,3) start of the fit without gradients: for each zoom into i (the map's scale, a crop's inverse)
     the shift by phase correlation; the zoom and shift whose map correlates best, unless the identity does
     better (it then stays the start)."""
@@ -241,12 +239,12 @@ def _pooled(x: torch.Tensor) -> torch.Tensor:
     return _blur(F.avg_pool2d(x, 2))
 
 
-def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.Tensor:
+def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int], zooms, cell: int) -> torch.Tensor:
     """From the coarse search's map (phase correlation over zooms, no gradients), fit on 2x-pooled
     thumbnails (coarse: 4x), score on the full ones warped, then pooled: the pooled reading of a warped
     sharp thumbnail is what a resize would make, not bilinear blur."""
     t2, i2 = _pooled(t), _pooled(i)
-    theta = coarse_start(t2, i2)
+    theta = coarse_start(t2, i2, zooms)
     theta = _fit(
         _blur(F.avg_pool2d(t2, 2)),
         _blur(F.avg_pool2d(i2, 2)),
@@ -254,7 +252,7 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int]) -> torch.
         iters[0],
     )
     theta = _fit(t2, i2, theta, iters[1])
-    return _score(t, i, theta), theta
+    return _score(t, i, theta, cell), theta
 
 
 def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -275,7 +273,9 @@ def pair_features(
     b: np.ndarray,
     *,
     colours: np.ndarray,
-    iters=(16, 8),
+    iters=DedupConfig.iterations,
+    zooms=DedupConfig.zooms,
+    cell: int = DedupConfig.cell,
     flips: bool = False,
     other: np.ndarray | None = None,
     other_colours: np.ndarray | None = None,
@@ -300,7 +300,7 @@ def pair_features(
                 tries += [(ta, fb, ca, fcb), (fb, ta, fcb, ca)]
             scored = []
             for t, i, ct, ci in tries:
-                f, theta = _one_way(t, i, iters)
+                f, theta = _one_way(t, i, iters, zooms, cell)
                 scored.append(torch.cat([f, _chroma_residual(ct, ci, theta)[:, None]], dim=1))
             stack = torch.stack(scored)  # (T, B, F)
             best = stack[:, :, 1].argmax(dim=0)

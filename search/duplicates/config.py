@@ -19,6 +19,11 @@ class DedupConfig:
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
     iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
+    zooms: zooms into the other picture the alignment's start tries, each with its shift by phase
+        correlation: the scales from a copy onto its original that a crop of <= 20 % of the area, its
+        aspect change and a 5-degree rotation's inner crop make.
+    cell: side (pixels of the half-size thumbnail) of the cells the robust correlation drops the worst of:
+        an overlay is one compact region, a look-alike's differences are spread over many cells.
     max_share: the highest share of candidate pairs the fit may call duplicates (a bound it reports when hit).
     share_delta: confidence (1 - share_delta) of the bound that picks the cut of the share estimate.
     segments: pieces of each feature's monotone function in the fit, at quantiles of the pooled pairs.
@@ -33,6 +38,8 @@ class DedupConfig:
     k_embedding: int = 6
     calibration_items: int = 400
     iterations: tuple[int, int] = (16, 8)
+    zooms: tuple[float, ...] = (1.0, 0.94, 0.88, 0.83, 0.78)
+    cell: int = 4
     max_share: float = 0.5
     share_delta: float = 0.1
     segments: int = 8
@@ -54,6 +61,10 @@ class DedupConfig:
             raise ValueError(f"calibration_items must be >= 20, got {self.calibration_items}")
         if len(self.iterations) != 2 or min(self.iterations) < 1:
             raise ValueError(f"iterations must be two positive counts, got {self.iterations}")
+        if not self.zooms or not all(0.5 <= z <= 1.0 for z in self.zooms):
+            raise ValueError(f"zooms must be one or more scales in [0.5, 1], got {self.zooms}")
+        if self.cell < 1 or (self.thumb // 2) % self.cell:
+            raise ValueError(f"cell must divide half the thumbnail ({self.thumb // 2}), got {self.cell}")
         if not 0.0 < self.max_share <= 1.0:
             raise ValueError(f"max_share must be in (0, 1], got {self.max_share}")
         if not 0.0 < self.threshold < 1.0:
@@ -69,5 +80,5 @@ class DedupConfig:
     @classmethod
     def from_json(cls, data: dict) -> "DedupConfig":
         known = {f.name for f in fields(cls)}
-        kw = {k: (tuple(v) if k == "iterations" else v) for k, v in data.items() if k in known}
+        kw = {k: (tuple(v) if k in ("iterations", "zooms") else v) for k, v in data.items() if k in known}
         return cls(**kw)

@@ -161,6 +161,8 @@ def synthetic_positives(
         other=c,
         other_colours=cc,
         iters=config.iterations,
+        zooms=config.zooms,
+        cell=config.cell,
         flips=config.flips,
     )
     cd = search_descriptor(c, cc, config.dct, config.colour_weight)
@@ -176,7 +178,15 @@ def pair_design(thumbs, colours, desc, a, b, config: DedupConfig, progress: bool
         total=len(a), desc="aligning candidate pairs", unit="pair", disable=not progress, mininterval=1.0
     ) as bar:
         f = pair_features(
-            thumbs, a, b, colours=colours, iters=config.iterations, flips=config.flips, progress=bar
+            thumbs,
+            a,
+            b,
+            colours=colours,
+            iters=config.iterations,
+            zooms=config.zooms,
+            cell=config.cell,
+            flips=config.flips,
+            progress=bar,
         )
     cos = np.einsum("ij,ij->i", desc[a], desc[b])
     if flipped is not None:

@@ -110,14 +110,15 @@ def recipe_description(info: dict) -> str | None:
         part
         for part in (
             f"{side}x{side} grey pixels at weight {w:g}" if w else "",
-            f"a {bins}x{bins}x{bins} colour histogram at weight {c:g}" if c else "",
+            f"a colour histogram of {bins}x{bins}x{bins} bins at weight {c:g}" if c else "",
         )
         if part
     )
     extra = [
         f"{size} px" if size else None,
         f"{tc['steps']} steps" if tc.get("steps") else None,
-        f"pixel anchor {w:g}" + (f" + colour {c:g}" if c else "")
+        f"pixel anchor {w:g}"
+        + (f" + colour {c:g}" if c else "")
         + f" (the embedding carries {carries} beside the tower's {1 - w - c:g})"
         if w or c
         else None,

@@ -147,7 +147,9 @@ def test_colour_part_cosine_adds_the_centred_histogram_cosine(tmp_path):
     save_checkpoint(tmp_path / "c.safetensors", enc, step=0, train_config={}, lineage={}, metrics={})
     back, _ = load_checkpoint(tmp_path / "c.safetensors")
     np.testing.assert_allclose(back(x).detach().numpy(), z, atol=1e-6)
-    colour_only = create_encoder(EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, colour_weight=0.3))
+    colour_only = create_encoder(
+        EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, colour_weight=0.3)
+    )
     assert colour_only.embed_dim == 8 + 64 and "pixel_mean" not in colour_only.state_dict()
     for bad in (dict(pixel_weight=0.6, colour_weight=0.4), dict(colour_weight=-0.1), dict(colour_bins=1)):
         with pytest.raises(ValueError, match="colour"):

@@ -265,7 +265,9 @@ def test_contrastive_step_sees_the_anchor_only_when_asked():
     from training.trainer import contrastive_step
 
     torch.manual_seed(0)
-    cfg = EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.4, colour_weight=0.2)
+    cfg = EncoderConfig(
+        width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, pixel_weight=0.4, colour_weight=0.2
+    )
     enc = create_encoder(cfg).eval()  # batch-norm statistics: one batch of cat(a, b) vs a and b alone
     a, b = torch.rand(6, 3, 32, 32) * 2 - 1, torch.rand(6, 3, 32, 32) * 2 - 1
     enc.set_pixel_mean([torch.cat([a, b])])
@@ -375,6 +377,19 @@ def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
     gen = read_checkpoint_metadata(ckpt)["lineage"]["generator"]
     assert gen["name"] == "neighbour" and gen["options"]["space"] == "encoder"
     assert gen["options"]["refresh_every"] == cfg.generator_options["refresh_every"] > 0
+    # the shipped anchor: grey pixels and a colour histogram beside the tower, centres from these images
+    from training.trainer import build_data
+
+    enc = cfg.encoder
+    weights = load_file(str(ckpt))
+    assert enc.pixel_weight > 0 and enc.colour_weight > 0
+    assert weights["pixel_mean"].shape == (enc.pixel_side**2,)
+    ds, _ = build_data(cfg)
+    x = ds.tensors(np.arange(len(ds))).float().numpy()  # (N, 3, S, S) in [-1, 1]
+    rgb = ((x + 1) / 2).transpose(0, 2, 3, 1).reshape(len(x), -1, 3)
+    bins = enc.colour_bins
+    hist = [np.histogramdd(v, bins=bins, range=[(0, 1)] * 3)[0].ravel() / len(v) for v in rgb]
+    np.testing.assert_allclose(weights["colour_mean"].numpy(), np.sqrt(hist).mean(axis=0), atol=1e-5)
 
 
 def test_pixel_anchor_leaves_the_tower_training_unchanged(tmp_path):

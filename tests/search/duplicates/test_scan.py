@@ -118,6 +118,15 @@ def test_alignment_undoes_a_known_crop_and_tells_another_picture_apart():
     assert f[1, 0] < 0.9 and f[1, 4] > f[0, 4]  # another picture: low correlation, more unexplained colour
 
 
+def test_config_validates_the_alignment_settings_and_round_trips():
+    """The start's zooms and the score's cell live in DedupConfig: bad values are refused, JSON keeps them."""
+    for bad in ({"zooms": ()}, {"zooms": (1.0, 0.3)}, {"cell": 3}, {"cell": 0}):
+        with pytest.raises(ValueError):
+            DedupConfig(**bad)
+    c = DedupConfig(zooms=(1.0, 0.9), cell=8)
+    assert DedupConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
+
+
 def test_overlay_caption_is_scaled_to_the_picture():
     """The overlay edit changes at most ~10 % of the pixels at any size (its caption text once covered a
     third of a 32 px picture), counted on a flat picture."""
@@ -169,7 +178,10 @@ def test_phase_correlation_finds_a_known_shift_and_the_coarse_start_a_known_crop
     side = 32
     t = np.asarray(Image.fromarray(crop).resize((side, side), Image.BILINEAR), np.float32)
     i = np.asarray(Image.fromarray(sky).resize((side, side), Image.BILINEAR), np.float32)
-    theta = coarse_start(torch.from_numpy(t)[None, None], torch.from_numpy(i)[None, None])[0].numpy()
+    theta = coarse_start(
+        torch.from_numpy(t)[None, None], torch.from_numpy(i)[None, None], DedupConfig().zooms
+    )
+    theta = theta[0].numpy()
     # the copy's normalised point u maps to the original's (cw u + 2 x0 + cw - 256) / 256
     want = np.array([[cw / 256, 0, (2 * x0 + cw - 256) / 256], [0, cw / 256, (2 * y0 + cw - 256) / 256]])
     assert np.abs(theta - want).max() < 0.06, (theta, want)

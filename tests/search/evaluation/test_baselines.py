@@ -89,7 +89,8 @@ def test_verdict_names_the_recipe():
     coloured = {**info, "train_config": {"steps": 400, "encoder": enc, "loss_sees_anchor": True}}
     assert recipe_description(coloured) == (
         recipe + ", pixel anchor 0.4 + colour 0.2 (the embedding carries 32x32 grey pixels at weight 0.4 and "
-        "a 4x4x4 colour histogram at weight 0.2 beside the tower's 0.4), the loss saw the anchored embedding"
+        "a colour histogram of 4x4x4 bins at weight 0.2 beside the tower's 0.4), "
+        "the loss saw the anchored embedding"
     )
     rng = np.random.default_rng(4)
     base = rng.uniform(0.2, 0.5, 100)

@@ -26,12 +26,26 @@ TOWERS = {
         image_mean=(0.4, 0.45, 0.5),
         image_std=(0.2, 0.25, 0.3),
     ),
+    # the folder config's served embedding: tower + grey pixels + colour histogram, centres fitted
+    "resnet-anchored": dict(
+        image_size=32,
+        width=32,
+        layers=(1, 1, 1, 1),
+        heads=4,
+        embed_dim=24,
+        pixel_weight=0.3,
+        colour_weight=0.3,
+        colour_bins=8,
+    ),
 }
 
 
 def _encoder(name: str, seed: int = 0):
     torch.manual_seed(seed)
-    return create_encoder(EncoderConfig(**TOWERS[name]))
+    enc = create_encoder(EncoderConfig(**TOWERS[name]))
+    if enc.pixel_dim or enc.colour_dim:
+        enc.set_pixel_mean([_images(8, enc.image_size, seed=99)])
+    return enc
 
 
 def _images(n: int, size: int, seed: int = 1) -> torch.Tensor:
