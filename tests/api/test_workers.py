@@ -168,9 +168,7 @@ def test_a_worker_sets_its_library_threads_before_faiss_loads(tmp_path):
         "from api.server import worker_app; worker_app(); import faiss; "
         "print(os.environ['OMP_NUM_THREADS'], faiss.omp_get_max_threads())"
     )
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("SOFTSEARCH_") and "NUM_THREADS" not in k
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOFTSEARCH_") and "NUM_THREADS" not in k}
     env.update(SOFTSEARCH_WORKERS="2", SOFTSEARCH_BATCH_WORKERS="2", SOFTSEARCH_TORCH_THREADS="1")
     env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
     out = subprocess.run(
