@@ -70,9 +70,14 @@ def _inside(theta: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
     return (w.abs() <= 1.0).all(dim=2).float()
 
 
-def _norm_rows(v: torch.Tensor) -> torch.Tensor:
-    v = v - v.mean(1, keepdim=True)
-    return v * torch.rsqrt((v * v).mean(1, keepdim=True) + 1e-6)
+def _masked_ncc(tv: torch.Tensor, v: torch.Tensor, w: torch.Tensor):
+    """(ncc (B,), tv centred, v centred): the correlation of rows tv and v over the pixels weighted by w,
+    each centred on its weighted mean."""
+    n = w.sum(1).clamp(min=1.0)
+    mt, mv = (w * tv).sum(1) / n, (w * v).sum(1) / n
+    a, c = tv - mt[:, None], v - mv[:, None]
+    cov = (w * a * c).sum(1)
+    return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
 
 
 def _fit(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, iters: int) -> torch.Tensor:
@@ -143,11 +148,7 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, cell: int) -> 
     tv = F.avg_pool2d(t, 2).flatten(1)
 
     def ncc(w):
-        n = w.sum(1).clamp(min=1.0)
-        mt, mv = (w * tv).sum(1) / n, (w * v).sum(1) / n
-        a, c = tv - mt[:, None], v - mv[:, None]
-        cov = (w * a * c).sum(1)
-        return cov / torch.sqrt((w * a * a).sum(1) * (w * c * c).sum(1) + 1e-9), a, c
+        return _masked_ncc(tv, v, w)
 
     full, a, c = ncc(m)
     # robust: drop the worst-fitting TRIM of the picture in cell x cell cells (an overlay is one compact
@@ -205,13 +206,8 @@ def phase_correlation(t: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _ncc_at(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """Correlation of t with i warped by theta over the pixels that land inside i."""
-    side = t.shape[-1]
-    m = _inside(theta, _grid(side, t.device))
-    v, tv = _warp(i, theta), t.flatten(1)
-    n = m.sum(1).clamp(min=1.0)
-    a = tv - (m * tv).sum(1, keepdim=True) / n[:, None]
-    c = v - (m * v).sum(1, keepdim=True) / n[:, None]
-    return (m * a * c).sum(1) / torch.sqrt((m * a * a).sum(1) * (m * c * c).sum(1) + 1e-9)
+    m = _inside(theta, _grid(t.shape[-1], t.device))
+    return _masked_ncc(t.flatten(1), _warp(i, theta), m)[0]
 
 
 def coarse_start(t: torch.Tensor, i: torch.Tensor, zooms: tuple[float, ...]) -> torch.Tensor:
@@ -245,12 +241,7 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int], zooms, ce
     sharp thumbnail is what a resize would make, not bilinear blur."""
     t2, i2 = _pooled(t), _pooled(i)
     theta = coarse_start(t2, i2, zooms)
-    theta = _fit(
-        _blur(F.avg_pool2d(t2, 2)),
-        _blur(F.avg_pool2d(i2, 2)),
-        theta,
-        iters[0],
-    )
+    theta = _fit(_pooled(t2), _pooled(i2), theta, iters[0])
     theta = _fit(t2, i2, theta, iters[1])
     return _score(t, i, theta, cell), theta
 
