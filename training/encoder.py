@@ -388,6 +388,12 @@ class Encoder(nn.Module):
         """(B, bins^3) unit rows: the colour histogram minus the training mean (a centred cosine)."""
         return F.normalize(self.colour_histogram(x) - self.colour_mean, dim=-1)
 
+    @property
+    def has_anchor(self) -> bool:
+        """Whether the served embedding carries pixels or colour beside the tower (the loss, by default,
+        sees the tower alone)."""
+        return bool(self.pixel_dim or self.colour_dim)
+
     def tower_embed(self, x: torch.Tensor, return_features: bool = False):
         """The tower's own unit embeddings h / |h|, (B, tower_dim): what training's loss sees."""
         h = self.features(x)  # (B, D)
@@ -399,7 +405,7 @@ class Encoder(nn.Module):
         With the pixel anchor, z is [sqrt(1 - w - c) h / |h|, sqrt(w) p(x), sqrt(c) q(x)] unless `anchored`
         is False."""
         z, h = self.tower_embed(x, return_features=True)
-        if (self.pixel_dim or self.colour_dim) and anchored:
+        if self.has_anchor and anchored:
             w, c = self.pixel_weight, self.colour_weight
             parts = [z * (1.0 - w - c) ** 0.5]
             if self.pixel_dim:

@@ -144,8 +144,7 @@ def sample_views(
 def _tower_only(model: nn.Module, sees_anchor: bool = False) -> dict:
     """`anchored=False` for an encoder with a pixel anchor (the loss sees the tower alone) unless
     `sees_anchor`, else nothing: any module mapping images to unit rows can still be trained."""
-    base = getattr(model, "module", model)
-    has = getattr(base, "pixel_dim", 0) or getattr(base, "colour_dim", 0)
+    has = getattr(getattr(model, "module", model), "has_anchor", False)
     return {"anchored": False} if has and not sees_anchor else {}
 
 
@@ -311,7 +310,7 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
             "so every rank draws the same positives as a single process would"
         )
     encoder = create_encoder(config.encoder).to(info.device)
-    if encoder.pixel_dim or encoder.colour_dim:  # the anchor's centres: the training images' means
+    if encoder.has_anchor:  # the anchor's centres: the training images' means
         n = len(dataset)
         encoder.set_pixel_mean(
             dataset.tensors(np.arange(s, min(s + 1024, n))).to(info.device) for s in range(0, n, 1024)
