@@ -256,7 +256,8 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
     app.state.load_error = load_error
 
     active = ActiveRequests()
-    batch_workers = settings.resolved_batch_workers(_vector_only(searcher))
+    vector_only = _vector_only(searcher)
+    batch_workers = settings.resolved_batch_workers(vector_only)
     if settings.batch_workers == "auto":
         logger.info("batch threads: %d (--batch-workers auto)", batch_workers)
     app.state.batcher = MicroBatcher(
@@ -266,7 +267,7 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         metrics,
         workers=batch_workers,
         active=active,
-        linger_ms=settings.resolved_batch_linger_ms(_vector_only(searcher)),
+        linger_ms=settings.resolved_batch_linger_ms(vector_only),
     )
 
     metrics.observe_searcher(searcher)

@@ -228,6 +228,13 @@ class SearchSnapshot:
             raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
         return out
 
+    def query_rows(self, vectors, unit: bool = False) -> np.ndarray:
+        """(Q, dim) float32 unit query rows (cosine similarity): `vectors` as they are when `unit` says
+        `unit_queries` already gave them (float32, 2-d), else checked and normalised by it."""
+        if unit and isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.ndim == 2:
+            return np.ascontiguousarray(vectors)
+        return unit_queries(vectors, self.dim, "query vector")
+
     def search(
         self,
         vectors: np.ndarray,
@@ -245,10 +252,7 @@ class SearchSnapshot:
         """
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        if unit and isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.ndim == 2:
-            q = np.ascontiguousarray(vectors)
-        else:
-            q = unit_queries(vectors, self.dim, "query vector")  # cosine similarity
+        q = self.query_rows(vectors, unit)
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)

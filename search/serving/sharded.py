@@ -23,7 +23,6 @@ import numpy as np
 
 from index.shards import ShardedVersion, version_metadata
 from search.serving.normaliser import LogZ
-from search.serving.queries import unit_queries
 from search.serving.searcher import Hit, SearchAnswer, SearchSnapshot
 
 __all__ = [
@@ -185,10 +184,7 @@ class ShardedSnapshot(SearchSnapshot):
         `SearchSnapshot.search`)."""
         if not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"k must be a positive integer, got {k!r}")
-        if unit and isinstance(vectors, np.ndarray) and vectors.dtype == np.float32 and vectors.ndim == 2:
-            q = np.ascontiguousarray(vectors)
-        else:
-            q = unit_queries(vectors, self.dim, "query vector")
+        q = self.query_rows(vectors, unit)
         taus = self.resolve_temperatures(q.shape[0], temperature)
         population = self.count if mask is None else int(np.count_nonzero(mask))
         k_eff = min(int(k), population)
