@@ -28,7 +28,9 @@ from _common import row, write_results  # noqa: E402
 from ablate_colour import centred, rgb_histogram  # noqa: E402
 from ablate_folder import WORK, _embed, split_collection  # noqa: E402
 
-OUT = REPO / "bench" / "results" / "ablate_anchor_parts_runs.json"  # per run; summary: ablate_anchor_parts.json
+OUT = (
+    REPO / "bench" / "results" / "ablate_anchor_parts_runs.json"
+)  # per run; summary: ablate_anchor_parts.json
 
 # name -> {part: weight}; parts: t (tower), g32 / g16 / g8 (grey thumbnails), c (colour histogram),
 # h4 / h2 (HOG on a 4x4 / 2x2 grid of cells, 8 unsigned orientations), hs4 (4x4 grid, 16 signed orientations)
@@ -200,7 +202,9 @@ def main(argv=None) -> int:
                 classes, _ = split_collection(coll, seed)
                 res[name] = score(ck, classes, WORK / "cache")
                 OUT.write_text(json.dumps(res, indent=1) + "\n")
-                print(name, " ".join(f"{k} {v:.3f}" for k, v in list(res[name]["p10"].items())[:3]), flush=True)
+                print(
+                    name, " ".join(f"{k} {v:.3f}" for k, v in list(res[name]["p10"].items())[:3]), flush=True
+                )
     summary(res)
     return 0
 

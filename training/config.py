@@ -131,10 +131,12 @@ class TrainConfig:
             raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.text and (self.encoder.pixel_weight or self.encoder.colour_weight):
+        if self.text and (
+            self.encoder.pixel_weight or self.encoder.colour_weight or self.encoder.gradient_weight
+        ):
             raise ValueError(
-                "encoder.pixel_weight and colour_weight are for image search; image-text training ([text]) "
-                "needs 0"
+                "encoder.pixel_weight, colour_weight and gradient_weight are for image search; image-text "
+                "training ([text]) needs 0"
             )
         self.encoder.validate()
 
