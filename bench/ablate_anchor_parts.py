@@ -3,9 +3,9 @@
 Loads screen checkpoints that bench/ablate_folder.py trained (tower alone) and scores, on the same held-out
 queries, label precision@10 of the cosine of weighted unit parts: the tower, 32x32 grey pixels (the baseline),
 the shipped 8x8x8 colour histogram, and candidates a fixed function of the pixels can give: coarser grey
-thumbnails (16x16, 8x8) and a gradient-orientation grid (a HOG: magnitude-weighted orientation histograms of
-the 32x32 grey image in a grid of cells, square-rooted). Each mix is paired against the shipped one (tower 0.4,
-grey 0.3, colour 0.3) and against pixels.
+thumbnails (16x16, 8x8) and a gradient-orientation grid (a HOG: magnitude-weighted orientation histograms
+of the 32x32 grey image in a grid of cells, square-rooted). Each mix is paired against the shipped one
+(tower 0.4, grey 0.3, colour 0.3) and against pixels.
 
     ABLATE_WORK=/path python bench/ablate_anchor_parts.py --collections elementary,mate --configs encnb
 """
@@ -73,6 +73,25 @@ MIXES: dict[str, dict[str, float]] = {
     "t.4 g.2 o4p4.2 c.2": {"t": 0.4, "g32": 0.2, "o4p4": 0.2, "c": 0.2},
     "t.5 g.15 o4p4.2 c.15": {"t": 0.5, "g32": 0.15, "o4p4": 0.2, "c": 0.15},
     "t.25 g.15 o4p4.35 c.25": {"t": 0.25, "g32": 0.15, "o4p4": 0.35, "c": 0.25},
+    # the shipped gradient part (encoder.gradient_histogram: nearest of 16 signed directions, 4x4 cells)
+    "e4": {"e4": 1.0},
+    "e8": {"e8": 1.0},
+    "e4b8": {"e4b8": 1.0},
+    "g.34 c.33 e.33": {"g32": 0.34, "c": 0.33, "e4": 0.33},
+    "t.25 g.25 c.25 e.25": {"t": 0.25, "g32": 0.25, "c": 0.25, "e4": 0.25},
+    "t.3 g.2 c.25 e.25": {"t": 0.3, "g32": 0.2, "c": 0.25, "e4": 0.25},
+    "t.3 g.25 c.2 e.25": {"t": 0.3, "g32": 0.25, "c": 0.2, "e4": 0.25},
+    "t.2 g.2 c.3 e.3": {"t": 0.2, "g32": 0.2, "c": 0.3, "e4": 0.3},
+    "t.2 g.25 c.25 e.3": {"t": 0.2, "g32": 0.25, "c": 0.25, "e4": 0.3},
+    "t.3 g.2 c.2 e.3": {"t": 0.3, "g32": 0.2, "c": 0.2, "e4": 0.3},
+    "t.35 g.2 c.2 e.25": {"t": 0.35, "g32": 0.2, "c": 0.2, "e4": 0.25},
+    "t.4 g.2 c.2 e.2": {"t": 0.4, "g32": 0.2, "c": 0.2, "e4": 0.2},
+    "t.5 g.15 c.15 e.2": {"t": 0.5, "g32": 0.15, "c": 0.15, "e4": 0.2},
+    "t.6 g.1 c.1 e.2": {"t": 0.6, "g32": 0.1, "c": 0.1, "e4": 0.2},
+    "t.25 g.15 c.25 e.35": {"t": 0.25, "g32": 0.15, "c": 0.25, "e4": 0.35},
+    "t.25 g.25 c.25 e8.25": {"t": 0.25, "g32": 0.25, "c": 0.25, "e8": 0.25},
+    "t.3 g.2 c.25 e8.25": {"t": 0.3, "g32": 0.2, "c": 0.25, "e8": 0.25},
+    "t.25 g.25 c.25 e4b8.25": {"t": 0.25, "g32": 0.25, "c": 0.25, "e4b8": 0.25},
 }
 
 
@@ -131,8 +150,28 @@ def oriented(x, grid: int = 4, dirs: int = 16, power: float = 4.0) -> np.ndarray
     return h.sqrt().numpy()
 
 
+def encoder_gradient(x, grid: int = 4, bins: int = 16) -> np.ndarray:
+    """The shipped gradient part (training/encoder.py's gradient_histogram) of preprocessed images."""
+    from training.encoder import EncoderConfig, create_encoder
+
+    cfg = EncoderConfig(
+        width=8,
+        layers=(1, 1, 1, 1),
+        heads=2,
+        embed_dim=8,
+        image_size=x.shape[-1],
+        gradient_weight=0.1,
+        gradient_grid=grid,
+        gradient_bins=bins,
+    )
+    return create_encoder(cfg).gradient_histogram(x).numpy()
+
+
 def parts_of(x) -> dict[str, np.ndarray]:
     return {
+        "e4": encoder_gradient(x, 4, 16),
+        "e8": encoder_gradient(x, 8, 16),
+        "e4b8": encoder_gradient(x, 4, 8),
         "g32": grey(x, 32).flatten(1).numpy(),
         "g16": grey(x, 16).flatten(1).numpy(),
         "g8": grey(x, 8).flatten(1).numpy(),
@@ -187,11 +226,24 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--tag", default="screen")
     p.add_argument("--redo", action="store_true", help="score runs already in the results again")
+    p.add_argument(
+        "--checkpoint",
+        nargs=3,
+        metavar=("NAME", "CHECKPOINT", "CLASSES_ROOT"),
+        action="append",
+        default=[],
+        help="also score this checkpoint on the class layout's train/ + test/ (run NAME: coll--cfg--sN--tag)",
+    )
     args = p.parse_args(argv)
     import torch
 
     torch.set_num_threads(int(os.environ.get("ABLATE_THREADS", "1")))
     res = json.loads(OUT.read_text()) if OUT.exists() else {}
+    for name, ck, root in args.checkpoint:
+        if name not in res or args.redo:
+            res[name] = score(Path(ck), Path(root), WORK / "cache")
+            OUT.write_text(json.dumps(res, indent=1) + "\n")
+            print(name, " ".join(f"{k} {v:.3f}" for k, v in list(res[name]["p10"].items())[:3]), flush=True)
     for coll in args.collections.split(","):
         for cfg in args.configs.split(","):
             for seed in [int(s) for s in args.seeds.split(",")]:
@@ -210,7 +262,7 @@ def main(argv=None) -> int:
 
 
 def summary(res: dict) -> None:
-    """Mean over seeds of each mix minus pixels per collection x config; bench/results/ablate_anchor_parts.json."""
+    """Mean over seeds of each mix minus pixels per collection x config: ablate_anchor_parts.json."""
     groups: dict = {}
     for name, r in res.items():
         coll, cfg, _seed, *tag = name.split("--")

@@ -79,10 +79,10 @@ class EncoderConfig:
     colour_weight: float = 0.0
     colour_bins: int = 4
     # gradient part: orientation histograms of the grey thumbnail's gradients (gradient_bins signed
-    # directions, magnitude-weighted, one histogram per cell of a gradient_grid x gradient_grid layout; a
-    # HOG), centred on the training images' mean, unit, at weight e: a cosine is (1 - w - c - e) tower + w grey
-    # + c colour + e gradient. Grey pixels match shapes only where they overlap; edge directions per region
-    # match outlines that are drawn alike (one theme's glyphs, page and folder shapes) a few pixels apart. 0 = off.
+    # directions, magnitude-weighted, one histogram per cell of a gradient_grid x gradient_grid layout;
+    # a HOG), centred on the training images' mean, unit, at weight e: a cosine is (1 - w - c - e) tower
+    # + w grey + c colour + e gradient. Grey pixels match shapes only where they overlap; edge directions
+    # per region match outlines drawn alike (page and folder shapes, glyphs) a few pixels apart. 0 = off.
     gradient_weight: float = 0.0
     gradient_grid: int = 4
     gradient_bins: int = 16
