@@ -14,7 +14,7 @@ import logging
 import math
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,10 @@ class TrainConfig:
     # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
     # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
     loss_sees_anchor: bool = False
+    # with generator "auto": the encoder's anchor weights (pixel_weight, colour_weight, gradient_weight) to
+    # use instead when the folder has class folders. A label-trained tower learns the classes themselves and
+    # wants less of the fixed parts beside it than a self-supervised one; empty -> [encoder] as written
+    anchor_with_classes: dict = field(default_factory=dict)
     # optimisation
     steps: int = 600
     batch_size: int = 128
@@ -139,6 +143,17 @@ class TrainConfig:
                 "training ([text]) needs 0"
             )
         self.encoder.validate()
+        anchor_keys = {"pixel_weight", "colour_weight", "gradient_weight"}
+        if set(self.anchor_with_classes) - anchor_keys:
+            raise ValueError(
+                f"anchor_with_classes takes {sorted(anchor_keys)}, got {sorted(self.anchor_with_classes)}"
+            )
+        if self.anchor_with_classes:
+            if self.generator != "auto":
+                raise ValueError(
+                    'anchor_with_classes needs generator = "auto" (it applies when classes are found)'
+                )
+            replace(self.encoder, **self.anchor_with_classes).validate()
 
     def to_dict(self) -> dict:
         """JSON-able dict (tuples become lists)."""
@@ -146,9 +161,12 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] table is left out, so image-only runs hash as they did before it existed
+        # an empty [text] or [anchor_with_classes] table is left out, so runs without one hash as they did
+        # before it existed
         return {
-            k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS and not (k == "text" and not v)
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in RUNTIME_FIELDS and not (k in ("text", "anchor_with_classes") and not v)
         }
 
 
