@@ -234,15 +234,51 @@ def _ready(path: str):
     return http_ready(path)
 
 
+def fill_chroma(path: Path, base: np.ndarray, batch: int = 4096) -> float | None:
+    """Add to collection `bench` of the persistent Chroma directory `path` the rows of `base` it lacks (ids
+    are row numbers), a chunk at a time through Chroma's in-process client, logging progress: an interrupted
+    fill resumes where it stopped. Returns the seconds spent adding, None when nothing was missing."""
+    import chromadb
+
+    client = chromadb.PersistentClient(path=str(path))
+    col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
+    have = col.count()
+    if have == base.shape[0]:
+        return None
+    batch = min(batch, client.get_max_batch_size())
+    logger.info("chroma %s: %d of %d rows present, adding the rest", path, have, base.shape[0])
+    t0, added = time.perf_counter(), 0
+    for start in range(0, base.shape[0], batch):
+        stop = min(base.shape[0], start + batch)
+        ids = [str(i) for i in range(start, stop)]
+        present = set(col.get(ids=ids, include=[])["ids"]) if have else set()
+        missing = [i for i in range(start, stop) if str(i) not in present]
+        if missing:
+            col.add(ids=[str(i) for i in missing], embeddings=base[missing])
+            added += len(missing)
+            dt = time.perf_counter() - t0
+            logger.info(
+                "chroma fill: %d / %d rows (%.0f rows/s, %.0f s left at this rate)",
+                stop,
+                base.shape[0],
+                added / dt,
+                (base.shape[0] - stop) / max(added / dt, 1e-9),
+            )
+    return time.perf_counter() - t0
+
+
 @contextlib.contextmanager
-def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
-    """Chroma's server over a persistent directory holding collection `bench` (filled here when it does not
-    hold all the rows yet). Yields (server, collection id, fill seconds or None when reused)."""
+def chroma_server(work: Path, base: np.ndarray):
+    """Chroma's server over a persistent directory holding collection `bench` (its missing rows added first,
+    `fill_chroma`). Yields (server, collection id, fill seconds or None when nothing was added)."""
     import chromadb
 
     from api.launch import free_port, server_process
 
     path = work / f"chroma_{base.shape[0]}x{base.shape[1]}"
+    fill_s = fill_chroma(path, base)
+    if fill_s is not None:
+        logger.info("chroma: rows added in %.0f s", fill_s)
     port = free_port()
     argv = [
         shutil.which("chroma") or str(Path(sys.executable).parent / "chroma"),
@@ -256,17 +292,9 @@ def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
     ]
     with server_process(argv, port, ready=_ready("/api/v2/heartbeat"), timeout_s=300) as server:
         client = chromadb.HttpClient(host="127.0.0.1", port=port)
-        col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
-        fill_s = None
+        col = client.get_collection("bench")
         if col.count() != base.shape[0]:
-            client.delete_collection("bench")
-            col = client.create_collection("bench", metadata={"hnsw:space": "cosine"})
-            t0 = time.perf_counter()
-            for start in range(0, base.shape[0], batch):
-                stop = min(base.shape[0], start + batch)
-                col.add(ids=[str(i) for i in range(start, stop)], embeddings=base[start:stop])
-            fill_s = time.perf_counter() - t0
-            logger.info("chroma: %d rows added in %.0f s", base.shape[0], fill_s)
+            raise RuntimeError(f"chroma {path}: {col.count()} rows, expected {base.shape[0]}")
         yield server, str(col.id), fill_s
 
 
@@ -406,7 +434,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ann-params", type=json.loads, default=None, help="index params as JSON, e.g. '{\"nlist\": 1024}'"
     )
-    p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/softsearch_vectordb"),
+        help="folder of the stores and Chroma's directory, kept and reused between runs",
+    )
+    p.add_argument(
+        "--fill-only",
+        action="store_true",
+        help="only build the softsearch store and add Chroma's missing rows (resumable), then exit",
+    )
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -434,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         root = ann_root
     else:
         root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
+    if args.fill_only:
+        if "chroma" in args.systems:
+            fill_chroma(args.work / f"chroma_{base.shape[0]}x{base.shape[1]}", base)
+        logger.info("filled: store %s%s", root, ", chroma" if "chroma" in args.systems else "")
+        return 0
     truth = exact_top(base, queries, args.k)
     from index.store import IndexStore
 
