@@ -154,6 +154,7 @@ def softsearch_server(
     normaliser: str = "exact",
     workers: int = 1,
     linger_ms: float | str = "auto",
+    overlap: str = "on",
 ):
     from api.launch import serve_process
 
@@ -171,6 +172,8 @@ def softsearch_server(
         batch_workers,
         "--batch-linger-ms",
         linger_ms,
+        "--normaliser-overlap",
+        overlap,
         torch_threads=1,
         timeout_s=300,
         ready=_all_workers_ready(workers),
@@ -422,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         "system runs with each",
     )
     p.add_argument(
+        "--overlap",
+        nargs="+",
+        default=["on"],
+        choices=("on", "off"),
+        help="softsearch's serve --normaliser-overlap (default on); both: each softsearch system runs with each",
+    )
+    p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
     )
     p.add_argument(
@@ -484,20 +494,27 @@ def main(argv: list[str] | None = None) -> int:
     json_bodies = [json.dumps({"vector": q.tolist(), "k": args.k}).encode() for q in queries]
     results: dict[str, dict] = {}
     notes: dict[str, str] = {}
-    variants = [(w, b, g) for w in args.workers for b in args.batch_workers for g in args.batch_linger_ms]
+    variants = [
+        (w, b, g, o)
+        for w in args.workers
+        for b in args.batch_workers
+        for g in args.batch_linger_ms
+        for o in args.overlap
+    ]
 
-    def label_of(system: str, w: int, b, g: str) -> str:
+    def label_of(system: str, w: int, b, g: str, o: str) -> str:
         if len(variants) == 1 or not system.startswith("softsearch"):
             return system
         linger = f" linger{g}" if len(args.batch_linger_ms) > 1 or g != "auto" else ""
-        return f"{system} w{w} bw{b}{linger}"
+        over = f" overlap-{o}" if len(args.overlap) > 1 else ""
+        return f"{system} w{w} bw{b}{linger}{over}"
 
     runs = [
-        (label_of(s, w, b, g), s, w, b, g)
+        (label_of(s, w, b, g, o), s, w, b, g, o)
         for s in args.systems
-        for w, b, g in (variants if s.startswith("softsearch") else [(1, 1, "auto")])
+        for w, b, g, o in (variants if s.startswith("softsearch") else [(1, 1, "auto", "on")])
     ]
-    for label, system, workers, batch_workers, linger_ms in runs:
+    for label, system, workers, batch_workers, linger_ms, overlap in runs:
         logger.info("%s ...", label)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
@@ -509,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.ann_normaliser if ann else "exact",
                 workers,
                 linger_ms,
+                overlap,
             ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
@@ -642,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
             f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
-            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)}; "
+            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)} --normaliser-overlap {'/'.join(args.overlap)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),

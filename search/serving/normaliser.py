@@ -168,6 +168,8 @@ class NormaliserConfig:
     sequential blocks (measured 1.0-1.2x its time at N = 1e6 and 1e7) and keeps the bounded
     estimate's scattered reads mapped (releasing them refaults whole 2 MiB folios: 2x at N = 1e6,
     ~6x at 1e7, bench/normaliser.py).
+    overlap: a single query's `bounded_start` runs on a helper thread while the index searches
+    (`Normaliser.search_and_normalise`); False: one after the other (the same answer).
     """
 
     method: Literal["exact", "bounded", "auto"] = "auto"
@@ -186,6 +188,7 @@ class NormaliserConfig:
     control_variate: bool = True
     listed_max_bytes: int = 4 << 30
     listed_shared: bool = False
+    overlap: bool = True
 
     def releases(self, method: str) -> bool:
         """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""
@@ -1056,6 +1059,7 @@ class Normaliser:
         self.probe: dict | None = None  # `auto`'s timing probe, when it decided (`probe_costs`)
         self.index_recall: float | None = None  # the approximate index's build-time recall@10 (None: exact)
         self.listed: ListedRows | None = None  # bounded: the rows in list order, in RAM (`wants_listed`)
+        self._pool = None  # `search_and_normalise`'s helper thread, made on first use
 
     @staticmethod
     def wants_listed(embeddings: np.ndarray, config: NormaliserConfig) -> bool:
@@ -1164,10 +1168,52 @@ class Normaliser:
             self.config,
             top_rows,
             release=self.config.releases("bounded"),
-            listed=self.listed
-            if self.listed is not None and len(self.listed.position) == len(embeddings)
-            else None,
+            listed=self._listed_for(embeddings),
         )
+
+    def search_and_normalise(
+        self,
+        queries: np.ndarray,
+        embeddings: np.ndarray,
+        temperatures: np.ndarray,
+        search: Callable[[], np.ndarray],
+        block: int = DEFAULT_BLOCK,
+    ) -> tuple[LogZ, np.ndarray]:
+        """(log Z, the index's top rows `search()`) for one batch. For `bounded` and a single query,
+        `bounded_start` (the head lists' and the first sample's dot products: most of the rows read) runs on
+        a helper thread while `search()` runs on this one -- both release the GIL in FAISS -- and the top
+        rows are merged in after (`bounded_finish`): the same answer as one after the other, about the
+        index search's time sooner. Larger batches (concurrent load, both cores busy) run one after the
+        other."""
+        if self.method != "bounded" or len(queries) != 1 or not self.config.overlap:
+            top = search()
+            return self(queries, embeddings, temperatures, block, top_rows=top), top
+        started = self._helper().submit(
+            bounded_start,
+            queries,
+            embeddings,
+            self.stats,
+            temperatures,
+            self.config,
+            self.config.releases("bounded"),
+            self._listed_for(embeddings),
+        )
+        try:
+            top = search()
+        finally:
+            start = started.result()
+        return bounded_finish(start, top), top
+
+    def _helper(self):
+        """The one helper thread of `search_and_normalise` (made on first use, daemon: it holds no state)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normaliser")
+        return self._pool
+
+    def _listed_for(self, embeddings: np.ndarray) -> "ListedRows | None":
+        return self.listed if self.listed is not None and len(self.listed.position) == len(embeddings) else None
 
     def describe(self) -> dict:
         out = {
