@@ -429,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=["on"],
         choices=("on", "off"),
-        help="softsearch's serve --normaliser-overlap (default on); both: each softsearch system runs with each",
+        help="softsearch's serve --normaliser-overlap (default on); both: each softsearch system runs "
+        "with each",
     )
     p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
@@ -660,7 +661,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
             f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
-            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)} --normaliser-overlap {'/'.join(args.overlap)}; "
+            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)} "
+            f"--normaliser-overlap {'/'.join(args.overlap)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),

@@ -1213,7 +1213,9 @@ class Normaliser:
         return self._pool
 
     def _listed_for(self, embeddings: np.ndarray) -> "ListedRows | None":
-        return self.listed if self.listed is not None and len(self.listed.position) == len(embeddings) else None
+        return (
+            self.listed if self.listed is not None and len(self.listed.position) == len(embeddings) else None
+        )
 
     def describe(self) -> dict:
         out = {

@@ -82,7 +82,9 @@ def test_normaliser_overlap_setting_reaches_the_normaliser(make_client, capsys):
     def settings_flags(argv):
         return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k in Settings.model_fields}
 
-    assert load_settings(settings_flags(["--normaliser-overlap", "off"]), environ={}).normaliser_overlap == "off"
+    assert (
+        load_settings(settings_flags(["--normaliser-overlap", "off"]), environ={}).normaliser_overlap == "off"
+    )
     assert load_settings(settings_flags([]), environ={}).normaliser_overlap == "on"
     with pytest.raises(SystemExit) as exc:
         main(["--normaliser-overlap", "maybe"])

@@ -114,7 +114,9 @@ def test_overlap_runs_the_start_beside_the_search_with_the_same_answer(setup, mo
 
     monkeypatch.setattr(nm, "bounded_start", spy)
     both = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256), "bounded", stats)
-    serial = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256, overlap=False), "bounded", stats)
+    serial = Normaliser(
+        NormaliserConfig("bounded", head_rows=200, samples=256, overlap=False), "bounded", stats
+    )
     for i in range(8):
         x = q[i : i + 1]
 
