@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--normaliser-overlap",
         choices=("on", "off"),
         help="bounded normaliser, a lone query: the head lists' and the first sample's dot products on a "
-        "helper thread while the index searches (on, default) or one after the other (off); same answer",
+        "helper thread while the index searches (on) or one after the other (off, default); same answer",
     )
     p.add_argument(
         "--mapped-pages",

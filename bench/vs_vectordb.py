@@ -154,7 +154,7 @@ def softsearch_server(
     normaliser: str = "exact",
     workers: int = 1,
     linger_ms: float | str = "auto",
-    overlap: str = "on",
+    overlap: str = "off",
 ):
     from api.launch import serve_process
 
@@ -427,9 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--overlap",
         nargs="+",
-        default=["on"],
+        default=["off"],
         choices=("on", "off"),
-        help="softsearch's serve --normaliser-overlap (default on); both: each softsearch system runs "
+        help="softsearch's serve --normaliser-overlap (default off); both: each softsearch system runs "
         "with each",
     )
     p.add_argument(
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [
         (label_of(s, w, b, g, o), s, w, b, g, o)
         for s in args.systems
-        for w, b, g, o in (variants if s.startswith("softsearch") else [(1, 1, "auto", "on")])
+        for w, b, g, o in (variants if s.startswith("softsearch") else [(1, 1, "auto", "off")])
     ]
     for label, system, workers, batch_workers, linger_ms, overlap in runs:
         logger.info("%s ...", label)

@@ -169,7 +169,9 @@ class NormaliserConfig:
     estimate's scattered reads mapped (releasing them refaults whole 2 MiB folios: 2x at N = 1e6,
     ~6x at 1e7, bench/normaliser.py).
     overlap: a single query's `bounded_start` runs on a helper thread while the index searches
-    (`Normaliser.search_and_normalise`); False: one after the other (the same answer).
+    (`Normaliser.search_and_normalise`); False (default): one after the other, the same answer (on the
+    2-core development VM the overlap gained no wall time and cost ~0.45 ms of CPU per query,
+    docs/results.md §33).
     """
 
     method: Literal["exact", "bounded", "auto"] = "auto"
@@ -188,7 +190,7 @@ class NormaliserConfig:
     control_variate: bool = True
     listed_max_bytes: int = 4 << 30
     listed_shared: bool = False
-    overlap: bool = True
+    overlap: bool = False
 
     def releases(self, method: str) -> bool:
         """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""

@@ -85,7 +85,7 @@ def test_normaliser_overlap_setting_reaches_the_normaliser(make_client, capsys):
     assert (
         load_settings(settings_flags(["--normaliser-overlap", "off"]), environ={}).normaliser_overlap == "off"
     )
-    assert load_settings(settings_flags([]), environ={}).normaliser_overlap == "on"
+    assert load_settings(settings_flags([]), environ={}).normaliser_overlap == "off"
     with pytest.raises(SystemExit) as exc:
         main(["--normaliser-overlap", "maybe"])
     assert exc.value.code == 2 and "--normaliser-overlap" in capsys.readouterr().err

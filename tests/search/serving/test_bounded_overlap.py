@@ -113,7 +113,7 @@ def test_overlap_runs_the_start_beside_the_search_with_the_same_answer(setup, mo
         return real_start(*args, **kwargs)
 
     monkeypatch.setattr(nm, "bounded_start", spy)
-    both = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256), "bounded", stats)
+    both = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256, overlap=True), "bounded", stats)
     serial = Normaliser(
         NormaliserConfig("bounded", head_rows=200, samples=256, overlap=False), "bounded", stats
     )
@@ -142,7 +142,7 @@ def test_overlap_runs_the_start_beside_the_search_with_the_same_answer(setup, mo
 
 def test_a_failed_search_is_raised_after_the_start_finishes(setup):
     data, stats, q = setup["data"], setup["stats"], setup["q"]
-    norm = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256), "bounded", stats)
+    norm = Normaliser(NormaliserConfig("bounded", head_rows=200, samples=256, overlap=True), "bounded", stats)
 
     def search():
         raise RuntimeError("index gone")
