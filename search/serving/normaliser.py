@@ -176,7 +176,7 @@ class NormaliserConfig:
 
     method: Literal["exact", "bounded", "auto"] = "auto"
     head_rows: int = 1024
-    samples: int = 1024
+    samples: int = 512
     level: float = 0.95
     max_se: float = 0.0033
     top_rows: int = 100
