@@ -32,7 +32,7 @@ from search.duplicates.descriptors import (
     identical_groups,
     search_descriptor,
     thumbnail,
-    thumbnail_and_digest,
+    thumbnails_digest_rgb,
 )
 from search.duplicates.edits import edited_copy
 from search.duplicates.model import (
@@ -67,19 +67,28 @@ class Scan:
     identical: np.ndarray | None = None
     hashes: dict = field(default_factory=dict)  # baselines.hash_table of the items (the page's comparison)
     ok: np.ndarray | None = None
+    copy: object | None = None  # copy_encoder.CopyModel with verifier "encoder" or "both"
+    # per verifier, over the scored pairs before the identical ones: "pixels" / "encoder" p of the same
+    # pairs, and the encoder's own candidate pairs ("encoder_a", "encoder_b", "encoder_p")
+    parts: dict = field(default_factory=dict)
 
 
-def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool):
+def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool, rgb_out=None):
     """(grey (n, side, side) uint8, chroma (n, 16, 16, 2) float16, {row: error}, keys) for the given rows;
-    unreadable rows stay zero; keys[k] is (pixel digest, thumbnail digest), None when unreadable."""
+    unreadable rows stay zero; keys[k] is (pixel digest, thumbnail digest), None when unreadable; `rgb_out`
+    (n, S, S, 3) uint8, when given, is filled with S-pixel colour thumbnails (the copy encoder's input)."""
     rows = np.asarray(rows)
     thumbs = np.zeros((len(rows), side, side), np.uint8)
     colours = np.zeros((len(rows), 16, 16, 2), np.float16)
     skipped, keys = {}, [None] * len(rows)
     for k, r in enumerate(tqdm(rows, desc="thumbnails", unit="img", disable=not progress, mininterval=1.0)):
         try:
-            g, c, digest = thumbnail_and_digest(read(int(r)), side)
+            g, c, digest, big = thumbnails_digest_rgb(
+                read(int(r)), side, rgb_side=0 if rgb_out is None else rgb_out.shape[1]
+            )
             thumbs[k], colours[k] = g, chroma(c)
+            if rgb_out is not None:
+                rgb_out[k] = big
             keys[k] = (b"p" + digest, b"t" + g.tobytes() + c.tobytes())
         except (OSError, ValueError, KeyError) as err:  # ImageError is a ValueError
             skipped[int(r)] = f"{type(err).__name__}: {err}"
@@ -206,7 +215,12 @@ def scan_collection(
     embeddings, -1 where none) and fit the model on them."""
     t = {}
     t0 = time.perf_counter()
-    thumbs, colours, skipped, keys = read_thumbnails(read, np.arange(n), config.thumb, progress)
+    rgb = (
+        np.zeros((n, config.copy_source, config.copy_source, 3), np.uint8)
+        if config.verifier != "pixels"
+        else None
+    )
+    thumbs, colours, skipped, keys = read_thumbnails(read, np.arange(n), config.thumb, progress, rgb)
     ok = np.ones(n, bool)
     ok[list(skipped)] = False
     if ok.sum() < 20:
@@ -225,38 +239,57 @@ def scan_collection(
         else None
     )
     extra = neighbours(config.k_embedding) if neighbours is not None and config.k_embedding else None
-    a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
-    t["candidates"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
-    t["pairs"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     good = np.flatnonzero(lead)
     # each readable item once in random order, again until there are calibration_items copies (small
     # collections)
     reps = -(-config.calibration_items // good.size)
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[: config.calibration_items]
-    xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
-    t["copies"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model = fit_model(
-        xp,
-        x,
-        l2=config.l2,
-        max_share=config.max_share,
-        share_delta=config.share_delta,
-        segments=config.segments,
-        threshold=config.threshold,
-    )
-    p = model.probability(x)
-    t["fit"] = time.perf_counter() - t0
+    copy, parts = None, {}
+    if config.verifier != "pixels":
+        from search.duplicates.copy_encoder import copy_candidates, copy_scan
+
+        z, copy = copy_scan(read, rgb, lead, sample, config, progress)
+        t.update(copy.seconds)
+        t0 = time.perf_counter()
+        ea, eb, ep, nb = copy_candidates(z, lead, copy, config)
+        parts.update(encoder_a=ea, encoder_b=eb, encoder_p=ep)
+    if config.verifier == "encoder":
+        a, b, p, x, xp, model = ea, eb, ep, np.zeros((len(ea), len(NAMES))), None, None
+        t["candidates"] = time.perf_counter() - t0
+    else:
+        a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
+        t["candidates"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
+        t["pairs"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
+        t["copies"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model = fit_model(
+            xp,
+            x,
+            l2=config.l2,
+            max_share=config.max_share,
+            share_delta=config.share_delta,
+            segments=config.segments,
+            threshold=config.threshold,
+        )
+        p = model.probability(x)
+        t["fit"] = time.perf_counter() - t0
+        if config.verifier == "both":  # a pair must pass both: the lower of the two probabilities
+            pe = copy.pair_probability(z, a, b, *nb, config.copy_readout)
+            parts.update(pixels=p, encoder=pe)
+            p = np.minimum(p, pe)
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
     identical = np.r_[np.zeros(len(x), bool), np.ones(same.size, bool)]
     t0 = time.perf_counter()
     hashes = hash_table(thumbs, ok)
     t["baseline hashes"] = time.perf_counter() - t0
-    return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok)
+    return Scan(
+        a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok, copy, parts
+    )
 
 
 def score_pairs(
