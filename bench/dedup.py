@@ -249,7 +249,17 @@ def main(argv=None) -> int:
     aligned = ~scan.identical
     ece_all = expected_calibration_error(scan.p[aligned], label[aligned])
     if args.dump:
-        np.savez(args.dump, x=scan.x, positives=scan.positives_x, label=label[aligned], p=scan.p[aligned])
+        extra = {}
+        if scan.parts:
+            ea, eb = scan.parts["encoder_a"], scan.parts["encoder_b"]
+            extra = {f"part_{k}": v for k, v in scan.parts.items()}
+            extra["part_encoder_label"] = np.array(
+                [frozenset((int(a), int(b))) in truth for a, b in zip(ea, eb)]
+            )
+            extra["part_a"], extra["part_b"] = scan.a, scan.b
+        np.savez(
+            args.dump, x=scan.x, positives=scan.positives_x, label=label[aligned], p=scan.p[aligned], **extra
+        )
     sure = aligned & (scan.p >= 0.05)
     ece_sure = expected_calibration_error(scan.p[sure], label[sure])
     has_dup = np.zeros(n, bool)

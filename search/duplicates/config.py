@@ -55,7 +55,7 @@ class DedupConfig:
     # copy_koleo x KoLeo, AdamW at copy_lr; copy_k candidates per item in its softmax with a "none" option;
     # copy_readout: "softmax" (over the candidates) or "pair" (over the pair alone).
     verifier: str = "pixels"
-    copy_source: int = 64
+    copy_source: int = 32
     copy_side: int = 32
     copy_patch: int = 8
     copy_width: int = 64

@@ -164,11 +164,10 @@ def fit_none_softmax(pos: np.ndarray, target: np.ndarray, neg: np.ndarray) -> tu
     return float(math.exp(best.x[0])), float(best.x[1])
 
 
-def shift_prior(none: float, k: int, prior_from: float, prior_to: float) -> float:
+def shift_prior(none: float, prior_from: float, prior_to: float) -> float:
     """The none logit after the share of queries that have a copy changes from prior_from to prior_to
     (Bayes: every candidate's odds against "none" scale by (prior_to / (1 - prior_to)) / (prior_from /
     (1 - prior_from)))."""
-    del k
     odds = lambda p: math.log(p / (1.0 - p))  # noqa: E731
     return float(none - odds(prior_to) + odds(prior_from))
 
@@ -179,7 +178,7 @@ def em_prior(sims: np.ndarray, scale: float, none: float, prior0: float, iters: 
     [1e-3, 0.999]."""
     pi = prior0
     for _ in range(iters):
-        p = none_softmax(sims, scale, shift_prior(none, sims.shape[1], prior0, pi))
+        p = none_softmax(sims, scale, shift_prior(none, prior0, pi))
         new = float(np.clip(1.0 - p[:, -1].mean(), 1e-3, 0.999))
         if abs(new - pi) < 1e-6:
             return new
@@ -289,7 +288,6 @@ def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config,
 
     t = {}
     t0 = time.perf_counter()
-    torch_threads = torch.get_num_threads()
     encoder, loss = train_copy_encoder(rgb[ok], config, progress)
     t["copy encoder training"] = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -310,11 +308,8 @@ def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config,
     scale, none, top1 = fit_copy_model(z, zc, np.asarray(originals), ok, config.copy_k)
     _, cos = neighbours(z, config.copy_k, ok)
     prior = em_prior(cos[ok], scale, none, 0.5)
-    model = CopyModel(
-        scale, shift_prior(none, config.copy_k, 0.5, prior), prior, config.copy_k, top1, loss, t
-    )
+    model = CopyModel(scale, shift_prior(none, 0.5, prior), prior, config.copy_k, top1, loss, t)
     t["copy readout"] = time.perf_counter() - t0
-    del torch_threads
     return z, model
 
 

@@ -280,7 +280,7 @@ def scan_collection(
         t["fit"] = time.perf_counter() - t0
         if config.verifier == "both":  # a pair must pass both: the lower of the two probabilities
             pe = copy.pair_probability(z, a, b, *nb, config.copy_readout)
-            parts.update(pixels=p, encoder=pe)
+            parts.update(pixels=p, encoder=pe, encoder_cos=np.einsum("ij,ij->i", z[a], z[b]))
             p = np.minimum(p, pe)
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
     identical = np.r_[np.zeros(len(x), bool), np.ones(same.size, bool)]
