@@ -123,8 +123,9 @@ def best_in_hindsight(dist: dict[frozenset, int], truth: set, max_d: int) -> tup
 
 
 def verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical) -> list:
-    """With verifier "both": precision, recall, F1, ECE and per-edit recall of the pixel stage alone, the
-    copy encoder alone (its own candidates), both required (the lower p) and either (the higher p)."""
+    """With verifier "both" (whose own figures are the softsearch rows: one fit on the pixel features and the
+    encoder's cosine): precision, recall, F1, ECE and per-edit recall of the pixel fit alone on the same
+    pairs, the copy encoder's none-softmax alone (its own candidates), the lower and the higher of the two."""
     if "pixels" not in scan.parts:
         return []
     m = len(scan.parts["pixels"])
@@ -137,8 +138,8 @@ def verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical) -> 
     variants = {
         "pixels alone": pix,
         "encoder alone": enc,
-        "both (lower p, pixel pairs)": {k: min(v, pix_enc[k]) for k, v in pix.items()},
-        "either (higher p, all pairs)": {
+        "lower of pixels and encoder": {k: min(v, pix_enc[k]) for k, v in pix.items()},
+        "higher of pixels and encoder": {
             k: max(pix.get(k, 0.0), enc.get(k, pix_enc.get(k, 0.0))) for k in set(pix) | set(enc)
         },
     }

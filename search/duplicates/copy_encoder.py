@@ -198,6 +198,7 @@ class CopyModel:
     copy_top1: float  # share of held-apart copies whose original is their nearest item
     train_loss: float
     seconds: dict
+    encoder: object = None  # the trained tower (not serialised)
 
     def pair_probability(self, z, a, b, rows, cos, readout: str = "softmax") -> np.ndarray:
         """Probability that each pair (a, b) is one picture edited. "softmax": the larger of a's softmax
@@ -308,7 +309,7 @@ def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config,
     scale, none, top1 = fit_copy_model(z, zc, np.asarray(originals), ok, config.copy_k)
     _, cos = neighbours(z, config.copy_k, ok)
     prior = em_prior(cos[ok], scale, none, 0.5)
-    model = CopyModel(scale, shift_prior(none, 0.5, prior), prior, config.copy_k, top1, loss, t)
+    model = CopyModel(scale, shift_prior(none, 0.5, prior), prior, config.copy_k, top1, loss, t, encoder)
     t["copy readout"] = time.perf_counter() - t0
     return z, model
 

@@ -137,10 +137,10 @@ def candidate_pairs(
 
 
 def synthetic_positives(
-    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None
 ) -> np.ndarray:
     """Design rows of edited copies of the given rows against their originals (a quarter mirrored with
-    flips)."""
+    flips); `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail)."""
     copies, copy_colours, used = [], [], []
     decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
@@ -155,6 +155,8 @@ def synthetic_positives(
             copies.append(g)
             copy_colours.append(chroma(c))
             used.append(int(r))
+            if rgb_out is not None:
+                rgb_out.append((int(r), thumbnail(data, 4, colour_side=config.copy_source)[1]))
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no synthetic copy of row %d: %s", r, err)
     if not copies:
@@ -258,13 +260,17 @@ def scan_collection(
         a, b, p, x, xp, model = ea, eb, ep, np.zeros((len(ea), len(NAMES))), None, None
         t["candidates"] = time.perf_counter() - t0
     else:
+        if config.verifier == "both":  # the encoder's k_descriptor nearest are candidates too
+            mine = nb[0][:, : config.k_descriptor]
+            extra = mine if extra is None else np.hstack([extra, mine])
         a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
         t["candidates"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
         t["pairs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
+        copies_rgb = [] if config.verifier == "both" else None
+        xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress, copies_rgb)
         t["copies"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model = fit_model(
@@ -276,12 +282,32 @@ def scan_collection(
             segments=config.segments,
             threshold=config.threshold,
         )
+        if config.verifier == "both":
+            # one model on both: the encoder's cosine (Fisher z) a seventh monotone feature of the same
+            # positive-unlabelled fit, its synthetic copies embedded beside their originals
+            from search.duplicates.copy_encoder import embed_rgb
+
+            parts.update(
+                pixels=model.probability(x),
+                encoder=copy.pair_probability(z, a, b, *nb, config.copy_readout),
+                encoder_cos=np.einsum("ij,ij->i", z[a], z[b]),
+            )
+            used = np.array([r for r, _ in copies_rgb], np.int64)
+            zc = embed_rgb(copy.encoder, np.stack([c for _, c in copies_rgb]), config.copy_side)
+            fz = lambda c: np.arctanh(np.clip(c, -0.999, 0.99999))  # noqa: E731
+            x = np.column_stack([x, fz(parts["encoder_cos"])])
+            xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", z[used], zc))])
+            model = fit_model(
+                xp,
+                x,
+                l2=config.l2,
+                max_share=config.max_share,
+                share_delta=config.share_delta,
+                segments=config.segments,
+                threshold=config.threshold,
+            )
         p = model.probability(x)
         t["fit"] = time.perf_counter() - t0
-        if config.verifier == "both":  # a pair must pass both: the lower of the two probabilities
-            pe = copy.pair_probability(z, a, b, *nb, config.copy_readout)
-            parts.update(pixels=p, encoder=pe, encoder_cos=np.einsum("ij,ij->i", z[a], z[b]))
-            p = np.minimum(p, pe)
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
     identical = np.r_[np.zeros(len(x), bool), np.ones(same.size, bool)]
     t0 = time.perf_counter()
