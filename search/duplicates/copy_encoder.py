@@ -198,6 +198,7 @@ class CopyModel:
     copy_top1: float  # share of held-apart copies whose original is their nearest item
     train_loss: float
     seconds: dict
+    copy_recall: float = float("nan")  # held-apart copies at p >= the threshold, their original a candidate
     encoder: object = None  # the trained tower (not serialised)
 
     def pair_probability(self, z, a, b, rows, cos, readout: str = "softmax") -> np.ndarray:
@@ -226,6 +227,7 @@ class CopyModel:
             "prior": self.prior,
             "k": self.k,
             "copy_top1": self.copy_top1,
+            "copy_recall": self.copy_recall,
             "train_loss": self.train_loss,
         }
 
@@ -254,9 +256,10 @@ def neighbours(z: np.ndarray, k: int, ok: np.ndarray | None = None) -> tuple[np.
 
 
 def fit_copy_model(z: np.ndarray, zc: np.ndarray, originals: np.ndarray, ok: np.ndarray, k: int):
-    """(scale, none at the 1/2 prior of the fit, top-1 share) from held-apart copies' embeddings `zc` of
-    `originals` rows against the collection `z` (`ok` rows): each copy is a query with its original among
-    its k candidates (answer: the original) and one without it (answer: none)."""
+    """(scale, none at the 1/2 prior of the fit, top-1 share, the rows with the original first) from
+    held-apart copies' embeddings `zc` of `originals` rows against the collection `z` (`ok` rows): each
+    copy is a query with its original among its k candidates (answer: the original) and one without it
+    (answer: none)."""
     zz = np.where(ok[:, None], z, 0.0)
     s = zc @ zz.T  # (m, n)
     s[:, ~ok] = -np.inf
@@ -275,7 +278,7 @@ def fit_copy_model(z: np.ndarray, zc: np.ndarray, originals: np.ndarray, ok: np.
         pos.append(np.r_[own, others[: k - 1]])
         tgt.append(0)
     scale, none = fit_none_softmax(np.asarray(pos), np.asarray(tgt), np.asarray(neg))
-    return scale, none, top1 / max(m, 1)
+    return scale, none, top1 / max(m, 1), np.asarray(pos)
 
 
 def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config, progress: bool = False):
@@ -306,10 +309,12 @@ def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config,
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no held-apart copy of row %d: %s", r, err)
     zc = embed_rgb(encoder, np.stack(copies), config.copy_side)
-    scale, none, top1 = fit_copy_model(z, zc, np.asarray(originals), ok, config.copy_k)
+    scale, none, top1, pos = fit_copy_model(z, zc, np.asarray(originals), ok, config.copy_k)
     _, cos = neighbours(z, config.copy_k, ok)
     prior = em_prior(cos[ok], scale, none, 0.5)
-    model = CopyModel(scale, shift_prior(none, 0.5, prior), prior, config.copy_k, top1, loss, t, encoder)
+    none = shift_prior(none, 0.5, prior)
+    recall = float((none_softmax(pos, scale, none)[:, 0] >= config.threshold).mean())
+    model = CopyModel(scale, none, prior, config.copy_k, top1, loss, t, recall, encoder)
     t["copy readout"] = time.perf_counter() - t0
     return z, model
 

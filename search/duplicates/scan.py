@@ -391,7 +391,7 @@ def groups_of(a, b, p, threshold: float, ids: list[str]) -> list[dict]:
 def notes(scan: Scan, threshold: float, how: str) -> list[str]:
     """What a user should know about this scan's probabilities, each with what to do."""
     out = []
-    if scan.model.bound:
+    if scan.model is not None and scan.model.bound:
         out.append(scan.model.bound)
     top = float(scan.p.max()) if scan.p.size else 0.0
     if top < threshold:
@@ -399,9 +399,10 @@ def notes(scan: Scan, threshold: float, how: str) -> list[str]:
             f"no pair reaches p >= {threshold:.3g}; the highest p found is {top:.3g}"
             + (f" (--threshold {top:.3g} would keep that pair)" if top > 0 else "")
         )
-    if np.isfinite(scan.model.copy_recall) and scan.model.copy_recall < 0.8:
+    recall = (scan.model or scan.copy).copy_recall if (scan.model or scan.copy) else float("nan")
+    if np.isfinite(recall) and recall < 0.8:
         out.append(
-            f"only {scan.model.copy_recall:.0%} of held-out synthetic copies reach p >= "
+            f"only {recall:.0%} of held-out synthetic copies reach p >= "
             f"{threshold:.3g}: edited copies here are hard to tell from look-alikes; expect low recall"
         )
     if scan.skipped:
