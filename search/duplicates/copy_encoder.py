@@ -281,51 +281,58 @@ def fit_copy_model(z: np.ndarray, zc: np.ndarray, originals: np.ndarray, ok: np.
     return scale, none, top1 / max(m, 1), np.asarray(pos)
 
 
-def copy_scan(read, rgb: np.ndarray, ok: np.ndarray, sample: np.ndarray, config, progress: bool = False):
-    """Train the tower on the `ok` rows of `rgb`, embed them, fit the readout on held-apart copies of
-    `sample` rows (decoded again through `read`, edited by edits.py) and return (embeddings, CopyModel)."""
+def train_and_embed(rgb: np.ndarray, ok: np.ndarray, config, progress: bool = False):
+    """(encoder, last loss, (n, copy_dim) embeddings, zero on rows not `ok`, seconds): the tower trained on
+    the `ok` rows of `rgb`, then each of them embedded."""
+    t0 = time.perf_counter()
+    encoder, loss = train_copy_encoder(rgb[ok], config, progress)
+    z = np.zeros((len(rgb), config.copy_dim), np.float32)
+    z[ok] = embed_rgb(encoder, rgb[ok], config.copy_side)
+    return encoder, loss, z, time.perf_counter() - t0
+
+
+def held_apart_copies(read, sample: np.ndarray, config) -> list:
+    """[(row, copy_source-pixel colour thumbnail)] of one edited copy (edits.py) of each `sample` row,
+    decoded again through `read` (never seen in training)."""
     from PIL import Image
 
     from search.duplicates.descriptors import thumbnail
     from search.duplicates.edits import edited_copy
     from training.images import load_rgb
 
-    t = {}
-    t0 = time.perf_counter()
-    encoder, loss = train_copy_encoder(rgb[ok], config, progress)
-    t["copy encoder training"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    z = np.zeros((len(rgb), config.copy_dim), np.float32)
-    z[ok] = embed_rgb(encoder, rgb[ok], config.copy_side)
     rng = np.random.default_rng(config.seed + 1)
-    copies, originals = [], []
+    out = []
     for r in sample:
         try:
             im = Image.fromarray(load_rgb(read(int(r)), min_side=320))
             im.thumbnail((320, 320))
             data, _ = edited_copy(im, rng)
-            copies.append(thumbnail(data, 4, colour_side=config.copy_source)[1])
-            originals.append(int(r))
+            out.append((int(r), thumbnail(data, 4, colour_side=config.copy_source)[1]))
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no held-apart copy of row %d: %s", r, err)
-    zc = embed_rgb(encoder, np.stack(copies), config.copy_side)
-    scale, none, top1, pos = fit_copy_model(z, zc, np.asarray(originals), ok, config.copy_k)
+    return out
+
+
+def fit_readout(encoder, z: np.ndarray, copies: list, ok: np.ndarray, config, loss: float, seconds: dict):
+    """The CopyModel of a trained tower: (scale, none) fitted on the held-apart `copies` (fit_copy_model),
+    the share of items with a copy by EM over every `ok` row's candidates, none moved to that share."""
+    rows = np.array([r for r, _ in copies], np.int64)
+    zc = embed_rgb(encoder, np.stack([c for _, c in copies]), config.copy_side)
+    scale, none, top1, pos = fit_copy_model(z, zc, rows, ok, config.copy_k)
     _, cos = neighbours(z, config.copy_k, ok)
     prior = em_prior(cos[ok], scale, none, 0.5)
     none = shift_prior(none, 0.5, prior)
     recall = float((none_softmax(pos, scale, none)[:, 0] >= config.threshold).mean())
-    model = CopyModel(scale, none, prior, config.copy_k, top1, loss, t, recall, encoder)
-    t["copy readout"] = time.perf_counter() - t0
-    return z, model
+    return CopyModel(scale, none, prior, config.copy_k, top1, loss, seconds, recall, encoder)
 
 
-def copy_candidates(z: np.ndarray, ok: np.ndarray, model: CopyModel, config):
-    """(a, b, p, (rows, cos)): each `ok` row's copy_k nearest by the tower, as unique pairs a < b with their
-    probabilities, and the neighbour table the softmax reads."""
-    rows, cos = neighbours(z, config.copy_k, ok)
+def copy_candidates(z: np.ndarray, ok: np.ndarray, model: CopyModel, config, table):
+    """(a, b, p): each `ok` row's copy_k nearest by the tower (`table`, from `neighbours`), as unique pairs
+    a < b, and their probabilities."""
+    rows, cos = table
     a = np.repeat(np.arange(len(z)), rows.shape[1])
     b = rows.reshape(-1)
     keep = (b >= 0) & ok[a]
     pr = np.unique(np.sort(np.column_stack([a[keep], b[keep]]), axis=1), axis=0)
     a, b = pr[:, 0], pr[:, 1]
-    return a, b, model.pair_probability(z, a, b, rows, cos, config.copy_readout), (rows, cos)
+    return a, b, model.pair_probability(z, a, b, rows, cos, config.copy_readout)

@@ -249,15 +249,25 @@ def scan_collection(
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[: config.calibration_items]
     copy, parts = None, {}
     if config.verifier != "pixels":
-        from search.duplicates.copy_encoder import copy_candidates, copy_scan
+        from search.duplicates.copy_encoder import (
+            copy_candidates,
+            embed_rgb,
+            fit_readout,
+            held_apart_copies,
+            train_and_embed,
+        )
+        from search.duplicates.copy_encoder import neighbours as encoder_neighbours
 
-        z, copy = copy_scan(read, rgb, lead, sample, config, progress)
-        t.update(copy.seconds)
+        encoder, loss, z, t["copy encoder training"] = train_and_embed(rgb, lead, config, progress)
+        nb = encoder_neighbours(z, config.copy_k, lead)
         t0 = time.perf_counter()
-        ea, eb, ep, nb = copy_candidates(z, lead, copy, config)
-        parts.update(encoder_a=ea, encoder_b=eb, encoder_p=ep)
     if config.verifier == "encoder":
-        a, b, p, x, xp, model = ea, eb, ep, np.zeros((len(ea), len(NAMES))), None, None
+        copy = fit_readout(encoder, z, held_apart_copies(read, sample, config), lead, config, loss, t)
+        t["copy readout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        a, b, p = copy_candidates(z, lead, copy, config, nb)
+        parts.update(encoder_a=a, encoder_b=b, encoder_p=p)
+        x, xp, model = np.zeros((len(a), len(NAMES))), None, None
         t["candidates"] = time.perf_counter() - t0
     else:
         if config.verifier == "both":  # the encoder's k_descriptor nearest are candidates too
@@ -284,16 +294,18 @@ def scan_collection(
         )
         if config.verifier == "both":
             # one model on both: the encoder's cosine (Fisher z) a seventh monotone feature of the same
-            # positive-unlabelled fit, its synthetic copies embedded beside their originals
-            from search.duplicates.copy_encoder import embed_rgb
-
+            # positive-unlabelled fit, its synthetic copies embedded beside their originals; the
+            # none-softmax read from the same copies (reported beside it)
+            copy = fit_readout(encoder, z, copies_rgb, lead, config, loss, t)
+            ea, eb, ep = copy_candidates(z, lead, copy, config, nb)
+            parts.update(encoder_a=ea, encoder_b=eb, encoder_p=ep)
             parts.update(
                 pixels=model.probability(x),
                 encoder=copy.pair_probability(z, a, b, *nb, config.copy_readout),
                 encoder_cos=np.einsum("ij,ij->i", z[a], z[b]),
             )
             used = np.array([r for r, _ in copies_rgb], np.int64)
-            zc = embed_rgb(copy.encoder, np.stack([c for _, c in copies_rgb]), config.copy_side)
+            zc = embed_rgb(encoder, np.stack([c for _, c in copies_rgb]), config.copy_side)
             fz = lambda c: np.arctanh(np.clip(c, -0.999, 0.99999))  # noqa: E731
             x = np.column_stack([x, fz(parts["encoder_cos"])])
             xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", z[used], zc))])

@@ -161,3 +161,37 @@ def test_config_rejects_unknown_verifier():
     with pytest.raises(ValueError, match="copy_readout"):
         DedupConfig(copy_readout="max")
     assert DedupConfig.from_json(DedupConfig(verifier="both").to_json()).verifier == "both"
+
+
+def test_scan_with_the_copy_encoder_finds_planted_copies():
+    """Generated pictures with planted copies, a short training: the encoder alone keeps only true pairs,
+    its candidates are each item's nearest by the tower, and "both" fits one model on seven features
+    (the pixel six and the encoder's cosine) that finds most copies."""
+    import importlib.util
+    from dataclasses import replace
+    from pathlib import Path
+
+    from search.duplicates.scan import notes, scan_collection
+
+    spec = importlib.util.spec_from_file_location(
+        "_dedup_scan_tests", Path(__file__).with_name("test_scan.py")
+    )
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)  # the scan tests' generated pictures and planting
+    _generated, _plant = helpers._generated, helpers._plant
+
+    torch.set_num_threads(1)
+    sources, pairs, _ = _plant(_generated(60, 0), 0.3, 1)
+    truth = {frozenset(p) for p in pairs}
+    found = {}
+    for verifier in ("encoder", "both"):
+        cfg = replace(DedupConfig(), verifier=verifier, copy_steps=30, calibration_items=40)
+        scan = scan_collection(lambda r: sources[r], len(sources), cfg, progress=False)
+        assert np.all(scan.a < scan.b) and np.all((scan.p >= 0) & (scan.p <= 1))
+        assert scan.copy is not None and 0 < scan.copy.prior < 1
+        found[verifier] = {frozenset((int(a), int(b))) for a, b, q in zip(scan.a, scan.b, scan.p) if q >= 0.5}
+        assert isinstance(notes(scan, 0.5, "default"), list)
+        if verifier == "both":
+            assert len(scan.model.knots) == 7 and scan.x.shape[1] == 7
+            assert len(found[verifier] & truth) >= 0.8 * len(truth)
+    assert found["encoder"] and found["encoder"] <= truth
