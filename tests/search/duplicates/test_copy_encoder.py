@@ -195,3 +195,62 @@ def test_scan_with_the_copy_encoder_finds_planted_copies():
             assert len(scan.model.knots) == 7 and scan.x.shape[1] == 7
             assert len(found[verifier] & truth) >= 0.8 * len(truth)
     assert found["encoder"] and found["encoder"] <= truth
+
+
+def test_trainer_step_adds_koleo_on_each_view():
+    """contrastive_step with koleo_weight w == InfoNCE + w * mean of KoLeo over view a's and view b's rows,
+    computed here from the encoder's own outputs."""
+    from training.distributed import DistInfo
+    from training.encoder import EncoderConfig, create_encoder
+    from training.losses import create_loss
+    from training.trainer import contrastive_step
+
+    torch.manual_seed(0)
+    enc = create_encoder(EncoderConfig(width=16, layers=1, heads=2, patch_size=8, mlp_ratio=1.0, embed_dim=8))
+    a, b = torch.randn(6, 3, 32, 32), torch.randn(6, 3, 32, 32)
+    loss = create_loss("infonce")
+    got = contrastive_step(enc, loss, a, b, 0.3, DistInfo(), koleo_weight=0.7)
+    za, zb = enc(a), enc(b)
+    want = loss(za, zb, 0.3).loss + 0.7 * 0.5 * (koleo(za) + koleo(zb))
+    assert float(got.loss) == pytest.approx(float(want), abs=1e-5)
+    assert got.stats["koleo"] == pytest.approx(float(0.5 * (koleo(za) + koleo(zb))), abs=1e-5)
+
+
+def test_copy_recipe_is_the_scan_augmentation():
+    """configs/copy.toml (softsearch train) and the scan's tower train on the same edits and weights; its
+    KoLeo weight is off the lineage when 0 so older runs hash as before."""
+    from pathlib import Path
+
+    from search.duplicates.copy_encoder import COPY_AUGMENT
+    from training.config import load_train_config
+    from training.generators import create_generator
+
+    root = Path(__file__).resolve().parents[3]
+    cfg = load_train_config(root / "configs" / "copy.toml")
+    cfg.validate()
+    gen = create_generator(cfg.generator, **cfg.generator_options)
+    assert gen.aug.crop_scale == COPY_AUGMENT.crop_scale
+    np.testing.assert_allclose(gen.aug.crop_ratio, COPY_AUGMENT.crop_ratio, rtol=1e-4)
+    for name in (
+        "flip_p",
+        "translate",
+        "brightness",
+        "contrast",
+        "saturation",
+        "blur_p",
+        "rotate",
+        "overlay_p",
+    ):
+        assert getattr(gen.aug, name) == getattr(COPY_AUGMENT, name), name
+    d = DedupConfig()
+    assert cfg.koleo == d.copy_koleo and cfg.schedule_options["tau"] == d.copy_temperature
+    assert (cfg.encoder.width, cfg.encoder.layers, cfg.encoder.patch_size, cfg.encoder.image_size) == (
+        d.copy_width,
+        d.copy_layers,
+        d.copy_patch,
+        d.copy_side,
+    )
+    assert "koleo" in cfg.lineage_dict()
+    from dataclasses import replace
+
+    assert "koleo" not in replace(cfg, koleo=0.0).lineage_dict()
