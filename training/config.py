@@ -69,6 +69,9 @@ class TrainConfig:
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
+    # KoLeo spread term (training/regularizers.py) on each view's batch of embeddings, at this weight (SSCD's
+    # copy-detection recipe, configs/copy.toml); 0 = off
+    koleo: float = 0.0
     # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
     # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
     loss_sees_anchor: bool = False
@@ -114,7 +117,7 @@ class TrainConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg"):
+        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg", "koleo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -144,9 +147,11 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] table is left out, so image-only runs hash as they did before it existed
+        # an empty [text] table and koleo 0 are left out, so runs hash as they did before they existed
         return {
-            k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS and not (k == "text" and not v)
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in RUNTIME_FIELDS and not (k in ("text", "koleo") and not v)
         }
 
 
