@@ -5,6 +5,7 @@ of the augmentation against its mask; and a short scan with verifier "encoder" o
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -171,6 +172,7 @@ def test_scan_with_the_copy_encoder_finds_planted_copies():
     from dataclasses import replace
     from pathlib import Path
 
+    from search.duplicates.job import result_of
     from search.duplicates.scan import notes, scan_collection
 
     spec = importlib.util.spec_from_file_location(
@@ -191,6 +193,9 @@ def test_scan_with_the_copy_encoder_finds_planted_copies():
         assert scan.copy is not None and 0 < scan.copy.prior < 1
         found[verifier] = {frozenset((int(a), int(b))) for a, b, q in zip(scan.a, scan.b, scan.p) if q >= 0.5}
         assert isinstance(notes(scan, 0.5, "default"), list)
+        record = json.loads(json.dumps(result_of(scan, [f"i{r}" for r in range(len(sources))], cfg)))
+        assert record["copy_model"]["copy_recall"] == pytest.approx(scan.copy.copy_recall)
+        assert (record["model"] is None) == (verifier == "encoder")
         if verifier == "both":
             assert len(scan.model.knots) == 7 and scan.x.shape[1] == 7
             assert len(found[verifier] & truth) >= 0.8 * len(truth)
