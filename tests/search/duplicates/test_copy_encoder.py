@@ -226,7 +226,7 @@ def test_copy_recipe_is_the_scan_augmentation():
     KoLeo weight is off the lineage when 0 so older runs hash as before."""
     from pathlib import Path
 
-    from search.duplicates.copy_encoder import COPY_AUGMENT
+    from search.duplicates.copy_encoder import copy_augment
     from training.config import load_train_config
     from training.generators import create_generator
 
@@ -234,6 +234,7 @@ def test_copy_recipe_is_the_scan_augmentation():
     cfg = load_train_config(root / "configs" / "copy.toml")
     cfg.validate()
     gen = create_generator(cfg.generator, **cfg.generator_options)
+    COPY_AUGMENT = copy_augment()
     assert gen.aug.crop_scale == COPY_AUGMENT.crop_scale
     np.testing.assert_allclose(gen.aug.crop_ratio, COPY_AUGMENT.crop_ratio, rtol=1e-4)
     for name in (
