@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)",
     )
     p.add_argument(
+        "--normaliser-overlap",
+        choices=("on", "off"),
+        help="bounded normaliser, a lone query: the head lists' and the first sample's dot products on a "
+        "helper thread while the index searches (on) or one after the other (off, default); same answer",
+    )
+    p.add_argument(
         "--mapped-pages",
         choices=("auto", "release", "keep"),
         help="embeddings pages once the normaliser has read them: release (the RSS stays ~index + "

@@ -14,7 +14,7 @@ import logging
 import math
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,10 @@ class TrainConfig:
     # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
     # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
     loss_sees_anchor: bool = False
+    # with generator "auto": the encoder's anchor weights (pixel_weight, colour_weight, gradient_weight) to
+    # use instead when the folder has class folders. A label-trained tower learns the classes themselves and
+    # wants less of the fixed parts beside it than a self-supervised one; empty -> [encoder] as written
+    anchor_with_classes: dict = field(default_factory=dict)
     # optimisation
     steps: int = 600
     batch_size: int = 128
@@ -134,12 +138,25 @@ class TrainConfig:
             raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.text and (self.encoder.pixel_weight or self.encoder.colour_weight):
+        if self.text and (
+            self.encoder.pixel_weight or self.encoder.colour_weight or self.encoder.gradient_weight
+        ):
             raise ValueError(
-                "encoder.pixel_weight and colour_weight are for image search; image-text training ([text]) "
-                "needs 0"
+                "encoder.pixel_weight, colour_weight and gradient_weight are for image search; image-text "
+                "training ([text]) needs 0"
             )
         self.encoder.validate()
+        anchor_keys = {"pixel_weight", "colour_weight", "gradient_weight"}
+        if set(self.anchor_with_classes) - anchor_keys:
+            raise ValueError(
+                f"anchor_with_classes takes {sorted(anchor_keys)}, got {sorted(self.anchor_with_classes)}"
+            )
+        if self.anchor_with_classes:
+            if self.generator != "auto":
+                raise ValueError(
+                    'anchor_with_classes needs generator = "auto" (it applies when classes are found)'
+                )
+            replace(self.encoder, **self.anchor_with_classes).validate()
 
     def to_dict(self) -> dict:
         """JSON-able dict (tuples become lists)."""
@@ -147,11 +164,12 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] table and koleo 0 are left out, so runs hash as they did before they existed
+        # an empty [text] or [anchor_with_classes] table and koleo 0 are left out, so runs without them hash as
+        # they did before they existed
         return {
             k: v
             for k, v in self.to_dict().items()
-            if k not in RUNTIME_FIELDS and not (k in ("text", "koleo") and not v)
+            if k not in RUNTIME_FIELDS and not (k in ("text", "anchor_with_classes", "koleo") and not v)
         }
 
 

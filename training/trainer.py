@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -302,6 +302,9 @@ def _setup(config: TrainConfig, info: DistInfo, out: Path) -> _Run:
 
     seed_everything(config.seed)
     dataset, generator = build_data(config)
+    if config.anchor_with_classes and generator.name == "label":  # "auto" found class folders
+        config = replace(config, encoder=replace(config.encoder, **config.anchor_with_classes))
+        logger.info("class folders: anchor weights %s", config.anchor_with_classes)
     _report_skipped(dataset, out, info)
     if config.batch_size % info.world_size:
         raise ValueError(

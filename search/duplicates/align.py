@@ -28,8 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from search.duplicates.config import DedupConfig
+from search.duplicates.edits import BADGE_REACH, CAPTION_REACH
 
-FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
+FEATURES = ("ncc", "robust", "coverage", "stretch", "excess", "chroma")
+QUANT = 1.0  # grey levels^2: below this a residual or a detail energy is the thumbnail's rounding
 CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
@@ -159,9 +161,11 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, cell: int) -> 
     cells = side // cell
     mc = F.avg_pool2d(m.reshape(-1, 1, side, side), cell).flatten(1)  # share of each cell inside
     keep_c = ((mc > 0).sum(1) * (1 - TRIM)).round().long().clamp(min=1)
+    fixed = ~overlay_cells(cells).to(t.device).flatten()  # cells an overlay cannot reach: always kept
 
     def kept(res):
         r = F.avg_pool2d((res * m).reshape(-1, 1, side, side), cell).flatten(1) / mc.clamp(min=1e-6)
+        r = torch.where(fixed, torch.full_like(r, -1.0), r)
         order = torch.where(mc > 0, r, torch.full_like(r, float("inf"))).argsort(dim=1)
         rank = torch.empty_like(order)
         rank.scatter_(1, order, torch.arange(order.shape[1], device=t.device).expand_as(order))
@@ -171,12 +175,35 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, cell: int) -> 
     w2 = kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs())
     _, a2, c2 = ncc(w2)
     gain = (w2 * a2 * c2).sum(1) / ((w2 * c2 * c2).sum(1) + 1e-9)
-    robust = ncc(kept((a2 - gain[:, None] * c2).abs()))[0]
+    w3 = kept((a2 - gain[:, None] * c2).abs())
+    robust, a3, c3 = ncc(w3)
+    # what the map leaves unexplained on the kept pixels, against the template's own 1-pixel self-shift
+    # difference there (its fine detail at this scale): a copy leaves far less than that, a sibling texture
+    # or a redrawn part leaves about as much, a variant exact outside one region leaves nothing
+    n3 = w3.sum(1).clamp(min=1.0)
+    g3 = (w3 * a3 * c3).sum(1) / ((w3 * c3 * c3).sum(1) + 1e-9)
+    left = (w3 * (a3 - g3[:, None] * c3) ** 2).sum(1) / n3
+    img = tv.reshape(-1, side, side)
+    dx = F.pad((img[:, :, 1:] - img[:, :, :-1]) ** 2, (0, 1)).flatten(1)
+    dy = F.pad((img[:, 1:, :] - img[:, :-1, :]) ** 2, (0, 0, 0, 1)).flatten(1)
+    detail = (w3 * (dx + dy) / 2).sum(1) / n3
+    excess = (left + QUANT) / (detail + QUANT)
     det = (theta[:, 0, 0] * theta[:, 1, 1] - theta[:, 0, 1] * theta[:, 1, 0]).abs().clamp(min=1e-3)
     sx = theta[:, :, 0].norm(dim=1).clamp(min=1e-3)
     sy = theta[:, :, 1].norm(dim=1).clamp(min=1e-3)
     stretch = det.log().abs() + (sx / sy).log().abs()
-    return torch.stack([full, robust, m.mean(1), stretch], dim=1)
+    return torch.stack([full, robust, m.mean(1), stretch, excess], dim=1)
+
+
+def overlay_cells(cells: int) -> torch.Tensor:
+    """(cells, cells) bool: the cells of a picture's grid an overlay of edits.py can reach -- a caption along
+    the top or bottom edge, a badge in a corner (a look-alike's other letter or emblem in the middle of the
+    picture is then never dropped as if it were one)."""
+    start = torch.arange(cells, dtype=torch.float32) / cells  # each cell's nearest edge distance
+    near = torch.minimum(start, 1.0 - start - 1.0 / cells)
+    band = near < CAPTION_REACH
+    corner = near < BADGE_REACH
+    return band[:, None] | (corner[:, None] & corner[None, :])
 
 
 def _hann(side: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ class DedupConfig:
     colour_weight: weight of the descriptor's colour half (the 8 x 8 chroma layout) against its grey half.
     k_descriptor / k_embedding: candidate neighbours per item by descriptor and by the index's embeddings.
     calibration_items: items given a synthetic edited copy (the positives the classifier learns from).
+    copy_pairs: share of those positives that are two independent edits of one picture instead of a
+        picture and its edit (two copies of one original are a duplicate pair too, and look less alike).
     iterations: Gauss-Newton steps of the alignment at the coarse and at the fine level.
     zooms: zooms into the other picture the alignment's start tries, each with its shift by phase
         correlation: the scales from a copy onto its original that a crop of <= 20 % of the area, its
@@ -38,6 +40,7 @@ class DedupConfig:
     k_descriptor: int = 6
     k_embedding: int = 6
     calibration_items: int = 400
+    copy_pairs: float = 1 / 3
     iterations: tuple[int, int] = (16, 8)
     zooms: tuple[float, ...] = (1.0, 0.94, 0.88, 0.83, 0.78)
     cell: int = 4
@@ -80,6 +83,8 @@ class DedupConfig:
             raise ValueError("k_descriptor must be >= 1 and k_embedding >= 0")
         if self.calibration_items < 20:
             raise ValueError(f"calibration_items must be >= 20, got {self.calibration_items}")
+        if not 0.0 <= self.copy_pairs <= 1.0:
+            raise ValueError(f"copy_pairs must be in [0, 1], got {self.copy_pairs}")
         if len(self.iterations) != 2 or min(self.iterations) < 1:
             raise ValueError(f"iterations must be two positive counts, got {self.iterations}")
         if not self.zooms or not all(0.5 <= z <= 1.0 for z in self.zooms):

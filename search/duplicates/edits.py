@@ -18,6 +18,10 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 EDITS = ("jpeg", "resize", "crop", "rotate", "colour", "overlay")
 MAX_CROP = 0.2  # share of the area a crop may remove
 MAX_DEGREES = 5.0
+# how far from the picture's edge an overlay reaches (share of the side): a caption bar of <= 12 % of the
+# height within 5 % of the top or bottom, a badge of radius <= 15 % of the short side in a corner
+CAPTION_REACH = 0.12 + 0.05
+BADGE_REACH = 2 * 0.15 + 0.02
 
 
 def _crop(im: Image.Image, rng: np.random.Generator) -> Image.Image:

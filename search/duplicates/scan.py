@@ -136,12 +136,14 @@ def candidate_pairs(
     return pr[:, 0], pr[:, 1]
 
 
-def synthetic_positives(
+def synthetic_features(
     read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None
-) -> np.ndarray:
-    """Design rows of edited copies of the given rows against their originals (a quarter mirrored with
-    flips); `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail)."""
-    copies, copy_colours, used = [], [], []
+) -> tuple[np.ndarray, np.ndarray]:
+    """(align features, descriptor cosine) of edited copies of the given rows against their originals, or,
+    for a `copy_pairs` share of them, against a second, independent edit of the same picture (two copies
+    of one lost original are as much a duplicate pair as a copy and its original); a quarter mirrored with
+    flips; `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail)."""
+    left, left_colours, copies, copy_colours = [], [], [], []
     decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
         try:
@@ -152,23 +154,30 @@ def synthetic_positives(
             im = decoded[int(r)]
             data, _ = edited_copy(im, rng, flip=bool(config.flips and rng.random() < 0.25))
             g, c = thumbnail(data, config.thumb)
+            if rng.random() < config.copy_pairs:
+                first, _ = edited_copy(im, rng)
+                g0, c0 = thumbnail(first, config.thumb)
+                left.append(g0)
+                left_colours.append(chroma(c0))
+            else:
+                left.append(thumbs[int(r)])
+                left_colours.append(colours[int(r)])
             copies.append(g)
             copy_colours.append(chroma(c))
-            used.append(int(r))
             if rgb_out is not None:
                 rgb_out.append((int(r), thumbnail(data, 4, colour_side=config.copy_source)[1]))
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no synthetic copy of row %d: %s", r, err)
     if not copies:
-        return np.zeros((0, len(NAMES)))
-    c = np.stack(copies)
-    cc = np.stack(copy_colours)
-    used = np.asarray(used)
+        return np.zeros((0, len(NAMES) - 1), np.float32), np.zeros(0)
+    lt, lc = np.stack(left), np.stack(left_colours).astype(np.float32)
+    c, cc = np.stack(copies), np.stack(copy_colours)
+    k = np.arange(len(c))
     f = pair_features(
-        thumbs,
-        used,
-        np.arange(len(used)),
-        colours=colours,
+        lt,
+        k,
+        k,
+        colours=lc,
         other=c,
         other_colours=cc,
         iters=config.iterations,
@@ -176,12 +185,21 @@ def synthetic_positives(
         cell=config.cell,
         flips=config.flips,
     )
+    ld = search_descriptor(lt, lc, config.dct, config.colour_weight)
     cd = search_descriptor(c, cc, config.dct, config.colour_weight)
-    cos = np.einsum("ij,ij->i", desc[used], cd)
+    cos = np.einsum("ij,ij->i", ld, cd)
     if config.flips:
         flip = search_descriptor(c, cc, config.dct, config.colour_weight, flip=True)
-        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[used], flip))
-    return design(f, cos)
+        cos = np.maximum(cos, np.einsum("ij,ij->i", ld, flip))
+    return f, cos
+
+
+def synthetic_positives(
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None
+) -> np.ndarray:
+    """Design rows of `synthetic_features` (the positives the fit learns from)."""
+    f, cos = synthetic_features(read, rows, thumbs, colours, desc, config, rng, progress, rgb_out)
+    return design(f, cos) if len(f) else np.zeros((0, len(NAMES)))
 
 
 def pair_design(thumbs, colours, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from search.duplicates.config import DedupConfig
+from search.duplicates.model import NAMES
 from search.duplicates.copy_encoder import (
     CopyModel,
     em_prior,
@@ -197,7 +198,8 @@ def test_scan_with_the_copy_encoder_finds_planted_copies():
         assert record["copy_model"]["copy_recall"] == pytest.approx(scan.copy.copy_recall)
         assert (record["model"] is None) == (verifier == "encoder")
         if verifier == "both":
-            assert len(scan.model.knots) == 7 and scan.x.shape[1] == 7
+            width = len(NAMES) + 1  # the pixel stage's features, then the copy encoder's cosine
+            assert len(scan.model.knots) == width and scan.x.shape[1] == width
             assert len(found[verifier] & truth) >= 0.8 * len(truth)
     assert found["encoder"] and found["encoder"] <= truth
 
