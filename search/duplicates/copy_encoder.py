@@ -12,6 +12,10 @@ fitted without labels on held-apart synthetic copies (edits.py, the real edits: 
 rotation, colour, overlay, format), each a query twice: with its original among the candidates (the answer
 is the original) and without it (the answer is "none"); the share of items that have a copy, which sets
 `none`, is then re-estimated on the collection by EM (Saerens et al. 2002).
+
+Its limit (docs/results.md, "Near-duplicates: a trained copy detector"): a copy already stored in the
+collection is an item like any other, so training also separates it from its original; the longer the tower
+trains, the more copies it misses. Hence an option beside the alignment, not the default.
 """
 
 from __future__ import annotations
