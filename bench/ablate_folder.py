@@ -54,6 +54,8 @@ COLLECTIONS = {
     # MATE 48x48 icons by context folder: real files, identical files once (a folder of symlinks that
     # bench/ablate_folder.py's caller builds; see docs/results.md, "Quality without labels, round three")
     "mate": (os.environ.get("ABLATE_MATE", "/tmp/softsearch-ablate/mate-src"), "*", 15),
+    # elementary-xfce 48 px icons by context folder, built the same way (docs/results.md, round four)
+    "elementary": (os.environ.get("ABLATE_ELEMENTARY", "/tmp/softsearch-ablate/elementary-src"), "*", 15),
 }
 
 # config name -> (layout, changes to configs/folder.toml). "flat": no class folders; "classes": with them.
@@ -131,6 +133,18 @@ CONFIGS: dict[str, tuple[str, dict]] = {
             "generator_options.refresh_every": 50,
             "generator_options.crop_scale": [0.8, 1.0],
             "generator_options.translate": 0.05,
+        },
+    ),
+    # round four: the tower at the icons' own size, views that keep the layout
+    "encnb-64px-mild": (
+        "flat",
+        {
+            "generator": "neighbour",
+            "generator_options.space": "encoder",
+            "generator_options.refresh_every": 50,
+            "generator_options.crop_scale": [0.8, 1.0],
+            "generator_options.translate": 0.05,
+            "encoder.image_size": 64,
         },
     ),
     "bothnb": (
@@ -313,7 +327,13 @@ def run_one(
     # the tower alone ("trained", "init"): the anchor (grey pixels, colour) is scored after the fact
     # (anchored-w columns here, bench/ablate_colour.py for the colour part;
     # training does not depend on it, tests/training/test_trainer.py)
-    tower_alone = {"encoder.pixel_weight": None, "encoder.colour_weight": None, "encoder.colour_bins": None}
+    tower_alone = {
+        "encoder.pixel_weight": None,
+        "encoder.colour_weight": None,
+        "encoder.colour_bins": None,
+        "encoder.gradient_weight": None,
+        "anchor_with_classes": None,
+    }
     for k, v in {**tower_alone, **changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name

@@ -14,7 +14,7 @@ import logging
 import math
 import types
 import typing
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +69,16 @@ class TrainConfig:
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
+    # KoLeo spread term (training/regularizers.py) on each view's batch of embeddings, at this weight (SSCD's
+    # copy-detection recipe, configs/copy.toml); 0 = off
+    koleo: float = 0.0
     # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
     # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
     loss_sees_anchor: bool = False
+    # with generator "auto": the encoder's anchor weights (pixel_weight, colour_weight, gradient_weight) to
+    # use instead when the folder has class folders. A label-trained tower learns the classes themselves and
+    # wants less of the fixed parts beside it than a self-supervised one; empty -> [encoder] as written
+    anchor_with_classes: dict = field(default_factory=dict)
     # optimisation
     steps: int = 600
     batch_size: int = 128
@@ -114,7 +121,7 @@ class TrainConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg"):
+        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg", "koleo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -131,12 +138,25 @@ class TrainConfig:
             raise ValueError(f"cache_workers must be positive or unset, got {self.cache_workers}")
         if self.torch_threads is not None and self.torch_threads <= 0:
             raise ValueError(f"torch_threads must be positive, got {self.torch_threads}")
-        if self.text and (self.encoder.pixel_weight or self.encoder.colour_weight):
+        if self.text and (
+            self.encoder.pixel_weight or self.encoder.colour_weight or self.encoder.gradient_weight
+        ):
             raise ValueError(
-                "encoder.pixel_weight and colour_weight are for image search; image-text training ([text]) "
-                "needs 0"
+                "encoder.pixel_weight, colour_weight and gradient_weight are for image search; image-text "
+                "training ([text]) needs 0"
             )
         self.encoder.validate()
+        anchor_keys = {"pixel_weight", "colour_weight", "gradient_weight"}
+        if set(self.anchor_with_classes) - anchor_keys:
+            raise ValueError(
+                f"anchor_with_classes takes {sorted(anchor_keys)}, got {sorted(self.anchor_with_classes)}"
+            )
+        if self.anchor_with_classes:
+            if self.generator != "auto":
+                raise ValueError(
+                    'anchor_with_classes needs generator = "auto" (it applies when classes are found)'
+                )
+            replace(self.encoder, **self.anchor_with_classes).validate()
 
     def to_dict(self) -> dict:
         """JSON-able dict (tuples become lists)."""
@@ -144,9 +164,12 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] table is left out, so image-only runs hash as they did before it existed
+        # an empty [text] or [anchor_with_classes] table and koleo 0 are left out, so runs without them hash as
+        # they did before they existed
         return {
-            k: v for k, v in self.to_dict().items() if k not in RUNTIME_FIELDS and not (k == "text" and not v)
+            k: v
+            for k, v in self.to_dict().items()
+            if k not in RUNTIME_FIELDS and not (k in ("text", "anchor_with_classes", "koleo") and not v)
         }
 
 

@@ -105,24 +105,24 @@ def recipe_description(info: dict) -> str | None:
     tc = info.get("train_config") or {}
     enc = tc.get("encoder") or {}
     size, w, c = enc.get("image_size"), enc.get("pixel_weight") or 0, enc.get("colour_weight") or 0
+    e = enc.get("gradient_weight") or 0
     side, bins = enc.get("pixel_side", 32), enc.get("colour_bins", 4)
-    carries = " and ".join(
-        part
-        for part in (
-            f"{side}x{side} grey pixels at weight {w:g}" if w else "",
-            f"a colour histogram of {bins}x{bins}x{bins} bins at weight {c:g}" if c else "",
-        )
-        if part
-    )
+    grid, dirs = enc.get("gradient_grid", 4), enc.get("gradient_bins", 16)
+    parts = [
+        f"{side}x{side} grey pixels at weight {w:g}" if w else "",
+        f"a colour histogram of {bins}x{bins}x{bins} bins at weight {c:g}" if c else "",
+        f"gradient-orientation histograms ({dirs} directions, {grid}x{grid} cells) at weight {e:g}"
+        if e
+        else "",
+    ]
+    parts = [p for p in parts if p]
+    carries = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else "".join(parts)
+    anchor = f"pixel anchor {w:g}" + (f" + colour {c:g}" if c else "") + (f" + gradient {e:g}" if e else "")
     extra = [
         f"{size} px" if size else None,
         f"{tc['steps']} steps" if tc.get("steps") else None,
-        f"pixel anchor {w:g}"
-        + (f" + colour {c:g}" if c else "")
-        + f" (the embedding carries {carries} beside the tower's {1 - w - c:g})"
-        if w or c
-        else None,
-        "the loss saw the anchored embedding" if (w or c) and tc.get("loss_sees_anchor") else None,
+        f"{anchor} (the embedding carries {carries} beside the tower's {1 - w - c - e:g})" if parts else None,
+        "the loss saw the anchored embedding" if parts and tc.get("loss_sees_anchor") else None,
     ]
     return ", ".join([what] + [e for e in extra if e])
 

@@ -154,3 +154,83 @@ def test_colour_part_cosine_adds_the_centred_histogram_cosine(tmp_path):
     for bad in (dict(pixel_weight=0.6, colour_weight=0.4), dict(colour_weight=-0.1), dict(colour_bins=1)):
         with pytest.raises(ValueError, match="colour"):
             create_encoder(EncoderConfig(**bad))
+
+
+def _numpy_hog(x: np.ndarray, grid: int, bins: int) -> np.ndarray:
+    """Independent reference: 32x32 grey (channel mean, 2x2 area), edge-replicated central differences,
+    each pixel's magnitude in the nearest of `bins` signed directions by its angle (arctan2), summed per
+    cell, L2-normalised, square-rooted."""
+    g = x.mean(axis=1).reshape(len(x), 32, 2, 32, 2).mean(axis=(2, 4))
+    gp = np.pad(g, ((0, 0), (1, 1), (1, 1)), mode="edge")
+    gx, gy = gp[:, 1:-1, 2:] - gp[:, 1:-1, :-2], gp[:, 2:, 1:-1] - gp[:, :-2, 1:-1]
+    k = np.round(np.mod(np.arctan2(gy, gx), 2 * np.pi) / (2 * np.pi / bins)).astype(int) % bins
+    mag, cell = np.hypot(gx, gy), 32 // grid
+    h = np.zeros((len(x), bins, grid, grid))
+    for i in range(len(x)):
+        for yy in range(32):
+            for xx in range(32):
+                h[i, k[i, yy, xx], yy // cell, xx // cell] += mag[i, yy, xx]
+    h = h.reshape(len(x), -1)
+    return np.sqrt(h / np.linalg.norm(h, axis=1, keepdims=True))
+
+
+def test_gradient_part_adds_the_centred_orientation_histogram_cosine(tmp_path):
+    """gradient_weight e: inner products are (1 - w - c - e) tower + w grey + c colour + e x the cosine of
+    centred gradient-orientation histograms (counted here with arctan2 and loops); the centre is saved."""
+    from search.evaluation.baselines import centred_unit, raw_pixel_features
+    from training.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.manual_seed(2)
+    cfg = EncoderConfig(
+        width=8,
+        layers=(1, 1, 1, 1),
+        heads=2,
+        embed_dim=8,
+        image_size=64,
+        pixel_weight=0.2,
+        colour_weight=0.2,
+        gradient_weight=0.3,
+        gradient_grid=4,
+        gradient_bins=8,
+    )
+    enc = create_encoder(cfg).eval()
+    assert enc.embed_dim == 8 + 32 * 32 + 4**3 + 4 * 4 * 8
+    x = torch.rand(6, 3, 64, 64, dtype=torch.float64).float() * 2 - 1
+    x[1] = 0.25  # a flat image: no gradients anywhere, a zero histogram
+    x[2, :, :, :32], x[2, :, :, 32:] = 0.5, -1.0  # a vertical edge, bright to dark: direction pi only
+    some = [0, 2, 3, 4, 5]
+    ref = _numpy_hog(x[some].double().numpy(), 4, 8)
+    got = enc.gradient_histogram(x).double().numpy()
+    np.testing.assert_allclose(got[some], ref, atol=1e-5)
+    assert np.all(got[1] == 0)
+    # (bins, grid, grid) order: direction 4 of 8 (pi), the two columns of cells either side of the edge
+    assert sorted(np.flatnonzero(got[2])) == [4 * 16 + r * 4 + c for r in range(4) for c in (1, 2)]
+    enc.set_pixel_mean([x[:3], x[3:]])
+    z, t = enc(x).detach().double().numpy(), enc.tower_embed(x).detach().double().numpy()
+    p, _ = centred_unit(raw_pixel_features(x), raw_pixel_features(x))
+    rgb = ((x.numpy() + 1) / 2).transpose(0, 2, 3, 1).reshape(6, -1, 3)
+    hist = np.stack([np.histogramdd(v, bins=4, range=[(0, 1)] * 3)[0].ravel() for v in rgb]) / (64 * 64)
+    q, _ = centred_unit(np.sqrt(hist), np.sqrt(hist))
+    o, _ = centred_unit(got, got)
+    np.testing.assert_allclose(
+        z @ z.T, 0.3 * t @ t.T + 0.2 * p @ p.T + 0.2 * q @ q.T + 0.3 * o @ o.T, atol=5e-5
+    )
+    save_checkpoint(tmp_path / "g.safetensors", enc, step=0, train_config={}, lineage={}, metrics={})
+    back, _ = load_checkpoint(tmp_path / "g.safetensors")
+    np.testing.assert_allclose(back(x).detach().numpy(), z, atol=1e-6)
+    np.testing.assert_allclose(back.gradient_mean.numpy(), got.mean(axis=0), atol=1e-6)
+    alone = create_encoder(
+        EncoderConfig(width=8, layers=(1, 1, 1, 1), heads=2, embed_dim=8, gradient_weight=0.5)
+    )
+    assert (
+        alone.embed_dim == 8 + 4 * 4 * 16 and set(alone.state_dict()) & {"pixel_mean", "colour_mean"} == set()
+    )
+    for bad in (
+        dict(pixel_weight=0.3, colour_weight=0.3, gradient_weight=0.4),
+        dict(gradient_weight=-0.1),
+        dict(gradient_bins=1),
+        dict(gradient_grid=0),
+        dict(gradient_weight=0.2, gradient_grid=5),
+    ):
+        with pytest.raises(ValueError, match="gradient"):
+            create_encoder(EncoderConfig(**bad))

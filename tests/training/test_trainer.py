@@ -392,6 +392,69 @@ def test_folder_config_without_classes_trains_on_encoder_neighbours(tmp_path):
     np.testing.assert_allclose(weights["colour_mean"].numpy(), np.sqrt(hist).mean(axis=0), atol=1e-5)
 
 
+def test_folder_config_anchor_weights_follow_the_layout(tmp_path):
+    """configs/folder.toml's [anchor_with_classes]: with class folders (generator auto -> label) the served
+    embedding takes those weights, without them the [encoder] ones; both checkpoints carry the gradient
+    part's centre, the training images' mean orientation histogram."""
+    from PIL import Image
+
+    from training.trainer import build_data
+
+    rng = np.random.default_rng(1)
+    for layout in ("classes", "flat"):
+        for i in range(16):
+            sub = f"c{i % 2}/" if layout == "classes" else ""
+            path = tmp_path / layout / f"{sub}{i:02d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(path)
+    runs = {}
+    for layout in ("classes", "flat"):
+        cfg = load_train_config(
+            ROOT / "configs" / "folder.toml",
+            [
+                f'data_root="{tmp_path / layout}"',
+                f'out_dir="{tmp_path / ("run-" + layout)}"',
+                "steps=2",
+                "batch_size=8",
+                "warmup_steps=1",
+                "num_workers=0",
+                "cache_workers=1",
+                "progress=false",
+                f'cache_dir="{tmp_path / "cache"}"',
+                'device="cpu"',
+            ],
+        )
+        runs[layout] = (cfg, train(cfg))
+    cfg, _ = runs["flat"]
+    assert cfg.anchor_with_classes and cfg.encoder.gradient_weight > 0
+    expect = {
+        "classes": cfg.anchor_with_classes,
+        "flat": {k: getattr(cfg.encoder, k) for k in cfg.anchor_with_classes},
+    }
+    assert expect["classes"] != expect["flat"]
+    for layout, (cfg, ckpt) in runs.items():
+        enc, _ = load_checkpoint(ckpt)
+        assert {k: getattr(enc.config, k) for k in expect[layout]} == expect[layout]
+        meta = read_checkpoint_metadata(ckpt)
+        assert meta["lineage"]["generator"]["name"] == ("label" if layout == "classes" else "neighbour")
+        assert {k: meta["train_config"]["encoder"][k] for k in expect[layout]} == expect[layout]
+        ds, _ = build_data(cfg)
+        x = ds.tensors(np.arange(len(ds)))
+        torch.testing.assert_close(
+            enc.gradient_mean, enc.gradient_histogram(x).mean(dim=0), atol=1e-5, rtol=0
+        )
+    for bad, match in (
+        ({"anchor_with_classes": {"tower_weight": 0.5}}, "anchor_with_classes takes"),
+        ({"anchor_with_classes": {"pixel_weight": 0.2}, "generator": "neighbour"}, 'generator = "auto"'),
+        (
+            {"anchor_with_classes": {"pixel_weight": 0.6, "colour_weight": 0.5}, "generator": "auto"},
+            "colour_weight",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad).validate()
+
+
 def test_pixel_anchor_leaves_the_tower_training_unchanged(tmp_path):
     """encoder.pixel_weight > 0: the loss sees the tower alone, so the tower's weights equal a run without
     the anchor; the checkpoint carries the training images' mean grey thumbnail as the anchor's centre."""

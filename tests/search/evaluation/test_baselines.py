@@ -92,6 +92,20 @@ def test_verdict_names_the_recipe():
         "a colour histogram of 4x4x4 bins at weight 0.2 beside the tower's 0.4), "
         "the loss saw the anchored embedding"
     )
+    enc = {
+        "image_size": 32,
+        "pixel_weight": 0.25,
+        "colour_weight": 0.25,
+        "gradient_weight": 0.25,
+        "colour_bins": 8,
+    }
+    edged = {**info, "train_config": {"steps": 400, "encoder": enc}}
+    assert recipe_description(edged) == (
+        recipe
+        + ", pixel anchor 0.25 + colour 0.25 + gradient 0.25 (the embedding carries 32x32 grey pixels at "
+        "weight 0.25, a colour histogram of 8x8x8 bins at weight 0.25 and gradient-orientation histograms "
+        "(16 directions, 4x4 cells) at weight 0.25 beside the tower's 0.25)"
+    )
     rng = np.random.default_rng(4)
     base = rng.uniform(0.2, 0.5, 100)
     out = baseline_comparison({RAW_PIXELS: (base, base)}, (base + 0.1, base + 0.1), n_boot=200, recipe=recipe)

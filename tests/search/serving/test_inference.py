@@ -37,13 +37,25 @@ TOWERS = {
         colour_weight=0.3,
         colour_bins=8,
     ),
+    # ... and gradient-orientation histograms (a max, comparisons, a pooled sum)
+    "resnet-anchored-gradient": dict(
+        image_size=32,
+        width=32,
+        layers=(1, 1, 1, 1),
+        heads=4,
+        embed_dim=24,
+        pixel_weight=0.25,
+        colour_weight=0.25,
+        gradient_weight=0.25,
+        colour_bins=8,
+    ),
 }
 
 
 def _encoder(name: str, seed: int = 0):
     torch.manual_seed(seed)
     enc = create_encoder(EncoderConfig(**TOWERS[name]))
-    if enc.pixel_dim or enc.colour_dim:
+    if enc.has_anchor:
         enc.set_pixel_mean([_images(8, enc.image_size, seed=99)])
     return enc
 
