@@ -188,8 +188,8 @@ def overlay_cells(cells: int) -> torch.Tensor:
     """(cells, cells) bool: the cells of a picture's grid an overlay of edits.py can reach -- a caption along
     the top or bottom edge, a badge in a corner (a look-alike's other letter or emblem in the middle of the
     picture is then never dropped as if it were one)."""
-    start = torch.arange(cells, dtype=torch.float32) / cells  # each cell's nearest edge distance
-    near = torch.minimum(start, 1.0 - start - 1.0 / cells)
+    start = torch.arange(cells, dtype=torch.float32) / cells  # where each row (column) of cells begins
+    near = torch.minimum(start, 1.0 - start - 1.0 / cells)  # its nearest point's distance to an edge
     band = near < CAPTION_REACH
     corner = near < BADGE_REACH
     return band[:, None] | (corner[:, None] & corner[None, :])
