@@ -194,7 +194,10 @@ def create_app(settings: Settings, searcher: Searcher | None = None) -> FastAPI:
         release = {"auto": None, "release": True, "keep": False}[settings.mapped_pages]
         # several serving processes map one list-ordered copy of the rows instead of one copy each
         normaliser = NormaliserConfig(
-            method=settings.normaliser, release_pages=release, listed_shared=settings.workers > 1
+            method=settings.normaliser,
+            release_pages=release,
+            listed_shared=settings.workers > 1,
+            overlap=settings.normaliser_overlap == "on",
         )
         return Searcher(settings.index_root, device=settings.device, normaliser=normaliser)
 

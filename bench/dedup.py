@@ -7,8 +7,8 @@ overlay, format change). Truth: the planted pairs, plus files whose decoded pixe
 transitively. The scan runs at its label-free defaults (search/duplicates/scan.py). Reported: pair precision,
 recall, F1 over the pairs inside its groups (what a user gets), and over the kept pairs alone; the hashes at
 their usual cut-off and at their best cut-off in hindsight (chosen on the truth); ECE of the scan's pair
-probabilities (all scored pairs, and the pairs at p >= 0.05); recall per edit; the estimated share of items
-with a duplicate against the true one; seconds.
+probabilities (all aligned pairs, the pairs at p >= 0.05, and the pairs that hold a planted copy); recall
+per edit; the estimated share of items with a duplicate against the true one; seconds.
 
     .venv/bin/python bench/dedup.py --folder DIR --name NAME [--planted 0.2] [--max-items 1000]
 """
@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import time
 from collections import defaultdict
+from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 
@@ -121,6 +122,61 @@ def best_in_hindsight(dist: dict[frozenset, int], truth: set, max_d: int) -> tup
     return best
 
 
+def verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical) -> list:
+    """With verifier "both" (whose own figures are the softsearch rows: one fit on the pixel features and the
+    encoder's cosine): precision, recall, F1, ECE and per-edit recall of the pixel fit alone on the same
+    pairs, the copy encoder's none-softmax alone (its own candidates), the lower and the higher of the two."""
+    if "pixels" not in scan.parts:
+        return []
+    m = len(scan.parts["pixels"])
+    ia, ib = scan.a[m:], scan.b[m:]  # the identical pairs (p 1), kept by every variant
+    ea, eb, ep = scan.parts["encoder_a"], scan.parts["encoder_b"], scan.parts["encoder_p"]
+    pa, pb = scan.a[:m], scan.b[:m]
+    enc = dict(zip(zip(ea.tolist(), eb.tolist()), ep.tolist()))
+    pix = dict(zip(zip(pa.tolist(), pb.tolist()), scan.parts["pixels"].tolist()))
+    pix_enc = dict(zip(zip(pa.tolist(), pb.tolist()), scan.parts["encoder"].tolist()))
+    variants = {
+        "pixels alone": pix,
+        "encoder alone": enc,
+        "lower of pixels and encoder": {k: min(v, pix_enc[k]) for k, v in pix.items()},
+        "higher of pixels and encoder": {
+            k: max(pix.get(k, 0.0), enc.get(k, pix_enc.get(k, 0.0))) for k in set(pix) | set(enc)
+        },
+    }
+    out = []
+    for name, d in variants.items():
+        keys = list(d)
+        p = np.array([d[k] for k in keys])
+        kept = {frozenset(k) for k, q in zip(keys, p) if q >= threshold}
+        kept |= {frozenset((int(x), int(y))) for x, y in zip(ia, ib)}
+        found = truth_pairs(list(range(n)), {tuple(q) for q in kept})
+        pr, rc, f = scores(found, truth)
+        label = np.array([frozenset(k) in truth for k in keys])
+        out += [
+            row(f"{name}: precision", pr, "ratio", None),
+            row(f"{name}: recall", rc, "ratio", None),
+            row(f"{name}: F1", f, "ratio", None),
+            row(f"{name}: ECE (scored pairs)", expected_calibration_error(p, label), "ratio", None),
+        ]
+        per = defaultdict(list)
+        for a, c in planted:
+            for e in edits[c]:
+                per[e].append(frozenset((a, c)) in found)
+        out += [
+            row(f"{name}: recall, copies with {e}", float(np.mean(v)), "ratio", None)
+            for e, v in sorted(per.items())
+        ]
+    c = scan.copy
+    out += [
+        row("copy encoder: held-apart copies whose original is nearest", c.copy_top1, "ratio", None),
+        row("copy encoder: softmax scale", c.scale, "1/cos", None),
+        row("copy encoder: none logit", c.none, "logit", None),
+        row("copy encoder: share of items with a copy, EM", c.prior, "ratio", None),
+        row("copy encoder: final training loss", c.train_loss, "nats", None),
+    ]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--folder", required=True)
@@ -128,6 +184,16 @@ def main(argv=None) -> int:
     ap.add_argument("--planted", type=float, default=0.2)
     ap.add_argument("--max-items", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--verifier",
+        default="pixels",
+        choices=("pixels", "encoder", "both"),
+        help="what decides a pair (DedupConfig.verifier); with both, the pixel stage alone, the trained "
+        "copy encoder alone and their combinations are reported from the one scan",
+    )
+    ap.add_argument("--copy-steps", type=int, default=None, help="DedupConfig.copy_steps (default: its own)")
+    ap.add_argument("--copy-readout", default=None, choices=("softmax", "pair"))
+    ap.add_argument("--copy-koleo", type=float, default=None)
     ap.add_argument(
         "--dump",
         default=None,
@@ -158,9 +224,19 @@ def main(argv=None) -> int:
     n = len(sources)
     neighbours = None
     t0 = time.perf_counter()
-    scan = scan_collection(lambda r: sources[r], n, DedupConfig(), neighbours=neighbours, progress=True)
+    over = {
+        k: v
+        for k, v in (
+            ("copy_steps", args.copy_steps),
+            ("copy_readout", args.copy_readout),
+            ("copy_koleo", args.copy_koleo),
+        )
+        if v is not None
+    }
+    config = replace(DedupConfig(), verifier=args.verifier, **over)
+    scan = scan_collection(lambda r: sources[r], n, config, neighbours=neighbours, progress=True)
     seconds = time.perf_counter() - t0
-    threshold = DedupConfig().threshold
+    threshold = config.threshold
     keep = scan.p >= threshold
     direct = {frozenset((int(a), int(b))) for a, b in zip(scan.a[keep], scan.b[keep])}
     # what a user gets is groups: every pair inside a group is a duplicate pair (the hashes, thresholded on
@@ -174,9 +250,25 @@ def main(argv=None) -> int:
     aligned = ~scan.identical
     ece_all = expected_calibration_error(scan.p[aligned], label[aligned])
     if args.dump:
-        np.savez(args.dump, x=scan.x, positives=scan.positives_x, label=label[aligned], p=scan.p[aligned])
+        extra = {}
+        if scan.parts:
+            ea, eb = scan.parts["encoder_a"], scan.parts["encoder_b"]
+            extra = {f"part_{k}": v for k, v in scan.parts.items()}
+            extra["part_encoder_label"] = np.array(
+                [frozenset((int(a), int(b))) in truth for a, b in zip(ea, eb)]
+            )
+            extra["part_a"], extra["part_b"] = scan.a, scan.b
+        np.savez(
+            args.dump, x=scan.x, positives=scan.positives_x, label=label[aligned], p=scan.p[aligned], **extra
+        )
     sure = aligned & (scan.p >= 0.05)
     ece_sure = expected_calibration_error(scan.p[sure], label[sure])
+    # the issue's reading: the aligned pairs that hold a planted copy (copy and original, two copies, or a
+    # copy and a look-alike)
+    copies = np.zeros(n, bool)
+    copies[list(edits)] = True
+    on_copies = aligned & (copies[scan.a] | copies[scan.b])
+    ece_copies = expected_calibration_error(scan.p[on_copies], label[on_copies])
     has_dup = np.zeros(n, bool)
     for pair in truth:
         has_dup[list(pair)] = True
@@ -191,6 +283,7 @@ def main(argv=None) -> int:
         row("pairs joined as identical pictures (digest)", float(scan.identical.sum()), "pairs", None),
         row("softsearch ECE (all aligned pairs)", ece_all, "ratio", None),
         row("softsearch ECE (pairs at p >= 0.05)", ece_sure, "ratio", None),
+        row("softsearch ECE (aligned pairs with a planted copy)", ece_copies, "ratio", None),
         row("share of items with a duplicate, estimated", scan.share_items, "ratio", float(has_dup.mean())),
         row("softsearch seconds (end to end)", seconds, "s", None),
         *[row(f"softsearch seconds: {k}", v, "s", None) for k, v in scan.seconds.items()],
@@ -207,6 +300,7 @@ def main(argv=None) -> int:
             float(label[aligned].mean()) if aligned.any() else None,
         ),
     ]
+    rows += verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical=scan.identical)
     per_edit = defaultdict(list)
     for a, c in planted:
         for e in edits[c]:

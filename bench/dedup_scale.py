@@ -7,7 +7,7 @@ copies, the positive-unlabelled fit of search/duplicates/model.py), which report
 stage, its CPU seconds (the machine's load beside it), its peak RSS and the planted pairs it found.
 Targets: 10^3 in <= 60 s and 10^4 in <= 300 s on the 2-core machine.
 
-    .venv/bin/python bench/dedup_scale.py [--sizes 1000 10000]
+    .venv/bin/python bench/dedup_scale.py [--sizes 1000 10000] [--verifier pixels|encoder|both]
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ def generate(n: int, seed: int = 0) -> tuple[list[bytes], list[tuple[int, int]]]
     return out, pairs
 
 
-def child(n: int) -> dict:
+def child(n: int, verifier: str = "pixels") -> dict:
+    from search.duplicates.config import DedupConfig
     from search.duplicates.scan import scan_collection
 
     sources, pairs = generate(n)
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
-    scan = scan_collection(lambda r: sources[r], n, progress=True)
+    scan = scan_collection(lambda r: sources[r], n, DedupConfig(verifier=verifier), progress=True)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     found = {(int(a), int(b)) for a, b, p in zip(scan.a, scan.b, scan.p) if p >= 0.5}
     hits = sum((a, b) in found for a, b in pairs)
@@ -82,15 +83,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 10000])
     ap.add_argument("--name", default="dedup_scale", help="results file name (bench/results/NAME.json)")
+    ap.add_argument("--verifier", default="pixels", choices=("pixels", "encoder", "both"))
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(child(args.child)))
+        print("RESULT " + json.dumps(child(args.child, args.verifier)))
         return 0
     rows = []
     for n in args.sizes:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", str(n)],
+            [sys.executable, __file__, "--child", str(n), "--verifier", args.verifier],
             capture_output=True,
             text=True,
             env=os.environ,

@@ -154,6 +154,8 @@ def softsearch_server(
     normaliser: str = "exact",
     workers: int = 1,
     linger_ms: float | str = "auto",
+    overlap: str = "off",
+    balance: str = "on",
 ):
     from api.launch import serve_process
 
@@ -171,6 +173,10 @@ def softsearch_server(
         batch_workers,
         "--batch-linger-ms",
         linger_ms,
+        "--normaliser-overlap",
+        overlap,
+        "--balance-connections",
+        balance,
         torch_threads=1,
         timeout_s=300,
         ready=_all_workers_ready(workers),
@@ -234,15 +240,51 @@ def _ready(path: str):
     return http_ready(path)
 
 
+def fill_chroma(path: Path, base: np.ndarray, batch: int = 4096) -> float | None:
+    """Add to collection `bench` of the persistent Chroma directory `path` the rows of `base` it lacks (ids
+    are row numbers), a chunk at a time through Chroma's in-process client, logging progress: an interrupted
+    fill resumes where it stopped. Returns the seconds spent adding, None when nothing was missing."""
+    import chromadb
+
+    client = chromadb.PersistentClient(path=str(path))
+    col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
+    have = col.count()
+    if have == base.shape[0]:
+        return None
+    batch = min(batch, client.get_max_batch_size())
+    logger.info("chroma %s: %d of %d rows present, adding the rest", path, have, base.shape[0])
+    t0, added = time.perf_counter(), 0
+    for start in range(0, base.shape[0], batch):
+        stop = min(base.shape[0], start + batch)
+        ids = [str(i) for i in range(start, stop)]
+        present = set(col.get(ids=ids, include=[])["ids"]) if have else set()
+        missing = [i for i in range(start, stop) if str(i) not in present]
+        if missing:
+            col.add(ids=[str(i) for i in missing], embeddings=base[missing])
+            added += len(missing)
+            dt = time.perf_counter() - t0
+            logger.info(
+                "chroma fill: %d / %d rows (%.0f rows/s, %.0f s left at this rate)",
+                stop,
+                base.shape[0],
+                added / dt,
+                (base.shape[0] - stop) / max(added / dt, 1e-9),
+            )
+    return time.perf_counter() - t0
+
+
 @contextlib.contextmanager
-def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
-    """Chroma's server over a persistent directory holding collection `bench` (filled here when it does not
-    hold all the rows yet). Yields (server, collection id, fill seconds or None when reused)."""
+def chroma_server(work: Path, base: np.ndarray):
+    """Chroma's server over a persistent directory holding collection `bench` (its missing rows added first,
+    `fill_chroma`). Yields (server, collection id, fill seconds or None when nothing was added)."""
     import chromadb
 
     from api.launch import free_port, server_process
 
     path = work / f"chroma_{base.shape[0]}x{base.shape[1]}"
+    fill_s = fill_chroma(path, base)
+    if fill_s is not None:
+        logger.info("chroma: rows added in %.0f s", fill_s)
     port = free_port()
     argv = [
         shutil.which("chroma") or str(Path(sys.executable).parent / "chroma"),
@@ -256,17 +298,9 @@ def chroma_server(work: Path, base: np.ndarray, batch: int = 4096):
     ]
     with server_process(argv, port, ready=_ready("/api/v2/heartbeat"), timeout_s=300) as server:
         client = chromadb.HttpClient(host="127.0.0.1", port=port)
-        col = client.get_or_create_collection("bench", metadata={"hnsw:space": "cosine"})
-        fill_s = None
+        col = client.get_collection("bench")
         if col.count() != base.shape[0]:
-            client.delete_collection("bench")
-            col = client.create_collection("bench", metadata={"hnsw:space": "cosine"})
-            t0 = time.perf_counter()
-            for start in range(0, base.shape[0], batch):
-                stop = min(base.shape[0], start + batch)
-                col.add(ids=[str(i) for i in range(start, stop)], embeddings=base[start:stop])
-            fill_s = time.perf_counter() - t0
-            logger.info("chroma: %d rows added in %.0f s", base.shape[0], fill_s)
+            raise RuntimeError(f"chroma {path}: {col.count()} rows, expected {base.shape[0]}")
         yield server, str(col.id), fill_s
 
 
@@ -394,6 +428,22 @@ def main(argv: list[str] | None = None) -> int:
         "system runs with each",
     )
     p.add_argument(
+        "--overlap",
+        nargs="+",
+        default=["off"],
+        choices=("on", "off"),
+        help="softsearch's serve --normaliser-overlap (default off); both: each softsearch system runs "
+        "with each",
+    )
+    p.add_argument(
+        "--balance",
+        nargs="+",
+        default=["on"],
+        choices=("on", "off"),
+        help="softsearch's serve --balance-connections (default on); both: each softsearch system runs "
+        "with each",
+    )
+    p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
     )
     p.add_argument(
@@ -406,7 +456,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ann-params", type=json.loads, default=None, help="index params as JSON, e.g. '{\"nlist\": 1024}'"
     )
-    p.add_argument("--work", type=Path, default=Path("/tmp/softsearch_vectordb"))
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/softsearch_vectordb"),
+        help="folder of the stores and Chroma's directory, kept and reused between runs",
+    )
+    p.add_argument(
+        "--fill-only",
+        action="store_true",
+        help="only build the softsearch store and add Chroma's missing rows (resumable), then exit",
+    )
     p.add_argument("--name", default="vs_vectordb")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -434,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
         root = ann_root
     else:
         root, base, queries = flat_store(args.work, args.n, args.dim, args.clusters, args.queries)
+    if args.fill_only:
+        if "chroma" in args.systems:
+            fill_chroma(args.work / f"chroma_{base.shape[0]}x{base.shape[1]}", base)
+        logger.info("filled: store %s%s", root, ", chroma" if "chroma" in args.systems else "")
+        return 0
     truth = exact_top(base, queries, args.k)
     from index.store import IndexStore
 
@@ -441,20 +506,29 @@ def main(argv: list[str] | None = None) -> int:
     json_bodies = [json.dumps({"vector": q.tolist(), "k": args.k}).encode() for q in queries]
     results: dict[str, dict] = {}
     notes: dict[str, str] = {}
-    variants = [(w, b, g) for w in args.workers for b in args.batch_workers for g in args.batch_linger_ms]
+    variants = [
+        (w, b, g, o, bal)
+        for w in args.workers
+        for b in args.batch_workers
+        for g in args.batch_linger_ms
+        for o in args.overlap
+        for bal in args.balance
+    ]
 
-    def label_of(system: str, w: int, b, g: str) -> str:
+    def label_of(system: str, w: int, b, g: str, o: str, bal: str) -> str:
         if len(variants) == 1 or not system.startswith("softsearch"):
             return system
         linger = f" linger{g}" if len(args.batch_linger_ms) > 1 or g != "auto" else ""
-        return f"{system} w{w} bw{b}{linger}"
+        over = f" overlap-{o}" if len(args.overlap) > 1 else ""
+        bal_ = f" balance-{bal}" if len(args.balance) > 1 else ""
+        return f"{system} w{w} bw{b}{linger}{over}{bal_}"
 
     runs = [
-        (label_of(s, w, b, g), s, w, b, g)
+        (label_of(s, w, b, g, o, bal), s, w, b, g, o, bal)
         for s in args.systems
-        for w, b, g in (variants if s.startswith("softsearch") else [(1, 1, "auto")])
+        for w, b, g, o, bal in (variants if s.startswith("softsearch") else [(1, 1, "auto", "off", "on")])
     ]
-    for label, system, workers, batch_workers, linger_ms in runs:
+    for label, system, workers, batch_workers, linger_ms, overlap, balance in runs:
         logger.info("%s ...", label)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
@@ -466,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.ann_normaliser if ann else "exact",
                 workers,
                 linger_ms,
+                overlap,
+                balance,
             ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
@@ -599,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.n} x {args.dim}, {args.clusters} clusters, {args.queries} held-out queries, k={args.k}, "
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
             f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
-            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)}; "
+            f"--batch-linger-ms {'/'.join(args.batch_linger_ms)} "
+            f"--normaliser-overlap {'/'.join(args.overlap)} --balance-connections {'/'.join(args.balance)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),

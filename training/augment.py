@@ -20,7 +20,7 @@ from training.transforms import MEAN, STD, resize_center_crop
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AugmentConfig", "sample_params", "apply_params", "random_augment"]
+__all__ = ["AugmentConfig", "sample_params", "apply_params", "random_augment", "overlay_mask"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class AugmentConfig:
     grey_p: float = 0.0  # probability of turning the view grey
     blur_p: float = 0.0  # probability of a 3x3 binomial blur
     rotate: float = 0.0  # rotation, uniform in +-degrees
+    # probability of an overlay drawn over the view: a caption bar (30-70 % of the width, 6-12 % of the
+    # height, at the top or bottom) or a round badge (radius 8-15 % of the side, in a corner), one random
+    # colour -- the "text or logo" edit of a copy (the `copy` recipe's positives)
+    overlay_p: float = 0.0
 
     def __post_init__(self) -> None:
         lo, hi = self.crop_scale
@@ -51,7 +55,7 @@ class AugmentConfig:
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {v}")
-        for name in ("saturation", "grey_p", "blur_p"):
+        for name in ("saturation", "grey_p", "blur_p", "overlay_p"):
             v = getattr(self, name)
             if not 0 <= v <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {v}")
@@ -93,7 +97,38 @@ def sample_params(
         out["blur"] = (rng.random(n) < config.blur_p).astype(np.float64)
     if config.rotate > 0:
         out["angle"] = np.radians(rng.uniform(-config.rotate, config.rotate, size=n))
+    if config.overlay_p > 0:
+        out["overlay"] = (rng.random(n) < config.overlay_p).astype(np.float64)
+        out["overlay_bar"] = (rng.random(n) < 0.5).astype(np.float64)  # else a badge
+        bar_w = rng.uniform(0.3, 0.7, size=n)
+        out["overlay_w"], out["overlay_h"] = bar_w, rng.uniform(0.06, 0.12, size=n)
+        out["overlay_x"] = rng.uniform(0.0, 1.0, size=n) * (1.0 - bar_w)
+        out["overlay_top"] = (rng.random(n) < 0.3).astype(np.float64)
+        out["overlay_r"] = rng.uniform(0.08, 0.15, size=n)
+        out["overlay_right"] = (rng.random(n) < 0.5).astype(np.float64)
+        out["overlay_low"] = (rng.random(n) < 0.5).astype(np.float64)
+        for c in range(3):
+            out[f"overlay_c{c}"] = rng.random(n)
     return out
+
+
+def overlay_mask(params: dict[str, torch.Tensor], side: int) -> torch.Tensor:
+    """(B, side, side) 0/1 mask of each view's overlay (zero where `overlay` is 0), from `sample_params`'
+    overlay_* parameters in fractions of the side: a bar [x, x + w] x [y, y + h] with y at the top or the
+    bottom edge, or a disc of radius r whose centre is r in from a corner."""
+    dt, dev = params["overlay"].dtype, params["overlay"].device
+    u = (torch.arange(side, dtype=dt, device=dev) + 0.5) / side  # pixel centres in [0, 1]
+    col, row = u.view(1, 1, side), u.view(1, side, 1)
+    p = {k: v.view(-1, 1, 1) for k, v in params.items() if k.startswith("overlay")}
+    y0 = torch.where(p["overlay_top"] > 0, torch.zeros_like(p["overlay_h"]), 1.0 - p["overlay_h"])
+    bar = (col >= p["overlay_x"]) & (col <= p["overlay_x"] + p["overlay_w"])
+    bar = bar & (row >= y0) & (row <= y0 + p["overlay_h"])
+    r = p["overlay_r"]
+    cx = torch.where(p["overlay_right"] > 0, 1.0 - r, r)
+    cy = torch.where(p["overlay_low"] > 0, 1.0 - r, r)
+    disc = (col - cx) ** 2 + (row - cy) ** 2 <= r**2
+    shape = torch.where(p["overlay_bar"] > 0, bar, disc)
+    return (shape & (p["overlay"] > 0)).to(dt)
 
 
 def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int | None = None) -> torch.Tensor:
@@ -146,6 +181,10 @@ def apply_params(x: torch.Tensor, params: dict[str, np.ndarray], out_size: int |
         blurred = F.conv2d(F.pad(pix, (1, 1, 1, 1), mode="replicate"), kernel, groups=pix.shape[1])
         w = p["blur"].view(b, 1, 1, 1)
         pix = w * blurred + (1.0 - w) * pix
+    if "overlay" in p:
+        m = overlay_mask(p, pix.shape[-1]).unsqueeze(1)  # (B, 1, S, S)
+        colour = torch.stack([p[f"overlay_c{c}"] for c in range(3)], dim=1).view(b, 3, 1, 1)
+        pix = m * colour[:, : pix.shape[1]] + (1.0 - m) * pix
     return ((pix.clamp(0.0, 1.0) - MEAN) / STD).contiguous()
 
 

@@ -69,6 +69,9 @@ class TrainConfig:
     # vanishing Gaussianity regulariser alpha_t (E|h|^2 - log det Cov h), alpha_t = alpha_0/(1 + t/decay)
     gaussian_reg: float = 0.0
     gaussian_reg_decay: float = 500.0
+    # KoLeo spread term (training/regularizers.py) on each view's batch of embeddings, at this weight (SSCD's
+    # copy-detection recipe, configs/copy.toml); 0 = off
+    koleo: float = 0.0
     # with a pixel anchor (encoder.pixel_weight > 0): the loss sees the served (anchored) embedding, so
     # the tower learns what the pixels miss; False: the tower alone (its weights do not depend on the anchor)
     loss_sees_anchor: bool = False
@@ -118,7 +121,7 @@ class TrainConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg"):
+        for name in ("warmup_steps", "num_workers", "weight_decay", "gaussian_reg", "koleo"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -161,12 +164,12 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] or [anchor_with_classes] table is left out, so runs without one hash as they did
-        # before it existed
+        # an empty [text] or [anchor_with_classes] table and koleo 0 are left out, so runs without them
+        # hash as they did before they existed
         return {
             k: v
             for k, v in self.to_dict().items()
-            if k not in RUNTIME_FIELDS and not (k in ("text", "anchor_with_classes") and not v)
+            if k not in RUNTIME_FIELDS and not (k in ("text", "anchor_with_classes", "koleo") and not v)
         }
 
 

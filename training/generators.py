@@ -277,6 +277,7 @@ class InstanceGenerator(PositiveGenerator):
         grey_p: float = 0.0,
         blur_p: float = 0.0,
         rotate: float = 0.0,
+        overlay_p: float = 0.0,
     ):
         self.aug = AugmentConfig(
             crop_scale=tuple(crop_scale),
@@ -289,11 +290,14 @@ class InstanceGenerator(PositiveGenerator):
             grey_p=grey_p,
             blur_p=blur_p,
             rotate=rotate,
+            overlay_p=overlay_p,
         )
 
     def options(self) -> dict[str, Any]:
         a = self.aug
+        extra = {"overlay_p": a.overlay_p} if a.overlay_p else {}  # older configs' options read as before
         return {
+            **extra,
             "crop_scale": list(a.crop_scale),
             "crop_ratio": list(a.crop_ratio),
             "flip_p": a.flip_p,

@@ -33,3 +33,16 @@ def vanishing_weight(step: int, alpha0: float, decay_steps: float) -> float:
     if alpha0 < 0 or decay_steps <= 0:
         raise ValueError(f"need alpha0 >= 0 and decay_steps > 0, got {alpha0}, {decay_steps}")
     return alpha0 / (1.0 + step / decay_steps)
+
+
+def koleo(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """KoLeo spread term (Sablayrolles et al. 2019, SSCD's entropy regulariser): -mean_i log(min_{j != i}
+    |z_i - z_j| + eps) over a batch (B, D) of embeddings -- large when two rows nearly coincide, so adding it
+    to a contrastive loss spreads the embeddings (the Kozachenko-Leonenko entropy estimate, up to
+    constants)."""
+    if z.dim() != 2 or z.shape[0] < 2:
+        raise ValueError(f"need a (B, D) batch with B >= 2, got shape {tuple(z.shape)}")
+    sq = (z * z).sum(1)
+    d2 = (sq[:, None] + sq[None, :] - 2.0 * z @ z.T).clamp_min(0.0)  # (B, B) squared distances
+    d2 = d2 + torch.diag(torch.full((z.shape[0],), float("inf"), dtype=z.dtype, device=z.device))
+    return -torch.log((d2.min(dim=1).values + eps * eps).sqrt() + eps).mean()

@@ -56,7 +56,7 @@ from training.distributed import (
 )
 from training.encoder import Encoder, create_encoder
 from training.losses import ContrastiveLoss, LossOutput, contrastive_similarities, create_loss
-from training.regularizers import gaussian_regularizer, vanishing_weight
+from training.regularizers import gaussian_regularizer, koleo, vanishing_weight
 from training.train_args import build_parser
 
 logger = logging.getLogger(__name__)
@@ -157,6 +157,7 @@ def contrastive_step(
     info: DistInfo,
     reg_weight: float = 0.0,
     sees_anchor: bool = False,
+    koleo_weight: float = 0.0,
 ) -> LossOutput:
     """Forward pass + loss for this rank's n pairs (the full batch when single-process).
 
@@ -183,6 +184,9 @@ def contrastive_step(
             out.loss + reg_weight * reg.to(out.loss.dtype),
             {**out.stats, "gaussian_reg": float(reg.detach()), "gaussian_reg_weight": reg_weight},
         )
+    if koleo_weight > 0:  # on this rank's rows of each view
+        spread = 0.5 * (koleo(z_local[:n]) + koleo(z_local[n:]))
+        out = LossOutput(out.loss + koleo_weight * spread, {**out.stats, "koleo": float(spread.detach())})
     return out
 
 
@@ -588,7 +592,15 @@ def _train(config: TrainConfig, info: DistInfo, resume: bool) -> Path:
                 else 0.0
             )
             out_loss = contrastive_step(
-                run.model, run.loss_fn, view_a, view_b, tau, info, reg_weight, config.loss_sees_anchor
+                run.model,
+                run.loss_fn,
+                view_a,
+                view_b,
+                tau,
+                info,
+                reg_weight,
+                config.loss_sees_anchor,
+                config.koleo,
             )
             if not torch.isfinite(out_loss.loss):
                 raise FloatingPointError(f"loss became {float(out_loss.loss)} at step {step}")

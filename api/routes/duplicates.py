@@ -71,7 +71,7 @@ def duplicates(
         max_probability=data["max_probability"],
         notes=data["notes"],
         collection_share=data["collection_share"],
-        copy_recall=data["model"]["copy_recall"],
+        copy_recall=(data["model"] or data.get("copy_model") or {}).get("copy_recall", float("nan")),
         skipped=data["skipped"],
         identical_pairs=data.get("identical_pairs", 0),
         baselines=data.get("baselines", []),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from search.duplicates.config import DedupConfig
+from search.duplicates.config import VERIFIERS, DedupConfig
 from training.cli_parser import CommandParser
 
 
@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.calibration_items,
         help="items given a synthetic edited copy to fit the classifier on",
+    )
+    p.add_argument(
+        "--verifier",
+        choices=VERIFIERS,
+        default=d.verifier,
+        help="what decides a pair: pixels (alignment and a fit on the collection), encoder (a copy "
+        "detector trained on the collection, a softmax with a 'none' option), both (one fit on both)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--out", default=None, help="also write the JSON here")

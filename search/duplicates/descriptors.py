@@ -26,12 +26,23 @@ def thumbnail(source, side: int, colour_side: int = 16) -> tuple[np.ndarray, np.
 def thumbnail_and_digest(source, side: int, colour_side: int = 16) -> tuple[np.ndarray, np.ndarray, bytes]:
     """`thumbnail`'s two arrays and a digest of the decoded pixels (shape and values): equal digests are
     identical pictures, whatever their names or containers."""
+    return thumbnails_digest_rgb(source, side, colour_side, 0)[:3]
+
+
+def thumbnails_digest_rgb(source, side: int, colour_side: int = 16, rgb_side: int = 0):
+    """`thumbnail_and_digest`'s three and, when rgb_side > 0, the (rgb_side, rgb_side, 3) uint8 colour
+    thumbnail the copy encoder reads (else None), from one decode."""
     pixels = load_rgb(source, min_side=2 * side)
     digest = hashlib.blake2b(str(pixels.shape).encode() + pixels.tobytes(), digest_size=16).digest()
     rgb = Image.fromarray(pixels)
     grey = rgb.convert("L").resize((side, side), Image.BILINEAR, reducing_gap=2.0)
     colour = rgb.resize((colour_side, colour_side), Image.BILINEAR, reducing_gap=2.0)
-    return np.asarray(grey, dtype=np.uint8), np.asarray(colour, dtype=np.uint8), digest
+    big = (
+        np.asarray(rgb.resize((rgb_side, rgb_side), Image.BILINEAR, reducing_gap=2.0), dtype=np.uint8)
+        if rgb_side
+        else None
+    )
+    return np.asarray(grey, dtype=np.uint8), np.asarray(colour, dtype=np.uint8), digest, big
 
 
 def identical_groups(keys: list) -> np.ndarray:

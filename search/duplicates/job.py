@@ -124,14 +124,15 @@ def result_of(
         "identical_pairs": int(scan.identical.sum()) if scan.identical is not None else 0,
         "baselines": compared,
         "collection_share": scan.share_items,
-        "pair_share": scan.model.share,
-        "model": scan.model.to_json(),
+        "pair_share": scan.model.share if scan.model is not None else None,
+        "model": scan.model.to_json() if scan.model is not None else None,
+        "copy_model": scan.copy.to_json() if scan.copy is not None else None,
         "config": config.to_json(),
         "skipped": [{"id": ids[r], "error": e} for r, e in sorted(scan.skipped.items())],
         "seconds": scan.seconds,
         "histogram": np.histogram(scan.p, bins=20, range=(0, 1))[0].tolist(),
         "copy_probabilities": scan.model.probability(scan.positives_x).tolist()
-        if scan.positives_x is not None and len(scan.positives_x)
+        if scan.model is not None and scan.positives_x is not None and len(scan.positives_x)
         else [],
     }
 
@@ -144,8 +145,8 @@ def latest_scan(store: IndexStore):
             continue
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            if data.get("format") != FORMAT:
-                continue
+            if data.get("format") != FORMAT or data["config"].get("verifier", "pixels") != "pixels":
+                continue  # a scan with the copy encoder: its tower is not kept, new items cannot be scored
             return (
                 version,
                 DuplicateModel.from_json(data["model"]),
@@ -229,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threshold is not None and args.precision is not None:
         raise ValueError("give --threshold or --precision, not both")
     config = replace(
-        DedupConfig(), flips=args.flips, calibration_items=args.calibration_items, seed=args.seed
+        DedupConfig(),
+        flips=args.flips,
+        calibration_items=args.calibration_items,
+        seed=args.seed,
+        verifier=args.verifier,
     )
     root = require_store(args.index)
     store = IndexStore(root)

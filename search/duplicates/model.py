@@ -42,6 +42,12 @@ SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
 MIN_SHARE = 1e-6
 
 
+def signs(columns: int) -> np.ndarray:
+    """SIGN for a design of `columns` columns: columns past NAMES (the copy encoder's cosine with verifier
+    "both") are "larger is more alike"."""
+    return np.r_[SIGN, np.ones(max(0, columns - len(SIGN)))]
+
+
 def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
     """(n, len(NAMES)) model inputs: correlations as Fisher z (a copy's 0.995 and 0.9995 differ as much
     as 0.9 and 0.99 do), the chroma residual as a log, coverage and stretch as they are."""
@@ -55,14 +61,14 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
 def knots_of(x: np.ndarray, segments: int) -> list[np.ndarray]:
     """Per feature, the increasing knots of its piecewise-linear function (quantiles of the signed values;
     a feature with a single value gets no piece)."""
-    sx = np.asarray(x, np.float64) * SIGN
+    sx = np.asarray(x, np.float64) * signs(np.shape(x)[1])
     return [np.unique(np.quantile(sx[:, j], np.linspace(0, 1, segments + 1))) for j in range(sx.shape[1])]
 
 
 def basis(x: np.ndarray, knots: list[np.ndarray]) -> np.ndarray:
     """(n, pieces) how far each pair's signed feature runs through each piece, 0..1: with non-negative
     weights any sum of these is non-decreasing in every signed feature (and flat past the outer knots)."""
-    sx = np.asarray(x, np.float64) * SIGN
+    sx = np.asarray(x, np.float64) * signs(np.shape(x)[1])
     cols = []
     for j, k in enumerate(knots):
         if k.size > 1:
@@ -142,8 +148,8 @@ class DuplicateModel:
 
     def to_json(self) -> dict:
         return {
-            "features": list(NAMES),
-            "sign": SIGN.tolist(),
+            "features": list(NAMES) + ["encoder"] * (len(self.knots) - len(NAMES)),
+            "sign": signs(len(self.knots)).tolist(),
             "knots": [k.tolist() for k in self.knots],
             "coef": self.coef.tolist(),
             "share": self.share,

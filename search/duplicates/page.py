@@ -79,13 +79,21 @@ def render_page(result: dict, snapshot) -> str:
         f"<p>{len(result['groups'])} groups ({sum(len(g['ids']) for g in result['groups'])} of "
         f"{result['count']} items) at pair probability &ge; {result['threshold']:.3g} "
         f"({esc(result['threshold_rule'])}); the highest probability found is "
-        f"{result['max_probability']:.3g}. {result['pairs_scored']} candidate pairs scored (each item's "
-        f"nearest by thumbnail DCT and by embedding), aligned and correlated; the classifier was fitted "
-        f"on {model['positives']} edited copies of this collection's own images against those pairs, no "
-        f"labels (positives against unlabelled pairs; share of candidate pairs that are duplicates "
-        f"{model['share']:.3g}). Items with a duplicate: about {result['collection_share']:.1%} "
-        f"(estimated); held-out synthetic copies found at the default threshold: "
-        f"{model['copy_recall']:.0%}.</p>",
+        f"{result['max_probability']:.3g}. "
+        + (
+            f"{result['pairs_scored']} candidate pairs scored (each item's "
+            f"nearest by thumbnail DCT and by embedding), aligned and correlated; the classifier was fitted "
+            f"on {model['positives']} edited copies of this collection's own images against those pairs, "
+            f"no labels (positives against unlabelled pairs; share of candidate pairs that are duplicates "
+            f"{model['share']:.3g}). Items with a duplicate: about {result['collection_share']:.1%} "
+            f"(estimated); held-out synthetic copies found at the default threshold: "
+            f"{model['copy_recall']:.0%}.</p>"
+            if model is not None
+            else f"{result['pairs_scored']} candidate pairs scored (each item's nearest by a copy "
+            "detector trained on this collection, a softmax over them with a 'none' option fitted on "
+            "held-apart edited copies, no labels). Items with a duplicate: about "
+            f"{result['collection_share']:.1%} (estimated).</p>"
+        ),
     ]
     if result.get("identical_pairs"):
         parts.append(

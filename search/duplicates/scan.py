@@ -32,7 +32,7 @@ from search.duplicates.descriptors import (
     identical_groups,
     search_descriptor,
     thumbnail,
-    thumbnail_and_digest,
+    thumbnails_digest_rgb,
 )
 from search.duplicates.edits import edited_copy
 from search.duplicates.model import (
@@ -67,19 +67,28 @@ class Scan:
     identical: np.ndarray | None = None
     hashes: dict = field(default_factory=dict)  # baselines.hash_table of the items (the page's comparison)
     ok: np.ndarray | None = None
+    copy: object | None = None  # copy_encoder.CopyModel with verifier "encoder" or "both"
+    # per verifier, over the scored pairs before the identical ones: "pixels" / "encoder" p of the same
+    # pairs, and the encoder's own candidate pairs ("encoder_a", "encoder_b", "encoder_p")
+    parts: dict = field(default_factory=dict)
 
 
-def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool):
+def read_thumbnails(read: Callable[[int], object], rows, side: int, progress: bool, rgb_out=None):
     """(grey (n, side, side) uint8, chroma (n, 16, 16, 2) float16, {row: error}, keys) for the given rows;
-    unreadable rows stay zero; keys[k] is (pixel digest, thumbnail digest), None when unreadable."""
+    unreadable rows stay zero; keys[k] is (pixel digest, thumbnail digest), None when unreadable; `rgb_out`
+    (n, S, S, 3) uint8, when given, is filled with S-pixel colour thumbnails (the copy encoder's input)."""
     rows = np.asarray(rows)
     thumbs = np.zeros((len(rows), side, side), np.uint8)
     colours = np.zeros((len(rows), 16, 16, 2), np.float16)
     skipped, keys = {}, [None] * len(rows)
     for k, r in enumerate(tqdm(rows, desc="thumbnails", unit="img", disable=not progress, mininterval=1.0)):
         try:
-            g, c, digest = thumbnail_and_digest(read(int(r)), side)
+            g, c, digest, big = thumbnails_digest_rgb(
+                read(int(r)), side, rgb_side=0 if rgb_out is None else rgb_out.shape[1]
+            )
             thumbs[k], colours[k] = g, chroma(c)
+            if rgb_out is not None:
+                rgb_out[k] = big
             keys[k] = (b"p" + digest, b"t" + g.tobytes() + c.tobytes())
         except (OSError, ValueError, KeyError) as err:  # ImageError is a ValueError
             skipped[int(r)] = f"{type(err).__name__}: {err}"
@@ -127,12 +136,15 @@ def candidate_pairs(
     return pr[:, 0], pr[:, 1]
 
 
-def synthetic_positives(
-    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool
-) -> np.ndarray:
-    """Design rows of edited copies of the given rows against their originals (a quarter mirrored with
-    flips)."""
-    copies, copy_colours, used = [], [], []
+def synthetic_features(
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None, first_out=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(align features, descriptor cosine) of edited copies of the given rows against their originals, or,
+    for a `copy_pairs` share of them, against a second, independent edit of the same picture (two copies
+    of one lost original are as much a duplicate pair as a copy and its original); a quarter mirrored with
+    flips; `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail), and
+    `first_out` beside it the other side's colour thumbnail when that is a second copy (else None)."""
+    left, left_colours, copies, copy_colours = [], [], [], []
     decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
         try:
@@ -143,21 +155,35 @@ def synthetic_positives(
             im = decoded[int(r)]
             data, _ = edited_copy(im, rng, flip=bool(config.flips and rng.random() < 0.25))
             g, c = thumbnail(data, config.thumb)
+            first = None
+            if rng.random() < config.copy_pairs:
+                first, _ = edited_copy(im, rng)
+                g0, c0 = thumbnail(first, config.thumb)
+                left.append(g0)
+                left_colours.append(chroma(c0))
+            else:
+                left.append(thumbs[int(r)])
+                left_colours.append(colours[int(r)])
             copies.append(g)
             copy_colours.append(chroma(c))
-            used.append(int(r))
+            if rgb_out is not None:
+                rgb_out.append((int(r), thumbnail(data, 4, colour_side=config.copy_source)[1]))
+            if first_out is not None:
+                first_out.append(
+                    None if first is None else thumbnail(first, 4, colour_side=config.copy_source)[1]
+                )
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no synthetic copy of row %d: %s", r, err)
     if not copies:
-        return np.zeros((0, len(NAMES)))
-    c = np.stack(copies)
-    cc = np.stack(copy_colours)
-    used = np.asarray(used)
+        return np.zeros((0, len(NAMES) - 1), np.float32), np.zeros(0)
+    lt, lc = np.stack(left), np.stack(left_colours).astype(np.float32)
+    c, cc = np.stack(copies), np.stack(copy_colours)
+    k = np.arange(len(c))
     f = pair_features(
-        thumbs,
-        used,
-        np.arange(len(used)),
-        colours=colours,
+        lt,
+        k,
+        k,
+        colours=lc,
         other=c,
         other_colours=cc,
         iters=config.iterations,
@@ -165,12 +191,21 @@ def synthetic_positives(
         cell=config.cell,
         flips=config.flips,
     )
+    ld = search_descriptor(lt, lc, config.dct, config.colour_weight)
     cd = search_descriptor(c, cc, config.dct, config.colour_weight)
-    cos = np.einsum("ij,ij->i", desc[used], cd)
+    cos = np.einsum("ij,ij->i", ld, cd)
     if config.flips:
         flip = search_descriptor(c, cc, config.dct, config.colour_weight, flip=True)
-        cos = np.maximum(cos, np.einsum("ij,ij->i", desc[used], flip))
-    return design(f, cos)
+        cos = np.maximum(cos, np.einsum("ij,ij->i", ld, flip))
+    return f, cos
+
+
+def synthetic_positives(
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None, first_out=None
+) -> np.ndarray:
+    """Design rows of `synthetic_features` (the positives the fit learns from)."""
+    f, cos = synthetic_features(read, rows, thumbs, colours, desc, config, rng, progress, rgb_out, first_out)
+    return design(f, cos) if len(f) else np.zeros((0, len(NAMES)))
 
 
 def pair_design(thumbs, colours, desc, a, b, config: DedupConfig, progress: bool, flipped=None) -> np.ndarray:
@@ -206,7 +241,12 @@ def scan_collection(
     embeddings, -1 where none) and fit the model on them."""
     t = {}
     t0 = time.perf_counter()
-    thumbs, colours, skipped, keys = read_thumbnails(read, np.arange(n), config.thumb, progress)
+    rgb = (
+        np.zeros((n, config.copy_source, config.copy_source, 3), np.uint8)
+        if config.verifier != "pixels"
+        else None
+    )
+    thumbs, colours, skipped, keys = read_thumbnails(read, np.arange(n), config.thumb, progress, rgb)
     ok = np.ones(n, bool)
     ok[list(skipped)] = False
     if ok.sum() < 20:
@@ -225,38 +265,102 @@ def scan_collection(
         else None
     )
     extra = neighbours(config.k_embedding) if neighbours is not None and config.k_embedding else None
-    a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
-    t["candidates"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
-    t["pairs"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     rng = np.random.default_rng(config.seed)
     good = np.flatnonzero(lead)
     # each readable item once in random order, again until there are calibration_items copies (small
     # collections)
     reps = -(-config.calibration_items // good.size)
     sample = np.concatenate([rng.permutation(good) for _ in range(reps)])[: config.calibration_items]
-    xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress)
-    t["copies"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model = fit_model(
-        xp,
-        x,
-        l2=config.l2,
-        max_share=config.max_share,
-        share_delta=config.share_delta,
-        segments=config.segments,
-        threshold=config.threshold,
-    )
-    p = model.probability(x)
-    t["fit"] = time.perf_counter() - t0
+    copy, parts = None, {}
+    if config.verifier != "pixels":
+        from search.duplicates.copy_encoder import (
+            copy_candidates,
+            embed_rgb,
+            fit_readout,
+            held_apart_copies,
+            train_and_embed,
+        )
+        from search.duplicates.copy_encoder import neighbours as encoder_neighbours
+
+        encoder, loss, z, t["copy encoder training"] = train_and_embed(rgb, lead, config, progress)
+        nb = encoder_neighbours(z, config.copy_k, lead)
+        t0 = time.perf_counter()
+    if config.verifier == "encoder":
+        copy = fit_readout(encoder, z, held_apart_copies(read, sample, config), lead, config, loss, t)
+        t["copy readout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        a, b, p = copy_candidates(z, lead, copy, config, nb)
+        parts.update(encoder_a=a, encoder_b=b, encoder_p=p)
+        x, xp, model = np.zeros((len(a), len(NAMES))), None, None
+        t["candidates"] = time.perf_counter() - t0
+    else:
+        if config.verifier == "both":  # the encoder's k_descriptor nearest are candidates too
+            mine = nb[0][:, : config.k_descriptor]
+            extra = mine if extra is None else np.hstack([extra, mine])
+        a, b = candidate_pairs(desc, lead, config.k_descriptor, extra, flipped, rep)
+        t["candidates"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        x = pair_design(thumbs, colours, desc, a, b, config, progress, flipped)
+        t["pairs"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        copies_rgb = [] if config.verifier == "both" else None
+        firsts = [] if config.verifier == "both" else None
+        xp = synthetic_positives(
+            read, sample, thumbs, colours, desc, config, rng, progress, copies_rgb, firsts
+        )
+        t["copies"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model = fit_model(
+            xp,
+            x,
+            l2=config.l2,
+            max_share=config.max_share,
+            share_delta=config.share_delta,
+            segments=config.segments,
+            threshold=config.threshold,
+        )
+        if config.verifier == "both":
+            # one model on both: the encoder's cosine (Fisher z) a seventh monotone feature of the same
+            # positive-unlabelled fit, its synthetic copies embedded beside their originals; the
+            # none-softmax read from the same copies (reported beside it)
+            copy = fit_readout(encoder, z, copies_rgb, lead, config, loss, t)
+            ea, eb, ep = copy_candidates(z, lead, copy, config, nb)
+            parts.update(encoder_a=ea, encoder_b=eb, encoder_p=ep)
+            parts.update(
+                pixels=model.probability(x),
+                encoder=copy.pair_probability(z, a, b, *nb, config.copy_readout),
+                encoder_cos=np.einsum("ij,ij->i", z[a], z[b]),
+            )
+            used = np.array([r for r, _ in copies_rgb], np.int64)
+            zc = embed_rgb(encoder, np.stack([c for _, c in copies_rgb]), config.copy_side)
+            fz = lambda c: np.arctanh(np.clip(c, -0.999, 0.99999))  # noqa: E731
+            x = np.column_stack([x, fz(parts["encoder_cos"])])
+            # the encoder's cosine between the same two pictures as the pixel features: the original, or
+            # for a copy pair (copy_pairs) the first copy, against the copy
+            zl = z[used].copy()
+            two = [k for k, f in enumerate(firsts) if f is not None]
+            if two:
+                zl[two] = embed_rgb(encoder, np.stack([firsts[k] for k in two]), config.copy_side)
+            xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", zl, zc))])
+            model = fit_model(
+                xp,
+                x,
+                l2=config.l2,
+                max_share=config.max_share,
+                share_delta=config.share_delta,
+                segments=config.segments,
+                threshold=config.threshold,
+            )
+        p = model.probability(x)
+        t["fit"] = time.perf_counter() - t0
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
     identical = np.r_[np.zeros(len(x), bool), np.ones(same.size, bool)]
     t0 = time.perf_counter()
     hashes = hash_table(thumbs, ok)
     t["baseline hashes"] = time.perf_counter() - t0
-    return Scan(a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok)
+    return Scan(
+        a, b, p, x, model, skipped, items_share(n, a, b, p), t, xp, identical, hashes, ok, copy, parts
+    )
 
 
 def score_pairs(
@@ -332,7 +436,7 @@ def groups_of(a, b, p, threshold: float, ids: list[str]) -> list[dict]:
 def notes(scan: Scan, threshold: float, how: str) -> list[str]:
     """What a user should know about this scan's probabilities, each with what to do."""
     out = []
-    if scan.model.bound:
+    if scan.model is not None and scan.model.bound:
         out.append(scan.model.bound)
     top = float(scan.p.max()) if scan.p.size else 0.0
     if top < threshold:
@@ -340,9 +444,10 @@ def notes(scan: Scan, threshold: float, how: str) -> list[str]:
             f"no pair reaches p >= {threshold:.3g}; the highest p found is {top:.3g}"
             + (f" (--threshold {top:.3g} would keep that pair)" if top > 0 else "")
         )
-    if np.isfinite(scan.model.copy_recall) and scan.model.copy_recall < 0.8:
+    recall = (scan.model or scan.copy).copy_recall if (scan.model or scan.copy) else float("nan")
+    if np.isfinite(recall) and recall < 0.8:
         out.append(
-            f"only {scan.model.copy_recall:.0%} of held-out synthetic copies reach p >= "
+            f"only {recall:.0%} of held-out synthetic copies reach p >= "
             f"{threshold:.3g}: edited copies here are hard to tell from look-alikes; expect low recall"
         )
     if scan.skipped:

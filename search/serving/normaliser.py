@@ -97,6 +97,9 @@ AUTO_PROBE_FACTOR = 8
 #: Stored rows the probe searches with, as one batch.
 AUTO_PROBE_QUERIES = 8
 _U32 = 2.0**-24  # unit roundoff of float32
+#: The second stage draws this many times the rows the pilot's standard error says reach target_se: the
+#: pilot's own se is an estimate, and one that came out low would leave the second stage short of max_se.
+_STAGE2_MARGIN = 1.5
 
 
 def log_normaliser(
@@ -168,11 +171,15 @@ class NormaliserConfig:
     sequential blocks (measured 1.0-1.2x its time at N = 1e6 and 1e7) and keeps the bounded
     estimate's scattered reads mapped (releasing them refaults whole 2 MiB folios: 2x at N = 1e6,
     ~6x at 1e7, bench/normaliser.py).
+    overlap: a single query's `bounded_start` runs on a helper thread while the index searches
+    (`Normaliser.search_and_normalise`); False (default): one after the other, the same answer (on the
+    2-core development VM the overlap gained no wall time and cost ~0.45 ms of CPU per query,
+    docs/results.md §33).
     """
 
     method: Literal["exact", "bounded", "auto"] = "auto"
     head_rows: int = 1024
-    samples: int = 1024
+    samples: int = 512
     level: float = 0.95
     max_se: float = 0.0033
     top_rows: int = 100
@@ -186,6 +193,7 @@ class NormaliserConfig:
     control_variate: bool = True
     listed_max_bytes: int = 4 << 30
     listed_shared: bool = False
+    overlap: bool = False
 
     def releases(self, method: str) -> bool:
         """Whether `method`'s reads release the memory map's pages (resolves release_pages=None)."""
@@ -493,7 +501,7 @@ def bounded_log_normaliser(
 ) -> LogZ:
     """log Z estimate, deterministic bound and sampled interval for each query (see module doc), for the
     whole batch at once: the per-list bounds are (Q, L) arrays, and every row the batch reads (head lists,
-    index-ranked rows, draws) is one gather-and-dot over (query, row) pairs (`_pair_dots`).
+    index-ranked rows, draws) is one gather-and-dot per query over (query, row) pairs (`_pair_dots`).
 
     queries (Q, D) float32 (unit or near-unit), embeddings (N, D), temperatures (Q,);
     top_rows (Q, K): rows the ANN index ranks first (-1 = none), also summed exactly -> LogZ.
@@ -501,12 +509,98 @@ def bounded_log_normaliser(
     scattered rows read from a read-only memory map are unmapped from the process as they are read
     (`_gather`, 16 MiB stretches) and after the batch (`release_pages` over the whole map). With `listed`
     (the same rows copied in list order) every row is read from the copy instead: the same float32 dot
-    products, so the same answer."""
+    products, so the same answer.
+
+    Two steps, `bounded_start` (everything the index's rows do not change: the head lists' dots and the
+    first sample's draws and dots) and `bounded_finish` (the index's rows merged in), so that the start can
+    run while the index searches (`Normaliser.search_and_normalise`); the answer is the same either way."""
+    start = bounded_start(queries, embeddings, stats, temperatures, config, release, listed)
+    return bounded_finish(start, top_rows)
+
+
+@dataclass(frozen=True, eq=False)
+class BoundedStart:
+    """What `bounded_start` computed for a batch before the index's top rows are known: the per-list
+    bounds, the head lists' rows and their dots, and the first-stage draws of the tail with their dots."""
+
+    inp: "_SampleInputs"
+    config: "NormaliserConfig"
+    slack: np.ndarray  # (Q,)
+    log_hi: np.ndarray  # (Q, L) log U_l
+    in_head: np.ndarray  # (Q, L) bool
+    head_q: np.ndarray  # (P,) query of each head row
+    head_r: np.ndarray  # (P,) the head rows
+    head_s: np.ndarray  # (P,) float32 their similarities
+    todo: np.ndarray  # queries with a tail to sample
+    seeds: np.ndarray  # (len(todo),) uint64
+    draws: "_Draws | None"  # the first stage's draws of `todo`
+
+
+def bounded_start(
+    queries: np.ndarray,
+    embeddings: np.ndarray,
+    stats: ListStats,
+    temperatures: np.ndarray,
+    config: NormaliserConfig | None = None,
+    release: bool | None = None,
+    listed: ListedRows | None = None,
+) -> BoundedStart:
+    """The part of `bounded_log_normaliser` that does not depend on the index's top rows: per-list bounds,
+    the head lists (chosen by their bounds alone) and the first-stage sample of the tail lists (its draws
+    depend on the query's seed and the tail's lists, not on which rows the index ranks first), with their
+    dot products, which are most of the rows read."""
     config = config or NormaliserConfig(method="bounded")
     release = config.releases("bounded") if release is None else bool(release)
     q = np.ascontiguousarray(queries, dtype=np.float32)
     taus = np.asarray(temperatures, dtype=np.float64).reshape(-1)
     n_q, d = q.shape
+    counts = stats.counts
+    n_lists = len(counts)
+    log_n = np.full(n_lists, -np.inf)
+    np.log(counts, out=log_n, where=counts > 0)
+    gamma = d * _U32 / (1 - d * _U32)
+    xn = np.linalg.norm(q.astype(np.float64), axis=1)  # (Q,)
+    # |<x, mu_l> computed - exact| <= (gamma + u) |x| |mu_l|; the exact path's fl(s_j) and ours differ
+    # from s_j by <= gamma |x| (|y_j| ~ 1): one slack in the exponent covers all of them.
+    slack = (3 * gamma + 2 * _U32) * xn * 1.0001 / taus  # (Q,)
+    centre = (q @ stats.means.T).astype(np.float64) if n_q else np.zeros((0, n_lists))  # (Q, L) <x, mu_l>
+    log_lo = log_n + centre / taus[:, None]  # (Q, L) log L_l
+    log_hi = log_lo + bennett_log_bound(
+        (xn / taus)[:, None] * stats.radius, (xn * xn / taus**2)[:, None] * stats.lam
+    )  # log U_l
+    in_head = _head_lists(log_hi, counts, config.head_rows)  # (Q, L) bool
+    tail = ~in_head & (counts > 0)[None, :]
+    inp = _SampleInputs(
+        embeddings,
+        stats,
+        q,
+        taus,
+        centre,
+        log_lo,
+        tail,
+        release,
+        1.0 if config.control_variate else 0.0,
+        listed,
+    )
+    # the head lists' rows, summed exactly
+    hq, hl = np.nonzero(in_head)
+    head_q, head_r = _expand_lists(stats, hq, hl)
+    head_s = _dots(embeddings, listed, q, head_q, head_r, release)
+    # the tail: queries with any tail list left get the first stage of the sample
+    todo = np.flatnonzero(tail.any(axis=1)) if n_q else np.zeros(0, np.int64)
+    seeds = np.array([_query_seed(q[i], float(taus[i])) for i in todo], dtype=np.uint64)
+    draws = _draw_tail(inp, todo, seeds, np.full(len(todo), config.samples), 0) if len(todo) else None
+    return BoundedStart(inp, config, slack, log_hi, in_head, head_q, head_r, head_s, todo, seeds, draws)
+
+
+def bounded_finish(start: BoundedStart, top_rows: np.ndarray | None = None) -> LogZ:
+    """`bounded_log_normaliser`'s answer from its start and the index's top rows (Q, K) (-1 = none): the
+    top rows outside the head lists are summed exactly and taken out of the tail (its bounds, and each
+    draw that hit one counts 0), then the estimate, a second stage where the first was too noisy, the
+    bound, the interval and the exact fallback."""
+    inp, config = start.inp, start.config
+    q, taus, stats, embeddings, release = inp.q, inp.taus, inp.stats, inp.embeddings, inp.release
+    n_q = q.shape[0]
     if n_q == 0:
         empty = np.zeros(0)
         return LogZ(
@@ -520,26 +614,10 @@ def bounded_log_normaliser(
             np.zeros(0, np.int64),
             np.zeros(0, bool),
         )
-    counts = stats.counts
-    n_lists = len(counts)
-    log_n = np.full(n_lists, -np.inf)
-    np.log(counts, out=log_n, where=counts > 0)
-    gamma = d * _U32 / (1 - d * _U32)
     z = NormalDist().inv_cdf((1 + config.level) / 2)
-    xn = np.linalg.norm(q.astype(np.float64), axis=1)  # (Q,)
-    # |<x, mu_l> computed - exact| <= (gamma + u) |x| |mu_l|; the exact path's fl(s_j) and ours differ
-    # from s_j by <= gamma |x| (|y_j| ~ 1): one slack in the exponent covers all of them.
-    slack = (3 * gamma + 2 * _U32) * xn * 1.0001 / taus  # (Q,)
-    centre = (q @ stats.means.T).astype(np.float64)  # (Q, L) <x, mu_l>
-    log_lo = log_n + centre / taus[:, None]  # (Q, L) log L_l
-    log_hi = log_lo + bennett_log_bound(
-        (xn / taus)[:, None] * stats.radius, (xn * xn / taus**2)[:, None] * stats.lam
-    )  # log U_l
-    in_head = _head_lists(log_hi, counts, config.head_rows)  # (Q, L) bool
+    slack, in_head, log_lo, log_hi, centre = start.slack, start.in_head, inp.log_lo, start.log_hi, inp.centre
 
-    # --- exactly summed rows: the head lists' rows and the index-ranked rows outside them
-    hq, hl = np.nonzero(in_head)
-    pair_q, pair_r = _expand_lists(stats, hq, hl)
+    # --- exactly summed rows: the head lists' rows (start) and the index-ranked rows outside them
     kq = kr = np.zeros(0, dtype=np.int64)
     if top_rows is not None and np.size(top_rows):
         top = np.sort(np.asarray(top_rows, dtype=np.int64).reshape(n_q, -1), axis=1)
@@ -549,19 +627,18 @@ def bounded_log_normaliser(
         kr = top[kq, kr]
         outside = ~in_head[kq, stats.where[kr].astype(np.int64)]
         kq, kr = kq[outside], kr[outside]
-    all_q = np.concatenate([pair_q, kq])
-    all_r = np.concatenate([pair_r, kr])
-    known = np.concatenate([np.zeros(len(pair_q), bool), np.ones(len(kq), bool)])
-    s_all = _dots(embeddings, listed, q, all_q, all_r, release).astype(np.float64)
+    s_known = _dots(embeddings, inp.listed, q, kq, kr, release)
+    all_q = np.concatenate([start.head_q, kq])
+    s_all = np.concatenate([start.head_s, s_known]).astype(np.float64)
     log_h = _group_logsumexp(s_all / taus[all_q], all_q, n_q)  # (Q,)
     rows_read = np.bincount(all_q, minlength=n_q).astype(np.int64)
 
     # --- bounds on the tail lists (the rest), adjusted for the known rows they hold
-    tail = ~in_head & (counts > 0)[None, :]
+    tail = inp.tail
     lo_t = np.where(tail, log_lo, -np.inf)
     hi_t = np.where(tail, log_hi, -np.inf)
     if len(kq):
-        _without_known(lo_t, hi_t, kq, kr, s_all[known], stats, centre, taus, slack)
+        _without_known(lo_t, hi_t, kq, kr, s_all[len(start.head_q) :], stats, centre, taus, slack)
     tail_lo = _rows_logsumexp(lo_t)
     tail_hi = _rows_logsumexp(hi_t)
     lower = np.logaddexp(log_h, tail_lo) - slack
@@ -570,24 +647,13 @@ def bounded_log_normaliser(
     ilo = np.full(n_q, np.nan)
     ihi = np.full(n_q, np.nan)
     fallback = np.zeros(n_q, dtype=bool)
-    todo = np.flatnonzero(np.isfinite(tail_hi))
+    # a tail all of whose rows are known has tail_hi -inf: nothing to sample (the start drew for it anyway)
+    live = np.isfinite(tail_hi[start.todo])
+    todo, seeds = start.todo[live], start.seeds[live]
     if len(todo):
-        seeds = np.array([_query_seed(q[i], float(taus[i])) for i in todo], dtype=np.uint64)
         known_keys = np.sort(kq * np.int64(embeddings.shape[0]) + kr)
-        sample = _SampleInputs(
-            embeddings,
-            stats,
-            q,
-            taus,
-            centre,
-            log_lo,
-            tail,
-            known_keys,
-            release,
-            1.0 if config.control_variate else 0.0,
-            listed,
-        )
-        log_t, log_se, m = _sample_tail(sample, todo, seeds, np.full(len(todo), config.samples), 0)
+        draws = start.draws if live.all() else start.draws.subset(np.flatnonzero(live))
+        log_t, log_se, m = _tail_estimate(inp, draws, known_keys)
         rows_read[todo] += m
         with np.errstate(over="ignore", invalid="ignore"):
             se_log = np.where(np.isfinite(log_t), np.exp(log_se - np.logaddexp(log_h[todo], log_t)), np.inf)
@@ -601,13 +667,12 @@ def bounded_log_normaliser(
             # and interval come from the fresh draws alone (another stream of the query's seed), so they stay
             # valid
             with np.errstate(over="ignore", invalid="ignore"):
-                grow = np.where(
-                    np.isfinite(se_log[again]), (se_log[again] / config.target_se) ** 2 * 1.2, np.inf
-                )
+                ratio = se_log[again] / config.target_se
+                grow = np.where(np.isfinite(se_log[again]), ratio**2 * _STAGE2_MARGIN, np.inf)
             more = np.minimum(config.max_samples, np.ceil(config.samples * np.minimum(grow, 1e9))).astype(
                 np.int64
             )
-            t2, se2, m2 = _sample_tail(sample, todo[again], seeds[again], more, 1)
+            t2, se2, m2 = _tail_estimate(inp, _draw_tail(inp, todo[again], seeds[again], more, 1), known_keys)
             log_t[again], log_se[again] = t2, se2
             rows_read[todo[again]] += m2
         lh = log_h[todo]
@@ -800,7 +865,6 @@ class _SampleInputs:
     centre: np.ndarray  # (Q, L)
     log_lo: np.ndarray  # (Q, L) log L_l
     tail: np.ndarray  # (Q, L) bool
-    known_keys: np.ndarray  # sorted query * N + row of the rows already summed exactly
     release: bool
     control: float = 1.0  # 1: y = exp(t) - t (control variate), 0: y = exp(t)
     listed: ListedRows | None = None
@@ -823,8 +887,47 @@ def _uniforms(seeds: np.ndarray, counter: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
+@dataclass(frozen=True, eq=False)
+class _Draws:
+    """One stage's draws for queries `which` (W of them), before the known rows are taken out: per draw its
+    query's place in `which` (dw), stratum (sid = w * (L + 1) + list, or + L for the pool), global query
+    (qi), row, and t = (s - <x, mu_l>) / tau; per query the strata weights (W, L + 1) and log shift."""
+
+    which: np.ndarray
+    dw: np.ndarray
+    sid: np.ndarray
+    qi: np.ndarray
+    rows: np.ndarray
+    t: np.ndarray
+    sw_all: np.ndarray
+    shift: np.ndarray
+
+    def subset(self, keep: np.ndarray) -> "_Draws":
+        """The draws of queries which[keep] only (renumbered), each query's draws unchanged."""
+        n_cols = self.sw_all.shape[1]
+        renum = np.full(len(self.which), -1, dtype=np.int64)
+        renum[keep] = np.arange(len(keep))
+        mask = renum[self.dw] >= 0
+        dw = renum[self.dw[mask]]
+        return _Draws(
+            self.which[keep],
+            dw,
+            dw * n_cols + self.sid[mask] % n_cols,
+            self.qi[mask],
+            self.rows[mask],
+            self.t[mask],
+            self.sw_all[keep],
+            self.shift[keep],
+        )
+
+
 def _sample_tail(
-    inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, samples: np.ndarray, stream: int
+    inp: _SampleInputs,
+    which: np.ndarray,
+    seeds: np.ndarray,
+    samples: np.ndarray,
+    stream: int,
+    known_keys: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stratified importance sample of log T over the tail lists of queries `which`, with a control variate.
 
@@ -834,9 +937,18 @@ def _sample_tail(
     over its list (mu_l is the list's mean), so y = exp(t) - t has the mean of exp(t), S_l / L_l (pooled:
     sum_pool S / sum_pool L), with a much smaller variance where t is moderate (exp(t) - t = 1 + t^2 / 2 +
     ...): t is a control variate with known mean. T^ = sum_strata (L of the stratum) * mean y, Var^ =
-    sum_strata L^2 * var(y) / m (strata are independent). A drawn row among the known ones (summed exactly)
-    counts 0 - t, so T^ estimates the rest of the tail. Returns (log T^, log se, rows read), each
-    (len(which),)."""
+    sum_strata L^2 * var(y) / m (strata are independent). A drawn row among the known ones (`known_keys`,
+    sorted query * N + row, summed exactly) counts 0 - t, so T^ estimates the rest of the tail. Returns
+    (log T^, log se, rows read), each (len(which),). `_draw_tail` then `_tail_estimate`: the draws do not
+    depend on the known rows."""
+    known = np.zeros(0, np.int64) if known_keys is None else known_keys
+    return _tail_estimate(inp, _draw_tail(inp, which, seeds, samples, stream), known)
+
+
+def _draw_tail(
+    inp: _SampleInputs, which: np.ndarray, seeds: np.ndarray, samples: np.ndarray, stream: int
+) -> _Draws:
+    """The draws of `_sample_tail` and their dot products (the rows it reads)."""
     stats = inp.stats
     n_w = len(which)
     n_lists = inp.log_lo.shape[1]
@@ -888,31 +1000,41 @@ def _sample_tail(
     qi = which[dw]
     s = _dots(inp.embeddings, inp.listed, inp.q, qi, rows, inp.release).astype(np.float64)
     t = (s - inp.centre[qi, dl]) / inp.taus[qi]  # mean 0 over each list
+    sw_all = np.concatenate(
+        [weight, np.where(pooled, weight, 0.0).sum(axis=1, keepdims=True)], axis=1
+    )  # (W, L+1)
+    return _Draws(which, dw, sid, qi, rows, t, sw_all, shift)
+
+
+def _tail_estimate(
+    inp: _SampleInputs, d: _Draws, known_keys: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_sample_tail`'s (log T^, log se, rows read) from its draws, a drawn known row counting 0 - t."""
+    n_w, width1 = d.sw_all.shape
+    dw, t = d.dw, d.t
     top = np.full(n_w, -np.inf)
     np.maximum.at(top, dw, t)
     top = np.where(np.isfinite(top), np.maximum(top, 0.0), 0.0)
-    keys = qi * np.int64(inp.embeddings.shape[0]) + rows
-    pos = np.searchsorted(inp.known_keys, keys)
+    keys = d.qi * np.int64(inp.embeddings.shape[0]) + d.rows
+    pos = np.searchsorted(known_keys, keys)
     is_known = (
-        (pos < len(inp.known_keys)) & (inp.known_keys[np.minimum(pos, len(inp.known_keys) - 1)] == keys)
-        if len(inp.known_keys)
+        (pos < len(known_keys)) & (known_keys[np.minimum(pos, len(known_keys) - 1)] == keys)
+        if len(known_keys)
         else np.zeros(len(keys), bool)
     )
     scale = np.exp(-top[dw])
     y = np.where(is_known, 0.0, np.exp(t - top[dw])) - t * scale * inp.control  # (exp(t) - t) / exp(top)
-    width = n_w * (n_lists + 1)
+    sid = d.sid
+    width = n_w * width1
     m = np.bincount(sid, minlength=width).astype(np.float64)
     mean = np.bincount(sid, weights=y, minlength=width) / np.maximum(m, 1)
     dev = y - mean[sid]
     var = np.bincount(sid, weights=dev * dev, minlength=width) / np.maximum(m - 1, 1)
-    sw_all = np.concatenate(
-        [weight, np.where(pooled, weight, 0.0).sum(axis=1, keepdims=True)], axis=1
-    )  # (W, L+1)
-    sw_all = sw_all * (m.reshape(n_w, n_lists + 1) > 0)
-    mean, var, m = (a.reshape(n_w, n_lists + 1) for a in (mean, var, m))
+    mean, var, m = (a.reshape(n_w, width1) for a in (mean, var, m))
+    sw_all = d.sw_all * (m > 0)
     est = (sw_all * mean).sum(axis=1)
     se = np.sqrt((sw_all**2 * var / np.maximum(m, 1)).sum(axis=1))
-    base = shift + top
+    base = d.shift + top
     with np.errstate(divide="ignore"):
         log_t = np.where(est > 0, base + np.log(np.maximum(est, 1e-300)), -np.inf)
         log_se = np.where(est > 0, np.where(se > 0, base + np.log(np.maximum(se, 1e-300)), -np.inf), np.inf)
@@ -941,6 +1063,7 @@ class Normaliser:
         self.probe: dict | None = None  # `auto`'s timing probe, when it decided (`probe_costs`)
         self.index_recall: float | None = None  # the approximate index's build-time recall@10 (None: exact)
         self.listed: ListedRows | None = None  # bounded: the rows in list order, in RAM (`wants_listed`)
+        self._pool = None  # `search_and_normalise`'s helper thread, made on first use
 
     @staticmethod
     def wants_listed(embeddings: np.ndarray, config: NormaliserConfig) -> bool:
@@ -1049,9 +1172,53 @@ class Normaliser:
             self.config,
             top_rows,
             release=self.config.releases("bounded"),
-            listed=self.listed
-            if self.listed is not None and len(self.listed.position) == len(embeddings)
-            else None,
+            listed=self._listed_for(embeddings),
+        )
+
+    def search_and_normalise(
+        self,
+        queries: np.ndarray,
+        embeddings: np.ndarray,
+        temperatures: np.ndarray,
+        search: Callable[[], np.ndarray],
+        block: int = DEFAULT_BLOCK,
+    ) -> tuple[LogZ, np.ndarray]:
+        """(log Z, the index's top rows `search()`) for one batch. For `bounded` and a single query,
+        `bounded_start` (the head lists' and the first sample's dot products: most of the rows read) runs on
+        a helper thread while `search()` runs on this one -- both release the GIL in FAISS -- and the top
+        rows are merged in after (`bounded_finish`): the same answer as one after the other, about the
+        index search's time sooner. Larger batches (concurrent load, both cores busy) run one after the
+        other."""
+        if self.method != "bounded" or len(queries) != 1 or not self.config.overlap:
+            top = search()
+            return self(queries, embeddings, temperatures, block, top_rows=top), top
+        started = self._helper().submit(
+            bounded_start,
+            queries,
+            embeddings,
+            self.stats,
+            temperatures,
+            self.config,
+            self.config.releases("bounded"),
+            self._listed_for(embeddings),
+        )
+        try:
+            top = search()
+        finally:
+            start = started.result()
+        return bounded_finish(start, top), top
+
+    def _helper(self):
+        """The one helper thread of `search_and_normalise` (made on first use, daemon: it holds no state)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normaliser")
+        return self._pool
+
+    def _listed_for(self, embeddings: np.ndarray) -> "ListedRows | None":
+        return (
+            self.listed if self.listed is not None and len(self.listed.position) == len(embeddings) else None
         )
 
     def describe(self) -> dict:

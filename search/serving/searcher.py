@@ -269,9 +269,11 @@ class SearchSnapshot:
             rows = scan.rows
             norm = LogZ.exact(scan.log_z, self.count)
         else:  # one index search serves the hits and the normaliser's exactly-summed top rows
-            _, top = self.index.search(q, max(wanted, min(self.normaliser.config.top_rows, self.count)))
+            n_top = max(wanted, min(self.normaliser.config.top_rows, self.count))
+            norm, top = self.normaliser.search_and_normalise(
+                q, self.index.embeddings, taus, lambda: self.index.search(q, n_top)[1], self.block
+            )
             rows = top[:, :wanted]
-            norm = self.normaliser(q, self.index.embeddings, taus, self.block, top_rows=top)
         log_z = norm.value  # (Q,)
         ids = self.index.ids
         emb = self.index.embeddings

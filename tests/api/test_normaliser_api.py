@@ -74,3 +74,21 @@ def test_mapped_pages_setting_reaches_the_searcher(make_client, capsys):
             mapped_pages=setting, normaliser="bounded"
         ).app.state.searcher.snapshot()
         assert bounded_snapshot.normaliser.describe()["release_pages"] is bounded
+
+
+def test_normaliser_overlap_setting_reaches_the_normaliser(make_client, capsys):
+    from api.server import build_parser, main
+
+    def settings_flags(argv):
+        return {k: v for k, v in vars(build_parser().parse_args(argv)).items() if k in Settings.model_fields}
+
+    assert (
+        load_settings(settings_flags(["--normaliser-overlap", "off"]), environ={}).normaliser_overlap == "off"
+    )
+    assert load_settings(settings_flags([]), environ={}).normaliser_overlap == "off"
+    with pytest.raises(SystemExit) as exc:
+        main(["--normaliser-overlap", "maybe"])
+    assert exc.value.code == 2 and "--normaliser-overlap" in capsys.readouterr().err
+    for setting, overlap in (("on", True), ("off", False)):
+        client = make_client(normaliser="bounded", normaliser_overlap=setting)
+        assert client.app.state.searcher.snapshot().normaliser.config.overlap is overlap
