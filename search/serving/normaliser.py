@@ -955,11 +955,17 @@ def _uniforms(seeds: np.ndarray, counter: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) doubles from (seed, counter) pairs: splitmix64's finaliser of seed + counter * golden,
     so a query's draws depend on its own seed and draw number only (not on the batch it is in)."""
     with np.errstate(over="ignore"):
-        z = seeds + (counter.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        z = counter.astype(np.uint64)
+        z += np.uint64(1)
+        z *= _GOLDEN
+        z += seeds
+        z ^= z >> np.uint64(30)  # in place: the same operations, fewer temporaries
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        z >>= np.uint64(11)
+    return z.astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True, eq=False)
@@ -1047,8 +1053,12 @@ def _draw_tail(
     # pooled draws: a list from pi over the pool (inverse CDF on each query's row, offset by its index)
     n_pool = int(rest.sum())
     if n_pool:
-        pw = np.repeat(np.arange(n_w), rest)
-        nth = np.arange(n_pool) - np.repeat(np.cumsum(rest) - rest, rest)
+        if n_w == 1:  # a lone query: its draws are numbered 0.. in order, its CDF needs no offset
+            pw = np.zeros(n_pool, dtype=np.int64)
+            nth = np.arange(n_pool, dtype=np.int64)
+        else:
+            pw = np.repeat(np.arange(n_w), rest)
+            nth = np.arange(n_pool) - np.repeat(np.cumsum(rest) - rest, rest)
         u = _uniforms(seeds[pw], nth * 2 + (4 * stream + 1) * np.uint64(1 << 40))
         p_pool = np.where(pooled, pi, 0.0)
         cdf = np.cumsum(p_pool, axis=1)
@@ -1056,18 +1066,25 @@ def _draw_tail(
             cdf = np.where(has_pool[:, None], cdf / cdf[:, -1:], 1.0)  # rows without a pool draw nothing
         cdf[cdf >= 1.0] = 1.0
         cdf[:, -1] = 1.0
-        flat = (cdf + np.arange(n_w)[:, None]).reshape(-1)
-        hit = np.searchsorted(flat, pw + u, side="right")
-        hit = np.minimum(hit, (pw + 1) * n_lists - 1)
+        if n_w == 1:
+            draw_l.append(np.minimum(np.searchsorted(cdf[0], u, side="right"), n_lists - 1))
+            draw_sid.append(np.full(n_pool, n_lists, dtype=np.int64))
+        else:
+            flat = (cdf + np.arange(n_w)[:, None]).reshape(-1)
+            hit = np.searchsorted(flat, pw + u, side="right")
+            hit = np.minimum(hit, (pw + 1) * n_lists - 1)
+            draw_l.append(hit - pw * n_lists)
+            draw_sid.append(pw * (n_lists + 1) + n_lists)
         draw_w.append(pw)
-        draw_l.append(hit - pw * n_lists)
-        draw_sid.append(pw * (n_lists + 1) + n_lists)
     dw, dl, sid = np.concatenate(draw_w), np.concatenate(draw_l), np.concatenate(draw_sid)
     # a row uniformly within each drawn list
-    per = np.bincount(dw, minlength=n_w)
-    by_query = np.argsort(dw, kind="stable")  # each query's draws in its own order (batch-free)
-    nth = np.empty(len(dw), dtype=np.int64)
-    nth[by_query] = np.arange(len(dw)) - np.repeat(np.cumsum(per) - per, per)
+    if n_w == 1:
+        nth = np.arange(len(dw), dtype=np.int64)
+    else:
+        per = np.bincount(dw, minlength=n_w)
+        by_query = np.argsort(dw, kind="stable")  # each query's draws in its own order (batch-free)
+        nth = np.empty(len(dw), dtype=np.int64)
+        nth[by_query] = np.arange(len(dw)) - np.repeat(np.cumsum(per) - per, per)
     u = _uniforms(seeds[dw], nth * 2 + (4 * stream + 2) * np.uint64(1 << 40))
     n_l = stats.counts[dl].astype(np.int64)
     within = np.minimum((u * n_l).astype(np.int64), n_l - 1)
