@@ -299,8 +299,11 @@ def bennett_log_bound(b: np.ndarray, v: np.ndarray) -> np.ndarray:
     t <= b with mean 0 and mean t^2 <= v (Bennett 1962). B = 1 when b = 0 or v = 0."""
     b = np.asarray(b, dtype=np.float64)
     v = np.minimum(np.asarray(v, dtype=np.float64), b * b)
-    out = np.zeros(np.broadcast(b, v).shape)
     ok = (b > 0) & (v > 0)
+    if ok.all() and b.shape == v.shape:  # the usual case: every entry, without the masked copies
+        out = np.logaddexp(2 * np.log(b) - v / b, np.log(v) + b) - np.log(b * b + v)
+        return np.maximum(out, 0.0)
+    out = np.zeros(np.broadcast(b, v).shape)
     bb, vv = np.broadcast_to(b, out.shape)[ok], np.broadcast_to(v, out.shape)[ok]
     out[ok] = np.logaddexp(2 * np.log(bb) - vv / bb, np.log(vv) + bb) - np.log(bb * bb + vv)
     return np.maximum(out, 0.0)  # never below Jensen's 1 (rounding)
