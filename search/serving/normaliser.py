@@ -52,6 +52,7 @@ log Z gives p_j within [exp(s_j/tau - upper), exp(s_j/tau - lower)].
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -619,7 +620,7 @@ def bounded_finish(start: BoundedStart, top_rows: np.ndarray | None = None) -> L
             np.zeros(0, np.int64),
             np.zeros(0, bool),
         )
-    z = NormalDist().inv_cdf((1 + config.level) / 2)
+    z = _z_of(config.level)
     slack, in_head, log_lo, log_hi, centre = start.slack, start.in_head, inp.log_lo, start.log_hi, inp.centre
 
     # --- exactly summed rows: the head lists' rows (start) and the index-ranked rows outside them
@@ -739,13 +740,19 @@ def _tables(stats: ListStats) -> _Tables:
         counts.astype(np.float64),
         log_n,
         nonempty,
-        max(1, int(counts[nonempty].min(initial=1))),
+        max(1, int(counts[nonempty].min())) if nonempty.any() else 1,
         np.asarray(stats.offsets, dtype=np.int64),
     )
     for arr in (made.counts, made.counts_f, made.log_n, made.nonempty, made.offsets):
         arr.setflags(write=False)
     _TABLES[stats] = made
     return made
+
+
+@functools.lru_cache(maxsize=16)
+def _z_of(level: float) -> float:
+    """The normal quantile of a two-sided interval at `level` (one NormalDist per level, not per call)."""
+    return NormalDist().inv_cdf((1 + level) / 2)
 
 
 def _head_lists(
@@ -758,7 +765,7 @@ def _head_lists(
         return head
     if tables is None:
         nonempty = counts > 0
-        min_size = max(1, int(counts[nonempty].min(initial=1)))
+        min_size = max(1, int(counts[nonempty].min())) if nonempty.any() else 1
     else:
         nonempty, min_size = tables.nonempty, tables.min_size
     ranked = np.where(nonempty, log_hi, -np.inf)
@@ -831,7 +838,13 @@ def _pair_dots(
     if q.shape[0] == 1:  # a lone query: one call over all its rows
         grouped = np.ascontiguousarray(rows, dtype=np.int64)
         faiss.fvec_inner_products_by_idx(
-            faiss.swig_ptr(out), faiss.swig_ptr(q[0]), faiss.swig_ptr(base), faiss.swig_ptr(grouped), d, 1, len(rows)
+            faiss.swig_ptr(out),
+            faiss.swig_ptr(q[0]),
+            faiss.swig_ptr(base),
+            faiss.swig_ptr(grouped),
+            d,
+            1,
+            len(rows),
         )
         return out
     if q.shape[0] == 1 or not np.any(pq[1:] < pq[:-1]):  # one query, or pairs already grouped by query
@@ -1132,7 +1145,8 @@ def _tail_estimate(
     with np.errstate(divide="ignore"):
         log_t = np.where(est > 0, base + np.log(np.maximum(est, 1e-300)), -np.inf)
         log_se = np.where(est > 0, np.where(se > 0, base + np.log(np.maximum(se, 1e-300)), -np.inf), np.inf)
-    return log_t, log_se, np.bincount(dw, minlength=n_w).astype(np.int64)
+    drawn = np.array([len(dw)], np.int64) if n_w == 1 else np.bincount(dw, minlength=n_w).astype(np.int64)
+    return log_t, log_se, drawn
 
 
 def _logsumexp(a: np.ndarray) -> float:
