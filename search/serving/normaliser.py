@@ -771,6 +771,17 @@ def _head_lists(
     ranked = np.where(nonempty, log_hi, -np.inf)
     # only the best ~head_rows / min list size lists can make the head: partial sort those
     cand = min(n_lists, head_rows // min_size + 1)
+    if n_q == 1:  # a lone query: the same sort on its one row, without the 2-D index bookkeeping
+        r = ranked[0]
+        if cand < n_lists:
+            part = np.argpartition(-r, cand - 1)[:cand]
+            part = part[np.argsort(-r[part], kind="stable")]
+        else:
+            part = np.argsort(-r, kind="stable")
+        size = counts[part]
+        before = np.cumsum(size) - size  # rows before each list
+        head[0, part[(before < head_rows) & (size > 0)]] = True
+        return head
     if cand < n_lists:
         part = np.argpartition(-ranked, cand - 1, axis=1)[:, :cand]
         part = np.take_along_axis(
@@ -781,11 +792,8 @@ def _head_lists(
     size = counts[part]
     start = np.cumsum(size, axis=1) - size  # rows before each list
     take = (start < head_rows) & (size > 0)  # lists until >= head_rows rows
-    if n_q == 1:
-        head[0, part[0, take[0]]] = True
-    else:
-        rows = np.broadcast_to(np.arange(n_q)[:, None], part.shape)
-        head[rows[take], part[take]] = True
+    rows = np.broadcast_to(np.arange(n_q)[:, None], part.shape)
+    head[rows[take], part[take]] = True
     return head
 
 
