@@ -52,10 +52,12 @@ log Z gives p_j within [exp(s_j/tau - upper), exp(s_j/tau - lower)].
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -97,6 +99,7 @@ AUTO_PROBE_FACTOR = 8
 #: Stored rows the probe searches with, as one batch.
 AUTO_PROBE_QUERIES = 8
 _U32 = 2.0**-24  # unit roundoff of float32
+_FMAX = float(np.finfo(np.float64).max)
 #: The second stage draws this many times the rows the pilot's standard error says reach target_se: the
 #: pilot's own se is an estimate, and one that came out low would leave the second stage short of max_se.
 _STAGE2_MARGIN = 1.5
@@ -297,8 +300,11 @@ def bennett_log_bound(b: np.ndarray, v: np.ndarray) -> np.ndarray:
     t <= b with mean 0 and mean t^2 <= v (Bennett 1962). B = 1 when b = 0 or v = 0."""
     b = np.asarray(b, dtype=np.float64)
     v = np.minimum(np.asarray(v, dtype=np.float64), b * b)
-    out = np.zeros(np.broadcast(b, v).shape)
     ok = (b > 0) & (v > 0)
+    if ok.all() and b.shape == v.shape:  # the usual case: every entry, without the masked copies
+        out = np.logaddexp(2 * np.log(b) - v / b, np.log(v) + b) - np.log(b * b + v)
+        return np.maximum(out, 0.0)
+    out = np.zeros(np.broadcast(b, v).shape)
     bb, vv = np.broadcast_to(b, out.shape)[ok], np.broadcast_to(v, out.shape)[ok]
     out[ok] = np.logaddexp(2 * np.log(bb) - vv / bb, np.log(vv) + bb) - np.log(bb * bb + vv)
     return np.maximum(out, 0.0)  # never below Jensen's 1 (rounding)
@@ -554,10 +560,10 @@ def bounded_start(
     q = np.ascontiguousarray(queries, dtype=np.float32)
     taus = np.asarray(temperatures, dtype=np.float64).reshape(-1)
     n_q, d = q.shape
-    counts = stats.counts
+    tables = _tables(stats)
+    counts = tables.counts
     n_lists = len(counts)
-    log_n = np.full(n_lists, -np.inf)
-    np.log(counts, out=log_n, where=counts > 0)
+    log_n = tables.log_n
     gamma = d * _U32 / (1 - d * _U32)
     xn = np.linalg.norm(q.astype(np.float64), axis=1)  # (Q,)
     # |<x, mu_l> computed - exact| <= (gamma + u) |x| |mu_l|; the exact path's fl(s_j) and ours differ
@@ -568,8 +574,8 @@ def bounded_start(
     log_hi = log_lo + bennett_log_bound(
         (xn / taus)[:, None] * stats.radius, (xn * xn / taus**2)[:, None] * stats.lam
     )  # log U_l
-    in_head = _head_lists(log_hi, counts, config.head_rows)  # (Q, L) bool
-    tail = ~in_head & (counts > 0)[None, :]
+    in_head = _head_lists(log_hi, counts, config.head_rows, tables)  # (Q, L) bool
+    tail = ~in_head & tables.nonempty[None, :]
     inp = _SampleInputs(
         embeddings,
         stats,
@@ -614,7 +620,7 @@ def bounded_finish(start: BoundedStart, top_rows: np.ndarray | None = None) -> L
             np.zeros(0, np.int64),
             np.zeros(0, bool),
         )
-    z = NormalDist().inv_cdf((1 + config.level) / 2)
+    z = _z_of(config.level)
     slack, in_head, log_lo, log_hi, centre = start.slack, start.in_head, inp.log_lo, start.log_hi, inp.centre
 
     # --- exactly summed rows: the head lists' rows (start) and the index-ranked rows outside them
@@ -703,16 +709,79 @@ def bounded_finish(start: BoundedStart, top_rows: np.ndarray | None = None) -> L
     return LogZ(value, lower, upper, "bounded", ilo, ihi, config.level, rows_read, fallback)
 
 
-def _head_lists(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> np.ndarray:
+@dataclass(frozen=True, eq=False)
+class _Tables:
+    """Per-list tables the bounded normaliser needs for every query, computed once per ListStats (`_tables`)
+    instead of a handful of small numpy calls per query: sizes, their logs, which lists are non-empty, and how
+    many of the best lists can make a head of `head_rows` rows (head_rows // smallest non-empty size + 1)."""
+
+    counts: np.ndarray  # (L,) int64 n_l
+    counts_f: np.ndarray  # (L,) float64 n_l
+    log_n: np.ndarray  # (L,) log n_l (-inf where empty)
+    nonempty: np.ndarray  # (L,) bool
+    min_size: int  # smallest non-empty list's size (1 when none)
+    offsets: np.ndarray  # (L + 1,) int64
+
+
+_TABLES: "weakref.WeakKeyDictionary[ListStats, _Tables]" = weakref.WeakKeyDictionary()
+
+
+def _tables(stats: ListStats) -> _Tables:
+    """`stats`'s `_Tables`, made on first use (read-only arrays: they are shared by every query)."""
+    found = _TABLES.get(stats)
+    if found is not None:
+        return found
+    counts = np.asarray(stats.counts, dtype=np.int64)
+    log_n = np.full(len(counts), -np.inf)
+    np.log(counts, out=log_n, where=counts > 0)
+    nonempty = counts > 0
+    made = _Tables(
+        counts,
+        counts.astype(np.float64),
+        log_n,
+        nonempty,
+        max(1, int(counts[nonempty].min())) if nonempty.any() else 1,
+        np.asarray(stats.offsets, dtype=np.int64),
+    )
+    for arr in (made.counts, made.counts_f, made.log_n, made.nonempty, made.offsets):
+        arr.setflags(write=False)
+    _TABLES[stats] = made
+    return made
+
+
+@functools.lru_cache(maxsize=16)
+def _z_of(level: float) -> float:
+    """The normal quantile of a two-sided interval at `level` (one NormalDist per level, not per call)."""
+    return NormalDist().inv_cdf((1 + level) / 2)
+
+
+def _head_lists(
+    log_hi: np.ndarray, counts: np.ndarray, head_rows: int, tables: _Tables | None = None
+) -> np.ndarray:
     """(Q, L) bool: per query, the non-empty lists by decreasing upper bound until head_rows rows."""
     n_q, n_lists = log_hi.shape
     head = np.zeros((n_q, n_lists), dtype=bool)
     if head_rows <= 0:
         return head
-    ranked = np.where(counts > 0, log_hi, -np.inf)
+    if tables is None:
+        nonempty = counts > 0
+        min_size = max(1, int(counts[nonempty].min())) if nonempty.any() else 1
+    else:
+        nonempty, min_size = tables.nonempty, tables.min_size
+    ranked = np.where(nonempty, log_hi, -np.inf)
     # only the best ~head_rows / min list size lists can make the head: partial sort those
-    nonempty = counts[counts > 0]
-    cand = min(n_lists, head_rows // max(1, int(nonempty.min(initial=1))) + 1)
+    cand = min(n_lists, head_rows // min_size + 1)
+    if n_q == 1:  # a lone query: the same sort on its one row, without the 2-D index bookkeeping
+        r = ranked[0]
+        if cand < n_lists:
+            part = np.argpartition(-r, cand - 1)[:cand]
+            part = part[np.argsort(-r[part], kind="stable")]
+        else:
+            part = np.argsort(-r, kind="stable")
+        size = counts[part]
+        before = np.cumsum(size) - size  # rows before each list
+        head[0, part[(before < head_rows) & (size > 0)]] = True
+        return head
     if cand < n_lists:
         part = np.argpartition(-ranked, cand - 1, axis=1)[:, :cand]
         part = np.take_along_axis(
@@ -730,12 +799,13 @@ def _head_lists(log_hi: np.ndarray, counts: np.ndarray, head_rows: int) -> np.nd
 
 def _expand_lists(stats: ListStats, lq: np.ndarray, ll: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(query, row) pairs of every row of list ll[i] for query lq[i]."""
-    lens = stats.counts[ll].astype(np.int64)
+    tables = _tables(stats)
+    lens = tables.counts[ll]
     total = int(lens.sum())
     if total == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     first = np.cumsum(lens) - lens
-    pos = np.arange(total, dtype=np.int64) - np.repeat(first - stats.offsets[ll], lens)
+    pos = np.arange(total, dtype=np.int64) - np.repeat(first - tables.offsets[ll], lens)
     return np.repeat(lq.astype(np.int64), lens), stats.order[pos].astype(np.int64)
 
 
@@ -773,6 +843,18 @@ def _pair_dots(
     base = np.ascontiguousarray(base, dtype=np.float32)
     q = np.ascontiguousarray(q, dtype=np.float32)
     d = q.shape[1]
+    if q.shape[0] == 1:  # a lone query: one call over all its rows
+        grouped = np.ascontiguousarray(rows, dtype=np.int64)
+        faiss.fvec_inner_products_by_idx(
+            faiss.swig_ptr(out),
+            faiss.swig_ptr(q[0]),
+            faiss.swig_ptr(base),
+            faiss.swig_ptr(grouped),
+            d,
+            1,
+            len(rows),
+        )
+        return out
     if q.shape[0] == 1 or not np.any(pq[1:] < pq[:-1]):  # one query, or pairs already grouped by query
         order, grouped = None, np.ascontiguousarray(rows, dtype=np.int64)
     else:
@@ -801,12 +883,20 @@ def _pair_dots(
 
 def _group_logsumexp(v: np.ndarray, group: np.ndarray, n: int) -> np.ndarray:
     """logsumexp of v within each group 0..n-1 (-inf for an empty group)."""
-    m = np.full(n, -np.inf)
-    np.maximum.at(m, group, v)
+    m = _group_max(v, group, n)
     safe = np.where(np.isfinite(m), m, 0.0)
     acc = np.bincount(group, weights=np.exp(v - safe[group]), minlength=n)
     with np.errstate(divide="ignore"):
         return np.where(np.isfinite(m), safe + np.log(acc), m)
+
+
+def _group_max(v: np.ndarray, group: np.ndarray, n: int) -> np.ndarray:
+    """max of v within each group 0..n-1 (-inf for an empty group); one reduction when n == 1."""
+    if n == 1:
+        return np.array([v.max() if len(v) else -np.inf], dtype=np.float64)
+    m = np.full(n, -np.inf)
+    np.maximum.at(m, group, v)
+    return m
 
 
 def _rows_logsumexp(a: np.ndarray) -> np.ndarray:
@@ -835,15 +925,21 @@ def _without_known(
     mean similarity (n_l <x, mu_l> - sigma) / (n_l - h), so by Jensen its sum is >= (n_l - h) *
     exp(that / tau) (rounding of the difference amplified by at most (n_l + h) / (n_l - h)); and it
     is S_l - H_l <= U_l - H_l."""
-    n_lists = lo_t.shape[1]
+    n_q, n_lists = lo_t.shape
     lists = stats.where[kr].astype(np.int64)
     key = kq * n_lists + lists
-    uniq, inv = np.unique(key, return_inverse=True)
+    # the (query, list) pairs holding known rows, ascending (np.unique's order), through one bincount over
+    # the (Q, L) grid instead of a sort
+    per_key = np.bincount(key, minlength=n_q * n_lists)
+    uniq = np.flatnonzero(per_key)
+    slot = np.empty(n_q * n_lists, dtype=np.int64)
+    slot[uniq] = np.arange(len(uniq))
+    inv = slot[key]
     uq, ul = uniq // n_lists, uniq % n_lists
-    h = np.bincount(inv).astype(np.float64)
+    h = per_key[uniq].astype(np.float64)
     sigma = np.bincount(inv, weights=s_known)
     log_h_l = _group_logsumexp(s_known / taus[kq], inv, len(uniq))
-    n = stats.counts[ul].astype(np.float64)
+    n = _tables(stats).counts_f[ul]
     rest = n - h
     tau = taus[uq]
     hi_old = hi_t[uq, ul]
@@ -852,8 +948,11 @@ def _without_known(
         extra = slack[uq] * ((n + h) / rest - 1)
         lo = np.where(rest > 0, np.log(rest) + mean_rest / tau - extra, -np.inf)
         gap = hi_old + np.log1p(-np.exp(np.minimum(log_h_l - hi_old, 0.0)))  # log(U_l - H_l)
+        # np.nan_to_num(gap, nan=-inf) in two calls: +-inf to +-the largest double, nan to -inf
+        gap = np.clip(gap, -_FMAX, _FMAX)
+        gap[np.isnan(gap)] = -np.inf
     lo_t[uq, ul] = lo
-    hi_t[uq, ul] = np.where(rest > 0, np.maximum(np.nan_to_num(gap, nan=-np.inf), lo), -np.inf)
+    hi_t[uq, ul] = np.where(rest > 0, np.maximum(gap, lo), -np.inf)
 
 
 @dataclass(frozen=True, eq=False)
@@ -880,11 +979,17 @@ def _uniforms(seeds: np.ndarray, counter: np.ndarray) -> np.ndarray:
     """Uniform [0, 1) doubles from (seed, counter) pairs: splitmix64's finaliser of seed + counter * golden,
     so a query's draws depend on its own seed and draw number only (not on the batch it is in)."""
     with np.errstate(over="ignore"):
-        z = seeds + (counter.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        z = counter.astype(np.uint64)
+        z += np.uint64(1)
+        z *= _GOLDEN
+        z += seeds
+        z ^= z >> np.uint64(30)  # in place: the same operations, fewer temporaries
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+        z >>= np.uint64(11)
+    return z.astype(np.float64) * (1.0 / (1 << 53))
 
 
 @dataclass(frozen=True, eq=False)
@@ -972,8 +1077,12 @@ def _draw_tail(
     # pooled draws: a list from pi over the pool (inverse CDF on each query's row, offset by its index)
     n_pool = int(rest.sum())
     if n_pool:
-        pw = np.repeat(np.arange(n_w), rest)
-        nth = np.arange(n_pool) - np.repeat(np.cumsum(rest) - rest, rest)
+        if n_w == 1:  # a lone query: its draws are numbered 0.. in order, its CDF needs no offset
+            pw = np.zeros(n_pool, dtype=np.int64)
+            nth = np.arange(n_pool, dtype=np.int64)
+        else:
+            pw = np.repeat(np.arange(n_w), rest)
+            nth = np.arange(n_pool) - np.repeat(np.cumsum(rest) - rest, rest)
         u = _uniforms(seeds[pw], nth * 2 + (4 * stream + 1) * np.uint64(1 << 40))
         p_pool = np.where(pooled, pi, 0.0)
         cdf = np.cumsum(p_pool, axis=1)
@@ -981,18 +1090,25 @@ def _draw_tail(
             cdf = np.where(has_pool[:, None], cdf / cdf[:, -1:], 1.0)  # rows without a pool draw nothing
         cdf[cdf >= 1.0] = 1.0
         cdf[:, -1] = 1.0
-        flat = (cdf + np.arange(n_w)[:, None]).reshape(-1)
-        hit = np.searchsorted(flat, pw + u, side="right")
-        hit = np.minimum(hit, (pw + 1) * n_lists - 1)
+        if n_w == 1:
+            draw_l.append(np.minimum(np.searchsorted(cdf[0], u, side="right"), n_lists - 1))
+            draw_sid.append(np.full(n_pool, n_lists, dtype=np.int64))
+        else:
+            flat = (cdf + np.arange(n_w)[:, None]).reshape(-1)
+            hit = np.searchsorted(flat, pw + u, side="right")
+            hit = np.minimum(hit, (pw + 1) * n_lists - 1)
+            draw_l.append(hit - pw * n_lists)
+            draw_sid.append(pw * (n_lists + 1) + n_lists)
         draw_w.append(pw)
-        draw_l.append(hit - pw * n_lists)
-        draw_sid.append(pw * (n_lists + 1) + n_lists)
     dw, dl, sid = np.concatenate(draw_w), np.concatenate(draw_l), np.concatenate(draw_sid)
     # a row uniformly within each drawn list
-    per = np.bincount(dw, minlength=n_w)
-    by_query = np.argsort(dw, kind="stable")  # each query's draws in its own order (batch-free)
-    nth = np.empty(len(dw), dtype=np.int64)
-    nth[by_query] = np.arange(len(dw)) - np.repeat(np.cumsum(per) - per, per)
+    if n_w == 1:
+        nth = np.arange(len(dw), dtype=np.int64)
+    else:
+        per = np.bincount(dw, minlength=n_w)
+        by_query = np.argsort(dw, kind="stable")  # each query's draws in its own order (batch-free)
+        nth = np.empty(len(dw), dtype=np.int64)
+        nth[by_query] = np.arange(len(dw)) - np.repeat(np.cumsum(per) - per, per)
     u = _uniforms(seeds[dw], nth * 2 + (4 * stream + 2) * np.uint64(1 << 40))
     n_l = stats.counts[dl].astype(np.int64)
     within = np.minimum((u * n_l).astype(np.int64), n_l - 1)
@@ -1012,8 +1128,7 @@ def _tail_estimate(
     """`_sample_tail`'s (log T^, log se, rows read) from its draws, a drawn known row counting 0 - t."""
     n_w, width1 = d.sw_all.shape
     dw, t = d.dw, d.t
-    top = np.full(n_w, -np.inf)
-    np.maximum.at(top, dw, t)
+    top = _group_max(t, dw, n_w)
     top = np.where(np.isfinite(top), np.maximum(top, 0.0), 0.0)
     keys = d.qi * np.int64(inp.embeddings.shape[0]) + d.rows
     pos = np.searchsorted(known_keys, keys)
@@ -1038,7 +1153,8 @@ def _tail_estimate(
     with np.errstate(divide="ignore"):
         log_t = np.where(est > 0, base + np.log(np.maximum(est, 1e-300)), -np.inf)
         log_se = np.where(est > 0, np.where(se > 0, base + np.log(np.maximum(se, 1e-300)), -np.inf), np.inf)
-    return log_t, log_se, np.bincount(dw, minlength=n_w).astype(np.int64)
+    drawn = np.array([len(dw)], np.int64) if n_w == 1 else np.bincount(dw, minlength=n_w).astype(np.int64)
+    return log_t, log_se, drawn
 
 
 def _logsumexp(a: np.ndarray) -> float:
