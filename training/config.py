@@ -164,8 +164,8 @@ class TrainConfig:
 
     def lineage_dict(self) -> dict:
         """The fields that determine the trained weights (hashed into the lineage)."""
-        # an empty [text] or [anchor_with_classes] table and koleo 0 are left out, so runs without them hash as
-        # they did before they existed
+        # an empty [text] or [anchor_with_classes] table and koleo 0 are left out, so runs without them
+        # hash as they did before they existed
         return {
             k: v
             for k, v in self.to_dict().items()

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from search.duplicates.config import DedupConfig
-from search.duplicates.model import NAMES
 from search.duplicates.copy_encoder import (
     CopyModel,
     em_prior,
@@ -22,6 +21,7 @@ from search.duplicates.copy_encoder import (
     none_softmax,
     shift_prior,
 )
+from search.duplicates.model import NAMES
 from training.augment import AugmentConfig, apply_params, overlay_mask, sample_params
 from training.regularizers import koleo
 
