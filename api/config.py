@@ -132,6 +132,12 @@ class Settings(BaseModel):
         "lists + a sampled tail; the response carries a bound that contains the exact value) "
         "or auto (exact while N * dim <= 1.28e8, i.e. N = 1e6 at dim 128; bounded above)",
     )
+    balance_connections: Literal["on", "off"] = Field(
+        "on",
+        description="with workers > 1: a worker holding more than its share of the open connections "
+        "answers with Connection: close, so the client reconnects and the shared socket places it "
+        "again (on), or connections stay where uvicorn's shared socket put them (off)",
+    )
     normaliser_overlap: Literal["on", "off"] = Field(
         "off",
         description="bounded normaliser, a lone query: its head lists' and first sample's dot products on "

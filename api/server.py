@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 from training.cli_parser import CommandParser
 
@@ -98,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("exact", "bounded", "auto"),
         help="log Z per query: exact (scan every embedding), bounded (IVF lists + sampled tail, with a "
         "bound that contains the exact value) or auto (exact up to N*dim = 1.28e8; default)",
+    )
+    p.add_argument(
+        "--balance-connections",
+        choices=("on", "off"),
+        help="with --workers > 1: a worker holding more than its share of the open connections answers "
+        "with Connection: close, so the client reconnects elsewhere (on, default) or not (off)",
     )
     p.add_argument(
         "--normaliser-overlap",
@@ -187,8 +194,22 @@ def worker_app():
     from api.app import create_app
 
     app = create_app(settings)
+    app = _balanced(app, settings)
     _freeze_startup_objects()
     return app
+
+
+def _balanced(app, settings):
+    """`app` wrapped to even out connections across the workers (api/balance.py), when several serve and
+    the supervisor made the shared count file; else `app`."""
+    from api import balance
+    from api.metrics import MULTIPROC_ENV
+
+    path = Path(os.environ.get(MULTIPROC_ENV, "")) / balance.FILE_NAME
+    if settings.workers < 2 or settings.balance_connections != "on" or not path.is_file():
+        return app
+    balance.SHARE = balance.ConnectionShare(path, settings.workers)
+    return balance.BalanceConnections(app, balance.SHARE)
 
 
 def _set_head_timeout(settings) -> None:
@@ -311,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         metrics_dir, created = _metrics_dir()
         os.environ[MULTIPROC_ENV] = metrics_dir
+        from api.balance import ConnectionShare
+
+        ConnectionShare.create(metrics_dir)
         os.environ.update(_settings_env(settings))
         _library_threads(settings)
         logger.info("starting %d workers (metrics merged through %s)", settings.workers, metrics_dir)

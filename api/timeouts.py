@@ -21,6 +21,8 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from api import balance
+
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools not installed: only the h11 protocol
@@ -46,6 +48,10 @@ class HeadTimerMixin:
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+        balance.connections_changed(len(self.connections), self.client)
+
+    def _connection_opened(self) -> None:
+        balance.connections_changed(len(self.connections))
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
@@ -69,6 +75,7 @@ class HeadTimeoutH11Protocol(HeadTimerMixin, H11Protocol):
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
         self._arm_head_timer()
+        self._connection_opened()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -98,6 +105,7 @@ class HeadTimeoutHttpToolsProtocol(HeadTimerMixin, HttpToolsProtocol):
         self._in_head = False
         self._head_bytes = 0
         self._arm_head_timer()
+        self._connection_opened()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

@@ -327,7 +327,13 @@ def run_one(
     # the tower alone ("trained", "init"): the anchor (grey pixels, colour) is scored after the fact
     # (anchored-w columns here, bench/ablate_colour.py for the colour part;
     # training does not depend on it, tests/training/test_trainer.py)
-    tower_alone = {"encoder.pixel_weight": None, "encoder.colour_weight": None, "encoder.colour_bins": None}
+    tower_alone = {
+        "encoder.pixel_weight": None,
+        "encoder.colour_weight": None,
+        "encoder.colour_bins": None,
+        "encoder.gradient_weight": None,
+        "anchor_with_classes": None,
+    }
     for k, v in {**tower_alone, **changes, **(scale or {})}.items():
         _set(data, k, v)
     run_dir = WORK / "runs" / name

@@ -155,6 +155,7 @@ def softsearch_server(
     workers: int = 1,
     linger_ms: float | str = "auto",
     overlap: str = "off",
+    balance: str = "on",
 ):
     from api.launch import serve_process
 
@@ -174,6 +175,8 @@ def softsearch_server(
         linger_ms,
         "--normaliser-overlap",
         overlap,
+        "--balance-connections",
+        balance,
         torch_threads=1,
         timeout_s=300,
         ready=_all_workers_ready(workers),
@@ -433,6 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         "with each",
     )
     p.add_argument(
+        "--balance",
+        nargs="+",
+        default=["on"],
+        choices=("on", "off"),
+        help="softsearch's serve --balance-connections (default on); both: each softsearch system runs "
+        "with each",
+    )
+    p.add_argument(
         "--ann-kind", default="hnsw", help="index kind of the softsearch-ann systems (default hnsw)"
     )
     p.add_argument(
@@ -496,26 +507,28 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     notes: dict[str, str] = {}
     variants = [
-        (w, b, g, o)
+        (w, b, g, o, bal)
         for w in args.workers
         for b in args.batch_workers
         for g in args.batch_linger_ms
         for o in args.overlap
+        for bal in args.balance
     ]
 
-    def label_of(system: str, w: int, b, g: str, o: str) -> str:
+    def label_of(system: str, w: int, b, g: str, o: str, bal: str) -> str:
         if len(variants) == 1 or not system.startswith("softsearch"):
             return system
         linger = f" linger{g}" if len(args.batch_linger_ms) > 1 or g != "auto" else ""
         over = f" overlap-{o}" if len(args.overlap) > 1 else ""
-        return f"{system} w{w} bw{b}{linger}{over}"
+        bal_ = f" balance-{bal}" if len(args.balance) > 1 else ""
+        return f"{system} w{w} bw{b}{linger}{over}{bal_}"
 
     runs = [
-        (label_of(s, w, b, g, o), s, w, b, g, o)
+        (label_of(s, w, b, g, o, bal), s, w, b, g, o, bal)
         for s in args.systems
-        for w, b, g, o in (variants if s.startswith("softsearch") else [(1, 1, "auto", "off")])
+        for w, b, g, o, bal in (variants if s.startswith("softsearch") else [(1, 1, "auto", "off", "on")])
     ]
-    for label, system, workers, batch_workers, linger_ms, overlap in runs:
+    for label, system, workers, batch_workers, linger_ms, overlap, balance in runs:
         logger.info("%s ...", label)
         if system.startswith("softsearch"):
             binary = system.endswith("binary")
@@ -528,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                 workers,
                 linger_ms,
                 overlap,
+                balance,
             ) as server:
                 described = _get_json(server.url, "/v1/index")
                 path = f"/v1/search/vector?k={args.k}" if binary else "/v1/search/vector"
@@ -662,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.duration:g} s per load; softsearch --mapped-pages {args.mapped_pages} --workers "
             f"{'/'.join(map(str, args.workers))} --batch-workers {'/'.join(map(str, args.batch_workers))} "
             f"--batch-linger-ms {'/'.join(args.batch_linger_ms)} "
-            f"--normaliser-overlap {'/'.join(args.overlap)}; "
+            f"--normaliser-overlap {'/'.join(args.overlap)} --balance-connections {'/'.join(args.balance)}; "
             f"{sched}; load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
             f"(other processes share this machine); " + "; ".join(f"{s}: {n}" for s, n in notes.items())
         ),

@@ -10,15 +10,17 @@ however the fit bends.
 
 Features per pair (the better of both directions, and of the mirror with flips):
   ncc      normalised cross-correlation over the template pixels that land inside the other picture
-  robust   the same with the worst-fitting 15 % of those pixels left out (an overlay, a caption): the
-           better of two choices of them, by the residual after the least-squares gain and after the gain
-           refitted on the pixels closest in grey levels (a caption on a dark picture sets the first gain)
+  robust   the same with the worst-fitting 15 % of the picture left out, in cells and only where an
+           overlay can reach (a caption along the top or bottom, a badge in a corner; a look-alike's other
+           letter or emblem in the middle stays in): the better of two choices of them, by the residual
+           after the least-squares gain and after the gain refitted on the pixels closest in grey levels (a
+           caption on a dark picture sets the first gain)
   coverage share of the template that lands inside the other picture
   stretch  |log area ratio| + |log aspect ratio| of the fitted map (how much it had to bend)
   chroma   share of the template's colour (opponent chroma of the small colour thumbnails, warped by the
            same map) that the other's, at its best gain, does not explain, over all but the worst TRIM of
-           the cells (an overlay's colour): a saturation change keeps it near 0, a recoloured look-alike (the
-           same icon in red and in blue) does not
+           the cells an overlay can reach (an overlay's colour): a saturation change keeps it near 0, a
+           recoloured look-alike (the same icon in red and in blue) does not
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ import torch.nn.functional as F
 from search.duplicates.config import DedupConfig
 from search.duplicates.edits import BADGE_REACH, CAPTION_REACH
 
-FEATURES = ("ncc", "robust", "coverage", "stretch", "excess", "chroma")
-QUANT = 1.0  # grey levels^2: below this a residual or a detail energy is the thumbnail's rounding
+FEATURES = ("ncc", "robust", "coverage", "stretch", "chroma")
 CHROMA_FLOOR = 8.0  # chroma levels (of 255): below this an image counts as grey, its colour unmeasured
 TRIM = 0.15
 # the maps the fit may reach: what edits.py's crop (<= 20 % of the area, aspect +-10 %), resize and
@@ -175,32 +176,20 @@ def _score(t: torch.Tensor, i: torch.Tensor, theta: torch.Tensor, cell: int) -> 
     w2 = kept(((tv - tv.median(1, keepdim=True).values) - (v - v.median(1, keepdim=True).values)).abs())
     _, a2, c2 = ncc(w2)
     gain = (w2 * a2 * c2).sum(1) / ((w2 * c2 * c2).sum(1) + 1e-9)
-    w3 = kept((a2 - gain[:, None] * c2).abs())
-    robust, a3, c3 = ncc(w3)
-    # what the map leaves unexplained on the kept pixels, against the template's own 1-pixel self-shift
-    # difference there (its fine detail at this scale): a copy leaves far less than that, a sibling texture
-    # or a redrawn part leaves about as much, a variant exact outside one region leaves nothing
-    n3 = w3.sum(1).clamp(min=1.0)
-    g3 = (w3 * a3 * c3).sum(1) / ((w3 * c3 * c3).sum(1) + 1e-9)
-    left = (w3 * (a3 - g3[:, None] * c3) ** 2).sum(1) / n3
-    img = tv.reshape(-1, side, side)
-    dx = F.pad((img[:, :, 1:] - img[:, :, :-1]) ** 2, (0, 1)).flatten(1)
-    dy = F.pad((img[:, 1:, :] - img[:, :-1, :]) ** 2, (0, 0, 0, 1)).flatten(1)
-    detail = (w3 * (dx + dy) / 2).sum(1) / n3
-    excess = (left + QUANT) / (detail + QUANT)
+    robust = ncc(kept((a2 - gain[:, None] * c2).abs()))[0]
     det = (theta[:, 0, 0] * theta[:, 1, 1] - theta[:, 0, 1] * theta[:, 1, 0]).abs().clamp(min=1e-3)
     sx = theta[:, :, 0].norm(dim=1).clamp(min=1e-3)
     sy = theta[:, :, 1].norm(dim=1).clamp(min=1e-3)
     stretch = det.log().abs() + (sx / sy).log().abs()
-    return torch.stack([full, robust, m.mean(1), stretch, excess], dim=1)
+    return torch.stack([full, robust, m.mean(1), stretch], dim=1)
 
 
 def overlay_cells(cells: int) -> torch.Tensor:
     """(cells, cells) bool: the cells of a picture's grid an overlay of edits.py can reach -- a caption along
     the top or bottom edge, a badge in a corner (a look-alike's other letter or emblem in the middle of the
     picture is then never dropped as if it were one)."""
-    start = torch.arange(cells, dtype=torch.float32) / cells  # each cell's nearest edge distance
-    near = torch.minimum(start, 1.0 - start - 1.0 / cells)
+    start = torch.arange(cells, dtype=torch.float32) / cells  # where each row (column) of cells begins
+    near = torch.minimum(start, 1.0 - start - 1.0 / cells)  # its nearest point's distance to an edge
     band = near < CAPTION_REACH
     corner = near < BADGE_REACH
     return band[:, None] | (corner[:, None] & corner[None, :])
@@ -275,13 +264,16 @@ def _one_way(t: torch.Tensor, i: torch.Tensor, iters: tuple[int, int], zooms, ce
 
 def _chroma_residual(ca: torch.Tensor, cb: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """ca, cb (B,2,s,s) chroma; cb warped onto ca by theta; ||ca - g cb||^2 / (||ca||^2 + floor), g fitted,
-    over the cells but the worst-fitting TRIM of them (an overlay's colour is not the picture's)."""
+    over the cells but the worst-fitting TRIM of them, taken only where an overlay can reach (an overlay's
+    colour is not the picture's; a look-alike recoloured in its middle is not explained)."""
     w = torch.cat([_warp(cb[:, c : c + 1], theta) for c in range(cb.shape[1])], dim=1)
     a = ca.flatten(1)
     g = ((a * w).sum(1) / ((w * w).sum(1) + 1e-6)).clamp(0.5, 2.0)
     cells = ((a - g[:, None] * w) ** 2).reshape(len(a), ca.shape[1], -1).sum(1)  # (B, s*s)
     keep = max(1, int(round(cells.shape[1] * (1 - TRIM))))
-    res = cells.topk(keep, dim=1, largest=False).values.sum(1)
+    fixed = ~overlay_cells(ca.shape[-1]).to(ca.device).flatten()
+    chosen = torch.where(fixed, torch.full_like(cells, -1.0), cells).topk(keep, dim=1, largest=False).indices
+    res = cells.gather(1, chosen).sum(1)
     return res / ((1 - TRIM) * ((a * a).sum(1) + CHROMA_FLOOR**2 * a.shape[1]))
 
 

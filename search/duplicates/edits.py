@@ -18,10 +18,11 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 EDITS = ("jpeg", "resize", "crop", "rotate", "colour", "overlay")
 MAX_CROP = 0.2  # share of the area a crop may remove
 MAX_DEGREES = 5.0
-# how far from the picture's edge an overlay reaches (share of the side): a caption bar of <= 12 % of the
-# height within 5 % of the top or bottom, a badge of radius <= 15 % of the short side in a corner
-CAPTION_REACH = 0.12 + 0.05
-BADGE_REACH = 2 * 0.15 + 0.02
+# how far from the picture's edge an overlay of _overlay reaches (share of the side): a caption bar <= 12 %
+# of the height within 5 % of the top or bottom (at least 3 pixels high: up to 19 % on a 24 px picture), a
+# badge of radius <= 15 % of the short side 2 pixels from a corner (test_overlay_reach checks both)
+CAPTION_REACH = 0.19
+BADGE_REACH = 0.33
 
 
 def _crop(im: Image.Image, rng: np.random.Generator) -> Image.Image:

@@ -38,7 +38,7 @@ from search.duplicates.config import DedupConfig
 
 NAMES = (*FEATURES, "descriptor")
 # +1: larger is more alike (correlations, coverage, cosine); -1: smaller is (stretch, unexplained colour)
-SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, -1.0, 1.0])
+SIGN = np.array([1.0, 1.0, 1.0, -1.0, -1.0, 1.0])
 MIN_SHARE = 1e-6
 
 
@@ -54,15 +54,7 @@ def design(features: np.ndarray, cosine: np.ndarray) -> np.ndarray:
     f = np.asarray(features, dtype=np.float64)
     z = lambda v: np.arctanh(np.clip(v, -0.999, 0.99999))  # noqa: E731
     return np.column_stack(
-        [
-            z(f[:, 0]),
-            z(f[:, 1]),
-            f[:, 2],
-            f[:, 3],
-            np.log(f[:, 4]),
-            np.log(f[:, 5] + 1e-3),
-            z(np.asarray(cosine, np.float64)),
-        ]
+        [z(f[:, 0]), z(f[:, 1]), f[:, 2], f[:, 3], np.log(f[:, 4] + 1e-3), z(np.asarray(cosine, np.float64))]
     )
 
 

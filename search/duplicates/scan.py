@@ -137,12 +137,13 @@ def candidate_pairs(
 
 
 def synthetic_features(
-    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None, first_out=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(align features, descriptor cosine) of edited copies of the given rows against their originals, or,
     for a `copy_pairs` share of them, against a second, independent edit of the same picture (two copies
     of one lost original are as much a duplicate pair as a copy and its original); a quarter mirrored with
-    flips; `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail)."""
+    flips; `rgb_out`, a list, gets each copy's (original row, copy_source-pixel colour thumbnail), and
+    `first_out` beside it the other side's colour thumbnail when that is a second copy (else None)."""
     left, left_colours, copies, copy_colours = [], [], [], []
     decoded: dict[int, Image.Image] = {}  # a small collection gives each item several copies: decode once
     for r in tqdm(rows, desc="synthetic copies", unit="img", disable=not progress, mininterval=1.0):
@@ -154,6 +155,7 @@ def synthetic_features(
             im = decoded[int(r)]
             data, _ = edited_copy(im, rng, flip=bool(config.flips and rng.random() < 0.25))
             g, c = thumbnail(data, config.thumb)
+            first = None
             if rng.random() < config.copy_pairs:
                 first, _ = edited_copy(im, rng)
                 g0, c0 = thumbnail(first, config.thumb)
@@ -166,6 +168,10 @@ def synthetic_features(
             copy_colours.append(chroma(c))
             if rgb_out is not None:
                 rgb_out.append((int(r), thumbnail(data, 4, colour_side=config.copy_source)[1]))
+            if first_out is not None:
+                first_out.append(
+                    None if first is None else thumbnail(first, 4, colour_side=config.copy_source)[1]
+                )
         except (OSError, ValueError, KeyError) as err:
             logger.warning("no synthetic copy of row %d: %s", r, err)
     if not copies:
@@ -195,10 +201,10 @@ def synthetic_features(
 
 
 def synthetic_positives(
-    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None
+    read, rows, thumbs, colours, desc, config: DedupConfig, rng, progress: bool, rgb_out=None, first_out=None
 ) -> np.ndarray:
     """Design rows of `synthetic_features` (the positives the fit learns from)."""
-    f, cos = synthetic_features(read, rows, thumbs, colours, desc, config, rng, progress, rgb_out)
+    f, cos = synthetic_features(read, rows, thumbs, colours, desc, config, rng, progress, rgb_out, first_out)
     return design(f, cos) if len(f) else np.zeros((0, len(NAMES)))
 
 
@@ -298,7 +304,10 @@ def scan_collection(
         t["pairs"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         copies_rgb = [] if config.verifier == "both" else None
-        xp = synthetic_positives(read, sample, thumbs, colours, desc, config, rng, progress, copies_rgb)
+        firsts = [] if config.verifier == "both" else None
+        xp = synthetic_positives(
+            read, sample, thumbs, colours, desc, config, rng, progress, copies_rgb, firsts
+        )
         t["copies"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         model = fit_model(
@@ -326,7 +335,13 @@ def scan_collection(
             zc = embed_rgb(encoder, np.stack([c for _, c in copies_rgb]), config.copy_side)
             fz = lambda c: np.arctanh(np.clip(c, -0.999, 0.99999))  # noqa: E731
             x = np.column_stack([x, fz(parts["encoder_cos"])])
-            xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", z[used], zc))])
+            # the encoder's cosine between the same two pictures as the pixel features: the original, or
+            # for a copy pair (copy_pairs) the first copy, against the copy
+            zl = z[used].copy()
+            two = [k for k, f in enumerate(firsts) if f is not None]
+            if two:
+                zl[two] = embed_rgb(encoder, np.stack([firsts[k] for k in two]), config.copy_side)
+            xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", zl, zc))])
             model = fit_model(
                 xp,
                 x,

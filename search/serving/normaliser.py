@@ -97,6 +97,9 @@ AUTO_PROBE_FACTOR = 8
 #: Stored rows the probe searches with, as one batch.
 AUTO_PROBE_QUERIES = 8
 _U32 = 2.0**-24  # unit roundoff of float32
+#: The second stage draws this many times the rows the pilot's standard error says reach target_se: the
+#: pilot's own se is an estimate, and one that came out low would leave the second stage short of max_se.
+_STAGE2_MARGIN = 1.5
 
 
 def log_normaliser(
@@ -176,7 +179,7 @@ class NormaliserConfig:
 
     method: Literal["exact", "bounded", "auto"] = "auto"
     head_rows: int = 1024
-    samples: int = 1024
+    samples: int = 512
     level: float = 0.95
     max_se: float = 0.0033
     top_rows: int = 100
@@ -664,9 +667,8 @@ def bounded_finish(start: BoundedStart, top_rows: np.ndarray | None = None) -> L
             # and interval come from the fresh draws alone (another stream of the query's seed), so they stay
             # valid
             with np.errstate(over="ignore", invalid="ignore"):
-                grow = np.where(
-                    np.isfinite(se_log[again]), (se_log[again] / config.target_se) ** 2 * 1.2, np.inf
-                )
+                ratio = se_log[again] / config.target_se
+                grow = np.where(np.isfinite(se_log[again]), ratio**2 * _STAGE2_MARGIN, np.inf)
             more = np.minimum(config.max_samples, np.ceil(config.samples * np.minimum(grow, 1e9))).astype(
                 np.int64
             )
