@@ -246,3 +246,23 @@ def test_index_add_reports_new_duplicates_after_a_scan(scanned, tmp_path, capsys
     for n, original in enumerate(originals):
         lines = [ln for ln in out.splitlines() if ln.startswith("duplicate:") and f"again{n}.png" in ln]
         assert any(original.relative_to(scanned["folder"]).as_posix() in ln for ln in lines)
+
+
+def test_dedup_with_the_copy_encoder_is_served_with_its_readout(scanned, tmp_path):
+    """`softsearch dedup --verifier encoder` (a copy of the module's index, so the other tests' scan stays):
+    the JSON names the verifier and carries the copy model instead of the pixel one, GET /v1/duplicates
+    answers with the held-apart copies' recall from it, and the page says what decided the pairs."""
+    root = tmp_path / "index"
+    shutil.copytree(scanned["root"], root)
+    store = IndexStore(root)
+    assert main(["dedup", "--index", str(root), "--verifier", "encoder", "--no-progress"]) == 0
+    data = json.loads(store.duplicates_path(store.current_version()).read_text())
+    assert data["config"]["verifier"] == "encoder" and data["model"] is None
+    copy = data["copy_model"]
+    assert copy["scale"] > 0 and 0 < copy["prior"] < 1 and 0 <= copy["copy_recall"] <= 1
+    assert all(0.0 <= q["p_ab"] <= 1.0 for g in data["groups"] for q in g["pairs"])
+    with TestClient(create_app(Settings(index_root=root))) as http:
+        body = http.get("/v1/duplicates").json()
+        assert body["copy_recall"] == pytest.approx(copy["copy_recall"])
+        page = http.get("/duplicates")
+        assert page.status_code == 200 and "copy detector trained on this collection" in page.text
