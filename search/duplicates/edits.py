@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFont
 EDITS = ("jpeg", "resize", "crop", "rotate", "colour", "overlay")
 MAX_CROP = 0.2  # share of the area a crop may remove
 MAX_DEGREES = 5.0
-# how far from the picture's edge an overlay of _overlay reaches (share of the side): a caption bar <= 12 %
+# how far from the picture's edge an overlay of add_overlay reaches (share of the side): a caption bar <= 12 %
 # of the height within 5 % of the top or bottom (at least 3 pixels high: up to 19 % on a 24 px picture), a
 # badge of radius <= 15 % of the short side 2 pixels from a corner (test_overlay_reach checks both)
 CAPTION_REACH = 0.19
@@ -49,7 +49,7 @@ def _rotate(im: Image.Image, rng: np.random.Generator) -> Image.Image:
     return out.crop((x0, y0, x0 + cw, y0 + ch))
 
 
-def _overlay(im: Image.Image, rng: np.random.Generator) -> Image.Image:
+def add_overlay(im: Image.Image, rng: np.random.Generator) -> Image.Image:
     """A caption or a logo-like badge over up to ~8 % of the picture, somewhere near an edge."""
     im = im.copy()
     d = ImageDraw.Draw(im)
@@ -107,7 +107,7 @@ def edited_copy(
         for enhance in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
             im = enhance(im).enhance(float(rng.uniform(0.8, 1.2)))
     if "overlay" in names:
-        im = _overlay(im, rng)
+        im = add_overlay(im, rng)
     if flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         names.append("flip")

@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 from search.duplicates.align import overlay_cells, pair_features
 from search.duplicates.config import DedupConfig
 from search.duplicates.descriptors import chroma, search_descriptor, thumbnail
-from search.duplicates.edits import _overlay
+from search.duplicates.edits import add_overlay
 from search.duplicates.scan import synthetic_features
 
 
@@ -25,7 +25,7 @@ def test_overlay_reach_every_changed_pixel_lies_in_the_droppable_cells():
     grids = {n: overlay_cells(n).numpy() for n in (8, 16)}
     for _ in range(1000):
         w, h = (int(v) for v in rng.integers(24, 400, 2))
-        out = np.asarray(_overlay(Image.new("RGB", (w, h), (128, 128, 128)), rng), np.int16)
+        out = np.asarray(add_overlay(Image.new("RGB", (w, h), (128, 128, 128)), rng), np.int16)
         ys, xs = np.nonzero(np.abs(out - 128).sum(axis=2) > 0)
         assert ys.size
         for n, grid in grids.items():
