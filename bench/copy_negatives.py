@@ -15,28 +15,18 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import row, write_results
-from dedup import SUFFIXES, plant
+from dedup import plant, readable_sample
 
 from search.duplicates.config import DedupConfig
 from search.duplicates.copy_encoder import build_tower, copy_augment, embed_rgb, to_tensor
 from search.duplicates.descriptors import thumbnails_digest_rgb
 from training.augment import random_augment
-from training.images import load_rgb
 from training.regularizers import koleo
 
 torch.set_num_threads(1)
 folder, steps, max_items = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.default_rng(0)
-files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
-readable = []
-for p in files:
-    try:
-        load_rgb(p, min_side=64)
-        readable.append(p)
-    except (OSError, ValueError):
-        pass
-if len(readable) > max_items:
-    readable = [readable[i] for i in sorted(rng.choice(len(readable), max_items, replace=False))]
+readable = readable_sample(folder, max_items, rng)
 sources, edits, planted = plant(readable, 0.2, rng)
 n = len(sources)
 rgb = np.stack([thumbnails_digest_rgb(s, 64, rgb_side=32)[3] for s in sources])

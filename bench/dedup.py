@@ -37,6 +37,32 @@ SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif")
 USUAL = {"dHash": 8, "pHash": 8, "PDQ": 31}  # the cut-offs users are told to use (Hamming bits)
 
 
+def readable_sample(folder, max_items: int, rng) -> list[Path]:
+    """The folder's image files that decode (sorted); a seeded random `max_items` of them if more."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
+    readable = []
+    for p in files:
+        try:
+            load_rgb(p, min_side=64)
+            readable.append(p)
+        except (OSError, ValueError):
+            pass
+    if len(readable) > max_items:
+        readable = [readable[i] for i in sorted(rng.choice(len(readable), max_items, replace=False))]
+    return readable
+
+
+def edit_recall_rows(label: str, planted, edits, found: set) -> list:
+    """One row per edit: the share of planted copies made with it whose pair was found."""
+    per = defaultdict(list)
+    for a, c in planted:
+        for e in edits[c]:
+            per[e].append(frozenset((a, c)) in found)
+    return [
+        row(f"{label}, copies with {e}", float(np.mean(v)), "ratio", None) for e, v in sorted(per.items())
+    ]
+
+
 def plant(files: list[Path], share: float, rng) -> tuple[list, dict, set]:
     """(sources: paths then copy bytes, {copy row: edit names}, planted pairs (row, row))."""
     sources: list = list(files)
@@ -158,14 +184,7 @@ def verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical) -> 
             row(f"{name}: F1", f, "ratio", None),
             row(f"{name}: ECE (scored pairs)", expected_calibration_error(p, label), "ratio", None),
         ]
-        per = defaultdict(list)
-        for a, c in planted:
-            for e in edits[c]:
-                per[e].append(frozenset((a, c)) in found)
-        out += [
-            row(f"{name}: recall, copies with {e}", float(np.mean(v)), "ratio", None)
-            for e, v in sorted(per.items())
-        ]
+        out += edit_recall_rows(f"{name}: recall", planted, edits, found)
     c = scan.copy
     out += [
         row("copy encoder: held-apart copies whose original is nearest", c.copy_top1, "ratio", None),
@@ -202,16 +221,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
-    files = sorted(p for p in Path(args.folder).rglob("*") if p.suffix.lower() in SUFFIXES and p.is_file())
-    readable = []
-    for p in files:
-        try:
-            load_rgb(p, min_side=64)
-            readable.append(p)
-        except (OSError, ValueError):
-            pass
-    if len(readable) > args.max_items:
-        readable = [readable[i] for i in sorted(rng.choice(len(readable), args.max_items, replace=False))]
+    readable = readable_sample(args.folder, args.max_items, rng)
     sources, edits, planted = plant(readable, args.planted, rng)
     keys, pil = [], []  # pixel digests (truth) and <= 512 px copies (the hashes resize smaller anyway)
     for s in sources:
@@ -301,14 +311,7 @@ def main(argv=None) -> int:
         ),
     ]
     rows += verifier_rows(scan, n, truth, planted, edits, threshold, keep_identical=scan.identical)
-    per_edit = defaultdict(list)
-    for a, c in planted:
-        for e in edits[c]:
-            per_edit[e].append(frozenset((a, c)) in found)
-    rows += [
-        row(f"softsearch recall, copies with {e}", float(np.mean(v)), "ratio", None)
-        for e, v in sorted(per_edit.items())
-    ]
+    rows += edit_recall_rows("softsearch recall", planted, edits, found)
     for kind in ("dHash", "pHash", "PDQ"):
         t1 = time.perf_counter()
         bits = hash_bits(pil, kind)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -310,15 +311,15 @@ def scan_collection(
         )
         t["copies"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        model = fit_model(
-            xp,
-            x,
+        fit = partial(
+            fit_model,
             l2=config.l2,
             max_share=config.max_share,
             share_delta=config.share_delta,
             segments=config.segments,
             threshold=config.threshold,
         )
+        model = fit(xp, x)
         if config.verifier == "both":
             # one model on both: the encoder's cosine (Fisher z) a seventh monotone feature of the same
             # positive-unlabelled fit, its synthetic copies embedded beside their originals; the
@@ -342,15 +343,7 @@ def scan_collection(
             if two:
                 zl[two] = embed_rgb(encoder, np.stack([firsts[k] for k in two]), config.copy_side)
             xp = np.column_stack([xp, fz(np.einsum("ij,ij->i", zl, zc))])
-            model = fit_model(
-                xp,
-                x,
-                l2=config.l2,
-                max_share=config.max_share,
-                share_delta=config.share_delta,
-                segments=config.segments,
-                threshold=config.threshold,
-            )
+            model = fit(xp, x)
         p = model.probability(x)
         t["fit"] = time.perf_counter() - t0
     a, b, p = np.r_[a, rep[same]], np.r_[b, same], np.r_[p, np.ones(same.size)]
